@@ -1,0 +1,1 @@
+"""starling.cli."""
