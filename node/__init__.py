@@ -1,1 +1,22 @@
-"""starling.node."""
+"""starling.node: everything a peer process runs.
+
+The public surface is `Node` (start, join, send, request, leave) plus the identity and
+address helpers; the rest are the parts it is built from.
+"""
+from __future__ import annotations
+
+from starling.node.address import PeerAddress, parse_address
+from starling.node.identity import Identity, KeyFileError
+from starling.node.membership import Liveness, PeerStatus
+from starling.node.node import JoinError, Node, NodeConfig, PeerView, SwarmConfigError, UnknownPeerError
+from starling.node.rpc import RemoteError, Reply, RequestTimeout, RpcError
+from starling.node.transfer import TransferConfig, TransferError
+from starling.node.transport import TransportConfig
+from starling.node.wire import Limits, Message, RejectReason, WireError
+
+__all__ = [
+    "Identity", "JoinError", "KeyFileError", "Limits", "Liveness", "Message", "Node", "NodeConfig",
+    "PeerAddress", "PeerStatus", "PeerView", "RejectReason", "RemoteError", "Reply", "RequestTimeout",
+    "RpcError", "SwarmConfigError", "TransferConfig", "TransferError", "TransportConfig",
+    "UnknownPeerError", "WireError", "parse_address",
+]

@@ -1,0 +1,57 @@
+"""A one-shot client for talking to a node from outside the swarm (`starling node status`).
+
+It connects a DEALER with a throwaway identity and calls a public request topic.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import zmq
+from zmq.utils import z85
+
+from starling.node import rpc
+from starling.node.address import parse_address
+from starling.node.identity import Identity
+from starling.node.loop import NetworkThread
+from starling.node.wire import WireError, decode, encode
+
+
+class ClientError(Exception):
+    """The node could not be reached or answered with an error."""
+
+
+async def _aquery(address: str, topic: str, body: Any, identity: Identity, timeout_s: float) -> Any:
+    target = parse_address(address)
+    net = NetworkThread.get()
+    sock = net.context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+    try:
+        if target.curve_key is not None:
+            sock.curve_serverkey = z85.encode(target.curve_key)
+            sock.curve_publickey = identity.curve_public_z85
+            sock.curve_secretkey = identity.curve_secret_z85
+        sock.connect(target.endpoint)
+        await sock.send_multipart(encode(rpc.REQUEST_TOPIC, identity.peer_id, 0, rpc.request_body(topic, 1, body)))
+        try:
+            frames = await asyncio.wait_for(sock.recv_multipart(copy=False), timeout_s)
+        except asyncio.TimeoutError:
+            raise ClientError(f"no answer from {target.endpoint} within {timeout_s} s "
+                              "(not running, wrong key, or not allowed)") from None
+        try:
+            msg = decode(frames)
+            rid, ok, result = rpc.parse_reply(msg)
+        except WireError as exc:
+            raise ClientError(f"malformed answer from {target.endpoint}: {exc}") from None
+        if not ok:
+            raise ClientError(f"{target.endpoint} refused: {result}")
+        return result
+    finally:
+        sock.close(0)
+
+
+def query(address: str, topic: str = "$status", body: Any = None, *, identity: Identity | None = None,
+          timeout_s: float = 5.0) -> Any:
+    """Call a public request topic on the node at `address` (a join address)."""
+    return NetworkThread.get().run(_aquery(address, topic, body, identity or Identity.generate(), timeout_s))

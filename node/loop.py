@@ -1,0 +1,76 @@
+"""The network thread: one asyncio loop per process that serves every node in it.
+
+Training code runs in its own threads and talks to the loop through thread-safe
+futures, so a protocol can start a send, keep computing, and wait later.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+from typing import Any, ClassVar, Coroutine, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from starling.node.security import ZapRegistry
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Enough for 64+ fully meshed nodes in one process (one ROUTER plus one DEALER per peer).
+MAX_SOCKETS_PER_PROCESS = 65536
+
+
+class NetworkThread:
+    """A daemon thread running an asyncio loop and owning the process's ZeroMQ context.
+
+    There is one per process (inproc endpoints only connect within one context);
+    after a fork the child gets a fresh one.
+    """
+
+    _instance: ClassVar[NetworkThread | None] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.context = zmq.asyncio.Context()
+        self.context.set(zmq.MAX_SOCKETS, MAX_SOCKETS_PER_PROCESS)
+        self.loop = asyncio.new_event_loop()
+        self.zap = ZapRegistry(self.context)  # one ZAP handler per context
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="starling-network", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    @classmethod
+    def get(cls) -> NetworkThread:
+        with cls._instance_lock:
+            if cls._instance is None or cls._instance.pid != os.getpid():
+                cls._instance = NetworkThread()
+            return cls._instance
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._ready.set)
+        self.loop.run_forever()
+
+    def in_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule `coro` on the loop from any thread; returns a thread-safe future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run `coro` on the loop and block the calling (non-loop) thread for its result."""
+        if self.in_loop():
+            coro.close()
+            raise RuntimeError("NetworkThread.run() called from the network thread; await instead")
+        return self.submit(coro).result(timeout_s)

@@ -1,0 +1,114 @@
+"""Who may talk to a node: CurveZMQ keys, ZAP policies and the plaintext guard.
+
+Every node listening with CURVE gets its own ZAP domain; one ZAP handler per process
+(pyzmq's `zmq.auth`) dispatches each handshake to the policy of the node it targets.
+The authenticated client key then rides on every inbound frame as ZeroMQ's
+"User-Id" property, so a node can check that a message's claimed sender owns the
+connection it came from.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils import z85
+
+from starling.node.address import AddressError, decode_key, is_loopback
+
+log = logging.getLogger(__name__)
+
+
+class SecurityError(Exception):
+    """A configuration that would expose a node, or a bad allowlist file."""
+
+
+class SecurityMode(str, enum.Enum):
+    CURVE = "curve"  # encrypted and authenticated (default off inproc)
+    PLAINTEXT = "plaintext"  # for simulations on one box; refused on public addresses
+
+
+@dataclass
+class ZapPolicy:
+    """Accept any client key (open swarm) or only the keys in `allowed` (raw 32 bytes)."""
+
+    allowed: frozenset[bytes] | None = None
+    denied_count: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def callback(self, domain: str, client_key_z85: bytes) -> bool:
+        if self.allowed is None:
+            return True
+        try:
+            ok = z85.decode(client_key_z85) in self.allowed
+        except Exception:  # malformed key from the handshake
+            ok = False
+        if not ok:
+            with self._lock:
+                self.denied_count += 1
+            log.warning("ZAP denied a client key not in the allowlist (domain %s)", domain)
+        return ok
+
+
+def load_authorized_keys(path: str | Path) -> frozenset[bytes]:
+    """Read an allowlist: one key per line (the part after '#' in a join address, or a
+    whole join address), blank lines and lines starting with '//' or ';' ignored."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise SecurityError(f"cannot read authorized keys file {p}: {exc.strerror}") from None
+    keys: set[bytes] = set()
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("//", ";")):
+            continue
+        token = line.split()[0]
+        if "://" in token:
+            if "#" not in token:
+                raise SecurityError(f"{p}:{lineno}: address has no key part after '#'")
+            token = token.rsplit("#", 1)[1]
+        try:
+            keys.add(decode_key(token))
+        except AddressError as exc:
+            raise SecurityError(f"{p}:{lineno}: {exc}") from None
+    return frozenset(keys)
+
+
+def check_plaintext_allowed(endpoints: list[str], *, insecure: bool) -> None:
+    """Plaintext is for one box: refuse it on any non-loopback endpoint unless insecure."""
+    if insecure:
+        return
+    public = [e for e in endpoints if not is_loopback(e)]
+    if public:
+        raise SecurityError(
+            f"refusing plaintext on non-loopback address {public[0]}: use CURVE "
+            "(the default) or pass --insecure"
+        )
+
+
+class ZapRegistry:
+    """One ZAP handler per ZeroMQ context, dispatching on each node's domain."""
+
+    def __init__(self, context: zmq.asyncio.Context) -> None:
+        self._context = context
+        self._authenticator: AsyncioAuthenticator | None = None
+        self._policies: dict[str, ZapPolicy] = {}
+
+    def register(self, domain: str, policy: ZapPolicy) -> None:
+        """Must be called from the network thread (the authenticator lives on its loop)."""
+        if self._authenticator is None:
+            self._authenticator = AsyncioAuthenticator(self._context, log=logging.getLogger(__name__ + ".zap"))
+            self._authenticator.start()
+        self._policies[domain] = policy
+        self._authenticator.configure_curve_callback(domain, policy)
+
+    def unregister(self, domain: str) -> None:
+        self._policies.pop(domain, None)
+        if self._authenticator is not None:
+            self._authenticator.credentials_providers.pop(domain, None)

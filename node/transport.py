@@ -1,0 +1,229 @@
+"""ZeroMQ sockets of one node, in the Zyre pattern.
+
+One ROUTER is bound for everything inbound; one DEALER per known peer carries what we
+send to it. Replies to requests go back over the connection the request came on
+(ROUTER -> the requester's DEALER), so a peer behind NAT can still ask questions.
+All methods run on the network thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket as pysocket
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence
+
+import zmq
+import zmq.asyncio
+
+from starling.node.security import SecurityMode, ZapPolicy
+
+log = logging.getLogger(__name__)
+
+
+class SendError(Exception):
+    """A message could not be handed to ZeroMQ (peer unreachable, queue full, timeout)."""
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    max_message_bytes: int = 1 << 30  # ZMQ_MAXMSGSIZE: bigger frames are dropped unread
+    send_hwm: int = 1000  # messages queued per peer before sends wait
+    recv_hwm: int = 1000
+    linger_ms: int = 200  # how long close() may flush pending messages
+    send_timeout_s: float = 10.0  # a send that cannot be queued by then fails
+    reconnect_ivl_ms: int = 100
+    reconnect_ivl_max_ms: int = 2000
+
+
+@dataclass
+class Inbound:
+    """Raw frames as they arrived, plus where they came from."""
+
+    frames: list[zmq.Frame]
+    route: bytes | None  # ROUTER routing id to reply on; None for frames read on a DEALER
+    via_peer: str | None  # the DEALER's peer id (or bootstrap key) when read on a DEALER
+    user_id: str | None  # the CURVE client key (z85) authenticated by ZAP, if any
+
+
+Receiver = Callable[[Inbound], Awaitable[None]]
+
+
+def _curve_user_id(frame: zmq.Frame) -> str | None:
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+
+
+def _outbound_host() -> str:
+    """The address other machines most likely reach us on (no packet is sent)."""
+    s = pysocket.socket(pysocket.AF_INET, pysocket.SOCK_DGRAM)
+    try:
+        s.connect(("10.254.254.254", 1))
+        return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()
+
+
+class Transport:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        *,
+        mode: SecurityMode,
+        curve_public_z85: bytes,
+        curve_secret_z85: bytes,
+        zap_domain: str,
+        config: TransportConfig,
+        receiver: Receiver,
+    ) -> None:
+        self.context = context
+        self.mode = mode
+        self.config = config
+        self._public = curve_public_z85
+        self._secret = curve_secret_z85
+        self._zap_domain = zap_domain
+        self._receiver = receiver
+        self._router: zmq.asyncio.Socket | None = None
+        self._dealers: dict[str, zmq.asyncio.Socket] = {}
+        self._tasks: dict[str | None, asyncio.Task[None]] = {}
+        self.bound: list[str] = []
+        self._closed = False
+
+    def _common(self, sock: zmq.asyncio.Socket) -> None:
+        c = self.config
+        sock.setsockopt(zmq.LINGER, c.linger_ms)
+        sock.setsockopt(zmq.SNDHWM, c.send_hwm)
+        sock.setsockopt(zmq.RCVHWM, c.recv_hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, c.max_message_bytes)
+        sock.setsockopt(zmq.RECONNECT_IVL, c.reconnect_ivl_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, c.reconnect_ivl_max_ms)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+
+    async def bind(self, endpoints: Sequence[str], policy: ZapPolicy | None) -> list[str]:
+        """Bind the ROUTER; returns the concrete endpoints (ephemeral ports resolved)."""
+        router = self.context.socket(zmq.ROUTER)
+        self._common(router)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if self.mode is SecurityMode.CURVE:
+            router.curve_server = True
+            router.curve_publickey = self._public
+            router.curve_secretkey = self._secret
+            router.zap_domain = self._zap_domain.encode()
+        try:
+            for ep in endpoints:
+                if ep.startswith("tcp://") and ep.rsplit(":", 1)[1] in ("0", "*"):
+                    ep = ep.rsplit(":", 1)[0] + ":*"
+                router.bind(ep)
+                self.bound.append(router.get(zmq.LAST_ENDPOINT).decode())
+        except zmq.ZMQError as exc:
+            router.close(0)
+            raise OSError(f"cannot listen on {ep}: {exc}") from None
+        self._router = router
+        self._tasks[None] = asyncio.ensure_future(self._read(router, None))
+        return list(self.bound)
+
+    def advertised(self) -> list[str]:
+        """Bound endpoints with wildcard hosts replaced by a reachable address."""
+        out = []
+        for ep in self.bound:
+            if ep.startswith("tcp://0.0.0.0:") or ep.startswith("tcp://[::]:"):
+                ep = f"tcp://{_outbound_host()}:{ep.rsplit(':', 1)[1]}"
+            out.append(ep)
+        return out
+
+    def connect(self, key: str, endpoints: Sequence[str], server_key_z85: bytes | None) -> None:
+        """Open (or keep) the DEALER for `key` (a peer id or a bootstrap handle)."""
+        if key in self._dealers:
+            return
+        dealer = self.context.socket(zmq.DEALER)
+        self._common(dealer)
+        # Queue nothing for a peer we are not connected to: sends wait (bounded) instead
+        # of piling up for a peer that may never come back.
+        dealer.setsockopt(zmq.IMMEDIATE, 1)
+        if self.mode is SecurityMode.CURVE:
+            if server_key_z85 is None:
+                dealer.close(0)
+                raise ValueError(f"peer {key} has no CURVE key but this node uses CURVE")
+            dealer.curve_serverkey = server_key_z85
+            dealer.curve_publickey = self._public
+            dealer.curve_secretkey = self._secret
+        for ep in endpoints:
+            dealer.connect(ep)
+        self._dealers[key] = dealer
+        self._tasks[key] = asyncio.ensure_future(self._read(dealer, key))
+
+    def has(self, key: str) -> bool:
+        return key in self._dealers
+
+    def disconnect(self, key: str, linger_ms: int = 0) -> None:
+        dealer = self._dealers.pop(key, None)
+        task = self._tasks.pop(key, None)
+        if task is not None:
+            task.cancel()
+        if dealer is not None:
+            dealer.close(linger_ms)
+
+    async def send(self, key: str, frames: Sequence[object], *, wait: bool = True) -> None:
+        dealer = self._dealers.get(key)
+        if dealer is None:
+            raise SendError(f"no connection to peer {key}")
+        await self._send(dealer, frames, wait, key)
+
+    async def reply(self, route: bytes, frames: Sequence[object]) -> None:
+        if self._router is None:
+            raise SendError("node is not listening")
+        await self._send(self._router, [route, *frames], True, "reply")
+
+    async def _send(self, sock: zmq.asyncio.Socket, frames: Sequence[object], wait: bool, what: str) -> None:
+        try:
+            if not wait:
+                await sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            await asyncio.wait_for(sock.send_multipart(frames, copy=False), self.config.send_timeout_s)
+        except zmq.Again:
+            raise SendError(f"peer {what} is not connected or its queue is full") from None
+        except asyncio.TimeoutError:
+            raise SendError(f"send to {what} timed out after {self.config.send_timeout_s} s") from None
+        except zmq.ZMQError as exc:
+            raise SendError(f"send to {what} failed: {exc}") from None
+
+    async def _read(self, sock: zmq.asyncio.Socket, key: str | None) -> None:
+        is_router = key is None
+        while True:
+            try:
+                frames = await sock.recv_multipart(copy=False)
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK) or sock.closed:
+                    return
+                log.debug("recv error on %s: %s", key or "router", exc)
+                continue
+            if is_router:
+                if len(frames) < 2:
+                    continue
+                inbound = Inbound(frames[1:], bytes(frames[0].bytes), None, _curve_user_id(frames[1]))
+            else:
+                inbound = Inbound(frames, None, key, None)
+            try:
+                await self._receiver(inbound)
+            except Exception:  # a receiver bug must not kill the socket's reader
+                log.exception("receiver failed")
+
+    async def close(self, linger_ms: int | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        linger = self.config.linger_ms if linger_ms is None else linger_ms
+        for task in self._tasks.values():
+            task.cancel()
+        for dealer in self._dealers.values():
+            dealer.close(linger)
+        if self._router is not None:
+            self._router.close(0)
+        self._dealers.clear()
+        self._tasks.clear()

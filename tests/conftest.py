@@ -1,0 +1,51 @@
+"""Shared helpers for the socket-level tests."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Callable, Iterator
+
+import pytest
+
+from starling.node.membership import Liveness
+from starling.node.node import Node, NodeConfig
+
+# Fast enough for tests, slow enough not to flap on a loaded 2-core CI box.
+TEST_LIVENESS = Liveness(heartbeat_interval_s=0.2, suspect_timeout_s=1.5, dead_timeout_s=3.0)
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval_s)
+    return cond()
+
+
+def endpoint(transport: str, tmp_path) -> str:
+    if transport == "tcp":
+        return "tcp://127.0.0.1:0"
+    if transport == "ipc":
+        return f"ipc://{tmp_path}/{uuid.uuid4().hex[:8]}.sock"
+    return f"inproc://{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def make_node(tmp_path) -> Iterator[Callable[..., Node]]:
+    """make_node(transport="tcp", join=[...], **start_kwargs) -> a started Node, closed after the test."""
+    nodes: list[Node] = []
+
+    def make(transport: str = "tcp", join: list[str] | None = None, config: NodeConfig | None = None,
+             **kwargs) -> Node:
+        node = Node(config=config or NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0))
+        nodes.append(node)
+        return node.start(kwargs.pop("listen", None) or endpoint(transport, tmp_path), join or [], **kwargs)
+
+    yield make
+    for n in nodes:
+        n.close()
+
+
+def statuses(node: Node) -> dict[str, str]:
+    return {p.id: p.status.value for p in node.peers}

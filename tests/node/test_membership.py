@@ -1,0 +1,101 @@
+"""Peer table and signed records: pure logic on an injected clock, no sockets."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from starling.node.identity import Identity
+from starling.node.membership import Liveness, PeerRecord, PeerStatus, PeerTable, finite_meta
+from starling.node.wire import RejectReason, WireError
+
+
+@pytest.fixture
+def ids() -> list[Identity]:
+    return [Identity.generate() for _ in range(3)]
+
+
+def test_record_round_trip_and_signature(ids):
+    rec = PeerRecord.create(ids[0], ["tcp://127.0.0.1:5000"], incarnation=7)
+    assert rec.is_valid()
+    back = PeerRecord.from_wire(rec.to_wire())
+    assert back == rec
+
+
+def test_relayed_record_with_altered_address_is_rejected(ids):
+    rec = PeerRecord.create(ids[0], ["tcp://127.0.0.1:5000"], incarnation=7)
+    forged = replace(rec, addresses=("tcp://10.6.6.6:5000",))
+    with pytest.raises(WireError) as err:
+        PeerRecord.from_wire(forged.to_wire())
+    assert err.value.reason is RejectReason.BAD_SIGNATURE
+
+
+def test_record_signed_by_another_key_is_rejected(ids):
+    rec = PeerRecord.create(ids[0], ["tcp://127.0.0.1:5000"], incarnation=1)
+    # an attacker re-signs the victim's id with its own key
+    forged = replace(rec, signature=ids[1].sign(rec.signed_bytes()))
+    with pytest.raises(WireError):
+        PeerRecord.from_wire(forged.to_wire())
+
+
+@pytest.mark.parametrize("raw", [None, [], [1, 2, 3, 4, 5, 6], ["x", b"a", b"b", [], 1, b"c"], "record"])
+def test_malformed_records_raise_typed_errors(raw):
+    with pytest.raises(WireError) as err:
+        PeerRecord.from_wire(raw)
+    assert err.value.reason is RejectReason.BAD_FIELD
+
+
+def test_failure_detector_timeline(ids):
+    table = PeerTable(ids[0].peer_id, Liveness(1.0, 3.0, 10.0))
+    rec = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 1)
+    assert table.upsert(rec, now=0.0).new is PeerStatus.ALIVE
+    assert table.sweep(2.9) == []
+    [change] = table.sweep(3.0)
+    assert (change.old, change.new) == (PeerStatus.ALIVE, PeerStatus.SUSPECT)
+    [change] = table.sweep(10.0)
+    assert change.new is PeerStatus.DEAD
+    # a message from a dead peer revives it
+    assert table.seen(rec.peer_id, 11.0).new is PeerStatus.ALIVE
+    assert table.get(rec.peer_id).status is PeerStatus.ALIVE
+
+
+def test_leave_is_final_until_a_new_incarnation(ids):
+    table = PeerTable(ids[0].peer_id, Liveness())
+    rec = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 5)
+    table.upsert(rec, 0.0)
+    assert table.left(rec.peer_id, 5).new is PeerStatus.LEFT
+    assert table.seen(rec.peer_id, 1.0) is None  # stale traffic cannot resurrect it
+    assert table.upsert(rec, 1.0) is None  # nor can a relay of the old record
+    assert table.live() == []
+    newer = PeerRecord.create(ids[1], ["tcp://127.0.0.1:2"], 6)
+    assert table.upsert(newer, 2.0).new is PeerStatus.ALIVE
+
+
+def test_older_incarnation_does_not_replace_newer(ids):
+    table = PeerTable(ids[0].peer_id, Liveness())
+    new = PeerRecord.create(ids[1], ["tcp://127.0.0.1:2"], 9)
+    old = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 3)
+    table.upsert(new, 0.0)
+    table.upsert(old, 1.0)
+    assert table.get(new.peer_id).record == new
+
+
+def test_own_record_is_ignored_and_forget_bounds_the_table(ids):
+    table = PeerTable(ids[0].peer_id, Liveness(1.0, 2.0, 3.0))
+    assert table.upsert(PeerRecord.create(ids[0], ["inproc://x"], 1), 0.0) is None
+    table.upsert(PeerRecord.create(ids[1], ["inproc://y"], 1), 0.0)
+    table.sweep(5.0)
+    assert table.forget(older_than_s=10.0, now=6.0) == []
+    assert table.forget(older_than_s=10.0, now=20.0) == [ids[1].peer_id]
+    assert table.all() == []
+
+
+def test_liveness_validation():
+    with pytest.raises(ValueError):
+        Liveness(heartbeat_interval_s=5.0, suspect_timeout_s=3.0, dead_timeout_s=10.0)
+
+
+@pytest.mark.parametrize("meta", [[], {"x": float("nan")}, {1: 2}, {"x": [1]}, {f"k{i}": i for i in range(40)}])
+def test_bad_heartbeat_meta_is_refused(meta):
+    with pytest.raises(WireError):
+        finite_meta(meta)

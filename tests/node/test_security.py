@@ -1,0 +1,139 @@
+"""CurveZMQ allowlists, spoofing, forged records, plaintext guards, malformed traffic."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+import zmq
+from zmq.utils import z85
+
+from conftest import statuses, wait_until
+from starling.node.address import encode_key
+from starling.node.identity import Identity
+from starling.node.membership import PeerRecord
+from starling.node.node import JoinError, Node, NodeConfig
+from starling.node.security import SecurityError
+from starling.node.wire import Limits, encode
+from starling.node.transport import TransportConfig
+
+
+def _raw_dealer(address: str, identity: Identity | None = None) -> zmq.Socket:
+    """A hand-driven client socket, outside any Node."""
+    from starling.node.address import parse_address
+
+    target = parse_address(address)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if target.curve_key is not None:
+        ident = identity or Identity.generate()
+        sock.curve_serverkey = z85.encode(target.curve_key)
+        sock.curve_publickey = ident.curve_public_z85
+        sock.curve_secretkey = ident.curve_secret_z85
+    sock.connect(target.endpoint)
+    return sock
+
+
+def test_allowlist_admits_listed_keys_only(make_node, tmp_path):
+    a_id, b_id, c_id = Identity.generate(), Identity.generate(), Identity.generate()
+    allow = tmp_path / "authorized_keys"
+    allow.write_text(f"; swarm members\n{encode_key(b_id.curve_public)}\n")
+    a = make_node("tcp", key=a_id, authorized_keys=allow)
+    seen: list = []
+    a.on("x", lambda m: seen.append(m), public=True)
+    b = make_node("tcp", key=b_id, join=[a.address])
+    assert wait_until(lambda: b.peer_id in a.live_peers())
+    short = NodeConfig(join_timeout_s=1.0)
+    with pytest.raises(JoinError):
+        Node(c_id, short).start("tcp://127.0.0.1:0", [a.address])
+    # not even a public request from the outsider is accepted
+    sock = _raw_dealer(a.address, c_id)
+    sock.send_multipart(encode("$req", c_id.peer_id, 0, ["x", 1, None]))
+    assert not sock.poll(500)
+    sock.close()
+    assert seen == []
+    assert a.status()["zap_denied"] >= 1
+    assert set(statuses(a)) == {b.peer_id}
+
+
+def test_spoofed_sender_is_rejected(make_node):
+    a = make_node("tcp")
+    b = make_node("tcp", join=[a.address])
+    seen: list = []
+    a.on("x", lambda m: seen.append(m))
+    # a member-less outsider claims to be B over its own (authenticated) connection
+    sock = _raw_dealer(a.address)
+    sock.send_multipart(encode("x", b.peer_id, 0, "i am b"))
+    assert wait_until(lambda: a.stats.snapshot()["rejected"].get("spoofed_sender") == 1)
+    sock.close()
+    assert seen == []
+
+
+def test_message_from_non_member_is_rejected(make_node):
+    a = make_node("tcp")
+    seen: list = []
+    a.on("x", lambda m: seen.append(m))
+    sock = _raw_dealer(a.address)
+    sock.send_multipart(encode("x", "stranger", 0, None))
+    assert wait_until(lambda: a.stats.snapshot()["rejected"].get("unknown_peer") == 1)
+    sock.close()
+    assert seen == []
+
+
+def test_relayed_record_with_bad_signature_is_rejected(make_node):
+    a = make_node("tcp")
+    b = make_node("tcp", join=[a.address])
+    victim = Identity.generate()
+    record = PeerRecord.create(victim, ["tcp://127.0.0.1:9"], 1)
+    forged = record.to_wire()
+    forged[3] = ["tcp://10.6.6.6:9"]  # the relay rewrites the victim's address
+    b.run(b._asend_raw(a.peer_id, "$announce", [forged]))
+    assert wait_until(lambda: a.stats.snapshot()["rejected"].get("bad_signature") == 1)
+    assert victim.peer_id not in statuses(a)
+
+
+def test_plaintext_is_refused_on_public_addresses(make_node):
+    with pytest.raises(SecurityError, match="non-loopback"):
+        Node().start("tcp://0.0.0.0:0", security="plaintext")
+    node = make_node("tcp", listen="tcp://0.0.0.0:0", security="plaintext", insecure=True)
+    assert node.mode.value == "plaintext"
+    loop = make_node("tcp", security="plaintext")  # loopback: fine without --insecure
+    assert "#" not in loop.address
+
+
+def test_curve_join_address_must_carry_a_key(make_node):
+    a = make_node("tcp")
+    with pytest.raises(SecurityError, match="KEY"):
+        Node().start("tcp://127.0.0.1:0", [a.address.split("#")[0]])
+
+
+@pytest.mark.parametrize("frames", [
+    [b"garbage"],
+    [msgpack.packb({"v": 99, "t": "x", "s": "a", "n": 0, "ts": 0.0, "b": None, "f": []})],
+    [msgpack.packb({"v": 1, "t": "x", "s": "a", "n": 0, "ts": 0.0, "b": None, "f": [["t", "float32", [4]]]}), b"\x00" * 3],
+    [msgpack.packb({"v": 1, "t": "x", "s": "a", "n": 0, "ts": 0.0, "b": None, "f": [["t", "complex64", [1]]]}), b"\x00" * 8],
+])
+def test_malformed_frames_are_counted_and_change_nothing(make_node, frames):
+    a = make_node("tcp")
+    b = make_node("tcp", join=[a.address])
+    assert wait_until(lambda: len(a.live_peers()) == 1)
+    before = statuses(a)
+    sock = _raw_dealer(a.address)
+    sock.send_multipart(frames)
+    assert wait_until(lambda: sum(a.stats.snapshot()["rejected"].values()) == 1)
+    sock.close()
+    assert statuses(a) == before
+    a.on("ping2", lambda m: "pong")
+    assert b.request(a.peer_id, "ping2", None).body == "pong"  # still serving
+
+
+def test_oversize_frame_is_dropped_before_delivery(make_node):
+    small = NodeConfig(transport=TransportConfig(max_message_bytes=64 << 10), limits=Limits(max_message_bytes=64 << 10))
+    a = make_node("tcp", config=small)
+    seen: list = []
+    a.on("big", lambda m: seen.append(m), public=True)
+    sock = _raw_dealer(a.address)
+    sock.send_multipart(encode("$req", "x", 0, ["big", 1, None], [b"\x00" * (1 << 20)]))
+    assert not sock.poll(500)  # ZeroMQ drops the connection: no reply, no delivery
+    sock.close()
+    assert seen == []
+    b = make_node("tcp", join=[a.address])  # the node is unharmed
+    assert wait_until(lambda: b.peer_id in a.live_peers())

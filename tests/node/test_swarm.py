@@ -1,0 +1,173 @@
+"""Socket-level tests of joining, messaging, leaving and failure detection on loopback."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import TEST_LIVENESS, statuses, wait_until
+from starling.node.node import NodeConfig, SwarmConfigError, UnknownPeerError
+from starling.node.rpc import RemoteError, Reply, RequestTimeout
+
+TRANSPORTS = ["tcp", "ipc", "inproc"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_join_through_a_chain(make_node, transport):
+    a = make_node(transport)
+    b = make_node(transport, join=[a.address])
+    c = make_node(transport, join=[b.address])  # C knows only B; A must still see C
+    everyone = {a.peer_id, b.peer_id, c.peer_id}
+    for n in (a, b, c):
+        assert wait_until(lambda n=n: set(statuses(n)) == everyone - {n.peer_id}
+                          and set(statuses(n).values()) == {"alive"}), statuses(n)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_send_and_request_carry_tensors_and_count_bytes(make_node, transport):
+    a = make_node(transport)
+    b = make_node(transport, join=[a.address])
+    got: list = []
+    a.on("grads", lambda m: got.append(m))
+    a.on("double", lambda m: Reply({"step": m.body["step"]}, (m.payload[0] * 2,)))
+    t = torch.randn(1000, dtype=torch.float32)
+    b.send(a.peer_id, "grads", {"step": 3}, [t, torch.ones(2, 2, dtype=torch.bfloat16)]).result(5)
+    assert wait_until(lambda: len(got) == 1)
+    msg = got[0]
+    assert msg.sender == b.peer_id and msg.body == {"step": 3}
+    assert torch.equal(msg.payload[0], t) and msg.payload[1].dtype == torch.bfloat16
+    reply = b.request(a.peer_id, "double", {"step": 4}, [t])
+    assert reply.body == {"step": 4} and torch.equal(reply.payload[0], t * 2)
+    sent = b.stats.snapshot()["bytes_sent"][a.peer_id]
+    received = a.stats.snapshot()["bytes_received"][b.peer_id]
+    assert sent["grads"] == received["grads"] > 4000
+    assert sent["double"] == received["double"] > 4000
+
+
+def test_handler_error_and_missing_handler_come_back_as_errors(make_node):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+
+    def broken(msg):
+        raise ValueError("no such layer")
+
+    a.on("broken", broken)
+    with pytest.raises(RemoteError, match="no such layer"):
+        b.request(a.peer_id, "broken", None)
+    with pytest.raises(RemoteError, match="no handler"):
+        b.request(a.peer_id, "nobody-serves-this", None)
+    assert a.stats.snapshot()["rejected"].get("handler_error") == 1
+
+
+def test_request_times_out_instead_of_hanging(make_node):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+
+    async def slow(msg):
+        await asyncio.sleep(30)
+
+    a.on("slow", slow)
+    with pytest.raises(RequestTimeout):
+        b.request(a.peer_id, "slow", None, timeout_s=0.3)
+
+
+def test_unknown_peer_is_refused(make_node):
+    a = make_node("inproc")
+    with pytest.raises(UnknownPeerError):
+        a.send("nobody", "x", None).result(5)
+
+
+def test_async_handlers_and_training_thread_overlap(make_node):
+    """A training thread starts a send, keeps computing, and waits later."""
+    a = make_node("tcp")
+    b = make_node("tcp", join=[a.address])
+    got = threading.Event()
+    a.on("frag", lambda m: got.set())
+    fut = b.send(a.peer_id, "frag", None, [torch.zeros(1 << 20)])
+    x = torch.randn(256, 256)
+    for _ in range(5):
+        x = torch.tanh(x @ x.T / 256)  # work overlapping the send
+    fut.result(10)
+    assert got.wait(10)
+
+
+def test_graceful_leave_is_seen_by_all_within_one_heartbeat(make_node):
+    a = make_node("tcp")
+    b = make_node("tcp", join=[a.address])
+    c = make_node("tcp", join=[a.address])
+    assert wait_until(lambda: len(a.live_peers()) == 2 and len(b.live_peers()) == 2 and len(c.live_peers()) == 2)
+    c.leave()
+    hb = TEST_LIVENESS.heartbeat_interval_s
+    assert wait_until(lambda: statuses(a)[c.peer_id] == "left" and statuses(b)[c.peer_id] == "left",
+                      timeout_s=hb)
+    assert a.live_peers() == [b.peer_id]
+
+
+def test_silent_peer_becomes_suspect_then_dead(make_node):
+    a = make_node("tcp")
+    b = make_node("tcp", join=[a.address])
+    assert wait_until(lambda: statuses(a).get(b.peer_id) == "alive")
+    changes: list = []
+    a.on_peer_change(lambda ch: changes.append((time.monotonic(), ch.new.value)) if ch.peer_id == b.peer_id else None)
+    t0 = time.monotonic()
+    b.close()  # no leave announcement: looks like a crash
+    assert wait_until(lambda: statuses(a)[b.peer_id] == "dead", timeout_s=TEST_LIVENESS.dead_timeout_s + 2)
+    assert [s for _, s in changes] == ["suspect", "dead"]
+    assert changes[0][0] - t0 >= TEST_LIVENESS.suspect_timeout_s - TEST_LIVENESS.heartbeat_interval_s
+
+
+def test_request_to_a_peer_that_dies_fails_when_it_is_declared_dead(make_node):
+    a = make_node("tcp")
+    b = make_node("tcp", join=[a.address])
+    b.on("never", lambda m: asyncio.sleep(60))
+    assert wait_until(lambda: b.peer_id in a.live_peers())
+    errors: list = []
+
+    def call():
+        try:
+            a.request(b.peer_id, "never", None, timeout_s=60)
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=call)
+    t.start()
+    b.close()
+    t.join(TEST_LIVENESS.dead_timeout_s + 3)
+    assert not t.is_alive() and errors, "request hung on a dead peer"
+
+
+def test_swarm_config_fixed_by_first_node(make_node):
+    a = make_node("inproc", swarm_config={"protocol": "gossip", "task": "charlm"})
+    b = make_node("inproc", join=[a.address])
+    assert b.swarm_config == {"protocol": "gossip", "task": "charlm"}
+    make_node("inproc", join=[a.address], swarm_config={"protocol": "gossip"})
+    with pytest.raises(SwarmConfigError, match="protocol"):
+        make_node("inproc", join=[a.address], swarm_config={"protocol": "diloco"})
+
+
+def test_heartbeat_meta_reaches_peers(make_node):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    b.set_meta(round=17)
+    assert wait_until(lambda: any(p.meta.get("round") == 17 for p in a.peers))
+
+
+def test_many_nodes_in_one_process_converge(make_node):
+    seed = make_node("inproc")
+    nodes = [seed] + [make_node("inproc", join=[seed.address]) for _ in range(15)]
+    assert wait_until(lambda: all(len(n.live_peers()) == 15 for n in nodes), timeout_s=15)
+
+
+def test_status_client_reads_a_node(make_node):
+    from starling.node.client import query
+
+    a = make_node("tcp")
+    b = make_node("tcp", join=[a.address])
+    assert wait_until(lambda: len(a.live_peers()) == 1)
+    status = query(a.address)
+    assert status["id"] == a.peer_id
+    assert [p["id"] for p in status["peers"]] == [b.peer_id]
+    assert status["peers"][0]["status"] in ("alive", "suspect")  # suspect only on a starved CPU
