@@ -301,8 +301,10 @@ class Node:
         rid, fut = self._pending.open(peer)
         try:
             await self._asend_raw(peer, rpc.REQUEST_TOPIC, rpc.request_body(topic, rid, body), payload,
-                                  stats_topic=topic)
+                                  stats_topic=topic, timeout_s=timeout_s)
             return await asyncio.wait_for(fut, timeout_s)
+        except SendError as exc:
+            raise rpc.RpcError(f"request {topic!r} to {peer}: {exc}") from None
         except asyncio.TimeoutError:
             raise rpc.RequestTimeout(f"no reply from {peer} to {topic!r} within {timeout_s} s") from None
         finally:
@@ -333,13 +335,14 @@ class Node:
         return encode(topic, self.peer_id, next(self._seq), body, payload)
 
     async def _asend_raw(self, peer: str, topic: str, body: Any, payload: Sequence[Any] = (), *,
-                         wait: bool = True, stats_topic: str | None = None) -> None:
+                         wait: bool = True, stats_topic: str | None = None,
+                         timeout_s: float | None = None) -> None:
         info = self._table.get(peer)
         if info is None or info.status is PeerStatus.LEFT or self._transport is None:
             raise UnknownPeerError(f"unknown peer {peer!r}")
         frames = self._frames(topic, body, payload)
         try:
-            await self._transport.send(peer, frames, wait=wait)
+            await self._transport.send(peer, frames, wait=wait, timeout_s=timeout_s)
         except SendError:
             self.stats.count_send_failure()
             raise

@@ -67,6 +67,12 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]
 
 
+def _mark_retrieved(fut: asyncio.Future[Any]) -> None:
+    # A request whose caller gave up (timeout, close) must not log "never retrieved".
+    if not fut.cancelled():
+        fut.exception()
+
+
 @dataclass
 class PendingRequests:
     """Futures of requests in flight, by correlation id. Lives on the network thread."""
@@ -77,6 +83,7 @@ class PendingRequests:
     def open(self, peer: str) -> tuple[int, asyncio.Future[Message]]:
         rid = next(self._ids)
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_mark_retrieved)
         self._pending[rid] = (fut, peer)
         return rid, fut
 

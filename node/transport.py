@@ -21,7 +21,7 @@ from starling.node.security import SecurityMode, ZapPolicy
 log = logging.getLogger(__name__)
 
 
-class SendError(Exception):
+class SendError(ConnectionError):
     """A message could not be handed to ZeroMQ (peer unreachable, queue full, timeout)."""
 
 
@@ -167,27 +167,30 @@ class Transport:
         if dealer is not None:
             dealer.close(linger_ms)
 
-    async def send(self, key: str, frames: Sequence[object], *, wait: bool = True) -> None:
+    async def send(self, key: str, frames: Sequence[object], *, wait: bool = True,
+                   timeout_s: float | None = None) -> None:
         dealer = self._dealers.get(key)
         if dealer is None:
             raise SendError(f"no connection to peer {key}")
-        await self._send(dealer, frames, wait, key)
+        await self._send(dealer, frames, wait, key, timeout_s)
 
     async def reply(self, route: bytes, frames: Sequence[object]) -> None:
         if self._router is None:
             raise SendError("node is not listening")
         await self._send(self._router, [route, *frames], True, "reply")
 
-    async def _send(self, sock: zmq.asyncio.Socket, frames: Sequence[object], wait: bool, what: str) -> None:
+    async def _send(self, sock: zmq.asyncio.Socket, frames: Sequence[object], wait: bool, what: str,
+                    timeout_s: float | None = None) -> None:
+        timeout_s = self.config.send_timeout_s if timeout_s is None else min(timeout_s, self.config.send_timeout_s)
         try:
             if not wait:
                 await sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 return
-            await asyncio.wait_for(sock.send_multipart(frames, copy=False), self.config.send_timeout_s)
+            await asyncio.wait_for(sock.send_multipart(frames, copy=False), timeout_s)
         except zmq.Again:
             raise SendError(f"peer {what} is not connected or its queue is full") from None
         except asyncio.TimeoutError:
-            raise SendError(f"send to {what} timed out after {self.config.send_timeout_s} s") from None
+            raise SendError(f"send to {what} timed out after {timeout_s} s") from None
         except zmq.ZMQError as exc:
             raise SendError(f"send to {what} failed: {exc}") from None
 
