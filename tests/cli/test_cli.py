@@ -1,0 +1,56 @@
+"""The `starling` command in-process (typer's runner): keygen and clear one-line errors."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+from typer.testing import CliRunner
+
+from starling.cli.main import app
+from starling.node.identity import Identity
+
+runner = CliRunner()
+
+
+def test_keygen_writes_a_private_key_and_prints_the_peer_id(tmp_path):
+    out = tmp_path / "id.key"
+    result = runner.invoke(app, ["keygen", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
+    assert result.output.strip() == Identity.load(out).peer_id
+
+
+def test_keygen_refuses_to_overwrite_without_force(tmp_path):
+    out = tmp_path / "id.key"
+    runner.invoke(app, ["keygen", "--out", str(out)])
+    first = Identity.load(out).peer_id
+    result = runner.invoke(app, ["keygen", "--out", str(out)])
+    assert result.exit_code != 0 and "--force" in result.output
+    assert Identity.load(out).peer_id == first
+    assert runner.invoke(app, ["keygen", "--out", str(out), "--force"]).exit_code == 0
+    assert Identity.load(out).peer_id != first
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["node", "start", "--join", "bogus"], "scheme"),
+    (["node", "start", "--listen", "tcp://127.0.0.1:99999"], "port"),
+    (["node", "start", "--listen", "tcp://0.0.0.0:0", "--plaintext"], "non-loopback"),
+    (["node", "start", "--key", "/nonexistent/key"], "/nonexistent/key"),
+    (["node", "status", "tcp://127.0.0.1:1", "--timeout-s", "0.3"], "no answer"),
+    (["node", "status", "udp://x:1"], "scheme"),
+])
+def test_errors_are_one_clear_line_and_nonzero(args, needle):
+    result = runner.invoke(app, args)
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("starling: error:") and needle in lines[0], result.output
+
+
+def test_world_readable_key_is_refused(tmp_path):
+    out = tmp_path / "id.key"
+    runner.invoke(app, ["keygen", "--out", str(out)])
+    os.chmod(out, 0o644)
+    result = runner.invoke(app, ["node", "start", "--key", str(out)])
+    assert result.exit_code != 0 and "starling: error:" in result.output

@@ -1,0 +1,94 @@
+"""Real `starling node start` processes on loopback: join, SIGKILL, SIGTERM, status."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import statuses, wait_until, TEST_LIVENESS
+
+pytestmark = pytest.mark.slow
+
+FAST = ["--heartbeat-s", "0.2", "--suspect-after-s", "1.5", "--dead-after-s", "3"]
+
+
+def starling(*args: str) -> list[str]:
+    return [sys.executable, "-m", "starling.cli.main", *args]
+
+
+def spawn_node(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(starling("node", "start", *FAST, *args), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()  # the one line with the join address
+    if "join with:" not in line:
+        proc.kill()
+        raise AssertionError(f"node did not start: {line!r}")
+    return proc, line.rsplit("join with:", 1)[1].strip()
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+def test_processes_join_crash_and_leave(make_node, procs):
+    a, a_addr = spawn_node()
+    procs.append(a)
+    b, b_addr = spawn_node("--join", a_addr)
+    procs.append(b)
+    me = make_node("tcp", join=[b_addr])  # joins through B, must learn A too
+    assert wait_until(lambda: len(me.live_peers()) == 2, timeout_s=20), statuses(me)
+    ids = {p.id: p for p in me.peers}
+    b_id = next(i for i, p in ids.items() if b_addr.split("#")[0] in p.addresses)
+    a_id = next(i for i in ids if i != b_id)
+
+    b.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    assert wait_until(lambda: statuses(me)[b_id] == "dead", timeout_s=TEST_LIVENESS.dead_timeout_s + 3)
+    assert time.monotonic() - t0 <= TEST_LIVENESS.dead_timeout_s + 3
+
+    a.send_signal(signal.SIGTERM)  # graceful: announced leave, seen at once
+    assert wait_until(lambda: statuses(me)[a_id] == "left", timeout_s=5)
+    assert a.wait(15) == 0
+
+
+def test_status_command_prints_the_peer_table(procs):
+    a, a_addr = spawn_node()
+    procs.append(a)
+    b, _ = spawn_node("--join", a_addr)
+    procs.append(b)
+
+    def two_alive() -> bool:
+        out = subprocess.run(starling("node", "status", a_addr, "--json"), capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            return False
+        status = json.loads(out.stdout)
+        return len(status["peers"]) == 1 and {"id", "status", "addresses"} <= set(status["peers"][0])
+
+    assert wait_until(two_alive, timeout_s=30, interval_s=0.5)
+
+
+def test_allowlisted_process_admits_only_listed_keys(tmp_path, procs, make_node):
+    from starling.node.address import encode_key
+    from starling.node.identity import Identity
+    from starling.node.node import JoinError, Node, NodeConfig
+
+    member, outsider = Identity.generate(), Identity.generate()
+    allow = tmp_path / "allow"
+    allow.write_text(encode_key(member.curve_public) + "\n")
+    a, a_addr = spawn_node("--authorized-keys", str(allow))
+    procs.append(a)
+    ok = make_node("tcp", key=member, join=[a_addr])
+    assert wait_until(lambda: len(ok.live_peers()) == 1)
+    with pytest.raises(JoinError):
+        Node(outsider, NodeConfig(join_timeout_s=1.0)).start("tcp://127.0.0.1:0", [a_addr])
