@@ -19,6 +19,7 @@ import inspect
 import itertools
 import logging
 import time
+import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -70,6 +71,14 @@ class NodeConfig:
     forget_after_s: float = 60.0  # dead/left peers are dropped from the table after this
 
 
+class LinkShaper(typing.Protocol):
+    """Emulates a slow link on the way out (the simulator's bandwidth, latency, loss)."""
+
+    async def admit(self, peer: str, nbytes: int) -> bool:
+        """Wait until a message of `nbytes` to `peer` may leave; False drops it."""
+        ...
+
+
 @dataclass(frozen=True)
 class PeerView:
     """A read-only snapshot of one peer-table entry."""
@@ -113,6 +122,7 @@ class Node:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._bootstraps = itertools.count()
         self._blobs: BlobServer | None = None
+        self.shaper: LinkShaper | None = None  # set by the simulator to emulate slow links
         self._state = "new"
 
     # ---------------------------------------------------------------- lifecycle
@@ -341,6 +351,10 @@ class Node:
         if info is None or info.status is PeerStatus.LEFT or self._transport is None:
             raise UnknownPeerError(f"unknown peer {peer!r}")
         frames = self._frames(topic, body, payload)
+        # Emulated links shape protocol traffic only; membership keeps its own timing.
+        if self.shaper is not None and not (stats_topic or topic).startswith("$"):
+            if not await self.shaper.admit(peer, frame_nbytes(frames)):
+                return  # lost on the emulated link
         try:
             await self._transport.send(peer, frames, wait=wait, timeout_s=timeout_s)
         except SendError:
@@ -576,6 +590,9 @@ class Node:
             ok, result = False, rpc.error_text(exc)
         assert self._transport is not None and inbound.route is not None
         frames = self._frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, ok, result), payload)
+        if self.shaper is not None and not topic.startswith("$"):
+            if not await self.shaper.admit(msg.sender, frame_nbytes(frames)):
+                return
         try:
             await self._transport.reply(inbound.route, frames)
             self.stats.count_sent(msg.sender, topic, frame_nbytes(frames))
