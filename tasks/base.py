@@ -1,0 +1,183 @@
+"""The `Task` seam: what every workload gives the runtime, and the helpers tasks share.
+
+A task owns a model, each peer's data shard, a loss and a held-out evaluation. Everything
+random in a task comes from a `torch.Generator` seeded by `derive_seed`, never from torch's
+global RNG, so that many peers built in one process (the simulator, one thread per peer) get
+the same weights and their own data streams whatever else draws from the global RNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import typing
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+class Task(ABC):
+    """A workload: model, per-peer data, loss, held-out evaluation.
+
+    Subclasses set `name` and `config_class` (a frozen dataclass whose fields are the task's
+    options) and take their config as the only constructor argument.
+    """
+
+    name: ClassVar[str]
+    config_class: ClassVar[type | None] = None
+    config: Any = None
+
+    @classmethod
+    def from_options(cls, **options: Any) -> Task:
+        """Build the task from its config defaults overridden by `options`.
+
+        Values may be typed or strings (as the CLI passes them, e.g. ``seq_len="64"``).
+        """
+        if cls.config_class is None:
+            raise TypeError(f"task {cls.__name__} has no config_class; construct it directly")
+        return cls(config_from_options(cls.config_class, options))  # type: ignore[call-arg]
+
+    @abstractmethod
+    def make_model(self) -> nn.Module:
+        """A fresh model with initial weights fixed by the task's seed (same on every peer)."""
+
+    @abstractmethod
+    def batches(self, rank: int, world: int, seed: int) -> Iterator[Any]:
+        """An endless iterator over peer `rank`'s shard, deterministic for (rank, world, seed)."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """A scalar loss of `model` on `batch`, differentiable in the model's parameters."""
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Held-out metrics, at least ``eval_loss``; leaves the model's train/eval mode as it was."""
+
+    def describe(self) -> dict[str, Any]:
+        """Name and config as plain data, so peers can compare what they would run."""
+        config = self.config
+        if dataclasses.is_dataclass(config) and not isinstance(config, type):
+            fields = dataclasses.asdict(config)
+        elif isinstance(config, Mapping):
+            fields = dict(config)
+        else:
+            fields = {}
+        return {"name": self.name, "config": fields}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"
+
+
+# ---------------------------------------------------------------- helpers for task authors
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """Run a block in eval mode without autograd, then put the model back in its prior mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(was_training)
+
+
+def derive_seed(purpose: str, *parts: int) -> int:
+    """A 63-bit seed for one purpose (e.g. ``"charlm.batches"``) and some integers.
+
+    Hashing keeps streams for different purposes, ranks and worlds unrelated to each other,
+    which ``seed + rank`` would not (peer 1 of seed 0 would equal peer 0 of seed 1).
+    """
+    text = "/".join([purpose, *(str(int(p)) for p in parts)])
+    digest = hashlib.sha256(text.encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def make_generator(purpose: str, *parts: int) -> torch.Generator:
+    """A CPU generator seeded by `derive_seed`; the only source of randomness in tasks."""
+    return torch.Generator().manual_seed(derive_seed(purpose, *parts))
+
+
+def check_rank(rank: int, world: int) -> None:
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank}")
+
+
+def parse_options(pairs: list[str]) -> dict[str, str]:
+    """``["seq_len=64", "non_iid=0.5"]`` -> ``{"seq_len": "64", "non_iid": "0.5"}`` (CLI helper)."""
+    options: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"task option {pair!r} is not of the form NAME=VALUE")
+        options[key] = value.strip()
+    return options
+
+
+def config_from_options(config_class: type, options: Mapping[str, Any]) -> Any:
+    """Instantiate a config dataclass from its defaults and `options`, checking names and types.
+
+    Raises ValueError naming the offending option for an unknown name or a bad value.
+    """
+    hints = typing.get_type_hints(config_class)
+    known = [f.name for f in dataclasses.fields(config_class) if f.init]
+    unknown = [key for key in options if key not in known]
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(map(repr, unknown))} for {config_class.__name__}; "
+            f"known options: {', '.join(known)}"
+        )
+    values = {key: _coerce(key, value, hints[key]) for key, value in options.items()}
+    return config_class(**values)
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _coerce(key: str, value: Any, kind: Any) -> Any:
+    def bad() -> ValueError:
+        name = getattr(kind, "__name__", str(kind))
+        return ValueError(f"option {key}={value!r}: expected {name}")
+
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise bad()
+    if kind is int:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if kind is float:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise bad()
+    return value
