@@ -83,8 +83,8 @@ class PeerRecord:
         return [self.peer_id, self.verify_key, self.curve_key, list(self.addresses), self.incarnation, self.signature]
 
     @classmethod
-    def from_wire(cls, obj: Any) -> PeerRecord:
-        """Parse and verify; raises WireError (BAD_FIELD or BAD_SIGNATURE)."""
+    def from_wire(cls, obj: Any, *, verify: bool = True) -> PeerRecord:
+        """Parse and (unless told not to) verify; raises WireError (BAD_FIELD or BAD_SIGNATURE)."""
         def bad(what: str) -> WireError:
             return WireError(RejectReason.BAD_FIELD, f"peer record: {what}", field="record")
 
@@ -102,9 +102,13 @@ class PeerRecord:
         if not isinstance(inc, int) or isinstance(inc, bool) or not 0 <= inc < 2**63:
             raise bad("incarnation must be a non-negative int64")
         record = cls(peer_id, vkey, ckey, tuple(addrs), inc, sig)
-        if not record.is_valid():
-            raise WireError(RejectReason.BAD_SIGNATURE, f"peer record for {peer_id}: bad signature", field="record")
+        if verify:
+            record.verify()
         return record
+
+    def verify(self) -> None:
+        if not self.is_valid():
+            raise WireError(RejectReason.BAD_SIGNATURE, f"peer record for {self.peer_id}: bad signature", field="record")
 
 
 def leave_statement(peer_id: str, incarnation: int) -> bytes:

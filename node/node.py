@@ -368,9 +368,9 @@ class Node:
         server_key = z85.encode(record.curve_key) if self.mode is SecurityMode.CURVE else None
         self._transport.connect(record.peer_id, record.addresses, server_key)
 
-    def _hello_body(self) -> list[Any]:
+    def _hello_body(self, want_table: bool = True) -> list[Any]:
         assert self.record is not None
-        return [self.record.to_wire(), self.swarm_config]
+        return [self.record.to_wire(), self.swarm_config, want_table]
 
     async def _join_via(self, endpoint: str, curve_key: bytes | None) -> None:
         """Hello to one known address; learn its table and config; greet everyone."""
@@ -409,18 +409,28 @@ class Node:
                 if conflicts:
                     raise SwarmConfigError("the swarm runs a config this node cannot run: " + "; ".join(conflicts))
             self.swarm_config = {**(self.swarm_config or {}), **config}
-        responder = PeerRecord.from_wire(body.get("record"))
+        responder = self._record(body.get("record"))
         self._learn(responder, greet=False)
         for raw in body["peers"]:
             try:
-                self._learn(PeerRecord.from_wire(raw), greet=False)
+                self._learn(self._record(raw), greet=False)
             except WireError as exc:
                 self.stats.count_rejected(exc.reason.value)
         return responder
 
+    def _record(self, raw: Any) -> PeerRecord:
+        """Parse a relayed record; check its signature unless we hold this exact record
+        already (joins relay whole tables, so re-verifying would cost O(n^2) per join)."""
+        record = PeerRecord.from_wire(raw, verify=False)
+        known = self._table.get(record.peer_id)
+        if known is None or known.record != record:
+            record.verify()
+        return record
+
     async def _greet(self, peer_id: str) -> None:
         try:
-            reply = await self.arequest(peer_id, HELLO, self._hello_body(), timeout_s=self.config.join_timeout_s)
+            reply = await self.arequest(peer_id, HELLO, self._hello_body(want_table=False),
+                                        timeout_s=self.config.join_timeout_s)
             self._accept_hello_reply(reply.body)
         except Exception as exc:
             log.debug("%s: hello to %s failed: %s", self.peer_id, peer_id, exc)
@@ -601,9 +611,9 @@ class Node:
             log.debug("reply to %s failed: %s", msg.sender, exc)
 
     def _on_hello(self, inbound: Inbound, body: Any) -> dict[str, Any]:
-        if not isinstance(body, list) or len(body) != 2:
-            raise WireError(RejectReason.BAD_FIELD, "hello body must be [record, config]", field="body")
-        record = PeerRecord.from_wire(body[0])
+        if not isinstance(body, list) or len(body) != 3 or not isinstance(body[2], bool):
+            raise WireError(RejectReason.BAD_FIELD, "hello body must be [record, config, want_table]", field="body")
+        record = self._record(body[0])
         if self.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
             raise WireError(RejectReason.SPOOFED_SENDER, "hello record's key does not own this connection", field="record")
         theirs = body[1]
@@ -620,15 +630,16 @@ class Node:
             for pid in others:
                 self._spawn(self._asend_raw(pid, ANNOUNCE, [record.to_wire()]))
         assert self.record is not None
-        return {"record": self.record.to_wire(), "config": self.swarm_config,
-                "peers": [p.record.to_wire() for p in self._table.live() if p.peer_id != record.peer_id]}
+        # The first hello of a joiner gets the whole table; greetings after it need not.
+        peers = [p.record.to_wire() for p in self._table.live() if p.peer_id != record.peer_id] if body[2] else []
+        return {"record": self.record.to_wire(), "config": self.swarm_config, "peers": peers}
 
     def _on_announce(self, body: Any) -> None:
         if not isinstance(body, list) or len(body) > 256:
             raise WireError(RejectReason.BAD_FIELD, "announce body must be a list of records", field="body")
         for raw in body:
             try:
-                self._learn(PeerRecord.from_wire(raw), greet=True)
+                self._learn(self._record(raw), greet=True)
             except WireError as exc:
                 self._reject(exc.reason, str(exc))
 

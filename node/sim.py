@@ -1,0 +1,630 @@
+"""The many-peers-on-one-box simulator.
+
+Every simulated peer is a real `Node` with real sockets and a real protocol. By default all
+peers share one process (the process's one network thread, one training thread per peer);
+with `processes=True` each peer is its own OS process, over tcp on loopback. Every node's
+outgoing links go through a `LinkEmulator` (bandwidth, latency, loss).
+
+    result = Simulation(SimConfig(peers=4, protocol="gossip", steps=100)).run()
+    result.summary["eval_loss"], result.summary["bytes_sent_per_peer"]
+
+Churn spec grammar (comma-separated events; a STEP is the swarm's step count)::
+
+    kill:RANK@STEP      peer RANK crashes after STEP steps: its node closes without a leave,
+                        so the others find out through heartbeats
+    leave:RANK@STEP     peer RANK leaves gracefully after STEP steps
+    join@STEP           a new peer joins once some peer has done STEP steps; it fetches the
+    join:COUNT@STEP     protocol state from a live peer and continues at that peer's step
+
+Initial peers have ranks 0..peers-1; joiners get the next ranks in the order they join, and
+every peer's data shard is cut for a world of all the peers that will ever run.
+
+The simulator sits in `node/` (see DESIGN.md) but needs a protocol and a task to run; it
+imports them lazily and only by name, so `node` stays free of any specific protocol.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import io
+import json
+import logging
+import multiprocessing
+import queue
+import re
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+
+from starling.node.links import LinkEmulator, LinkModel
+from starling.node.membership import Liveness
+from starling.node.node import Node, NodeConfig
+from starling.node.transport import TransportConfig
+
+if TYPE_CHECKING:
+    from starling.protocols.base import Protocol
+    from starling.tasks.base import Task
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS = ("inproc", "ipc", "tcp")
+STATE_BLOB = "starling.sim.state"
+# Quick enough that a crashed peer is noticed within a short run, slow enough for a loaded box.
+SIM_LIVENESS = Liveness(heartbeat_interval_s=0.25, suspect_timeout_s=1.5, dead_timeout_s=3.0)
+_EVENT = re.compile(r"(kill|leave):(\d+)@(\d+)|join(?::(\d+))?@(\d+)")
+
+
+class SimError(Exception):
+    """The simulation could not run or a peer failed."""
+
+
+class ChurnSpecError(ValueError):
+    """A churn spec could not be read or does not fit the simulation."""
+
+
+@dataclass(frozen=True)
+class ChurnEvent:
+    kind: Literal["kill", "leave", "join"]
+    step: int
+    rank: int | None = None  # kill and leave
+    count: int = 1  # join
+
+    def __str__(self) -> str:
+        if self.kind == "join":
+            return f"join{'' if self.count == 1 else f':{self.count}'}@{self.step}"
+        return f"{self.kind}:{self.rank}@{self.step}"
+
+
+def parse_churn(spec: str) -> tuple[ChurnEvent, ...]:
+    """Read "kill:1@50,join@80" (see the module doc for the grammar)."""
+    events: list[ChurnEvent] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        match = _EVENT.fullmatch(part)
+        if not match:
+            raise ChurnSpecError(f"cannot read churn event {part!r}: expected kill:RANK@STEP, "
+                                 "leave:RANK@STEP, join@STEP or join:COUNT@STEP")
+        if match.group(1):
+            events.append(ChurnEvent(match.group(1), int(match.group(3)), rank=int(match.group(2))))  # type: ignore[arg-type]
+        else:
+            count = int(match.group(4) or 1)
+            if count < 1:
+                raise ChurnSpecError(f"churn event {part!r}: join count must be >= 1")
+            events.append(ChurnEvent("join", int(match.group(5)), count=count))
+    return tuple(events)
+
+
+def check_churn(events: tuple[ChurnEvent, ...], peers: int, steps: int) -> None:
+    """Raise ChurnSpecError if an event names a peer that never exists or a step past the end."""
+    world = peers + sum(e.count for e in events if e.kind == "join")
+    stopped: set[int] = set()
+    for event in events:
+        if event.step >= steps:
+            raise ChurnSpecError(f"churn event {event} is at step {event.step}, but the run has {steps} steps")
+        if event.rank is not None:
+            if event.rank >= world:
+                raise ChurnSpecError(f"churn event {event} names peer {event.rank}; ranks run 0..{world - 1}")
+            if event.rank in stopped:
+                raise ChurnSpecError(f"churn spec stops peer {event.rank} twice")
+            stopped.add(event.rank)
+    if len(stopped) >= world:
+        raise ChurnSpecError("churn spec stops every peer; at least one must finish")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    peers: int = 4
+    protocol: str = "allreduce"  # a registered name, or "module:name" to import a plugin first
+    task: str = "charlm"
+    steps: int = 100
+    compressor: str | None = None  # passed to the protocol as its `compressor` option
+    transport: str = "inproc"
+    processes: bool = False  # one OS process per peer (needs tcp or ipc)
+    link: LinkModel = field(default_factory=LinkModel)
+    churn: tuple[ChurnEvent, ...] = ()
+    seed: int = 0
+    options: Mapping[str, Any] = field(default_factory=dict)  # protocol hyper-parameters
+    task_options: Mapping[str, Any] = field(default_factory=dict)
+    eval_every: int = 0  # peer 0 evaluates every this many steps (0: only at the end)
+    liveness: Liveness = SIM_LIVENESS
+    ready_timeout_s: float = 60.0  # for the swarm to form, and for a joiner to fetch state
+    # A send to a crashed peer holds that peer's socket (and, behind it, this node's heartbeats)
+    # until it times out; keep that below the suspect timeout so one crash does not look like two.
+    send_timeout_s: float = 1.0
+    join_timeout_s: float = 5.0  # a joiner greets every peer it learns of, even one that just crashed
+
+    def __post_init__(self) -> None:
+        if self.peers < 1:
+            raise ValueError(f"peers must be >= 1, got {self.peers}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.processes and self.transport == "inproc":
+            raise ValueError("processes need the tcp or ipc transport (inproc works within one process)")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        check_churn(self.churn, self.peers, self.steps)
+
+    @property
+    def world(self) -> int:
+        """Every peer that will ever run (initial peers plus joiners)."""
+        return self.peers + sum(e.count for e in self.churn if e.kind == "join")
+
+    def protocol_options(self) -> dict[str, Any]:
+        options = dict(self.options)
+        if self.compressor is not None:
+            options["compressor"] = self.compressor
+        return options
+
+    def stop_at(self, rank: int) -> tuple[str, int] | None:
+        """("kill" | "leave", step) if the churn spec stops peer `rank`."""
+        for event in self.churn:
+            if event.rank == rank and event.kind in ("kill", "leave"):
+                return event.kind, event.step
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"protocol": self.protocol, "peers": self.peers, "steps": self.steps, "task": self.task,
+                "compressor": self.compressor, "transport": self.transport, "processes": self.processes,
+                "link": self.link.describe(), "churn": ",".join(map(str, self.churn)), "seed": self.seed,
+                "options": {k: v for k, v in self.options.items()}, "task_options": dict(self.task_options)}
+
+
+def resolve_protocol(name: str) -> type[Protocol]:
+    """A protocol class by registered name; "module:name" imports `module` first, and a bare
+    name not yet registered is looked for in `starling.protocols.<name>`."""
+    from starling.protocols.base import ProtocolError, get_protocol
+
+    module, sep, registered = name.rpartition(":")
+    if sep:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ProtocolError(f"protocol {name!r}: cannot import {module!r}: {exc}") from None
+        return get_protocol(registered)
+    try:
+        return get_protocol(name)
+    except ProtocolError:
+        if not name.isidentifier():
+            raise
+        try:
+            importlib.import_module(f"starling.protocols.{name}")
+        except ModuleNotFoundError:
+            raise ProtocolError(f"unknown protocol {name!r}") from None
+        return get_protocol(name)
+
+
+def check_config(config: SimConfig) -> None:
+    """Resolve the protocol, its options and the task now, so bad input fails before any node starts."""
+    from starling.protocols.base import config_from_options
+    from starling.tasks import get_task
+
+    cls = resolve_protocol(config.protocol)
+    config_from_options(cls.config_class, config.protocol_options())
+    task = get_task(config.task, **config.task_options)
+    task.batches(config.world - 1, config.world, config.seed)  # checks the shard size for this world
+
+
+@dataclass
+class PeerResult:
+    rank: int
+    peer_id: str
+    status: str = "running"  # finished | killed | left | failed
+    records: list[dict[str, Any]] = field(default_factory=list)
+    eval_loss: float | None = None
+    bytes_sent: int = 0  # protocol topics (not starting with "$")
+    bytes_sent_total: int = 0  # including membership traffic
+    bytes_received: int = 0
+    joined_at_step: int = 0
+    train_end: float = 0.0  # time.time() when its last step finished
+    links: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def sent_by_topic(node: Node) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for per_topic in node.stats.snapshot()["bytes_sent"].values():
+        for topic, n in per_topic.items():
+            out[topic] = out.get(topic, 0) + n
+    return out
+
+
+def endpoint_for(transport: str, rank: int, ipc_dir: str, run_id: str) -> str:
+    if transport == "tcp":
+        return "tcp://127.0.0.1:0"
+    if transport == "ipc":
+        return f"ipc://{ipc_dir}/{rank}.sock"
+    return f"inproc://starling-sim-{run_id}-{rank}"
+
+
+class SimPeer:
+    """One simulated peer: a node, a protocol over a fresh model, and its training loop."""
+
+    def __init__(self, config: SimConfig, task: Task, rank: int, listen: str,
+                 on_step: Callable[[int, int], None] | None = None) -> None:
+        self.config, self.task, self.rank = config, task, rank
+        self.listen = listen
+        self.on_step = on_step or (lambda rank, step: None)
+        self.node = Node(config=NodeConfig(liveness=config.liveness, join_timeout_s=config.join_timeout_s,
+                                           transport=TransportConfig(send_timeout_s=config.send_timeout_s)))
+        self.emulator: LinkEmulator | None = None
+        if not config.link.is_ideal:
+            self.emulator = LinkEmulator(config.link, seed=config.link.seed * 1_000_003 + rank)
+            self.node.shaper = self.emulator
+        self.proto: Protocol | None = None
+        self.result = PeerResult(rank, self.node.peer_id)
+        self.step = 0
+        self._snapshot = b""
+        self._serve_state = any(e.kind == "join" for e in config.churn)
+
+    # ---------------------------------------------------------------- setup
+    def start(self, join: list[str]) -> str:
+        self.node.start(self.listen, join, security="plaintext", swarm_config={
+            "protocol": self.config.protocol, "task": self.config.task, "simulation": True})
+        return self.node.address
+
+    def create_protocol(self) -> None:
+        model = self.task.make_model()
+        self.proto = resolve_protocol(self.config.protocol).create(self.node, model, self.config.protocol_options())
+        if self._serve_state:
+            self._take_snapshot()
+            self.node.serve_blob(STATE_BLOB, lambda: self._snapshot)
+
+    def fetch_state(self) -> None:
+        """A joiner's catch-up: the protocol state of some live peer, at that peer's step."""
+        import torch
+
+        assert self.proto is not None
+        source, blob = self.node.fetch_blob(STATE_BLOB)
+        self.proto.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+        self.step = self.result.joined_at_step = self.proto.step_count
+        log.info("peer %d joined from %s at step %d", self.rank, source, self.step)
+
+    def _take_snapshot(self) -> None:
+        import torch
+
+        assert self.proto is not None
+        buffer = io.BytesIO()
+        torch.save(self.proto.state_dict(), buffer)
+        self._snapshot = buffer.getvalue()  # one reference swap: the network thread reads it
+
+    # ---------------------------------------------------------------- training
+    def train(self, t0: float) -> None:
+        """Run steps up to the configured count (or until churn stops this peer), then evaluate."""
+        import torch
+
+        torch.set_num_threads(1)
+        proto, task, config = self.proto, self.task, self.config
+        assert proto is not None
+        stop = config.stop_at(self.rank)
+        batches = task.batches(self.rank, config.world, config.seed)
+        try:
+            while self.step < config.steps:
+                if stop is not None and self.step >= stop[1]:
+                    self._stop(stop[0])
+                    return
+                batch = next(batches)
+                report = proto.step(lambda: task.loss(proto.model, batch))
+                self.step += 1
+                self._record(report, t0)
+                if self._serve_state:
+                    self._take_snapshot()
+                self.on_step(self.rank, self.step)
+            self.result.train_end = time.time()
+            self.result.eval_loss = float(task.evaluate(proto.eval_model())["eval_loss"])
+            self.result.status = "finished"
+        except Exception as exc:
+            log.exception("peer %d failed at step %d", self.rank, self.step)
+            self.result.status, self.result.error = "failed", f"{type(exc).__name__}: {exc}"
+            self._stop("kill")  # the others see it go as a crash
+            self.result.status = "failed"
+
+    def _record(self, report: Any, t0: float) -> None:
+        by_topic = sent_by_topic(self.node)
+        record = {"peer": self.rank, "step": report.step, "loss": report.loss, "wall_s": time.time() - t0,
+                  "bytes_sent": sum(n for t, n in by_topic.items() if not t.startswith("$")),
+                  "bytes_sent_total": sum(by_topic.values()), "bytes_by_topic": by_topic,
+                  "synced": report.synced, "peers": report.peers, "step_wall_s": report.wall_s,
+                  "compute_s": report.compute_s}
+        if self.config.eval_every and self.rank == 0 and self.step % self.config.eval_every == 0:
+            record["eval_loss"] = float(self.task.evaluate(self.proto.eval_model())["eval_loss"])  # type: ignore[union-attr]
+        self.result.records.append(record)
+
+    def _stop(self, how: str) -> None:
+        self.result.train_end = time.time()
+        self.collect()
+        self.result.status = "killed" if how == "kill" else "left"
+        if self.proto is not None:
+            self.proto.close()
+        if how == "leave":
+            self.node.leave()
+        else:
+            self.node.close()
+
+    def collect(self) -> None:
+        """Copy the node's byte counters and the link counters into the result."""
+        by_topic = sent_by_topic(self.node)
+        self.result.bytes_sent = sum(n for t, n in by_topic.items() if not t.startswith("$"))
+        self.result.bytes_sent_total = sum(by_topic.values())
+        self.result.bytes_received = self.node.stats.total_received()
+        if self.emulator is not None:
+            self.result.links = dataclasses.asdict(self.emulator.counters)
+
+    def close(self) -> None:
+        if self.result.status in ("running", "finished"):
+            self.collect()
+        if self.proto is not None and self.result.status in ("running", "finished"):
+            self.proto.close()
+        self.node.close()
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise SimError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    peers: list[PeerResult]
+    summary: dict[str, Any]
+
+    def write(self, out_dir: str | Path) -> None:
+        """Under `out_dir`: peer-RANK.jsonl (one JSON object per step), peers.json (each
+        peer's final numbers) and summary.json."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob("peer-*.jsonl"):
+            stale.unlink()
+        for peer in self.peers:
+            with open(out / f"peer-{peer.rank}.jsonl", "w") as f:
+                f.writelines(json.dumps(record) + "\n" for record in peer.records)
+        finals = [{k: v for k, v in peer.to_json().items() if k != "records"} for peer in self.peers]
+        (out / "peers.json").write_text(json.dumps(finals, indent=1) + "\n")
+        (out / "summary.json").write_text(json.dumps(self.summary, indent=1) + "\n")
+
+
+ProgressFn = Callable[[int], None]
+
+
+class Simulation:
+    """Runs one simulated swarm to the end. `progress(step)` gets the swarm's furthest step."""
+
+    def __init__(self, config: SimConfig, progress: ProgressFn | None = None) -> None:
+        self.config = config
+        self.progress = progress
+
+    def run(self) -> SimResult:
+        check_config(self.config)
+        if self.config.processes:
+            peers, t0 = run_processes(self.config, self.progress)
+        else:
+            peers, t0 = self._run_threads()
+        return SimResult(self.config, peers, summarize(self.config, peers, t0))
+
+    def _run_threads(self) -> tuple[list[PeerResult], float]:
+        import torch
+
+        from starling.tasks import get_task
+
+        config = self.config
+        task = get_task(config.task, **config.task_options)
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        run_id = uuid.uuid4().hex[:8]
+        ipc_dir = tempfile.mkdtemp(prefix="starling-sim-") if config.transport == "ipc" else ""
+        furthest = [0]
+
+        def on_step(rank: int, step: int) -> None:
+            furthest[0] = max(furthest[0], step)
+
+        def make_peer(rank: int) -> SimPeer:
+            return SimPeer(config, task, rank, endpoint_for(config.transport, rank, ipc_dir, run_id), on_step)
+
+        peers = [make_peer(rank) for rank in range(config.peers)]
+        threads: list[threading.Thread] = []
+        try:
+            address = peers[0].start([])
+            for peer in peers[1:]:
+                peer.start([address])
+            wait_for(lambda: all(len(p.node.live_peers()) == config.peers - 1 for p in peers),
+                     config.ready_timeout_s, f"{config.peers} peers to see each other")
+            for peer in peers:
+                peer.create_protocol()
+            t0 = time.time()
+            for peer in peers:
+                threads.append(threading.Thread(target=peer.train, args=(t0,), name=f"sim-peer-{peer.rank}", daemon=True))
+                threads[-1].start()
+            joins = sorted((e for e in config.churn if e.kind == "join"), key=lambda e: e.step)
+            while any(t.is_alive() for t in threads):
+                while joins and furthest[0] >= joins[0].step:
+                    for _ in range(joins.pop(0).count):
+                        live = [p for p in peers if p.result.status in ("running", "finished") and p.proto]
+                        joiner = make_peer(len(peers))
+                        peers.append(joiner)
+                        threads.append(threading.Thread(target=self._join, args=(joiner, live, t0),
+                                                        name=f"sim-peer-{joiner.rank}", daemon=True))
+                        threads[-1].start()
+                if self.progress is not None:
+                    self.progress(furthest[0])
+                time.sleep(0.05)
+            if self.progress is not None:
+                self.progress(furthest[0])
+            return [p.result for p in peers], t0
+        finally:
+            for peer in peers:
+                peer.close()
+            torch.set_num_threads(threads_before)
+
+    def _join(self, joiner: SimPeer, live: list[SimPeer], t0: float) -> None:
+        try:
+            joiner.start([p.node.address for p in live])
+            expected = {p.node.peer_id for p in live if p.result.status == "running"}
+            try:
+                wait_for(lambda: expected <= set(joiner.node.live_peers()), 5.0, "the joiner to see the swarm")
+            except SimError:
+                log.warning("joiner %d sees only part of the swarm; going on", joiner.rank)
+            joiner.create_protocol()
+            joiner.fetch_state()
+        except Exception as exc:
+            log.exception("peer %d could not join", joiner.rank)
+            joiner.result.status, joiner.result.error = "failed", f"{type(exc).__name__}: {exc}"
+            return
+        joiner.train(t0)
+
+
+def summarize(config: SimConfig, peers: list[PeerResult], t0: float) -> dict[str, Any]:
+    """The run's headline numbers (see the CLI's --json)."""
+    failed = [p for p in peers if p.status == "failed"]
+    if failed:
+        raise SimError(f"peer {failed[0].rank} failed: {failed[0].error}")
+    finished = [p for p in peers if p.status == "finished"]
+    if not finished:
+        raise SimError("no peer finished the run")
+    tails = []
+    for p in finished:
+        losses = [r["loss"] for r in p.records]
+        tail = losses[-max(1, len(losses) // 10):]
+        if tail:
+            tails.append(sum(tail) / len(tail))
+    evals = [p.eval_loss for p in finished if p.eval_loss is not None]
+    links = {k: sum(p.links.get(k, 0) for p in peers) for k in ("dropped", "admitted", "delay_s")}
+    return {
+        **config.describe(),
+        "train_loss": sum(tails) / len(tails) if tails else None,
+        "eval_loss": sum(evals) / len(evals) if evals else None,
+        "eval_loss_peer0": next((p.eval_loss for p in finished if p.rank == 0), None),
+        "bytes_sent_per_peer": sum(p.bytes_sent for p in peers) / len(peers),
+        "bytes_sent_per_peer_total": sum(p.bytes_sent_total for p in peers) / len(peers),
+        "wall_s": max(p.train_end for p in peers) - t0,
+        "final_peers": len(finished),
+        "peer_status": {str(p.rank): p.status for p in peers},
+        "messages_dropped": int(links["dropped"]),
+        "link_delay_s_per_peer": links["delay_s"] / len(peers),
+    }
+
+
+# ---------------------------------------------------------------- one OS process per peer
+@dataclass
+class _ProcessLink:
+    """What the parent shares with every peer process."""
+
+    queue: Any  # child -> parent: ("address", rank, addr) | ("ready", rank) | ("step", rank, n) | ("result", rank, PeerResult)
+    start: Any  # set when training starts; t0 holds its time.time()
+    stop: Any  # set when every peer is done, so none disappears while others still train
+    t0: Any
+    ipc_dir: str
+
+
+def _peer_process(config: SimConfig, rank: int, join: list[str], link: _ProcessLink, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from starling.tasks import get_task
+
+    peer = SimPeer(config, get_task(config.task, **config.task_options), rank,
+                   endpoint_for(config.transport, rank, link.ipc_dir, ""),
+                   on_step=lambda r, step: link.queue.put(("step", r, step)))
+    try:
+        link.queue.put(("address", rank, peer.start(join)))
+        if rank < config.peers:
+            wait_for(lambda: len(peer.node.live_peers()) >= config.peers - 1, config.ready_timeout_s,
+                     f"{config.peers} peers to see each other")
+            peer.create_protocol()
+            link.queue.put(("ready", rank))
+            link.start.wait()
+        else:
+            time.sleep(4 * config.liveness.heartbeat_interval_s)  # learn the rest of the table
+            peer.create_protocol()
+            peer.fetch_state()
+        peer.train(link.t0.value)
+        if peer.result.status == "finished":
+            peer.collect()
+    except Exception as exc:
+        log.exception("peer process %d failed", rank)
+        peer.result.status, peer.result.error = "failed", f"{type(exc).__name__}: {exc}"
+    link.queue.put(("result", rank, peer.result))
+    if peer.result.status == "finished":
+        link.stop.wait(config.ready_timeout_s + 600)
+    peer.close()
+
+
+def run_processes(config: SimConfig, progress: ProgressFn | None) -> tuple[list[PeerResult], float]:
+    """Spawn one process per peer (tcp/ipc on loopback) and collect their results."""
+    ctx = multiprocessing.get_context("spawn")
+    ipc_dir = tempfile.mkdtemp(prefix="starling-sim-") if config.transport == "ipc" else ""
+    link = _ProcessLink(ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Value("d", 0.0), ipc_dir)
+    procs: dict[int, Any] = {}
+    addresses: dict[int, str] = {}
+    results: dict[int, PeerResult] = {}
+    ready: set[int] = set()
+    furthest = 0
+    joins = sorted((e for e in config.churn if e.kind == "join"), key=lambda e: e.step)
+
+    def launch(rank: int, join: list[str]) -> None:
+        procs[rank] = ctx.Process(target=_peer_process, name=f"sim-peer-{rank}", daemon=True,
+                                  args=(config, rank, join, link, logging.getLogger().getEffectiveLevel()))
+        procs[rank].start()
+
+    def pump(timeout_s: float) -> None:
+        nonlocal furthest
+        try:
+            message = link.queue.get(timeout=timeout_s)
+        except queue.Empty:
+            for rank, proc in procs.items():
+                if rank not in results and proc.exitcode is not None:
+                    results[rank] = PeerResult(rank, "", status="failed", error=f"process exited with {proc.exitcode}")
+            return
+        kind, rank = message[0], message[1]
+        if kind == "address":
+            addresses[rank] = message[2]
+        elif kind == "ready":
+            ready.add(rank)
+        elif kind == "step":
+            furthest = max(furthest, message[2])
+        elif kind == "result":
+            results[rank] = message[2]
+
+    def until(cond: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + config.ready_timeout_s
+        while not cond():
+            if results and any(r.status == "failed" for r in results.values()):
+                failed = next(r for r in results.values() if r.status == "failed")
+                raise SimError(f"peer {failed.rank} failed: {failed.error}")
+            if time.monotonic() > deadline:
+                raise SimError(f"timed out after {config.ready_timeout_s:g} s waiting for {what}")
+            pump(0.1)
+
+    try:
+        launch(0, [])
+        until(lambda: 0 in addresses, "peer 0 to start")
+        for rank in range(1, config.peers):
+            launch(rank, [addresses[0]])
+        until(lambda: len(ready) == config.peers, "the peer processes to form a swarm")
+        link.t0.value = t0 = time.time()
+        link.start.set()
+        while len(results) < len(procs):
+            while joins and furthest >= joins[0].step:
+                for _ in range(joins.pop(0).count):
+                    launch(len(procs), [a for r, a in addresses.items() if r not in results or
+                                        results[r].status == "finished"])
+            pump(0.1)
+            if progress is not None:
+                progress(furthest)
+        return [results[rank] for rank in sorted(results)], t0
+    finally:
+        link.stop.set()
+        for proc in procs.values():
+            proc.join(timeout=15)
+            if proc.is_alive():
+                proc.kill()
