@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -119,6 +119,213 @@ def node_status(
     typer.echo(f"  sent {sum(sum(t.values()) for t in stats['bytes_sent'].values())} B, "
                f"received {sum(sum(t.values()) for t in stats['bytes_received'].values())} B, "
                f"rejected {sum(stats['rejected'].values())}")
+
+
+# ---------------------------------------------------------------- simulate and plot
+DEFAULT_SIM_PROTOCOL = "gossip"
+DEFAULT_SIM_STEPS = 60  # the default command (a run plus its allreduce baseline) takes about a minute on 2 cores
+
+
+def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor: Optional[str],
+                 transport: Optional[str], processes: bool, bandwidth: Optional[str], latency_ms: float,
+                 loss: float, churn: Optional[str], seed: int, opt: List[str], lr: Optional[float],
+                 task_opt: List[str], eval_every: int, baseline: str) -> tuple[Any, Any]:
+    """The run's SimConfig and the baseline's (None for --baseline none); ValueError on bad input."""
+    from dataclasses import fields, replace
+
+    from starling.node.links import LinkModel, parse_rate
+    from starling.node.sim import SimConfig, check_config, parse_churn, resolve_protocol
+    from starling.tasks import parse_options
+
+    if latency_ms < 0:
+        raise ValueError(f"--latency must be >= 0 ms, got {latency_ms:g}")
+    if not 0 <= loss < 1:
+        raise ValueError(f"--loss must be in [0, 1), got {loss:g}")
+    link = LinkModel(parse_rate(bandwidth) if bandwidth else None, latency_ms / 1000.0, loss, seed)
+    options: dict[str, Any] = {}
+    for pair in opt:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"protocol option {pair!r} is not of the form NAME=VALUE")
+        options[name.strip()] = value.strip()
+    if lr is not None:
+        options["lr"] = lr
+    config = SimConfig(
+        peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor,
+        transport=transport or ("tcp" if processes else "inproc"), processes=processes, link=link,
+        churn=parse_churn(churn) if churn else (), seed=seed, options=options,
+        task_options=parse_options(task_opt), eval_every=eval_every,
+    )
+    check_config(config)
+    if baseline.lower() == "none":
+        return config, None
+    # The baseline shares the hyper-parameters it knows (lr, timeouts), not the run's compressor.
+    known = {f.name for f in fields(resolve_protocol(baseline).config_class)} - {"compressor"}
+    base = replace(config, protocol=baseline, compressor=None,
+                   options={k: v for k, v in options.items() if k.replace("-", "_") in known})
+    check_config(base)
+    return config, base
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _fmt(value: Optional[float], spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print_table(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    base = summary.get("baseline")
+    table = Table(title=f"starling simulate: {summary['task']}, {summary['steps']} steps")
+    for column in ("protocol", "peers", "train loss", "eval loss", "sent/peer", "vs baseline", "wall s"):
+        table.add_column(column, justify="left" if column == "protocol" else "right", no_wrap=True)
+    rows = [(summary["protocol"], summary)]
+    if base:
+        rows.append((f"{base['protocol']} (baseline)", base))
+    for label, s in rows:
+        ratio = "-"
+        if base and base["bytes_sent_per_peer"]:
+            ratio = f"{s['bytes_sent_per_peer'] / base['bytes_sent_per_peer']:.3g}x"
+        table.add_row(label, str(s["peers"]), _fmt(s["train_loss"]), _fmt(s["eval_loss"]),
+                      _human_bytes(s["bytes_sent_per_peer"]), ratio, f"{s['wall_s']:.1f}")
+    Console(width=None if sys.stdout.isatty() else 120).print(table)
+
+
+@app.command()
+def simulate(
+    peers: int = typer.Option(4, "--peers", help="Simulated peers at the start."),
+    protocol: str = typer.Option(DEFAULT_SIM_PROTOCOL, "--protocol", help="Protocol name (or module:name)."),
+    task: str = typer.Option("charlm", "--task", help="Built-in task name or module:callable."),
+    steps: int = typer.Option(DEFAULT_SIM_STEPS, "--steps", help="Training steps per peer."),
+    compressor: Optional[str] = typer.Option(None, "--compressor", help="Compressor spec, e.g. topk:0.01+int8."),
+    transport: Optional[str] = typer.Option(None, "--transport", help="inproc, ipc or tcp (default inproc; tcp with --processes)."),
+    processes: bool = typer.Option(False, "--processes", help="One OS process per peer (tcp on loopback)."),
+    bandwidth: Optional[str] = typer.Option(None, "--bandwidth", help="Per-link bandwidth, e.g. 100mbit, 10Mbps, 1gbit."),
+    latency_ms: float = typer.Option(0.0, "--latency", help="One-way latency per link, in ms."),
+    loss: float = typer.Option(0.0, "--loss", help="Probability that a protocol message is lost."),
+    churn: Optional[str] = typer.Option(None, "--churn", help="e.g. kill:1@50,leave:2@60,join@80 (STEP = swarm step)."),
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write per-peer metrics (JSON lines) and summary.json here."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+    baseline: str = typer.Option("allreduce", "--baseline", help="Protocol to compare against, or none."),
+    opt: Optional[List[str]] = typer.Option(None, "--opt", help="Protocol option NAME=VALUE (repeatable)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (a protocol option)."),
+    task_opt: Optional[List[str]] = typer.Option(None, "--task-opt", help="Task option NAME=VALUE (repeatable)."),
+    eval_every: int = typer.Option(0, "--eval-every", help="Peer 0 evaluates every N steps (0: at the end only)."),
+    log_level: str = typer.Option("warning", "--log-level"),
+) -> None:
+    """Run a swarm of real nodes on this machine over emulated links and compare it with a baseline."""
+    from starling.node.node import JoinError
+    from starling.node.sim import SimError, Simulation
+    from starling.node.transfer import TransferError
+    from starling.protocols.base import ProtocolError
+
+    _setup_logging(log_level)
+    errors = (SimError, ProtocolError, JoinError, TransferError, *EXPECTED_ERRORS)
+    try:
+        config, base = _sim_configs(
+            peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor, transport=transport,
+            processes=processes, bandwidth=bandwidth, latency_ms=latency_ms, loss=loss, churn=churn, seed=seed,
+            opt=opt or [], lr=lr, task_opt=task_opt or [], eval_every=eval_every, baseline=baseline)
+    except errors as exc:
+        fail(str(exc))
+    runs = [("run", config)] + ([("baseline", base)] if base is not None and base.protocol != config.protocol else [])
+    show_progress = not as_json and sys.stderr.isatty()
+    results = {}
+    try:
+        if show_progress:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            with Progress(console=Console(stderr=True), transient=True) as bar:
+                for label, cfg in runs:
+                    job = bar.add_task(f"{label}: {cfg.protocol}", total=cfg.steps)
+                    results[label] = Simulation(cfg, lambda step, job=job: bar.update(job, completed=step)).run()
+        else:
+            for label, cfg in runs:
+                results[label] = Simulation(cfg).run()
+    except errors as exc:
+        fail(str(exc))
+    summary = dict(results["run"].summary)
+    if base is not None:
+        summary["baseline"] = results["baseline"].summary if "baseline" in results else dict(results["run"].summary)
+    if out is not None:
+        try:
+            results["run"].write(out)
+            if "baseline" in results:
+                results["baseline"].write(out / "baseline")
+            (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        except OSError as exc:
+            fail(f"cannot write results to {out}: {exc}")
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        _print_table(summary)
+
+
+def _load_curve(run_dir: Path) -> tuple[str, list[float], list[float], list[float]]:
+    """(label, mean bytes sent per peer, mean train loss, wall s) per step of one run directory."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(run_dir.glob("peer-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                by_step.setdefault(int(record["step"]), []).append(record)
+    steps = sorted(by_step)
+    mean = lambda rs, key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+    return (f"{summary['protocol']} ({run_dir.name})", [mean(by_step[s], "bytes_sent") for s in steps],
+            [mean(by_step[s], "loss") for s in steps], [max(r["wall_s"] for r in by_step[s]) for s in steps])
+
+
+@app.command()
+def plot(
+    dirs: List[Path] = typer.Argument(..., help="Run directories written by `starling simulate --out`."),
+    out: Optional[Path] = typer.Option(None, "--out", help="PNG to write (default: DIR/plot.png of the first run)."),
+) -> None:
+    """Draw loss versus bytes sent and loss versus wall time for one or more runs."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        fail("plotting needs matplotlib, which is not installed: pip install matplotlib")
+    run_dirs: list[Path] = []
+    for d in dirs:
+        if not (d / "summary.json").is_file():
+            fail(f"{d} is not a simulate --out directory (no summary.json)")
+        run_dirs.append(d)
+        if (d / "baseline" / "summary.json").is_file():
+            run_dirs.append(d / "baseline")
+    try:
+        curves = [_load_curve(d) for d in run_dirs]
+    except (OSError, ValueError, KeyError) as exc:
+        fail(f"cannot read run metrics: {exc}")
+    figure, (by_bytes, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for label, sent, losses, wall in curves:
+        by_bytes.plot([b / 2**20 for b in sent], losses, label=label)
+        by_time.plot(wall, losses, label=label)
+    by_bytes.set(xlabel="MiB sent per peer", ylabel="train loss", title="loss vs bytes sent")
+    by_time.set(xlabel="wall time (s)", ylabel="train loss", title="loss vs wall time")
+    by_bytes.legend()
+    target = out or dirs[0] / "plot.png"
+    try:
+        figure.tight_layout()
+        figure.savefig(target, dpi=120)
+    except OSError as exc:
+        fail(f"cannot write {target}: {exc}")
+    finally:
+        plt.close(figure)
+    typer.echo(str(target))
 
 
 def main() -> None:

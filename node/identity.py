@@ -7,6 +7,7 @@ peer id is derived from the Ed25519 public key, so a peer cannot choose another'
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import os
@@ -123,8 +124,8 @@ class Identity:
     def curve_secret_z85(self) -> bytes:
         return z85.encode(self.curve_secret)
 
-    @property
-    def peer_id(self) -> str:
+    @functools.cached_property
+    def peer_id(self) -> str:  # on every message's header: derive once
         return peer_id_from_key(self.verify_key)
 
     def sign(self, data: bytes) -> bytes:

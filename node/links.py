@@ -98,8 +98,10 @@ class LinkEmulator:
     """The outgoing links of one node. Use one emulator per node (its `shaper`)."""
 
     def __init__(self, model: LinkModel, *, seed: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, unreachable: set[str] | None = None) -> None:
         self.model = model
+        # Peers whose host is gone (the simulator's crashed peers): what is sent to them is lost.
+        self.unreachable = unreachable if unreachable is not None else set()
         self.counters = LinkCounters()
         self._rng = random.Random(model.seed if seed is None else seed)
         self._clock = clock
@@ -115,6 +117,10 @@ class LinkEmulator:
         return departure + self.model.latency_s - now, lost
 
     async def admit(self, peer: str, nbytes: int) -> bool:
+        if peer in self.unreachable:
+            self.counters.dropped += 1
+            self.counters.bytes_dropped += nbytes
+            return False
         wait_s, lost = self.schedule(peer, nbytes)
         if wait_s > 0:
             await asyncio.sleep(wait_s)

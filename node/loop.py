@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Enough for 64+ fully meshed nodes in one process (one ROUTER plus one DEALER per peer).
-MAX_SOCKETS_PER_PROCESS = 65536
+MAX_SOCKETS_PER_PROCESS = 8192
 
 
 class NetworkThread:

@@ -224,15 +224,20 @@ class Node:
             try:
                 self._net.run(self._aleave(), timeout_s=self.config.leave_timeout_s + 5)
             except Exception as exc:
-                log.warning("leave announcement incomplete: %s", exc)
+                log.warning("leave announcement incomplete: %r", exc)
         self.close()
 
     async def _aleave(self) -> None:
         assert self.record is not None
         stmt = leave_statement(self.peer_id, self.record.incarnation)
         body = [self.record.incarnation, self.identity.sign(stmt)]
-        sends = [self._asend_raw(p.peer_id, LEAVE, body) for p in self._table.live()]
-        await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), self.config.leave_timeout_s)
+        sends = [asyncio.ensure_future(self._asend_raw(p.peer_id, LEAVE, body, timeout_s=self.config.leave_timeout_s))
+                 for p in self._table.live()]
+        if sends:
+            done, _ = await asyncio.wait(sends, timeout=self.config.leave_timeout_s)
+            failed = sum(1 for t in sends if t not in done or t.exception() is not None)
+            if failed:
+                log.warning("%s: leave not delivered to %d of %d peers", self.peer_id, failed, len(sends))
 
     def close(self) -> None:
         if self._state == "closed":
@@ -394,8 +399,10 @@ class Node:
         responder = self._accept_hello_reply(reply.body)
         if curve_key is not None and responder.curve_key != curve_key:
             raise JoinError(f"{endpoint} answered with a record for a different key")
-        greet = [p.peer_id for p in self._table.live() if p.peer_id != responder.peer_id]
-        await asyncio.gather(*(self._greet(pid) for pid in greet), return_exceptions=True)
+        # Greet the others in the background: a peer that just died must not hold up start().
+        for p in self._table.live():
+            if p.peer_id != responder.peer_id:
+                self._spawn(self._greet(p.peer_id))
 
     def _accept_hello_reply(self, body: Any) -> PeerRecord:
         if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
@@ -490,7 +497,12 @@ class Node:
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("%s: background task failed: %s", self.peer_id, task.exception())
 
     # ---------------------------------------------------------------- receiving
     def _reject(self, reason: RejectReason, detail: str) -> None:

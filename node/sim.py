@@ -250,15 +250,17 @@ class SimPeer:
     """One simulated peer: a node, a protocol over a fresh model, and its training loop."""
 
     def __init__(self, config: SimConfig, task: Task, rank: int, listen: str,
-                 on_step: Callable[[int, int], None] | None = None) -> None:
+                 on_step: Callable[[int, int], None] | None = None, crashed: set[str] | None = None) -> None:
         self.config, self.task, self.rank = config, task, rank
         self.listen = listen
         self.on_step = on_step or (lambda rank, step: None)
         self.node = Node(config=NodeConfig(liveness=config.liveness, join_timeout_s=config.join_timeout_s,
                                            transport=TransportConfig(send_timeout_s=config.send_timeout_s)))
         self.emulator: LinkEmulator | None = None
-        if not config.link.is_ideal:
-            self.emulator = LinkEmulator(config.link, seed=config.link.seed * 1_000_003 + rank)
+        self.crashed = crashed if crashed is not None else set()
+        if not config.link.is_ideal or any(e.kind == "kill" for e in config.churn):
+            self.emulator = LinkEmulator(config.link, seed=config.link.seed * 1_000_003 + rank,
+                                         unreachable=self.crashed)
             self.node.shaper = self.emulator
         self.proto: Protocol | None = None
         self.result = PeerResult(rank, self.node.peer_id)
@@ -348,6 +350,10 @@ class SimPeer:
         if how == "leave":
             self.node.leave()
         else:
+            # A crashed host swallows what is sent to it. In one process the other peers' links
+            # learn of the crash at once (sends are dropped instead of piling up on a dead socket);
+            # their failure detectors still find out only through missed heartbeats.
+            self.crashed.add(self.node.peer_id)
             self.node.close()
 
     def collect(self) -> None:
@@ -426,12 +432,14 @@ class Simulation:
         run_id = uuid.uuid4().hex[:8]
         ipc_dir = tempfile.mkdtemp(prefix="starling-sim-") if config.transport == "ipc" else ""
         furthest = [0]
+        crashed: set[str] = set()
 
         def on_step(rank: int, step: int) -> None:
             furthest[0] = max(furthest[0], step)
 
         def make_peer(rank: int) -> SimPeer:
-            return SimPeer(config, task, rank, endpoint_for(config.transport, rank, ipc_dir, run_id), on_step)
+            return SimPeer(config, task, rank, endpoint_for(config.transport, rank, ipc_dir, run_id), on_step,
+                           crashed)
 
         peers = [make_peer(rank) for rank in range(config.peers)]
         threads: list[threading.Thread] = []

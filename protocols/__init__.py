@@ -5,5 +5,8 @@ from starling.protocols.base import (
     LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, get_protocol, register, registered_protocols,
 )
 
+# Importing a protocol module registers it by name.
+from starling.protocols import allreduce, gossip  # noqa: E402,F401
+
 __all__ = ["LossFn", "Protocol", "ProtocolConfig", "ProtocolError", "StepReport", "get_protocol",
            "register", "registered_protocols"]

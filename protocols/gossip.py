@@ -1,0 +1,356 @@
+"""`gossip`: decentralized SGD with gossip averaging, asynchronous, no global rounds.
+
+Exact pairwise averaging (compressor "none"), every `local_steps` local SGD steps:
+
+    members = sorted(live peers + me); N = neighbours(topology, members, me)
+    for j in fanout random picks from N:
+        send x_i to j ("gossip.pull")                     # j, under its training lock:
+                                                          #   s_j = x_j; x_j += mixing (x_i - s_j)
+        receive s_j;  x_i += mixing (s_j - x_i)           #   reply s_j
+    the two updates are exact negatives of each other, so the swarm mean is preserved
+    (mixing = 0.5 makes both sides the pair's mean); a busy or dead neighbour is skipped.
+
+CHOCO-SGD (Koloskova et al. 2019) with a compressor, every `local_steps` steps:
+
+    apply every neighbour's q_j received so far:   x_hat_j += q_j
+    q_i = Q(x_i - x_hat_i);  x_hat_i += q_i;  send q_i to every neighbour ("gossip.choco")
+    x_i += mixing * sum_j w_ij (x_hat_j - x_hat_i)        # w: Metropolis-Hastings weights
+
+x_i - x_hat_i is what compression has not yet delivered; it is sent in later rounds, so it
+acts as the error feedback. A neighbour's x_hat_j stays exact because q's from one peer
+arrive in order; a neighbour first gets a full copy of x_hat, and asks for one again
+("gossip.resync") when it sees a gap.
+
+Topologies over the sorted members: complete; ring (i +- 1); torus (2-D grid with wrap,
+rows = the largest divisor of n not above sqrt(n)); exponential (i +- 2^k). All are symmetric.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import math
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from starling.compressors import decode
+from starling.node.node import Node
+from starling.node.rpc import Reply, RequestTimeout
+from starling.node.wire import Message
+from starling.protocols._exchange import (
+    ByteMeter, FlatModel, check_compressor_spec, make_codec, make_optimizer, membership, optimizer_state,
+    packet_from_wire, watch_peers,
+)
+from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
+
+log = logging.getLogger(__name__)
+
+PULL_TOPIC, CHOCO_TOPIC, RESYNC_TOPIC = "gossip.pull", "gossip.choco", "gossip.resync"
+UNDO_TOPIC = "gossip.undo"
+TOPOLOGIES = ("complete", "ring", "torus", "exponential")
+_LOCK_POLL_S = 0.002
+
+
+@dataclass(frozen=True)
+class GossipConfig(ProtocolConfig):
+    topology: str = "complete"  # complete | ring | torus | exponential
+    local_steps: int = 1  # local SGD steps between gossip exchanges
+    fanout: int = 1  # neighbours averaged with per exchange (exact mode)
+    mixing: float = 0.5  # exact: step toward the neighbour (0.5 = pair mean); CHOCO: consensus gamma
+    optimizer: str = "sgd"  # sgd | adamw
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    pull_timeout_s: float = 5.0  # a neighbour that has not answered by then is skipped
+
+    def __post_init__(self) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if self.local_steps < 1:
+            raise ValueError(f"local_steps must be >= 1, got {self.local_steps}")
+        if self.fanout < 1:
+            raise ValueError(f"fanout must be >= 1, got {self.fanout}")
+        if not 0.0 < self.mixing <= 1.0:
+            raise ValueError(f"mixing must be in (0, 1], got {self.mixing}")
+        if self.optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
+        if not self.lr >= 0.0 or not 0.0 <= self.momentum < 1.0 or self.weight_decay < 0.0:
+            raise ValueError("need lr >= 0, 0 <= momentum < 1, weight_decay >= 0")
+        if not self.pull_timeout_s > 0.0:
+            raise ValueError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
+        check_compressor_spec(self.compressor)
+
+
+def neighbours(topology: str, members: tuple[str, ...], me: str) -> list[str]:
+    """`me`'s neighbours in `topology` over the sorted member list (never `me` itself)."""
+    n, i = len(members), members.index(me)
+    if topology == "complete":
+        idx = set(range(n))
+    elif topology == "ring":
+        idx = {(i - 1) % n, (i + 1) % n}
+    elif topology == "torus":
+        rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+        cols = n // rows
+        r, c = divmod(i, cols)
+        idx = {((r - 1) % rows) * cols + c, ((r + 1) % rows) * cols + c,
+               r * cols + (c - 1) % cols, r * cols + (c + 1) % cols}
+    elif topology == "exponential":
+        idx = {(i + s * 2**k) % n for k in range(max(n - 1, 1).bit_length()) for s in (1, -1)}
+    else:
+        raise ProtocolError(f"unknown topology {topology!r}")
+    idx.discard(i)
+    return [members[j] for j in sorted(idx)]
+
+
+@register
+class Gossip(Protocol):
+    name = "gossip"
+    config_class = GossipConfig
+    config: GossipConfig
+
+    def __init__(self, node: Node, model: nn.Module, config: GossipConfig) -> None:
+        super().__init__(node, model, config)
+        self.flat = FlatModel(model)
+        self.optimizer = make_optimizer(self.flat.params, config.optimizer, config.lr,
+                                        config.momentum, config.weight_decay)
+        # Held by the training thread while it computes or writes parameters, and by the
+        # pull handler while it averages: parameters never change under a backward pass.
+        self._params_lock = threading.Lock()
+        self._rng = random.Random(int.from_bytes(hashlib.sha256(node.peer_id.encode()).digest()[:8], "little"))
+        self.meter = ByteMeter(node, "gossip.")
+        self.codec, _ = make_codec(config.compressor)
+        self.choco = self.codec.spec != "none"
+        # CHOCO state (training thread, except the inbox and the resync set).
+        self.x_hat = torch.zeros(self.flat.numel) if self.choco else None
+        self._hats: dict[str, torch.Tensor] = {}
+        self._next_seq_in: dict[str, int] = {}
+        self._seq_out = 0
+        self._inbox: deque[tuple[str, dict[str, Any], tuple[torch.Tensor, ...]]] = deque()
+        self._has_my_hat: set[str] = set()
+        self._hat_lock = threading.Lock()  # guards _has_my_hat (the network thread clears entries)
+        self._open = True
+        node.on(PULL_TOPIC, self._on_pull)
+        node.on(CHOCO_TOPIC, self._on_choco)
+        node.on(RESYNC_TOPIC, self._on_resync)
+        node.on(UNDO_TOPIC, self._on_undo)
+        # The half-exchange last applied for each requester, so that a requester whose
+        # reply came too late can ask for it back and the swarm mean stays exact.
+        self._applied: dict[str, tuple[int, torch.Tensor]] = {}
+        self._exchange_ids = itertools.count(1)
+        self._cancelled: dict[str, Any] = {}
+        watch_peers(node, self.on_peer_joined, self.on_peer_left, lambda: self._open)
+
+    # ------------------------------------------------------------------ training thread
+    def step(self, loss_fn: LossFn) -> StepReport:
+        if not self._open:
+            raise ProtocolError("gossip: step() after close()")
+        start = time.monotonic()
+        with self._params_lock:
+            self.optimizer.zero_grad(set_to_none=False)
+            loss = loss_fn()
+            loss.backward()
+            self.optimizer.step()
+        compute_s = time.monotonic() - start
+        t = self.step_count
+        self.step_count += 1
+        partners: list[str] = []
+        lost: list[str] = []
+        if self.step_count % self.config.local_steps == 0:
+            members = membership(self.node)
+            nbrs = neighbours(self.config.topology, members, self.node.peer_id) if len(members) > 1 else []
+            if self.choco:
+                partners = self._choco_round(members, nbrs)
+            else:
+                partners, lost = self._pull_round(t, nbrs)
+        sent, received = self.meter.take()
+        return StepReport(step=t, loss=float(loss.detach()), bytes_sent=sent, bytes_received=received,
+                          synced=bool(partners), peers=1 + len(partners), lost_peers=tuple(lost),
+                          wall_s=time.monotonic() - start, compute_s=compute_s)
+
+    def _pull_round(self, t: int, nbrs: list[str]) -> tuple[list[str], list[str]]:
+        """Exact pairwise averaging with up to `fanout` random neighbours, one after another."""
+        partners, lost = [], []
+        for j in self._rng.sample(nbrs, min(self.config.fanout, len(nbrs))):
+            with self._params_lock:
+                mine = self.flat.read_params()
+            xid = next(self._exchange_ids)
+            try:
+                msg = self.node.request(j, PULL_TOPIC, {"step": t, "xid": xid}, [mine],
+                                        timeout_s=self.config.pull_timeout_s)
+            except Exception as exc:  # dead, gone, or not running gossip yet
+                log.info("%s: gossip with %s skipped: %s", self.node.peer_id, j, exc)
+                if isinstance(exc, RequestTimeout):
+                    # j may have applied its half already: ask for it back
+                    self.node.send(j, UNDO_TOPIC, {"xid": xid})
+                if "no handler" not in str(exc):
+                    lost.append(j)
+                continue
+            theirs = msg.payload[0] if msg.payload else None
+            if not (isinstance(msg.body, dict) and msg.body.get("ok")) or not _same_shape(theirs, mine):
+                log.debug("%s: %s declined to gossip: %s", self.node.peer_id, j, msg.body)
+                continue
+            delta = (theirs.reshape(-1) - mine).mul_(self.config.mixing)  # exactly minus what j applied
+            with self._params_lock:
+                self.flat.add_to_params(delta)
+            partners.append(j)
+        return partners, lost
+
+    def _choco_round(self, members: tuple[str, ...], nbrs: list[str]) -> list[str]:
+        assert self.x_hat is not None
+        self._drain_inbox()
+        with self._params_lock:
+            x = self.flat.read_params()
+        packet = self.codec.encode(x - self.x_hat)
+        self.x_hat.add_(decode(packet).reshape(-1))
+        seq, self._seq_out = self._seq_out, self._seq_out + 1
+        sends = []
+        for j in nbrs:
+            with self._hat_lock:
+                full = j not in self._has_my_hat
+                self._has_my_hat.add(j)
+            if full:  # first contact (or after a gap): the whole public copy, once
+                body, payload = {"seq": seq, "full": True}, (self.x_hat.clone(),)
+            else:
+                body, payload = {"seq": seq, "full": False, "packet": packet.header}, packet.buffers
+            sends.append((j, self.node.send(j, CHOCO_TOPIC, body, payload)))
+        for j, fut in sends:
+            try:
+                fut.result(self.config.pull_timeout_s)
+            except Exception as exc:
+                log.info("%s: CHOCO update to %s not sent: %s", self.node.peer_id, j, exc)
+                with self._hat_lock:
+                    self._has_my_hat.discard(j)
+        # x_i += gamma * sum_j w_ij (x_hat_j - x_hat_i), over neighbours whose copy we hold
+        degree = {p: len(neighbours(self.config.topology, members, p)) for p in [self.node.peer_id, *nbrs]}
+        mix = torch.zeros_like(self.x_hat)
+        used = []
+        for j in nbrs:
+            hat = self._hats.get(j)
+            if hat is not None and hat.numel() == mix.numel():
+                w = 1.0 / (1 + max(degree[self.node.peer_id], degree[j]))
+                mix.add_(hat - self.x_hat, alpha=w)
+                used.append(j)
+        with self._params_lock:
+            self.flat.add_to_params(mix.mul_(self.config.mixing))
+        return used
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            sender, body, payload = self._inbox.popleft()
+            try:
+                seq = int(body["seq"])
+                if body.get("full"):
+                    hat = payload[0].reshape(-1).to(torch.float32, copy=True)
+                    if hat.numel() != self.flat.numel:
+                        raise ValueError(f"{hat.numel()} values for {self.flat.numel} parameters")
+                    self._hats[sender] = hat
+                elif sender in self._hats and self._next_seq_in.get(sender) == seq:
+                    self._hats[sender].add_(decode(packet_from_wire(body.get("packet"), payload)).reshape(-1))
+                else:
+                    raise ValueError(f"update {seq} does not follow {self._next_seq_in.get(sender)}")
+                self._next_seq_in[sender] = seq + 1
+            except Exception as exc:  # a gap or a bad packet: forget the copy, ask for a full one
+                log.info("%s: resync public copy of %s: %s", self.node.peer_id, sender, exc)
+                self._hats.pop(sender, None)
+                self._next_seq_in.pop(sender, None)
+                self.node.send(sender, RESYNC_TOPIC, {})
+
+    # ------------------------------------------------------------------ network thread
+    async def _on_pull(self, msg: Message) -> Reply | dict[str, Any]:
+        """Average with a requester: apply my half of the exchange, reply my parameters."""
+        theirs = msg.payload[0] if len(msg.payload) == 1 else None
+        if not self._open:
+            return {"ok": False, "reason": "closed"}
+        if not isinstance(theirs, torch.Tensor) or theirs.dtype != torch.float32 or theirs.numel() != self.flat.numel:
+            return {"ok": False, "reason": f"expected {self.flat.numel} float32 parameters"}
+        if not bool(torch.isfinite(theirs).all()):
+            return {"ok": False, "reason": "non-finite parameters"}
+        deadline = time.monotonic() + self.config.pull_timeout_s / 2
+        while not self._params_lock.acquire(blocking=False):  # never block the network thread
+            if time.monotonic() > deadline:
+                return {"ok": False, "reason": "busy"}
+            await asyncio.sleep(_LOCK_POLL_S)
+        xid = msg.body.get("xid") if isinstance(msg.body, dict) else None
+        if xid is not None and self._cancelled.get(msg.sender) == xid:
+            self._params_lock.release()
+            return {"ok": False, "reason": "cancelled by the requester"}
+        try:
+            mine = self.flat.read_params()
+            delta = (theirs.reshape(-1) - mine).mul_(self.config.mixing)
+            self.flat.add_to_params(delta)
+            if isinstance(xid, int):
+                self._applied[msg.sender] = (xid, delta)
+        finally:
+            self._params_lock.release()
+        return Reply({"ok": True}, (mine,))
+
+    async def _on_undo(self, msg: Message) -> None:
+        """Take back the half-exchange a timed-out requester never completed."""
+        xid = msg.body.get("xid") if isinstance(msg.body, dict) else None
+        applied = self._applied.get(msg.sender)
+        if applied is None or applied[0] != xid:
+            self._cancelled[msg.sender] = xid  # the pull has not been applied yet: never apply it
+            return
+        while not self._params_lock.acquire(blocking=False):  # never block the network thread
+            await asyncio.sleep(_LOCK_POLL_S)
+        try:
+            if self._applied.get(msg.sender) is applied:
+                del self._applied[msg.sender]
+                self.flat.add_to_params(-applied[1])
+        finally:
+            self._params_lock.release()
+
+    def _on_choco(self, msg: Message) -> None:
+        if isinstance(msg.body, dict) and self._open:
+            payload = tuple(p.clone() if isinstance(p, torch.Tensor) else torch.frombuffer(bytearray(p), dtype=torch.uint8)
+                            for p in msg.payload)
+            self._inbox.append((msg.sender, msg.body, payload))
+
+    def _on_resync(self, msg: Message) -> None:
+        with self._hat_lock:
+            self._has_my_hat.discard(msg.sender)
+
+    # ------------------------------------------------------------------ hooks and state
+    def on_peer_joined(self, peer_id: str) -> None:
+        with self._hat_lock:  # it may have lost our public copy while away
+            self._has_my_hat.discard(peer_id)
+
+    def on_peer_left(self, peer_id: str) -> None:
+        with self._hat_lock:
+            self._has_my_hat.discard(peer_id)
+
+    def consensus_vector(self) -> torch.Tensor:
+        """This peer's parameters as one float32 vector (for measuring consensus)."""
+        with self._params_lock:
+            return self.flat.read_params()
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._params_lock:
+            state = super().state_dict()
+            state["optimizer"] = optimizer_state(self.optimizer)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        with self._params_lock:
+            super().load_state_dict(state)
+            if "optimizer" in state:
+                self.optimizer.load_state_dict(state["optimizer"])
+
+    def close(self) -> None:
+        self._open = False
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "step": self.step_count, "mode": "choco" if self.choco else "exact",
+                "parameters": self.flat.numel}
+
+
+def _same_shape(theirs: Any, mine: torch.Tensor) -> bool:
+    return (isinstance(theirs, torch.Tensor) and theirs.dtype == mine.dtype and theirs.numel() == mine.numel()
+            and bool(torch.isfinite(theirs).all()))

@@ -1,0 +1,120 @@
+"""`starling simulate` and `starling plot` in-process: JSON summary, output files, the baseline
+table, and one-line errors for bad input."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from starling.cli.main import app
+from starling.protocols.base import Protocol, ProtocolConfig, StepReport, register, registered_protocols
+
+runner = CliRunner()
+
+
+@dataclass(frozen=True)
+class QuietConfig(ProtocolConfig):
+    lr: float = 0.1
+    note: str = ""  # a protocol-specific option the baseline does not know
+
+
+class QuietSGD(Protocol):
+    """Test-only local SGD that never sends anything."""
+
+    name = "test-quiet"
+    config_class = QuietConfig
+
+    def step(self, loss_fn) -> StepReport:
+        loss = loss_fn()
+        self.model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p -= self.config.lr * p.grad
+        self.step_count += 1
+        return StepReport(step=self.step_count, loss=loss.item())
+
+
+if "test-quiet" not in registered_protocols():
+    register(QuietSGD)
+
+TINY = ["--protocol", "test-quiet", "--task", "quadratic", "--task-opt", "dim=32", "--peers", "2", "--steps", "3"]
+FIELDS = ("protocol", "peers", "steps", "task", "train_loss", "eval_loss", "bytes_sent_per_peer", "wall_s")
+
+
+def test_json_summary_has_the_documented_fields():
+    result = runner.invoke(app, ["simulate", *TINY, "--json", "--baseline", "none", "--lr", "0.2",
+                                 "--opt", "note=hello"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    for key in FIELDS:
+        assert key in summary, key
+    assert (summary["protocol"], summary["peers"], summary["steps"], summary["task"]) == ("test-quiet", 2, 3, "quadratic")
+    assert summary["bytes_sent_per_peer"] == 0 and "baseline" not in summary
+    assert summary["options"] == {"note": "hello", "lr": 0.2} and summary["task_options"] == {"dim": "32"}
+
+
+@pytest.mark.slow
+def test_baseline_runs_with_the_same_task_and_steps_and_files_are_written(tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["simulate", *TINY, "--json", "--baseline", "allreduce", "--opt", "note=x",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    base = summary["baseline"]
+    for key in FIELDS:
+        assert key in base, key
+    assert (base["protocol"], base["task"], base["steps"], base["peers"]) == ("allreduce", "quadratic", 3, 2)
+    assert base["bytes_sent_per_peer"] > 0 and base["options"] == {}  # "note" is not an allreduce option
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert len((out / "peer-0.jsonl").read_text().splitlines()) == 3
+    assert json.loads((out / "baseline" / "summary.json").read_text())["protocol"] == "allreduce"
+    assert (out / "baseline" / "peer-1.jsonl").is_file()
+
+    table = runner.invoke(app, ["simulate", *TINY, "--baseline", "allreduce"])
+    assert table.exit_code == 0, table.output
+    assert "test-quiet" in table.stdout and "allreduce" in table.stdout and "vs baseline" in table.stdout
+    assert "0x" in table.stdout  # test-quiet sends nothing: 0x the baseline's bytes
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--protocol", "no-such-protocol"], "unknown protocol"),
+    (["--baseline", "no-such-protocol"], "unknown protocol"),
+    (["--task", "no-such-task"], "unknown task"),
+    (["--bandwidth", "fast"], "bandwidth"),
+    (["--churn", "kill@3"], "churn"),
+    (["--churn", "kill:7@1"], "ranks run"),
+    (["--peers", "0"], "peers"),
+    (["--loss", "1.5"], "--loss"),
+    (["--latency", "-3"], "--latency"),
+    (["--opt", "novalue"], "NAME=VALUE"),
+    (["--opt", "bogus=1"], "bogus"),
+    (["--task-opt", "dim=many"], "dim"),
+    (["--transport", "udp"], "transport"),
+    (["--processes", "--transport", "inproc"], "processes"),
+])
+def test_bad_input_is_one_clear_line(args, needle):
+    result = runner.invoke(app, ["simulate", *TINY, "--baseline", "none", *args])
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("starling: error:") and needle in lines[0], result.output
+
+
+def test_plot_needs_a_run_directory(tmp_path):
+    result = runner.invoke(app, ["plot", str(tmp_path)])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    needle = "pip install matplotlib" if importlib.util.find_spec("matplotlib") is None else "summary.json"
+    assert needle in result.output
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib not installed")
+def test_plot_draws_a_png_of_runs(tmp_path):
+    assert runner.invoke(app, ["simulate", *TINY, "--json", "--baseline", "none", "--out", str(tmp_path / "a")]).exit_code == 0
+    result = runner.invoke(app, ["plot", str(tmp_path / "a"), "--out", str(tmp_path / "p.png")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,189 @@
+"""allreduce: the exact mean of gradients, bytes, failures, membership disagreement."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import wait_until
+from starling.protocols import get_protocol
+from starling.protocols.allreduce import shard_bounds
+
+LR = 0.1
+
+
+def swarm(make_node, n: int) -> list:
+    nodes = [make_node("inproc")]
+    nodes += [make_node("inproc", join=[nodes[0].address]) for _ in range(n - 1)]
+    for node in nodes:
+        assert wait_until(lambda node=node: len(node.live_peers()) == n - 1)
+    return nodes
+
+
+def in_parallel(fns: list) -> list:
+    with ThreadPoolExecutor(len(fns)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(fn) for fn in fns]]
+
+
+def linear() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(5, 3)
+
+
+def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g) * (rank + 1)
+
+
+def loss_of(model: nn.Module, rank: int) -> torch.Tensor:
+    x, y = batch(rank)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def expected_after_one_step(world: int) -> list[torch.Tensor]:
+    """Parameters after one SGD step on the gradient averaged over every peer's batch."""
+    grads = []
+    for rank in range(world):
+        model = linear()
+        loss_of(model, rank).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    model = linear()
+    return [p.detach() - LR * torch.stack(gs).mean(0) for p, gs in zip(model.parameters(), zip(*grads))]
+
+
+def test_shard_bounds_cover_the_vector():
+    assert shard_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert shard_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+def test_one_step_equals_sgd_on_the_exact_mean_gradient(make_node):
+    world = 4
+    nodes = swarm(make_node, world)
+    protos = [get_protocol("allreduce").create(n, linear(), {"lr": LR}) for n in nodes]
+    reports = in_parallel([lambda r=r: protos[r].step(lambda: loss_of(protos[r].model, r)) for r in range(world)])
+    expected = expected_after_one_step(world)
+    for proto, report in zip(protos, reports):
+        assert report.synced and report.peers == world and report.lost_peers == ()
+        for p, e in zip(proto.model.parameters(), expected):
+            torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-6)
+
+
+def test_each_peer_sends_about_two_vectors_times_p_minus_1_over_p(make_node):
+    world, dim = 4, 4000
+    nodes = swarm(make_node, world)
+    models = [nn.Linear(dim, 1, bias=False) for _ in range(world)]
+    protos = [get_protocol("allreduce").create(n, m, {}) for n, m in zip(nodes, models)]
+    x = torch.randn(2, dim)
+    reports = in_parallel([lambda r=r: protos[r].step(lambda: models[r](x).sum()) for r in range(world)])
+    ideal = 2 * (world - 1) / world * dim * 4
+    for report in reports:
+        assert ideal <= report.bytes_sent <= ideal * 1.1, report
+        assert ideal <= report.bytes_received <= ideal * 1.1, report
+
+
+def test_compressed_replicas_stay_identical_and_near_exact(make_node):
+    world = 3
+    nodes = swarm(make_node, world)
+    protos = [get_protocol("allreduce").create(n, linear(), {"lr": LR, "compressor": "fp16"}) for n in nodes]
+    in_parallel([lambda r=r: protos[r].step(lambda: loss_of(protos[r].model, r)) for r in range(world)])
+    expected = expected_after_one_step(world)
+    for proto in protos[1:]:
+        for a, b in zip(proto.model.parameters(), protos[0].model.parameters()):
+            assert torch.equal(a, b)
+    for p, e in zip(protos[0].model.parameters(), expected):
+        torch.testing.assert_close(p.detach(), e, rtol=0, atol=1e-3)
+
+
+def test_alone_it_is_local_sgd(make_node):
+    proto = get_protocol("allreduce").create(make_node("inproc"), linear(), {"lr": LR, "momentum": 0.9})
+    report = proto.step(lambda: loss_of(proto.model, 0))
+    assert not report.synced and report.peers == 1 and report.bytes_sent == 0
+    for p, e in zip(proto.model.parameters(), expected_after_one_step(1)):
+        torch.testing.assert_close(p.detach(), e)
+
+
+def test_owner_not_up_yet_gets_the_part_when_it_starts(make_node):
+    """A peer whose protocol starts late is retried, not dropped."""
+    a, b = swarm(make_node, 2)
+    pa = get_protocol("allreduce").create(a, linear(), {"lr": LR, "round_timeout_s": 10.0})
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(lambda: pa.step(lambda: loss_of(pa.model, 0)))
+        time.sleep(0.3)  # a's parts to b are refused ("no handler") until b's protocol exists
+        pb = get_protocol("allreduce").create(b, linear(), {"lr": LR, "round_timeout_s": 10.0})
+        rb = pb.step(lambda: loss_of(pb.model, 1))
+        ra = fut.result(timeout=30)
+    assert ra.synced and rb.synced and ra.lost_peers == rb.lost_peers == ()
+    for p, e in zip(pa.model.parameters(), expected_after_one_step(2)):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_peer_killed_mid_round_does_not_hang_the_others(make_node):
+    timeout_s, grace_s = 2.0, 1.0
+    nodes = swarm(make_node, 3)
+    options = {"lr": LR, "round_timeout_s": timeout_s, "reply_grace_s": grace_s}
+    protos = [get_protocol("allreduce").create(n, linear(), options) for n in nodes]
+    in_parallel([lambda r=r: protos[r].step(lambda: loss_of(protos[r].model, r)) for r in range(3)])
+    victim = nodes[2]
+    before = victim.stats.total_received("allreduce.part")
+    with ThreadPoolExecutor(2) as pool:
+        start = time.monotonic()
+        futs = [pool.submit(lambda r=r: protos[r].step(lambda: loss_of(protos[r].model, r))) for r in range(2)]
+        # both survivors are in the round: their parts reached the victim, which now dies
+        assert wait_until(lambda: victim.stats.total_received("allreduce.part") >= 2 * before)
+        victim.close()
+        reports = [f.result(timeout=30) for f in futs]
+        elapsed = time.monotonic() - start
+    assert elapsed < timeout_s + grace_s + 2.0, elapsed
+    for report in reports:
+        assert report.lost_peers == (victim.peer_id,)
+        assert report.synced and report.peers == 2
+
+
+def test_disagreeing_views_do_not_mix_shards(make_node, monkeypatch):
+    """One peer misses another in its view: no round mixes shard boundaries, none hangs."""
+    import starling.protocols.allreduce as allreduce
+
+    timeout_s, grace_s = 2.0, 1.0
+    nodes = swarm(make_node, 3)
+    ids = sorted(n.peer_id for n in nodes)
+    odd = next(n for n in nodes if n.peer_id == ids[0])
+    real = allreduce.membership
+    monkeypatch.setattr(allreduce, "membership",
+                        lambda node: tuple(p for p in real(node) if node is not odd or p != ids[1]))
+    options = {"lr": LR, "round_timeout_s": timeout_s, "reply_grace_s": grace_s}
+    protos = [get_protocol("allreduce").create(n, linear(), options) for n in nodes]
+    start = time.monotonic()
+    reports = in_parallel([lambda r=r: protos[r].step(lambda: loss_of(protos[r].model, r)) for r in range(3)])
+    assert time.monotonic() - start < timeout_s + grace_s + 2.0
+    for report in reports:
+        assert report.lost_peers and report.peers < 3
+    for proto in protos:
+        assert all(torch.isfinite(p).all() for p in proto.model.parameters())
+
+
+def test_a_joiner_with_stale_state_catches_up_without_a_timeout(make_node):
+    timeout_s = 20.0  # hitting it would fail the time bound below
+    a, b = swarm(make_node, 2)
+    options = {"lr": LR, "round_timeout_s": timeout_s}
+    pa, pb = (get_protocol("allreduce").create(n, linear(), options) for n in (a, b))
+    for _ in range(3):
+        in_parallel([lambda: pa.step(lambda: loss_of(pa.model, 0)), lambda: pb.step(lambda: loss_of(pb.model, 1))])
+    c = make_node("inproc", join=[a.address])
+    for node in (a, b, c):
+        assert wait_until(lambda node=node: len(node.live_peers()) == 2)
+    stale = pa.state_dict()
+    stale["step"] = 1  # the joiner's snapshot is two rounds old
+    pc = get_protocol("allreduce").create(c, linear(), options)
+    pc.load_state_dict(stale)
+    start = time.monotonic()
+    # a and b run rounds 3 and 4; c's round 1 is refused as late, so it jumps to 3, then 4
+    reports = in_parallel([lambda p=p, r=r, n=n: [p.step(lambda: loss_of(p.model, r)) for _ in range(n)]
+                           for r, (p, n) in enumerate(((pa, 2), (pb, 2), (pc, 3)))])
+    assert time.monotonic() - start < timeout_s / 2
+    assert pa.step_count == pb.step_count == pc.step_count == 5
+    assert [r.step for r in reports[2]] == [1, 3, 4]
+    assert all(r.peers == 3 and not r.lost_peers for r in reports[0] + reports[1] + reports[2][1:])

@@ -1,0 +1,117 @@
+"""gossip: topologies, exact pairwise averaging keeps the swarm mean, consensus, CHOCO."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from conftest import wait_until
+from starling.protocols import get_protocol
+from starling.protocols.gossip import neighbours
+from starling.tasks import get_task
+
+DIM = 512
+TASK = get_task("quadratic", dim=DIM)
+
+
+def swarm(make_node, n: int) -> list:
+    nodes = [make_node("inproc")]
+    nodes += [make_node("inproc", join=[nodes[0].address]) for _ in range(n - 1)]
+    for node in nodes:
+        assert wait_until(lambda node=node: len(node.live_peers()) == n - 1)
+    return nodes
+
+
+def in_parallel(fns: list) -> list:
+    with ThreadPoolExecutor(len(fns)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(fn) for fn in fns]]
+
+
+def spread_swarm(make_node, n: int, options: dict) -> list:
+    """n gossip peers whose parameters start far apart (peer r at r-dependent random points)."""
+    protos = []
+    for rank, node in enumerate(swarm(make_node, n)):
+        model = TASK.make_model()
+        with torch.no_grad():
+            model.x.copy_(torch.randn(DIM, generator=torch.Generator().manual_seed(rank)) * 3)
+        protos.append(get_protocol("gossip").create(node, model, options))
+    return protos
+
+
+def run(protos: list, steps: int) -> list:
+    """Steps with lr = 0: only gossip moves the parameters."""
+    def train(p):
+        return [p.step(lambda: TASK.loss(p.model, torch.zeros(DIM))) for _ in range(steps)]
+    return in_parallel([lambda p=p: train(p) for p in protos])
+
+
+def stacked(protos: list) -> torch.Tensor:
+    return torch.stack([p.consensus_vector().double() for p in protos])
+
+
+def distance(xs: torch.Tensor) -> float:
+    return float((xs - xs.mean(0)).norm(dim=1).pow(2).mean().sqrt())
+
+
+def test_topologies():
+    m = tuple(f"p{i}" for i in range(8))
+    assert neighbours("ring", m, "p0") == ["p1", "p7"]
+    assert neighbours("complete", m[:3], "p1") == ["p0", "p2"]
+    assert neighbours("exponential", m, "p0") == ["p1", "p2", "p4", "p6", "p7"]
+    six = m[:6]  # a 2 x 3 torus
+    assert neighbours("torus", six, "p0") == ["p1", "p2", "p3"]
+    assert neighbours("torus", six, "p4") == ["p1", "p3", "p5"]
+    for topo in ("complete", "ring", "torus", "exponential"):
+        assert neighbours(topo, ("a",), "a") == []
+        assert neighbours(topo, ("a", "b"), "a") == ["b"]
+        for me in m:  # symmetric: j is my neighbour iff I am j's
+            assert all(me in neighbours(topo, m, j) for j in neighbours(topo, m, me))
+
+
+@pytest.mark.parametrize("topology", ["complete", "ring", "torus", "exponential"])
+def test_pairwise_averaging_keeps_the_mean_and_reaches_consensus(make_node, topology):
+    protos = spread_swarm(make_node, 4, {"lr": 0.0, "topology": topology})
+    before = stacked(protos)
+    reports = run(protos, 8)
+    after = stacked(protos)
+    torch.testing.assert_close(after.mean(0), before.mean(0), rtol=0, atol=1e-5)
+    assert distance(after) < 0.5 * distance(before), (distance(before), distance(after))
+    assert any(r.synced and r.bytes_sent > 0 for rs in reports for r in rs)
+
+
+def test_one_exchange_makes_the_pair_equal_to_its_mean(make_node):
+    a, b = spread_swarm(make_node, 2, {"lr": 0.0})
+    xa, xb = a.consensus_vector(), b.consensus_vector()
+    report = a.step(lambda: TASK.loss(a.model, torch.zeros(DIM)))
+    assert report.synced and report.peers == 2
+    torch.testing.assert_close(a.consensus_vector(), (xa + xb) / 2)
+    torch.testing.assert_close(b.consensus_vector(), (xa + xb) / 2)
+
+
+def test_local_steps_space_out_exchanges(make_node):
+    a, b = spread_swarm(make_node, 2, {"lr": 0.0, "local_steps": 3})
+    reports = [a.step(lambda: TASK.loss(a.model, torch.zeros(DIM))) for _ in range(6)]
+    assert [r.synced for r in reports] == [False, False, True, False, False, True]
+    assert reports[0].bytes_sent == 0
+
+
+def test_choco_with_compression_reaches_consensus(make_node):
+    protos = spread_swarm(make_node, 4, {"lr": 0.0, "topology": "ring", "compressor": "topk:0.1",
+                                        "mixing": 0.3})
+    before = stacked(protos)
+    reports = run(protos, 40)
+    after = stacked(protos)
+    assert distance(after) < 0.25 * distance(before), (distance(before), distance(after))
+    # asynchronous CHOCO is not exactly mean-preserving, but stays close
+    assert float((after.mean(0) - before.mean(0)).norm()) < 0.2 * distance(before)
+    assert reports[0][-1].synced
+    # the first exchange sends full public copies, later ones only the compressed updates
+    assert reports[0][-1].bytes_sent < 0.4 * reports[0][0].bytes_sent
+
+
+def test_dead_neighbour_is_skipped_and_reported(make_node):
+    a, b = spread_swarm(make_node, 2, {"lr": 0.0, "pull_timeout_s": 1.0})
+    b.node.close()
+    report = a.step(lambda: TASK.loss(a.model, torch.zeros(DIM)))
+    assert not report.synced and report.lost_peers == (b.node.peer_id,)

@@ -1,0 +1,98 @@
+"""Contract tests every registered protocol must pass (parametrized over the registry)."""
+from __future__ import annotations
+
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from conftest import wait_until
+from starling.protocols import ProtocolError, StepReport, get_protocol, registered_protocols
+from starling.tasks import get_task
+
+TASK = get_task("quadratic", dim=16, peer_spread=1.0)
+QUICK = {"round_timeout_s": 5.0}
+
+
+def swarm(make_node, n: int) -> list:
+    nodes = [make_node("inproc")]
+    nodes += [make_node("inproc", join=[nodes[0].address]) for _ in range(n - 1)]
+    for node in nodes:
+        assert wait_until(lambda node=node: len(node.live_peers()) == n - 1)
+    return nodes
+
+
+def in_parallel(fns: list) -> list:
+    with ThreadPoolExecutor(len(fns)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(fn) for fn in fns]]
+
+
+def test_builtin_protocols_are_registered():
+    assert {"allreduce", "gossip"} <= set(registered_protocols())
+
+
+@pytest.mark.parametrize("name", registered_protocols())
+def test_step_returns_a_report_with_finite_loss(make_node, name):
+    nodes = swarm(make_node, 2)
+    protos = [get_protocol(name).create(node, TASK.make_model(), QUICK) for node in nodes]
+
+    def train(rank: int) -> list[StepReport]:
+        batches = TASK.batches(rank, 2, seed=0)
+        return [protos[rank].step(lambda: TASK.loss(protos[rank].model, next(batches))) for _ in range(3)]
+
+    for reports in in_parallel([lambda r=r: train(r) for r in range(2)]):
+        assert [r.step for r in reports] == [0, 1, 2]
+        for r in reports:
+            assert isinstance(r, StepReport) and math.isfinite(r.loss)
+            assert r.bytes_sent >= 0 and r.bytes_received >= 0 and r.peers >= 1
+    assert all(math.isfinite(v) for v in TASK.evaluate(protos[0].eval_model()).values())
+
+
+@pytest.mark.parametrize("name", registered_protocols())
+def test_state_dict_round_trip_gives_identical_parameters(make_node, name):
+    donor_node, joiner_node = make_node("inproc"), make_node("inproc")
+    donor = get_protocol(name).create(donor_node, TASK.make_model(), {"lr": 0.1})
+    batches = TASK.batches(0, 1, seed=0)
+    for _ in range(2):
+        donor.step(lambda: TASK.loss(donor.model, next(batches)))
+    joiner_model = TASK.make_model()
+    with torch.no_grad():
+        for p in joiner_model.parameters():
+            p.add_(1.0)
+    joiner = get_protocol(name).create(joiner_node, joiner_model, {"lr": 0.1})
+    joiner.load_state_dict(donor.state_dict())
+    assert joiner.step_count == donor.step_count
+    for a, b in zip(donor.eval_model().state_dict().values(), joiner.eval_model().state_dict().values()):
+        assert torch.equal(a, b)
+    # the joiner continues exactly as the donor does
+    batch = next(batches)
+    donor.step(lambda: TASK.loss(donor.model, batch))
+    joiner.step(lambda: TASK.loss(joiner.model, batch))
+    for a, b in zip(donor.model.parameters(), joiner.model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", registered_protocols())
+def test_describe_is_plain_data(make_node, name):
+    proto = get_protocol(name).create(make_node("inproc"), TASK.make_model(), {})
+    info = proto.describe()
+    assert info["name"] == name
+    json.dumps(info)
+
+
+@pytest.mark.parametrize("name", registered_protocols())
+def test_bad_options_raise_protocol_error(make_node, name):
+    node = make_node("inproc")
+    with pytest.raises(ProtocolError, match="no_such_option"):
+        get_protocol(name).create(node, TASK.make_model(), {"no_such_option": 1})
+    with pytest.raises(ProtocolError, match="lr"):
+        get_protocol(name).create(node, TASK.make_model(), {"lr": "fast"})
+    with pytest.raises(ProtocolError):
+        get_protocol(name).create(node, TASK.make_model(), {"compressor": "no-such-codec"})
+
+
+def test_unknown_protocol_name():
+    with pytest.raises(ProtocolError, match="unknown protocol"):
+        get_protocol("no-such-protocol")
