@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import pytest
@@ -45,6 +46,21 @@ def make_node(tmp_path) -> Iterator[Callable[..., Node]]:
     yield make
     for n in nodes:
         n.close()
+
+
+def swarm(make_node: Callable[..., Node], n: int) -> list[Node]:
+    """n inproc nodes that all joined through the first and see each other alive."""
+    nodes = [make_node("inproc")]
+    nodes += [make_node("inproc", join=[nodes[0].address]) for _ in range(n - 1)]
+    for node in nodes:
+        assert wait_until(lambda node=node: len(node.live_peers()) == n - 1)
+    return nodes
+
+
+def in_parallel(fns: list) -> list:
+    """Run callables in threads (one training thread per peer) and return their results."""
+    with ThreadPoolExecutor(len(fns)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(fn) for fn in fns]]
 
 
 def statuses(node: Node) -> dict[str, str]:

@@ -8,24 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import wait_until
+from conftest import in_parallel, swarm, wait_until
 from starling.protocols import get_protocol
 from starling.protocols.allreduce import shard_bounds
 
 LR = 0.1
 
 
-def swarm(make_node, n: int) -> list:
-    nodes = [make_node("inproc")]
-    nodes += [make_node("inproc", join=[nodes[0].address]) for _ in range(n - 1)]
-    for node in nodes:
-        assert wait_until(lambda node=node: len(node.live_peers()) == n - 1)
-    return nodes
-
-
-def in_parallel(fns: list) -> list:
-    with ThreadPoolExecutor(len(fns)) as pool:
-        return [f.result(timeout=60) for f in [pool.submit(fn) for fn in fns]]
 
 
 def linear() -> nn.Linear:

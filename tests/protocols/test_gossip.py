@@ -1,12 +1,11 @@
 """gossip: topologies, exact pairwise averaging keeps the swarm mean, consensus, CHOCO."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import wait_until
+from conftest import in_parallel, swarm
 from starling.protocols import get_protocol
 from starling.protocols.gossip import neighbours
 from starling.tasks import get_task
@@ -15,17 +14,6 @@ DIM = 512
 TASK = get_task("quadratic", dim=DIM)
 
 
-def swarm(make_node, n: int) -> list:
-    nodes = [make_node("inproc")]
-    nodes += [make_node("inproc", join=[nodes[0].address]) for _ in range(n - 1)]
-    for node in nodes:
-        assert wait_until(lambda node=node: len(node.live_peers()) == n - 1)
-    return nodes
-
-
-def in_parallel(fns: list) -> list:
-    with ThreadPoolExecutor(len(fns)) as pool:
-        return [f.result(timeout=60) for f in [pool.submit(fn) for fn in fns]]
 
 
 def spread_swarm(make_node, n: int, options: dict) -> list:

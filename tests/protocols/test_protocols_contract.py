@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import wait_until
+from conftest import in_parallel, swarm
 from starling.protocols import ProtocolError, StepReport, get_protocol, registered_protocols
 from starling.tasks import get_task
 
@@ -16,17 +15,6 @@ TASK = get_task("quadratic", dim=16, peer_spread=1.0)
 QUICK = {"round_timeout_s": 5.0}
 
 
-def swarm(make_node, n: int) -> list:
-    nodes = [make_node("inproc")]
-    nodes += [make_node("inproc", join=[nodes[0].address]) for _ in range(n - 1)]
-    for node in nodes:
-        assert wait_until(lambda node=node: len(node.live_peers()) == n - 1)
-    return nodes
-
-
-def in_parallel(fns: list) -> list:
-    with ThreadPoolExecutor(len(fns)) as pool:
-        return [f.result(timeout=60) for f in [pool.submit(fn) for fn in fns]]
 
 
 def test_builtin_protocols_are_registered():
