@@ -3,9 +3,25 @@
     c = from_spec("topk:0.01+int8")
     packet = c.encode(tensor, seed=None, name=None)   # Packet(header, buffers)
     tensor = c.decode(packet, device=None)            # original shape and dtype
+    decode(packet)                                    # by the codec its header names
 
-Codecs (see ``registered_codecs()``): none, fp16, bf16, fp8, int8, int4, fp4, sign,
-topk, randomk, powersgd, countsketch, gsketch; compose with ``+``.
+Codecs (``registered_codecs()``; same torch code on CPU and CUDA; any float dtype in, the
+input dtype back). "NaN/Inf" says what encoding a non-finite tensor does.
+
+    spec                         wire per value            NaN/Inf
+    none / fp16 / bf16           4 / 2 / 2 bytes           passed through (IEEE casts)
+    fp8[:e4m3|e5m2]              1 byte + scale/block      NonFiniteError
+    int8, int4                   8 / 4 bits + scale/block  NonFiniteError
+    fp4[:e2m1|e3m0]              4 bits + scale/block      NonFiniteError
+    sign                         1 bit + scale/block       NonFiniteError
+    topk:F                       F * (value + index)       NonFiniteError
+    randomk:F                    F * value (seeded)        raises if a sent value is
+    powersgd:R                   (rows + cols) * R         NonFiniteError (vectors: next stage)
+    countsketch:RxC[,heavy=K]    R * C (seeded)            NonFiniteError
+    gsketch:S[,kind=gauss|srht]  S (seeded)                NonFiniteError
+
+Block quantizers take ``block=`` and (int8, int4, fp4) ``stochastic=true``. Stages
+compose with ``+``: a sparsifier, PowerSGD or a sketch hands its values to the next stage.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
 import msgpack
@@ -57,7 +57,7 @@ class NonFiniteError(ValueError):
     """The tensor to encode holds NaN or Inf and the codec cannot represent it."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Packet:
     """An encoded tensor: ``header`` (msgpack-able) and raw uint8 ``buffers``."""
 
@@ -228,6 +228,7 @@ class Compressor(ABC):
     n_buffers: ClassVar[int] = 0
     takes_inner: ClassVar[bool] = False  # hands a float payload to a next stage
     seeded: ClassVar[bool] = False  # the seed travels in the header
+    keeps_fp8: ClassVar[bool] = False  # handles float8 input itself (others see float32)
 
     def __init__(self, inner: Compressor | None = None) -> None:
         if inner is not None and not self.takes_inner:
@@ -295,7 +296,7 @@ class Compressor(ABC):
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         flat = tensor.detach().reshape(-1)
-        if tensor.dtype in _FP8_INPUTS:  # few ops support float8: work in float32
+        if tensor.dtype in _FP8_INPUTS and not self.keeps_fp8:  # few ops support float8
             flat = flat.to(torch.float32)
         header, buffers = self._encode_stage(flat, tuple(tensor.shape), seed, name)
         header["dtype"] = DTYPE_NAMES[tensor.dtype]
@@ -377,7 +378,7 @@ class Compressor(ABC):
             raise h.error("codec", f"got {codec!r}, this decoder is {self.codec!r}")
         shape = h.shape()
         dtype = h.dtype()
-        wire_dtype = torch.float32 if dtype in _FP8_INPUTS else dtype
+        wire_dtype = torch.float32 if dtype in _FP8_INPUTS and not self.keeps_fp8 else dtype
         end = start + self.n_buffers
         if len(buffers) < end:
             raise PacketError(path + "buffers", f"{self.codec} needs {self.n_buffers} buffers, {len(buffers) - start} left")

@@ -37,6 +37,7 @@ class Raw(_Cast):
     """``none``: the tensor's bytes as they are."""
 
     codec = "none"
+    keeps_fp8 = True
 
 
 @register

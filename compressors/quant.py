@@ -30,9 +30,15 @@ _CHUNK_ELEMS = 1 << 20  # 4 MiB of float32 per chunk: few ops, temporaries near 
 _F32_MAX = torch.finfo(torch.float32).max
 
 
-def _absmax(x: torch.Tensor) -> torch.Tensor:
-    """Per-row max |x| of a (blocks, block) tensor (amax and amin beat aminmax on CPU)."""
-    return torch.maximum(torch.amax(x, dim=1), torch.amin(x, dim=1).neg_())
+def _absmax(x: torch.Tensor, top: float) -> torch.Tensor:
+    """Per-row max |x| of a (blocks, block) tensor, at least 2 * top / float32 max.
+
+    The floor keeps ``top / absmax`` finite: blocks of tiny values (below ~1e-36 for int8)
+    get a fixed step instead of an overflowing one; all-zero blocks stay exactly zero.
+    (amax and amin beat aminmax on CPU.)
+    """
+    absmax = torch.maximum(torch.amax(x, dim=1), torch.amin(x, dim=1).neg_())
+    return absmax.clamp_(min=2.0 * top / _F32_MAX)
 
 
 def parse_bool(text: str) -> bool:
@@ -179,9 +185,9 @@ class _Integer(_BlockQuantizer):
 
     def _scaled(self, x: torch.Tensor, scales: torch.Tensor, work: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         """``work`` <- x / scale rounded to an integer code (nearest, or stochastically)."""
-        absmax = _absmax(x)
+        absmax = _absmax(x, self.qmax)
         torch.mul(absmax, 1.0 / self.qmax, out=scales)
-        inv = absmax.reciprocal_().mul_(self.qmax).clamp_(max=_F32_MAX).unsqueeze(1)
+        inv = absmax.reciprocal_().mul_(self.qmax).unsqueeze(1)
         torch.mul(x, inv, out=work)
         if noise is None:
             return work.round_()
@@ -287,9 +293,9 @@ class FP4(_BlockQuantizer):
         h.str("format", _FP4_FORMATS)
 
     def _quantize(self, x, scales, codes, work, noise, count) -> None:
-        absmax = _absmax(x)
+        absmax = _absmax(x, 1.0)
         scales.copy_(absmax)  # scale = absmax: magnitudes are stored relative to it
-        inv = absmax.reciprocal_().clamp_(max=_F32_MAX).unsqueeze(1)
+        inv = absmax.reciprocal_().unsqueeze(1)
         a = torch.mul(x, inv, out=work).abs_()  # in [0, 1]
         mag = self._e2m1(a, noise) if self.format == "e2m1" else self._e3m0(a, noise)
         mag.bitwise_or_((x < 0).to(torch.uint8).bitwise_left_shift_(3))
@@ -369,9 +375,9 @@ class FP8(_BlockQuantizer):
     def _quantize(self, x, scales, codes, work, noise, count) -> None:
         dtype = _FP8_FORMATS[self.format]
         fmax = torch.finfo(dtype).max
-        absmax = _absmax(x)
+        absmax = _absmax(x, fmax)
         torch.mul(absmax, 1.0 / fmax, out=scales)
-        inv = absmax.reciprocal_().mul_(fmax).clamp_(max=_F32_MAX).unsqueeze(1)
+        inv = absmax.reciprocal_().mul_(fmax).unsqueeze(1)
         y = torch.mul(x, inv, out=work).clamp_(-fmax, fmax)
         codes.view(dtype).view(x.shape).copy_(y)
 

@@ -32,7 +32,7 @@ _EXACT_BELOW = 1 << 16  # small tensors: a plain torch.topk is cheap and exact
 _SAMPLE_HITS = 512  # expected sample values above the threshold (sets the sample size)
 _SAMPLE_RUN = 256  # contiguous values per sample run
 _MARGIN = 1.25  # aim the threshold at this many times k, then trim exactly
-_PASS_CHUNK = 1 << 20
+_PASS_CHUNK = 1 << 22
 
 
 def _parse_fraction(text: str) -> float:

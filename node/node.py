@@ -234,8 +234,10 @@ class Node:
         sends = [asyncio.ensure_future(self._asend_raw(p.peer_id, LEAVE, body, timeout_s=self.config.leave_timeout_s))
                  for p in self._table.live()]
         if sends:
-            done, _ = await asyncio.wait(sends, timeout=self.config.leave_timeout_s)
-            failed = sum(1 for t in sends if t not in done or t.exception() is not None)
+            done, pending = await asyncio.wait(sends, timeout=self.config.leave_timeout_s)
+            for t in pending:
+                t.cancel()
+            failed = len(pending) + sum(1 for t in done if t.exception() is not None)
             if failed:
                 log.warning("%s: leave not delivered to %d of %d peers", self.peer_id, failed, len(sends))
 

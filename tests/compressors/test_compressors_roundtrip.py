@@ -120,3 +120,16 @@ def test_packet_to_device_and_validation() -> None:
     moved = packet.to("cpu")
     assert moved.header == packet.header and moved.nbytes == packet.nbytes
     assert isinstance(moved, Packet)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="torch without float8")
+@pytest.mark.parametrize("spec", ["none", "fp16", "int8", "int4", "sign", "topk:0.3+int8", "powersgd:2"])
+def test_float8_inputs(spec: str) -> None:
+    x = torch.randn(12, 10).to(torch.float8_e4m3fn)
+    c = from_spec(spec)
+    packet = c.encode(x)
+    y = c.decode(over_the_wire(packet))
+    assert y.dtype == torch.float8_e4m3fn and y.shape == x.shape
+    if spec == "none":
+        assert packet.buffers[0].numel() == x.numel()  # one byte each, as sent
+        assert torch.equal(y.view(torch.uint8), x.view(torch.uint8))

@@ -16,7 +16,7 @@ def _exact_topk(x: torch.Tensor, k: int) -> set[int]:
     return set(torch.topk(x.abs(), k).indices.tolist())
 
 
-@pytest.mark.parametrize("n,fraction", [(200_003, 0.001), (150_000, 0.01), (100_000, 0.2)])
+@pytest.mark.parametrize("n,fraction", [(200_003, 0.001), (80_000, 0.2)])
 def test_sampled_topk_is_exact_on_gaussian(n: int, fraction: float) -> None:
     x = torch.randn(n, generator=torch.Generator().manual_seed(n))
     c = from_spec(f"topk:{fraction}")
@@ -31,7 +31,7 @@ def test_sampled_topk_is_exact_on_gaussian(n: int, fraction: float) -> None:
 def test_topk_mass_on_structured_tensor() -> None:
     # columns of very different scales: a strided sample could line up with one of them
     gen = torch.Generator().manual_seed(5)
-    x = (torch.randn(512, 512, generator=gen) * torch.logspace(-3, 1, 512)).reshape(-1)
+    x = (torch.randn(256, 512, generator=gen) * torch.logspace(-3, 1, 512)).reshape(-1)
     k = math.ceil(0.001 * x.numel())
     idx = TopK(0.001).select(x, k)
     assert idx.numel() <= k
@@ -48,7 +48,7 @@ def test_topk_zero_and_ties() -> None:
     assert c.decode(c.encode(ones)).count_nonzero() == 700
 
 
-@pytest.mark.parametrize("n,k", [(1, 1), (255, 3), (256, 3), (257, 200), (70_000, 700), (1 << 18, 5)])
+@pytest.mark.parametrize("n,k", [(1, 1), (255, 3), (256, 3), (257, 200), (70_000, 700), (1 << 17, 5)])
 def test_index_packing_width_and_bitmap(n: int, k: int) -> None:
     x = torch.zeros(n)
     x[torch.randperm(n)[:k]] = torch.randn(k).abs() + 1
@@ -61,7 +61,7 @@ def test_index_packing_width_and_bitmap(n: int, k: int) -> None:
 
 
 def test_topk_values_then_int8() -> None:
-    x = torch.randn(50_000, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(1))
     plain, quant = from_spec("topk:0.01"), from_spec("topk:0.01+int8")
     p1, p2 = plain.encode(x), quant.encode(x)
     assert p2.nbytes < p1.nbytes

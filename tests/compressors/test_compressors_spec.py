@@ -29,7 +29,7 @@ def test_canonical_forms_and_objects() -> None:
         Int8(inner=Int8())
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(arrays("float32", st.integers(1, 300), elements=st.floats(-2.0**100, 2.0**100, width=32)),
        st.sampled_from([8, 16, 64, 256]))
 def test_int8_error_within_half_a_step(values, block: int) -> None:

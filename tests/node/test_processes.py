@@ -53,9 +53,7 @@ def test_processes_join_crash_and_leave(make_node, procs):
     a_id = next(i for i in ids if i != b_id)
 
     b.send_signal(signal.SIGKILL)
-    t0 = time.monotonic()
     assert wait_until(lambda: statuses(me)[b_id] == "dead", timeout_s=TEST_LIVENESS.dead_timeout_s + 3)
-    assert time.monotonic() - t0 <= TEST_LIVENESS.dead_timeout_s + 3
 
     a.send_signal(signal.SIGTERM)  # graceful: announced leave, seen at once
     assert wait_until(lambda: statuses(me)[a_id] == "left", timeout_s=5)
@@ -75,7 +73,7 @@ def test_status_command_prints_the_peer_table(procs):
         status = json.loads(out.stdout)
         return len(status["peers"]) == 1 and {"id", "status", "addresses"} <= set(status["peers"][0])
 
-    assert wait_until(two_alive, timeout_s=30, interval_s=0.5)
+    assert wait_until(two_alive, timeout_s=120, interval_s=0.5)  # each call starts a Python process
 
 
 def test_allowlisted_process_admits_only_listed_keys(tmp_path, procs, make_node):
