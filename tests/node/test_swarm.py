@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import TEST_LIVENESS, statuses, wait_until
+from starling.node.membership import Liveness
 from starling.node.node import NodeConfig, SwarmConfigError, UnknownPeerError
 from starling.node.rpc import RemoteError, Reply, RequestTimeout
 
@@ -100,7 +101,10 @@ def test_graceful_leave_is_seen_by_all_within_one_heartbeat(make_node):
     c = make_node("tcp", join=[a.address])
     assert wait_until(lambda: len(a.live_peers()) == 2 and len(b.live_peers()) == 2 and len(c.live_peers()) == 2)
     c.leave()
-    hb = TEST_LIVENESS.heartbeat_interval_s
+    # Within one default heartbeat (1 s), and well before the failure detector could
+    # have noticed (suspect after 1.5 s of silence here): the leave message did it.
+    hb = Liveness().heartbeat_interval_s
+    assert hb < TEST_LIVENESS.suspect_timeout_s
     assert wait_until(lambda: statuses(a)[c.peer_id] == "left" and statuses(b)[c.peer_id] == "left",
                       timeout_s=hb)
     assert a.live_peers() == [b.peer_id]
