@@ -9,8 +9,9 @@ Top-k follows Deep Gradient Compression: the threshold comes from a strided samp
 runs of values, so the sample reads few cache lines), one pass collects the values above
 it, and if more than k pass, an exact top-k among those candidates trims them, so the
 result is then exactly the top-k. A severe undershoot (a sample that misjudged the
-tensor) lowers the threshold once; anything still short is sent as is, with the true
-count in the header.
+tensor) lowers the threshold once, and if still short falls back to an exact top-k. So
+the values sent are the exact top-k, except that zeros are never sent (a tensor with fewer
+than k non-zeros sends them all). The count sent is in the header.
 
 Non-finite input: top-k raises ``NonFiniteError`` (every chunk's maximum is checked);
 random-k raises only if a value it sends is not finite.
@@ -127,10 +128,15 @@ class TopK(Compressor):
         rank = min(sample.numel(), max(1, math.ceil(_MARGIN * k * sample.numel() / n)))
         threshold = float(torch.topk(sample, rank, sorted=False).values.min())
         idx = self._above(flat, threshold)
-        if idx.numel() < k // 2:  # the sample misjudged the tensor: lower the threshold once
+        # Short of k with a positive threshold: the sample misjudged the tensor. (A zero
+        # threshold means fewer than k non-zeros, and those are all in ``idx``.)
+        if idx.numel() < k and threshold > 0:
             log.debug("topk: %d of %d above the sampled threshold; lowering it", idx.numel(), k)
             threshold = float(torch.topk(sample, min(sample.numel(), rank * 8), sorted=False).values.min())
             idx = self._above(flat, threshold)
+            if idx.numel() < k and threshold > 0:  # laid out against the sample: pay for exactness
+                log.debug("topk: still short (%d of %d); exact top-k", idx.numel(), k)
+                return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
         if idx.numel() > k:
             keep = torch.topk(flat[idx].abs(), k, sorted=False).indices
             idx = idx[keep].sort().values

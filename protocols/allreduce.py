@@ -265,8 +265,10 @@ class AllReduce(Protocol):
             if not isinstance(reply, dict) or not reply.get("ok"):
                 reason = reply.get("reason") if isinstance(reply, dict) else "malformed reply"
                 step = reply.get("step") if isinstance(reply, dict) else None
-                return _ShardResult(i, owner, None, reason=f"owner refused: {reason}",
-                                    owner_step=step if isinstance(step, int) else -1)
+                step = step if isinstance(step, int) else -1
+                if step > t:  # the owner has moved past this round: my groups stop waiting for it
+                    self._saw_ahead(owner, step)
+                return _ShardResult(i, owner, None, reason=f"owner refused: {reason}", owner_step=step)
             try:
                 result = packet_from_wire(reply.get("packet"), msg.payload)
                 contributors = tuple(str(c) for c in reply.get("contributors", ()))
@@ -352,6 +354,13 @@ class AllReduce(Protocol):
         for key, group in list(self._groups.items()):
             if key[0] < t or (key[0] == t and key[1] != members):
                 self._stop_waiting_for(key, group, sender)
+
+    def _saw_ahead(self, peer: str, step: int) -> None:
+        """A peer said it is in round `step`: groups of earlier rounds stop waiting for it."""
+        self._peer_step[peer] = max(self._peer_step.get(peer, step), step)
+        for key, group in list(self._groups.items()):
+            if key[0] < step:
+                self._stop_waiting_for(key, group, peer)
 
     def _stop_waiting_for(self, key: GroupKey, group: _ShardGroup, peer: str) -> None:
         group.expected.discard(peer)

@@ -90,3 +90,22 @@ def test_randomk_fresh_seed_is_recorded() -> None:
     packet = c.encode(x)
     assert isinstance(packet.header["seed"], int)
     assert torch.equal(c.decode(packet), from_spec("randomk:0.1").decode(over_the_wire(packet)))
+
+
+def test_topk_tensor_laid_out_against_the_sample() -> None:
+    # Put the large values exactly in the runs the strided sample reads (white-box): the
+    # sampled threshold then undershoots badly, and the codec must still return the top-k.
+    from starling.compressors import sparse
+
+    n, fraction = 1 << 18, 0.01
+    k = math.ceil(fraction * n)
+    runs = n // sparse._SAMPLE_RUN
+    want = max(1, math.ceil(sparse._SAMPLE_HITS * n / k / sparse._SAMPLE_RUN))
+    stride = sparse._next_prime(runs // want)
+    assert stride > 1  # the sample really is a subset
+    x = torch.randn(n, generator=torch.Generator().manual_seed(9)) * 0.01
+    view = x[: runs * sparse._SAMPLE_RUN].view(runs, sparse._SAMPLE_RUN)
+    view[::stride] = torch.randn(view[::stride].shape, generator=torch.Generator().manual_seed(10)) * 100
+    assert view[::stride].numel() > k  # the true top-k lies entirely inside the sample
+    y = from_spec(f"topk:{fraction}").decode(from_spec(f"topk:{fraction}").encode(x))
+    assert set(y.nonzero().view(-1).tolist()) == _exact_topk(x, k)
