@@ -340,6 +340,10 @@ class Node:
         order = list(peers) if peers is not None else self.live_peers()
         return self._call(afetch_from_any(self, order, name, config))
 
+    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        """Start a coroutine on the network thread and return at once (for overlap)."""
+        return self._net.submit(coro)
+
     def run(self, coro: Any, timeout_s: float | None = None) -> Any:
         """Run a coroutine on the network thread (for code that composes async calls)."""
         return self._call(coro, timeout_s)

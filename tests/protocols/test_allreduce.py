@@ -10,7 +10,7 @@ from torch import nn
 
 from conftest import in_parallel, swarm, wait_until
 from starling.protocols import get_protocol
-from starling.protocols.allreduce import shard_bounds
+from starling.protocols._reduce import shard_bounds
 
 LR = 0.1
 
