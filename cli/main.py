@@ -56,8 +56,43 @@ def keygen(
     typer.echo(identity.peer_id)
 
 
-@node_app.command("start")
+_EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+_EXTRA_HELP = ("Any other --NAME VALUE is a hyper-parameter of the protocol (a field of its config; "
+               "`starling protocols NAME` lists them), e.g. --sync-every 20 --fragments 4.")
+
+
+def _extra_options(args: List[str]) -> dict[str, Any]:
+    """Protocol hyper-parameters given as --name VALUE, --name=VALUE or a bare --flag (true)."""
+    options: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ValueError(f"unexpected argument {arg!r}")
+        name, sep, value = arg[2:].partition("=")
+        if not sep:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value, i = args[i + 1], i + 1
+            else:
+                value = "true"
+        options[name.replace("-", "_")] = value
+        i += 1
+    return options
+
+
+def _pairs(pairs: List[str], what: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"{what} {pair!r} is not of the form NAME=VALUE")
+        out[name.strip().replace("-", "_")] = value.strip()
+    return out
+
+
+@node_app.command("start", context_settings=_EXTRA, epilog=_EXTRA_HELP)
 def node_start(
+    ctx: typer.Context,
     listen: List[str] = typer.Option(["tcp://127.0.0.1:0"], "--listen", help="Endpoint to bind (repeatable); port 0 picks a free one."),
     advertise: Optional[List[str]] = typer.Option(None, "--advertise", help="Address peers should dial instead of the bound one (NAT, port forwarding)."),
     join: Optional[List[str]] = typer.Option(None, "--join", help="Join address of a swarm member, tcp://HOST:PORT#KEY (repeatable)."),
@@ -68,30 +103,120 @@ def node_start(
     heartbeat_s: float = typer.Option(1.0, "--heartbeat-s", help="Heartbeat interval."),
     suspect_after_s: float = typer.Option(3.0, "--suspect-after-s", help="Silence before a peer is suspect."),
     dead_after_s: float = typer.Option(10.0, "--dead-after-s", help="Silence before a peer is dead."),
+    protocol: Optional[str] = typer.Option(None, "--protocol", help="Train with this protocol (a joiner may omit it: it learns it from the swarm)."),
+    task: Optional[str] = typer.Option(None, "--task", help="Built-in task or module:callable (default charlm; a joiner learns it)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Stop training at this swarm step (default: run until stopped)."),
+    compressor: Optional[str] = typer.Option(None, "--compressor", help="Compressor spec (a protocol option)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (a protocol option)."),
+    opt: Optional[List[str]] = typer.Option(None, "--opt", help="Protocol option NAME=VALUE (repeatable)."),
+    task_opt: Optional[List[str]] = typer.Option(None, "--task-opt", help="Task option NAME=VALUE (repeatable)."),
+    seed: int = typer.Option(0, "--seed", help="Swarm seed (data order, shared randomness)."),
+    shard: Optional[str] = typer.Option(None, "--shard", help="This peer's data shard RANK/WORLD (default: picked from the peer id out of 16)."),
+    log_every: int = typer.Option(10, "--log-every", help="Print a JSON progress line every N steps."),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
-    """Start a node and run until SIGINT/SIGTERM, then leave the swarm gracefully."""
+    """Start a node and run until SIGINT/SIGTERM, then leave the swarm gracefully.
+
+    With --protocol (or when joining a swarm that trains), the node also trains: the first
+    node fixes the protocol, its hyper-parameters and the task; joiners learn them, fetch
+    the swarm's state and continue at its round."""
     from starling.node.node import JoinError, Node, NodeConfig
+    from starling.node.trainer import TrainSpec, TrainSpecError
+    from starling.node.transfer import TransferError
+    from starling.protocols.base import ProtocolError
+    from starling.tasks import TaskSpecError
 
     _setup_logging(log_level)
+    train_errors = (TrainSpecError, ProtocolError, TaskSpecError, TransferError)
     try:
+        options = {**_pairs(opt or [], "protocol option"), **_extra_options(ctx.args)}
+        if compressor is not None:
+            options["compressor"] = compressor
+        if lr is not None:
+            options["lr"] = str(lr)
+        rank_world = _parse_shard(shard)
+        wanted: dict[str, Any] = {}
+        if protocol is not None:
+            spec = TrainSpec(protocol, task or "charlm", options, _pairs(task_opt or [], "task option"), seed)
+            spec.check()
+            wanted = spec.to_swarm_config()
+            if join:  # a joiner insists only on what it was told; the rest it learns from the swarm
+                given = {"protocol": True, "task": task is not None, "options": bool(options),
+                         "task_options": bool(task_opt), "seed": False}
+                wanted = {k: v for k, v in wanted.items() if given[k]}
+        elif task is not None or options or task_opt:
+            raise ValueError("--task and protocol options need --protocol (or join a training swarm without them)")
         config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s))
         node = Node(config=config).start(
             listen, join or [], key=key, advertise=advertise, authorized_keys=authorized_keys,
-            security="plaintext" if plaintext else None, insecure=insecure,
+            security="plaintext" if plaintext else None, insecure=insecure, swarm_config=wanted or None,
         )
     except JoinError as exc:
         fail(str(exc))
-    except EXPECTED_ERRORS as exc:
+    except (*train_errors, *EXPECTED_ERRORS) as exc:
         fail(str(exc))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     typer.echo(f"starling node {node.peer_id} listening; join with: {node.address}", err=False)
     sys.stdout.flush()
-    stop.wait()
+    trains = protocol is not None or bool((node.swarm_config or {}).get("protocol"))
+    try:
+        if trains:
+            _train(node, rank_world, steps, log_every, stop)
+        else:
+            stop.wait()
+    except train_errors as exc:
+        node.close()
+        fail(str(exc))
     logging.getLogger(__name__).info("leaving the swarm")
     node.leave()
+
+
+def _parse_shard(shard: Optional[str]) -> Optional[tuple[int, int]]:
+    if shard is None:
+        return None
+    rank, sep, world = shard.partition("/")
+    try:
+        r, w = int(rank), int(world)
+    except ValueError:
+        raise ValueError(f"--shard must be RANK/WORLD, got {shard!r}") from None
+    if not sep or w < 1 or not 0 <= r < w:
+        raise ValueError(f"--shard must be RANK/WORLD with 0 <= RANK < WORLD, got {shard!r}")
+    return r, w
+
+
+def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int], log_every: int,
+           stop: threading.Event) -> None:
+    """The node's training loop: one JSON progress line every `log_every` steps."""
+    import time
+
+    from starling.node.trainer import Trainer, TrainSpec, shard_for
+
+    spec = TrainSpec.from_swarm_config(node.swarm_config)
+    rank, world = rank_world or (shard_for(node.peer_id, 16), 16)
+    trainer = Trainer(node, spec, rank, world)
+    trainer.create_protocol()
+    if node.live_peers():
+        trainer.fetch_state()
+    start, sent = time.monotonic(), [0]
+    typer.echo(json.dumps({"event": "training", "protocol": spec.protocol, "task": spec.task,
+                           "shard": f"{rank}/{world}", "step": trainer.proto.step_count}))  # type: ignore[union-attr]
+
+    def on_report(report: Any) -> None:
+        sent[0] += report.bytes_sent
+        if log_every and (report.step + 1) % log_every == 0:
+            typer.echo(json.dumps({"step": report.step + 1, "loss": round(report.loss, 5), "peers": report.peers,
+                                   "bytes_sent": sent[0], "wall_s": round(time.monotonic() - start, 2)}))
+            sys.stdout.flush()
+
+    try:
+        final = trainer.run(steps, stop, on_report)
+        metrics = trainer.evaluate()
+        typer.echo(json.dumps({"event": "stopped", "step": final, **{k: round(v, 5) for k, v in metrics.items()}}))
+        sys.stdout.flush()
+    finally:
+        trainer.close()
 
 
 @node_app.command("status")
@@ -142,12 +267,7 @@ def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor
     if not 0 <= loss < 1:
         raise ValueError(f"--loss must be in [0, 1), got {loss:g}")
     link = LinkModel(parse_rate(bandwidth) if bandwidth else None, latency_ms / 1000.0, loss, seed)
-    options: dict[str, Any] = {}
-    for pair in opt:
-        name, sep, value = pair.partition("=")
-        if not sep or not name.strip():
-            raise ValueError(f"protocol option {pair!r} is not of the form NAME=VALUE")
-        options[name.strip()] = value.strip()
+    options = _pairs(opt, "protocol option")
     if lr is not None:
         options["lr"] = lr
     config = SimConfig(
@@ -199,8 +319,9 @@ def _print_table(summary: dict[str, Any]) -> None:
     Console(width=None if sys.stdout.isatty() else 120).print(table)
 
 
-@app.command()
+@app.command(context_settings=_EXTRA, epilog=_EXTRA_HELP)
 def simulate(
+    ctx: typer.Context,
     peers: int = typer.Option(4, "--peers", help="Simulated peers at the start."),
     protocol: str = typer.Option(DEFAULT_SIM_PROTOCOL, "--protocol", help="Protocol name (or module:name)."),
     task: str = typer.Option("charlm", "--task", help="Built-in task name or module:callable."),
@@ -234,7 +355,7 @@ def simulate(
         config, base = _sim_configs(
             peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor, transport=transport,
             processes=processes, bandwidth=bandwidth, latency_ms=latency_ms, loss=loss, churn=churn, seed=seed,
-            opt=opt or [], lr=lr, task_opt=task_opt or [], eval_every=eval_every, baseline=baseline)
+            opt=[*(opt or []), *(f"{k}={v}" for k, v in _extra_options(ctx.args).items())], lr=lr, task_opt=task_opt or [], eval_every=eval_every, baseline=baseline)
     except errors as exc:
         fail(str(exc))
     runs = [("run", config)] + ([("baseline", base)] if base is not None and base.protocol != config.protocol else [])
@@ -269,6 +390,33 @@ def simulate(
         typer.echo(json.dumps(summary))
     else:
         _print_table(summary)
+
+
+@app.command("protocols")
+def protocols_cmd(
+    name: Optional[str] = typer.Argument(None, help="A protocol to list the hyper-parameters of."),
+) -> None:
+    """List the registered protocols, or one protocol's hyper-parameters with their defaults."""
+    import dataclasses
+    import typing
+
+    from starling.node.trainer import resolve_protocol
+    from starling.protocols import ProtocolError, registered_protocols
+
+    if name is None:
+        for known in registered_protocols():
+            doc = (sys.modules[resolve_protocol(known).__module__].__doc__ or "").strip().splitlines()
+            typer.echo(f"{known:<18} {doc[0] if doc else ''}")
+        return
+    try:
+        cls = resolve_protocol(name)
+    except ProtocolError as exc:
+        fail(str(exc))
+    hints = typing.get_type_hints(cls.config_class)
+    for f in dataclasses.fields(cls.config_class):
+        kind = getattr(hints[f.name], "__name__", str(hints[f.name]))
+        default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        typer.echo(f"--{f.name.replace('_', '-'):<22} {kind:<8} default {default!r}")
 
 
 def _load_curve(run_dir: Path) -> tuple[str, list[float], list[float], list[float]]:

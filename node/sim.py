@@ -25,8 +25,6 @@ imports them lazily and only by name, so `node` stays free of any specific proto
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import io
 import json
 import logging
 import multiprocessing
@@ -43,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 from starling.node.links import LinkEmulator, LinkModel
 from starling.node.membership import Liveness
 from starling.node.node import Node, NodeConfig
+from starling.node.trainer import Trainer, TrainSpec, resolve_protocol
 from starling.node.transport import TransportConfig
 
 if TYPE_CHECKING:
@@ -52,7 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("inproc", "ipc", "tcp")
-STATE_BLOB = "starling.sim.state"
 # Quick enough that a crashed peer is noticed within a short run, slow enough for a loaded box.
 SIM_LIVENESS = Liveness(heartbeat_interval_s=0.25, suspect_timeout_s=1.5, dead_timeout_s=3.0)
 _EVENT = re.compile(r"(kill|leave):(\d+)@(\d+)|join(?::(\d+))?@(\d+)")
@@ -176,30 +174,6 @@ class SimConfig:
                 "options": {k: v for k, v in self.options.items()}, "task_options": dict(self.task_options)}
 
 
-def resolve_protocol(name: str) -> type[Protocol]:
-    """A protocol class by registered name; "module:name" imports `module` first, and a bare
-    name not yet registered is looked for in `starling.protocols.<name>`."""
-    from starling.protocols.base import ProtocolError, get_protocol
-
-    module, sep, registered = name.rpartition(":")
-    if sep:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ProtocolError(f"protocol {name!r}: cannot import {module!r}: {exc}") from None
-        return get_protocol(registered)
-    try:
-        return get_protocol(name)
-    except ProtocolError:
-        if not name.isidentifier():
-            raise
-        try:
-            importlib.import_module(f"starling.protocols.{name}")
-        except ModuleNotFoundError:
-            raise ProtocolError(f"unknown protocol {name!r}") from None
-        return get_protocol(name)
-
-
 def check_config(config: SimConfig) -> None:
     """Resolve the protocol, its options and the task now, so bad input fails before any node starts."""
     from starling.protocols.base import config_from_options
@@ -262,42 +236,32 @@ class SimPeer:
             self.emulator = LinkEmulator(config.link, seed=config.link.seed * 1_000_003 + rank,
                                          unreachable=self.crashed)
             self.node.shaper = self.emulator
+        self.trainer: Trainer | None = None
         self.proto: Protocol | None = None
         self.result = PeerResult(rank, self.node.peer_id)
         self.step = 0
-        self._snapshot = b""
         self._serve_state = any(e.kind == "join" for e in config.churn)
 
     # ---------------------------------------------------------------- setup
     def start(self, join: list[str]) -> str:
-        self.node.start(self.listen, join, security="plaintext", swarm_config={
-            "protocol": self.config.protocol, "task": self.config.task, "simulation": True})
+        self.node.start(self.listen, join, security="plaintext",
+                        swarm_config={**self.spec().to_swarm_config(), "simulation": True})
         return self.node.address
 
+    def spec(self) -> TrainSpec:
+        return TrainSpec(self.config.protocol, self.config.task, self.config.protocol_options(),
+                         dict(self.config.task_options), self.config.seed)
+
     def create_protocol(self) -> None:
-        model = self.task.make_model()
-        self.proto = resolve_protocol(self.config.protocol).create(self.node, model, self.config.protocol_options())
-        if self._serve_state:
-            self._take_snapshot()
-            self.node.serve_blob(STATE_BLOB, lambda: self._snapshot)
+        self.trainer = Trainer(self.node, self.spec(), self.rank, self.config.world, task=self.task,
+                               serve_state=self._serve_state, snapshot_every_s=0.0)
+        self.proto = self.trainer.create_protocol()
 
     def fetch_state(self) -> None:
         """A joiner's catch-up: the protocol state of some live peer, at that peer's step."""
-        import torch
-
-        assert self.proto is not None
-        source, blob = self.node.fetch_blob(STATE_BLOB)
-        self.proto.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+        assert self.trainer is not None and self.proto is not None
+        self.trainer.fetch_state()
         self.step = self.result.joined_at_step = self.proto.step_count
-        log.info("peer %d joined from %s at step %d", self.rank, source, self.step)
-
-    def _take_snapshot(self) -> None:
-        import torch
-
-        assert self.proto is not None
-        buffer = io.BytesIO()
-        torch.save(self.proto.state_dict(), buffer)
-        self._snapshot = buffer.getvalue()  # one reference swap: the network thread reads it
 
     # ---------------------------------------------------------------- training
     def train(self, t0: float) -> None:
@@ -305,24 +269,21 @@ class SimPeer:
         import torch
 
         torch.set_num_threads(1)
-        proto, task, config = self.proto, self.task, self.config
-        assert proto is not None
+        trainer, config = self.trainer, self.config
+        assert trainer is not None
         stop = config.stop_at(self.rank)
-        batches = task.batches(self.rank, config.world, config.seed)
+        batches = trainer.batches()
         try:
             while self.step < config.steps:
                 if stop is not None and self.step >= stop[1]:
                     self._stop(stop[0])
                     return
-                batch = next(batches)
-                report = proto.step(lambda: task.loss(proto.model, batch))
+                report = trainer.step(next(batches))
                 self.step += 1
                 self._record(report, t0)
-                if self._serve_state:
-                    self._take_snapshot()
                 self.on_step(self.rank, self.step)
             self.result.train_end = time.time()
-            self.result.eval_loss = float(task.evaluate(proto.eval_model())["eval_loss"])
+            self.result.eval_loss = float(trainer.evaluate()["eval_loss"])
             self.result.status = "finished"
         except Exception as exc:
             log.exception("peer %d failed at step %d", self.rank, self.step)
@@ -338,7 +299,7 @@ class SimPeer:
                   "synced": report.synced, "peers": report.peers, "step_wall_s": report.wall_s,
                   "compute_s": report.compute_s}
         if self.config.eval_every and self.rank == 0 and self.step % self.config.eval_every == 0:
-            record["eval_loss"] = float(self.task.evaluate(self.proto.eval_model())["eval_loss"])  # type: ignore[union-attr]
+            record["eval_loss"] = float(self.trainer.evaluate()["eval_loss"])  # type: ignore[union-attr]
         self.result.records.append(record)
 
     def _stop(self, how: str) -> None:

@@ -1,0 +1,183 @@
+"""The training runner: one node, one protocol over one task's model, and the step loop.
+
+Both `starling node start --protocol ... --task ...` and every simulated peer run a
+`Trainer`. The first node of a swarm fixes what the swarm trains (a `TrainSpec`, carried
+in the node's swarm config); a joiner that names no protocol or task learns them from the
+peer it joins, and one that names different ones is refused at join (see
+`membership.config_conflicts`).
+
+    spec = TrainSpec(protocol="gossip", task="charlm", options={"lr": 0.05})
+    node = Node().start(listen, join, swarm_config=spec.to_swarm_config())
+    trainer = Trainer(node, spec if not join else TrainSpec.from_swarm_config(node.swarm_config))
+    trainer.create_protocol()
+    if join:
+        trainer.fetch_state()        # continue at the swarm's round, not from scratch
+    trainer.run(steps=None, stop=threading.Event())
+
+Like the simulator, this sits in `node/` and reaches protocols and tasks only by name, lazily.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import io
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+
+from starling.node.node import Node
+
+if TYPE_CHECKING:
+    from starling.protocols.base import Protocol, StepReport
+    from starling.tasks.base import Task
+
+log = logging.getLogger(__name__)
+
+STATE_BLOB = "starling.train.state"
+_SPEC_KEYS = ("protocol", "task", "options", "task_options", "seed")
+
+
+class TrainSpecError(ValueError):
+    """A swarm config does not describe something this node can train."""
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What a swarm trains: every peer must run the same protocol, options and task."""
+
+    protocol: str
+    task: str = "charlm"
+    options: Mapping[str, Any] = field(default_factory=dict)  # protocol hyper-parameters
+    task_options: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    def to_swarm_config(self) -> dict[str, Any]:
+        return {"protocol": self.protocol, "task": self.task, "options": dict(self.options),
+                "task_options": dict(self.task_options), "seed": self.seed}
+
+    @classmethod
+    def from_swarm_config(cls, config: Mapping[str, Any] | None) -> TrainSpec:
+        if not config or not config.get("protocol"):
+            raise TrainSpecError("the swarm does not train (its first node was started without --protocol); "
+                                 "name a protocol and task to start a training swarm")
+        try:
+            options, task_options = dict(config.get("options") or {}), dict(config.get("task_options") or {})
+            return cls(str(config["protocol"]), str(config.get("task", "charlm")), options, task_options,
+                       int(config.get("seed", 0)))
+        except (TypeError, ValueError) as exc:
+            raise TrainSpecError(f"malformed swarm config: {exc}") from None
+
+    def check(self) -> None:
+        """Resolve the protocol, its options and the task now, so that bad input fails
+        before training starts (raises ProtocolError or TaskSpecError naming the field)."""
+        from starling.protocols.base import config_from_options
+        from starling.tasks import get_task
+
+        config_from_options(resolve_protocol(self.protocol).config_class, self.options)
+        get_task(self.task, **self.task_options)
+
+
+def resolve_protocol(name: str) -> type[Protocol]:
+    """A protocol class by registered name; "module:name" imports `module` first, and a bare
+    name not yet registered is looked for in `starling.protocols.<name>`."""
+    from starling.protocols.base import ProtocolError, get_protocol
+
+    module, sep, registered = name.rpartition(":")
+    if sep:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ProtocolError(f"protocol {name!r}: cannot import {module!r}: {exc}") from None
+        return get_protocol(registered)
+    try:
+        return get_protocol(name)
+    except ProtocolError:
+        if not name.replace("-", "_").isidentifier():
+            raise
+        try:
+            importlib.import_module(f"starling.protocols.{name.replace('-', '_')}")
+        except ModuleNotFoundError:
+            raise ProtocolError(f"unknown protocol {name!r}") from None
+        return get_protocol(name)
+
+
+def shard_for(peer_id: str, world: int) -> int:
+    """A data shard for a peer that has no rank (a real swarm): stable, spread by its id."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % world
+
+
+class Trainer:
+    """Runs one peer's training: builds the model and protocol, serves its state to
+    joiners, fetches the swarm's state when joining, and loops over its data shard."""
+
+    def __init__(self, node: Node, spec: TrainSpec, rank: int, world: int, task: Task | None = None,
+                 serve_state: bool = True, snapshot_every_s: float = 1.0) -> None:
+        from starling.tasks import get_task
+
+        self.node, self.spec, self.rank, self.world = node, spec, rank, world
+        self.task = task if task is not None else get_task(spec.task, **spec.task_options)
+        self.proto: Protocol | None = None
+        self.serve_state = serve_state
+        self.snapshot_every_s = snapshot_every_s  # 0: after every step
+        self._snapshot = b""
+        self._snapshot_at = float("-inf")
+
+    def create_protocol(self) -> Protocol:
+        model = self.task.make_model()
+        self.proto = resolve_protocol(self.spec.protocol).create(self.node, model, self.spec.options)
+        if self.serve_state:
+            self.take_snapshot()
+            self.node.serve_blob(STATE_BLOB, lambda: self._snapshot)
+        return self.proto
+
+    def fetch_state(self, peers: list[str] | None = None) -> str:
+        """A joiner's catch-up: the protocol state of some live peer, at that peer's step."""
+        import torch
+
+        assert self.proto is not None, "create_protocol() first"
+        source, blob = self.node.fetch_blob(STATE_BLOB, peers)
+        self.proto.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+        log.info("%s: joined from %s at step %d", self.node.peer_id, source, self.proto.step_count)
+        return source
+
+    def take_snapshot(self) -> None:
+        import torch
+
+        assert self.proto is not None
+        buffer = io.BytesIO()
+        torch.save(self.proto.state_dict(), buffer)
+        self._snapshot = buffer.getvalue()  # one reference swap: the network thread reads it
+        self._snapshot_at = time.monotonic()
+
+    def batches(self) -> Iterator[Any]:
+        return self.task.batches(self.rank, self.world, self.spec.seed)
+
+    def step(self, batch: Any) -> StepReport:
+        """One protocol step on `batch`; refreshes the snapshot joiners fetch."""
+        proto, task = self.proto, self.task
+        assert proto is not None
+        report = proto.step(lambda: task.loss(proto.model, batch))
+        if self.serve_state and time.monotonic() - self._snapshot_at >= self.snapshot_every_s:
+            self.take_snapshot()
+        return report
+
+    def evaluate(self) -> dict[str, float]:
+        assert self.proto is not None
+        return self.task.evaluate(self.proto.eval_model())
+
+    def run(self, steps: int | None, stop: threading.Event,
+            on_report: Callable[[StepReport], None] | None = None) -> int:
+        """Train until the protocol's step count reaches `steps` (None: until `stop`)."""
+        assert self.proto is not None
+        batches = self.batches()
+        while not stop.is_set() and (steps is None or self.proto.step_count < steps):
+            report = self.step(next(batches))
+            if on_report is not None:
+                on_report(report)
+        return self.proto.step_count
+
+    def close(self) -> None:
+        if self.proto is not None:
+            self.proto.close()
