@@ -103,3 +103,43 @@ def test_dead_neighbour_is_skipped_and_reported(make_node):
     b.node.close()
     report = a.step(lambda: TASK.loss(a.model, torch.zeros(DIM)))
     assert not report.synced and report.lost_peers == (b.node.peer_id,)
+
+
+def predicted_per_round(topology: str, deviations: torch.Tensor, rounds: int) -> float:
+    """Randomized pairwise gossip (Boyd et al. 2006): one exchange of i (picked uniformly)
+    with a uniform neighbour j is the projection W = I - (e_i - e_j)(e_i - e_j)^T / 2, so
+    E||W x - mean||^2 = x^T (I - M) x with M = E[(e_i - e_j)(e_i - e_j)^T / 2]. Along M's
+    eigenvectors a component shrinks by (1 - mu_k) per exchange, n exchanges a round; the
+    prediction for this start is the energy-weighted sum over the components."""
+    n = deviations.shape[0]
+    members = tuple(f"p{i}" for i in range(n))
+    m = torch.zeros(n, n, dtype=torch.float64)
+    for i, me in enumerate(members):
+        nbrs = neighbours(topology, members, me)
+        for other in nbrs:
+            e = torch.zeros(n, dtype=torch.float64)
+            e[i], e[members.index(other)] = 1.0, -1.0
+            m += torch.outer(e, e) / 2 / (n * len(nbrs))
+    mu, vectors = torch.linalg.eigh(m)
+    energy = (vectors.T @ deviations).pow(2).sum(1)
+    after = float((energy * (1 - mu).pow(n * rounds)).sum())
+    return (after / float(energy.sum())) ** (1 / rounds)
+
+
+@pytest.mark.slow
+def test_consensus_distance_shrinks_at_the_rate_theory_predicts(make_node):
+    n, rounds = 8, 6
+    measured, predicted = {}, {}
+    for topology in ("ring", "complete"):
+        protos = spread_swarm(make_node, n, {"lr": 0.0, "topology": topology})
+        start = stacked(protos)
+        run(protos, rounds)
+        measured[topology] = (distance(stacked(protos)) / distance(start)) ** (2 / rounds)
+        predicted[topology] = predicted_per_round(topology, start - start.mean(0), rounds)
+        for p in protos:
+            p.close()
+    for topology, rate in measured.items():
+        # Concurrent peers sometimes find a neighbour busy and skip an exchange (a round
+        # then does fewer than n), and one run is one sample of a random process.
+        assert predicted[topology] ** 1.6 <= rate <= predicted[topology] ** 0.4, (topology, rate, predicted)
+    assert measured["complete"] < measured["ring"]
