@@ -6,7 +6,7 @@ from starling.protocols.base import (
 )
 
 # Importing a protocol module registers it by name.
-from starling.protocols import allreduce, gossip  # noqa: E402,F401
+from starling.protocols import allreduce, diloco, gossip, sketch_dp, spsa  # noqa: E402,F401
 
 __all__ = ["LossFn", "Protocol", "ProtocolConfig", "ProtocolError", "StepReport", "get_protocol",
            "register", "registered_protocols"]

@@ -1,0 +1,160 @@
+"""Fragments of a model and the staggered schedule that syncs them (Streaming DiLoCo).
+
+Split. The model's trainable parameters, in order, form one flat vector of N values
+(`FlatModel`). A fragment is a set of runs [lo, hi) of that vector:
+
+    sequential   F runs of N/F values: fragment f is the f-th slice of the network's depth
+    strided      F*G runs of N/(F*G) values, run j goes to fragment j mod F, with G about the
+                 number of layers per fragment: every fragment spans the whole depth (the
+                 paper's "block i to fragment i mod F", which it found to train better)
+
+A run may end inside a layer. The outer step and the merge act coordinate by coordinate, so
+nothing depends on runs following layer boundaries, and equal runs make every fragment the
+same size: peak bytes per sync are what a fragment costs, so they fall by exactly F.
+
+Schedule (H = sync_every, F = fragments, tau = overlap_steps, stride = H / F; a step number
+s counts inner steps done, s = 1 after the first):
+
+    fragment f's k-th sync (k = 0, 1, ...) merges after step   merge(f, k) = k H + (f + 1) stride
+    its exchange starts tau steps earlier, after step          send(f, k)  = merge(f, k) - tau
+    a round whose send would fall at s <= 0 does not exist     (there is nothing to send yet)
+
+Each fragment syncs once every H steps, one fragment every stride steps. With tau > stride
+several fragments are in flight at once; tau < H keeps a fragment from overlapping itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from starling.protocols._reduce import shard_bounds
+
+ASSIGNMENTS = ("strided", "sequential")
+
+
+@dataclass(frozen=True)
+class Fragment:
+    index: int
+    runs: tuple[tuple[int, int], ...]  # [lo, hi) ranges of the model's flat parameter vector
+
+    @property
+    def numel(self) -> int:
+        return sum(hi - lo for lo, hi in self.runs)
+
+
+def count_layers(model: nn.Module) -> int:
+    """Modules that own trainable parameters directly (a Linear, a LayerNorm, an Embedding);
+    a tied parameter counts for its first owner only."""
+    seen: set[int] = set()
+    layers = 0
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        layers += bool(own)
+    return layers
+
+
+def split_fragments(numel: int, layers: int, fragments: int, assignment: str) -> list[Fragment]:
+    """Cut a flat vector of `numel` values into `fragments` fragments of equal size (+-1 run)."""
+    if assignment not in ASSIGNMENTS:
+        raise ValueError(f"fragment_assignment must be one of {', '.join(ASSIGNMENTS)}, got {assignment!r}")
+    groups = 1 if assignment == "sequential" else max(1, layers // fragments)
+    if fragments > numel:
+        raise ValueError(f"fragments ({fragments}) must not exceed the model's {numel} parameters")
+    groups = min(groups, numel // fragments)
+    runs = shard_bounds(numel, fragments * groups)
+    return [Fragment(f, tuple(runs[f::fragments])) for f in range(fragments)]
+
+
+class FragmentView:
+    """Reads one fragment of a model's parameters as a contiguous float32 vector, and writes it back."""
+
+    def __init__(self, params: Sequence[nn.Parameter], fragment: Fragment) -> None:
+        self.fragment = fragment
+        self.numel = fragment.numel
+        # (parameter, start and end inside it, where that piece sits in the fragment vector)
+        self._pieces: list[tuple[nn.Parameter, int, int, int]] = []
+        starts, offset = [], 0
+        for p in params:
+            starts.append(offset)
+            offset += p.numel()
+        at = 0
+        for lo, hi in fragment.runs:
+            for p, start in zip(params, starts):
+                a, b = max(lo, start), min(hi, start + p.numel())
+                if a < b:
+                    self._pieces.append((p, a - start, b - start, at))
+                    at += b - a
+        assert at == self.numel
+
+    @torch.no_grad()
+    def read(self) -> torch.Tensor:
+        out = torch.empty(self.numel, dtype=torch.float32)
+        for p, a, b, at in self._pieces:
+            out[at:at + b - a].copy_(p.detach().reshape(-1)[a:b])
+        return out
+
+    @torch.no_grad()
+    def write(self, values: torch.Tensor) -> None:
+        for p, a, b, at in self._pieces:
+            p.detach().view(-1)[a:b].copy_(values[at:at + b - a])
+
+
+@dataclass(frozen=True)
+class FragmentSchedule:
+    """Which fragment starts its exchange, and which merges, after inner step s."""
+
+    sync_every: int  # H
+    fragments: int  # F
+    overlap_steps: int = 0  # tau
+
+    def __post_init__(self) -> None:
+        if self.fragments < 1 or self.sync_every < 1:
+            raise ValueError("sync_every and fragments must be >= 1")
+        if self.sync_every % self.fragments:
+            raise ValueError(f"sync_every ({self.sync_every}) must be divisible by fragments ({self.fragments})")
+        if not 0 <= self.overlap_steps < self.sync_every:
+            raise ValueError(f"overlap_steps ({self.overlap_steps}) must be in [0, sync_every={self.sync_every})")
+
+    @property
+    def stride(self) -> int:
+        """Steps between two consecutive fragment syncs."""
+        return self.sync_every // self.fragments
+
+    def merge_step(self, fragment: int, k: int) -> int:
+        return k * self.sync_every + (fragment + 1) * self.stride
+
+    def send_step(self, fragment: int, k: int) -> int:
+        return self.merge_step(fragment, k) - self.overlap_steps
+
+    def first_round(self, fragment: int) -> int:
+        """The fragment's first round that exists (1 when round 0 would send at step <= 0)."""
+        return 0 if self.send_step(fragment, 0) >= 1 else 1
+
+    def _round_at(self, s: int) -> tuple[int, int] | None:
+        """(fragment, k) whose merge falls at step s, if any (the send need not exist)."""
+        if s < self.stride or s % self.stride:
+            return None
+        j = s // self.stride - 1
+        return j % self.fragments, j // self.fragments
+
+    def merging_at(self, s: int) -> tuple[int, int] | None:
+        """(fragment, round) to merge after step s."""
+        found = self._round_at(s)
+        if found is None or self.send_step(*found) < 1:
+            return None
+        return found
+
+    def sending_at(self, s: int) -> tuple[int, int] | None:
+        """(fragment, round) whose exchange starts after step s."""
+        if s < 1:
+            return None
+        return self._round_at(s + self.overlap_steps)
+
+    def in_flight_at(self, s: int) -> list[tuple[int, int]]:
+        """Rounds started at or before step s that merge after it, oldest first."""
+        return [r for d in range(self.overlap_steps - 1, -1, -1)
+                if (r := self.sending_at(s - d)) is not None]

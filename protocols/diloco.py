@@ -1,0 +1,412 @@
+"""`diloco` and `streaming-diloco`: peers train alone for many steps, then average where
+their parameters went (DiLoCo, Douillard et al. 2023; Streaming DiLoCo, Douillard et al. 2025).
+
+Each peer, with H = sync_every, F = fragments, tau = overlap_steps, and the fragment split
+and schedule of `_fragments.py` (diloco: F = 1, tau = 0, alpha = 0):
+
+    outer_f = a float32 copy of fragment f of the parameters; momentum_f = 0
+    for every inner step s = 1, 2, ...:
+        loss_fn(); backward(); inner optimizer (AdamW) step on the local parameters
+        if s == send(f, k):                                  # tau steps before f's merge
+            delta_f = outer_f - local_f                      # f's pseudo-gradient
+            start averaging delta_f over the live peers      # sharded all-reduce, quantized
+        if s == merge(f, k):                                 # training went on meanwhile
+            wait for the average of delta_f                  # a shard nobody averaged: 0
+            momentum_f = mu momentum_f + delta_f             # outer SGD, Nesterov, float32
+            outer_f    = outer_f - outer_lr (delta_f + mu momentum_f)
+            local_f    = alpha local_f + (1 - alpha) outer_f # alpha 0: take the global fragment
+
+Every peer decodes the same averaged packets, so outer parameters stay bit-identical. A shard
+whose average did not come back (its owner died) counts as 0 on every peer that missed it,
+so survivors keep agreeing instead of each applying its own pseudo-gradient there.
+
+Elastic membership. A joiner loads a peer's `state_dict` (outer parameters, momentum, round,
+inner optimizer state, rounds in flight). For a round in flight it takes part in (its member
+list names the joiner), it sends the donor's pseudo-gradient; for one it does not, it fetches
+the outer fragment after that merge from a member ("diloco.sync"). A peer that learns it has
+fallen a round behind fetches the whole outer state and jumps to that peer's step.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from starling.node.node import Node
+from starling.node.rpc import Reply
+from starling.node.wire import Message
+from starling.protocols._exchange import (
+    ByteMeter, FlatModel, check_compressor_spec, make_optimizer, membership, optimizer_state, watch_peers,
+)
+from starling.protocols._fragments import ASSIGNMENTS, FragmentSchedule, FragmentView, count_layers, split_fragments
+from starling.protocols._reduce import PendingReduce, ReduceResult, ReduceTimeouts, ShardedReducer
+from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
+
+log = logging.getLogger(__name__)
+
+TOPIC_PREFIX = "diloco."
+SYNC_TOPIC = "diloco.sync"  # outer parameters and momentum of some fragments, as a peer holds them now
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig(ProtocolConfig):
+    lr: float = 1e-3  # inner optimizer
+    compressor: str = "int4"  # pseudo-gradients travel in 4 bits; the outer step stays float32
+    sync_every: int = 100  # H: inner steps between two syncs of the same fragment
+    fragments: int = 1  # F: fragments synced one at a time, H / F steps apart
+    overlap_steps: int = 0  # tau: a fragment's exchange starts this many steps before its merge
+    alpha: float = 0.0  # merge: local = alpha local + (1 - alpha) global
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9  # Nesterov
+    inner_optimizer: str = "adamw"  # adamw | sgd
+    inner_momentum: float = 0.0  # sgd only
+    weight_decay: float = 0.0
+    fragment_assignment: str = "strided"  # strided | sequential (see _fragments.py)
+    reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
+    retry_interval_s: float = 0.05  # re-ask a peer that is not ready yet
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
+        if self.fragments < 1:
+            raise ValueError(f"fragments must be >= 1, got {self.fragments}")
+        if self.sync_every % self.fragments:
+            raise ValueError(f"sync_every (H={self.sync_every}) must be divisible by fragments "
+                             f"(F={self.fragments}): one fragment syncs every H/F steps")
+        if self.overlap_steps < 0:
+            raise ValueError(f"overlap_steps must be >= 0, got {self.overlap_steps}")
+        if self.overlap_steps >= self.sync_every:
+            raise ValueError(f"overlap_steps (tau={self.overlap_steps}) must be < sync_every "
+                             f"(H={self.sync_every}): a fragment's exchange would still be in flight "
+                             "when its next one starts")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if not self.lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        if not self.outer_lr > 0.0:
+            raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.inner_optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"inner_optimizer must be 'adamw' or 'sgd', got {self.inner_optimizer!r}")
+        if not 0.0 <= self.inner_momentum < 1.0:
+            raise ValueError(f"inner_momentum must be in [0, 1), got {self.inner_momentum}")
+        if self.weight_decay < 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.fragment_assignment not in ASSIGNMENTS:
+            raise ValueError(f"fragment_assignment must be one of {', '.join(ASSIGNMENTS)}, "
+                             f"got {self.fragment_assignment!r}")
+        for name in ("round_timeout_s", "reply_grace_s", "retry_interval_s"):
+            if not getattr(self, name) > 0.0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_compressor_spec(self.compressor)
+
+
+@dataclass(frozen=True)
+class StreamingDiLoCoConfig(DiLoCoConfig):
+    fragments: int = 4
+    overlap_steps: int = 1
+    alpha: float = 0.5
+
+
+@dataclass
+class _Exchange:
+    """One fragment's round in flight."""
+
+    fragment: int
+    round: int
+    members: tuple[str, ...]
+    delta: torch.Tensor  # my pseudo-gradient as sent (a joiner re-sends the donor's)
+    average: torch.Tensor | None = None  # where the average lands
+    pending: PendingReduce | None = None  # None: not my round (I joined mid-flight): fetch its result
+
+
+@dataclass(frozen=True)
+class _Published:
+    """What `diloco.sync` serves: references to tensors the training thread never changes in place."""
+
+    step: int
+    versions: tuple[int, ...]
+    outer: tuple[torch.Tensor, ...]
+    momentum: tuple[torch.Tensor, ...]
+
+
+@register
+class DiLoCo(Protocol):
+    name = "diloco"
+    config_class = DiLoCoConfig
+    config: DiLoCoConfig
+
+    def __init__(self, node: Node, model: nn.Module, config: DiLoCoConfig) -> None:
+        super().__init__(node, model, config)
+        self.flat = FlatModel(model)
+        try:
+            fragments = split_fragments(self.flat.numel, count_layers(model), config.fragments,
+                                        config.fragment_assignment)
+        except ValueError as exc:
+            raise ProtocolError(f"{self.name}: {exc}") from None
+        self.views = [FragmentView(self.flat.params, f) for f in fragments]
+        self.schedule = FragmentSchedule(config.sync_every, config.fragments, config.overlap_steps)
+        self.inner = make_optimizer(self.flat.params, config.inner_optimizer, config.lr, config.inner_momentum,
+                                    config.weight_decay)
+        self.outer = [view.read() for view in self.views]
+        self.momentum = [torch.zeros_like(o) for o in self.outer]
+        # the round each fragment merges next: its outer parameters' version
+        self.versions = [self.schedule.first_round(f) for f in range(len(self.views))]
+        self.in_flight: dict[int, _Exchange] = {}
+        self.meter = ByteMeter(node, TOPIC_PREFIX)
+        self._open = True
+        timeouts = ReduceTimeouts(config.round_timeout_s, config.reply_grace_s, config.retry_interval_s)
+        self.reducers = [ShardedReducer(node, f"{TOPIC_PREFIX}f{i}", view.numel, config.compressor, timeouts,
+                                        lambda: self._open) for i, view in enumerate(self.views)]
+        self._eval: tuple[nn.Module, list[FragmentView]] | None = None
+        self._publish()
+        node.on(SYNC_TOPIC, self._on_sync)
+        watch_peers(node, self.on_peer_joined, self.on_peer_left, lambda: self._open)
+
+    # ------------------------------------------------------------------ training thread
+    def step(self, loss_fn: LossFn) -> StepReport:
+        if not self._open:
+            raise ProtocolError(f"{self.name}: step() after close()")
+        start = time.monotonic()
+        self.inner.zero_grad(set_to_none=False)
+        loss = loss_fn()
+        loss.backward()
+        self.inner.step()
+        compute_s = time.monotonic() - start
+
+        t = self.step_count
+        s = self.step_count = t + 1
+        result: ReduceResult | None = None
+        sending = self.schedule.sending_at(s)
+        if sending is not None:
+            self._send(*sending)
+        merging = self.schedule.merging_at(s)
+        if merging is not None:
+            result, merge_compute_s = self._merge(*merging)
+            compute_s += merge_compute_s
+        self._publish()
+        sent, received = self.meter.take()
+        return StepReport(step=t, loss=float(loss.detach()), bytes_sent=sent, bytes_received=received,
+                          synced=bool(result and result.synced), peers=result.peers if result else 1,
+                          lost_peers=result.lost if result else (), wall_s=time.monotonic() - start,
+                          compute_s=compute_s)
+
+    def _send(self, f: int, k: int) -> None:
+        """Start averaging fragment f's pseudo-gradient; training goes on until its merge."""
+        delta = self.outer[f] - self.views[f].read()
+        self.in_flight[f] = self._start(f, k, membership(self.node), delta)
+
+    def _start(self, f: int, k: int, members: tuple[str, ...], delta: torch.Tensor) -> _Exchange:
+        if (len(members) > 1 and self.node.peer_id not in members) or delta.numel() != self.views[f].numel:
+            return _Exchange(f, k, members, delta)
+        average = delta.clone()
+        pending = self.reducers[f].start(k, members, average)
+        if len(members) > 1:
+            # start() has encoded my parts, so the buffer is free until wait(): any shard
+            # still NaN after it was not averaged
+            average.fill_(math.nan)
+        return _Exchange(f, k, members, delta, average, pending)
+
+    def _merge(self, f: int, k: int) -> tuple[ReduceResult | None, float]:
+        """Wait for fragment f's average, take the outer step, merge it into the local parameters."""
+        exchange = self.in_flight.pop(f, None)
+        result = None
+        if exchange is None or exchange.round != k:
+            log.warning("%s: no exchange of fragment %d round %d in flight; fetching it", self.node.peer_id, f, k)
+            self._fetch_merged(f, k + 1, membership(self.node))
+        elif exchange.pending is None:
+            self._fetch_merged(f, k + 1, exchange.members)
+        else:
+            result = exchange.pending.wait()
+            if result.ahead > k:
+                log.info("%s: fragment %d round %d closed without me (the swarm is in round %d); catching up",
+                         self.node.peer_id, f, k, result.ahead)
+                self._catch_up(f, k, exchange.members)
+                return result, 0.0
+            if result.lost:
+                log.warning("%s: %s round %d went on without %s", self.node.peer_id, self.reducers[f].topic, k,
+                            list(result.lost))
+        start = time.monotonic()
+        if exchange is not None and exchange.average is not None and self.versions[f] == k:
+            average = exchange.average.nan_to_num_(nan=0.0)
+            self._outer_step(f, average)
+        self._merge_local(f)
+        return result, time.monotonic() - start
+
+    def _outer_step(self, f: int, delta: torch.Tensor) -> None:
+        """Nesterov SGD on the outer fragment, the averaged pseudo-gradient as its gradient.
+        New tensors, not in-place updates: `diloco.sync` may be sending the old ones."""
+        mu = self.config.outer_momentum
+        momentum = self.momentum[f] * mu + delta
+        self.outer[f] = self.outer[f] - self.config.outer_lr * (delta + mu * momentum)
+        self.momentum[f] = momentum
+        self.versions[f] += 1
+
+    def _merge_local(self, f: int) -> None:
+        alpha = self.config.alpha
+        if alpha == 0.0:
+            self.views[f].write(self.outer[f])
+        else:
+            self.views[f].write(alpha * self.views[f].read() + (1.0 - alpha) * self.outer[f])
+
+    # ------------------------------------------------------------------ catching up
+    def _fetch_merged(self, f: int, version: int, sources: Sequence[str]) -> None:
+        """I missed fragment f's round: take its outer fragment from a member that merged it."""
+        got = self._fetch([f], sources, lambda versions: versions[f] >= version)
+        if got is None:
+            log.warning("%s: no peer had fragment %d at version %d; keeping mine", self.node.peer_id, f, version)
+            return
+        self._adopt(got, [f])
+
+    def _catch_up(self, f: int, k: int, sources: Sequence[str]) -> None:
+        """Fragment f's round k closed without me: take the outer state and step of a peer
+        that merged it, and join the rounds that follow."""
+        got = self._fetch(list(range(len(self.views))), sources, lambda versions: versions[f] > k)
+        if got is None:
+            log.warning("%s: could not fetch the swarm's outer state; staying at step %d",
+                        self.node.peer_id, self.step_count)
+            return
+        self.in_flight.clear()  # my rounds were refused as late
+        self._adopt(got, range(len(self.views)))
+        for view, outer in zip(self.views, self.outer):
+            view.write(outer)  # my local progress belongs to rounds that closed without me
+        self.step_count = max(self.step_count, got.step)
+        for g, r in self.schedule.in_flight_at(got.step):  # started before I arrived: fetched at merge
+            self.in_flight[g] = _Exchange(g, r, tuple(sources), torch.zeros(0))
+
+    def _adopt(self, got: _Published, fragments: Sequence[int]) -> None:
+        for f in fragments:
+            if got.versions[f] >= self.versions[f]:
+                self.outer[f], self.momentum[f] = got.outer[f], got.momentum[f]
+                self.versions[f] = got.versions[f]
+
+    def _fetch(self, fragments: list[int], sources: Sequence[str],
+               ready: Callable[[tuple[int, ...]], bool]) -> _Published | None:
+        """Ask `sources` in turn for these fragments until one answers with `ready(versions)`
+        true, or the round timeout (plus grace) has passed."""
+        me, sizes = self.node.peer_id, [self.views[f].numel for f in fragments]
+        peers = [p for p in sources if p != me]
+        deadline = time.monotonic() + self.config.round_timeout_s + self.config.reply_grace_s
+        while peers and time.monotonic() < deadline:
+            for peer in peers:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:  # a bounded wait per peer, so that a dead one leaves time to ask the others
+                    msg = self.node.request(peer, SYNC_TOPIC, {"fragments": fragments},
+                                            timeout_s=min(remaining, max(1.0, self.config.round_timeout_s / 4)))
+                    got = _read_sync_reply(msg, fragments, sizes, len(self.views))
+                except Exception as exc:  # dead, not up yet, or a malformed answer: ask another
+                    log.debug("%s: %s from %s failed: %s", me, SYNC_TOPIC, peer, exc)
+                    continue
+                if ready(got.versions):
+                    return got
+            time.sleep(self.config.retry_interval_s)
+        return None
+
+    def _publish(self) -> None:
+        self._published = _Published(self.step_count, tuple(self.versions), tuple(self.outer), tuple(self.momentum))
+
+    # ------------------------------------------------------------------ network thread
+    def _on_sync(self, msg: Message) -> Reply | dict[str, Any]:
+        if not self._open:
+            return {"ok": False, "reason": "protocol closed"}
+        state = self._published
+        try:
+            fragments = [int(f) for f in msg.body["fragments"]]
+            if not all(0 <= f < len(state.outer) for f in fragments):
+                raise ValueError(fragments)
+        except (TypeError, KeyError, ValueError):
+            return {"ok": False, "reason": f"body must be {{fragments: [0..{len(state.outer) - 1}]}}"}
+        payload = [t for f in fragments for t in (state.outer[f], state.momentum[f])]
+        return Reply({"ok": True, "step": state.step, "versions": list(state.versions), "fragments": fragments},
+                     payload)
+
+    def on_peer_left(self, peer_id: str) -> None:
+        for reducer in self.reducers:
+            reducer.peer_left(peer_id)
+
+    def on_peer_joined(self, peer_id: str) -> None:
+        for reducer in self.reducers:
+            reducer.peer_joined(peer_id)
+
+    # ------------------------------------------------------------------ state and evaluation
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["outer"] = [o.clone() for o in self.outer]
+        state["outer_momentum"] = [m.clone() for m in self.momentum]
+        state["versions"] = list(self.versions)
+        state["inner_optimizer"] = optimizer_state(self.inner)
+        state["in_flight"] = [{"fragment": e.fragment, "round": e.round, "members": list(e.members),
+                               "delta": e.delta.clone()} for e in self.in_flight.values()]
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        sizes = [view.numel for view in self.views]
+        outer, momentum = list(state["outer"]), list(state["outer_momentum"])
+        if [o.numel() for o in outer] != sizes or [m.numel() for m in momentum] != sizes:
+            raise ProtocolError(f"{self.name}: state has fragments of {[o.numel() for o in outer]} values, "
+                                f"this model's are {sizes}")
+        super().load_state_dict(state)
+        self.inner.load_state_dict(state["inner_optimizer"])
+        self.outer = [o.to(torch.float32).clone() for o in outer]
+        self.momentum = [m.to(torch.float32).clone() for m in momentum]
+        self.versions = [int(v) for v in state["versions"]]
+        self.in_flight = {}
+        for e in state["in_flight"]:
+            f, k = int(e["fragment"]), int(e["round"])
+            self.in_flight[f] = self._start(f, k, tuple(str(m) for m in e["members"]), e["delta"].clone())
+        self._publish()
+
+    def eval_model(self) -> nn.Module:
+        """A copy of the model holding the outer (global) parameters."""
+        if self._eval is None:
+            twin = copy.deepcopy(self.model)
+            params = [p for p in twin.parameters() if p.requires_grad]
+            self._eval = (twin, [FragmentView(params, view.fragment) for view in self.views])
+        twin, views = self._eval
+        for view, outer in zip(views, self.outer):
+            view.write(outer)
+        with torch.no_grad():
+            for mine, theirs in zip(twin.buffers(), self.model.buffers()):
+                mine.copy_(theirs)
+        return twin
+
+    def close(self) -> None:
+        self._open = False
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "step": self.step_count, "parameters": self.flat.numel,
+                "fragment_sizes": [view.numel for view in self.views], "versions": list(self.versions)}
+
+
+@register
+class StreamingDiLoCo(DiLoCo):
+    """DiLoCo with fragments on a staggered schedule, overlapped and merged with alpha."""
+
+    name = "streaming-diloco"
+    config_class = StreamingDiLoCoConfig
+
+
+def _read_sync_reply(msg: Message, fragments: list[int], sizes: list[int], count: int) -> _Published:
+    body = msg.body
+    if not isinstance(body, dict) or not body.get("ok"):
+        raise ValueError(body.get("reason") if isinstance(body, dict) else "malformed reply")
+    versions = tuple(int(v) for v in body["versions"])
+    if len(versions) != count or list(body["fragments"]) != fragments or len(msg.payload) != 2 * len(fragments):
+        raise ValueError("reply does not match the request")
+    outer: list[torch.Tensor] = [torch.zeros(0)] * count
+    momentum: list[torch.Tensor] = [torch.zeros(0)] * count
+    for i, (f, n) in enumerate(zip(fragments, sizes)):
+        o, m = (torch.as_tensor(t).reshape(-1).to(torch.float32).clone() for t in msg.payload[2 * i:2 * i + 2])
+        if o.numel() != n or m.numel() != n or not (torch.isfinite(o).all() and torch.isfinite(m).all()):
+            raise ValueError(f"fragment {f}: expected {n} finite values")
+        outer[f], momentum[f] = o, m
+    return _Published(int(body["step"]), versions, tuple(outer), tuple(momentum))

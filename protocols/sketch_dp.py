@@ -1,0 +1,330 @@
+"""`sketch-dp`: peers send a random sketch of their gradient with Gaussian noise calibrated to
+a privacy budget (Song et al., ICML 2023; count sketches as in FetchSGD, Rothchild et al. 2020).
+
+    R_t = sketch map from (swarm seed, t)              # every peer rebuilds the same R_t, fresh each round
+    peer unit:   y = clip_C(R_t grad L(batch))                     # a peer's whole contribution
+    sample unit: B ~ Poisson(q) over my N samples                  # torch.func per-sample grads
+                 y = sum_{i in B} clip_C(R_t grad l_i)
+    y += N(0, sigma^2 C^2 I)                           # clipping in sketch space: sensitivity C for any R_t
+    y /= q N                                           # sample unit: the mean over the expected batch
+    Y = mean of y over live peers                      # sketches are linear: sharded all-reduce (_reduce.py)
+    g = R_t^T Y                                        # gsketch, or a one-row count sketch: unbiased
+      | top_K(e + median_t(Y)), e <- rest              # countsketch:RxC,heavy=K: heavy hitters with
+                                                       #   error accumulation (FetchSGD)
+    optimizer.step(g)                                  # post-processing: momentum costs no privacy
+    accountant.step(sigma, q); report epsilon(delta)   # Opacus RDP or PRV (protocols/_privacy.py)
+
+Only y, clipped and noised, leaves a peer, and each peer adds its own noise, so the epsilon
+reported protects a peer's data (peer unit) or any one of its samples (sample unit) even from
+the owners that sum its sketch. Everything after the all-reduce is post-processing that every
+peer computes identically. Given `target_epsilon` and `budget_steps` instead of
+`noise_multiplier`, sigma is solved for with Opacus. Without either there is no noise and no
+privacy (epsilon is inf); the protocol says so.
+
+The sample unit needs the peer's private data set: `attach_task(task, rank, world, seed)`
+(or `attach_data`) before the first step; its batches are drawn here by Poisson sampling and
+`step`'s closure is only used to report a loss when a batch comes out empty.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from starling.compressors import CountSketch, GaussianSketch, from_spec, rng
+from starling.node.node import Node
+from starling.protocols._exchange import (
+    ByteMeter, FlatModel, check_compressor_spec, make_optimizer, membership, optimizer_state, watch_peers,
+)
+from starling.protocols._privacy import (
+    MECHANISMS, UNITS, Accountant, PrivacyReport, PrivateData, clip_rows_, gaussian_noise, per_sample_grads,
+    secret_generator, solve_noise_multiplier,
+)
+from starling.protocols._reduce import ReduceTimeouts, ShardedReducer
+from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
+
+log = logging.getLogger(__name__)
+
+PART_TOPIC = "sketchdp.part"
+
+
+@dataclass(frozen=True)
+class SketchDPConfig(ProtocolConfig):
+    sketch: str = "countsketch:1x4096,hash=shift"  # countsketch:RxC[,heavy=K][,hash=shift] | gsketch:S[,kind=srht]
+    clip: float = 1.0  # C: L2 bound in sketch space (inf: no clipping, only without noise)
+    noise_multiplier: float | None = None  # sigma; noise std is sigma * C
+    target_epsilon: float | None = None  # instead of sigma: spend this over budget_steps rounds
+    delta: float = 1e-5
+    dp_unit: str = "peer"  # peer | sample
+    accountant: str = "rdp"  # rdp | prv (Opacus)
+    budget_steps: int = 0  # rounds the target epsilon is planned for (needed with target_epsilon)
+    sample_rate: float = 0.01  # sample unit: Poisson rate q
+    dataset_size: int = 6400  # sample unit: samples of the peer's stream kept as its private data
+    seed: int = 0  # swarm seed: R_t is derived from (seed, t)
+    optimizer: str = "sgd"  # sgd | adamw, on the unsketched mean
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    reply_grace_s: float = 2.0
+    retry_interval_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        sketch_codec(self.sketch)
+        if not self.clip > 0.0:
+            raise ValueError(f"clip must be > 0, got {self.clip}")
+        if self.noise_multiplier is not None and self.target_epsilon is not None:
+            raise ValueError("give noise_multiplier or target_epsilon, not both")
+        if self.noise_multiplier is not None and not 0.0 <= self.noise_multiplier < math.inf:
+            raise ValueError(f"noise_multiplier must be >= 0 and finite, got {self.noise_multiplier}")
+        if self.target_epsilon is not None:
+            if not 0.0 < self.target_epsilon < math.inf:
+                raise ValueError(f"target_epsilon must be > 0 and finite, got {self.target_epsilon}")
+            if self.budget_steps < 1:
+                raise ValueError("target_epsilon needs budget_steps >= 1: the rounds the budget is spread over")
+        if not 0.0 < self.delta < 1.0:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta}")
+        if math.isinf(self.clip) and (self.target_epsilon is not None or (self.noise_multiplier or 0.0) > 0.0):
+            raise ValueError("clip must be finite when there is noise (its std is sigma * clip)")
+        if self.dp_unit not in UNITS:
+            raise ValueError(f"dp_unit must be one of {', '.join(UNITS)}, got {self.dp_unit!r}")
+        if self.accountant not in MECHANISMS:
+            raise ValueError(f"accountant must be one of {', '.join(MECHANISMS)}, got {self.accountant!r}")
+        if not 0.0 < self.sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
+        if self.dataset_size < 1:
+            raise ValueError(f"dataset_size must be >= 1, got {self.dataset_size}")
+        if self.optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
+        if not self.lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("round_timeout_s", "reply_grace_s", "retry_interval_s"):
+            if not getattr(self, name) > 0.0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_compressor_spec(self.compressor)
+
+    @property
+    def rate(self) -> float:
+        """q for the accountant: every peer takes part in every round under the peer unit."""
+        return self.sample_rate if self.dp_unit == "sample" else 1.0
+
+
+def sketch_codec(spec: str) -> CountSketch | GaussianSketch:
+    codec = from_spec(spec)
+    if not isinstance(codec, (CountSketch, GaussianSketch)) or codec.inner is not None:
+        raise ValueError(f"sketch must be countsketch:RxC[,...] or gsketch:S[,...] with no next stage, got {spec!r}")
+    return codec
+
+
+class SketchMap:
+    """R_t for one model size: sketch a batch of vectors, unsketch a (mean) sketch."""
+
+    DENSE_MAX = 1 << 24  # a Gaussian R_t up to this many entries is drawn once per round, not twice
+
+    def __init__(self, spec: str, numel: int) -> None:
+        self.codec = sketch_codec(spec)
+        self.numel = numel
+        if isinstance(self.codec, GaussianSketch):
+            self.size, self.heavy = self.codec.sketch_size(numel), 0
+        else:
+            rows, cols = self.codec.size
+            self.size, self.heavy = rows * cols, self.codec.heavy
+        self._dense: tuple[int, torch.Tensor] | None = None
+
+    def _matrix(self, seed: int) -> torch.Tensor | None:
+        if not (isinstance(self.codec, GaussianSketch) and self.codec.kind == "gauss"
+                and self.size * self.numel <= self.DENSE_MAX):
+            return None
+        if self._dense is None or self._dense[0] != seed:
+            self._dense = (seed, self.codec.matrix(self.numel, seed))
+        return self._dense[1]
+
+    def sketch(self, matrix: torch.Tensor, seed: int) -> torch.Tensor:
+        """(B, n) -> (B, size) with one R_t for every row."""
+        dense = self._matrix(seed)
+        if dense is not None:
+            return matrix.detach().to(torch.float32) @ dense.T
+        return self.codec.sketch_rows(matrix, seed).reshape(matrix.shape[0], self.size)
+
+    def unsketch(self, y: torch.Tensor, seed: int) -> torch.Tensor:
+        """R^T y (Gaussian/SRHT; one-row count sketch), or the median of rows' estimates."""
+        dense = self._matrix(seed)
+        if dense is not None:
+            return dense.T @ y
+        if isinstance(self.codec, GaussianSketch):
+            return self.codec.unsketch(y, self.numel, seed)
+        return self.codec.unsketch(y.view(self.codec.size), self.numel, seed)
+
+
+@register
+class SketchDP(Protocol):
+    name = "sketch-dp"
+    config_class = SketchDPConfig
+    config: SketchDPConfig
+
+    def __init__(self, node: Node, model: nn.Module, config: SketchDPConfig) -> None:
+        super().__init__(node, model, config)
+        self.flat = FlatModel(model)
+        self.sketches = SketchMap(config.sketch, self.flat.numel)
+        self.optimizer = make_optimizer(self.flat.params, config.optimizer, config.lr, config.momentum,
+                                        config.weight_decay)
+        self.accountant = Accountant(config.accountant)
+        self.sigma = self._noise_multiplier()
+        self.error = torch.zeros(self.flat.numel) if self.sketches.heavy else None  # public: from means only
+        self.data: PrivateData | None = None
+        self.last_release: torch.Tensor | None = None  # what this peer last sent (clipped + noised)
+        self._secret = secret_generator()
+        self._warned_budget = False
+        self.meter = ByteMeter(node, "sketchdp.")
+        self._open = True
+        timeouts = ReduceTimeouts(config.round_timeout_s, config.reply_grace_s, config.retry_interval_s)
+        self.reducer = ShardedReducer(node, PART_TOPIC, self.sketches.size, config.compressor, timeouts,
+                                      lambda: self._open)
+        watch_peers(node, self.on_peer_joined, self.on_peer_left, lambda: self._open)
+        log.info("%s: sketch-dp, %s-level DP, sigma=%.4g, C=%g, delta=%g, sketch %s (%d of %d values)%s",
+                 node.peer_id, config.dp_unit, self.sigma, config.clip, config.delta, config.sketch,
+                 self.sketches.size, self.flat.numel, "" if self.sigma > 0 else ": NO NOISE, epsilon = inf")
+
+    def _noise_multiplier(self) -> float:
+        c = self.config
+        if c.target_epsilon is None:
+            return float(c.noise_multiplier or 0.0)
+        try:
+            return solve_noise_multiplier(c.target_epsilon, c.delta, c.rate, c.budget_steps, c.accountant)
+        except ValueError as exc:  # Opacus: "The privacy budget is too low."
+            raise ProtocolError(f"sketch-dp: cannot reach epsilon={c.target_epsilon} at delta={c.delta} "
+                                f"in {c.budget_steps} rounds: {exc}") from None
+
+    # ------------------------------------------------------------------ private data (sample unit)
+    def attach_data(self, data: PrivateData) -> None:
+        self.data = data
+
+    def attach_task(self, task: Any, rank: int, world: int, seed: int) -> None:
+        """Keep `dataset_size` samples of peer `rank`'s stream as its private data set."""
+        self.attach_data(PrivateData.from_task(task, rank, world, seed, self.config.dataset_size))
+
+    # ------------------------------------------------------------------ training thread
+    def step(self, loss_fn: LossFn) -> StepReport:
+        if not self._open:
+            raise ProtocolError("sketch-dp: step() after close()")
+        start = time.monotonic()
+        t, c = self.step_count, self.config
+        seed_t = rng.derive_seed(c.seed, t)
+        y, loss = self._private_sketch(loss_fn, seed_t)
+        self.last_release = y.clone()
+        compute_s = time.monotonic() - start
+
+        members = membership(self.node)
+        result = self.reducer.reduce(t, members, y)  # y becomes the mean of the peers' sketches
+        if result.ahead > t:
+            log.info("%s: sketch-dp round %d was late; catching up to round %d", self.node.peer_id, t, result.ahead)
+            self.step_count = result.ahead
+        step_start = time.monotonic()
+        self.flat.scatter_grads(self._unsketch(y, seed_t))
+        self.optimizer.step()
+        self.accountant.step(self.sigma, c.rate)
+        self._check_budget()
+        compute_s += time.monotonic() - step_start
+        self.step_count = max(self.step_count, t + 1)
+        if result.lost:
+            log.warning("%s: sketch-dp step %d went on without %s", self.node.peer_id, t, list(result.lost))
+        sent, received = self.meter.take()
+        return StepReport(step=t, loss=loss, bytes_sent=sent, bytes_received=received, synced=result.synced,
+                          peers=result.peers, lost_peers=result.lost, wall_s=time.monotonic() - start,
+                          compute_s=compute_s)
+
+    def _private_sketch(self, loss_fn: LossFn, seed: int) -> tuple[torch.Tensor, float]:
+        """This peer's release for the round: clipped in sketch space, then noised."""
+        c = self.config
+        if c.dp_unit == "peer":
+            self.optimizer.zero_grad(set_to_none=False)
+            loss = loss_fn()
+            loss.backward()
+            rows, value = self.sketches.sketch(self.flat.gather_grads().unsqueeze(0), seed), float(loss.detach())
+        else:
+            if self.data is None:
+                raise ProtocolError("sketch-dp: dp_unit='sample' needs the peer's private data: call "
+                                    "attach_task(task, rank, world, seed) or attach_data(...) before step()")
+            batch = self.data.poisson_batch(c.sample_rate, self._secret)
+            if batch[0].shape[0] == 0:  # an empty Poisson batch still releases noise
+                rows = torch.zeros(1, self.sketches.size)
+                with torch.no_grad():
+                    value = float(loss_fn())
+            else:
+                grads, losses = per_sample_grads(self.model, self.data.loss, batch)
+                rows, value = self.sketches.sketch(grads, seed), float(losses.mean())
+        if math.isfinite(c.clip):
+            clip_rows_(rows, c.clip)
+        y = rows.sum(dim=0)
+        if self.sigma > 0.0:
+            y.add_(gaussian_noise(y.numel(), self.sigma * c.clip, self._secret))
+        if c.dp_unit == "sample":
+            y.div_(c.sample_rate * self.data.size)  # type: ignore[union-attr]
+        return y, value
+
+    def _unsketch(self, y: torch.Tensor, seed: int) -> torch.Tensor:
+        estimate = self.sketches.unsketch(y, seed)
+        if self.error is None:
+            return estimate
+        # FetchSGD: accumulate what the top-K did not apply; R_t is fresh each round, so the
+        # accumulator lives in parameter space and every round's sketch is added to it.
+        self.error.add_(estimate)
+        keep = torch.topk(self.error.abs(), min(self.sketches.heavy, self.flat.numel), sorted=False).indices
+        update = torch.zeros_like(self.error)
+        update[keep] = self.error[keep]
+        self.error[keep] = 0.0
+        return update
+
+    def _check_budget(self) -> None:
+        c = self.config
+        if c.target_epsilon is not None and self.accountant.rounds > c.budget_steps and not self._warned_budget:
+            self._warned_budget = True
+            log.warning("%s: sketch-dp ran past budget_steps=%d: epsilon now exceeds the target %g",
+                        self.node.peer_id, c.budget_steps, c.target_epsilon)
+
+    # ------------------------------------------------------------------ privacy report
+    @property
+    def privacy(self) -> PrivacyReport:
+        c = self.config
+        return PrivacyReport(epsilon=self.accountant.epsilon(c.delta), delta=c.delta, noise_multiplier=self.sigma,
+                             noise_std=self.sigma * c.clip, clip=c.clip, dp_unit=c.dp_unit, sample_rate=c.rate,
+                             rounds=self.accountant.rounds, accountant=c.accountant)
+
+    # ------------------------------------------------------------------ hooks and state
+    def on_peer_left(self, peer_id: str) -> None:
+        self.reducer.peer_left(peer_id)
+
+    def on_peer_joined(self, peer_id: str) -> None:
+        self.reducer.peer_joined(peer_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["optimizer"] = optimizer_state(self.optimizer)
+        state["privacy"] = {"history": self.accountant.state(), "noise_multiplier": self.sigma}
+        if self.error is not None:
+            state["error"] = self.error.clone()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if "privacy" in state:
+            self.accountant.load(state["privacy"]["history"])
+            self.sigma = float(state["privacy"]["noise_multiplier"])
+        if self.error is not None and "error" in state:
+            self.error.copy_(state["error"])
+
+    def close(self) -> None:
+        self._open = False
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "step": self.step_count, "parameters": self.flat.numel,
+                "sketch_size": self.sketches.size, "privacy": self.privacy.as_dict()}
