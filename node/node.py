@@ -316,15 +316,31 @@ class Node:
                        timeout_s: float | None = None) -> Message:
         timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
         rid, fut = self._pending.open(peer)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        send = asyncio.ensure_future(self._asend_raw(peer, rpc.REQUEST_TOPIC, rpc.request_body(topic, rid, body),
+                                                     payload, stats_topic=topic, timeout_s=timeout_s))
         try:
-            await self._asend_raw(peer, rpc.REQUEST_TOPIC, rpc.request_body(topic, rid, body), payload,
-                                  stats_topic=topic, timeout_s=timeout_s)
-            return await asyncio.wait_for(fut, timeout_s)
+            # A send can wait on a peer that crashed (no connection to hand the message to);
+            # if the peer is declared dead meanwhile, `fut` fails and the request ends now.
+            await asyncio.wait({send, fut}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if not send.done():
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    await send  # the reply beat the send's own bookkeeping
+                    return fut.result()
+                send.cancel()
+                if fut.done():
+                    return fut.result()  # raises the peer's failure
+                raise asyncio.TimeoutError
+            send.result()
+            return await asyncio.wait_for(fut, max(deadline - loop.time(), 0.0))
         except SendError as exc:
             raise rpc.RpcError(f"request {topic!r} to {peer}: {exc}") from None
         except asyncio.TimeoutError:
             raise rpc.RequestTimeout(f"no reply from {peer} to {topic!r} within {timeout_s} s") from None
         finally:
+            if not send.done():
+                send.cancel()
             self._pending.drop(rid)
 
     def serve_blob(self, name: str, provider: Callable[[], bytes]) -> None:

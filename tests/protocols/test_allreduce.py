@@ -169,10 +169,19 @@ def test_a_joiner_with_stale_state_catches_up_without_a_timeout(make_node):
     pc = get_protocol("allreduce").create(c, linear(), options)
     pc.load_state_dict(stale)
     start = time.monotonic()
-    # a and b run rounds 3 and 4; c's round 1 is refused as late, so it jumps to 3, then 4
-    reports = in_parallel([lambda p=p, r=r, n=n: [p.step(lambda: loss_of(p.model, r)) for _ in range(n)]
-                           for r, (p, n) in enumerate(((pa, 2), (pb, 2), (pc, 3)))])
+
+    def catch_up() -> list:
+        # c's late rounds are refused and it jumps to the round its owners report, which is
+        # 2 or 3 depending on whether a and b have started round 3 yet: so loop, not count
+        out = []
+        while pc.step_count < 5:
+            out.append(pc.step(lambda: loss_of(pc.model, 2)))
+        return out
+
+    reports = in_parallel([lambda p=p, r=r: [p.step(lambda: loss_of(p.model, r)) for _ in range(2)]
+                           for r, p in enumerate((pa, pb))] + [catch_up])
     assert time.monotonic() - start < timeout_s / 2
     assert pa.step_count == pb.step_count == pc.step_count == 5
-    assert [r.step for r in reports[2]] == [1, 3, 4]
-    assert all(r.peers == 3 and not r.lost_peers for r in reports[0] + reports[1] + reports[2][1:])
+    steps = [r.step for r in reports[2]]
+    assert steps[0] == 1 and steps[-1] == 4 and steps == sorted(set(steps)) and len(steps) <= 4
+    assert all(r.peers == 3 and not r.lost_peers for r in reports[0] + reports[1] + reports[2][-2:])
