@@ -157,10 +157,15 @@ class CountSketch(Compressor):
         out = torch.empty(numel, dtype=torch.float32, device=table.device)
         if rows == 1:  # the only row's estimate is the median: written in place
             self._row_estimates(table, numel, seed, 0, numel, out.view(1, numel))
+        buffers = None  # reused across chunks: fresh pages cost more than the sort on some hosts
         for lo in range(0, numel if rows > 1 else 0, _CHUNK):
             count = min(_CHUNK, numel - lo)
-            est = self._row_estimates(table, numel, seed, lo, count)
-            ordered = est.sort(dim=0).values
+            if buffers is None or buffers[0].shape[1] != count:
+                buffers = tuple(torch.empty(rows, count, dtype=dt, device=table.device)
+                                for dt in (torch.float32, torch.float32, torch.int64))
+            est, ordered, order = buffers
+            self._row_estimates(table, numel, seed, lo, count, est)
+            torch.sort(est, dim=0, out=(ordered, order))
             mid = ordered[rows // 2]
             out[lo : lo + count] = mid if rows % 2 else mid.add_(ordered[rows // 2 - 1]).mul_(0.5)
         if 0 < heavy < numel:

@@ -218,6 +218,8 @@ class SketchDP(Protocol):
         t, c = self.step_count, self.config
         seed_t = rng.derive_seed(c.seed, t)
         y, loss = self._private_sketch(loss_fn, seed_t)
+        if not bool(torch.isfinite(y).all()):  # owners would refuse it and the round would stall
+            raise ProtocolError(f"sketch-dp: non-finite update at step {t} (training diverged; lower lr or clip)")
         self.last_release = y.clone()
         compute_s = time.monotonic() - start
 
