@@ -189,6 +189,10 @@ class Transport:
                 # NOBLOCK send behind one already waiting on this peer, and a heartbeat
                 # stuck behind a send to a crashed peer would freeze the failure detector.
                 sock._shadow_sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                # libzmq's FD is edge-triggered: a send behind the asyncio wrapper's back can
+                # consume the edge of a message that arrived meanwhile, which would then sit
+                # unread until the next one wakes the socket. Re-check the socket's events.
+                sock._schedule_remaining_events()
                 return
             await asyncio.wait_for(sock.send_multipart(frames, copy=False), timeout_s)
         except zmq.Again:
