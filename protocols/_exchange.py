@@ -86,6 +86,23 @@ def check_compressor_spec(spec: str) -> None:
     from_spec(spec)
 
 
+def check_reduce_config(config: Any) -> None:
+    """For `__post_init__` of configs that train with an optimizer over a ShardedReducer
+    (allreduce, sketch-dp): raises ValueError naming the bad field."""
+    if config.optimizer not in ("sgd", "adamw"):
+        raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {config.optimizer!r}")
+    if not config.lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {config.lr}")
+    if not 0.0 <= config.momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {config.momentum}")
+    if config.weight_decay < 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {config.weight_decay}")
+    for name in ("round_timeout_s", "reply_grace_s", "retry_interval_s"):
+        if not getattr(config, name) > 0.0:
+            raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
+    check_compressor_spec(config.compressor)
+
+
 def encode(codec: Compressor, feedback: ErrorFeedback | None, tensor: torch.Tensor, name: str) -> Packet:
     """Encode with error feedback when there is any; a residual whose shape no longer
     matches (membership changed the shard sizes) is dropped first."""

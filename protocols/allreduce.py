@@ -21,7 +21,7 @@ from torch import nn
 
 from starling.node.node import Node
 from starling.protocols._exchange import (
-    ByteMeter, FlatModel, check_compressor_spec, make_optimizer, membership, optimizer_state, watch_peers,
+    ByteMeter, FlatModel, check_reduce_config, make_optimizer, membership, optimizer_state, watch_peers,
 )
 from starling.protocols._reduce import ReduceTimeouts, ShardedReducer
 from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
@@ -40,18 +40,7 @@ class AllReduceConfig(ProtocolConfig):
     retry_interval_s: float = 0.05  # re-send a part to an owner whose protocol is not up yet
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
-        if not self.lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {self.lr}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.weight_decay < 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        for name in ("round_timeout_s", "reply_grace_s", "retry_interval_s"):
-            if not getattr(self, name) > 0.0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        check_compressor_spec(self.compressor)
+        check_reduce_config(self)
 
 
 @register

@@ -39,7 +39,7 @@ from torch import nn
 from starling.compressors import CountSketch, GaussianSketch, from_spec, rng
 from starling.node.node import Node
 from starling.protocols._exchange import (
-    ByteMeter, FlatModel, check_compressor_spec, make_optimizer, membership, optimizer_state, watch_peers,
+    ByteMeter, FlatModel, check_reduce_config, make_optimizer, membership, optimizer_state, watch_peers,
 )
 from starling.protocols._privacy import (
     MECHANISMS, UNITS, Accountant, PrivacyReport, PrivateData, clip_rows_, gaussian_noise, per_sample_grads,
@@ -97,18 +97,7 @@ class SketchDPConfig(ProtocolConfig):
             raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
         if self.dataset_size < 1:
             raise ValueError(f"dataset_size must be >= 1, got {self.dataset_size}")
-        if self.optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
-        if not self.lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {self.lr}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.weight_decay < 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        for name in ("round_timeout_s", "reply_grace_s", "retry_interval_s"):
-            if not getattr(self, name) > 0.0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        check_compressor_spec(self.compressor)
+        check_reduce_config(self)
 
     @property
     def rate(self) -> float:
