@@ -21,6 +21,7 @@ from starling.node.wire import RejectReason, WireError
 
 MAX_ADDRESSES = 8
 MAX_ADDRESS_LEN = 512
+MAX_DIGEST = 4096  # heartbeat entries one ping may carry
 
 
 class PeerStatus(str, enum.Enum):
@@ -37,6 +38,9 @@ class Liveness:
     heartbeat_interval_s: float = 1.0
     suspect_timeout_s: float = 3.0
     dead_timeout_s: float = 10.0
+    # Pings per interval: every peer while the swarm has at most this many others, else
+    # this many picked at random, each carrying the beats heard from everyone (gossip).
+    fanout: int = 6
 
     def __post_init__(self) -> None:
         if not (0 < self.heartbeat_interval_s <= self.suspect_timeout_s <= self.dead_timeout_s):
@@ -44,6 +48,8 @@ class Liveness:
                 "need 0 < heartbeat_interval_s <= suspect_timeout_s <= dead_timeout_s, got "
                 f"{self.heartbeat_interval_s}, {self.suspect_timeout_s}, {self.dead_timeout_s}"
             )
+        if not isinstance(self.fanout, int) or self.fanout < 1:
+            raise ValueError(f"fanout must be an int >= 1, got {self.fanout!r}")
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,7 @@ class PeerInfo:
     status: PeerStatus
     last_seen: float
     meta: dict[str, Any] = field(default_factory=dict)
+    beat: int = -1  # the highest heartbeat counter heard from this incarnation
 
     @property
     def peer_id(self) -> str:
@@ -188,6 +195,8 @@ class PeerTable:
 
     def _replace(self, known: PeerInfo, record: PeerRecord, now: float) -> StatusChange | None:
         old = known.status
+        if record.incarnation != known.record.incarnation:
+            known.beat = -1  # a restarted peer counts its beats from zero again
         known.record, known.last_seen, known.status = record, now, PeerStatus.ALIVE
         return None if old is PeerStatus.ALIVE else StatusChange(record.peer_id, old, PeerStatus.ALIVE)
 
@@ -205,6 +214,45 @@ class PeerTable:
             return StatusChange(peer_id, old, PeerStatus.ALIVE)
         return None
 
+    def sort_digest(self, entries: list[list[Any]]) -> tuple[list[list[Any]], list[str]]:
+        """Split checked digest entries into news (a beat above the last one heard from a
+        known peer, see `heartbeat`) and the ids of peers we have no current record of.
+        One lookup per entry: this runs on every ping, and most entries are old news."""
+        peers, left = self._peers, PeerStatus.LEFT
+        news, unknown = [], []
+        for entry in entries:
+            info = peers.get(entry[0])
+            if info is None:
+                if entry[0] != self.self_id:
+                    unknown.append(entry[0])
+            elif info.record.incarnation == entry[1]:
+                if entry[2] > info.beat and info.status is not left:
+                    news.append(entry)
+            elif info.record.incarnation < entry[1]:
+                unknown.append(entry[0])
+        return news, unknown
+
+    def heartbeat(self, peer_id: str, incarnation: int, beat: int, meta: dict[str, Any],
+                  now: float) -> StatusChange | None:
+        """A heartbeat of `peer_id`, heard directly or relayed by another peer.
+
+        A peer counts its beats up within one incarnation, so a beat above the last one
+        heard proves the peer was alive after that; a stale relay refreshes nothing.
+        """
+        info = self._peers.get(peer_id)
+        if (info is None or info.status is PeerStatus.LEFT or info.record.incarnation != incarnation
+                or beat <= info.beat):
+            return None
+        info.beat = beat
+        if meta:
+            info.meta.update(meta)
+        return self.seen(peer_id, now)
+
+    def digest(self) -> list[list[Any]]:
+        """The beats to relay: [id, incarnation, beat, meta] of every peer alive to us."""
+        return [[p.peer_id, p.record.incarnation, p.beat, p.meta] for p in self._peers.values()
+                if p.status is PeerStatus.ALIVE and p.beat >= 0]
+
     def left(self, peer_id: str, incarnation: int) -> StatusChange | None:
         info = self._peers.get(peer_id)
         if info is None or info.status is PeerStatus.LEFT or incarnation < info.record.incarnation:
@@ -212,13 +260,16 @@ class PeerTable:
         old, info.status = info.status, PeerStatus.LEFT
         return StatusChange(peer_id, old, PeerStatus.LEFT)
 
-    def sweep(self, now: float) -> list[StatusChange]:
-        """Apply the failure detector: silent peers become suspect, then dead."""
+    def sweep(self, now: float, relay_delay_s: float = 0.0) -> list[StatusChange]:
+        """Apply the failure detector: silent peers become suspect, then dead.
+
+        `relay_delay_s` extends both timeouts by how late a relayed beat may arrive (in a
+        swarm larger than the ping fanout, beats travel through others)."""
         changes = []
         for info in self._peers.values():
             if info.status in (PeerStatus.DEAD, PeerStatus.LEFT):
                 continue
-            silence = now - info.last_seen
+            silence = now - info.last_seen - relay_delay_s
             new = info.status
             if silence >= self.liveness.dead_timeout_s:
                 new = PeerStatus.DEAD
@@ -236,6 +287,23 @@ class PeerTable:
         for pid in gone:
             del self._peers[pid]
         return gone
+
+
+def parse_digest(body: Any) -> list[list[Any]]:
+    """A ping's heartbeat entries [peer_id, incarnation, beat, meta], their types and
+    ranges checked (raises WireError). Meta is checked by `finite_meta` only for the
+    entries a node is about to use: most relayed beats are old news, and this runs on
+    every ping a node receives."""
+    if not isinstance(body, list) or not 0 < len(body) <= MAX_DIGEST:
+        raise WireError(RejectReason.BAD_FIELD, f"heartbeat digest: expected a list of 1 to {MAX_DIGEST} entries",
+                        field="body")
+    for entry in body:
+        if not (type(entry) is list and len(entry) == 4 and type(entry[0]) is str and 0 < len(entry[0]) <= 64
+                and type(entry[1]) is int and type(entry[2]) is int and 0 <= entry[1] < 2**63
+                and 0 <= entry[2] < 2**63 and type(entry[3]) is dict):
+            raise WireError(RejectReason.BAD_FIELD, "heartbeat digest: each entry must be [peer_id (short string), "
+                            "incarnation (int64 >= 0), beat (int64 >= 0), meta (map)]", field="body")
+    return body
 
 
 def finite_meta(meta: Any) -> dict[str, Any]:

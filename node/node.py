@@ -8,8 +8,15 @@
 
 Joining is a hello to one known peer, which answers with its peer table (records
 signed by their owners) and the swarm config; the joiner then says hello to every
-peer it learned of, and the peer it joined announces it to the rest. Liveness comes
-from heartbeats; a graceful leave is a signed broadcast.
+peer it learned of. Liveness comes from heartbeats: every interval a node pings a few
+random peers (all of them in a small swarm) with the beat counters it heard from
+everyone, so the swarm's cost is n * fanout pings, not n^2; an id in a digest that a
+node has no record of is asked for, which also finds peers that joined elsewhere at the
+same time. A graceful leave is a signed broadcast.
+
+Records are signed by their owners; beats and heartbeat metadata are authenticated hop
+by hop only, so a member could claim another is alive for longer than it is (it cannot
+forge records, requests or protocol messages on its behalf).
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import concurrent.futures
 import inspect
 import itertools
 import logging
+import math
+import random
 import time
 import typing
 from dataclasses import dataclass, field, replace
@@ -32,6 +41,7 @@ from starling.node.identity import Identity, verify_signature
 from starling.node.loop import NetworkThread
 from starling.node.membership import (
     Liveness, PeerInfo, PeerRecord, PeerStatus, PeerTable, StatusChange, finite_meta, leave_statement,
+    parse_digest,
 )
 from starling.node.security import (
     SecurityError, SecurityMode, ZapPolicy, check_plaintext_allowed, load_authorized_keys,
@@ -45,6 +55,8 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Message], Any]
 HELLO, ANNOUNCE, PING, LEAVE, STATUS = "$hello", "$announce", "$ping", "$leave", "$status"
+WANT = "$want"  # asks a member for records it gossiped that we lack; answered with ANNOUNCE
+MAX_WANT = 256
 PUBLIC_INTERNAL = frozenset({HELLO, STATUS})
 
 
@@ -124,6 +136,10 @@ class Node:
         self._blobs: BlobServer | None = None
         self.shaper: LinkShaper | None = None  # set by the simulator to emulate slow links
         self._state = "new"
+        self._beat = 0  # our heartbeat counter, relayed by others as proof we are alive
+        self._rng = random.Random()
+        self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
+        self._acked: dict[str, float] = {}  # peer id -> when we last answered its probe
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -400,7 +416,8 @@ class Node:
         return [self.record.to_wire(), self.swarm_config, want_table]
 
     async def _join_via(self, endpoint: str, curve_key: bytes | None) -> None:
-        """Hello to one known address; learn its table and config; greet everyone."""
+        """Hello to one known address; learn its table and config. The peer we joined
+        announces us to the others; any it missed find us in the beats pings carry."""
         assert self._transport is not None
         handle = f"bootstrap-{next(self._bootstraps)}"
         self._transport.connect(handle, [endpoint], z85.encode(curve_key) if curve_key else None)
@@ -421,10 +438,6 @@ class Node:
         responder = self._accept_hello_reply(reply.body)
         if curve_key is not None and responder.curve_key != curve_key:
             raise JoinError(f"{endpoint} answered with a record for a different key")
-        # Greet the others in the background: a peer that just died must not hold up start().
-        for p in self._table.live():
-            if p.peer_id != responder.peer_id:
-                self._spawn(self._greet(p.peer_id))
 
     def _accept_hello_reply(self, body: Any) -> PeerRecord:
         if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
@@ -439,10 +452,10 @@ class Node:
                     raise SwarmConfigError("the swarm runs a config this node cannot run: " + "; ".join(conflicts))
             self.swarm_config = {**(self.swarm_config or {}), **config}
         responder = self._record(body.get("record"))
-        self._learn(responder, greet=False)
+        self._learn(responder)
         for raw in body["peers"]:
             try:
-                self._learn(self._record(raw), greet=False)
+                self._learn(self._record(raw))
             except WireError as exc:
                 self.stats.count_rejected(exc.reason.value)
         return responder
@@ -456,15 +469,7 @@ class Node:
             record.verify()
         return record
 
-    async def _greet(self, peer_id: str) -> None:
-        try:
-            reply = await self.arequest(peer_id, HELLO, self._hello_body(want_table=False),
-                                        timeout_s=self.config.join_timeout_s)
-            self._accept_hello_reply(reply.body)
-        except Exception as exc:
-            log.debug("%s: hello to %s failed: %s", self.peer_id, peer_id, exc)
-
-    def _learn(self, record: PeerRecord, *, greet: bool) -> bool:
+    def _learn(self, record: PeerRecord) -> bool:
         """Add or refresh a verified record; connect to a new peer. True if it was news."""
         change = self._table.upsert(record, time.monotonic())
         known = self._table.get(record.peer_id)
@@ -476,8 +481,6 @@ class Node:
         self._connect(record)
         if change is not None:
             self._notify(change)
-        if greet:
-            self._spawn(self._greet(record.peer_id))
         return True
 
     def _notify(self, change: StatusChange) -> None:
@@ -502,19 +505,104 @@ class Node:
                 retry_dead = now - last_dead_ping >= lv.dead_timeout_s
                 last_dead_ping = now if retry_dead else last_dead_ping
                 last_ping = now
-                for p in self._table.all():
-                    if p.status is PeerStatus.LEFT or (p.status is PeerStatus.DEAD and not retry_dead):
-                        continue
-                    try:
-                        await self._asend_raw(p.peer_id, PING, self._meta, wait=False)
-                    except (SendError, UnknownPeerError):
-                        pass  # the failure detector decides, not one dropped ping
-            for change in self._table.sweep(now):
+                self._beat += 1
+                digest = self._digest()  # one per round, shared by its pings
+                for peer_id, probe in self._ping_targets(now, retry_dead):
+                    await self._ping(peer_id, probe, digest)
+                horizon = now - lv.dead_timeout_s
+                self._wanted = {k: t for k, t in self._wanted.items() if t > horizon}
+                self._acked = {k: t for k, t in self._acked.items() if t > horizon}
+            for change in self._table.sweep(now, self._relay_delay_s()):
                 self._notify(change)
             for gone in self._table.forget(self.config.forget_after_s, now):
                 if self._transport is not None:
                     self._transport.disconnect(gone)
             await asyncio.sleep(min(lv.heartbeat_interval_s, lv.suspect_timeout_s / 4))
+
+    def _relay_delay_s(self) -> float:
+        """How much later than a direct ping a relayed beat may arrive: one interval per
+        gossip hop, about log(n) / log(fanout + 1) hops (0 while everyone is pinged).
+        Failure detectors that gossip scale their timeouts with log(n) the same way."""
+        lv = self.config.liveness
+        live = len(self._table.live())
+        if live <= lv.fanout:
+            return 0.0
+        return lv.heartbeat_interval_s * math.ceil(math.log(live + 1) / math.log(lv.fanout + 1))
+
+    def _ping_targets(self, now: float, retry_dead: bool) -> list[tuple[str, bool]]:
+        """Whom to ping this interval, and whether to ask for an answer (a probe).
+
+        Up to `fanout` other peers, everyone is pinged. Beyond that, `fanout` random peers
+        are, and each ping carries every beat we heard (see `_ping_body`), so a beat
+        reaches the swarm in about log(n) / log(fanout) intervals at n * fanout pings per
+        interval instead of n^2. Live peers we have not heard of for half the suspect
+        timeout are probed (asked to ping us back at once), the longest silent first, a
+        quarter of `fanout` per interval: an overloaded node whose view of everyone goes
+        stale must not probe them all and add n answers to the load. Dead
+        peers are retried once per dead timeout, in case they come back.
+        """
+        lv = self.config.liveness
+        live, targets = [], []
+        for p in self._table.all():
+            if p.status is PeerStatus.DEAD:
+                if retry_dead:
+                    targets.append((p.peer_id, False))
+            elif p.status is not PeerStatus.LEFT:
+                live.append(p)
+        if len(live) <= lv.fanout:
+            return targets + [(p.peer_id, False) for p in live]
+        chosen = self._rng.sample(live, lv.fanout)
+        picked = {p.peer_id for p in chosen}
+        stale = now - lv.suspect_timeout_s / 2
+        probes = sorted((p for p in live if p.last_seen < stale and p.peer_id not in picked),
+                        key=lambda p: p.last_seen)[: max(1, lv.fanout // 4)]
+        return targets + [(p.peer_id, False) for p in chosen] + [(p.peer_id, True) for p in probes]
+
+    def _digest(self) -> list[Any]:
+        assert self.record is not None
+        return [[self.peer_id, self.record.incarnation, self._beat, self._meta], *self._table.digest()]
+
+    async def _ping(self, peer_id: str, probe: bool, digest: list[Any] | None = None) -> None:
+        try:
+            await self._asend_raw(peer_id, PING, [digest or self._digest(), probe], wait=False)
+        except (SendError, UnknownPeerError):
+            pass  # the failure detector decides, not one dropped ping
+
+    def _on_ping(self, sender: str, body: Any) -> None:
+        """Apply the beats a ping carries; ask its sender for records we lack; answer a probe.
+
+        Everything is checked before anything is applied; the new beats are usually few.
+        """
+        if not isinstance(body, list) or len(body) != 2 or not isinstance(body[1], bool):
+            raise WireError(RejectReason.BAD_FIELD, "ping body must be [digest, probe]", field="body")
+        now = time.monotonic()
+        news, unknown = self._table.sort_digest(parse_digest(body[0]))
+        news = [(peer_id, inc, beat, finite_meta(meta) if meta else meta) for peer_id, inc, beat, meta in news]
+        for peer_id, incarnation, beat, meta in news:
+            change = self._table.heartbeat(peer_id, incarnation, beat, meta, now)
+            if change is not None:
+                self._notify(change)
+        interval = self.config.liveness.heartbeat_interval_s
+        want = [peer_id for peer_id in dict.fromkeys(unknown)
+                if now - self._wanted.get(peer_id, -math.inf) >= interval]
+        if want:
+            want = want[:MAX_WANT]
+            self._wanted.update((peer_id, now) for peer_id in want)
+            self._spawn(self._asend_raw(sender, WANT, want))
+        if body[1] and now - self._acked.get(sender, -math.inf) >= self.config.liveness.heartbeat_interval_s / 2:
+            self._acked[sender] = now
+            self._spawn(self._ping(sender, False))
+
+    def _on_want(self, sender: str, body: Any) -> None:
+        if not isinstance(body, list) or len(body) > MAX_WANT or not all(isinstance(x, str) for x in body):
+            raise WireError(RejectReason.BAD_FIELD, f"want body must be a list of at most {MAX_WANT} ids", field="body")
+        records = []
+        for peer_id in body:
+            info = self._table.get(peer_id)
+            if info is not None and info.status in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
+                records.append(info.record.to_wire())
+        if records:
+            self._spawn(self._asend_raw(sender, ANNOUNCE, records))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -584,7 +672,9 @@ class Node:
             if change is not None:
                 self._notify(change)
         if topic == PING:
-            self._table.seen(msg.sender, time.monotonic(), finite_meta(body))
+            self._on_ping(msg.sender, body)
+        elif topic == WANT:
+            self._on_want(msg.sender, body)
         elif topic == LEAVE:
             self._on_leave(msg)
         elif topic == ANNOUNCE:
@@ -659,12 +749,15 @@ class Node:
             conflicts = config_conflicts(self.swarm_config, theirs)
             if conflicts:
                 raise SwarmConfigError("the swarm runs a config this node cannot run: " + "; ".join(conflicts))
-        if self._learn(record, greet=False):
-            others = [p.peer_id for p in self._table.live() if p.peer_id != record.peer_id]
-            for pid in others:
-                self._spawn(self._asend_raw(pid, ANNOUNCE, [record.to_wire()]))
+        # A joiner (it asks for the table) is announced to the others: one message each, no
+        # answer. One that joined elsewhere at the same time, or an announce lost to a crash,
+        # is caught by the beats in ping digests: an unknown id there is asked for (WANT).
+        if self._learn(record) and body[2]:
+            for p in self._table.live():
+                if p.peer_id != record.peer_id:
+                    self._spawn(self._asend_raw(p.peer_id, ANNOUNCE, [record.to_wire()]))
         assert self.record is not None
-        # The first hello of a joiner gets the whole table; greetings after it need not.
+        # A joiner's hello gets the whole table; one that asks for none (a re-announce) does not.
         peers = [p.record.to_wire() for p in self._table.live() if p.peer_id != record.peer_id] if body[2] else []
         return {"record": self.record.to_wire(), "config": self.swarm_config, "peers": peers}
 
@@ -673,7 +766,7 @@ class Node:
             raise WireError(RejectReason.BAD_FIELD, "announce body must be a list of records", field="body")
         for raw in body:
             try:
-                self._learn(self._record(raw), greet=True)
+                self._learn(self._record(raw))
             except WireError as exc:
                 self._reject(exc.reason, str(exc))
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from starling.node.identity import Identity
-from starling.node.membership import Liveness, PeerRecord, PeerStatus, PeerTable, finite_meta
+from starling.node.membership import Liveness, PeerRecord, PeerStatus, PeerTable, finite_meta, parse_digest
 from starling.node.wire import RejectReason, WireError
 
 
@@ -93,6 +93,61 @@ def test_own_record_is_ignored_and_forget_bounds_the_table(ids):
 def test_liveness_validation():
     with pytest.raises(ValueError):
         Liveness(heartbeat_interval_s=5.0, suspect_timeout_s=3.0, dead_timeout_s=10.0)
+    with pytest.raises(ValueError, match="fanout"):
+        Liveness(fanout=0)
+
+
+def test_relayed_beats_refresh_only_when_newer(ids):
+    table = PeerTable(ids[0].peer_id, Liveness(1.0, 3.0, 10.0))
+    rec = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 4)
+    table.upsert(rec, now=0.0)
+    assert table.heartbeat(rec.peer_id, 4, beat=7, meta={"round": 2}, now=2.0) is None  # news, still alive
+    info = table.get(rec.peer_id)
+    assert (info.beat, info.last_seen, info.meta) == (7, 2.0, {"round": 2})
+    # a slow relay of an older beat, or one of another incarnation, refreshes nothing
+    assert table.heartbeat(rec.peer_id, 4, beat=7, meta={"round": 1}, now=2.5) is None
+    assert table.heartbeat(rec.peer_id, 3, beat=99, meta={}, now=2.5) is None
+    assert (info.last_seen, info.meta) == (2.0, {"round": 2})
+    [change] = table.sweep(5.0)
+    assert change.new is PeerStatus.SUSPECT
+    assert table.heartbeat(rec.peer_id, 4, beat=8, meta={}, now=5.5).new is PeerStatus.ALIVE
+    # a restart (newer incarnation) counts its beats from zero again
+    table.upsert(PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 5), now=6.0)
+    assert table.get(rec.peer_id).beat == -1
+    table.left(rec.peer_id, 5)
+    assert table.heartbeat(rec.peer_id, 5, beat=1, meta={}, now=7.0) is None  # gone is gone
+
+
+def test_sort_digest_splits_news_from_unknown_peers(ids):
+    table = PeerTable(ids[0].peer_id, Liveness())
+    known = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 4)
+    table.upsert(known, now=0.0)
+    table.heartbeat(known.peer_id, 4, 10, {}, now=0.0)
+    stranger = Identity.generate().peer_id
+    entries = parse_digest([[ids[0].peer_id, 1, 5, {}], [known.peer_id, 4, 10, {}], [known.peer_id, 4, 11, {}],
+                            [stranger, 1, 0, {}], [known.peer_id, 9, 0, {}]])
+    news, unknown = table.sort_digest(entries)
+    assert news == [[known.peer_id, 4, 11, {}]]
+    assert unknown == [stranger, known.peer_id]  # never heard of, and a newer incarnation
+    assert table.get(known.peer_id).beat == 10  # sorting applies nothing
+
+
+def test_relay_delay_extends_the_failure_detector(ids):
+    table = PeerTable(ids[0].peer_id, Liveness(1.0, 3.0, 10.0))
+    table.upsert(PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 1), now=0.0)
+    assert table.sweep(4.0, relay_delay_s=2.0) == []
+    assert table.sweep(5.0, relay_delay_s=2.0)[0].new is PeerStatus.SUSPECT
+
+
+@pytest.mark.parametrize("body", [
+    None, [], "digest", [["id", 1, 2]], [["", 1, 2, {}]], [["x" * 65, 1, 2, {}]], [["id", -1, 2, {}]],
+    [["id", 1, 2**63, {}]], [["id", True, 2, {}]], [["id", 1, 2.0, {}]], [["id", 1, 2, []]],
+    [["id", 1, 2, {}]] * 4097,
+])
+def test_malformed_digests_raise_typed_errors(body):
+    with pytest.raises(WireError) as err:
+        parse_digest(body)
+    assert err.value.reason is RejectReason.BAD_FIELD
 
 
 @pytest.mark.parametrize("meta", [[], {"x": float("nan")}, {1: 2}, {"x": [1]}, {f"k{i}": i for i in range(40)}])

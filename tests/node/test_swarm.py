@@ -110,6 +110,53 @@ def test_graceful_leave_is_seen_by_all_within_one_heartbeat(make_node):
     assert a.live_peers() == [b.peer_id]
 
 
+def test_a_swarm_larger_than_the_fanout_stays_alive_on_relayed_beats_and_sees_a_crash(make_node):
+    # fanout 1: each node pings one random peer per interval; everything else it knows
+    # of the others comes relayed in ping digests
+    lv = Liveness(heartbeat_interval_s=0.2, suspect_timeout_s=1.5, dead_timeout_s=3.0, fanout=1)
+    config = NodeConfig(liveness=lv, request_timeout_s=5.0)
+    nodes = [make_node("inproc", config=config)]
+    nodes += [make_node("inproc", join=[nodes[0].address], config=config) for _ in range(5)]
+    for n in nodes:
+        assert wait_until(lambda n=n: sorted(statuses(n).values()) == ["alive"] * 5), statuses(n)
+    time.sleep(lv.dead_timeout_s + 1.0)  # longer than the dead timeout: only relays kept them alive
+    for n in nodes:
+        assert "dead" not in statuses(n).values(), statuses(n)
+    victim = nodes.pop()
+    victim.close()  # no leave: a crash, seen through the beats that stop coming
+    for n in nodes:
+        assert wait_until(lambda n=n: statuses(n)[victim.peer_id] == "dead", timeout_s=lv.dead_timeout_s + 4.0)
+
+
+def test_a_peer_that_missed_an_announce_learns_it_from_ping_digests(make_node):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    c = make_node("inproc", join=[a.address])
+    assert wait_until(lambda: c.peer_id in b.live_peers())
+
+    async def forget_c() -> None:  # as if A's announce of C never reached B
+        del b._table._peers[c.peer_id]
+        b._transport.disconnect(c.peer_id)
+
+    b.run(forget_c())
+    assert c.peer_id not in statuses(b)
+    # A's pings carry C's beat; B asks A for C's record and connects
+    assert wait_until(lambda: statuses(b).get(c.peer_id) == "alive", timeout_s=5.0)
+    assert b.stats.snapshot()["bytes_sent"][a.peer_id].get("$want", 0) > 0
+    b.request(c.peer_id, "$status", None)  # and can talk to it
+
+
+@pytest.mark.parametrize("body", [{"x": 1}, [[["id", 1, 2]], False], [[], False], [[["p", 1, 1, {}]], "yes"]])
+def test_malformed_ping_is_counted_and_changes_nothing(make_node, body):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    assert wait_until(lambda: b.peer_id in a.live_peers())
+    before = a.stats.snapshot()["rejected"].get("bad_field", 0)
+    b.run(b._asend_raw(a.peer_id, "$ping", body))
+    assert wait_until(lambda: a.stats.snapshot()["rejected"].get("bad_field", 0) == before + 1)
+    assert statuses(a) == {b.peer_id: "alive"}
+
+
 def test_silent_peer_becomes_suspect_then_dead(make_node):
     a = make_node("tcp")
     b = make_node("tcp", join=[a.address])
