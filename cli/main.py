@@ -121,7 +121,7 @@ def node_start(
     node fixes the protocol, its hyper-parameters and the task; joiners learn them, fetch
     the swarm's state and continue at its round."""
     from starling.node.node import JoinError, Node, NodeConfig
-    from starling.node.trainer import TrainSpec, TrainSpecError
+    from starling.node.trainer import TrainSpec, TrainSpecError, with_run_length
     from starling.node.transfer import TransferError
     from starling.protocols.base import ProtocolError
     from starling.tasks import TaskSpecError
@@ -137,13 +137,16 @@ def node_start(
         rank_world = _parse_shard(shard)
         wanted: dict[str, Any] = {}
         if protocol is not None:
-            spec = TrainSpec(protocol, task or "charlm", options, _pairs(task_opt or [], "task option"), seed)
+            spec = TrainSpec(protocol, task or "charlm", with_run_length(protocol, options, steps),
+                             _pairs(task_opt or [], "task option"), seed)
             spec.check()
             wanted = spec.to_swarm_config()
             if join:  # a joiner insists only on what it was told; the rest it learns from the swarm
                 given = {"protocol": True, "task": task is not None, "options": bool(options),
                          "task_options": bool(task_opt), "seed": False}
                 wanted = {k: v for k, v in wanted.items() if given[k]}
+                if "options" in wanted:  # not the run length it filled in: its --steps is where it stops
+                    wanted["options"] = dict(options)
         elif task is not None or options or task_opt:
             raise ValueError("--task and protocol options need --protocol (or join a training swarm without them)")
         config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s))
@@ -213,7 +216,11 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
     try:
         final = trainer.run(steps, stop, on_report)
         metrics = trainer.evaluate()
-        typer.echo(json.dumps({"event": "stopped", "step": final, **{k: round(v, 5) for k, v in metrics.items()}}))
+        stopped = {"event": "stopped", "step": final, **{k: round(v, 5) for k, v in metrics.items()}}
+        info = trainer.proto.describe()  # type: ignore[union-attr]
+        if "privacy" in info:  # what a private protocol (sketch-dp) has spent
+            stopped["privacy"] = info["privacy"]
+        typer.echo(json.dumps(stopped, default=str))
         sys.stdout.flush()
     finally:
         trainer.close()
@@ -316,7 +323,42 @@ def _print_table(summary: dict[str, Any]) -> None:
             ratio = f"{s['bytes_sent_per_peer'] / base['bytes_sent_per_peer']:.3g}x"
         table.add_row(label, str(s["peers"]), _fmt(s["train_loss"]), _fmt(s["eval_loss"]),
                       _human_bytes(s["bytes_sent_per_peer"]), ratio, f"{s['wall_s']:.1f}")
-    Console(width=None if sys.stdout.isatty() else 120).print(table)
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    console.print(table)
+    privacy = _privacy_table(summary)
+    if privacy is not None:
+        console.print(privacy)
+
+
+# Headings for the privacy report's fields (protocols/_privacy.py PrivacyReport); any other field
+# a protocol reports is printed under its own name, after these.
+_PRIVACY_HEADINGS = {"epsilon": "epsilon", "delta": "delta", "noise_multiplier": "sigma", "clip": "C",
+                     "dp_unit": "unit"}
+
+
+def _privacy_table(summary: dict[str, Any]) -> Any:
+    """The privacy a protocol reports having spent (sketch-dp), or None when it reports none."""
+    from rich.table import Table
+
+    info = summary.get("protocol_info") or {}
+    privacy = info.get("privacy")
+    if not isinstance(privacy, dict) or not privacy:
+        return None
+    cells = {heading: privacy[key] for key, heading in _PRIVACY_HEADINGS.items() if key in privacy}
+    if "sketch_size" in info:
+        cells["sketch"] = info["sketch_size"]
+    cells.update({key.replace("_", " "): value for key, value in privacy.items() if key not in _PRIVACY_HEADINGS})
+    table = Table(title=f"{summary['protocol']}: privacy spent")
+    for heading, value in cells.items():
+        table.add_column(heading, justify="left" if isinstance(value, str) else "right")
+    table.add_row(*(_cell(value) for value in cells.values()))
+    return table
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return format(value, ".4g")
+    return str(value)
 
 
 @app.command(context_settings=_EXTRA, epilog=_EXTRA_HELP)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import multiprocessing
 import queue
 import re
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 from starling.node.links import LinkEmulator, LinkModel
 from starling.node.membership import Liveness
 from starling.node.node import Node, NodeConfig
-from starling.node.trainer import Trainer, TrainSpec, resolve_protocol
+from starling.node.trainer import Trainer, TrainSpec, resolve_protocol, with_run_length
 from starling.node.transport import TransportConfig
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ class SimConfig:
         return self.peers + sum(e.count for e in self.churn if e.kind == "join")
 
     def protocol_options(self) -> dict[str, Any]:
-        options = dict(self.options)
+        options = with_run_length(self.protocol, self.options, self.steps)
         if self.compressor is not None:
             options["compressor"] = self.compressor
         return options
@@ -198,6 +199,7 @@ class PeerResult:
     joined_at_step: int = 0
     train_end: float = 0.0  # time.time() when its last step finished
     links: dict[str, float] = field(default_factory=dict)
+    protocol_info: dict[str, Any] = field(default_factory=dict)  # the protocol's describe() at the end, as JSON data
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -210,6 +212,20 @@ def sent_by_topic(node: Node) -> dict[str, int]:
         for topic, n in per_topic.items():
             out[topic] = out.get(topic, 0) + n
     return out
+
+
+def json_data(value: Any) -> Any:
+    """`value` as plain JSON data: a non-finite float becomes "inf", "-inf" or "nan" (as in
+    privacy reports), and anything JSON has no type for becomes its str()."""
+    if isinstance(value, Mapping):
+        return {str(k): json_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_data(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
 
 
 def endpoint_for(transport: str, rank: int, ipc_dir: str, run_id: str) -> str:
@@ -284,6 +300,7 @@ class SimPeer:
                 self.on_step(self.rank, self.step)
             self.result.train_end = time.time()
             self.result.eval_loss = float(trainer.evaluate()["eval_loss"])
+            self.result.protocol_info = json_data(self.proto.describe())  # type: ignore[union-attr]
             self.result.status = "finished"
         except Exception as exc:
             log.exception("peer %d failed at step %d", self.rank, self.step)
@@ -482,6 +499,9 @@ def summarize(config: SimConfig, peers: list[PeerResult], t0: float) -> dict[str
         "peer_status": {str(p.rank): p.status for p in peers},
         "messages_dropped": int(links["dropped"]),
         "link_delay_s_per_peer": links["delay_s"] / len(peers),
+        # the protocol's own account of the run (sketch-dp: sketch size and privacy spent), from the
+        # lowest-ranked peer that finished
+        "protocol_info": min(finished, key=lambda p: p.rank).protocol_info,
     }
 
 

@@ -18,6 +18,7 @@ Like the simulator, this sits in `node/` and reaches protocols and tasks only by
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import io
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATE_BLOB = "starling.train.state"
+# A protocol option that plans for the run's length (sketch-dp's privacy budget is spread over
+# it); filled from the run's step count when the user leaves it unset.
+RUN_LENGTH_OPTION = "budget_steps"
 _SPEC_KEYS = ("protocol", "task", "options", "task_options", "seed")
 
 
@@ -103,6 +107,17 @@ def resolve_protocol(name: str) -> type[Protocol]:
         return get_protocol(name)
 
 
+def with_run_length(protocol: str, options: Mapping[str, Any], steps: int | None) -> dict[str, Any]:
+    """`options`, plus `budget_steps=steps` when the protocol's config has that field and the
+    user did not set it, so that whatever the protocol plans over the run fits its length."""
+    out = dict(options)
+    if steps is None or any(name.replace("-", "_") == RUN_LENGTH_OPTION for name in out):
+        return out
+    if any(f.name == RUN_LENGTH_OPTION for f in dataclasses.fields(resolve_protocol(protocol).config_class)):
+        out[RUN_LENGTH_OPTION] = steps
+    return out
+
+
 def shard_for(peer_id: str, world: int) -> int:
     """A data shard for a peer that has no rank (a real swarm): stable, spread by its id."""
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % world
@@ -127,6 +142,11 @@ class Trainer:
     def create_protocol(self) -> Protocol:
         model = self.task.make_model()
         self.proto = resolve_protocol(self.spec.protocol).create(self.node, model, self.spec.options)
+        # An optional hook: a protocol that needs the peer's own data set, not only the batches
+        # its step() closure sees (sketch-dp's sample-level DP draws Poisson batches from it).
+        attach_task = getattr(self.proto, "attach_task", None)
+        if callable(attach_task):
+            attach_task(self.task, self.rank, self.world, self.spec.seed)
         if self.serve_state:
             self.take_snapshot()
             self.node.serve_blob(STATE_BLOB, lambda: self._snapshot)

@@ -1,8 +1,10 @@
-"""`sketch-dp`: peers send a random sketch of their gradient with Gaussian noise calibrated to
+"""`sketch-dp`: peers send a random sketch of their update with Gaussian noise calibrated to
 a privacy budget (Song et al., ICML 2023; count sketches as in FetchSGD, Rothchild et al. 2020).
 
     R_t = sketch map from (swarm seed, t)              # every peer rebuilds the same R_t, fresh each round
     peer unit:   y = clip_C(R_t grad L(batch))                     # a peer's whole contribution
+      or, H = local_steps > 1: H local SGD steps from x_t on my batches to x_local,
+                 y = clip_C(R_t (x_t - x_local) / lr)              # the delta, in gradient units
     sample unit: B ~ Poisson(q) over my N samples                  # torch.func per-sample grads
                  y = sum_{i in B} clip_C(R_t grad l_i)
     y += N(0, sigma^2 C^2 I)                           # clipping in sketch space: sensitivity C for any R_t
@@ -11,18 +13,24 @@ a privacy budget (Song et al., ICML 2023; count sketches as in FetchSGD, Rothchi
     g = R_t^T Y                                        # gsketch, or a one-row count sketch: unbiased
       | top_K(e + median_t(Y)), e <- rest              # countsketch:RxC,heavy=K: heavy hitters with
                                                        #   error accumulation (FetchSGD)
-    optimizer.step(g)                                  # post-processing: momentum costs no privacy
+    optimizer.step(g)                                  # from x_t; post-processing: momentum costs no privacy
     accountant.step(sigma, q); report epsilon(delta)   # Opacus RDP or PRV (protocols/_privacy.py)
+
+A round t spans `local_steps` calls of `step`; only its last one releases y, so the accountant
+counts one release per round, and `budget_steps` (training steps, as `--steps`) plans for
+budget_steps // local_steps releases. With local_steps = 1 the update is the gradient.
 
 Only y, clipped and noised, leaves a peer, and each peer adds its own noise, so the epsilon
 reported protects a peer's data (peer unit) or any one of its samples (sample unit) even from
 the owners that sum its sketch. Everything after the all-reduce is post-processing that every
-peer computes identically. Given `target_epsilon` and `budget_steps` instead of
-`noise_multiplier`, sigma is solved for with Opacus. Without either there is no noise and no
-privacy (epsilon is inf); the protocol says so.
+peer computes identically (and within a round a peer serves joiners x_t, never its local
+steps). Given `target_epsilon` and `budget_steps` instead of `noise_multiplier`, sigma is
+solved for with Opacus. Without either there is no noise and no privacy (epsilon is inf);
+the protocol says so.
 
 The sample unit needs the peer's private data set: `attach_task(task, rank, world, seed)`
-(or `attach_data`) before the first step; its batches are drawn here by Poisson sampling and
+(or `attach_data`) before the first step (the runner behind `starling simulate` and `starling
+node start` calls any protocol's `attach_task`); its batches are drawn here by Poisson sampling and
 `step`'s closure is only used to report a loss when a batch comes out empty.
 """
 from __future__ import annotations
@@ -58,11 +66,12 @@ class SketchDPConfig(ProtocolConfig):
     sketch: str = "countsketch:1x4096,hash=shift"  # countsketch:RxC[,heavy=K][,hash=shift] | gsketch:S[,kind=srht]
     clip: float = 1.0  # C: L2 bound in sketch space (inf: no clipping, only without noise)
     noise_multiplier: float | None = None  # sigma; noise std is sigma * C
-    target_epsilon: float | None = None  # instead of sigma: spend this over budget_steps rounds
+    target_epsilon: float | None = None  # instead of sigma: spend this over budget_steps steps
     delta: float = 1e-5
     dp_unit: str = "peer"  # peer | sample
     accountant: str = "rdp"  # rdp | prv (Opacus)
-    budget_steps: int = 0  # rounds the target epsilon is planned for (needed with target_epsilon)
+    budget_steps: int = 0  # training steps the target epsilon is planned for (needed with target_epsilon)
+    local_steps: int = 1  # H: local SGD steps per round, whose delta is released (1: the gradient; peer unit)
     sample_rate: float = 0.01  # sample unit: Poisson rate q
     dataset_size: int = 6400  # sample unit: samples of the peer's stream kept as its private data
     seed: int = 0  # swarm seed: R_t is derived from (seed, t)
@@ -83,8 +92,9 @@ class SketchDPConfig(ProtocolConfig):
         if self.target_epsilon is not None:
             if not 0.0 < self.target_epsilon < math.inf:
                 raise ValueError(f"target_epsilon must be > 0 and finite, got {self.target_epsilon}")
-            if self.budget_steps < 1:
-                raise ValueError("target_epsilon needs budget_steps >= 1: the rounds the budget is spread over")
+            if self.budget_steps < self.local_steps:
+                raise ValueError(f"target_epsilon needs budget_steps >= local_steps ({self.local_steps}): the "
+                                 f"training steps the budget is spread over, got {self.budget_steps}")
         if not 0.0 < self.delta < 1.0:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}")
         if math.isinf(self.clip) and (self.target_epsilon is not None or (self.noise_multiplier or 0.0) > 0.0):
@@ -97,12 +107,25 @@ class SketchDPConfig(ProtocolConfig):
             raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
         if self.dataset_size < 1:
             raise ValueError(f"dataset_size must be >= 1, got {self.dataset_size}")
+        if self.local_steps < 1:
+            raise ValueError(f"local_steps must be >= 1, got {self.local_steps}")
+        if self.local_steps > 1 and self.dp_unit != "peer":
+            # a delta mixes every sample of H batches: one sample's sensitivity is no longer C
+            raise ValueError("local_steps > 1 needs dp_unit='peer' (per-sample clipping bounds a gradient, "
+                             "not a delta of several local steps)")
+        if self.local_steps > 1 and not self.lr > 0.0:
+            raise ValueError(f"local_steps > 1 needs lr > 0 (the delta is released in units of lr), got {self.lr}")
         check_reduce_config(self)
 
     @property
     def rate(self) -> float:
         """q for the accountant: every peer takes part in every round under the peer unit."""
         return self.sample_rate if self.dp_unit == "sample" else 1.0
+
+    @property
+    def budget_rounds(self) -> int:
+        """Releases the target epsilon is planned for: one per round of local_steps steps."""
+        return self.budget_steps // self.local_steps
 
 
 def sketch_codec(spec: str) -> CountSketch | GaussianSketch:
@@ -167,6 +190,8 @@ class SketchDP(Protocol):
         self.accountant = Accountant(config.accountant)
         self.sigma = self._noise_multiplier()
         self.error = torch.zeros(self.flat.numel) if self.sketches.heavy else None  # public: from means only
+        # x_t, where this round's local steps started (public: every peer holds the same)
+        self.anchor = self.flat.read_params() if config.local_steps > 1 else None
         self.data: PrivateData | None = None
         self.last_release: torch.Tensor | None = None  # what this peer last sent (clipped + noised)
         self._secret = secret_generator()
@@ -186,29 +211,45 @@ class SketchDP(Protocol):
         if c.target_epsilon is None:
             return float(c.noise_multiplier or 0.0)
         try:
-            return solve_noise_multiplier(c.target_epsilon, c.delta, c.rate, c.budget_steps, c.accountant)
+            return solve_noise_multiplier(c.target_epsilon, c.delta, c.rate, c.budget_rounds, c.accountant)
         except ValueError as exc:  # Opacus: "The privacy budget is too low."
             raise ProtocolError(f"sketch-dp: cannot reach epsilon={c.target_epsilon} at delta={c.delta} "
-                                f"in {c.budget_steps} rounds: {exc}") from None
+                                f"in {c.budget_rounds} rounds: {exc}") from None
 
     # ------------------------------------------------------------------ private data (sample unit)
     def attach_data(self, data: PrivateData) -> None:
         self.data = data
 
     def attach_task(self, task: Any, rank: int, world: int, seed: int) -> None:
-        """Keep `dataset_size` samples of peer `rank`'s stream as its private data set."""
-        self.attach_data(PrivateData.from_task(task, rank, world, seed, self.config.dataset_size))
+        """Keep `dataset_size` samples of peer `rank`'s stream as its private data set (sample
+        unit; the peer unit trains on the batches `step` is given and keeps nothing)."""
+        if self.config.dp_unit != "sample":
+            return
+        try:
+            self.attach_data(PrivateData.from_task(task, rank, world, seed, self.config.dataset_size))
+        except ValueError as exc:
+            raise ProtocolError(f"sketch-dp: dp_unit='sample' cannot use this task: {exc}") from None
 
     # ------------------------------------------------------------------ training thread
     def step(self, loss_fn: LossFn) -> StepReport:
         if not self._open:
             raise ProtocolError("sketch-dp: step() after close()")
         start = time.monotonic()
-        t, c = self.step_count, self.config
+        s, c = self.step_count, self.config
+        if c.local_steps > 1:
+            loss = self._local_step(loss_fn)
+            if (s + 1) % c.local_steps:  # mid-round: nothing leaves this peer
+                self.step_count = s + 1
+                spent = time.monotonic() - start
+                return StepReport(step=s, loss=loss, wall_s=spent, compute_s=spent)
+        t = s // c.local_steps  # the round: one R_t, one release
         seed_t = rng.derive_seed(c.seed, t)
-        y, loss = self._private_sketch(loss_fn, seed_t)
+        if c.local_steps > 1:
+            y = self._release(self.sketches.sketch(self._local_delta().unsqueeze(0), seed_t))
+        else:
+            y, loss = self._private_sketch(loss_fn, seed_t)
         if not bool(torch.isfinite(y).all()):  # owners would refuse it and the round would stall
-            raise ProtocolError(f"sketch-dp: non-finite update at step {t} (training diverged; lower lr or clip)")
+            raise ProtocolError(f"sketch-dp: non-finite update at step {s} (training diverged; lower lr or clip)")
         self.last_release = y.clone()
         compute_s = time.monotonic() - start
 
@@ -216,18 +257,20 @@ class SketchDP(Protocol):
         result = self.reducer.reduce(t, members, y)  # y becomes the mean of the peers' sketches
         if result.ahead > t:
             log.info("%s: sketch-dp round %d was late; catching up to round %d", self.node.peer_id, t, result.ahead)
-            self.step_count = result.ahead
+            self.step_count = result.ahead * c.local_steps
         step_start = time.monotonic()
         self.flat.scatter_grads(self._unsketch(y, seed_t))
         self.optimizer.step()
+        if self.anchor is not None:
+            self.flat.read_params(self.anchor)
         self.accountant.step(self.sigma, c.rate)
         self._check_budget()
         compute_s += time.monotonic() - step_start
-        self.step_count = max(self.step_count, t + 1)
+        self.step_count = max(self.step_count, s + 1)
         if result.lost:
-            log.warning("%s: sketch-dp step %d went on without %s", self.node.peer_id, t, list(result.lost))
+            log.warning("%s: sketch-dp round %d went on without %s", self.node.peer_id, t, list(result.lost))
         sent, received = self.meter.take()
-        return StepReport(step=t, loss=loss, bytes_sent=sent, bytes_received=received, synced=result.synced,
+        return StepReport(step=s, loss=loss, bytes_sent=sent, bytes_received=received, synced=result.synced,
                           peers=result.peers, lost_peers=result.lost, wall_s=time.monotonic() - start,
                           compute_s=compute_s)
 
@@ -251,6 +294,11 @@ class SketchDP(Protocol):
             else:
                 grads, losses = per_sample_grads(self.model, self.data.loss, batch)
                 rows, value = self.sketches.sketch(grads, seed), float(losses.mean())
+        return self._release(rows), value
+
+    def _release(self, rows: torch.Tensor) -> torch.Tensor:
+        """The sum of the sketched rows, each clipped to C, plus N(0, sigma^2 C^2)."""
+        c = self.config
         if math.isfinite(c.clip):
             clip_rows_(rows, c.clip)
         y = rows.sum(dim=0)
@@ -258,7 +306,25 @@ class SketchDP(Protocol):
             y.add_(gaussian_noise(y.numel(), self.sigma * c.clip, self._secret))
         if c.dp_unit == "sample":
             y.div_(c.sample_rate * self.data.size)  # type: ignore[union-attr]
-        return y, value
+        return y
+
+    def _local_step(self, loss_fn: LossFn) -> float:
+        """One plain SGD step at lr on this peer's batch; the optimizer sees only the round's delta."""
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = loss_fn()
+        loss.backward()
+        with torch.no_grad():
+            for p in self.flat.params:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-self.config.lr)
+        return float(loss.detach())
+
+    def _local_delta(self) -> torch.Tensor:
+        """(x_t - x_local) / lr, the sum of the round's local gradients; the parameters go back to x_t."""
+        assert self.anchor is not None
+        delta = (self.anchor - self.flat.read_params()).div_(self.config.lr)
+        self.flat.write_params(self.anchor)
+        return delta
 
     def _unsketch(self, y: torch.Tensor, seed: int) -> torch.Tensor:
         estimate = self.sketches.unsketch(y, seed)
@@ -275,10 +341,10 @@ class SketchDP(Protocol):
 
     def _check_budget(self) -> None:
         c = self.config
-        if c.target_epsilon is not None and self.accountant.rounds > c.budget_steps and not self._warned_budget:
+        if c.target_epsilon is not None and self.accountant.rounds > c.budget_rounds and not self._warned_budget:
             self._warned_budget = True
-            log.warning("%s: sketch-dp ran past budget_steps=%d: epsilon now exceeds the target %g",
-                        self.node.peer_id, c.budget_steps, c.target_epsilon)
+            log.warning("%s: sketch-dp ran past budget_steps=%d (%d rounds): epsilon now exceeds the target %g",
+                        self.node.peer_id, c.budget_steps, c.budget_rounds, c.target_epsilon)
 
     # ------------------------------------------------------------------ privacy report
     @property
@@ -297,6 +363,11 @@ class SketchDP(Protocol):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
+        if self.anchor is not None and self.step_count % self.config.local_steps:
+            # mid-round: a joiner gets x_t, which every peer holds, not this peer's private local steps
+            names = [name for name, p in self.model.named_parameters() if p.requires_grad]
+            for name, p, chunk in zip(names, self.flat.params, torch.split(self.anchor, self.flat.sizes)):
+                state["model"][name] = chunk.view_as(p).to(p.dtype).clone()
         state["optimizer"] = optimizer_state(self.optimizer)
         state["privacy"] = {"history": self.accountant.state(), "noise_multiplier": self.sigma}
         if self.error is not None:
@@ -312,10 +383,14 @@ class SketchDP(Protocol):
             self.sigma = float(state["privacy"]["noise_multiplier"])
         if self.error is not None and "error" in state:
             self.error.copy_(state["error"])
+        if self.anchor is not None:
+            self.flat.read_params(self.anchor)
 
     def close(self) -> None:
         self._open = False
 
     def describe(self) -> dict[str, Any]:
+        h = self.config.local_steps
         return {**super().describe(), "step": self.step_count, "parameters": self.flat.numel,
-                "sketch_size": self.sketches.size, "privacy": self.privacy.as_dict()}
+                "sketch_size": self.sketches.size, "privacy": self.privacy.as_dict(),
+                "update": "gradient" if h == 1 else f"delta of {h} local steps"}
