@@ -208,7 +208,7 @@ class Node:
         self._transport = Transport(
             self._net.context, mode=self.mode, curve_public_z85=self.identity.curve_public_z85,
             curve_secret_z85=self.identity.curve_secret_z85, zap_domain=self._zap_domain,
-            config=self.config.transport, receiver=self._on_inbound,
+            config=self.config.transport, receiver=self._on_inbound, busy=self._pending.waiting_on,
         )
         if self.mode is SecurityMode.CURVE:
             self._policy = ZapPolicy(allowed)
@@ -563,8 +563,15 @@ class Node:
         return [[self.peer_id, self.record.incarnation, self._beat, self._meta], *self._table.digest()]
 
     async def _ping(self, peer_id: str, probe: bool, digest: list[Any] | None = None) -> None:
+        body = [digest or self._digest(), probe]
+        assert self._transport is not None
+        if not self._transport.is_open(peer_id):
+            # A DEALER opened now (over the cap of open ones) takes a moment to connect:
+            # wait for it, bounded, off the heartbeat loop's path.
+            self._spawn(self._asend_raw(peer_id, PING, body, timeout_s=self.config.liveness.heartbeat_interval_s))
+            return
         try:
-            await self._asend_raw(peer_id, PING, [digest or self._digest(), probe], wait=False)
+            await self._asend_raw(peer_id, PING, body, wait=False)
         except (SendError, UnknownPeerError):
             pass  # the failure detector decides, not one dropped ping
 

@@ -100,6 +100,10 @@ class PendingRequests:
         else:
             fut.set_exception(RemoteError(f"peer {peer}: {body}"))
 
+    def waiting_on(self, peer: str) -> bool:
+        """True while a request to `peer` awaits its reply (which comes back on its DEALER)."""
+        return any(p == peer for _, p in self._pending.values())
+
     def drop(self, rid: int) -> None:
         self._pending.pop(rid, None)
 

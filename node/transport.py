@@ -1,7 +1,10 @@
 """ZeroMQ sockets of one node, in the Zyre pattern.
 
-One ROUTER is bound for everything inbound; one DEALER per known peer carries what we
-send to it. Replies to requests go back over the connection the request came on
+One ROUTER is bound for everything inbound; one DEALER per peer we talk to carries what
+we send to it. At most `max_open_dealers` are open at once: a known peer's DEALER opens
+when it is learned while there is room, else on the first send to it, closing the least
+recently used one that has nothing in flight (so a swarm of hundreds of nodes in one
+process does not hold n^2 sockets). Replies to requests go back over the connection the request came on
 (ROUTER -> the requester's DEALER), so a peer behind NAT can still ask questions.
 All methods run on the network thread.
 """
@@ -34,6 +37,8 @@ class TransportConfig:
     send_timeout_s: float = 10.0  # a send that cannot be queued by then fails
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 2000
+    # DEALERs open at once (a soft cap: none is closed while a send or request is in flight)
+    max_open_dealers: int = 64
 
 
 @dataclass
@@ -47,6 +52,7 @@ class Inbound:
 
 
 Receiver = Callable[[Inbound], Awaitable[None]]
+Busy = Callable[[str], bool]  # True while requests to this peer await replies on its DEALER
 DRAIN_BATCH = 64  # messages read per wake-up before yielding to other sockets
 
 
@@ -80,6 +86,7 @@ class Transport:
         zap_domain: str,
         config: TransportConfig,
         receiver: Receiver,
+        busy: Busy = lambda key: False,
     ) -> None:
         self.context = context
         self.mode = mode
@@ -89,7 +96,10 @@ class Transport:
         self._zap_domain = zap_domain
         self._receiver = receiver
         self._router: zmq.asyncio.Socket | None = None
-        self._dealers: dict[str, zmq.asyncio.Socket] = {}
+        self._busy = busy
+        self._routes: dict[str, tuple[tuple[str, ...], bytes | None]] = {}  # every known peer
+        self._dealers: dict[str, zmq.asyncio.Socket] = {}  # the open ones, least recently used first
+        self._sending: dict[str, int] = {}  # sends in flight per DEALER
         self._tasks: dict[str | None, asyncio.Task[None]] = {}
         self.bound: list[str] = []
         self._closed = False
@@ -137,18 +147,24 @@ class Transport:
         return out
 
     def connect(self, key: str, endpoints: Sequence[str], server_key_z85: bytes | None) -> None:
-        """Open (or keep) the DEALER for `key` (a peer id or a bootstrap handle)."""
-        if key in self._dealers:
+        """Know how to reach `key` (a peer id or a bootstrap handle); open its DEALER now
+        while fewer than `max_open_dealers` are open, so first messages need not wait."""
+        if key in self._routes:
             return
+        if self.mode is SecurityMode.CURVE and server_key_z85 is None:
+            raise ValueError(f"peer {key} has no CURVE key but this node uses CURVE")
+        self._routes[key] = (tuple(endpoints), server_key_z85)
+        if len(self._dealers) < self.config.max_open_dealers:
+            self._open(key)
+
+    def _open(self, key: str) -> zmq.asyncio.Socket:
+        endpoints, server_key_z85 = self._routes[key]
         dealer = self.context.socket(zmq.DEALER)
         self._common(dealer)
         # Queue nothing for a peer we are not connected to: sends wait (bounded) instead
         # of piling up for a peer that may never come back.
         dealer.setsockopt(zmq.IMMEDIATE, 1)
         if self.mode is SecurityMode.CURVE:
-            if server_key_z85 is None:
-                dealer.close(0)
-                raise ValueError(f"peer {key} has no CURVE key but this node uses CURVE")
             dealer.curve_serverkey = server_key_z85
             dealer.curve_publickey = self._public
             dealer.curve_secretkey = self._secret
@@ -156,11 +172,38 @@ class Transport:
             dealer.connect(ep)
         self._dealers[key] = dealer
         self._tasks[key] = asyncio.ensure_future(self._read(dealer, key))
+        return dealer
 
-    def has(self, key: str) -> bool:
+    def _dealer(self, key: str) -> zmq.asyncio.Socket:
+        """The open DEALER for `key`, opened (closing idle ones over the cap) if need be."""
+        dealer = self._dealers.pop(key, None)
+        if dealer is not None:
+            self._dealers[key] = dealer  # most recently used last
+            return dealer
+        if key not in self._routes:
+            raise SendError(f"no connection to peer {key}")
+        excess = len(self._dealers) + 1 - self.config.max_open_dealers
+        if excess > 0:
+            idle = [k for k in self._dealers if not self._sending.get(k) and not self._busy(k)]
+            for victim in idle[:excess]:
+                self._close(victim, self.config.linger_ms)  # queued messages still go out
+        return self._open(key)
+
+    @property
+    def open_dealers(self) -> int:
+        return len(self._dealers)
+
+    def is_open(self, key: str) -> bool:
         return key in self._dealers
 
+    def has(self, key: str) -> bool:
+        return key in self._routes
+
     def disconnect(self, key: str, linger_ms: int = 0) -> None:
+        self._routes.pop(key, None)
+        self._close(key, linger_ms)
+
+    def _close(self, key: str, linger_ms: int) -> None:
         dealer = self._dealers.pop(key, None)
         task = self._tasks.pop(key, None)
         if task is not None:
@@ -170,10 +213,14 @@ class Transport:
 
     async def send(self, key: str, frames: Sequence[object], *, wait: bool = True,
                    timeout_s: float | None = None) -> None:
-        dealer = self._dealers.get(key)
-        if dealer is None:
-            raise SendError(f"no connection to peer {key}")
-        await self._send(dealer, frames, wait, key, timeout_s)
+        dealer = self._dealer(key)
+        self._sending[key] = self._sending.get(key, 0) + 1
+        try:
+            await self._send(dealer, frames, wait, key, timeout_s)
+        finally:
+            left = self._sending.pop(key) - 1
+            if left:
+                self._sending[key] = left
 
     async def reply(self, route: bytes, frames: Sequence[object]) -> None:
         if self._router is None:
@@ -247,4 +294,5 @@ class Transport:
         if self._router is not None:
             self._router.close(0)
         self._dealers.clear()
+        self._routes.clear()
         self._tasks.clear()

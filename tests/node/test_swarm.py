@@ -11,6 +11,7 @@ import torch
 from conftest import TEST_LIVENESS, statuses, wait_until
 from starling.node.membership import Liveness
 from starling.node.node import NodeConfig, SwarmConfigError, UnknownPeerError
+from starling.node.transport import TransportConfig
 from starling.node.rpc import RemoteError, Reply, RequestTimeout
 
 TRANSPORTS = ["tcp", "ipc", "inproc"]
@@ -155,6 +156,41 @@ def test_malformed_ping_is_counted_and_changes_nothing(make_node, body):
     b.run(b._asend_raw(a.peer_id, "$ping", body))
     assert wait_until(lambda: a.stats.snapshot()["rejected"].get("bad_field", 0) == before + 1)
     assert statuses(a) == {b.peer_id: "alive"}
+
+
+def test_open_dealers_are_capped_without_losing_a_reply_in_flight(make_node):
+    others = [make_node("inproc")]
+    others += [make_node("inproc", join=[others[0].address]) for _ in range(4)]
+    slow_beats = Liveness(heartbeat_interval_s=5.0, suspect_timeout_s=20.0, dead_timeout_s=30.0)  # pings stay out of the count
+    capped = make_node("inproc", join=[others[0].address],
+                       config=NodeConfig(liveness=slow_beats, request_timeout_s=5.0,
+                                         transport=TransportConfig(max_open_dealers=2)))
+    assert wait_until(lambda: len(capped.live_peers()) == 5)
+    slow = others[1]
+    slow.on("slow", lambda m: asyncio.sleep(1.0, result=Reply("done")))
+    for n in others:
+        n.on("echo", lambda m: Reply(m.body))
+    pending = capped.submit(capped.arequest(slow.peer_id, "slow", None, timeout_s=5.0))
+    for _ in range(2):  # every peer, through two open sockets: each send opens one, closing an idle one
+        for n in others:
+            assert capped.request(n.peer_id, "echo", n.peer_id).body == n.peer_id
+            assert capped.run(_open_dealers(capped)) <= 3  # the cap, plus the one held by the slow request
+    assert pending.result(5).body == "done"  # its DEALER was not closed under it
+    assert capped.run(_open_dealers(capped)) <= 2
+
+
+def test_pings_over_sockets_opened_on_demand_keep_a_capped_node_alive(make_node):
+    others = [make_node("tcp")]
+    others += [make_node("tcp", join=[others[0].address]) for _ in range(3)]
+    capped = make_node("tcp", join=[others[0].address],
+                       config=NodeConfig(liveness=TEST_LIVENESS, transport=TransportConfig(max_open_dealers=1)))
+    time.sleep(2 * TEST_LIVENESS.suspect_timeout_s)  # each ping round reopens sockets (tcp: connects take a moment)
+    assert all(statuses(n)[capped.peer_id] == "alive" for n in others)
+    assert sorted(statuses(capped).values()) == ["alive"] * 4
+
+
+async def _open_dealers(node):
+    return node._transport.open_dealers
 
 
 def test_silent_peer_becomes_suspect_then_dead(make_node):
