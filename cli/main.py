@@ -103,6 +103,7 @@ def node_start(
     heartbeat_s: float = typer.Option(1.0, "--heartbeat-s", help="Heartbeat interval."),
     suspect_after_s: float = typer.Option(3.0, "--suspect-after-s", help="Silence before a peer is suspect."),
     dead_after_s: float = typer.Option(10.0, "--dead-after-s", help="Silence before a peer is dead."),
+    heartbeat_fanout: int = typer.Option(6, "--heartbeat-fanout", min=1, help="Peers pinged per heartbeat once the swarm is larger (beats of the others ride along)."),
     protocol: Optional[str] = typer.Option(None, "--protocol", help="Train with this protocol (a joiner may omit it: it learns it from the swarm)."),
     task: Optional[str] = typer.Option(None, "--task", help="Built-in task or module:callable (default charlm; a joiner learns it)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Stop training at this swarm step (default: run until stopped)."),
@@ -149,7 +150,7 @@ def node_start(
                     wanted["options"] = dict(options)
         elif task is not None or options or task_opt:
             raise ValueError("--task and protocol options need --protocol (or join a training swarm without them)")
-        config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s))
+        config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout))
         node = Node(config=config).start(
             listen, join or [], key=key, advertise=advertise, authorized_keys=authorized_keys,
             security="plaintext" if plaintext else None, insecure=insecure, swarm_config=wanted or None,
