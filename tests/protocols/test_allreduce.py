@@ -10,7 +10,7 @@ from torch import nn
 
 from conftest import in_parallel, swarm, wait_until
 from starling.protocols import get_protocol
-from starling.protocols._reduce import shard_bounds
+from starling.protocols._reduce import ShardedReducer, chunk_layout, shard_bounds
 
 LR = 0.1
 
@@ -46,6 +46,26 @@ def expected_after_one_step(world: int) -> list[torch.Tensor]:
 def test_shard_bounds_cover_the_vector():
     assert shard_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert shard_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+def test_chunk_layout_splits_each_shard_into_near_equal_runs():
+    assert chunk_layout(10, 2, 2) == (((0, 2), (2, 4), (4, 5)), ((5, 7), (7, 9), (9, 10)))
+    assert chunk_layout(3, 4, 7) == (((0, 1),), ((1, 2),), ((2, 3),), ((3, 3),))  # an empty shard: one empty chunk
+
+
+@pytest.mark.parametrize("compressor", ["none", "fp16"])
+def test_chunked_rounds_give_the_exact_mean_and_identical_replicas(make_node, compressor):
+    world, numel = 3, 50
+    nodes = swarm(make_node, world)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    reducers = [ShardedReducer(n, "test.reduce", numel, compressor, chunk_numel=7) for n in nodes]
+    vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    mean = torch.stack(vectors).mean(0)
+    results = in_parallel([lambda r=r: reducers[r].reduce(1, members, vectors[r]) for r in range(world)])
+    assert all(res.synced and res.peers == world and not res.lost for res in results)
+    tol = 0 if compressor == "none" else 2e-3
+    torch.testing.assert_close(vectors[0], mean, rtol=tol, atol=tol + 1e-6)
+    assert all(torch.equal(v, vectors[0]) for v in vectors[1:])
 
 
 def test_one_step_equals_sgd_on_the_exact_mean_gradient(make_node):
