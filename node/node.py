@@ -566,8 +566,8 @@ class Node:
         body = [digest or self._digest(), probe]
         assert self._transport is not None
         if not self._transport.is_open(peer_id):
-            # A DEALER opened now (over the cap of open ones) takes a moment to connect:
-            # wait for it, bounded, off the heartbeat loop's path.
+            # A DEALER opened now takes a moment to connect: wait for it, bounded, off the
+            # heartbeat loop's path.
             self._spawn(self._asend_raw(peer_id, PING, body, timeout_s=self.config.liveness.heartbeat_interval_s))
             return
         try:
