@@ -21,8 +21,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Enough for 64+ fully meshed nodes in one process (one ROUTER plus one DEALER per peer).
-MAX_SOCKETS_PER_PROCESS = 8192
+# One ROUTER per node plus its open DEALERs (at most TransportConfig.max_open_dealers each):
+# 256 simulated nodes with 64 open each need 16,640. Each socket also holds a file
+# descriptor, so the process's RLIMIT_NOFILE bounds this too.
+MAX_SOCKETS_PER_PROCESS = 32768
 
 
 class NetworkThread:
