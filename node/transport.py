@@ -1,9 +1,9 @@
 """ZeroMQ sockets of one node, in the Zyre pattern.
 
 One ROUTER is bound for everything inbound; one DEALER per peer we talk to carries what
-we send to it. A known peer's DEALER opens on the first send to it; at most
-`max_open_dealers` are open at once, and opening one more closes the least recently used
-one that has nothing in flight (so a swarm of hundreds of nodes in one process does not
+we send to it. A known peer's DEALER opens when it is learned while fewer than
+`max_open_dealers` are open, else on the first send to it, closing the least recently
+used one that has nothing in flight (so a swarm of hundreds of nodes in one process does not
 hold n^2 sockets). Replies to requests go back over the connection the request came on
 (ROUTER -> the requester's DEALER), so a peer behind NAT can still ask questions.
 All methods run on the network thread.
@@ -147,14 +147,17 @@ class Transport:
         return out
 
     def connect(self, key: str, endpoints: Sequence[str], server_key_z85: bytes | None) -> None:
-        """Know how to reach `key` (a peer id or a bootstrap handle). Its DEALER opens on
-        the first send: a node that learns a swarm's table of n peers need not open n
-        sockets at once (at 64 nodes in one process, that was the join's largest cost)."""
+        """Know how to reach `key` (a peer id or a bootstrap handle); open its DEALER now
+        while fewer than `max_open_dealers` are open, so that it is connected before the
+        first message. (Opening on the first send instead lost messages: a DEALER opened
+        under a pending asyncio send and raw heartbeat sends sometimes never delivered.)"""
         if key in self._routes:
             return
         if self.mode is SecurityMode.CURVE and server_key_z85 is None:
             raise ValueError(f"peer {key} has no CURVE key but this node uses CURVE")
         self._routes[key] = (tuple(endpoints), server_key_z85)
+        if len(self._dealers) < self.config.max_open_dealers:
+            self._open(key)
 
     def _open(self, key: str) -> zmq.asyncio.Socket:
         endpoints, server_key_z85 = self._routes[key]
