@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Coroutine, TypeVar
 import zmq
 import zmq.asyncio
 
+from starling.node.allocator import AllocatorTuning, keep_freed_memory
 from starling.node.security import ZapRegistry
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,11 @@ class NetworkThread:
 
     _instance: ClassVar[NetworkThread | None] = None
     _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+    tuning: ClassVar[AllocatorTuning | None] = None  # what keep_freed_memory() did in this process
 
     def __init__(self) -> None:
         self.pid = os.getpid()
+        NetworkThread.tuning = keep_freed_memory()  # before the I/O thread allocates its first buffer
         self.context = zmq.asyncio.Context()
         self.context.set(zmq.MAX_SOCKETS, MAX_SOCKETS_PER_PROCESS)
         self.loop = asyncio.new_event_loop()
