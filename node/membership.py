@@ -224,16 +224,15 @@ class PeerTable:
         """Split checked digest entries into news (a beat above the last one heard from a
         known peer, see `heartbeat`) and the ids of peers we have no current record of.
         One lookup per entry: this runs on every ping, and most entries are old news."""
-        peers, left = self._peers, PeerStatus.LEFT
+        peers = self._peers
         news, unknown = [], []
         for entry in entries:
             info = peers.get(entry[0])
             if info is None:
                 if entry[0] != self.self_id:
                     unknown.append(entry[0])
-            elif info.record.incarnation == entry[1]:
-                if entry[2] > info.beat and info.status is not left:
-                    news.append(entry)
+            elif _beat_is_news(info, entry[1], entry[2]):
+                news.append(entry)
             elif info.record.incarnation < entry[1]:
                 unknown.append(entry[0])
         return news, unknown
@@ -246,8 +245,7 @@ class PeerTable:
         heard proves the peer was alive after that; a stale relay refreshes nothing.
         """
         info = self._peers.get(peer_id)
-        if (info is None or info.status is PeerStatus.LEFT or info.record.incarnation != incarnation
-                or beat <= info.beat):
+        if info is None or not _beat_is_news(info, incarnation, beat):
             return None
         info.beat = beat
         if meta:
@@ -324,3 +322,9 @@ def finite_meta(meta: Any) -> dict[str, Any]:
         if not isinstance(v, (int, float, str, bool, type(None))) or (isinstance(v, str) and len(v) > 256):
             raise WireError(RejectReason.BAD_FIELD, f"heartbeat meta {k!r} must be a scalar", field="meta")
     return meta
+
+
+def _beat_is_news(info: PeerInfo, incarnation: int, beat: int) -> bool:
+    """A beat above the last one heard in the peer's current incarnation, from a peer that
+    has not left: proof it was alive after what we knew."""
+    return info.status is not PeerStatus.LEFT and info.record.incarnation == incarnation and beat > info.beat
