@@ -237,11 +237,17 @@ class Transport:
                 # The plain (non-asyncio) send: pyzmq's asyncio socket would queue even a
                 # NOBLOCK send behind one already waiting on this peer, and a heartbeat
                 # stuck behind a send to a crashed peer would freeze the failure detector.
-                sock._shadow_sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                # libzmq's FD is edge-triggered: a send behind the asyncio wrapper's back can
-                # consume the edge of a message that arrived meanwhile, which would then sit
-                # unread until the next one wakes the socket. Re-check the socket's events.
-                sock._schedule_remaining_events()
+                try:
+                    sock._shadow_sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                finally:
+                    # libzmq's FD is edge-triggered, and every zmq_send first processes the
+                    # socket's pending commands, which reads the FD's edge: a message that
+                    # arrived, or the connection of a fresh DEALER becoming writable. A send
+                    # behind the asyncio wrapper's back, even one that fails with EAGAIN, can
+                    # take that edge, and the wrapper's waiting recv or send would then sleep
+                    # until the next edge. Re-check the socket's events either way.
+                    if not sock.closed:
+                        sock._schedule_remaining_events()
                 return
             await asyncio.wait_for(sock.send_multipart(frames, copy=False), timeout_s)
         except zmq.Again:

@@ -1,0 +1,74 @@
+"""libzmq's socket FD is edge-triggered: every zmq_send first processes the socket's pending
+commands, which reads the edge. A raw send behind pyzmq's asyncio wrapper (heartbeats use
+one, so that they never queue behind a blocked send) must therefore re-arm the wrapper,
+also when that send fails, or a message that arrived meanwhile sits unread."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from starling.node.security import SecurityMode
+from starling.node.transport import Inbound, SendError, Transport, TransportConfig
+
+BIG = b"x" * (1 << 20)
+
+
+async def _arrives_after_a_raw_send(fail_raw_send: bool) -> bool:
+    context = zmq.asyncio.Context()
+    peer_context = zmq.Context()
+    got: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def receiver(inbound: Inbound) -> None:
+        await got.put(bytes(inbound.frames[-1].bytes))
+
+    transport = Transport(context, mode=SecurityMode.PLAINTEXT, curve_public_z85=b"", curve_secret_z85=b"",
+                          zap_domain="test", config=TransportConfig(send_hwm=1, recv_hwm=1), receiver=receiver)
+    router = peer_context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.RCVHWM, 1)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        transport.connect("peer", [f"tcp://127.0.0.1:{port}"], None)
+        await transport.send("peer", [b"hello"], timeout_s=10.0)
+        route, hello = router.recv_multipart()  # learn the DEALER's routing id
+        assert hello == b"hello"
+        if fail_raw_send:  # fill the DEALER's queue and the kernel's: the router reads nothing more
+            full_after_a_pause = 0
+            for _ in range(2000):
+                try:
+                    await transport.send("peer", [BIG], wait=False)
+                    full_after_a_pause = 0
+                except SendError:
+                    full_after_a_pause += 1
+                    if full_after_a_pause == 3:
+                        break
+                    await asyncio.sleep(0.3)  # let the I/O threads move what they still can
+            else:
+                pytest.fail("the DEALER's queue never filled")
+        # Synchronously, so that the asyncio wrapper cannot react in between: a reply
+        # arrives on the DEALER (its FD's edge), then a raw send processes the edge.
+        router.send_multipart([route, b"reply"])
+        time.sleep(0.3)
+        try:
+            await transport.send("peer", [b"ping"], wait=False)
+            assert not fail_raw_send, "the queue should still be full"
+        except SendError:
+            assert fail_raw_send
+        try:
+            return await asyncio.wait_for(got.get(), 3.0) == b"reply"
+        except asyncio.TimeoutError:
+            return False
+    finally:
+        await transport.close(0)
+        router.close(0)
+        peer_context.term()
+        context.term()
+
+
+@pytest.mark.parametrize("fail_raw_send", [False, True], ids=["raw-send-succeeds", "raw-send-eagain"])
+def test_a_message_that_arrived_before_a_raw_send_is_read(fail_raw_send: bool) -> None:
+    assert asyncio.run(_arrives_after_a_raw_send(fail_raw_send))
