@@ -7,8 +7,12 @@ Exact pairwise averaging (compressor "none"), every `local_steps` local SGD step
         send x_i to j ("gossip.pull")                     # j, under its training lock:
                                                           #   s_j = x_j; x_j += mixing (x_i - s_j)
         receive s_j;  x_i += mixing (s_j - x_i)           #   reply s_j
+        send "gossip.ack" to j                            # j forgets its half
+        (no reply in time: send "gossip.undo" to j)       # j takes its half back
     the two updates are exact negatives of each other, so the swarm mean is preserved
     (mixing = 0.5 makes both sides the pair's mean); a busy or dead neighbour is skipped.
+    To undo, j keeps each half it applied until the ack, at most `max_undo_entries` of them
+    (see `Gossip._keep_for_undo` for what the bound costs).
 
 CHOCO-SGD (Koloskova et al. 2019) with a compressor, every `local_steps` steps:
 
@@ -34,7 +38,7 @@ import math
 import random
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -54,7 +58,7 @@ from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolEr
 log = logging.getLogger(__name__)
 
 PULL_TOPIC, CHOCO_TOPIC, RESYNC_TOPIC = "gossip.pull", "gossip.choco", "gossip.resync"
-UNDO_TOPIC = "gossip.undo"
+UNDO_TOPIC, ACK_TOPIC = "gossip.undo", "gossip.ack"
 TOPOLOGIES = ("complete", "ring", "torus", "exponential")
 _LOCK_POLL_S = 0.002
 
@@ -69,6 +73,7 @@ class GossipConfig(ProtocolConfig):
     momentum: float = 0.0
     weight_decay: float = 0.0
     pull_timeout_s: float = 5.0  # a neighbour that has not answered by then is skipped
+    max_undo_entries: int = 8  # answered pulls kept (one parameter vector each) until acked
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -85,6 +90,8 @@ class GossipConfig(ProtocolConfig):
             raise ValueError("need lr >= 0, 0 <= momentum < 1, weight_decay >= 0")
         if not self.pull_timeout_s > 0.0:
             raise ValueError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
+        if self.max_undo_entries < 1:
+            raise ValueError(f"max_undo_entries must be >= 1, got {self.max_undo_entries}")
         check_compressor_spec(self.compressor)
 
 
@@ -140,11 +147,14 @@ class Gossip(Protocol):
         node.on(CHOCO_TOPIC, self._on_choco)
         node.on(RESYNC_TOPIC, self._on_resync)
         node.on(UNDO_TOPIC, self._on_undo)
-        # The half-exchange last applied for each requester, so that a requester whose
-        # reply came too late can ask for it back and the swarm mean stays exact.
+        node.on(ACK_TOPIC, self._on_ack)
+        # Undo table (network thread only; see _keep_for_undo): requester -> (xid, the delta
+        # applied for it), oldest first; and the xid of each requester's last dropped entry.
         self._applied: dict[str, tuple[int, torch.Tensor]] = {}
+        self._dropped: dict[str, int] = {}
         self._exchange_ids = itertools.count(1)
         self._cancelled: dict[str, Any] = {}
+        self.counters: Counter[str] = Counter()  # undone, undo_evicted, undo_dropped_peer_left, undo_refused
         watch_peers(node, self.on_peer_joined, self.on_peer_left, lambda: self._open)
 
     # ------------------------------------------------------------------ training thread
@@ -193,12 +203,17 @@ class Gossip(Protocol):
                     lost.append(j)
                 continue
             theirs = msg.payload[0] if msg.payload else None
-            if not (isinstance(msg.body, dict) and msg.body.get("ok")) or not _same_shape(theirs, mine):
+            if not (isinstance(msg.body, dict) and msg.body.get("ok")):
                 log.debug("%s: %s declined to gossip: %s", self.node.peer_id, j, msg.body)
+                continue
+            if not _same_shape(theirs, mine):  # j applied its half, we cannot apply ours
+                log.info("%s: bad parameters from %s; asking it to undo", self.node.peer_id, j)
+                self.node.send(j, UNDO_TOPIC, {"xid": xid})
                 continue
             delta = (theirs.reshape(-1) - mine).mul_(self.config.mixing)  # exactly minus what j applied
             with self._params_lock:
                 self.flat.add_to_params(delta)
+            self.node.send(j, ACK_TOPIC, {"xid": xid})  # j no longer needs to keep its half
             partners.append(j)
         return partners, lost
 
@@ -286,26 +301,71 @@ class Gossip(Protocol):
             delta = (theirs.reshape(-1) - mine).mul_(self.config.mixing)
             self.flat.add_to_params(delta)
             if isinstance(xid, int):
-                self._applied[msg.sender] = (xid, delta)
+                self._keep_for_undo(msg.sender, xid, delta)
         finally:
             self._params_lock.release()
         return Reply({"ok": True}, (mine,))
 
+    def _keep_for_undo(self, requester: str, xid: int, delta: torch.Tensor) -> None:
+        """Keep the half-exchange just applied for `requester` until it acks or undoes it.
+
+        A requester whose reply came too late asks for its half back (`gossip.undo`) so that
+        the swarm mean stays exact; one that got the reply says so (`gossip.ack`) and the entry
+        goes at once. So the table holds only exchanges whose reply or ack is still in flight.
+        It keeps at most `max_undo_entries` (memory: that many parameter vectors, not one per
+        requester) and drops the oldest beyond that. An undo that arrives for a dropped entry
+        is refused and counted (`undo_refused`), and changes nothing: that one exchange then
+        moves the swarm mean by mixing * (x_requester - x_mine) / n. That needs more than
+        `max_undo_entries` replies in flight at once and the dropped one to time out.
+        """
+        self._applied.pop(requester, None)  # one open exchange per requester: its new pull ends the old one
+        self._applied[requester] = (xid, delta)
+        while len(self._applied) > self.config.max_undo_entries:
+            self._drop_undo_entry(next(iter(self._applied)), "undo_evicted")
+
+    def _drop_undo_entry(self, requester: str, counter: str) -> None:
+        xid, _ = self._applied.pop(requester)
+        self._dropped[requester] = xid
+        self.counters[counter] += 1
+
+    def _entry_to_undo(self, requester: str, xid: Any) -> tuple[int, torch.Tensor] | None:
+        """The kept entry that an undo of `xid` takes back, or None (having refused it, or
+        noted that the pull, not applied yet, must never be)."""
+        entry = self._applied.get(requester)
+        if entry is not None and entry[0] == xid:
+            return entry
+        if self._dropped.get(requester) == xid:
+            self.counters["undo_refused"] += 1
+            self.node.stats.count_rejected("gossip.undo_of_dropped_entry")
+            log.warning("%s: cannot undo exchange %s with %s: its entry was dropped (over max_undo_entries=%d "
+                        "or the peer left); the swarm mean moves by that half-exchange",
+                        self.node.peer_id, xid, requester, self.config.max_undo_entries)
+        else:
+            self._cancelled[requester] = xid  # the pull has not been applied yet: never apply it
+        return None
+
     async def _on_undo(self, msg: Message) -> None:
         """Take back the half-exchange a timed-out requester never completed."""
         xid = msg.body.get("xid") if isinstance(msg.body, dict) else None
-        applied = self._applied.get(msg.sender)
-        if applied is None or applied[0] != xid:
-            self._cancelled[msg.sender] = xid  # the pull has not been applied yet: never apply it
+        if self._entry_to_undo(msg.sender, xid) is None:
             return
         while not self._params_lock.acquire(blocking=False):  # never block the network thread
             await asyncio.sleep(_LOCK_POLL_S)
         try:
-            if self._applied.get(msg.sender) is applied:
+            entry = self._entry_to_undo(msg.sender, xid)  # again: it may have been dropped meanwhile
+            if entry is not None:
                 del self._applied[msg.sender]
-                self.flat.add_to_params(-applied[1])
+                self.flat.add_to_params(-entry[1])
+                self.counters["undone"] += 1
         finally:
             self._params_lock.release()
+
+    def _on_ack(self, msg: Message) -> None:
+        """The requester applied its half: the exchange is complete, forget mine."""
+        xid = msg.body.get("xid") if isinstance(msg.body, dict) else None
+        entry = self._applied.get(msg.sender)
+        if entry is not None and entry[0] == xid:
+            del self._applied[msg.sender]
 
     def _on_choco(self, msg: Message) -> None:
         if isinstance(msg.body, dict) and self._open:
@@ -325,6 +385,8 @@ class Gossip(Protocol):
     def on_peer_left(self, peer_id: str) -> None:
         with self._hat_lock:
             self._has_my_hat.discard(peer_id)
+        if peer_id in self._applied:  # it will neither ack nor undo
+            self._drop_undo_entry(peer_id, "undo_dropped_peer_left")
 
     def consensus_vector(self) -> torch.Tensor:
         """This peer's parameters as one float32 vector (for measuring consensus)."""
@@ -348,7 +410,7 @@ class Gossip(Protocol):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "step": self.step_count, "mode": "choco" if self.choco else "exact",
-                "parameters": self.flat.numel}
+                "parameters": self.flat.numel, "undo_entries": len(self._applied), "counters": dict(self.counters)}
 
 
 def _same_shape(theirs: Any, mine: torch.Tensor) -> bool:
