@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import threading
 import time
@@ -81,16 +82,47 @@ def emit(row: dict[str, Any]) -> None:
     print(json.dumps(row), flush=True)
 
 
+def lr_factor(schedule: str, step: int, steps: int, warmup: int, min_ratio: float) -> float:
+    """The multiplier of the base lr for the optimizer step that follows `step` steps done:
+    constant, or linear warmup over `warmup` steps then cosine decay to `min_ratio` at the end."""
+    if schedule == "constant":
+        return 1.0
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _optimizer_of(proto: Any) -> torch.optim.Optimizer:
+    """allreduce's optimizer, or DiLoCo's inner one: the one the lr schedule drives."""
+    return proto.inner if hasattr(proto, "inner") else proto.optimizer
+
+
 def run(protocol: str, peers: int, steps: int, options: dict[str, Any], link: LinkModel | None = None,
-        task_options: dict[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
+        task_options: dict[str, Any] | None = None, seed: int = 0,
+        schedule: tuple[str, int, float] = ("constant", 0, 1.0), final_sync: bool = False) -> dict[str, Any]:
     """One swarm to the end; eval loss of every peer's evaluated model (DiLoCo: the outer
-    parameters) and of its local replica, bytes, and training-thread utilization."""
+    parameters) and of its local replica, bytes, and training-thread utilization.
+
+    `schedule` = (kind, warmup steps, final lr / peak lr) drives every peer's optimizer
+    (allreduce's, DiLoCo's inner one) the same way. `final_sync` (DiLoCo only) also reports
+    the outer parameters after one more outer step of every fragment on the exact mean of
+    the peers' pseudo-gradients, done in-process: a what-if, its bytes estimated as one more
+    round of every fragment."""
     config = SimConfig(peers=peers, protocol=protocol, task="charlm", steps=steps, options=options,
                        link=link or LinkModel(), task_options=task_options or {}, seed=seed)
     check_config(config)
     task = get_task(config.task, **config.task_options)
     run_id = uuid.uuid4().hex[:8]
-    sims = [SimPeer(config, task, rank, endpoint_for("inproc", rank, "", run_id)) for rank in range(peers)]
+    schedulers: dict[int, torch.optim.lr_scheduler.LambdaLR] = {}
+    kind, warmup, min_ratio = schedule
+
+    def on_step(rank: int, step: int) -> None:
+        if rank in schedulers:
+            schedulers[rank].step()
+
+    sims = [SimPeer(config, task, rank, endpoint_for("inproc", rank, "", run_id), on_step=on_step)
+            for rank in range(peers)]
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -100,6 +132,9 @@ def run(protocol: str, peers: int, steps: int, options: dict[str, Any], link: Li
         wait_for(lambda: all(len(s.node.live_peers()) == peers - 1 for s in sims), 60.0, "the swarm to form")
         for sim in sims:
             sim.create_protocol()
+            if kind != "constant":
+                schedulers[sim.rank] = torch.optim.lr_scheduler.LambdaLR(
+                    _optimizer_of(sim.proto), lambda t: lr_factor(kind, t, steps, warmup, min_ratio))
         t0 = time.time()
         threads = [threading.Thread(target=s.train, args=(t0,), daemon=True) for s in sims]
         for thread in threads:
@@ -119,6 +154,8 @@ def run(protocol: str, peers: int, steps: int, options: dict[str, Any], link: Li
                "wall_s": round(max(s.result.train_end for s in sims) - t0, 2)}
         if protocol.endswith("diloco"):
             row["peak_sync_bytes_per_peer"] = max(_sync_batch_bytes(s) for s in sims)
+            if final_sync:
+                row.update(_final_sync(sims, task))
         return row
     finally:
         for sim in sims:
@@ -143,23 +180,65 @@ def _sync_batch_bytes(sim: SimPeer) -> float:
     return max(sizes) if sizes else 0.0
 
 
+def _final_sync(sims: list[SimPeer], task: Any) -> dict[str, Any]:
+    """What-if: one more outer step of every fragment on the exact (fp32) mean of all peers'
+    pseudo-gradients, then eval of the outer parameters. Rounds still in flight are dropped."""
+    protos: list[Any] = [s.proto for s in sims]
+    extra = 0.0
+    for f in range(len(protos[0].views)):
+        deltas = [p.outer[f] - p.views[f].read() for p in protos]
+        mean = torch.stack(deltas).mean(0)
+        for p in protos:
+            p._outer_step(f, mean.clone())
+            p._merge_local(f)
+        extra += statistics.fmean(_fragment_round_bytes(s, f) for s in sims)
+    return {"eval_loss_final_sync": statistics.fmean(task.evaluate(p.eval_model())["eval_loss"] for p in protos),
+            "final_sync_bytes_per_peer": extra}
+
+
+def _fragment_round_bytes(sim: SimPeer, f: int) -> float:
+    proto: Any = sim.proto
+    rounds = proto.versions[f] - 1 - proto.schedule.first_round(f)  # _final_sync already stepped it
+    by_topic = sim.result.records[-1]["bytes_by_topic"]
+    return by_topic.get(proto.reducers[f].topic, 0) / rounds if rounds > 0 else 0.0
+
+
 def diloco_options(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     return {**INNER, "sync_every": args.sync_every, "fragments": args.fragments,
-            "overlap_steps": args.overlap_steps, "alpha": 0.5, "compressor": "int4", **overrides}
+            "overlap_steps": args.overlap_steps, "alpha": 0.5, "compressor": "int4",
+            "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, **_timeout(args), **overrides}
+
+
+def _timeout(args: argparse.Namespace) -> dict[str, Any]:
+    return {} if args.round_timeout_s is None else {"round_timeout_s": args.round_timeout_s}
+
+
+def schedule_of(args: argparse.Namespace) -> tuple[str, int, float]:
+    warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 16
+    return (args.lr_schedule, warmup if args.lr_schedule != "constant" else 0, args.min_lr_ratio)
 
 
 def headline(args: argparse.Namespace) -> dict[str, Any]:
-    base = run("allreduce", args.peers, args.steps, ALLREDUCE)
-    emit({"bench": "run", "protocol": "allreduce", "peers": args.peers, "steps": args.steps, **base})
-    mine = run("streaming-diloco", args.peers, args.steps, diloco_options(args))
+    schedule = schedule_of(args)
+    lr = {"lr_schedule": schedule[0], "warmup_steps": schedule[1], "min_lr_ratio": schedule[2]}
+    if args.allreduce_loss is not None:  # reuse a measured baseline (same steps, peers, schedule)
+        base = {"eval_loss": args.allreduce_loss, "bytes_per_peer": args.allreduce_bytes}
+    else:
+        base = run("allreduce", args.peers, args.steps, {**ALLREDUCE, **_timeout(args)}, schedule=schedule)
+        emit({"bench": "run", "protocol": "allreduce", "peers": args.peers, "steps": args.steps, **lr, **base})
+    mine = run("streaming-diloco", args.peers, args.steps, diloco_options(args), schedule=schedule,
+               final_sync=args.final_sync)
     emit({"bench": "run", "protocol": "streaming-diloco", "peers": args.peers, "steps": args.steps,
-          **diloco_options(args), **mine})
+          **diloco_options(args), **lr, **mine})
     gap = mine["eval_loss"] / base["eval_loss"] - 1.0
     ratio = base["bytes_per_peer"] / mine["bytes_per_peer"]
-    row = {"bench": "headline", "allreduce_eval_loss": base["eval_loss"], "diloco_eval_loss": mine["eval_loss"],
+    row = {"bench": "headline", **lr, "allreduce_eval_loss": base["eval_loss"], "diloco_eval_loss": mine["eval_loss"],
            "diloco_eval_loss_local": mine["eval_loss_local"], "loss_gap": gap,
            "allreduce_bytes_per_peer": base["bytes_per_peer"], "diloco_bytes_per_peer": mine["bytes_per_peer"],
            "bytes_ratio": ratio, "loss_met": gap <= LOSS_TARGET, "bytes_met": ratio >= BYTES_TARGET}
+    if args.final_sync:
+        row["final_sync_loss_gap"] = mine["eval_loss_final_sync"] / base["eval_loss"] - 1.0
+        row["final_sync_bytes_ratio"] = base["bytes_per_peer"] / (mine["bytes_per_peer"] + mine["final_sync_bytes_per_peer"])
     emit(row)
     return row
 
@@ -229,6 +308,21 @@ def main(argv: list[str] | None = None) -> int:
     for name in FULL:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--only", default="headline,peak,util,sweep", help="comma-separated benches")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="headline: lr of allreduce's and DiLoCo's inner optimizer alike (cosine: linear "
+                             "warmup, then cosine decay to --min-lr-ratio of the peak at the last step)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="cosine warmup (default steps / 16)")
+    parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine: final lr over peak lr (0.1)")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer SGD lr (paper: 0.7)")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum (0.9)")
+    parser.add_argument("--final-sync", action="store_true",
+                        help="headline: also report a what-if final outer step of every fragment (see _final_sync)")
+    parser.add_argument("--allreduce-loss", type=float, default=None,
+                        help="headline: skip the allreduce run and use this measured eval loss (with --allreduce-bytes)")
+    parser.add_argument("--allreduce-bytes", type=float, default=None)
+    parser.add_argument("--round-timeout-s", type=float, default=None,
+                        help="headline: both protocols' round timeout (default 30 s; on a loaded box DiLoCo's "
+                             "peers drift apart between syncs by more, and rounds then close without them)")
     parser.add_argument("--no-transport-workaround", action="store_true",
                         help="measure the transport as it is (see rearm_reads_after_raw_sends)")
     args = parser.parse_args(argv)
