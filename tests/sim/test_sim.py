@@ -185,8 +185,9 @@ def test_bad_configs_fail_before_any_node_starts():
 @pytest.mark.timeout(600)
 def test_processes_run_one_os_process_per_peer(tmp_path):
     # Spawned children import this module by name to find the test protocol.
-    config = SimConfig(peers=2, steps=4, processes=True, **{**TINY, "protocol": f"{__name__}:test-echo",
-                                                             "transport": "tcp"})
+    # ready_timeout_s: each child imports torch, which took 60-100 s on a starved CI machine.
+    config = SimConfig(peers=2, steps=4, processes=True, ready_timeout_s=400,
+                       **{**TINY, "protocol": f"{__name__}:test-echo", "transport": "tcp"})
     result = Simulation(config).run()
     assert [p.status for p in result.peers] == ["finished", "finished"]
     assert len({p.peer_id for p in result.peers}) == 2
