@@ -102,6 +102,7 @@ class Transport:
         self._sending: dict[str, int] = {}  # sends in flight per DEALER
         self._tasks: dict[str | None, asyncio.Task[None]] = {}
         self.bound: list[str] = []
+        self.dealers_opened = 0  # over the node's life: how much the socket cap churns
         self._closed = False
 
     def _common(self, sock: zmq.asyncio.Socket) -> None:
@@ -173,6 +174,7 @@ class Transport:
         for ep in endpoints:
             dealer.connect(ep)
         self._dealers[key] = dealer
+        self.dealers_opened += 1
         self._tasks[key] = asyncio.ensure_future(self._read(dealer, key))
         return dealer
 
