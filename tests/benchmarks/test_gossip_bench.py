@@ -29,7 +29,7 @@ def rows(capsys) -> dict[str, list[dict]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)  # three swarms and a fresh Python process on a busy 2-core box
+@pytest.mark.timeout(600)  # three swarms and a fresh Python process on a busy 2-core box
 def test_gossip_bench_rows(capsys):
     bench = load_bench()
     assert bench.main(["--only", "charlm,mem", "--steps", "4", "--peers", "2", "--local-steps", "2",
