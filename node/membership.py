@@ -268,20 +268,22 @@ class PeerTable:
         """Apply the failure detector: silent peers become suspect, then dead.
 
         `relay_delay_s` extends both timeouts by how late a relayed beat may arrive (in a
-        swarm larger than the ping fanout, beats travel through others)."""
+        swarm larger than the ping fanout, beats travel through others).
+
+        A peer always passes through suspect: a sweep that comes late (a stalled event loop)
+        and finds it past both timeouts reports alive -> suspect and suspect -> dead, so
+        whoever acts on suspicion sees it before the death."""
         changes = []
         for info in self._peers.values():
             if info.status in (PeerStatus.DEAD, PeerStatus.LEFT):
                 continue
             silence = now - info.last_seen - relay_delay_s
-            new = info.status
+            if silence >= self.liveness.suspect_timeout_s and info.status is PeerStatus.ALIVE:
+                changes.append(StatusChange(info.peer_id, info.status, PeerStatus.SUSPECT))
+                info.status = PeerStatus.SUSPECT
             if silence >= self.liveness.dead_timeout_s:
-                new = PeerStatus.DEAD
-            elif silence >= self.liveness.suspect_timeout_s:
-                new = PeerStatus.SUSPECT
-            if new is not info.status:
-                changes.append(StatusChange(info.peer_id, info.status, new))
-                info.status = new
+                changes.append(StatusChange(info.peer_id, info.status, PeerStatus.DEAD))
+                info.status = PeerStatus.DEAD
         return changes
 
     def forget(self, older_than_s: float, now: float) -> list[str]:

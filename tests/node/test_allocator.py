@@ -16,11 +16,20 @@ glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
 
 # One all-reduce round's worth of chunk buffers: 16 blocks of 4 MiB alive at once, then all
 # freed, 4 times, counting page faults; first under glibc's defaults, then after the network
-# thread has started. A fresh interpreter, so that the defaults are really glibc's.
+# thread has started. A fresh interpreter, so that no earlier tuning applies.
+# glibc's thresholds adapt upward after a large free, so what "the defaults" do depends on what
+# the imports before the probe freed (a CI run that compiled torch's modules on import saw 0
+# faults with them). The probe pins glibc's starting values (128 KiB each) first; setting
+# them also turns the adaptation off, as the network thread's own setting does.
 PROBE = r"""
-import json, resource
+import ctypes, ctypes.util, json, resource
 import torch
+from starling.node import allocator
 from starling.node.loop import NetworkThread
+
+mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+assert mallopt(allocator._M_MMAP_THRESHOLD, 128 << 10) == 1
+assert mallopt(allocator._M_TRIM_THRESHOLD, 128 << 10) == 1
 
 def faults_per_pass():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -59,6 +59,17 @@ def test_failure_detector_timeline(ids):
     assert table.get(rec.peer_id).status is PeerStatus.ALIVE
 
 
+def test_a_late_sweep_still_reports_suspect_before_dead(ids):
+    table = PeerTable(ids[0].peer_id, Liveness(1.0, 3.0, 10.0))
+    rec = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 1)
+    table.upsert(rec, now=0.0)
+    changes = table.sweep(12.0)  # the loop stalled past both timeouts
+    assert [(c.old, c.new) for c in changes] == [(PeerStatus.ALIVE, PeerStatus.SUSPECT),
+                                                 (PeerStatus.SUSPECT, PeerStatus.DEAD)]
+    assert table.get(rec.peer_id).status is PeerStatus.DEAD
+    assert table.sweep(13.0) == []
+
+
 def test_leave_is_final_until_a_new_incarnation(ids):
     table = PeerTable(ids[0].peer_id, Liveness())
     rec = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 5)
