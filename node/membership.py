@@ -286,6 +286,15 @@ class PeerTable:
                 info.status = PeerStatus.DEAD
         return changes
 
+    def pardon(self, seconds: float, now: float) -> None:
+        """Do not count `seconds` of silence against anyone: this node could not listen then
+        (its own loop was stalled), so their beats may be waiting unread in its sockets.
+        Failure detectors that gossip call this local health awareness (Lifeguard, in
+        SWIM's successors): a node's own slowness must not make it declare others dead."""
+        for info in self._peers.values():
+            if info.status not in (PeerStatus.DEAD, PeerStatus.LEFT):
+                info.last_seen = min(now, info.last_seen + seconds)
+
     def forget(self, older_than_s: float, now: float) -> list[str]:
         """Drop dead/left entries silent for longer than `older_than_s`, to bound memory."""
         gone = [p.peer_id for p in self._peers.values()

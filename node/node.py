@@ -305,6 +305,12 @@ class Node:
         """Snapshot of the peer table (all statuses)."""
         return self._call(self._snapshot())
 
+    def status_of(self, peer_id: str) -> PeerStatus | None:
+        """One peer's status now, or None if the table has no entry (a plain read: callable
+        from any thread, including a status-change callback on the network thread)."""
+        info = self._table.get(peer_id)
+        return None if info is None else info.status
+
     def live_peers(self) -> list[str]:
         return sorted(p.id for p in self.peers if p.status in (PeerStatus.ALIVE, PeerStatus.SUSPECT))
 
@@ -498,9 +504,17 @@ class Node:
 
     async def _heartbeat_loop(self) -> None:
         lv = self.config.liveness
+        period = min(lv.heartbeat_interval_s, lv.suspect_timeout_s / 4)
         last_ping = last_dead_ping = 0.0
+        wake_at: float | None = None
         while True:
             now = time.monotonic()
+            # Woke a beat or more late: the loop (or the whole process) was stalled, and the
+            # beats that came meanwhile may still be unread. Peers are not blamed for it.
+            if wake_at is not None and now - wake_at > lv.heartbeat_interval_s:
+                self.stats.count_stall(now - wake_at)
+                self._table.pardon(now - wake_at, now)
+                log.info("%s: liveness loop stalled %.2f s; not counted against peers", self.peer_id, now - wake_at)
             if now - last_ping >= lv.heartbeat_interval_s:
                 retry_dead = now - last_dead_ping >= lv.dead_timeout_s
                 last_dead_ping = now if retry_dead else last_dead_ping
@@ -517,7 +531,8 @@ class Node:
             for gone in self._table.forget(self.config.forget_after_s, now):
                 if self._transport is not None:
                     self._transport.disconnect(gone)
-            await asyncio.sleep(min(lv.heartbeat_interval_s, lv.suspect_timeout_s / 4))
+            wake_at = time.monotonic() + period
+            await asyncio.sleep(period)
 
     def _relay_delay_s(self) -> float:
         """How much later than a direct ping a relayed beat may arrive: one interval per

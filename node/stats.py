@@ -20,6 +20,8 @@ class NodeStats:
     messages_received: int = 0
     rejected: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     send_failures: int = 0
+    stalls: int = 0  # times this node's own liveness loop woke late (see Node._heartbeat_loop)
+    stalled_s: float = 0.0  # their total lateness, not counted against peers' silence
 
     def count_sent(self, peer: str, topic: str, nbytes: int) -> None:
         with self._lock:
@@ -39,6 +41,11 @@ class NodeStats:
         with self._lock:
             self.send_failures += 1
 
+    def count_stall(self, seconds: float) -> None:
+        with self._lock:
+            self.stalls += 1
+            self.stalled_s += seconds
+
     def total_sent(self, topic_prefix: str = "") -> int:
         with self._lock:
             return sum(n for per in self.bytes_sent.values() for t, n in per.items() if t.startswith(topic_prefix))
@@ -57,4 +64,6 @@ class NodeStats:
                 "messages_received": self.messages_received,
                 "rejected": dict(self.rejected),
                 "send_failures": self.send_failures,
+                "stalls": self.stalls,
+                "stalled_s": round(self.stalled_s, 3),
             }

@@ -47,7 +47,8 @@ from torch import nn
 
 from starling.compressors import decode
 from starling.node.node import Node
-from starling.node.rpc import Reply, RequestTimeout
+from starling.node.membership import PeerStatus
+from starling.node.rpc import RemoteError, Reply
 from starling.node.wire import Message
 from starling.protocols._exchange import (
     ByteMeter, FlatModel, check_compressor_spec, make_codec, make_optimizer, membership, optimizer_state,
@@ -196,8 +197,9 @@ class Gossip(Protocol):
                                         timeout_s=self.config.pull_timeout_s)
             except Exception as exc:  # dead, gone, or not running gossip yet
                 log.info("%s: gossip with %s skipped: %s", self.node.peer_id, j, exc)
-                if isinstance(exc, RequestTimeout):
-                    # j may have applied its half already: ask for it back
+                if not isinstance(exc, RemoteError):
+                    # No reply (a timeout, or j declared dead meanwhile): j may have applied
+                    # its half already, so ask for it back. Unapplied, the undo cancels it.
                     self.node.send(j, UNDO_TOPIC, {"xid": xid})
                 if "no handler" not in str(exc):
                     lost.append(j)
@@ -385,7 +387,9 @@ class Gossip(Protocol):
     def on_peer_left(self, peer_id: str) -> None:
         with self._hat_lock:
             self._has_my_hat.discard(peer_id)
-        if peer_id in self._applied:  # it will neither ack nor undo
+        # One that left will neither ack nor undo. One declared dead may only have stalled
+        # (and still undo): its entry stays, bounded by max_undo_entries like any other.
+        if peer_id in self._applied and self.node.status_of(peer_id) is PeerStatus.LEFT:
             self._drop_undo_entry(peer_id, "undo_dropped_peer_left")
 
     def consensus_vector(self) -> torch.Tensor:

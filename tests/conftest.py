@@ -13,6 +13,10 @@ from starling.node.node import Node, NodeConfig
 
 # Fast enough for tests, slow enough not to flap on a loaded 2-core CI box.
 TEST_LIVENESS = Liveness(heartbeat_interval_s=0.2, suspect_timeout_s=1.5, dead_timeout_s=3.0)
+# How long a test waits for a death to be seen: a node counts silence only while it could
+# listen (Node._heartbeat_loop pardons its own stalls), and a starved CI box stalls it for
+# seconds at a time, so this is a hang detector, not a latency bound.
+DEATH_SEEN_WITHIN_S = TEST_LIVENESS.dead_timeout_s + 30.0
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:

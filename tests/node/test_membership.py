@@ -70,6 +70,22 @@ def test_a_late_sweep_still_reports_suspect_before_dead(ids):
     assert table.sweep(13.0) == []
 
 
+def test_pardon_moves_silence_but_not_past_now_nor_for_the_dead(ids):
+    table = PeerTable(ids[0].peer_id, Liveness(1.0, 3.0, 10.0))
+    quiet, gone = (PeerRecord.create(i, ["tcp://127.0.0.1:1"], 1) for i in ids[1:3])
+    table.upsert(quiet, now=0.0)
+    table.upsert(gone, now=0.0)
+    table.sweep(20.0)  # both dead
+    table.seen(quiet.peer_id, 20.0)  # quiet is back
+    table.pardon(5.0, now=21.0)  # this node was stalled for 5 s
+    assert table.get(quiet.peer_id).last_seen == 21.0  # capped at now
+    assert table.get(gone.peer_id).status is PeerStatus.DEAD and table.get(gone.peer_id).last_seen == 0.0
+    table.pardon(2.0, now=25.0)  # 4 s silent, 2 of them this node's stall
+    assert table.get(quiet.peer_id).last_seen == 23.0
+    assert table.sweep(25.9) == []
+    assert table.sweep(26.0)[0].new is PeerStatus.SUSPECT
+
+
 def test_leave_is_final_until_a_new_incarnation(ids):
     table = PeerTable(ids[0].peer_id, Liveness())
     rec = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 5)

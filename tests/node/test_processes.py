@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import statuses, wait_until, TEST_LIVENESS
+from conftest import DEATH_SEEN_WITHIN_S, statuses, wait_until, TEST_LIVENESS
 
 # Each test starts Python processes that import torch: 1-3 s on a quiet box, over 60 s seen
 # on a starved 2-core CI machine. The timeouts below are for the latter.
@@ -55,7 +55,7 @@ def test_processes_join_crash_and_leave(make_node, procs):
     a_id = next(i for i in ids if i != b_id)
 
     b.send_signal(signal.SIGKILL)
-    assert wait_until(lambda: statuses(me)[b_id] == "dead", timeout_s=TEST_LIVENESS.dead_timeout_s + 3)
+    assert wait_until(lambda: statuses(me)[b_id] == "dead", timeout_s=DEATH_SEEN_WITHIN_S)
 
     a.send_signal(signal.SIGTERM)  # graceful: announced leave, seen at once
     assert wait_until(lambda: statuses(me)[a_id] == "left", timeout_s=5)

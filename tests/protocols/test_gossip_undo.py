@@ -3,10 +3,13 @@ most `max_undo_entries` of them; an undo of a kept one restores the swarm mean, 
 dropped one is refused, counted, and changes nothing."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from conftest import in_parallel, swarm, wait_until
+from starling.node.membership import PeerStatus
 from starling.protocols import ProtocolError, get_protocol
 from starling.protocols.gossip import ACK_TOPIC, PULL_TOPIC, UNDO_TOPIC
 from starling.tasks import get_task
@@ -132,6 +135,26 @@ def test_entry_of_a_peer_that_left_is_dropped(make_node):
     proto, (p1,) = responder_and_pullers(make_node, 1, max_undo_entries=4)
     pull(p1, proto, 1, point(1))
     assert list(proto._applied) == [p1.peer_id]
-    p1.close()
+    p1.leave()  # a graceful leave: it will neither ack nor undo
     assert wait_until(lambda: not proto._applied)
     assert proto.counters["undo_dropped_peer_left"] == 1
+
+
+def test_a_peer_wrongly_declared_dead_can_still_undo(make_node):
+    """A requester that only stalled past the dead timeout is declared dead, comes back and
+    asks for its half back: the entry was kept, so the swarm mean stays exact."""
+    proto, (p1,) = responder_and_pullers(make_node, 1, max_undo_entries=4)
+    before = proto.consensus_vector()
+    pull(p1, proto, 1, point(1))
+    node = proto.node
+
+    async def declare_everyone_dead():  # what a sweep after a long stall does
+        for change in node._table.sweep(time.monotonic() + 100.0):
+            node._notify(change)
+    node.run(declare_everyone_dead())
+    assert node.status_of(p1.peer_id) is PeerStatus.DEAD
+    assert list(proto._applied) == [p1.peer_id] and proto.counters["undo_dropped_peer_left"] == 0
+    assert wait_until(lambda: node.status_of(p1.peer_id) is PeerStatus.ALIVE)  # its next beat
+    p1.send(node.peer_id, UNDO_TOPIC, {"xid": 1}).result(5.0)
+    assert wait_until(lambda: proto.counters["undone"] == 1)
+    torch.testing.assert_close(proto.consensus_vector(), before, rtol=0, atol=1e-6)
