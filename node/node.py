@@ -514,7 +514,8 @@ class Node:
             if wake_at is not None and now - wake_at > lv.heartbeat_interval_s:
                 self.stats.count_stall(now - wake_at)
                 self._table.pardon(now - wake_at, now)
-                log.info("%s: liveness loop stalled %.2f s; not counted against peers", self.peer_id, now - wake_at)
+                log.log(logging.INFO if now - wake_at >= lv.suspect_timeout_s else logging.DEBUG,
+                        "%s: liveness loop stalled %.2f s; not counted against peers", self.peer_id, now - wake_at)
             if now - last_ping >= lv.heartbeat_interval_s:
                 retry_dead = now - last_dead_ping >= lv.dead_timeout_s
                 last_dead_ping = now if retry_dead else last_dead_ping
