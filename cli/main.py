@@ -520,11 +520,6 @@ def plot(
 
 
 def main() -> None:
-    import atexit
-
-    from starling.node.allocator import skip_exit_collection
-
-    atexit.register(skip_exit_collection)  # exit in a second, not 10 s of collecting torch's objects
     app()
 
 

@@ -84,20 +84,3 @@ def _tune() -> tuple[bool, str]:
     if not mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD):
         return False, "glibc refused the trim threshold"
     return True, f"mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB"
-
-
-def skip_exit_collection() -> None:
-    """Let this process exit without the interpreter's last full garbage collection.
-
-    At exit CPython collects every object still alive: torch's modules, the model, the node.
-    On a starved 2-core box that took seconds: an idle `starling node start` took 5-11 s to
-    exit after SIGTERM (4 runs; faulthandler showed it in "Garbage-collecting"), and 1.1-3.6 s
-    in runs alternated with those when everything alive at exit is frozen first
-    (`gc.freeze`). The collection frees nothing the OS does not reclaim
-    at exit; what it skips are the finalizers of objects caught in reference cycles. Sockets,
-    files and the node are closed explicitly before this runs. Call it once the process's
-    work is done (the CLI registers it at exit).
-    """
-    import gc
-
-    gc.freeze()

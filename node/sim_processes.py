@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from starling.node.allocator import skip_exit_collection
 from starling.node.sim import PeerResult, ProgressFn, SimConfig, SimError, SimPeer, endpoint_for, wait_for
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,6 @@ def _peer_process(config: SimConfig, rank: int, join: list[str], link: _ProcessL
     if peer.result.status == "finished":
         link.stop.wait(config.ready_timeout_s + 600)
     peer.close()
-    skip_exit_collection()  # the parent joins us with a deadline: exit now, not after a full collection
 
 
 def run_processes(config: SimConfig, progress: ProgressFn | None) -> tuple[list[PeerResult], float]:
