@@ -511,11 +511,12 @@ class Node:
             now = time.monotonic()
             # Woke a beat or more late: the loop (or the whole process) was stalled, and the
             # beats that came meanwhile may still be unread. Peers are not blamed for it.
-            if wake_at is not None and now - wake_at > lv.heartbeat_interval_s:
-                self.stats.count_stall(now - wake_at)
-                self._table.pardon(now - wake_at, now)
-                log.log(logging.INFO if now - wake_at >= lv.suspect_timeout_s else logging.DEBUG,
-                        "%s: liveness loop stalled %.2f s; not counted against peers", self.peer_id, now - wake_at)
+            late = 0.0 if wake_at is None else now - wake_at
+            if late > lv.heartbeat_interval_s:
+                self.stats.count_stall(late)
+                self._table.pardon(late, now)
+                log.log(logging.INFO if late >= lv.suspect_timeout_s else logging.DEBUG,
+                        "%s: liveness loop stalled %.2f s; not counted against peers", self.peer_id, late)
             if now - last_ping >= lv.heartbeat_interval_s:
                 retry_dead = now - last_dead_ping >= lv.dead_timeout_s
                 last_dead_ping = now if retry_dead else last_dead_ping
