@@ -69,15 +69,7 @@ def peer_batches(task: CharLMTask, args: argparse.Namespace, rank: int) -> Itera
     if args.shards == "contiguous":
         return task.batches(rank, args.peers, 0)
     train, _ = task.splits()
-    generator = make_generator("diloco_levers.shuffled", rank, args.peers)
-    offsets = torch.arange(task.config.seq_len + 1)
-
-    def windows() -> Iterator[Any]:
-        while True:
-            starts = torch.randint(len(train) - task.config.seq_len, (task.config.batch_size,), generator=generator)
-            w = train[starts[:, None] + offsets].long()
-            yield w[:, :-1], w[:, 1:]
-    return windows()
+    return task.windows(train, make_generator("diloco_levers.shuffled", rank, args.peers))
 
 
 def evaluate(model: torch.nn.Module) -> float:

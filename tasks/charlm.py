@@ -154,14 +154,16 @@ class CharLMTask(Task):
 
     def batches(self, rank: int, world: int, seed: int) -> Iterator[Batch]:
         shard = self.shard(rank, world)  # checks rank and shard size now, not at the first next()
-        return self._windows(shard, make_generator("charlm.batches", seed, rank, world))
+        return self.windows(shard, make_generator("charlm.batches", seed, rank, world))
 
-    def _windows(self, shard: torch.Tensor, generator: torch.Generator) -> Iterator[Batch]:
+    def windows(self, tokens: torch.Tensor, generator: torch.Generator) -> Iterator[Batch]:
+        """Endless batches of `batch_size` random windows of `tokens` (a shard, or the whole
+        training split for IID peers), input and next-character targets."""
         offsets = torch.arange(self.config.seq_len + 1)
-        n_starts = len(shard) - self.config.seq_len
+        n_starts = len(tokens) - self.config.seq_len
         while True:
             starts = torch.randint(n_starts, (self.config.batch_size,), generator=generator)
-            windows = shard[starts[:, None] + offsets].long()
+            windows = tokens[starts[:, None] + offsets].long()
             yield windows[:, :-1], windows[:, 1:]
 
     def eval_set(self) -> Batch:
