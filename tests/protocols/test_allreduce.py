@@ -10,7 +10,7 @@ from torch import nn
 
 from conftest import in_parallel, swarm, wait_until
 from starling.protocols import get_protocol
-from starling.protocols._reduce import ShardedReducer, chunk_layout, shard_bounds
+from starling.protocols._reduce import ShardedReducer, _ShardGroup, chunk_layout, shard_bounds
 
 LR = 0.1
 
@@ -41,6 +41,33 @@ def expected_after_one_step(world: int) -> list[torch.Tensor]:
         grads.append([p.grad.clone() for p in model.parameters()])
     model = linear()
     return [p.detach() - LR * torch.stack(gs).mean(0) for p, gs in zip(model.parameters(), zip(*grads))]
+
+
+def test_an_owner_sums_parts_it_does_not_own_without_copying_or_writing_them():
+    """A first part that is a view (of a wire buffer, or of the caller's vector in a blocking
+    `reduce`) is kept as it is; the second makes the sum in a buffer of its own."""
+    mine, theirs, third = torch.arange(4.0), torch.ones(4), torch.full((4,), 2.0)
+    before = mine.clone(), theirs.clone()
+    group = _ShardGroup(("a", "b", "c"), {"a", "b", "c"}, 0.0)
+    group.add("a", mine)
+    assert group.total is None and group.first is mine  # kept, not copied
+    group.add("b", theirs)
+    group.add("c", third)
+    total = group.sum()
+    assert total.data_ptr() not in (mine.data_ptr(), theirs.data_ptr(), third.data_ptr())
+    assert torch.equal(total, before[0] + before[1] + third)
+    total.div_(3)  # what the owner does to its sum: the parts stay as they were
+    assert torch.equal(mine, before[0]) and torch.equal(theirs, before[1])
+
+    lone = _ShardGroup(("a", "b"), {"a", "b"}, 0.0)
+    lone.add("a", mine)
+    alone = lone.sum()  # closed without the others: a copy, never the caller's memory
+    assert alone.data_ptr() != mine.data_ptr() and torch.equal(alone, mine)
+
+    copied = mine.clone()
+    owned = _ShardGroup(("a", "b"), {"a", "b"}, 0.0)
+    owned.add("a", copied, owned=True)  # a private copy becomes the sum as it is
+    assert owned.sum() is copied
 
 
 def test_shard_bounds_cover_the_vector():
