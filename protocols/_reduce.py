@@ -118,8 +118,8 @@ class _ShardGroup:
 
     def add(self, sender: str, part: torch.Tensor, owned: bool = False) -> None:
         """`owned`: nobody else holds `part`, so it may become the sum itself. A first part
-        that is not owned (a view of a wire buffer, or of the caller's vector) is kept as it
-        is, and the second one makes the sum out of place: one pass over the chunk instead of
+        that is not owned (a view of the wire buffer it came in) is kept as it is, and the
+        second one makes the sum out of place: one pass over the chunk instead of
         a copy and then an add."""
         if self.total is None and self.first is None:
             if owned and part.dtype == torch.float32:
@@ -211,16 +211,15 @@ class ShardedReducer:
     # ------------------------------------------------------------------ caller's thread
     def reduce(self, t: int, members: tuple[str, ...], vector: torch.Tensor) -> ReduceResult:
         """Average `vector` (float32, 1-D, `numel` values) in place over `members` for round t."""
-        return self.start(t, members, vector, borrow=True).wait()
+        return self.start(t, members, vector).wait()
 
-    def start(self, t: int, members: tuple[str, ...], vector: torch.Tensor, borrow: bool = False) -> PendingReduce:
+    def start(self, t: int, members: tuple[str, ...], vector: torch.Tensor) -> PendingReduce:
         """Encode my parts now and run round t on the network thread; `wait()` on the
         result writes the average into `vector`. Encoding and decoding happen on the
-        caller's thread, so the network loop only moves bytes.
-
-        `borrow`: the caller leaves `vector` as it is until `wait()` has returned, so the
-        shards I own are summed from it in place instead of from a copy. Without it the
-        caller may write `vector` as soon as `start` returns."""
+        caller's thread, so the network loop only moves bytes. The caller may write
+        `vector` as soon as this returns: my own parts are copies too. (A `reduce` whose
+        wait times out returns while the round still runs; were its own parts views of the
+        vector, the next step's writes would reach the sums that the other peers get.)"""
         if vector.numel() != self.numel or vector.dtype != torch.float32:
             raise ValueError(f"{self.topic}: expected a float32 vector of {self.numel} values, "
                              f"got {vector.dtype} with {vector.numel()}")
@@ -230,14 +229,13 @@ class ShardedReducer:
         parts: list[torch.Tensor | Packet] = []  # shard by shard, chunk by chunk
         for i, (chunks, owner) in enumerate(zip(self._layout(len(members)), members)):
             for c, (lo, hi) in enumerate(chunks):
-                if owner == me:  # my own part never crosses the wire
-                    parts.append(vector[lo:hi] if borrow else vector[lo:hi].clone())
+                if owner == me:
+                    parts.append(vector[lo:hi].clone())  # my own part never crosses the wire
                 else:
                     parts.append(encode(self.codec, self._part_feedback, vector[lo:hi],
                                         f"part{i}.{c}/{len(members)}"))
         wait_s = self.timeouts.round_timeout_s + self.timeouts.reply_grace_s + 5.0
-        return PendingReduce(self, t, members, vector, self.node.submit(self._round(t, members, parts, not borrow)),
-                             wait_s)
+        return PendingReduce(self, t, members, vector, self.node.submit(self._round(t, members, parts)), wait_s)
 
     def _layout(self, parts: int) -> tuple[tuple[tuple[int, int], ...], ...]:
         return chunk_layout(self.numel, parts, self.chunk_numel)
@@ -270,8 +268,8 @@ class ShardedReducer:
         return ReduceResult(t, synced, len(members) - len(lost), tuple(sorted(lost)), ahead)
 
     # ------------------------------------------------------------------ network thread
-    async def _round(self, t: int, members: tuple[str, ...], parts: list[torch.Tensor | Packet],
-                     own_parts_copied: bool) -> list[_ShardResult]:
+    async def _round(self, t: int, members: tuple[str, ...],
+                     parts: list[torch.Tensor | Packet]) -> list[_ShardResult]:
         me = self.node.peer_id
         self._latest_round = max(self._latest_round, t)
         deadline = asyncio.get_running_loop().time() + self.timeouts.round_timeout_s + self.timeouts.reply_grace_s
@@ -281,7 +279,7 @@ class ShardedReducer:
         for (i, c, owner), part in zip(slots, parts):
             if owner == me:
                 assert isinstance(part, torch.Tensor)
-                jobs.append(self._reduce_own(t, members, i, c, part, own_parts_copied))
+                jobs.append(self._reduce_own(t, members, i, c, part))
             else:
                 assert isinstance(part, Packet)
                 jobs.append(self._send_part(t, members, i, c, owner, part, deadline))
@@ -290,9 +288,9 @@ class ShardedReducer:
         return list(results)
 
     async def _reduce_own(self, t: int, members: tuple[str, ...], i: int, c: int,
-                          part: torch.Tensor, copied: bool) -> _ShardResult:
+                          part: torch.Tensor) -> _ShardResult:
         me = self.node.peer_id
-        reply, buffers = await self._reduce((t, members, i, c), me, part, owned=copied)
+        reply, buffers = await self._reduce((t, members, i, c), me, part, owned=True)  # start() cloned it
         if not reply["ok"]:
             return _ShardResult(i, c, me, None, reason=reply["reason"])
         return _ShardResult(i, c, me, Packet(reply["packet"], buffers), tuple(reply["contributors"]))

@@ -44,8 +44,8 @@ def expected_after_one_step(world: int) -> list[torch.Tensor]:
 
 
 def test_an_owner_sums_parts_it_does_not_own_without_copying_or_writing_them():
-    """A first part that is a view (of a wire buffer, or of the caller's vector in a blocking
-    `reduce`) is kept as it is; the second makes the sum in a buffer of its own."""
+    """A first part that is a view of the wire buffer it came in is kept as it is; the second
+    makes the sum in a buffer of its own."""
     mine, theirs, third = torch.arange(4.0), torch.ones(4), torch.full((4,), 2.0)
     before = mine.clone(), theirs.clone()
     group = _ShardGroup(("a", "b", "c"), {"a", "b", "c"}, 0.0)
