@@ -16,19 +16,6 @@ back to the heap, and the next round reuses the same (already mapped) pages. The
 that a process keeps up to the trim threshold of freed memory mapped: its resident size
 stays near its high-water mark, which is what a training process reaches every step anyway.
 
-It also caps glibc at one arena, so that threads started from then on (ZeroMQ's I/O thread
-above all) allocate from the main heap. A thread of its own gets an arena made of 64 MiB
-heaps, and glibc unmaps a heap beyond the first as soon as it is all free, whatever the
-thresholds: a round that receives more than 64 MiB of frames maps fresh heaps and faults
-their pages in again every round (measured on the same benchmark, after the thresholds: 500
-to 11,000 faults per round, all in ZeroMQ's I/O thread; with one arena, 1). The cost is one
-lock for the allocations that glibc's per-thread cache does not serve (blocks above ~1 KiB),
-shared by the process's threads; Python's own small objects do not use it. Threads that
-already hold an arena keep it, and once other arenas exist glibc hands them out to new
-threads in turn: a process whose torch thread pool started before the network thread may
-see ZeroMQ's thread land on one of the pool's arenas. Starling's simulator and benchmarks
-run torch on one thread, so theirs do not.
-
 It is applied once per process when the network thread starts. It changes nothing when
 the C library is not glibc, when the user has set glibc's own malloc environment variables
 (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, or `GLIBC_TUNABLES` with a malloc
@@ -49,9 +36,8 @@ log = logging.getLogger(__name__)
 OPT_OUT_ENV = "STARLING_KEEP_FREED_MEMORY"
 MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 256 << 20
-ARENA_MAX = 1
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # from glibc's <malloc.h>
-_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # from glibc's <malloc.h>
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
 @dataclass(frozen=True)
@@ -97,7 +83,4 @@ def _tune() -> tuple[bool, str]:
         return False, "glibc refused the mmap threshold"
     if not mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD):
         return False, "glibc refused the trim threshold"
-    if not mallopt(_M_ARENA_MAX, ARENA_MAX):
-        return False, "glibc refused the arena cap"
-    return True, (f"mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB, "
-                  f"{ARENA_MAX} arena")
+    return True, f"mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB"
