@@ -49,16 +49,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--alpha", type=float, default=0.5, help="merge: alpha * local + (1 - alpha) * outer")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--n-embd", type=int, default=CharLMConfig.n_embd,
+                        help="model width (charlm's default 64, 0.11M parameters); a multiple of its 4 heads")
     parser.add_argument("--shards", choices=("contiguous", "shuffled"), default="contiguous")
     parser.add_argument("--only", default="dp,diloco", help="comma-separated: dp, diloco")
     args = parser.parse_args(argv)
-    for name in ("steps", "peers", "sync_every", "fragments", "batch_size"):
+    for name in ("steps", "peers", "sync_every", "fragments", "batch_size", "n_embd"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.fragments > args.sync_every:
         parser.error("--fragments must be <= --sync-every (each fragment needs its own step)")
     if not 0.0 <= args.alpha <= 1.0:
         parser.error("--alpha must be in [0, 1]")
+    try:
+        CharLMConfig(n_embd=args.n_embd)
+    except ValueError as exc:
+        parser.error(f"--n-embd: {exc}")
     args.only = [name for name in args.only.split(",") if name]
     if not args.only or set(args.only) - {"dp", "diloco"}:
         parser.error("--only takes dp and/or diloco")
@@ -123,9 +129,10 @@ def diloco(task: CharLMTask, args: argparse.Namespace) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    task = CharLMTask(CharLMConfig(batch_size=args.batch_size))
+    task = CharLMTask(CharLMConfig(batch_size=args.batch_size, n_embd=args.n_embd))
     started = time.monotonic()
-    row: dict[str, Any] = {"bench": "diloco_levers", **{k: v for k, v in vars(args).items() if k != "only"}}
+    row: dict[str, Any] = {"bench": "diloco_levers", **{k: v for k, v in vars(args).items() if k != "only"},
+                           "parameters": sum(p.numel() for p in task.make_model().parameters())}
     if "dp" in args.only:
         row.update(data_parallel(task, args))
     if "diloco" in args.only:

@@ -34,15 +34,19 @@ def test_one_peer_with_a_unit_outer_step_is_plain_training(fragments):
         assert row["diloco_eval_loss"] != pytest.approx(row["dp_eval_loss"], abs=1e-4)
 
 
-def test_shuffled_shards_and_momentum_give_a_finite_row():
-    row = load_script().main(["--steps", "8", "--peers", "2", "--sync-every", "4", "--fragments", "2",
-                              "--shards", "shuffled", "--batch-size", "2", "--only", "diloco"])
+def test_shuffled_shards_momentum_and_a_narrower_model_give_a_finite_row():
+    script = load_script()
+    row = script.main(["--steps", "8", "--peers", "2", "--sync-every", "4", "--fragments", "2",
+                       "--shards", "shuffled", "--batch-size", "2", "--only", "diloco", "--n-embd", "32"])
     assert math.isfinite(row["diloco_eval_loss"]) and "dp_eval_loss" not in row and "loss_gap" not in row
     assert row["shards"] == "shuffled" and row["seconds"] >= 0
+    default = sum(p.numel() for p in script.CharLMTask().make_model().parameters())
+    assert row["n_embd"] == 32 and 0 < row["parameters"] < default / 2
 
 
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--fragments", "8", "--sync-every", "4"],
-                                  ["--alpha", "1.5"], ["--only", "gossip"], ["--shards", "iid"]])
+                                  ["--alpha", "1.5"], ["--only", "gossip"], ["--shards", "iid"],
+                                  ["--n-embd", "0"], ["--n-embd", "30"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         load_script().parse_args(argv)
