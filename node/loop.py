@@ -79,3 +79,63 @@ class NetworkThread:
             coro.close()
             raise RuntimeError("NetworkThread.run() called from the network thread; await instead")
         return self.submit(coro).result(timeout_s)
+
+
+class AwakeDeadline:
+    """A time budget counted in the loop's awake time, for waits that must not expire while
+    the loop itself was stalled.
+
+    A plain `asyncio.wait_for(x, 5)` measures wall time. When this process is starved (a
+    loaded host, the GIL held by training threads), its loop can wake seconds late, and the
+    expired timer then runs before the loop has read what arrived meanwhile: a round closes
+    without a part that was already waiting in the socket. Here a wait goes in ticks, and a
+    tick that woke late counts as at most two ticks, so the budget is spent only while the
+    loop could listen; the time lost to a stall is not counted, the way the failure detector
+    pardons its own stalls (`PeerTable.pardon`). `stretch` bounds the wall time: the budget
+    always ends by `stretch` times its length, however slow the loop.
+    """
+
+    STRETCH = 3.0  # the default bound: waits that must agree on it (member and owner) use this
+
+    def __init__(self, seconds: float, tick_s: float = 0.25, stretch: float = STRETCH) -> None:
+        if tick_s <= 0 or stretch < 1:
+            raise ValueError(f"tick_s must be > 0 and stretch >= 1, got {tick_s} and {stretch}")
+        self.left = max(seconds, 0.0)
+        self.tick_s = tick_s
+        self.hard = asyncio.get_running_loop().time() + self.left * stretch
+        self.stalled_s = 0.0  # wall time not counted against the budget
+
+    def expired(self) -> bool:
+        return self.left <= 0 or asyncio.get_running_loop().time() >= self.hard
+
+    def wall_left(self) -> float:
+        """At most this much wall time remains (the bound for a wait's own timeout)."""
+        return max(self.hard - asyncio.get_running_loop().time(), 0.0)
+
+    async def wait(self, aw: Any) -> Any:
+        """`await aw` within the budget left; on expiry cancel it and raise TimeoutError."""
+        loop = asyncio.get_running_loop()
+        fut = asyncio.ensure_future(aw)
+        try:
+            while True:
+                if fut.done():
+                    return fut.result()
+                if self.expired():
+                    raise asyncio.TimeoutError
+                step = min(self.tick_s, self.left, self.wall_left())
+                t0 = loop.time()
+                await asyncio.wait({fut}, timeout=step)
+                elapsed = loop.time() - t0
+                counted = min(elapsed, step + self.tick_s)
+                self.stalled_s += elapsed - counted
+                self.left -= counted
+        finally:
+            if not fut.done():
+                fut.cancel()
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep up to `seconds`, spending them from the budget (never past it)."""
+        try:
+            await self.wait(asyncio.sleep(min(seconds, self.left)))
+        except asyncio.TimeoutError:
+            pass

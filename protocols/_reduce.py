@@ -29,7 +29,10 @@ Honesty about membership: a part names its sender's member list; an owner groups
 (round, member list, shard), so peers whose views disagree never mix shard boundaries. An
 owner stops waiting for a member that it has seen contribute under a different view of the
 same round, that has moved on to a later round, or that died or left; a member never waits
-past round_timeout_s + reply_grace_s.
+past round_timeout_s + reply_grace_s. Both timeouts count the loop's awake time
+(`node.loop.AwakeDeadline`): a stall of this process does not close a group while the part
+it waits for sits unread in the socket, and every timeout still ends by _STRETCH times its
+length in wall time.
 
 A reducer serves one vector of a fixed length under one topic; a protocol that averages
 several vectors (DiLoCo's fragments) makes one reducer per vector, each with its own topic,
@@ -49,6 +52,7 @@ import torch
 
 from starling.compressors import Packet, decode
 from starling.compressors.base import view_as
+from starling.node.loop import AwakeDeadline
 from starling.node.rpc import RemoteError, Reply
 from starling.node.wire import Message
 from starling.protocols._exchange import encode, make_codec, packet_from_wire
@@ -61,6 +65,7 @@ log = logging.getLogger(__name__)
 _KEEP_CLOSED_ROUNDS = 64  # how long an owner remembers finished rounds, to answer late parts
 DEFAULT_CHUNK_NUMEL = 1 << 20  # 4 MiB of float32 per request: below glibc's 32 MiB mmap threshold
 GroupKey = tuple[int, tuple[str, ...], int, int]  # (round, members, shard, chunk)
+_STRETCH = AwakeDeadline.STRETCH  # a round's timeouts count awake time, and end by this many times their length
 
 
 def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -109,12 +114,12 @@ class _ShardGroup:
 
     members: tuple[str, ...]
     expected: set[str]
-    deadline: float  # loop time
     contributors: list[str] = field(default_factory=list)
     total: torch.Tensor | None = None  # the sum, in a buffer of its own
     first: torch.Tensor | None = None  # a lone first part that is not ours to write: kept, not copied
     done: asyncio.Event = field(default_factory=asyncio.Event)
     reply: tuple[dict[str, Any], tuple[torch.Tensor, ...]] | None = None
+    timer: asyncio.Future[None] | None = None  # closes the group when its time is up
 
     def add(self, sender: str, part: torch.Tensor, owned: bool = False) -> None:
         """`owned`: nobody else holds `part`, so it may become the sum itself. A first part
@@ -234,7 +239,8 @@ class ShardedReducer:
                 else:
                     parts.append(encode(self.codec, self._part_feedback, vector[lo:hi],
                                         f"part{i}.{c}/{len(members)}"))
-        wait_s = self.timeouts.round_timeout_s + self.timeouts.reply_grace_s + 5.0
+        # A backstop only: the network side always ends a round by then (see AwakeDeadline).
+        wait_s = _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
         return PendingReduce(self, t, members, vector, self.node.submit(self._round(t, members, parts)), wait_s)
 
     def _layout(self, parts: int) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -272,7 +278,6 @@ class ShardedReducer:
                      parts: list[torch.Tensor | Packet]) -> list[_ShardResult]:
         me = self.node.peer_id
         self._latest_round = max(self._latest_round, t)
-        deadline = asyncio.get_running_loop().time() + self.timeouts.round_timeout_s + self.timeouts.reply_grace_s
         jobs = []
         slots = [(i, c, owner) for i, (chunks, owner) in enumerate(zip(self._layout(len(members)), members))
                  for c in range(len(chunks))]
@@ -282,7 +287,7 @@ class ShardedReducer:
                 jobs.append(self._reduce_own(t, members, i, c, part))
             else:
                 assert isinstance(part, Packet)
-                jobs.append(self._send_part(t, members, i, c, owner, part, deadline))
+                jobs.append(self._send_part(t, members, i, c, owner, part))
         results = await asyncio.gather(*jobs)
         self._forget_before(t - _KEEP_CLOSED_ROUNDS)
         return list(results)
@@ -295,19 +300,20 @@ class ShardedReducer:
             return _ShardResult(i, c, me, None, reason=reply["reason"])
         return _ShardResult(i, c, me, Packet(reply["packet"], buffers), tuple(reply["contributors"]))
 
-    async def _send_part(self, t: int, members: tuple[str, ...], i: int, c: int, owner: str, packet: Packet,
-                         deadline: float) -> _ShardResult:
-        loop = asyncio.get_running_loop()
+    async def _send_part(self, t: int, members: tuple[str, ...], i: int, c: int, owner: str,
+                         packet: Packet) -> _ShardResult:
+        # Counted in awake time: an average that came while this loop was stalled is read, not dropped.
+        deadline = AwakeDeadline(self.timeouts.round_timeout_s + self.timeouts.reply_grace_s)
         body = {"step": t, "shard": i, "chunk": c, "members": list(members), "packet": packet.header}
         while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
+            if deadline.expired():
                 return _ShardResult(i, c, owner, None, reason="no average within the round timeout")
             try:
-                msg = await self.node.arequest(owner, self.topic, body, packet.buffers, timeout_s=remaining)
+                msg = await deadline.wait(self.node.arequest(owner, self.topic, body, packet.buffers,
+                                                             timeout_s=deadline.wall_left()))
             except RemoteError as exc:
                 if "no handler" in str(exc):  # the owner's protocol is not up yet: try again
-                    await asyncio.sleep(min(self.timeouts.retry_interval_s, max(remaining, 0.0)))
+                    await deadline.sleep(self.timeouts.retry_interval_s)
                     continue
                 return _ShardResult(i, c, owner, None, reason=str(exc))
             except Exception as exc:  # timeout, dead or unknown owner
@@ -364,14 +370,13 @@ class ShardedReducer:
         t, members = key[0], key[1]
         if key in self._closed:
             return _refuse("late: the round already closed"), ()
-        loop = asyncio.get_running_loop()
         group = self._groups.get(key)
         if group is None:
             others = {p for p in members if self._views.get((t, p), members) != members
                       or self._peer_round.get(p, t) > t}
-            group = _ShardGroup(members, set(members) - self._gone - others,
-                                loop.time() + self.timeouts.round_timeout_s)
+            group = _ShardGroup(members, set(members) - self._gone - others)
             self._groups[key] = group
+            group.timer = asyncio.ensure_future(self._close_in_time(key, group))
         if sender in group.contributors:
             return _refuse("duplicate part"), ()
         group.add(sender, part, owned)
@@ -379,12 +384,17 @@ class ShardedReducer:
         if group.complete():
             self._finish(key, group)
         if not group.done.is_set():
-            try:
-                await asyncio.wait_for(group.done.wait(), max(group.deadline - loop.time(), 0.0))
-            except asyncio.TimeoutError:
-                self._finish(key, group)
+            await group.done.wait()  # set by _finish: all parts in, or the group's timer
         assert group.reply is not None
         return group.reply
+
+    async def _close_in_time(self, key: GroupKey, group: _ShardGroup) -> None:
+        """Close the group round_timeout_s after its first part, in this loop's awake time:
+        a part that arrived while the loop was stalled is read before the group gives up on it."""
+        try:
+            await AwakeDeadline(self.timeouts.round_timeout_s).wait(group.done.wait())
+        except asyncio.TimeoutError:
+            self._finish(key, group)
 
     def _finish(self, key: GroupKey, group: _ShardGroup) -> None:
         if group.reply is not None:

@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from starling.node.loop import AwakeDeadline
 from starling.protocols._spsa_log import Record, RecordLog
 from starling.protocols._spsa_math import NO_DIGEST, codes_from_bytes
 
@@ -57,11 +58,11 @@ class _Group:
 
     step: int
     expected: set[int]
-    deadline: float  # loop time
     codes: dict[int, bytes] = field(default_factory=dict)
     digests: dict[int, int] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     record: Record | None = None
+    timer: asyncio.Future[None] | None = None  # closes the step when its time is up
 
 
 class Sequencer:
@@ -101,12 +102,8 @@ class Sequencer:
             group.digests[key] = digest
         if group.expected <= set(group.codes):
             self._close(group)
-        loop = asyncio.get_running_loop()
         if not group.done.is_set():
-            try:
-                await asyncio.wait_for(group.done.wait(), max(group.deadline - loop.time(), 0.0))
-            except asyncio.TimeoutError:
-                self._close(group)
+            await group.done.wait()  # set by _close: every expected peer in, or the group's timer
         assert group.record is not None
         return self._reply(group.record, key, codes, late=key not in group.record.keys)
 
@@ -120,9 +117,18 @@ class Sequencer:
         previous = self.log.get(t - 1)
         expected = (set(previous.keys) | self._welcome) & live if previous is not None else live
         self._welcome = set()
-        group = _Group(t, expected, asyncio.get_running_loop().time() + self.round_timeout_s)
+        group = _Group(t, expected)
         self._groups[t] = group
+        group.timer = asyncio.ensure_future(self._close_in_time(group))
         return group
+
+    async def _close_in_time(self, group: _Group) -> None:
+        """Close the step round_timeout_s after it opened, counted in the loop's awake time:
+        codes that came while this process was stalled are read before the step gives up on them."""
+        try:
+            await AwakeDeadline(self.round_timeout_s).wait(group.done.wait())
+        except asyncio.TimeoutError:
+            self._close(group)
 
     def _close(self, group: _Group) -> None:
         if group.record is not None:

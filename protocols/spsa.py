@@ -38,6 +38,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from starling.node.loop import AwakeDeadline
 from starling.node.node import Node
 from starling.node.rpc import RemoteError, Reply, RequestTimeout
 from starling.node.wire import Message
@@ -329,7 +330,7 @@ class Spsa(Protocol):
 
     def _exchange_timeout_s(self) -> float:
         attempt = self.config.round_timeout_s + self.config.reply_grace_s
-        return attempt * (len(self._live) + 2 + _TIMEOUT_RETRIES) + 5.0
+        return AwakeDeadline.STRETCH * attempt * (len(self._live) + 2 + _TIMEOUT_RETRIES) + 5.0
 
     def _names(self, keys: set[int]) -> tuple[str, ...]:
         by_key = {self._key_of(p): p for p in list(self._live)}
@@ -380,15 +381,19 @@ class Spsa(Protocol):
 
     async def _request_patiently(self, peer: str, topic: str, body: Any, wait_s: float) -> Message:
         """A request that retries while the peer's protocol is not up yet."""
-        deadline = asyncio.get_running_loop().time() + wait_s
+        # Awake time, like the leader's step timer: a reply read late because this loop was
+        # stalled still counts.
+        deadline = AwakeDeadline(wait_s)
         while True:
-            remaining = deadline - asyncio.get_running_loop().time()
             try:
-                return await self.node.arequest(peer, topic, body, timeout_s=max(remaining, 0.01))
+                return await deadline.wait(self.node.arequest(peer, topic, body,
+                                                              timeout_s=max(deadline.wall_left(), 0.01)))
+            except asyncio.TimeoutError:
+                raise RequestTimeout(f"no reply from {peer} to {topic!r} within {wait_s} s") from None
             except RemoteError as exc:
-                if "no handler" not in str(exc) or remaining <= self.config.retry_interval_s:
+                if "no handler" not in str(exc) or deadline.left <= self.config.retry_interval_s:
                     raise
-                await asyncio.sleep(self.config.retry_interval_s)
+                await deadline.sleep(self.config.retry_interval_s)
 
     def _read_reply(self, reply: Any, t: int, codes: bytes, leader: str) -> _Outcome | None:
         if not isinstance(reply, dict):

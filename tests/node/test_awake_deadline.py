@@ -1,0 +1,104 @@
+"""AwakeDeadline: a budget spent only while the loop can listen, bounded in wall time."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from starling.node.loop import AwakeDeadline
+
+
+async def _ready_after(iterations: int) -> str:
+    """Something that takes a few loop turns once the loop runs (a message being read)."""
+    for _ in range(iterations):
+        await asyncio.sleep(0)
+    return "read"
+
+
+def test_a_stall_of_the_loop_is_not_spent_from_the_budget():
+    async def main():
+        deadline = AwakeDeadline(1.0, tick_s=0.25)
+        waiter = asyncio.ensure_future(deadline.wait(asyncio.sleep(3600)))
+        await asyncio.sleep(0.05)
+        time.sleep(2.0)  # the whole loop stalls for twice the budget
+        # What arrived during the stall is read on the first turns after it: still in time.
+        assert not deadline.expired()
+        got = await deadline.wait(_ready_after(5))
+        waiter.cancel()
+        return got, deadline
+
+    got, deadline = asyncio.run(main())
+    assert got == "read"
+    assert deadline.stalled_s >= 1.0  # most of the stall was pardoned
+
+
+def test_a_plain_timer_would_have_expired_in_the_same_stall():
+    """The failure AwakeDeadline exists for: wait_for's timer runs before the late arrival is read."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        arrived = loop.create_future()
+        waiting = asyncio.ensure_future(asyncio.wait_for(arrived, 1.0))
+        await asyncio.sleep(0.05)
+        time.sleep(2.0)
+        loop.call_soon(lambda: asyncio.ensure_future(_ready_after(5)).add_done_callback(
+            lambda f: arrived.set_result(f.result())))
+        with pytest.raises(asyncio.TimeoutError):
+            await waiting
+
+    asyncio.run(main())
+
+
+def test_an_idle_wait_expires_after_its_budget_not_before():
+    async def main():
+        start = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await AwakeDeadline(0.6, tick_s=0.1).wait(asyncio.sleep(3600))
+        return time.monotonic() - start
+
+    assert asyncio.run(main()) >= 0.6
+
+
+def test_a_loop_that_keeps_stalling_still_ends_by_stretch_times_the_budget():
+    async def hog():
+        while True:
+            time.sleep(0.2)  # every turn of the loop is slow: nothing but stalls
+            await asyncio.sleep(0)
+
+    async def main():
+        hogger = asyncio.ensure_future(hog())
+        start = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await AwakeDeadline(0.5, tick_s=0.05, stretch=3.0).wait(asyncio.sleep(3600))
+        hogger.cancel()
+        return time.monotonic() - start
+
+    elapsed = asyncio.run(main())
+    assert 0.5 <= elapsed < 1.5 + 0.5  # the wall bound, plus one hogged turn
+
+
+def test_the_awaited_work_is_cancelled_on_expiry_and_results_pass_through():
+    async def main():
+        inner = asyncio.ensure_future(asyncio.sleep(3600))
+        with pytest.raises(asyncio.TimeoutError):
+            await AwakeDeadline(0.05, tick_s=0.01).wait(inner)
+        await asyncio.sleep(0)
+        assert inner.cancelled()
+        assert await AwakeDeadline(1.0).wait(_ready_after(2)) == "read"
+        with pytest.raises(ValueError, match="boom"):
+            await AwakeDeadline(1.0).wait(_raise())
+
+    async def _raise():
+        raise ValueError("boom")
+
+    asyncio.run(main())
+
+
+def test_bad_arguments_are_refused():
+    async def main():
+        with pytest.raises(ValueError):
+            AwakeDeadline(1.0, tick_s=0)
+        with pytest.raises(ValueError):
+            AwakeDeadline(1.0, stretch=0.5)
+
+    asyncio.run(main())
