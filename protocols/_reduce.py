@@ -19,7 +19,8 @@ still on the wire), and keep the buffers a round allocates (encoded parts, recei
 sums) small enough for the allocator to recycle: glibc maps buffers of tens of MB fresh from
 the kernel each time, and their page faults can cost more than the copies. All of a round's
 requests are in flight at once. With the lossless `none` codec, parts and averages are read
-in place from the wire buffers, and an average goes out without a copy.
+in place from the wire buffers, and an average goes out without a copy; a blocking `reduce`
+also sends its parts as slices of the caller's vector (`start(lend=True)`).
 
 Each peer sends (P-1)/P of the vector as parts and (P-1)/P as averages: 2(P-1)/P in all,
 the bandwidth-optimal figure. Every member decodes the same averaged packet, so replicas stay
@@ -215,16 +216,24 @@ class ShardedReducer:
 
     # ------------------------------------------------------------------ caller's thread
     def reduce(self, t: int, members: tuple[str, ...], vector: torch.Tensor) -> ReduceResult:
-        """Average `vector` (float32, 1-D, `numel` values) in place over `members` for round t."""
-        return self.start(t, members, vector).wait()
+        """Average `vector` (float32, 1-D, `numel` values) in place over `members` for round t.
+        Blocks until the round has ended, so the round reads `vector` in place (`lend`)."""
+        return self.start(t, members, vector, lend=True).wait()
 
-    def start(self, t: int, members: tuple[str, ...], vector: torch.Tensor) -> PendingReduce:
+    def start(self, t: int, members: tuple[str, ...], vector: torch.Tensor, lend: bool = False) -> PendingReduce:
         """Encode my parts now and run round t on the network thread; `wait()` on the
         result writes the average into `vector`. Encoding and decoding happen on the
-        caller's thread, so the network loop only moves bytes. The caller may write
-        `vector` as soon as this returns: my own parts are copies too. (A `reduce` whose
-        wait times out returns while the round still runs; were its own parts views of the
-        vector, the next step's writes would reach the sums that the other peers get.)"""
+        caller's thread, so the network loop only moves bytes.
+
+        By default the caller may write `vector` as soon as this returns: my parts, own
+        ones included, are copies. With `lend` the round reads `vector` in place instead (the
+        lossless `none` codec sends its slices as they are, and my own shard's sum starts
+        from a view of it), which saves a copy of the whole vector; the caller must then not
+        write `vector` before `wait()` has returned. `wait()` returns only once the round has
+        ended (every timer of the round ends by _STRETCH times its length), so that nothing
+        of the round reads `vector` later. One edge remains: a part that never reached an
+        owner (not connected) may still sit in ZeroMQ's queue, and would carry later writes;
+        that owner refuses it as late once it has closed the round."""
         if vector.numel() != self.numel or vector.dtype != torch.float32:
             raise ValueError(f"{self.topic}: expected a float32 vector of {self.numel} values, "
                              f"got {vector.dtype} with {vector.numel()}")
@@ -234,14 +243,17 @@ class ShardedReducer:
         parts: list[torch.Tensor | Packet] = []  # shard by shard, chunk by chunk
         for i, (chunks, owner) in enumerate(zip(self._layout(len(members)), members)):
             for c, (lo, hi) in enumerate(chunks):
-                if owner == me:
-                    parts.append(vector[lo:hi].clone())  # my own part never crosses the wire
+                if owner == me:  # my own part never crosses the wire
+                    parts.append(vector[lo:hi] if lend else vector[lo:hi].clone())
+                elif lend and self.codec.spec == "none":
+                    parts.append(_raw_packet(vector[lo:hi]))
                 else:
                     parts.append(encode(self.codec, self._part_feedback, vector[lo:hi],
                                         f"part{i}.{c}/{len(members)}"))
         # A backstop only: the network side always ends a round by then (see AwakeDeadline).
         wait_s = _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
-        return PendingReduce(self, t, members, vector, self.node.submit(self._round(t, members, parts)), wait_s)
+        round_ = self._round(t, members, parts, own_private=not lend)
+        return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s)
 
     def _layout(self, parts: int) -> tuple[tuple[tuple[int, int], ...], ...]:
         return chunk_layout(self.numel, parts, self.chunk_numel)
@@ -274,8 +286,8 @@ class ShardedReducer:
         return ReduceResult(t, synced, len(members) - len(lost), tuple(sorted(lost)), ahead)
 
     # ------------------------------------------------------------------ network thread
-    async def _round(self, t: int, members: tuple[str, ...],
-                     parts: list[torch.Tensor | Packet]) -> list[_ShardResult]:
+    async def _round(self, t: int, members: tuple[str, ...], parts: list[torch.Tensor | Packet],
+                     own_private: bool) -> list[_ShardResult]:
         me = self.node.peer_id
         self._latest_round = max(self._latest_round, t)
         jobs = []
@@ -284,7 +296,7 @@ class ShardedReducer:
         for (i, c, owner), part in zip(slots, parts):
             if owner == me:
                 assert isinstance(part, torch.Tensor)
-                jobs.append(self._reduce_own(t, members, i, c, part))
+                jobs.append(self._reduce_own(t, members, i, c, part, own_private))
             else:
                 assert isinstance(part, Packet)
                 jobs.append(self._send_part(t, members, i, c, owner, part))
@@ -293,9 +305,11 @@ class ShardedReducer:
         return list(results)
 
     async def _reduce_own(self, t: int, members: tuple[str, ...], i: int, c: int,
-                          part: torch.Tensor) -> _ShardResult:
+                          part: torch.Tensor, private: bool) -> _ShardResult:
         me = self.node.peer_id
-        reply, buffers = await self._reduce((t, members, i, c), me, part, owned=True)  # start() cloned it
+        # private: start() cloned it, so it may become the sum; else a view of the caller's
+        # vector, which the group reads and never writes
+        reply, buffers = await self._reduce((t, members, i, c), me, part, owned=private)
         if not reply["ok"]:
             return _ShardResult(i, c, me, None, reason=reply["reason"])
         return _ShardResult(i, c, me, Packet(reply["packet"], buffers), tuple(reply["contributors"]))

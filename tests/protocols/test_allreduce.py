@@ -96,6 +96,31 @@ def test_chunked_rounds_give_the_exact_mean_and_identical_replicas(make_node, co
     assert all(torch.equal(v, vectors[0]) for v in vectors[1:])
 
 
+def test_a_blocking_reduce_sends_the_vector_in_place_and_start_sends_copies(make_node, monkeypatch):
+    """reduce() lends its vector to the round (no copy of the parts with the lossless codec);
+    start() copies, so that the caller may write the vector while the round runs."""
+    import starling.protocols._reduce as reduce_module
+
+    encoded = []
+    real_encode = reduce_module.encode
+    monkeypatch.setattr(reduce_module, "encode", lambda *a, **k: encoded.append(a[3]) or real_encode(*a, **k))
+    a, b = swarm(make_node, 2)
+    members = tuple(sorted(n.peer_id for n in (a, b)))
+    ra, rb = (ShardedReducer(n, "test.lend", 20, chunk_numel=4) for n in (a, b))
+    va, vb = torch.arange(20.0), torch.arange(20.0) * 3
+    mean = (va + vb) / 2
+    in_parallel([lambda: ra.reduce(1, members, va), lambda: rb.reduce(1, members, vb)])
+    assert encoded == [] and torch.equal(va, mean) and torch.equal(vb, mean)
+
+    va, vb = torch.arange(20.0), torch.arange(20.0) * 3
+    pending = [ra.start(2, members, va), rb.start(2, members, vb)]
+    assert len(encoded) == 2 * 3  # each peer's 3 chunks of the shard it does not own
+    va.fill_(float("nan")), vb.fill_(float("nan"))  # the round has its own copies
+    results = [p.wait() for p in pending]
+    assert all(r.synced and r.peers == 2 for r in results)
+    assert torch.equal(va, mean) and torch.equal(vb, mean)
+
+
 def test_one_step_equals_sgd_on_the_exact_mean_gradient(make_node):
     world = 4
     nodes = swarm(make_node, world)
