@@ -60,30 +60,6 @@ WIDE = {"n_layer": 4, "n_embd": 128}  # 0.8M parameters instead of 0.11M
 BENCH_LIVENESS = Liveness(heartbeat_interval_s=0.5, suspect_timeout_s=15.0, dead_timeout_s=60.0)
 
 
-def rearm_reads_after_raw_sends() -> None:
-    """Work around a transport bug found with this benchmark: a raw NOBLOCK send on a
-    socket's shadow (heartbeats) can consume the ZeroMQ FD edge of a reply arriving on the
-    same socket, which then sits unread until the next message wakes the socket, past the
-    request's timeout (30 s stalls, most often with emulated latency). Re-checking the
-    socket's events after such a send fixes it; once `Transport._send` does that itself,
-    this is a harmless second check."""
-    from starling.node import transport
-
-    send = transport.Transport._send
-    if getattr(send, "rearmed", False):
-        return
-
-    async def _send(self: Any, sock: Any, frames: Any, wait: bool, what: str, timeout_s: float | None = None) -> None:
-        try:
-            await send(self, sock, frames, wait, what, timeout_s)
-        finally:
-            if not wait and not sock.closed:
-                sock._schedule_remaining_events()
-
-    _send.rearmed = True  # type: ignore[attr-defined]
-    transport.Transport._send = _send  # type: ignore[method-assign]
-
-
 def emit(row: dict[str, Any]) -> None:
     print(json.dumps(row), flush=True)
 
@@ -330,17 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--round-timeout-s", type=float, default=None,
                         help="headline: both protocols' round timeout (default 30 s; on a loaded box DiLoCo's "
                              "peers drift apart between syncs by more, and rounds then close without them)")
-    parser.add_argument("--no-transport-workaround", action="store_true",
-                        help="measure the transport as it is (see rearm_reads_after_raw_sends)")
     args = parser.parse_args(argv)
-    if not args.no_transport_workaround:
-        rearm_reads_after_raw_sends()
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     benches = set(args.only.split(","))
     started = time.monotonic()
-    summary: dict[str, Any] = {"bench": "summary", "transport_workaround": not args.no_transport_workaround}
+    summary: dict[str, Any] = {"bench": "summary"}
     if "headline" in benches:
         row = headline(args)
         summary.update(loss_met=row["loss_met"], bytes_met=row["bytes_met"])
