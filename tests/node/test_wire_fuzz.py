@@ -57,7 +57,8 @@ def valid_messages(draw) -> list:
     topic = draw(st.text(min_size=1, max_size=10))
     sender = draw(st.text(max_size=10))
     seq = draw(st.integers(0, 2**63 - 1))
-    body = draw(st.none() | st.integers(0, 9) | st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+    body = draw(st.none() | st.integers(0, 9)
+                | st.dictionaries(st.text(max_size=3), st.integers(-(2**63), 2**64 - 1), max_size=2))  # msgpack's range
     frames = encode(topic, sender, seq, body, payload, timestamp=draw(st.floats(-1e9, 1e9)))
     return [bytes(frame) for frame in frames]
 
