@@ -30,6 +30,25 @@ def test_relayed_record_with_altered_address_is_rejected(ids):
     assert err.value.reason is RejectReason.BAD_SIGNATURE
 
 
+def test_a_record_decoded_twice_is_one_shared_object(ids):
+    """Every table in a process holds the same instance of a record (a simulation holds n^2
+    references to n records); an unverifiable one is never handed out, a newer one is distinct."""
+    import msgpack
+
+    rec = PeerRecord.create(ids[0], ["tcp://127.0.0.1:5000"], incarnation=3)
+    wire = msgpack.packb(rec.to_wire(), use_bin_type=True)
+    first = PeerRecord.from_wire(msgpack.unpackb(wire, raw=False))
+    again = PeerRecord.from_wire(msgpack.unpackb(wire, raw=False))
+    assert again is first and again == rec
+    newer = PeerRecord.from_wire(PeerRecord.create(ids[0], ["tcp://127.0.0.1:5000"], incarnation=4).to_wire())
+    assert newer is not first and newer.incarnation == 4
+    forged = replace(rec, addresses=("tcp://10.6.6.6:5000",)).to_wire()
+    unchecked = PeerRecord.from_wire(forged, verify=False)  # parsing alone shares nothing checked
+    with pytest.raises(WireError):
+        PeerRecord.from_wire(forged)
+    assert not unchecked.is_valid()
+
+
 def test_record_signed_by_another_key_is_rejected(ids):
     rec = PeerRecord.create(ids[0], ["tcp://127.0.0.1:5000"], incarnation=1)
     # an attacker re-signs the victim's id with its own key
