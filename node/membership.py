@@ -108,12 +108,17 @@ class PeerRecord:
             raise bad("incarnation must be a non-negative int64")
         key = (peer_id, vkey, ckey, tuple(addrs), inc, sig)
         record = _RECORDS.get(key)
-        if record is None:
-            record = cls(*key)
-        if verify:
-            record.verify()
-            _RECORDS[key] = record  # only verified records are shared
-        return record
+        if record is not None:
+            return record  # this exact record, verified before
+        record = cls(*key)
+        return record.verified() if verify else record
+
+    def verified(self) -> PeerRecord:
+        """Check the signature (raises WireError) and return the process's one shared
+        instance of this record."""
+        self.verify()
+        return _RECORDS.setdefault((self.peer_id, self.verify_key, self.curve_key, self.addresses,
+                                    self.incarnation, self.signature), self)
 
     def verify(self) -> None:
         if not self.is_valid():

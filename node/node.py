@@ -472,7 +472,7 @@ class Node:
         record = PeerRecord.from_wire(raw, verify=False)
         known = self._table.get(record.peer_id)
         if known is None or known.record != record:
-            record.verify()
+            record = record.verified()
         return record
 
     def _learn(self, record: PeerRecord) -> bool:

@@ -42,11 +42,14 @@ def test_a_record_decoded_twice_is_one_shared_object(ids):
     assert again is first and again == rec
     newer = PeerRecord.from_wire(PeerRecord.create(ids[0], ["tcp://127.0.0.1:5000"], incarnation=4).to_wire())
     assert newer is not first and newer.incarnation == 4
+    assert PeerRecord.from_wire(rec.to_wire(), verify=False) is first  # known and verified: shared
     forged = replace(rec, addresses=("tcp://10.6.6.6:5000",)).to_wire()
-    unchecked = PeerRecord.from_wire(forged, verify=False)  # parsing alone shares nothing checked
+    unchecked = PeerRecord.from_wire(forged, verify=False)  # parsed, not checked: not shared
+    assert PeerRecord.from_wire(forged, verify=False) is not unchecked
     with pytest.raises(WireError):
         PeerRecord.from_wire(forged)
-    assert not unchecked.is_valid()
+    with pytest.raises(WireError):
+        unchecked.verified()
 
 
 def test_record_signed_by_another_key_is_rejected(ids):
