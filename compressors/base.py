@@ -189,7 +189,10 @@ def view_as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D contiguous uint8 view of a contiguous tensor."""
-    return t.reshape(-1).view(torch.uint8)
+    flat = t.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:  # torch calls a lone element contiguous whatever its stride
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 def check_seed(seed: Any) -> int:
