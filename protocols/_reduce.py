@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from starling.compressors import Packet, decode
-from starling.compressors.base import view_as
+from starling.compressors.base import as_bytes, view_as
 from starling.node.loop import AwakeDeadline
 from starling.node.rpc import RemoteError, Reply
 from starling.node.wire import Message
@@ -234,12 +234,13 @@ class ShardedReducer:
         of the round reads `vector` later. One edge remains: a part that never reached an
         owner (not connected) may still sit in ZeroMQ's queue, and would carry later writes;
         that owner refuses it as late once it has closed the round."""
-        if vector.numel() != self.numel or vector.dtype != torch.float32:
-            raise ValueError(f"{self.topic}: expected a float32 vector of {self.numel} values, "
-                             f"got {vector.dtype} with {vector.numel()}")
+        if vector.dim() != 1 or vector.numel() != self.numel or vector.dtype != torch.float32:
+            raise ValueError(f"{self.topic}: expected a 1-D float32 vector of {self.numel} values, "
+                             f"got {vector.dtype} of shape {tuple(vector.shape)}")
         if len(members) <= 1:
             return PendingReduce(self, t, members, vector, None)
         me = self.node.peer_id
+        lend = lend and vector.is_contiguous()  # a strided vector's slices are not wire buffers
         parts: list[torch.Tensor | Packet] = []  # shard by shard, chunk by chunk
         for i, (chunks, owner) in enumerate(zip(self._layout(len(members)), members)):
             for c, (lo, hi) in enumerate(chunks):
@@ -414,13 +415,18 @@ class ShardedReducer:
         if group.reply is not None:
             return
         t, members, i, c = key
-        avg = group.sum().div_(len(group.contributors))
-        if self.codec.spec == "none":  # lossless: the sum is private and final, so send it as it is
-            packet = _raw_packet(avg)
-        else:
-            packet = encode(self.codec, self._avg_feedback, avg, f"avg{i}.{c}/{len(members)}")
-        group.reply = ({"ok": True, "packet": packet.header, "contributors": list(group.contributors)},
-                       packet.buffers)
+        try:
+            avg = group.sum().div_(len(group.contributors))
+            if self.codec.spec == "none":  # lossless: the sum is private and final, so send it as it is
+                packet = _raw_packet(avg)
+            else:
+                packet = encode(self.codec, self._avg_feedback, avg, f"avg{i}.{c}/{len(members)}")
+            group.reply = ({"ok": True, "packet": packet.header, "contributors": list(group.contributors)},
+                           packet.buffers)
+        except Exception as exc:  # every contributor gets an answer, never a group that stays open
+            log.exception("%s: %s shard %d chunk %d of round %d: averaging failed", self.node.peer_id,
+                          self.topic, i, c, t)
+            group.reply = (_refuse(f"the owner could not average: {type(exc).__name__}: {exc}"), ())
         missing = group.expected - set(group.contributors)
         if missing:
             log.info("%s: %s shard %d chunk %d of round %d closed without %s", self.node.peer_id, self.topic,
@@ -467,7 +473,7 @@ class ShardedReducer:
 
 def _raw_packet(values: torch.Tensor) -> Packet:
     """What the `none` codec makes of a 1-D float32 tensor, without its defensive copy."""
-    return Packet({"codec": "none", "shape": [values.numel()], "dtype": "float32"}, (values.view(torch.uint8),))
+    return Packet({"codec": "none", "shape": [values.numel()], "dtype": "float32"}, (as_bytes(values),))
 
 
 def _decode_flat(packet: Packet) -> torch.Tensor:

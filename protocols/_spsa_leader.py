@@ -104,7 +104,8 @@ class Sequencer:
             self._close(group)
         if not group.done.is_set():
             await group.done.wait()  # set by _close: every expected peer in, or the group's timer
-        assert group.record is not None
+        if group.record is None:  # closing failed (logged by the timer): ask elsewhere
+            return self.refuse("close_failed", f"step {t} could not be closed on this leader")
         return self._reply(group.record, key, codes, late=key not in group.record.keys)
 
     def _late(self, record: Record, key: int, codes: bytes) -> dict[str, Any]:
@@ -128,7 +129,10 @@ class Sequencer:
         try:
             await AwakeDeadline(self.round_timeout_s).wait(group.done.wait())
         except asyncio.TimeoutError:
-            self._close(group)
+            try:
+                self._close(group)
+            finally:
+                group.done.set()  # waiters must wake even if closing failed (they then refuse)
 
     def _close(self, group: _Group) -> None:
         if group.record is not None:

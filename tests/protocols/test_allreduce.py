@@ -121,6 +121,39 @@ def test_a_blocking_reduce_sends_the_vector_in_place_and_start_sends_copies(make
     assert torch.equal(va, mean) and torch.equal(vb, mean)
 
 
+def test_a_strided_vector_is_averaged_and_a_wrong_shape_is_refused(make_node):
+    a, b = swarm(make_node, 2)
+    members = tuple(sorted(n.peer_id for n in (a, b)))
+    ra, rb = (ShardedReducer(n, "test.shape", 6, chunk_numel=2) for n in (a, b))
+    with pytest.raises(ValueError, match="1-D float32 vector of 6 values"):
+        ra.reduce(1, members, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="1-D float32 vector of 6 values"):
+        ra.reduce(1, members, torch.zeros(6, dtype=torch.float64))
+    base_a, base_b = torch.arange(12.0), torch.arange(12.0) * 3
+    va, vb = base_a[::2], base_b[::2]  # every other value: not contiguous, so not lent
+    in_parallel([lambda: ra.reduce(1, members, va), lambda: rb.reduce(1, members, vb)])
+    assert torch.equal(va, torch.arange(0.0, 12.0, 2) * 2) and torch.equal(vb, va)
+    assert torch.equal(base_a[1::2], torch.arange(1.0, 12.0, 2))  # the values between are untouched
+
+
+def test_an_owner_that_fails_to_average_answers_at_once(make_node, monkeypatch):
+    """A failure while averaging a chunk refuses that chunk to every contributor; nothing
+    waits for the round timeout (30 s here)."""
+    def broken(self):
+        raise RuntimeError("no memory for the sum")
+
+    monkeypatch.setattr(_ShardGroup, "sum", broken)
+    a, b = swarm(make_node, 2)
+    members = tuple(sorted(n.peer_id for n in (a, b)))
+    ra, rb = (ShardedReducer(n, "test.broken", 8) for n in (a, b))
+    va, vb = torch.ones(8), torch.full((8,), 3.0)
+    start = time.monotonic()
+    results = in_parallel([lambda: ra.reduce(1, members, va), lambda: rb.reduce(1, members, vb)])
+    assert time.monotonic() - start < 10
+    assert all(not r.synced and r.lost for r in results)
+    assert torch.equal(va, torch.ones(8)) and torch.equal(vb, torch.full((8,), 3.0))  # local values kept
+
+
 def test_one_step_equals_sgd_on_the_exact_mean_gradient(make_node):
     world = 4
     nodes = swarm(make_node, world)
