@@ -111,41 +111,57 @@ class ReduceResult:
 
 @dataclass
 class _ShardGroup:
-    """An owner's accumulator for one chunk of one shard of one round. Lives on the network thread."""
+    """An owner's accumulator for one chunk of one shard of one round. Lives on the network thread.
+
+    Parts are never written: a first part is kept as it is (often a view of the wire buffer it
+    came in, or of the owner's own vector), and the second makes the sum out of place. Every
+    part stays referenced until the group closes (its handler awaits the reply anyway), so
+    finiteness is checked once, on the sum, instead of once per part: a NaN or Inf in any part
+    makes the sum's sum non-finite, and only then are the parts checked one by one and the bad
+    ones left out. A peer's own part is checked like everyone else's.
+    """
 
     members: tuple[str, ...]
     expected: set[str]
     contributors: list[str] = field(default_factory=list)
-    total: torch.Tensor | None = None  # the sum, in a buffer of its own
-    first: torch.Tensor | None = None  # a lone first part that is not ours to write: kept, not copied
+    parts: list[torch.Tensor] = field(default_factory=list)  # in the order of `contributors`
+    total: torch.Tensor | None = None  # the sum of two or more parts, in a buffer of its own
+    owned_first: bool = False  # the first part is a private copy that may become the sum
+    bad: set[str] = field(default_factory=set)  # contributors whose part was not finite
     done: asyncio.Event = field(default_factory=asyncio.Event)
     reply: tuple[dict[str, Any], tuple[torch.Tensor, ...]] | None = None
     timer: asyncio.Future[None] | None = None  # closes the group when its time is up
 
     def add(self, sender: str, part: torch.Tensor, owned: bool = False) -> None:
-        """`owned`: nobody else holds `part`, so it may become the sum itself. A first part
-        that is not owned (a view of the wire buffer it came in) is kept as it is, and the
-        second one makes the sum out of place: one pass over the chunk instead of
-        a copy and then an add."""
-        if self.total is None and self.first is None:
-            if owned and part.dtype == torch.float32:
-                self.total = part
-            else:
-                self.first = part
+        """`owned`: nobody else holds `part` (it may become a lone part's sum as it is)."""
+        if not self.parts:
+            self.owned_first = owned
         elif self.total is None:
-            assert self.first is not None
-            self.total = torch.add(self.first.to(torch.float32), part)
-            self.first = None
+            self.total = torch.add(self.parts[0], part)
         else:
             self.total.add_(part)
         self.contributors.append(sender)
+        self.parts.append(part)
 
     def sum(self) -> torch.Tensor:
-        """The sum of the parts so far, in a buffer of its own."""
-        if self.total is None:
-            assert self.first is not None
-            self.total, self.first = self.first.to(torch.float32, copy=True), None
-        return self.total
+        """The sum of the finite parts, in a buffer of its own; drops the others from
+        `contributors` into `bad`. Empty when no part was finite."""
+        total = self.total
+        if total is None:
+            total = self.parts[0] if self.owned_first else self.parts[0].clone()
+        if bool(torch.isfinite(total.sum())):
+            return total
+        self.bad = {s for s, p in zip(self.contributors, self.parts) if not _all_finite(p)}
+        if not self.bad:  # finite parts whose sum overflowed: that is the sum
+            return total
+        good = [p for s, p in zip(self.contributors, self.parts) if s not in self.bad]
+        self.contributors = [s for s in self.contributors if s not in self.bad]
+        if not good:
+            return total.new_empty(0)
+        total = good[0].clone()
+        for part in good[1:]:
+            total.add_(part)
+        return total
 
     def complete(self) -> bool:
         return self.expected <= set(self.contributors)
@@ -357,14 +373,14 @@ class ShardedReducer:
             t, i, c = int(body["step"]), int(body["shard"]), int(body["chunk"])
             members = tuple(str(m) for m in body["members"])
         except (TypeError, KeyError, ValueError):
-            return _refuse("body must be {step, shard, chunk, members, packet}")
+            return self._reject("malformed", "body must be {step, shard, chunk, members, packet}")
         if list(members) != sorted(set(members)) or msg.sender not in members:
-            return _refuse("members must be sorted, unique, and include the sender")
+            return self._reject("malformed", "members must be sorted, unique, and include the sender")
         if not 0 <= i < len(members) or members[i] != me:
-            return _refuse(f"this peer does not own shard {i} of that member list")
+            return self._reject("not_owner", f"this peer does not own shard {i} of that member list")
         chunks = self._layout(len(members))[i]
         if not 0 <= c < len(chunks):
-            return _refuse(f"shard {i} has {len(chunks)} chunks, not a chunk {c}")
+            return self._reject("bad_chunk", f"shard {i} has {len(chunks)} chunks, not a chunk {c}")
         key = (t, members, i, c)
         if key in self._closed or t < self._latest_round:
             return {**_refuse("late: the round already closed"), "step": self._latest_round}
@@ -372,12 +388,17 @@ class ShardedReducer:
         try:
             packet = packet_from_wire(body.get("packet"), msg.payload)
             part = _decode_flat(packet)
-            if part.numel() != hi - lo or not _all_finite(part):
-                raise ValueError(f"{part.numel()} values (finite or not) for a chunk of {hi - lo}")
+            if part.numel() != hi - lo:
+                raise ValueError(f"{part.numel()} values for a chunk of {hi - lo}")
         except Exception as exc:
-            return _refuse(f"bad part: {exc}")
+            return self._reject("bad_part", f"bad part: {exc}")
         reply, buffers = await self._reduce(key, msg.sender, part, owned=not _shares_memory(part, packet))
         return Reply(reply, buffers)
+
+    def _reject(self, kind: str, reason: str) -> dict[str, Any]:
+        """Refuse bad input from a peer, counted in the node's stats as `<topic>.<kind>`."""
+        self.node.stats.count_rejected(f"{self.topic}.{kind}")
+        return _refuse(reason)
 
     async def _reduce(self, key: GroupKey, sender: str, part: torch.Tensor,
                       owned: bool = False) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
@@ -393,7 +414,7 @@ class ShardedReducer:
             self._groups[key] = group
             group.timer = asyncio.ensure_future(self._close_in_time(key, group))
         if sender in group.contributors:
-            return _refuse("duplicate part"), ()
+            return self._reject("duplicate", "duplicate part"), ()
         group.add(sender, part, owned)
         self._saw_view(t, sender, members)
         if group.complete():
@@ -401,6 +422,8 @@ class ShardedReducer:
         if not group.done.is_set():
             await group.done.wait()  # set by _finish: all parts in, or the group's timer
         assert group.reply is not None
+        if sender in group.bad:
+            return self._reject("not_finite", "bad part: values that are not finite (NaN or Inf)"), ()
         return group.reply
 
     async def _close_in_time(self, key: GroupKey, group: _ShardGroup) -> None:
@@ -416,13 +439,17 @@ class ShardedReducer:
             return
         t, members, i, c = key
         try:
-            avg = group.sum().div_(len(group.contributors))
-            if self.codec.spec == "none":  # lossless: the sum is private and final, so send it as it is
-                packet = _raw_packet(avg)
+            total = group.sum()
+            if not group.contributors:
+                group.reply = (_refuse("no part was finite"), ())
             else:
-                packet = encode(self.codec, self._avg_feedback, avg, f"avg{i}.{c}/{len(members)}")
-            group.reply = ({"ok": True, "packet": packet.header, "contributors": list(group.contributors)},
-                           packet.buffers)
+                avg = total.div_(len(group.contributors))
+                if self.codec.spec == "none":  # lossless: the sum is private and final, so send it as it is
+                    packet = _raw_packet(avg)
+                else:
+                    packet = encode(self.codec, self._avg_feedback, avg, f"avg{i}.{c}/{len(members)}")
+                group.reply = ({"ok": True, "packet": packet.header, "contributors": list(group.contributors)},
+                               packet.buffers)
         except Exception as exc:  # every contributor gets an answer, never a group that stays open
             log.exception("%s: %s shard %d chunk %d of round %d: averaging failed", self.node.peer_id,
                           self.topic, i, c, t)

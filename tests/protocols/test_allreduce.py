@@ -44,14 +44,14 @@ def expected_after_one_step(world: int) -> list[torch.Tensor]:
     return [p.detach() - LR * torch.stack(gs).mean(0) for p, gs in zip(model.parameters(), zip(*grads))]
 
 
-def test_an_owner_sums_parts_it_does_not_own_without_copying_or_writing_them():
-    """A first part that is a view of the wire buffer it came in is kept as it is; the second
-    makes the sum in a buffer of its own."""
+def test_an_owner_sums_parts_without_copying_or_writing_them():
+    """A first part is kept as it is (a view of a wire buffer or of the caller's vector); the
+    second makes the sum in a buffer of its own; no part is ever written."""
     mine, theirs, third = torch.arange(4.0), torch.ones(4), torch.full((4,), 2.0)
     before = mine.clone(), theirs.clone()
     group = _ShardGroup(("a", "b", "c"), {"a", "b", "c"})
     group.add("a", mine)
-    assert group.total is None and group.first is mine  # kept, not copied
+    assert group.total is None and group.parts[0] is mine  # kept, not copied
     group.add("b", theirs)
     group.add("c", third)
     total = group.sum()
@@ -67,8 +67,42 @@ def test_an_owner_sums_parts_it_does_not_own_without_copying_or_writing_them():
 
     copied = mine.clone()
     owned = _ShardGroup(("a", "b"), {"a", "b"})
-    owned.add("a", copied, owned=True)  # a private copy becomes the sum as it is
+    owned.add("a", copied, owned=True)  # a private copy becomes a lone sum as it is
     assert owned.sum() is copied
+
+
+def test_an_owner_leaves_out_parts_that_are_not_finite_and_only_those():
+    group = _ShardGroup(("a", "b", "c"), {"a", "b", "c"})
+    group.add("a", torch.ones(4))
+    group.add("b", torch.tensor([1.0, float("nan"), 1.0, 1.0]))
+    group.add("c", torch.full((4,), 3.0))
+    assert torch.equal(group.sum(), torch.full((4,), 4.0))
+    assert group.bad == {"b"} and group.contributors == ["a", "c"]
+
+    poisoned = _ShardGroup(("a", "b"), {"a", "b"})
+    poisoned.add("a", torch.tensor([float("inf")]), owned=True)  # one's own part is checked too
+    poisoned.add("b", torch.tensor([float("-inf")]))
+    assert poisoned.sum().numel() == 0 and poisoned.bad == {"a", "b"} and poisoned.contributors == []
+
+    huge = _ShardGroup(("a", "b"), {"a", "b"})  # finite parts whose sum overflows: that is the sum
+    huge.add("a", torch.tensor([3e38, 1.0]))
+    huge.add("b", torch.tensor([3e38, 1.0]))
+    assert huge.sum()[0] == float("inf") and not huge.bad and huge.contributors == ["a", "b"]
+
+
+def test_a_peer_with_non_finite_values_is_left_out_and_counted(make_node):
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    reducers = [ShardedReducer(n, "test.nan", 9, chunk_numel=2) for n in nodes]
+    vectors = [torch.full((9,), 1.0), torch.full((9,), 3.0), torch.full((9,), 5.0)]
+    vectors[2][1:] = float("nan")  # a NaN in every chunk of the third peer (chunks of 1 or 2 values)
+    results = in_parallel([lambda r=r: reducers[r].reduce(1, members, vectors[r]) for r in range(3)])
+    assert torch.equal(vectors[0], torch.full((9,), 2.0)) and torch.equal(vectors[1], vectors[0])
+    assert results[0].lost == results[1].lost == (nodes[2].peer_id,)
+    # the third peer's chunks were refused everywhere, by itself as owner too: it keeps its values
+    assert not results[2].synced and torch.isnan(vectors[2][1:]).all()
+    rejected = sum(n.stats.rejected.get("test.nan.not_finite", 0) for n in nodes)
+    assert rejected >= 3  # each owner refused the NaN peer's chunks, and counted them
 
 
 def test_shard_bounds_cover_the_vector():
