@@ -149,6 +149,35 @@ def test_two_peers_with_the_same_contributions_end_bit_identical(make_node, dire
     assert all(len(r.codes) == len(r.keys) * QUICK["samples"] for r in records)
 
 
+@pytest.mark.timeout(90)
+def test_a_stall_of_the_network_thread_does_not_close_a_step_without_its_codes(make_node):
+    """The leader's step timer counts the loop's awake time: codes that arrived while the
+    shared network thread was stalled past the round timeout are read, not left out."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    timeout_s, stall_s = 2.0, 4.0  # the stall is twice the timeout, within its wall bound (3x)
+    nodes = spsa_swarm(make_node, 2)
+    protos = [get_protocol("spsa").create(n, mlp(), {**QUICK, "round_timeout_s": timeout_s}) for n in nodes]
+    lead = min(range(2), key=lambda r: nodes[r].peer_id)  # the lowest id leads the first step
+    other = 1 - lead
+
+    async def stall() -> None:
+        time.sleep(stall_s)  # blocks the network thread that both nodes share
+
+    with ThreadPoolExecutor(1) as pool:
+        leading = pool.submit(lambda: protos[lead].step(lambda: loss_of(protos[lead].model, lead, 0)))
+        assert wait_until(lambda: bool(protos[lead].sequencer._groups))  # step 0 is open, its timer runs
+        stalled = nodes[lead].submit(stall())
+        protos[other].step(lambda: loss_of(protos[other].model, other, 0))  # queued behind the stall
+        leading.result(timeout=60)
+    stalled.result(timeout=1)
+    (record,) = protos[lead].log_records(0)[:1]
+    assert record.step == 0 and len(record.keys) == 2
+    for a, b in zip(protos[0].model.parameters(), protos[1].model.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_replay_from_the_log_equals_live_training(make_node):
     nodes = spsa_swarm(make_node, 2)
     options = {**QUICK, "directions": "per-peer"}
