@@ -10,7 +10,7 @@ import concurrent.futures
 import logging
 import os
 import threading
-from typing import Any, ClassVar, Coroutine, TypeVar
+from typing import Any, Callable, ClassVar, Coroutine, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -139,3 +139,16 @@ class AwakeDeadline:
             await self.wait(asyncio.sleep(min(seconds, self.left)))
         except asyncio.TimeoutError:
             pass
+
+
+async def close_in_time(seconds: float, done: asyncio.Event, close: Callable[[], None]) -> None:
+    """Call `close()` unless `done` is set within `seconds` of this loop's awake time (a group
+    of a round that waits for the others' contributions). `done` is set on return either way,
+    so that nothing waits on it forever, even when `close()` raised."""
+    try:
+        await AwakeDeadline(seconds).wait(done.wait())
+    except asyncio.TimeoutError:
+        try:
+            close()
+        finally:
+            done.set()

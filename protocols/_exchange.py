@@ -5,6 +5,7 @@ Nothing here knows a specific algorithm; `allreduce` and `gossip` read top-down 
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -13,11 +14,14 @@ import torch
 from torch import nn
 
 from starling.compressors import Compressor, ErrorFeedback, Packet, from_spec
+from starling.node.loop import AwakeDeadline
 from starling.node.membership import PeerStatus, StatusChange
+from starling.node.rpc import RemoteError, RequestTimeout
 from starling.protocols.base import ProtocolError
 
 if TYPE_CHECKING:
     from starling.node.node import Node
+    from starling.node.wire import Message
 
 log = logging.getLogger(__name__)
 
@@ -182,3 +186,22 @@ def watch_peers(node: Node, joined: Callable[[str], None], left: Callable[[str],
 def membership(node: Node) -> tuple[str, ...]:
     """Sorted live peers plus this node: the view a round is built on."""
     return tuple(sorted({*node.live_peers(), node.peer_id}))
+
+
+async def request_patiently(node: Node, peer: str, topic: str, body: Any, payload: Sequence[Any],
+                            deadline: AwakeDeadline, retry_s: float) -> Message:
+    """A request within `deadline` (the loop's awake time: a reply read late because this loop
+    was stalled still counts), retried every `retry_s` while the peer has no handler for the
+    topic yet (its protocol is not up). Raises RequestTimeout, or what the request raised."""
+    while True:
+        try:
+            if deadline.expired():
+                raise asyncio.TimeoutError
+            return await deadline.wait(node.arequest(peer, topic, body, payload,
+                                                     timeout_s=max(deadline.wall_left(), 0.01)))
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"no reply from {peer} to {topic!r} within the round's time") from None
+        except RemoteError as exc:
+            if "no handler" not in str(exc) or deadline.left <= retry_s:
+                raise
+            await deadline.sleep(retry_s)

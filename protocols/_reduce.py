@@ -53,10 +53,10 @@ import torch
 
 from starling.compressors import Packet, decode
 from starling.compressors.base import as_bytes, view_as
-from starling.node.loop import AwakeDeadline
+from starling.node.loop import AwakeDeadline, close_in_time
 from starling.node.rpc import RemoteError, Reply
 from starling.node.wire import Message
-from starling.protocols._exchange import encode, make_codec, packet_from_wire
+from starling.protocols._exchange import encode, make_codec, packet_from_wire, request_patiently
 
 if TYPE_CHECKING:
     from starling.node.node import Node
@@ -336,33 +336,27 @@ class ShardedReducer:
         # Counted in awake time: an average that came while this loop was stalled is read, not dropped.
         deadline = AwakeDeadline(self.timeouts.round_timeout_s + self.timeouts.reply_grace_s)
         body = {"step": t, "shard": i, "chunk": c, "members": list(members), "packet": packet.header}
-        while True:
-            if deadline.expired():
-                return _ShardResult(i, c, owner, None, reason="no average within the round timeout")
-            try:
-                msg = await deadline.wait(self.node.arequest(owner, self.topic, body, packet.buffers,
-                                                             timeout_s=deadline.wall_left()))
-            except RemoteError as exc:
-                if "no handler" in str(exc):  # the owner's protocol is not up yet: try again
-                    await deadline.sleep(self.timeouts.retry_interval_s)
-                    continue
-                return _ShardResult(i, c, owner, None, reason=str(exc))
-            except Exception as exc:  # timeout, dead or unknown owner
-                return _ShardResult(i, c, owner, None, reason=f"{type(exc).__name__}: {exc}")
-            reply = msg.body
-            if not isinstance(reply, dict) or not reply.get("ok"):
-                reason = reply.get("reason") if isinstance(reply, dict) else "malformed reply"
-                step = reply.get("step") if isinstance(reply, dict) else None
-                step = step if isinstance(step, int) else -1
-                if step > t:  # the owner has moved past this round: my groups stop waiting for it
-                    self._saw_ahead(owner, step)
-                return _ShardResult(i, c, owner, None, reason=f"owner refused: {reason}", owner_round=step)
-            try:
-                result = packet_from_wire(reply.get("packet"), msg.payload)
-                contributors = tuple(str(c) for c in reply.get("contributors", ()))
-            except Exception as exc:
-                return _ShardResult(i, c, owner, None, reason=f"malformed average: {exc}")
-            return _ShardResult(i, c, owner, result, contributors)
+        try:
+            msg = await request_patiently(self.node, owner, self.topic, body, packet.buffers, deadline,
+                                          self.timeouts.retry_interval_s)
+        except RemoteError as exc:
+            return _ShardResult(i, c, owner, None, reason=str(exc))
+        except Exception as exc:  # timeout, dead or unknown owner
+            return _ShardResult(i, c, owner, None, reason=f"{type(exc).__name__}: {exc}")
+        reply = msg.body
+        if not isinstance(reply, dict) or not reply.get("ok"):
+            reason = reply.get("reason") if isinstance(reply, dict) else "malformed reply"
+            step = reply.get("step") if isinstance(reply, dict) else None
+            step = step if isinstance(step, int) else -1
+            if step > t:  # the owner has moved past this round: my groups stop waiting for it
+                self._saw_ahead(owner, step)
+            return _ShardResult(i, c, owner, None, reason=f"owner refused: {reason}", owner_round=step)
+        try:
+            result = packet_from_wire(reply.get("packet"), msg.payload)
+            contributors = tuple(str(c) for c in reply.get("contributors", ()))
+        except Exception as exc:
+            return _ShardResult(i, c, owner, None, reason=f"malformed average: {exc}")
+        return _ShardResult(i, c, owner, result, contributors)
 
     async def _on_part(self, msg: Message) -> Reply | dict[str, Any]:
         """An owner receives one member's part; its answer is the shard's average."""
@@ -412,7 +406,10 @@ class ShardedReducer:
                       or self._peer_round.get(p, t) > t}
             group = _ShardGroup(members, set(members) - self._gone - others)
             self._groups[key] = group
-            group.timer = asyncio.ensure_future(self._close_in_time(key, group))
+            # closes it round_timeout_s after its first part, in awake time: a part that came
+            # while the loop was stalled is read before the group gives up on it
+            group.timer = asyncio.ensure_future(close_in_time(self.timeouts.round_timeout_s, group.done,
+                                                              lambda: self._finish(key, group)))
         if sender in group.contributors:
             return self._reject("duplicate", "duplicate part"), ()
         group.add(sender, part, owned)
@@ -425,14 +422,6 @@ class ShardedReducer:
         if sender in group.bad:
             return self._reject("not_finite", "bad part: values that are not finite (NaN or Inf)"), ()
         return group.reply
-
-    async def _close_in_time(self, key: GroupKey, group: _ShardGroup) -> None:
-        """Close the group round_timeout_s after its first part, in this loop's awake time:
-        a part that arrived while the loop was stalled is read before the group gives up on it."""
-        try:
-            await AwakeDeadline(self.timeouts.round_timeout_s).wait(group.done.wait())
-        except asyncio.TimeoutError:
-            self._finish(key, group)
 
     def _finish(self, key: GroupKey, group: _ShardGroup) -> None:
         if group.reply is not None:

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from starling.node.loop import AwakeDeadline
+from starling.node.loop import close_in_time
 from starling.protocols._spsa_log import Record, RecordLog
 from starling.protocols._spsa_math import NO_DIGEST, codes_from_bytes
 
@@ -120,19 +120,11 @@ class Sequencer:
         self._welcome = set()
         group = _Group(t, expected)
         self._groups[t] = group
-        group.timer = asyncio.ensure_future(self._close_in_time(group))
+        # closes the step round_timeout_s after it opened, in awake time: codes that came while
+        # this process was stalled are read before the step gives up on them
+        group.timer = asyncio.ensure_future(close_in_time(self.round_timeout_s, group.done,
+                                                          lambda: self._close(group)))
         return group
-
-    async def _close_in_time(self, group: _Group) -> None:
-        """Close the step round_timeout_s after it opened, counted in the loop's awake time:
-        codes that came while this process was stalled are read before the step gives up on them."""
-        try:
-            await AwakeDeadline(self.round_timeout_s).wait(group.done.wait())
-        except asyncio.TimeoutError:
-            try:
-                self._close(group)
-            finally:
-                group.done.set()  # waiters must wake even if closing failed (they then refuse)
 
     def _close(self, group: _Group) -> None:
         if group.record is not None:

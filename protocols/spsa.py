@@ -40,9 +40,9 @@ from torch import nn
 
 from starling.node.loop import AwakeDeadline
 from starling.node.node import Node
-from starling.node.rpc import RemoteError, Reply, RequestTimeout
+from starling.node.rpc import Reply, RequestTimeout
 from starling.node.wire import Message
-from starling.protocols._exchange import ByteMeter, watch_peers
+from starling.protocols._exchange import ByteMeter, request_patiently, watch_peers
 from starling.protocols._spsa_leader import LOG_BATCH, LOG_TOPIC, Sequencer, parse_contribution
 from starling.protocols._spsa_log import Record, RecordLog
 from starling.protocols._spsa_math import (
@@ -381,19 +381,8 @@ class Spsa(Protocol):
 
     async def _request_patiently(self, peer: str, topic: str, body: Any, wait_s: float) -> Message:
         """A request that retries while the peer's protocol is not up yet."""
-        # Awake time, like the leader's step timer: a reply read late because this loop was
-        # stalled still counts.
-        deadline = AwakeDeadline(wait_s)
-        while True:
-            try:
-                return await deadline.wait(self.node.arequest(peer, topic, body,
-                                                              timeout_s=max(deadline.wall_left(), 0.01)))
-            except asyncio.TimeoutError:
-                raise RequestTimeout(f"no reply from {peer} to {topic!r} within {wait_s} s") from None
-            except RemoteError as exc:
-                if "no handler" not in str(exc) or deadline.left <= self.config.retry_interval_s:
-                    raise
-                await deadline.sleep(self.config.retry_interval_s)
+        return await request_patiently(self.node, peer, topic, body, (), AwakeDeadline(wait_s),
+                                       self.config.retry_interval_s)
 
     def _read_reply(self, reply: Any, t: int, codes: bytes, leader: str) -> _Outcome | None:
         if not isinstance(reply, dict):

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from starling.node.loop import AwakeDeadline
+from starling.node.loop import AwakeDeadline, close_in_time
 
 
 async def _ready_after(iterations: int) -> str:
@@ -100,5 +100,29 @@ def test_bad_arguments_are_refused():
             AwakeDeadline(1.0, tick_s=0)
         with pytest.raises(ValueError):
             AwakeDeadline(1.0, stretch=0.5)
+
+    asyncio.run(main())
+
+
+def test_close_in_time_closes_once_late_and_never_leaves_waiters_hanging():
+    async def main():
+        calls = []
+        done = asyncio.Event()
+        await close_in_time(0.05, done, lambda: calls.append("closed"))
+        assert calls == ["closed"] and done.is_set()
+
+        early = asyncio.Event()
+        timer = asyncio.ensure_future(close_in_time(5.0, early, lambda: calls.append("late")))
+        early.set()  # everyone came in: the timer ends without closing
+        await timer
+        assert calls == ["closed"]
+
+        def broken() -> None:
+            raise RuntimeError("close failed")
+
+        failed = asyncio.Event()
+        with pytest.raises(RuntimeError):
+            await close_in_time(0.05, failed, broken)
+        assert failed.is_set()  # waiters wake and find no result
 
     asyncio.run(main())
