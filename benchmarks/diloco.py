@@ -2,8 +2,8 @@
 
     python benchmarks/diloco.py [--quick] [--steps N] [--peers P] [--sync-every H]
                                 [--fragments F] [--overlap-steps T] [--util-overlap-steps T]
-                                [--sweep-steps N] [--sweep-sync-every H]
-                                [--only headline,peak,util,sweep]
+                                [--util-steps N] [--sweep-steps N] [--sweep-sync-every H]
+                                [--horizons N,N,...] [--only headline,horizon,peak,util,sweep]
 
 Every run is a simulated swarm of real nodes over inproc sockets (`starling.node.sim`), one
 training thread per peer, each peer on its own data shard. Prints one JSON row per measurement,
@@ -11,7 +11,10 @@ then a summary row. Targets checked:
 
 - ``headline``: at equal tokens (same peers, steps and batch), ``streaming-diloco`` with a
   4-bit exchange ends within 2% of ``allreduce``'s eval loss (outer parameters; the local
-  replicas' mean loss is reported too) while sending >= 400x fewer bytes per peer.
+  replicas' mean loss is reported too) while sending >= 400x fewer bytes per peer. The run is
+  2048 steps of 4 peers, about 76 training tokens per parameter of the 0.11M model.
+- ``horizon``: the same comparison at shorter runs (``--horizons``, 256, 512 and 1024 steps),
+  reported, not checked: the gap depends on the token budget (see docs/benchmarks.md).
 - ``peak``: bytes in one fragment's sync (parts plus averages, per peer) fall by the number of
   fragments against ``diloco``, which syncs the whole model at once (>= 0.98 F counts as met).
 - ``util``: on emulated links of 100 Mbit/s and 50 ms one-way latency, ``streaming-diloco``
@@ -46,12 +49,17 @@ LOSS_TARGET = 0.02  # relative eval-loss gap to allreduce
 BYTES_TARGET = 400.0
 UTIL_TARGET, UTIL_BASELINE_MAX = 0.90, 0.50
 SLOW_LINK = LinkModel(bandwidth_bps=100e6, latency_s=0.050)
-FULL = {"steps": 512, "peers": 4, "sync_every": 64, "fragments": 4, "overlap_steps": 2, "util_overlap_steps": 4,
-        "sweep_steps": 96, "sweep_sync_every": 24}
+FULL = {"steps": 2048, "peers": 4, "sync_every": 64, "fragments": 4, "overlap_steps": 2, "util_overlap_steps": 4,
+        "util_steps": 128, "sweep_steps": 96, "sweep_sync_every": 24}
 QUICK = {"steps": 128, "peers": 4, "sync_every": 32, "fragments": 4, "overlap_steps": 2, "util_overlap_steps": 4,
-         "sweep_steps": 32, "sweep_sync_every": 16}
+         "util_steps": 32, "sweep_steps": 32, "sweep_sync_every": 16}
+HORIZONS = {"full": "256,512,1024", "quick": "64"}  # the `horizon` bench's shorter runs
 ALLREDUCE = {"optimizer": "adamw", "lr": 3e-3}
-INNER = {"lr": 3e-3}
+# The headline's baseline is the better of these lrs at each run length. At 2048 steps the
+# socket-free model (diloco_levers.py --only dp) gave 1e-3: 1.561, 1.5e-3: 1.524, 2e-3: 1.519,
+# 3e-3: 1.529, 6e-3: 1.550; at 512 steps 3e-3 is the one DiLoCo was first compared against.
+ALLREDUCE_LRS = (2e-3, 3e-3)
+INNER_LR = 3e-3  # DiLoCo's inner AdamW, the same as allreduce's
 WIDE = {"n_layer": 4, "n_embd": 128}  # 0.8M parameters instead of 0.11M
 # No peer dies in these runs. The simulator's default detector (dead after 3 s of silence)
 # declared peers dead when this loaded 2-core box starved the network thread, and each
@@ -187,7 +195,7 @@ def _fragment_round_bytes(sim: SimPeer, f: int) -> float:
 
 
 def diloco_options(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
-    return {**INNER, "sync_every": args.sync_every, "fragments": args.fragments,
+    return {"lr": args.inner_lr, "sync_every": args.sync_every, "fragments": args.fragments,
             "overlap_steps": args.overlap_steps, "alpha": 0.5, "compressor": "int4",
             "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, **_timeout(args), **overrides}
 
@@ -196,34 +204,82 @@ def _timeout(args: argparse.Namespace) -> dict[str, Any]:
     return {} if args.round_timeout_s is None else {"round_timeout_s": args.round_timeout_s}
 
 
-def schedule_of(args: argparse.Namespace) -> tuple[str, int, float]:
-    warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 16
+def schedule_of(args: argparse.Namespace, steps: int) -> tuple[str, int, float]:
+    warmup = args.warmup_steps if args.warmup_steps is not None else steps // 16
     return (args.lr_schedule, warmup if args.lr_schedule != "constant" else 0, args.min_lr_ratio)
 
 
-def headline(args: argparse.Namespace) -> dict[str, Any]:
-    schedule = schedule_of(args)
+def compare(args: argparse.Namespace, steps: int, base: dict[str, float] | None = None) -> dict[str, Any]:
+    """`allreduce` against `streaming-diloco` at `steps` steps of every peer (equal tokens):
+    both eval losses, bytes per peer, and whether the headline's targets hold at that length.
+    `base`: allreduce's measured eval loss and bytes for the same run, instead of running it."""
+    schedule = schedule_of(args, steps)
     lr = {"lr_schedule": schedule[0], "warmup_steps": schedule[1], "min_lr_ratio": schedule[2]}
-    if args.allreduce_loss is not None:  # reuse a measured baseline (same steps, peers, schedule)
-        base = {"eval_loss": args.allreduce_loss, "bytes_per_peer": args.allreduce_bytes}
-    else:
-        base = run("allreduce", args.peers, args.steps, {**ALLREDUCE, **_timeout(args)}, schedule=schedule)
-        emit({"bench": "run", "protocol": "allreduce", "peers": args.peers, "steps": args.steps, **lr, **base})
-    mine = run("streaming-diloco", args.peers, args.steps, diloco_options(args), schedule=schedule,
-               final_sync=args.final_sync)
-    emit({"bench": "run", "protocol": "streaming-diloco", "peers": args.peers, "steps": args.steps,
+    if base is None:
+        base = best_allreduce(args, steps, schedule, lr)
+    mine = run("streaming-diloco", args.peers, steps, diloco_options(args), schedule=schedule,
+               final_sync=args.final_sync, **_seeded(args))
+    emit({"bench": "run", "protocol": "streaming-diloco", "peers": args.peers, "steps": steps,
           **diloco_options(args), **lr, **mine})
     gap = mine["eval_loss"] / base["eval_loss"] - 1.0
     ratio = base["bytes_per_peer"] / mine["bytes_per_peer"]
-    row = {"bench": "headline", **lr, "allreduce_eval_loss": base["eval_loss"], "diloco_eval_loss": mine["eval_loss"],
+    row = {"peers": args.peers, "steps": steps, "seed": args.seed, "allreduce_lr": base.get("lr"),
+           "inner_lr": args.inner_lr, "tokens_per_parameter": tokens_per_parameter(args.peers, steps),
+           **lr, "allreduce_eval_loss": base["eval_loss"], "diloco_eval_loss": mine["eval_loss"],
            "diloco_eval_loss_local": mine["eval_loss_local"], "loss_gap": gap,
            "allreduce_bytes_per_peer": base["bytes_per_peer"], "diloco_bytes_per_peer": mine["bytes_per_peer"],
            "bytes_ratio": ratio, "loss_met": gap <= LOSS_TARGET, "bytes_met": ratio >= BYTES_TARGET}
     if args.final_sync:
         row["final_sync_loss_gap"] = mine["eval_loss_final_sync"] / base["eval_loss"] - 1.0
         row["final_sync_bytes_ratio"] = base["bytes_per_peer"] / (mine["bytes_per_peer"] + mine["final_sync_bytes_per_peer"])
+    return row
+
+
+def best_allreduce(args: argparse.Namespace, steps: int, schedule: tuple[str, int, float],
+                   lr: dict[str, Any]) -> dict[str, Any]:
+    """The baseline at its best: one `allreduce` run per lr of `--allreduce-lr`, the lowest
+    eval loss kept (its lr in "lr")."""
+    runs = []
+    for value in args.allreduce_lr:
+        result = run("allreduce", args.peers, steps, {**ALLREDUCE, "lr": value, **_timeout(args)},
+                     schedule=schedule, **_seeded(args))
+        emit({"bench": "run", "protocol": "allreduce", "peers": args.peers, "steps": steps, "lr": value, **lr,
+              **result})
+        runs.append({**result, "lr": value})
+    return min(runs, key=lambda r: r["eval_loss"])
+
+
+def _seeded(args: argparse.Namespace) -> dict[str, Any]:
+    """Seed 0 is the task's default weights and data order; another seed draws both anew."""
+    return {"seed": args.seed, "task_options": {"seed": args.seed} if args.seed else None}
+
+
+def tokens_per_parameter(peers: int, steps: int) -> float:
+    """Training tokens of the whole swarm per model parameter (Chinchilla-optimal is about 20)."""
+    task = get_task("charlm")
+    cfg = task.config  # type: ignore[attr-defined]
+    parameters = sum(p.numel() for p in task.make_model().parameters())
+    return peers * steps * cfg.batch_size * cfg.seq_len / parameters
+
+
+def headline(args: argparse.Namespace) -> dict[str, Any]:
+    base = None
+    if args.allreduce_loss is not None:  # reuse a measured baseline (same steps, peers, schedule)
+        base = {"eval_loss": args.allreduce_loss, "bytes_per_peer": args.allreduce_bytes}
+    row = {"bench": "headline", **compare(args, args.steps, base)}
     emit(row)
     return row
+
+
+def horizon(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The headline's comparison at shorter runs: how the gap depends on the token budget.
+    Reported, not a target."""
+    rows = []
+    for steps in args.horizons:
+        row = {"bench": "horizon", **compare(args, steps)}
+        emit(row)
+        rows.append(row)
+    return rows
 
 
 def peak(args: argparse.Namespace) -> dict[str, Any]:
@@ -248,7 +304,7 @@ def peak(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def util(args: argparse.Namespace) -> dict[str, Any]:
-    steps = max(args.sync_every, args.steps // 4)
+    steps = max(args.sync_every, args.util_steps)
     base = run("allreduce", args.peers, max(8, steps // 8), ALLREDUCE, link=SLOW_LINK)
     mine = run("streaming-diloco", args.peers, steps, diloco_options(args, overlap_steps=args.util_overlap_steps),
                link=SLOW_LINK)
@@ -290,12 +346,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small run for a smoke test")
     for name in FULL:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
-    parser.add_argument("--only", default="headline,peak,util,sweep", help="comma-separated benches")
+    parser.add_argument("--only", default="headline,horizon,peak,util,sweep", help="comma-separated benches")
+    parser.add_argument("--horizons", default=None,
+                        help=f"horizon: comma-separated run lengths in steps (default {HORIZONS['full']})")
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                         help="headline: lr of allreduce's and DiLoCo's inner optimizer alike (cosine: linear "
                              "warmup, then cosine decay to --min-lr-ratio of the peak at the last step)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="cosine warmup (default steps / 16)")
     parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine: final lr over peak lr (0.1)")
+    parser.add_argument("--allreduce-lr", default=None,
+                        help="headline, horizon: allreduce's AdamW lrs, comma-separated; the best run is the "
+                             f"baseline (default {','.join(map(str, ALLREDUCE_LRS))})")
+    parser.add_argument("--inner-lr", type=float, default=INNER_LR,
+                        help=f"DiLoCo's inner AdamW lr (default {INNER_LR})")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer SGD lr (paper: 0.7)")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum (0.9)")
     parser.add_argument("--final-sync", action="store_true",
@@ -303,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allreduce-loss", type=float, default=None,
                         help="headline: skip the allreduce run and use this measured eval loss (with --allreduce-bytes)")
     parser.add_argument("--allreduce-bytes", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="headline, horizon: initial weights and data order of both protocols (default 0)")
     parser.add_argument("--round-timeout-s", type=float, default=None,
                         help="headline: both protocols' round timeout (default 30 s; on a loaded box DiLoCo's "
                              "peers drift apart between syncs by more, and rounds then close without them)")
@@ -311,11 +376,28 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is None:
             setattr(args, name, value)
     benches = set(args.only.split(","))
+    unknown = benches - {"headline", "horizon", "peak", "util", "sweep"}
+    if unknown:
+        parser.error(f"--only: unknown bench {', '.join(sorted(unknown))}")
+    try:
+        args.allreduce_lr = [float(v) for v in args.allreduce_lr.split(",")] if args.allreduce_lr else list(ALLREDUCE_LRS)
+    except ValueError:
+        parser.error("--allreduce-lr takes comma-separated numbers")
+    if not all(v > 0 for v in args.allreduce_lr):
+        parser.error("--allreduce-lr must be > 0 each")
+    try:
+        args.horizons = [int(h) for h in (args.horizons or HORIZONS["quick" if args.quick else "full"]).split(",")]
+    except ValueError:
+        parser.error("--horizons takes comma-separated integers")
+    if any(h < 1 for h in args.horizons):
+        parser.error("--horizons must be >= 1 each")
     started = time.monotonic()
     summary: dict[str, Any] = {"bench": "summary"}
     if "headline" in benches:
         row = headline(args)
         summary.update(loss_met=row["loss_met"], bytes_met=row["bytes_met"])
+    if "horizon" in benches:
+        summary["horizon_loss_gaps"] = {row["steps"]: round(row["loss_gap"], 4) for row in horizon(args)}
     if "peak" in benches:
         summary["peak_met"] = peak(args)["met"]
     if "util" in benches:

@@ -1,4 +1,4 @@
-"""benchmarks/diloco.py's lr schedule (no swarm: the training runs need the full benchmark)."""
+"""benchmarks/diloco.py's arithmetic and arguments (no swarm: the training runs need the full benchmark)."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,7 +30,33 @@ def test_lr_factor_constant_and_cosine():
 
 def test_schedule_of_defaults_warmup_to_a_sixteenth_of_the_run():
     bench = load_bench()
-    args = bench.argparse.Namespace(steps=512, warmup_steps=None, lr_schedule="cosine", min_lr_ratio=0.1)
-    assert bench.schedule_of(args) == ("cosine", 32, 0.1)
+    args = bench.argparse.Namespace(warmup_steps=None, lr_schedule="cosine", min_lr_ratio=0.1)
+    assert bench.schedule_of(args, 512) == ("cosine", 32, 0.1)
+    assert bench.schedule_of(args, 2048) == ("cosine", 128, 0.1)  # each horizon warms up over its own sixteenth
     args.lr_schedule = "constant"
-    assert bench.schedule_of(args)[:2] == ("constant", 0)
+    assert bench.schedule_of(args, 512)[:2] == ("constant", 0)
+
+
+def test_tokens_per_parameter_counts_the_whole_swarm():
+    bench = load_bench()
+    parameters = sum(p.numel() for p in bench.get_task("charlm").make_model().parameters())
+    assert bench.tokens_per_parameter(4, 2048) == pytest.approx(4 * 2048 * 16 * 64 / parameters)
+    assert 70 < bench.tokens_per_parameter(4, 2048) < 80  # the headline's budget, as the docs state it
+    assert bench.tokens_per_parameter(4, 512) == pytest.approx(bench.tokens_per_parameter(4, 2048) / 4)
+
+
+def test_seed_zero_keeps_the_task_defaults_and_another_redraws_weights_and_data():
+    bench = load_bench()
+    assert bench._seeded(bench.argparse.Namespace(seed=0)) == {"seed": 0, "task_options": None}
+    assert bench._seeded(bench.argparse.Namespace(seed=3)) == {"seed": 3, "task_options": {"seed": 3}}
+
+
+@pytest.mark.parametrize("argv, message", [(["--only", "headline,speed"], "unknown bench speed"),
+                                           (["--horizons", "256,x"], "comma-separated integers"),
+                                           (["--horizons", "0"], ">= 1"),
+                                           (["--allreduce-lr", "2e-3,x"], "comma-separated numbers"),
+                                           (["--allreduce-lr", "0"], "> 0 each")])
+def test_bad_arguments_are_refused_before_any_run(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        load_bench().main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
