@@ -29,6 +29,8 @@ def spawn_node(*args: str) -> tuple[subprocess.Popen, str]:
     line = proc.stdout.readline()  # the one line with the join address, printed once joined
     if "join with:" not in line:
         proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
         raise AssertionError(f"node did not start: {line!r}")
     return proc, line.rsplit("join with:", 1)[1].strip()
 
@@ -41,6 +43,8 @@ def procs():
         if p.poll() is None:
             p.kill()
         p.wait(10)
+        if p.stdout is not None:
+            p.stdout.close()
 
 
 def test_processes_join_crash_and_leave(make_node, procs):
