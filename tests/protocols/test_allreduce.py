@@ -1,6 +1,7 @@
 """allreduce: the exact mean of gradients, bytes, failures, membership disagreement."""
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -69,6 +70,33 @@ def test_an_owner_sums_parts_without_copying_or_writing_them():
     owned = _ShardGroup(("a", "b"), {"a", "b"})
     owned.add("a", copied, owned=True)  # a private copy becomes a lone sum as it is
     assert owned.sum() is copied
+
+
+def test_an_owner_sums_in_member_order_whatever_order_the_parts_come_in():
+    """Float addition is not associative: (1e8 + 1) - 1e8 is 0 in float32, (1e8 - 1e8) + 1 is
+    1. Every arrival order gives the member-order sum, bit for bit, so two runs of a swarm
+    average alike; a part that came ahead of its turn waits for the ones before it."""
+    parts = {"a": torch.tensor([1e8, 0.5]), "b": torch.tensor([1.0, 0.25]), "c": torch.tensor([-1e8, 0.125])}
+    expected = (parts["a"] + parts["b"]) + parts["c"]
+    assert expected[0] == 0.0  # the member-order sum of the first values; arrival order c, b, a would give 1
+    for order in itertools.permutations("abc"):
+        group = _ShardGroup(("a", "b", "c"), {"a", "b", "c"})
+        for sender in order:
+            group.add(sender, parts[sender])
+        assert group.contributors == list(order)
+        assert torch.equal(group.sum(), expected), order
+
+    early = _ShardGroup(("a", "b", "c"), {"a", "b", "c"})
+    early.add("c", parts["c"])
+    early.add("b", parts["b"])
+    assert early.first is None and early.total is None  # nothing is summed before a's part
+    early.add("a", parts["a"])
+    assert torch.equal(early.total, expected)
+
+    missing = _ShardGroup(("a", "b", "c"), {"a", "b", "c"})  # closed without b: a + c, in order
+    missing.add("c", parts["c"])
+    missing.add("a", parts["a"])
+    assert missing.total is None and torch.equal(missing.sum(), parts["a"] + parts["c"])
 
 
 def test_an_owner_leaves_out_parts_that_are_not_finite_and_only_those():
