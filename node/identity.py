@@ -100,6 +100,17 @@ class Identity:
         curve = X25519PrivateKey.generate().private_bytes(_RAW, _RAW_PRIVATE, _NO_ENCRYPTION)
         return cls(signing_key=Ed25519PrivateKey.generate(), curve_secret=curve)
 
+    @classmethod
+    def from_seed(cls, seed: bytes | str) -> Identity:
+        """The same identity for the same `seed`, every time: for reproducible simulations
+        and tests only, since whoever knows the seed holds the keys. Peer ids decide shard
+        ownership and the order in which owners sum, so a simulated swarm repeats bit for bit
+        only if its peers keep their ids."""
+        seed = seed.encode() if isinstance(seed, str) else bytes(seed)
+        signing = hashlib.sha256(b"starling.identity.ed25519\0" + seed).digest()
+        curve = hashlib.sha256(b"starling.identity.x25519\0" + seed).digest()
+        return cls(signing_key=Ed25519PrivateKey.from_private_bytes(signing), curve_secret=curve)
+
     # -- keys ---------------------------------------------------------------------------
 
     @property

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
+from starling.node.identity import Identity
 from starling.node.links import LinkEmulator, LinkModel
 from starling.node.membership import Liveness
 from starling.node.node import Node, NodeConfig
@@ -234,16 +235,26 @@ def endpoint_for(transport: str, rank: int, ipc_dir: str, run_id: str) -> str:
     return f"inproc://starling-sim-{run_id}-{rank}"
 
 
+def seeded_identity(seed: int, rank: int) -> Identity:
+    """Rank `rank`'s keys in a simulation seeded `seed`: the same in every run (never for a
+    real swarm, see `Identity.from_seed`)."""
+    return Identity.from_seed(f"starling.sim:{seed}:{rank}")
+
+
 class SimPeer:
     """One simulated peer: a node, a protocol over a fresh model, and its training loop."""
 
     def __init__(self, config: SimConfig, task: Task, rank: int, listen: str,
-                 on_step: Callable[[int, int], None] | None = None, crashed: set[str] | None = None) -> None:
+                 on_step: Callable[[int, int], None] | None = None, crashed: set[str] | None = None,
+                 identity: Identity | None = None) -> None:
+        """`identity`: the node's keys (default: fresh random ones); `seeded_identity` gives
+        the same ones for the same seed and rank, so that a run repeats bit for bit."""
         self.config, self.task, self.rank = config, task, rank
         self.listen = listen
         self.on_step = on_step or (lambda rank, step: None)
-        self.node = Node(config=NodeConfig(liveness=config.liveness, join_timeout_s=config.join_timeout_s,
-                                           transport=TransportConfig(send_timeout_s=config.send_timeout_s)))
+        node_config = NodeConfig(liveness=config.liveness, join_timeout_s=config.join_timeout_s,
+                                 transport=TransportConfig(send_timeout_s=config.send_timeout_s))
+        self.node = Node(identity, config=node_config)
         self.emulator: LinkEmulator | None = None
         self.crashed = crashed if crashed is not None else set()
         if not config.link.is_ideal or any(e.kind == "kill" for e in config.churn):

@@ -39,6 +39,17 @@ def test_two_identities_differ():
     assert a.curve_public != b.curve_public
 
 
+def test_from_seed_gives_the_same_working_keys_for_the_same_seed_only():
+    a, again = Identity.from_seed("sim:0:1"), Identity.from_seed(b"sim:0:1")
+    assert (a.peer_id, a.curve_secret, a.signing_secret) == (again.peer_id, again.curve_secret, again.signing_secret)
+    other = Identity.from_seed("sim:0:2")
+    assert other.peer_id != a.peer_id and other.curve_public != a.curve_public
+    assert a.curve_secret != a.signing_secret  # the two keys come from separate derivations
+    assert zmq.curve_public(a.curve_secret_z85) == a.curve_public_z85
+    assert verify_signature(a.verify_key, b"data", a.sign(b"data"))
+    assert Identity.from_json(a.to_json()).peer_id == a.peer_id
+
+
 def test_peer_id_is_derived_from_the_verify_key():
     identity = Identity.generate()
     assert identity.peer_id == peer_id_from_key(identity.verify_key)
