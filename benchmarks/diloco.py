@@ -46,7 +46,7 @@ import torch
 
 from starling.node.links import LinkModel
 from starling.node.membership import Liveness
-from starling.node.sim import SimConfig, SimPeer, check_config, endpoint_for, seeded_identity, wait_for
+from starling.node.sim import SimConfig, SimPeer, check_config, endpoint_for, wait_for
 from starling.tasks import get_task
 
 LOSS_TARGET = 0.02  # relative eval-loss gap to allreduce
@@ -116,9 +116,8 @@ def run(protocol: str, peers: int, steps: int, options: dict[str, Any], link: Li
         if rank in schedulers:
             schedulers[rank].step()
 
-    # seeded keys: peer ids decide shard ownership and summing order, so a run repeats bit for bit
-    sims = [SimPeer(config, task, rank, endpoint_for("inproc", rank, "", run_id), on_step=on_step,
-                    identity=seeded_identity(seed, rank)) for rank in range(peers)]
+    sims = [SimPeer(config, task, rank, endpoint_for("inproc", rank, "", run_id), on_step=on_step)
+            for rank in range(peers)]  # with seeded keys (SimPeer's default): a run repeats bit for bit
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -376,7 +376,8 @@ def simulate(
     latency_ms: float = typer.Option(0.0, "--latency", help="One-way latency per link, in ms."),
     loss: float = typer.Option(0.0, "--loss", help="Probability that a protocol message is lost."),
     churn: Optional[str] = typer.Option(None, "--churn", help="e.g. kill:1@50,leave:2@60,join@80 (STEP = swarm step)."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="Data order, the simulated peers' keys and the links' randomness "
+                             "(see the README for which runs repeat bit for bit)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write per-peer metrics (JSON lines) and summary.json here."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
     baseline: str = typer.Option("allreduce", "--baseline", help="Protocol to compare against, or none."),

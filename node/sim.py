@@ -247,14 +247,15 @@ class SimPeer:
     def __init__(self, config: SimConfig, task: Task, rank: int, listen: str,
                  on_step: Callable[[int, int], None] | None = None, crashed: set[str] | None = None,
                  identity: Identity | None = None) -> None:
-        """`identity`: the node's keys (default: fresh random ones); `seeded_identity` gives
-        the same ones for the same seed and rank, so that a run repeats bit for bit."""
+        """`identity`: the node's keys; by default `seeded_identity(config.seed, rank)`, the
+        same in every run, so that a run without churn or emulated links repeats bit for bit
+        (peer ids decide shard ownership and the order in which owners sum)."""
         self.config, self.task, self.rank = config, task, rank
         self.listen = listen
         self.on_step = on_step or (lambda rank, step: None)
         node_config = NodeConfig(liveness=config.liveness, join_timeout_s=config.join_timeout_s,
                                  transport=TransportConfig(send_timeout_s=config.send_timeout_s))
-        self.node = Node(identity, config=node_config)
+        self.node = Node(identity or seeded_identity(config.seed, rank), config=node_config)
         self.emulator: LinkEmulator | None = None
         self.crashed = crashed if crashed is not None else set()
         if not config.link.is_ideal or any(e.kind == "kill" for e in config.churn):
