@@ -138,11 +138,6 @@ class _ShardGroup:
     reply: tuple[dict[str, Any], tuple[torch.Tensor, ...]] | None = None
     timer: asyncio.Future[None] | None = None  # closes the group when its time is up
 
-    @property
-    def parts(self) -> list[torch.Tensor]:
-        """The parts in the order of `contributors`."""
-        return [self.received[s] for s in self.contributors]
-
     def add(self, sender: str, part: torch.Tensor, owned: bool = False) -> None:
         """`owned`: nobody else holds `part` (it may become a lone part's sum as it is)."""
         self.contributors.append(sender)
@@ -174,8 +169,8 @@ class _ShardGroup:
         self._fold(closing=True)
         total = self.total
         if total is None:
-            if self.first is None:
-                return torch.empty(0)
+            if self.first is None:  # every contributor is a member, so this cannot be
+                raise RuntimeError("a group closed with contributors but no part to sum")
             part = self.received[self.first]
             total = part if self.first in self.owned else part.clone()
         if bool(torch.isfinite(total.sum())):

@@ -52,7 +52,7 @@ def test_an_owner_sums_parts_without_copying_or_writing_them():
     before = mine.clone(), theirs.clone()
     group = _ShardGroup(("a", "b", "c"), {"a", "b", "c"})
     group.add("a", mine)
-    assert group.total is None and group.parts[0] is mine  # kept, not copied
+    assert group.total is None and group.received["a"] is mine  # kept, not copied
     group.add("b", theirs)
     group.add("c", third)
     total = group.sum()
