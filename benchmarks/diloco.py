@@ -16,9 +16,6 @@ then a summary row. Targets checked:
   allreduce's lr is the better of two (``--allreduce-lr``).
 - ``horizon``: the same comparison at shorter runs (``--horizons``, 256 to 2048 steps),
   reported, not checked: the gap depends on the token budget (see docs/benchmarks.md).
-
-Peers have seeded keys (``--seed``), and owners sum in member order, so a run repeats bit for
-bit.
 - ``peak``: bytes in one fragment's sync (parts plus averages, per peer) fall by the number of
   fragments against ``diloco``, which syncs the whole model at once (>= 0.98 F counts as met).
 - ``util``: on emulated links of 100 Mbit/s and 50 ms one-way latency, ``streaming-diloco``
@@ -29,7 +26,8 @@ bit.
   exchange, overlap 0..5, alpha 0 vs 0.5 (with overlap), peers 1/2/4 at equal steps.
 
 Bytes are what each peer's node counted on the protocol's topics (requests and replies,
-headers included); membership traffic is left out for both protocols.
+headers included); membership traffic is left out for both protocols. Peers have seeded keys
+(``--seed``) and owners sum in member order, so a run repeats bit for bit.
 """
 from __future__ import annotations
 
