@@ -82,7 +82,7 @@ class Accountant:
             accountant.history = list(self.history)
             with warnings.catch_warnings():  # PRV at q = 1 takes log(1 - q) on its way: harmless
                 warnings.simplefilter("ignore", RuntimeWarning)
-                self._cache = (key, delta, float(accountant.get_epsilon(delta=delta)))
+                self._cache = (key, delta, float(accountant.get_epsilon(delta=delta, **_orders(self.mechanism))))
         return self._cache[2]
 
     def state(self) -> list[list[float]]:
@@ -91,6 +91,17 @@ class Accountant:
     def load(self, state: Sequence[Sequence[float]]) -> None:
         self.history = [(float(sigma), float(q), int(steps)) for sigma, q, steps in state]
         self._cache = None
+
+
+def _orders(mechanism: str) -> dict[str, Any]:
+    """RDP orders past Opacus' default largest (63): with much noise or few rounds the best
+    order lies beyond it, and Opacus then reports a looser epsilon than it could (and warns).
+    More orders never loosen the bound; the minimum over them is taken."""
+    if mechanism != "rdp":
+        return {}
+    from opacus.accountants import RDPAccountant
+
+    return {"alphas": list(RDPAccountant.DEFAULT_ALPHAS) + [64, 80, 96, 128, 192, 256, 384, 512, 768, 1024]}
 
 
 def _opacus_accountant(mechanism: str) -> Any:
@@ -105,7 +116,7 @@ def solve_noise_multiplier(target_epsilon: float, delta: float, sample_rate: flo
     from opacus.accountants.utils import get_noise_multiplier
 
     return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate,
-                                      steps=steps, accountant=mechanism))
+                                      steps=steps, accountant=mechanism, **_orders(mechanism)))
 
 
 def clip_rows_(rows: torch.Tensor, clip: float) -> torch.Tensor:
