@@ -14,7 +14,7 @@ so that both see the same machine load:
 
     for each round (warm-up rounds first, not timed):
         reset the vector to this rank's input
-        barrier; time ShardedReducer.reduce(...)     # protocols/_reduce.py, what `allreduce` uses
+        barrier; time ShardedReducer.reduce(...)     # collectives/reduce.py, what `allreduce` uses
         reset the vector to this rank's input
         barrier; time dist.all_reduce(...) / N        # the mean, as Starling computes it
 
@@ -166,15 +166,14 @@ def worker(spec: WorkerSpec, addresses: Any, barrier: Any, results: Any) -> None
         torch.set_num_threads(1)
         # Warnings, and the reducer's reasons for a chunk that kept its local values, to stderr.
         logging.basicConfig(level=logging.WARNING, format=f"rank {spec.rank} %(name)s: %(message)s")
-        logging.getLogger("starling.protocols._reduce").setLevel(logging.INFO)
+        logging.getLogger("starling.collectives.reduce").setLevel(logging.INFO)
         vector = torch.empty(spec.numel, dtype=torch.float32)
         mine, expected = _inputs(spec.rank, spec.world, spec.numel)
         out: dict[str, Any] = {"rank": spec.rank}
 
         reducer = members = None
         if "starling" in spec.backends:
-            from starling.protocols._exchange import membership
-            from starling.protocols._reduce import ReduceTimeouts, ShardedReducer
+            from starling.collectives import ReduceTimeouts, ShardedReducer, membership
 
             node = _start_node(spec, addresses)
             members = membership(node)
@@ -234,12 +233,12 @@ def worker(spec: WorkerSpec, addresses: Any, barrier: Any, results: Any) -> None
             _print_profile(f"rank {spec.rank}, Starling rounds, training thread", profiler)
             _print_profile(f"rank {spec.rank}, Starling rounds, network thread", net_profiler)
         results.put(out)
-    except BaseException as exc:  # noqa: BLE001 - report every failure to the parent
+    except BaseException as exc:
         results.put({"rank": spec.rank, "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc()})
         try:
             barrier.abort()  # wake the peers at once instead of after their timeouts
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
     finally:
         try:
@@ -247,7 +246,7 @@ def worker(spec: WorkerSpec, addresses: Any, barrier: Any, results: Any) -> None
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         if node is not None:
             node.close()
@@ -279,11 +278,11 @@ def run_peers(world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
                     out = results.get(timeout=1.0)
                 except queue.Empty:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"{world} peers: {len(outs)} of {world} workers reported in time")
+                        raise TimeoutError(f"{world} peers: {len(outs)} of {world} workers reported in time") from None
                     dead = [p for p in procs if p.exitcode not in (None, 0)]
                     if dead:
                         raise RuntimeError(f"{world} peers: worker {dead[0].name} died with exit code "
-                                           f"{dead[0].exitcode}")
+                                           f"{dead[0].exitcode}") from None
                     continue
                 if "error" in out:
                     raise RuntimeError(f"{world} peers: rank {out['rank']} failed: {out['error']}\n{out['traceback']}")
@@ -330,7 +329,7 @@ def _sig(x: float, digits: int = 4) -> float:
 def _chunk_mb(args: argparse.Namespace) -> float:
     if args.chunk_mb:
         return args.chunk_mb
-    from starling.protocols._reduce import DEFAULT_CHUNK_NUMEL
+    from starling.collectives import DEFAULT_CHUNK_NUMEL
 
     return DEFAULT_CHUNK_NUMEL * 4 / 2**20
 

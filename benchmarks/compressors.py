@@ -21,7 +21,7 @@ import json
 import math
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -82,7 +82,7 @@ def _best_pair(a: Callable[[], object], b: Callable[[], object], repeat: int, de
 
 
 def _matrix(x: torch.Tensor) -> torch.Tensor:
-    rows = 1 << max(0, (int(math.isqrt(x.numel())) - 1).bit_length() - 1)
+    rows = 1 << max(0, (math.isqrt(x.numel()) - 1).bit_length() - 1)
     return x[: x.numel() // rows * rows].view(rows, -1)
 
 

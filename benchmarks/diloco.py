@@ -5,7 +5,7 @@
                                 [--util-steps N] [--sweep-steps N] [--sweep-sync-every H]
                                 [--horizons N,N,...] [--only headline,horizon,peak,util,sweep]
 
-Every run is a simulated swarm of real nodes over inproc sockets (`starling.node.sim`), one
+Every run is a simulated swarm of real nodes over inproc sockets (`starling.runtime.sim`), one
 training thread per peer, each peer on its own data shard. Prints one JSON row per measurement,
 then a summary row. Targets checked:
 
@@ -42,9 +42,8 @@ from typing import Any
 
 import torch
 
-from starling.node.links import LinkModel
 from starling.node.membership import Liveness
-from starling.node.sim import SimConfig, SimPeer, check_config, endpoint_for, wait_for
+from starling.runtime import LinkModel, SimConfig, SimPeer, check_config, endpoint_for, wait_for
 from starling.tasks import get_task
 
 LOSS_TARGET = 0.02  # relative eval-loss gap to allreduce
@@ -324,7 +323,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     steps = args.sweep_steps
     grid: list[tuple[str, Any, dict[str, Any], int]] = []
     grid += [("compressor", c, {"compressor": c}, args.peers) for c in ("int4", "fp4:e3m0", "int8", "none")]
-    grid += [("overlap_steps", t, {"overlap_steps": t}, args.peers) for t in range(0, 6)]
+    grid += [("overlap_steps", t, {"overlap_steps": t}, args.peers) for t in range(6)]
     grid += [("alpha", a, {"alpha": a}, args.peers) for a in (0.0, 0.5)]
     grid += [("peers", p, {}, p) for p in (1, 2, 4)]
     done: dict[str, dict[str, Any]] = {}

@@ -73,7 +73,7 @@ def emit(row: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------- charlm
 def run_charlm(protocol: str, peers: int, steps: int, options: dict[str, Any], task_options: dict[str, Any],
                seed: int) -> dict[str, Any]:
-    from starling.node.sim import SimConfig, Simulation
+    from starling.runtime import SimConfig, Simulation
 
     config = SimConfig(peers=peers, protocol=protocol, task="charlm", steps=steps, options=options,
                        task_options=task_options, seed=seed)
@@ -172,7 +172,7 @@ def warm_up(task: Any, peers: int, seed: int) -> None:
     first optimizer (torch._dynamo, about 75 MB), the first backward, and the network thread
     with its ZeroMQ context (started by the first node)."""
     from starling.node.node import Node, NodeConfig
-    from starling.protocols._exchange import make_optimizer
+    from starling.protocols.optim import make_optimizer
 
     model = task.make_model()
     optimizer = make_optimizer(list(model.parameters()), "sgd", 0.1, 0.0, 0.0)
@@ -192,8 +192,8 @@ def mem_child(peers: int, steps: int, deadline_s: float, max_dealers: int | None
     import starling.protocols  # noqa: F401  (registers the protocols before the baseline RSS)
     from starling.node.loop import NetworkThread
     from starling.node.membership import Liveness
-    from starling.node.sim import SimConfig, SimPeer, check_config, endpoint_for, wait_for
     from starling.node.transport import TransportConfig
+    from starling.runtime import SimConfig, SimPeer, check_config, endpoint_for, wait_for
     from starling.tasks import get_task
 
     config = SimConfig(peers=peers, protocol="gossip", task="quadratic", steps=steps, options=MEM_OPTIONS,

@@ -31,8 +31,8 @@ import torch
 
 from starling.compressors import CountSketch
 from starling.node.node import Node, NodeConfig
-from starling.node.sim import SIM_LIVENESS
 from starling.protocols import get_protocol
+from starling.runtime import SIM_LIVENESS
 from starling.tasks import get_task
 
 PEERS = 4

@@ -25,6 +25,7 @@ Prints one JSON row per measurement. Targets checked:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import re
@@ -32,8 +33,9 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -41,8 +43,8 @@ from starling.node import Message, Node
 from starling.node.membership import Liveness
 from starling.node.node import NodeConfig
 from starling.protocols import get_protocol
-from starling.protocols._spsa_log import Record
-from starling.protocols._spsa_math import ParamSpace, direction_seed, peer_key
+from starling.protocols.spsa.arith import ParamSpace, direction_seed, peer_key
+from starling.protocols.spsa.records import Record
 from starling.tasks import get_task
 
 BYTES_TARGET = 1.5
@@ -230,7 +232,7 @@ def spsa_curve(task: Any, peers: int, steps: int, options: dict[str, Any], evals
 
 def smoothed_monotone(curve: list[float], window: int = 3) -> bool:
     smooth = [statistics.fmean(curve[max(0, i - window + 1):i + 1]) for i in range(len(curve))]
-    return all(b <= a + 1e-6 for a, b in zip(smooth, smooth[1:]))
+    return all(b <= a + 1e-6 for a, b in itertools.pairwise(smooth))
 
 
 def bench_loss(peers: int, steps: int, lr: float, eps: float) -> None:

@@ -122,9 +122,9 @@ def node_start(
     node fixes the protocol, its hyper-parameters and the task; joiners learn them, fetch
     the swarm's state and continue at its round."""
     from starling.node.node import JoinError, Node, NodeConfig
-    from starling.node.trainer import TrainSpec, TrainSpecError, with_run_length
     from starling.node.transfer import TransferError
     from starling.protocols.base import ProtocolError
+    from starling.runtime import TrainSpec, TrainSpecError, with_run_length
     from starling.tasks import TaskSpecError
 
     _setup_logging(log_level)
@@ -195,7 +195,7 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
     """The node's training loop: one JSON progress line every `log_every` steps."""
     import time
 
-    from starling.node.trainer import Trainer, TrainSpec, shard_for
+    from starling.runtime import Trainer, TrainSpec, shard_for
 
     spec = TrainSpec.from_swarm_config(node.swarm_config)
     rank, world = rank_world or (shard_for(node.peer_id, 16), 16)
@@ -266,8 +266,7 @@ def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor
     """The run's SimConfig and the baseline's (None for --baseline none); ValueError on bad input."""
     from dataclasses import fields, replace
 
-    from starling.node.links import LinkModel, parse_rate
-    from starling.node.sim import SimConfig, check_config, parse_churn, resolve_protocol
+    from starling.runtime import LinkModel, SimConfig, check_config, parse_churn, parse_rate, resolve_protocol
     from starling.tasks import parse_options
 
     if latency_ms < 0:
@@ -331,7 +330,7 @@ def _print_table(summary: dict[str, Any]) -> None:
         console.print(privacy)
 
 
-# Headings for the privacy report's fields (protocols/_privacy.py PrivacyReport); any other field
+# Headings for the privacy report's fields (protocols/privacy.py PrivacyReport); any other field
 # a protocol reports is printed under its own name, after these.
 _PRIVACY_HEADINGS = {"epsilon": "epsilon", "delta": "delta", "noise_multiplier": "sigma", "clip": "C",
                      "dp_unit": "unit"}
@@ -389,9 +388,9 @@ def simulate(
 ) -> None:
     """Run a swarm of real nodes on this machine over emulated links and compare it with a baseline."""
     from starling.node.node import JoinError
-    from starling.node.sim import SimError, Simulation
     from starling.node.transfer import TransferError
     from starling.protocols.base import ProtocolError
+    from starling.runtime import SimError, Simulation
 
     _setup_logging(log_level)
     errors = (SimError, ProtocolError, JoinError, TransferError, *EXPECTED_ERRORS)
@@ -444,8 +443,8 @@ def protocols_cmd(
     import dataclasses
     import typing
 
-    from starling.node.trainer import resolve_protocol
     from starling.protocols import ProtocolError, registered_protocols
+    from starling.runtime import resolve_protocol
 
     if name is None:
         for known in registered_protocols():

@@ -24,7 +24,18 @@ from typing import Any, ClassVar
 import torch
 
 from . import rng
-from .base import Compressor, Encoded, Header, NonFiniteError, Param, as_bytes, chunk_elems, fresh_seed, register, view_as
+from .base import (
+    Compressor,
+    Encoded,
+    Header,
+    NonFiniteError,
+    Param,
+    as_bytes,
+    chunk_elems,
+    fresh_seed,
+    register,
+    view_as,
+)
 
 _CHUNK_ELEMS = 1 << 20  # 4 MiB of float32 per chunk: few ops, temporaries near the caches
 _F32_MAX = torch.finfo(torch.float32).max

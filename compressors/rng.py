@@ -22,13 +22,13 @@ import math
 import torch
 
 __all__ = [
-    "derive_seed",
     "bits64",
-    "uniform",
+    "derive_seed",
     "normal",
     "rademacher",
     "randint",
     "sample_indices",
+    "uniform",
 ]
 
 _MASK64 = (1 << 64) - 1

@@ -153,7 +153,7 @@ class CountSketch(Compressor):
 
     def unsketch(self, table: torch.Tensor, numel: int, seed: int, heavy: int = 0) -> torch.Tensor:
         """Median-of-rows estimate of the ``numel`` values; keep the ``heavy`` largest if > 0."""
-        rows, cols = table.shape
+        rows = table.shape[0]
         out = torch.empty(numel, dtype=torch.float32, device=table.device)
         if rows == 1:  # the only row's estimate is the median: written in place
             self._row_estimates(table, numel, seed, 0, numel, out.view(1, numel))

@@ -3,7 +3,7 @@
 A sketch-dp peer trains on one private sample per round and releases its sketched update
 y = clip_C(R_t g) (+ noise). Any other peer knows the model (it holds a replica) and R_t (it is
 rebuilt from the swarm seed and the round), so it can invert the release: gradient matching
-through R_t, started from the first layer's closed-form inversion (`protocols/_leakage.py`).
+through R_t, started from the first layer's closed-form inversion (`protocols/leakage.py`).
 
     python examples/gradient_leakage.py                 # 6 samples, sigma 0 and 1
     python examples/gradient_leakage.py --samples 10 --sigma 0 0.1 1 --sketch gsketch:512
@@ -24,7 +24,7 @@ import torch
 from starling.compressors import rng
 from starling.node.node import Node
 from starling.protocols import get_protocol
-from starling.protocols._leakage import reconstruct_sample
+from starling.protocols.leakage import reconstruct_sample
 from starling.tasks import get_task
 
 

@@ -15,14 +15,14 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
+    "TRANSPORTS",
     "AddressError",
     "PeerAddress",
-    "TRANSPORTS",
+    "decode_key",
+    "encode_key",
+    "is_loopback",
     "parse_address",
     "parse_bind",
-    "encode_key",
-    "decode_key",
-    "is_loopback",
 ]
 
 TRANSPORTS = ("tcp", "ipc", "inproc")

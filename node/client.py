@@ -41,7 +41,7 @@ async def _aquery(address: str, topic: str, body: Any, identity: Identity, timeo
                               "(not running, wrong key, or not allowed)") from None
         try:
             msg = decode(frames)
-            rid, ok, result = rpc.parse_reply(msg)
+            _, ok, result = rpc.parse_reply(msg)
         except WireError as exc:
             raise ClientError(f"malformed answer from {target.endpoint}: {exc}") from None
         if not ok:

@@ -10,7 +10,8 @@ import concurrent.futures
 import logging
 import os
 import threading
-from typing import Any, Callable, ClassVar, Coroutine, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, ClassVar, TypeVar
 
 import zmq
 import zmq.asyncio

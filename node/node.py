@@ -29,9 +29,10 @@ import math
 import random
 import time
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from zmq.utils import z85
 
@@ -40,11 +41,22 @@ from starling.node.address import parse_address, parse_bind
 from starling.node.identity import Identity, verify_signature
 from starling.node.loop import NetworkThread
 from starling.node.membership import (
-    Liveness, PeerInfo, PeerRecord, PeerStatus, PeerTable, StatusChange, finite_meta, leave_statement,
+    Liveness,
+    PeerInfo,
+    PeerRecord,
+    PeerStatus,
+    PeerTable,
+    StatusChange,
+    finite_meta,
+    leave_statement,
     parse_digest,
 )
 from starling.node.security import (
-    SecurityError, SecurityMode, ZapPolicy, check_plaintext_allowed, load_authorized_keys,
+    SecurityError,
+    SecurityMode,
+    ZapPolicy,
+    check_plaintext_allowed,
+    load_authorized_keys,
 )
 from starling.node.stats import NodeStats
 from starling.node.transfer import BlobServer, TransferConfig, afetch_from_any

@@ -13,8 +13,9 @@ import hashlib
 import itertools
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from starling.node.rpc import Reply, RpcError
 

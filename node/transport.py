@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket as pysocket
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
 
 import zmq
 import zmq.asyncio
@@ -142,7 +142,7 @@ class Transport:
         """Bound endpoints with wildcard hosts replaced by a reachable address."""
         out = []
         for ep in self.bound:
-            if ep.startswith("tcp://0.0.0.0:") or ep.startswith("tcp://[::]:"):
+            if ep.startswith(("tcp://0.0.0.0:", "tcp://[::]:")):
                 ep = f"tcp://{_outbound_host()}:{ep.rsplit(':', 1)[1]}"
             out.append(ep)
         return out

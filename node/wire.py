@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Sequence
+from typing import Any
 
 import msgpack
 import numpy
@@ -25,17 +26,17 @@ import torch
 import zmq
 
 __all__ = [
-    "WIRE_VERSION",
-    "HEADER_KEYS",
-    "MAX_TOPIC_CHARS",
-    "MAX_SENDER_CHARS",
     "ALLOWED_DTYPES",
-    "RejectReason",
-    "WireError",
+    "HEADER_KEYS",
+    "MAX_SENDER_CHARS",
+    "MAX_TOPIC_CHARS",
+    "WIRE_VERSION",
     "Limits",
     "Message",
-    "encode",
+    "RejectReason",
+    "WireError",
     "decode",
+    "encode",
     "frame_nbytes",
 ]
 
@@ -199,7 +200,7 @@ def decode(frames: Sequence[bytes | memoryview | zmq.Frame], limits: Limits = Li
         return _decode(frames, limits)
     except WireError:
         raise
-    except Exception as exc:  # noqa: BLE001 - hostile input must only ever yield WireError
+    except Exception as exc:
         raise WireError(RejectReason.MALFORMED, f"undecodable message ({exc!r})") from None
 
 
@@ -280,7 +281,7 @@ def _unpack_header(view: memoryview) -> Any:
         )
     except WireError:
         raise
-    except Exception as exc:  # noqa: BLE001 - msgpack raises many types on bad input
+    except Exception as exc:
         raise WireError(RejectReason.MALFORMED, f"header is not valid msgpack ({exc!r})") from None
 
 

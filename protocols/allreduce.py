@@ -2,7 +2,7 @@
 
     members = sorted(live peers + me)           # this peer's view at step t
     g = flatten(grad)                           # one float32 vector
-    g = sharded_all_reduce(t, members, g)       # protocols/_reduce.py: reduce-scatter by
+    g = sharded_all_reduce(t, members, g)       # collectives/reduce.py: reduce-scatter by
                                                 # shard owners, 2(P-1)/P of g sent per peer
     optimizer.step() on the averaged gradient   # a shard whose owner did not answer in
                                                 # time keeps the local gradient
@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from torch import nn
 
+from starling.collectives import ByteMeter, FlatModel, ReduceTimeouts, ShardedReducer, membership, watch_peers
 from starling.node.node import Node
-from starling.protocols._exchange import (
-    ByteMeter, FlatModel, check_reduce_config, make_optimizer, membership, optimizer_state, watch_peers,
-)
-from starling.protocols._reduce import ReduceTimeouts, ShardedReducer
 from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
+from starling.protocols.optim import check_reduce_config, make_optimizer, optimizer_state
 
 log = logging.getLogger(__name__)
 

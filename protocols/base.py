@@ -16,8 +16,9 @@ import dataclasses
 import types
 import typing
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -88,13 +89,13 @@ class Protocol(ABC):
         """The model to evaluate (DiLoCo evaluates its outer parameters)."""
         return self.model
 
-    def on_peer_joined(self, peer_id: str) -> None:
+    def on_peer_joined(self, peer_id: str) -> None:  # noqa: B027 (an optional hook)
         """Called on the network thread when a peer becomes alive."""
 
-    def on_peer_left(self, peer_id: str) -> None:
+    def on_peer_left(self, peer_id: str) -> None:  # noqa: B027 (an optional hook)
         """Called on the network thread when a peer leaves or is declared dead."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (an optional hook)
         """Release anything the protocol holds (threads, pending exchanges)."""
 
     def describe(self) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 their parameters went (DiLoCo, Douillard et al. 2023; Streaming DiLoCo, Douillard et al. 2025).
 
 Each peer, with H = sync_every, F = fragments, tau = overlap_steps, and the fragment split
-and schedule of `_fragments.py` (diloco: F = 1, tau = 0, alpha = 0):
+and schedule of `fragments.py` (diloco: F = 1, tau = 0, alpha = 0):
 
     outer_f = a float32 copy of fragment f of the parameters; momentum_f = 0
     for every inner step s = 1, 2, ...:
@@ -32,21 +32,30 @@ import copy
 import logging
 import math
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from starling.collectives import (
+    ByteMeter,
+    FlatModel,
+    PendingReduce,
+    ReduceResult,
+    ReduceTimeouts,
+    ShardedReducer,
+    membership,
+    watch_peers,
+)
+from starling.collectives.codec import check_compressor_spec
 from starling.node.node import Node
 from starling.node.rpc import Reply
 from starling.node.wire import Message
-from starling.protocols._exchange import (
-    ByteMeter, FlatModel, check_compressor_spec, make_optimizer, membership, optimizer_state, watch_peers,
-)
-from starling.protocols._fragments import ASSIGNMENTS, FragmentSchedule, FragmentView, count_layers, split_fragments
-from starling.protocols._reduce import PendingReduce, ReduceResult, ReduceTimeouts, ShardedReducer
 from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
+from starling.protocols.fragments import ASSIGNMENTS, FragmentSchedule, FragmentView, count_layers, split_fragments
+from starling.protocols.optim import make_optimizer, optimizer_state
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +76,7 @@ class DiLoCoConfig(ProtocolConfig):
     inner_optimizer: str = "adamw"  # adamw | sgd
     inner_momentum: float = 0.0  # sgd only
     weight_decay: float = 0.0
-    fragment_assignment: str = "strided"  # strided | sequential (see _fragments.py)
+    fragment_assignment: str = "strided"  # strided | sequential (see fragments.py)
     reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
     retry_interval_s: float = 0.05  # re-ask a peer that is not ready yet
 

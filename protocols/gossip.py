@@ -39,22 +39,22 @@ import random
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
+from starling.collectives import ByteMeter, FlatModel, make_codec, membership, packet_from_wire, watch_peers
+from starling.collectives.codec import check_compressor_spec
 from starling.compressors import decode
-from starling.node.node import Node
 from starling.node.membership import PeerStatus
+from starling.node.node import Node
 from starling.node.rpc import RemoteError, Reply
 from starling.node.wire import Message
-from starling.protocols._exchange import (
-    ByteMeter, FlatModel, check_compressor_spec, make_codec, make_optimizer, membership, optimizer_state,
-    packet_from_wire, watch_peers,
-)
 from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
+from starling.protocols.optim import make_optimizer, optimizer_state
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ a privacy budget (Song et al., ICML 2023; count sketches as in FetchSGD, Rothchi
                  y = sum_{i in B} clip_C(R_t grad l_i)
     y += N(0, sigma^2 C^2 I)                           # clipping in sketch space: sensitivity C for any R_t
     y /= q N                                           # sample unit: the mean over the expected batch
-    Y = mean of y over live peers                      # sketches are linear: sharded all-reduce (_reduce.py)
+    Y = mean of y over live peers                      # sketches are linear: sharded all-reduce (collectives/reduce.py)
     g = R_t^T Y                                        # gsketch, or a one-row count sketch: unbiased
       | top_K(e + median_t(Y)), e <- rest              # countsketch:RxC,heavy=K: heavy hitters with
                                                        #   error accumulation (FetchSGD)
     optimizer.step(g)                                  # from x_t; post-processing: momentum costs no privacy
-    accountant.step(sigma, q); report epsilon(delta)   # Opacus RDP or PRV (protocols/_privacy.py)
+    accountant.step(sigma, q); report epsilon(delta)   # Opacus RDP or PRV (protocols/privacy.py)
 
 A round t spans `local_steps` calls of `step`; only its last one releases y, so the accountant
 counts one release per round, and `budget_steps` (training steps, as `--steps`) plans for
@@ -38,23 +38,30 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
+from starling.collectives import ByteMeter, FlatModel, ReduceTimeouts, ShardedReducer, membership, watch_peers
 from starling.compressors import CountSketch, GaussianSketch, from_spec, rng
 from starling.node.node import Node
-from starling.protocols._exchange import (
-    ByteMeter, FlatModel, check_reduce_config, make_optimizer, membership, optimizer_state, watch_peers,
-)
-from starling.protocols._privacy import (
-    MECHANISMS, UNITS, Accountant, PrivacyReport, PrivateData, clip_rows_, gaussian_noise, per_sample_grads,
-    secret_generator, solve_noise_multiplier,
-)
-from starling.protocols._reduce import ReduceTimeouts, ShardedReducer
 from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
+from starling.protocols.optim import check_reduce_config, make_optimizer, optimizer_state
+from starling.protocols.privacy import (
+    MECHANISMS,
+    UNITS,
+    Accountant,
+    PrivacyReport,
+    PrivateData,
+    clip_rows_,
+    gaussian_noise,
+    per_sample_grads,
+    secret_generator,
+    solve_noise_multiplier,
+)
 
 log = logging.getLogger(__name__)
 

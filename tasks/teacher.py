@@ -15,6 +15,7 @@ peers' mixes average to the uniform distribution the held-out set is drawn from.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ class TeacherTask(Task):
         cfg = self.config
         widths = [cfg.input_dim] + [cfg.hidden] * cfg.depth
         layers: list[nn.Module] = []
-        for fan_in, fan_out in zip(widths[:-1], widths[1:]):
+        for fan_in, fan_out in itertools.pairwise(widths):
             layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
         layers.append(nn.Linear(widths[-1], cfg.num_classes))
         model = nn.Sequential(*layers)

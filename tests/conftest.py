@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
 
 import pytest
 

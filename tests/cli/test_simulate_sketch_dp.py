@@ -13,8 +13,7 @@ from opacus.accountants import RDPAccountant
 from typer.testing import CliRunner
 
 from starling.cli.main import app
-from starling.node.sim import SimConfig
-from starling.node.trainer import with_run_length
+from starling.runtime import SimConfig, with_run_length
 
 runner = CliRunner()
 SKETCH_DP = ["simulate", "--protocol", "sketch-dp", "--task", "teacher", "--peers", "2", "--baseline", "none",

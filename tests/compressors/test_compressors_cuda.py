@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _compressors_support import ALL_SPECS, CUDA, over_the_wire, rel_err
 
 from starling.compressors import CountSketch, GaussianSketch, from_spec, rng
-
-from _compressors_support import ALL_SPECS, CUDA, over_the_wire, rel_err
 
 pytestmark = CUDA
 

@@ -6,10 +6,9 @@ import math
 import msgpack
 import pytest
 import torch
+from _compressors_support import ALL_SPECS, over_the_wire, rel_err
 
 from starling.compressors import Packet, decode, from_spec, registered_codecs
-
-from _compressors_support import ALL_SPECS, over_the_wire, rel_err
 
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 4), (130,), (33, 40)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

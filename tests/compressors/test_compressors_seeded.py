@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _compressors_support import over_the_wire, rel_err
 
 from starling.compressors import CountSketch, GaussianSketch, NonFiniteError, from_spec
-
-from _compressors_support import over_the_wire, rel_err
 
 
 @pytest.mark.parametrize("spec", ["randomk:0.1", "countsketch:3x64", "gsketch:32", "gsketch:32,kind=srht",

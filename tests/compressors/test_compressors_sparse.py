@@ -5,11 +5,10 @@ import math
 
 import pytest
 import torch
+from _compressors_support import over_the_wire
 
 from starling.compressors import TopK, from_spec
 from starling.compressors.sparse import index_width
-
-from _compressors_support import over_the_wire
 
 
 def _exact_topk(x: torch.Tensor, k: int) -> set[int]:

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _compressors_support import ALL_SPECS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from starling.compressors import FP4, Int8, TopK, from_spec
-
-from _compressors_support import ALL_SPECS
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS + ["int8:128", "fp4:e2m1,block=64", "INT8", " topk : 0.1 "])

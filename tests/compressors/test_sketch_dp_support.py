@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _compressors_support import over_the_wire, rel_err
 
 from starling.compressors import CountSketch, GaussianSketch, decode, from_spec
-
-from _compressors_support import over_the_wire, rel_err
 
 SKETCHES = [CountSketch((3, 64)), CountSketch((3, 64), hash="shift"), CountSketch((1, 7), hash="shift"),
             GaussianSketch(32), GaussianSketch(32, "srht")]

@@ -2,15 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-
-from conftest import DEATH_SEEN_WITHIN_S, statuses, wait_until, TEST_LIVENESS
+from conftest import DEATH_SEEN_WITHIN_S, statuses, wait_until
 
 # Each test starts Python processes that import torch: 1-3 s on a quiet box, over 60 s seen
 # on a starved 2-core CI machine. The timeouts below are for the latter.

@@ -4,16 +4,16 @@ from __future__ import annotations
 import msgpack
 import pytest
 import zmq
+from conftest import statuses, wait_until
 from zmq.utils import z85
 
-from conftest import statuses, wait_until
 from starling.node.address import encode_key
 from starling.node.identity import Identity
 from starling.node.membership import PeerRecord
 from starling.node.node import JoinError, Node, NodeConfig
 from starling.node.security import SecurityError
-from starling.node.wire import Limits, encode
 from starling.node.transport import TransportConfig
+from starling.node.wire import Limits, encode
 
 
 def _raw_dealer(address: str, identity: Identity | None = None) -> zmq.Socket:

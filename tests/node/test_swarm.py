@@ -7,12 +7,12 @@ import time
 
 import pytest
 import torch
-
 from conftest import DEATH_SEEN_WITHIN_S, TEST_LIVENESS, statuses, wait_until
+
 from starling.node.membership import Liveness
 from starling.node.node import NodeConfig, SwarmConfigError, UnknownPeerError
-from starling.node.transport import TransportConfig
 from starling.node.rpc import RemoteError, Reply, RequestTimeout
+from starling.node.transport import TransportConfig
 
 TRANSPORTS = ["tcp", "ipc", "inproc"]
 

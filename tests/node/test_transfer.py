@@ -5,8 +5,8 @@ import asyncio
 import os
 
 import pytest
-
 from conftest import wait_until
+
 from starling.node.transfer import BlobServer, TransferConfig, TransferError
 
 SMALL_CHUNKS = TransferConfig(chunk_bytes=64 << 10, chunk_timeout_s=2.0, chunks_in_flight=2)

@@ -7,12 +7,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import in_parallel, swarm, wait_until
 from torch import nn
 
-from conftest import in_parallel, swarm, wait_until
+from starling.collectives import ReduceTimeouts, ShardedReducer, chunk_layout, shard_bounds
+from starling.collectives.accumulator import ShardGroup as _ShardGroup
 from starling.node.loop import AwakeDeadline
 from starling.protocols import get_protocol
-from starling.protocols._reduce import ReduceTimeouts, ShardedReducer, _ShardGroup, chunk_layout, shard_bounds
 
 LR = 0.1
 
@@ -161,7 +162,7 @@ def test_chunked_rounds_give_the_exact_mean_and_identical_replicas(make_node, co
 def test_a_blocking_reduce_sends_the_vector_in_place_and_start_sends_copies(make_node, monkeypatch):
     """reduce() lends its vector to the round (no copy of the parts with the lossless codec);
     start() copies, so that the caller may write the vector while the round runs."""
-    import starling.protocols._reduce as reduce_module
+    import starling.collectives.reduce as reduce_module
 
     encoded = []
     real_encode = reduce_module.encode

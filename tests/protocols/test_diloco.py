@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import in_parallel, swarm, wait_until
 from torch import nn
 
-from conftest import in_parallel, swarm, wait_until
 from starling.node.loop import AwakeDeadline
 from starling.protocols import ProtocolError, get_protocol
-from starling.protocols._fragments import FragmentSchedule, FragmentView, count_layers, split_fragments
+from starling.protocols.fragments import FragmentSchedule, FragmentView, count_layers, split_fragments
 
 INNER_LR, OUTER_LR, MU = 0.1, 0.7, 0.9
 EXACT = {"compressor": "none", "inner_optimizer": "sgd", "lr": INNER_LR, "outer_lr": OUTER_LR,

@@ -1,11 +1,10 @@
 """gossip: topologies, exact pairwise averaging keeps the swarm mean, consensus, CHOCO."""
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from conftest import in_parallel, swarm
+
 from starling.protocols import get_protocol
 from starling.protocols.gossip import neighbours
 from starling.tasks import get_task

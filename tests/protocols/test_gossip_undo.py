@@ -7,8 +7,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import in_parallel, swarm, wait_until
+
 from starling.node.membership import PeerStatus
 from starling.protocols import ProtocolError, get_protocol
 from starling.protocols.gossip import ACK_TOPIC, PULL_TOPIC, UNDO_TOPIC

@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
-
 from conftest import in_parallel, swarm
+
 from starling.protocols import ProtocolError, StepReport, get_protocol, registered_protocols
 from starling.tasks import get_task
+
 # Protocols shipped in starling.protocols; other test modules register test-only ones
 # in the same session, which this contract does not cover.
 BUILT_IN = [n for n in registered_protocols() if get_protocol(n).__module__.startswith("starling.protocols")]

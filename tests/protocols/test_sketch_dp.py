@@ -9,14 +9,14 @@ import math
 
 import pytest
 import torch
+from conftest import in_parallel, swarm
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from conftest import in_parallel, swarm
 from starling.compressors import rng
 from starling.protocols import ProtocolError, get_protocol
-from starling.protocols._leakage import reconstruct_sample
-from starling.protocols._privacy import Accountant, PrivateData, clip_rows_, per_sample_grads
+from starling.protocols.leakage import reconstruct_sample
+from starling.protocols.privacy import Accountant, PrivateData, clip_rows_, per_sample_grads
 from starling.protocols.sketch_dp import SketchDPConfig, SketchMap
 from starling.tasks import get_task
 

@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
+from conftest import in_parallel, swarm
 from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from conftest import in_parallel, swarm
 from starling.compressors import rng
 from starling.protocols import ProtocolError, get_protocol
 from starling.protocols.sketch_dp import SketchDPConfig

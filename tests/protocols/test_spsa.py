@@ -7,17 +7,25 @@ import random
 
 import pytest
 import torch
+from conftest import in_parallel, wait_until
 from torch import nn
 
-from conftest import in_parallel, wait_until
 from starling.node.membership import Liveness
 from starling.node.node import NodeConfig
 from starling.protocols import ProtocolError, get_protocol
-from starling.protocols._spsa_log import Record
-from starling.protocols._spsa_math import (
-    MAX_CODE, REL_ERROR, SATURATE_LOG2, UNDERFLOW_LOG2, ParamSpace, ScaleTracker, codes_from_bytes, codes_to_bytes,
-    decode_code, encode_g,
+from starling.protocols.spsa.arith import (
+    MAX_CODE,
+    REL_ERROR,
+    SATURATE_LOG2,
+    UNDERFLOW_LOG2,
+    ParamSpace,
+    ScaleTracker,
+    codes_from_bytes,
+    codes_to_bytes,
+    decode_code,
+    encode_g,
 )
+from starling.protocols.spsa.records import Record
 
 # Lenient failure detection: on a loaded 2-core box a whole process can stall for seconds, and
 # these tests are about arithmetic and records, not about telling a stall from a crash.
@@ -241,7 +249,7 @@ def test_a_lost_update_is_found_by_the_digest_and_repaired(make_node, caplog):
 
 @pytest.mark.slow
 def test_lossy_links_still_end_identical(make_node):
-    from starling.node.links import LinkEmulator, LinkModel
+    from starling.runtime import LinkEmulator, LinkModel
 
     nodes = spsa_swarm(make_node, 3)
     nodes[1].shaper = LinkEmulator(LinkModel(loss=0.15, seed=3))  # its requests and replies go missing

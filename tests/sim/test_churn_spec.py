@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from starling.node.sim import ChurnEvent, ChurnSpecError, SimConfig, check_churn, parse_churn
+from starling.runtime import ChurnEvent, ChurnSpecError, SimConfig, check_churn, parse_churn
 
 
 def test_events_parse_in_order():

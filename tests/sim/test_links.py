@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from starling.node.links import LinkEmulator, LinkModel, RateError, format_rate, parse_rate
+from starling.runtime import LinkEmulator, LinkModel, RateError, format_rate, parse_rate
 
 
 @pytest.mark.parametrize("text, bps", [

@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from starling.node.links import LinkModel
-from starling.node.sim import SimConfig, SimError, Simulation, parse_churn
 from starling.protocols.base import Protocol, ProtocolConfig, StepReport, register, registered_protocols
+from starling.runtime import LinkModel, SimConfig, SimError, Simulation, parse_churn
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 from collections.abc import Iterable, Iterator
 from itertools import islice
+from typing import Any
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """`starling simulate --processes`: one OS process per simulated peer, over tcp or ipc.
 
-Each child runs one `SimPeer` (see `sim.py`) and reports to the parent through a queue:
+Each child runs one `SimPeer` (see `peer.py`) and reports to the parent through a queue:
 its address, when it is ready, its step count and, at the end, its `PeerResult`. The
 parent launches joiners when the churn schedule says so and collects the results.
 """
@@ -11,12 +11,18 @@ import multiprocessing
 import queue
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from starling.node.sim import PeerResult, ProgressFn, SimConfig, SimError, SimPeer, endpoint_for, wait_for
+from starling.runtime.peer import SimPeer
+from starling.runtime.simconfig import SimConfig, SimError, endpoint_for, wait_for
+from starling.runtime.summary import PeerResult
+from starling.tasks import get_task
 
 log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int], None]
 
 
 @dataclass
@@ -32,7 +38,6 @@ class _ProcessLink:
 
 def _peer_process(config: SimConfig, rank: int, join: list[str], link: _ProcessLink, log_level: int) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from starling.tasks import get_task
 
     peer = SimPeer(config, get_task(config.task, **config.task_options), rank,
                    endpoint_for(config.transport, rank, link.ipc_dir, ""),

@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 import secrets
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from itertools import islice
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -101,7 +102,7 @@ def _orders(mechanism: str) -> dict[str, Any]:
         return {}
     from opacus.accountants import RDPAccountant
 
-    return {"alphas": list(RDPAccountant.DEFAULT_ALPHAS) + [64, 80, 96, 128, 192, 256, 384, 512, 768, 1024]}
+    return {"alphas": [*RDPAccountant.DEFAULT_ALPHAS, 64, 80, 96, 128, 192, 256, 384, 512, 768, 1024]}
 
 
 def _opacus_accountant(mechanism: str) -> Any:
@@ -137,7 +138,7 @@ def gaussian_noise(numel: int, std: float, generator: torch.Generator) -> torch.
 
 
 # ---------------------------------------------------------------- per-sample gradients
-class _Bound:
+class BoundParams:
     """Calls a module with given parameter tensors (torch.func.functional_call), so that a
     task's `loss(model, batch)` runs unchanged under vmap."""
 
@@ -156,7 +157,7 @@ def per_sample_grads(model: nn.Module, loss: SampleLoss, batch: Batch) -> tuple[
     fixed.update(dict(model.named_buffers()))
 
     def one(values: tuple[torch.Tensor, ...], sample: Batch) -> torch.Tensor:
-        bound = _Bound(model, {**fixed, **dict(zip(names, values))})
+        bound = BoundParams(model, {**fixed, **dict(zip(names, values))})
         return loss(bound, tuple(t.unsqueeze(0) for t in sample))
 
     grads, losses = torch.func.vmap(torch.func.grad_and_value(one), in_dims=(None, 0))(params, batch)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from starling.protocols._spsa_math import CODE_RESERVED, NO_DIGEST, codes_from_bytes
+from starling.protocols.spsa.arith import CODE_RESERVED, NO_DIGEST, codes_from_bytes
 
 MAX_CONTRIBUTORS = 4096
 

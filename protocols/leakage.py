@@ -22,14 +22,15 @@ the match is fitted to noise and the reconstruction is no better than a guess.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from starling.compressors import GaussianSketch
-from starling.protocols._privacy import _Bound
+from starling.protocols.privacy import BoundParams
 
 _SMOOTHING = (4.0, 32.0)  # softplus sharpness of the warm-up surrogates
 _EXACT = 1e-6  # a mismatch this small is the sample (up to float error): stop searching
@@ -73,7 +74,7 @@ def reconstruct_sample(model: nn.Module, loss: LossOfBatch, release: torch.Tenso
     def mismatch_of(net: nn.Module) -> Callable[[torch.Tensor, int], torch.Tensor]:
         def mismatch(x: torch.Tensor, label: int) -> torch.Tensor:
             theta = [p.clone().requires_grad_(True) for p in params]
-            out = loss(_Bound(net, dict(zip(names, theta))), (x.unsqueeze(0), torch.tensor([label])))
+            out = loss(BoundParams(net, dict(zip(names, theta))), (x.unsqueeze(0), torch.tensor([label])))
             grads = torch.autograd.grad(out, theta, create_graph=True)
             y = _Sketched.apply(torch.cat([g.reshape(-1) for g in grads]), sketch, transpose)
             return 1.0 - torch.nn.functional.cosine_similarity(y, release, dim=0)

@@ -43,52 +43,32 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from starling.collectives.accumulator import ShardGroup
+from starling.collectives.codec import encode, make_codec, packet_from_wire
+from starling.collectives.layout import DEFAULT_CHUNK_NUMEL, chunk_layout
+from starling.collectives.requests import request_patiently
 from starling.compressors import Packet, decode
 from starling.compressors.base import as_bytes, view_as
 from starling.node.loop import AwakeDeadline, close_in_time
 from starling.node.rpc import RemoteError, Reply
 from starling.node.wire import Message
-from starling.protocols._exchange import encode, make_codec, packet_from_wire, request_patiently
 
 if TYPE_CHECKING:
-    from starling.node.node import Node
+    from starling.node import Node
 
 log = logging.getLogger(__name__)
 
 _KEEP_CLOSED_ROUNDS = 64  # how long an owner remembers finished rounds, to answer late parts
-DEFAULT_CHUNK_NUMEL = 1 << 20  # 4 MiB of float32 per request: below glibc's 32 MiB mmap threshold
 GroupKey = tuple[int, tuple[str, ...], int, int]  # (round, members, shard, chunk)
 _STRETCH = AwakeDeadline.STRETCH  # a round's timeouts count awake time, and end by this many times their length
-
-
-def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous [lo, hi) ranges, sizes differing by at most one."""
-    base, extra = divmod(numel, parts)
-    bounds, lo = [], 0
-    for i in range(parts):
-        hi = lo + base + (1 if i < extra else 0)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
-
-
-@functools.lru_cache(maxsize=64)
-def chunk_layout(numel: int, parts: int, chunk_numel: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """For each of `parts` shards, its contiguous [lo, hi) chunks of at most `chunk_numel`
-    values, sizes differing by at most one (an empty shard is one empty chunk)."""
-    layout = []
-    for lo, hi in shard_bounds(numel, parts):
-        pieces = max(1, -(-(hi - lo) // chunk_numel))
-        layout.append(tuple((lo + a, lo + b) for a, b in shard_bounds(hi - lo, pieces)))
-    return tuple(layout)
 
 
 @dataclass(frozen=True)
@@ -107,88 +87,6 @@ class ReduceResult:
     peers: int  # members whose contribution every shard's average includes (self included)
     lost: tuple[str, ...]  # members missing from some shard's average
     ahead: int  # the latest round an owner said it is in (> round: this peer fell behind)
-
-
-@dataclass
-class _ShardGroup:
-    """An owner's accumulator for one chunk of one shard of one round. Lives on the network thread.
-
-    Parts are never written: a first part is kept as it is (often a view of the wire buffer it
-    came in, or of the owner's own vector), and the second makes the sum out of place. Parts
-    go into the sum in `members` order, whatever order they arrive in: float addition is not
-    associative, and summing in arrival order made two runs of the same swarm round
-    differently (and, through a quantized average, drift apart). A part that arrives ahead of
-    its turn waits until the parts before it have come or the group closes. Every part stays
-    referenced until the group closes (its handler awaits the reply anyway), so finiteness is
-    checked once, on the sum, instead of once per part: a NaN or Inf in any part makes the
-    sum's sum non-finite, and only then are the parts checked one by one and the bad ones left
-    out. A peer's own part is checked like everyone else's.
-    """
-
-    members: tuple[str, ...]
-    expected: set[str]
-    contributors: list[str] = field(default_factory=list)  # in the order their parts arrived
-    received: dict[str, torch.Tensor] = field(default_factory=dict)  # each contributor's part
-    owned: set[str] = field(default_factory=set)  # contributors whose part nobody else holds
-    folded: int = 0  # members[:folded] are in the sum, or were skipped at close for want of a part
-    first: str | None = None  # whose part is the sum while only one is in it
-    total: torch.Tensor | None = None  # the sum of two or more parts, in a buffer of its own
-    bad: set[str] = field(default_factory=set)  # contributors whose part was not finite
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    reply: tuple[dict[str, Any], tuple[torch.Tensor, ...]] | None = None
-    timer: asyncio.Future[None] | None = None  # closes the group when its time is up
-
-    def add(self, sender: str, part: torch.Tensor, owned: bool = False) -> None:
-        """`owned`: nobody else holds `part` (it may become a lone part's sum as it is)."""
-        self.contributors.append(sender)
-        self.received[sender] = part
-        if owned:
-            self.owned.add(sender)
-        self._fold(closing=False)
-
-    def _fold(self, closing: bool) -> None:
-        """Add the parts whose turn has come; `closing`: skip the members that sent none."""
-        while self.folded < len(self.members):
-            sender = self.members[self.folded]
-            part = self.received.get(sender)
-            if part is None and not closing:
-                return
-            self.folded += 1
-            if part is None:
-                continue
-            if self.first is None:
-                self.first = sender
-            elif self.total is None:
-                self.total = torch.add(self.received[self.first], part)
-            else:
-                self.total.add_(part)
-
-    def sum(self) -> torch.Tensor:
-        """The sum of the finite parts, in `members` order and a buffer of its own; drops the
-        others from `contributors` into `bad`. Empty when no part was finite."""
-        self._fold(closing=True)
-        total = self.total
-        if total is None:
-            if self.first is None:  # every contributor is a member, so this cannot be
-                raise RuntimeError("a group closed with contributors but no part to sum")
-            part = self.received[self.first]
-            total = part if self.first in self.owned else part.clone()
-        if bool(torch.isfinite(total.sum())):
-            return total
-        self.bad = {s for s, p in self.received.items() if not _all_finite(p)}
-        if not self.bad:  # finite parts whose sum overflowed: that is the sum
-            return total
-        good = [self.received[s] for s in self.members if s in self.received and s not in self.bad]
-        self.contributors = [s for s in self.contributors if s not in self.bad]
-        if not good:
-            return total.new_empty(0)
-        total = good[0].clone()
-        for part in good[1:]:
-            total.add_(part)
-        return total
-
-    def complete(self) -> bool:
-        return self.expected <= set(self.contributors)
 
 
 @dataclass(frozen=True)
@@ -246,7 +144,7 @@ class ShardedReducer:
         self.codec, self._part_feedback = make_codec(compressor)
         _, self._avg_feedback = make_codec(compressor)
         # Network-thread state: open accumulators, finished keys, who used which view when.
-        self._groups: dict[GroupKey, _ShardGroup] = {}
+        self._groups: dict[GroupKey, ShardGroup] = {}
         self._closed: dict[GroupKey, int] = {}
         self._views: dict[tuple[int, str], tuple[str, ...]] = {}
         self._peer_round: dict[str, int] = {}  # the latest round each peer is known to be in
@@ -428,7 +326,7 @@ class ShardedReducer:
         if group is None:
             others = {p for p in members if self._views.get((t, p), members) != members
                       or self._peer_round.get(p, t) > t}
-            group = _ShardGroup(members, set(members) - self._gone - others)
+            group = ShardGroup(members, set(members) - self._gone - others)
             self._groups[key] = group
             # closes it round_timeout_s after its first part, in awake time: a part that came
             # while the loop was stalled is read before the group gives up on it
@@ -447,7 +345,7 @@ class ShardedReducer:
             return self._reject("not_finite", "bad part: values that are not finite (NaN or Inf)"), ()
         return group.reply
 
-    def _finish(self, key: GroupKey, group: _ShardGroup) -> None:
+    def _finish(self, key: GroupKey, group: ShardGroup) -> None:
         if group.reply is not None:
             return
         t, members, i, c = key
@@ -491,7 +389,7 @@ class ShardedReducer:
             if key[0] < t:
                 self._stop_waiting_for(key, group, peer)
 
-    def _stop_waiting_for(self, key: GroupKey, group: _ShardGroup, peer: str) -> None:
+    def _stop_waiting_for(self, key: GroupKey, group: ShardGroup, peer: str) -> None:
         group.expected.discard(peer)
         if group.contributors and group.complete():
             self._finish(key, group)
@@ -527,13 +425,6 @@ def _decode_flat(packet: Packet) -> torch.Tensor:
             and packet.buffers[0].numel() == 4 * math.prod(h["shape"])):
         return view_as(packet.buffers[0], torch.float32)
     return decode(packet).reshape(-1)
-
-
-def _all_finite(part: torch.Tensor) -> bool:
-    """A NaN or Inf anywhere makes the sum non-finite, and a sum costs one pass with no
-    temporary (an elementwise isfinite allocates a mask and is ~50x slower on 50 MB); only
-    a sum that overflowed from finite values needs the elementwise check."""
-    return bool(torch.isfinite(part.sum())) or bool(torch.isfinite(part).all())
 
 
 def _shares_memory(part: torch.Tensor, packet: Packet) -> bool:

@@ -21,7 +21,7 @@ Join and catch-up: load a peer's state at step s, then replay records s, s+1, ..
 Healing: peers that followed different leaders (a partition, a liveness flap) all move to the
 lineage led by the lowest id seen in heartbeat metadata, taking that leader's state.
 
-Exactness (grid arithmetic) and the one-byte code are in `_spsa_math`; records in `_spsa_log`.
+Exactness (grid arithmetic) and the one-byte code are in `arith`; records in `records`.
 """
 from __future__ import annotations
 
@@ -32,24 +32,33 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
+from starling.collectives import ByteMeter, request_patiently, watch_peers
 from starling.node.loop import AwakeDeadline
 from starling.node.node import Node
 from starling.node.rpc import Reply, RequestTimeout
 from starling.node.wire import Message
-from starling.protocols._exchange import ByteMeter, request_patiently, watch_peers
-from starling.protocols._spsa_leader import LOG_BATCH, LOG_TOPIC, Sequencer, parse_contribution
-from starling.protocols._spsa_log import Record, RecordLog
-from starling.protocols._spsa_math import (
-    NO_DIGEST, Z_MAX, ParamSpace, ScaleTracker, codes_from_bytes, codes_to_bytes, decode_code, direction_seed,
-    encode_g, peer_key,
-)
 from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
+from starling.protocols.spsa.arith import (
+    NO_DIGEST,
+    Z_MAX,
+    ParamSpace,
+    ScaleTracker,
+    codes_from_bytes,
+    codes_to_bytes,
+    decode_code,
+    direction_seed,
+    encode_g,
+    peer_key,
+)
+from starling.protocols.spsa.leader import LOG_BATCH, LOG_TOPIC, Sequencer, parse_contribution
+from starling.protocols.spsa.records import Record, RecordLog
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 from torch import nn

@@ -14,7 +14,6 @@ peer it joins, and one that names different ones is refused at join (see
         trainer.fetch_state()        # continue at the swarm's round, not from scratch
     trainer.run(steps=None, stop=threading.Event())
 
-Like the simulator, this sits in `node/` and reaches protocols and tasks only by name, lazily.
 """
 from __future__ import annotations
 
@@ -25,14 +24,13 @@ import io
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import Any
 
-from starling.node.node import Node
-
-if TYPE_CHECKING:
-    from starling.protocols.base import Protocol, StepReport
-    from starling.tasks.base import Task
+from starling.node import Node
+from starling.protocols import Protocol, ProtocolError, StepReport, config_from_options, get_protocol
+from starling.tasks import Task, get_task
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +74,6 @@ class TrainSpec:
     def check(self) -> None:
         """Resolve the protocol, its options and the task now, so that bad input fails
         before training starts (raises ProtocolError or TaskSpecError naming the field)."""
-        from starling.protocols.base import config_from_options
-        from starling.tasks import get_task
-
         config_from_options(resolve_protocol(self.protocol).config_class, self.options)
         get_task(self.task, **self.task_options)
 
@@ -86,8 +81,6 @@ class TrainSpec:
 def resolve_protocol(name: str) -> type[Protocol]:
     """A protocol class by registered name; "module:name" imports `module` first, and a bare
     name not yet registered is looked for in `starling.protocols.<name>`."""
-    from starling.protocols.base import ProtocolError, get_protocol
-
     module, sep, registered = name.rpartition(":")
     if sep:
         try:
@@ -129,8 +122,6 @@ class Trainer:
 
     def __init__(self, node: Node, spec: TrainSpec, rank: int, world: int, task: Task | None = None,
                  serve_state: bool = True, snapshot_every_s: float = 1.0) -> None:
-        from starling.tasks import get_task
-
         self.node, self.spec, self.rank, self.world = node, spec, rank, world
         self.task = task if task is not None else get_task(spec.task, **spec.task_options)
         self.proto: Protocol | None = None

@@ -24,13 +24,13 @@ several fragments are in flight at once; tau < H keeps a fragment from overlappi
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn
 
-from starling.protocols._reduce import shard_bounds
+from starling.collectives import shard_bounds
 
 ASSIGNMENTS = ("strided", "sequential")
 

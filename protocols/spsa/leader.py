@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from starling.node.loop import close_in_time
-from starling.protocols._spsa_log import Record, RecordLog
-from starling.protocols._spsa_math import NO_DIGEST, codes_from_bytes
+from starling.protocols.spsa.arith import NO_DIGEST, codes_from_bytes
+from starling.protocols.spsa.records import Record, RecordLog
 
 if TYPE_CHECKING:
     from starling.node.node import Node

@@ -1,0 +1,45 @@
+"""Compressors as the collectives use them: a codec with error feedback where it is lossy,
+and packets rebuilt from wire frames."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from starling.compressors import Compressor, ErrorFeedback, Packet, from_spec
+
+
+def make_codec(spec: str) -> tuple[Compressor, ErrorFeedback | None]:
+    """The compressor for `spec`, and error feedback unless it is lossless (`none`)."""
+    codec = from_spec(spec)
+    return codec, (None if codec.spec == "none" else ErrorFeedback(codec))
+
+
+def check_compressor_spec(spec: str) -> None:
+    """For config `__post_init__`: raises ValueError naming a bad spec."""
+    from_spec(spec)
+
+
+def encode(codec: Compressor, feedback: ErrorFeedback | None, tensor: torch.Tensor, name: str) -> Packet:
+    """Encode with error feedback when there is any; a residual whose shape no longer
+    matches (membership changed the shard sizes) is dropped first."""
+    if feedback is None:
+        return codec.encode(tensor, name=name)
+    residual = feedback.residual(name)
+    if residual is not None and residual.shape != tensor.shape:
+        feedback.reset(name)
+    return feedback.encode(tensor, name=name)
+
+
+def packet_from_wire(header: Any, payload: Sequence[Any]) -> Packet:
+    """Rebuild a packet from a message: buffers travel as uint8 tensor frames."""
+    if not isinstance(header, dict):
+        raise ValueError("packet header must be a map")
+    buffers = []
+    for item in payload:
+        if isinstance(item, torch.Tensor):
+            buffers.append(item.reshape(-1).view(torch.uint8))
+        else:
+            buffers.append(torch.frombuffer(bytearray(item), dtype=torch.uint8))
+    return Packet(header, tuple(buffers))

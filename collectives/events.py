@@ -1,0 +1,33 @@
+"""Peer events as protocols see them: who joined, who is gone, and the member view a round is
+built on."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from starling.node.membership import PeerStatus, StatusChange
+
+if TYPE_CHECKING:
+    from starling.node import Node
+
+GONE = (PeerStatus.DEAD, PeerStatus.LEFT)
+
+
+def watch_peers(node: Node, joined: Callable[[str], None], left: Callable[[str], None],
+                is_open: Callable[[], bool]) -> None:
+    """Route the node's status changes to a protocol's join/leave hooks (network thread)."""
+
+    def on_change(change: StatusChange) -> None:
+        if not is_open():
+            return
+        if change.new in GONE:
+            left(change.peer_id)
+        elif change.new is PeerStatus.ALIVE and (change.old is None or change.old in GONE):
+            joined(change.peer_id)
+
+    node.on_peer_change(on_change)
+
+
+def membership(node: Node) -> tuple[str, ...]:
+    """Sorted live peers plus this node: the view a round is built on."""
+    return tuple(sorted({*node.live_peers(), node.peer_id}))

@@ -1,0 +1,32 @@
+"""A request that waits out a peer whose protocol is not up yet, within a round's deadline."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from starling.node.loop import AwakeDeadline
+from starling.node.rpc import RemoteError, RequestTimeout
+
+if TYPE_CHECKING:
+    from starling.node import Node
+    from starling.node.wire import Message
+
+
+async def request_patiently(node: Node, peer: str, topic: str, body: Any, payload: Sequence[Any],
+                            deadline: AwakeDeadline, retry_s: float) -> Message:
+    """A request within `deadline` (the loop's awake time: a reply read late because this loop
+    was stalled still counts), retried every `retry_s` while the peer has no handler for the
+    topic yet (its protocol is not up). Raises RequestTimeout, or what the request raised."""
+    while True:
+        try:
+            if deadline.expired():
+                raise asyncio.TimeoutError
+            return await deadline.wait(node.arequest(peer, topic, body, payload,
+                                                     timeout_s=max(deadline.wall_left(), 0.01)))
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"no reply from {peer} to {topic!r} within the round's time") from None
+        except RemoteError as exc:
+            if "no handler" not in str(exc) or deadline.left <= retry_s:
+                raise
+            await deadline.sleep(retry_s)

@@ -1,0 +1,42 @@
+"""What the optimizer-driven protocols share: their config checks and the inner optimizer."""
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from starling.collectives.codec import check_compressor_spec
+from starling.protocols.base import ProtocolError
+
+
+def check_reduce_config(config: Any) -> None:
+    """For `__post_init__` of configs that train with an optimizer over a ShardedReducer
+    (allreduce, sketch-dp): raises ValueError naming the bad field."""
+    if config.optimizer not in ("sgd", "adamw"):
+        raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {config.optimizer!r}")
+    if not config.lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {config.lr}")
+    if not 0.0 <= config.momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {config.momentum}")
+    if config.weight_decay < 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {config.weight_decay}")
+    for name in ("round_timeout_s", "reply_grace_s", "retry_interval_s"):
+        if not getattr(config, name) > 0.0:
+            raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
+    check_compressor_spec(config.compressor)
+
+
+def make_optimizer(params: Sequence[nn.Parameter], name: str, lr: float, momentum: float,
+                   weight_decay: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    raise ProtocolError(f"unknown optimizer {name!r}; known: sgd, adamw")
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return copy.deepcopy(opt.state_dict())

@@ -1,0 +1,38 @@
+"""starling.runtime: running a training job.
+
+`TrainSpec` and `Trainer` run one peer (`starling node start`); the simulator runs many
+(`Simulation(SimConfig(...)).run()`), in threads or one process per peer, with churn and
+emulated links, and sums the run up.
+"""
+from __future__ import annotations
+
+from starling.runtime.churn import ChurnEvent, ChurnSpecError, check_churn, parse_churn
+from starling.runtime.links import LinkEmulator, LinkModel, RateError, format_rate, parse_rate
+from starling.runtime.peer import SimPeer
+from starling.runtime.sim import Simulation
+from starling.runtime.simconfig import (
+    SIM_LIVENESS,
+    TRANSPORTS,
+    SimConfig,
+    SimError,
+    check_config,
+    endpoint_for,
+    seeded_identity,
+    wait_for,
+)
+from starling.runtime.summary import PeerResult, SimResult, summarize
+from starling.runtime.trainer import (
+    Trainer,
+    TrainSpec,
+    TrainSpecError,
+    resolve_protocol,
+    shard_for,
+    with_run_length,
+)
+
+__all__ = [
+    "SIM_LIVENESS", "TRANSPORTS", "ChurnEvent", "ChurnSpecError", "LinkEmulator", "LinkModel", "PeerResult",
+    "RateError", "SimConfig", "SimError", "SimPeer", "SimResult", "Simulation", "TrainSpec", "TrainSpecError",
+    "Trainer", "check_churn", "check_config", "endpoint_for", "format_rate", "parse_churn", "parse_rate",
+    "resolve_protocol", "seeded_identity", "shard_for", "summarize", "wait_for", "with_run_length",
+]

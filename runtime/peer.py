@@ -1,0 +1,139 @@
+"""One simulated peer: a real node, a protocol over a fresh model, and its training loop."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from starling.node import Node, NodeConfig, TransportConfig
+from starling.node.identity import Identity
+from starling.protocols import Protocol
+from starling.runtime.links import LinkEmulator
+from starling.runtime.simconfig import SimConfig, seeded_identity
+from starling.runtime.summary import PeerResult, json_data, sent_by_topic
+from starling.runtime.trainer import Trainer, TrainSpec
+from starling.tasks import Task
+
+log = logging.getLogger(__name__)
+
+
+class SimPeer:
+    """One simulated peer: a node, a protocol over a fresh model, and its training loop."""
+
+    def __init__(self, config: SimConfig, task: Task, rank: int, listen: str,
+                 on_step: Callable[[int, int], None] | None = None, crashed: set[str] | None = None,
+                 identity: Identity | None = None) -> None:
+        """`identity`: the node's keys; by default `seeded_identity(config.seed, rank)`, the
+        same in every run, so that a run without churn or emulated links repeats bit for bit
+        (peer ids decide shard ownership and the order in which owners sum)."""
+        self.config, self.task, self.rank = config, task, rank
+        self.listen = listen
+        self.on_step = on_step or (lambda rank, step: None)
+        node_config = NodeConfig(liveness=config.liveness, join_timeout_s=config.join_timeout_s,
+                                 transport=TransportConfig(send_timeout_s=config.send_timeout_s))
+        self.node = Node(identity or seeded_identity(config.seed, rank), config=node_config)
+        self.emulator: LinkEmulator | None = None
+        self.crashed = crashed if crashed is not None else set()
+        if not config.link.is_ideal or any(e.kind == "kill" for e in config.churn):
+            self.emulator = LinkEmulator(config.link, seed=config.link.seed * 1_000_003 + rank,
+                                         unreachable=self.crashed)
+            self.node.shaper = self.emulator
+        self.trainer: Trainer | None = None
+        self.proto: Protocol | None = None
+        self.result = PeerResult(rank, self.node.peer_id)
+        self.step = 0
+        self._serve_state = any(e.kind == "join" for e in config.churn)
+
+    # ---------------------------------------------------------------- setup
+    def start(self, join: list[str]) -> str:
+        self.node.start(self.listen, join, security="plaintext",
+                        swarm_config={**self.spec().to_swarm_config(), "simulation": True})
+        return self.node.address
+
+    def spec(self) -> TrainSpec:
+        return TrainSpec(self.config.protocol, self.config.task, self.config.protocol_options(),
+                         dict(self.config.task_options), self.config.seed)
+
+    def create_protocol(self) -> None:
+        self.trainer = Trainer(self.node, self.spec(), self.rank, self.config.world, task=self.task,
+                               serve_state=self._serve_state, snapshot_every_s=0.0)
+        self.proto = self.trainer.create_protocol()
+
+    def fetch_state(self) -> None:
+        """A joiner's catch-up: the protocol state of some live peer, at that peer's step."""
+        assert self.trainer is not None and self.proto is not None
+        self.trainer.fetch_state()
+        self.step = self.result.joined_at_step = self.proto.step_count
+
+    # ---------------------------------------------------------------- training
+    def train(self, t0: float) -> None:
+        """Run steps up to the configured count (or until churn stops this peer), then evaluate."""
+        torch.set_num_threads(1)
+        trainer, config = self.trainer, self.config
+        assert trainer is not None
+        stop = config.stop_at(self.rank)
+        batches = trainer.batches()
+        try:
+            while self.step < config.steps:
+                if stop is not None and self.step >= stop[1]:
+                    self._stop(stop[0])
+                    return
+                report = trainer.step(next(batches))
+                self.step += 1
+                self._record(report, t0)
+                self.on_step(self.rank, self.step)
+            self.result.train_end = time.time()
+            self.result.eval_loss = float(trainer.evaluate()["eval_loss"])
+            self.result.protocol_info = json_data(self.proto.describe())  # type: ignore[union-attr]
+            self.result.status = "finished"
+        except Exception as exc:
+            log.exception("peer %d failed at step %d", self.rank, self.step)
+            self.result.status, self.result.error = "failed", f"{type(exc).__name__}: {exc}"
+            self._stop("kill")  # the others see it go as a crash
+            self.result.status = "failed"
+
+    def _record(self, report: Any, t0: float) -> None:
+        by_topic = sent_by_topic(self.node)
+        record = {"peer": self.rank, "step": report.step, "loss": report.loss, "wall_s": time.time() - t0,
+                  "bytes_sent": sum(n for t, n in by_topic.items() if not t.startswith("$")),
+                  "bytes_sent_total": sum(by_topic.values()), "bytes_by_topic": by_topic,
+                  "synced": report.synced, "peers": report.peers, "step_wall_s": report.wall_s,
+                  "compute_s": report.compute_s}
+        if self.config.eval_every and self.rank == 0 and self.step % self.config.eval_every == 0:
+            record["eval_loss"] = float(self.trainer.evaluate()["eval_loss"])  # type: ignore[union-attr]
+        self.result.records.append(record)
+
+    def _stop(self, how: str) -> None:
+        self.result.train_end = time.time()
+        self.collect()
+        self.result.status = "killed" if how == "kill" else "left"
+        if self.proto is not None:
+            self.proto.close()
+        if how == "leave":
+            self.node.leave()
+        else:
+            # A crashed host swallows what is sent to it. In one process the other peers' links
+            # learn of the crash at once (sends are dropped instead of piling up on a dead socket);
+            # their failure detectors still find out only through missed heartbeats.
+            self.crashed.add(self.node.peer_id)
+            self.node.close()
+
+    def collect(self) -> None:
+        """Copy the node's byte counters and the link counters into the result."""
+        by_topic = sent_by_topic(self.node)
+        self.result.bytes_sent = sum(n for t, n in by_topic.items() if not t.startswith("$"))
+        self.result.bytes_sent_total = sum(by_topic.values())
+        self.result.bytes_received = self.node.stats.total_received()
+        if self.emulator is not None:
+            self.result.links = dataclasses.asdict(self.emulator.counters)
+
+    def close(self) -> None:
+        if self.result.status in ("running", "finished"):
+            self.collect()
+        if self.proto is not None and self.result.status in ("running", "finished"):
+            self.proto.close()
+        self.node.close()

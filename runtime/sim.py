@@ -1,0 +1,115 @@
+"""The many-peers-on-one-box simulator.
+
+Every simulated peer is a real `Node` with real sockets and a real protocol. By default all
+peers share one process (the process's one network thread, one training thread per peer);
+with `processes=True` each peer is its own OS process, over tcp on loopback. Every node's
+outgoing links go through a `LinkEmulator` (bandwidth, latency, loss); churn (see
+`runtime.churn`) crashes, stops and adds peers at given steps.
+
+    result = Simulation(SimConfig(peers=4, protocol="gossip", steps=100)).run()
+    result.summary["eval_loss"], result.summary["bytes_sent_per_peer"]
+
+Initial peers have ranks 0..peers-1; joiners get the next ranks in the order they join, and
+every peer's data shard is cut for a world of all the peers that will ever run.
+"""
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+import uuid
+
+import torch
+
+from starling.runtime.peer import SimPeer
+from starling.runtime.sim_processes import ProgressFn, run_processes
+from starling.runtime.simconfig import SimConfig, SimError, check_config, endpoint_for, wait_for
+from starling.runtime.summary import PeerResult, SimResult, summarize
+from starling.tasks import get_task
+
+log = logging.getLogger(__name__)
+
+
+class Simulation:
+    """Runs one simulated swarm to the end. `progress(step)` gets the swarm's furthest step."""
+
+    def __init__(self, config: SimConfig, progress: ProgressFn | None = None) -> None:
+        self.config = config
+        self.progress = progress
+
+    def run(self) -> SimResult:
+        check_config(self.config)
+        if self.config.processes:
+            peers, t0 = run_processes(self.config, self.progress)
+        else:
+            peers, t0 = self._run_threads()
+        return SimResult(self.config, peers, summarize(self.config, peers, t0))
+
+    def _run_threads(self) -> tuple[list[PeerResult], float]:
+        config = self.config
+        task = get_task(config.task, **config.task_options)
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        run_id = uuid.uuid4().hex[:8]
+        ipc_dir = tempfile.mkdtemp(prefix="starling-sim-") if config.transport == "ipc" else ""
+        furthest = [0]
+        crashed: set[str] = set()
+
+        def on_step(rank: int, step: int) -> None:
+            furthest[0] = max(furthest[0], step)
+
+        def make_peer(rank: int) -> SimPeer:
+            return SimPeer(config, task, rank, endpoint_for(config.transport, rank, ipc_dir, run_id), on_step,
+                           crashed)
+
+        peers = [make_peer(rank) for rank in range(config.peers)]
+        threads: list[threading.Thread] = []
+        try:
+            address = peers[0].start([])
+            for peer in peers[1:]:
+                peer.start([address])
+            wait_for(lambda: all(len(p.node.live_peers()) == config.peers - 1 for p in peers),
+                     config.ready_timeout_s, f"{config.peers} peers to see each other")
+            for peer in peers:
+                peer.create_protocol()
+            t0 = time.time()
+            for peer in peers:
+                threads.append(threading.Thread(target=peer.train, args=(t0,), name=f"sim-peer-{peer.rank}", daemon=True))
+                threads[-1].start()
+            joins = sorted((e for e in config.churn if e.kind == "join"), key=lambda e: e.step)
+            while any(t.is_alive() for t in threads):
+                while joins and furthest[0] >= joins[0].step:
+                    for _ in range(joins.pop(0).count):
+                        live = [p for p in peers if p.result.status in ("running", "finished") and p.proto]
+                        joiner = make_peer(len(peers))
+                        peers.append(joiner)
+                        threads.append(threading.Thread(target=self._join, args=(joiner, live, t0),
+                                                        name=f"sim-peer-{joiner.rank}", daemon=True))
+                        threads[-1].start()
+                if self.progress is not None:
+                    self.progress(furthest[0])
+                time.sleep(0.05)
+            if self.progress is not None:
+                self.progress(furthest[0])
+            return [p.result for p in peers], t0
+        finally:
+            for peer in peers:
+                peer.close()
+            torch.set_num_threads(threads_before)
+
+    def _join(self, joiner: SimPeer, live: list[SimPeer], t0: float) -> None:
+        try:
+            joiner.start([p.node.address for p in live])
+            expected = {p.node.peer_id for p in live if p.result.status == "running"}
+            try:
+                wait_for(lambda: expected <= set(joiner.node.live_peers()), 5.0, "the joiner to see the swarm")
+            except SimError:
+                log.warning("joiner %d sees only part of the swarm; going on", joiner.rank)
+            joiner.create_protocol()
+            joiner.fetch_state()
+        except Exception as exc:
+            log.exception("peer %d could not join", joiner.rank)
+            joiner.result.status, joiner.result.error = "failed", f"{type(exc).__name__}: {exc}"
+            return
+        joiner.train(t0)

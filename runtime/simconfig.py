@@ -1,0 +1,116 @@
+"""What a simulated swarm runs: its configuration, checked before any node starts, and the
+small helpers every simulated peer uses (endpoints, seeded keys, bounded waits)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from starling.node.identity import Identity
+from starling.node.membership import Liveness
+from starling.protocols import config_from_options
+from starling.runtime.churn import ChurnEvent, check_churn
+from starling.runtime.links import LinkModel
+from starling.runtime.trainer import resolve_protocol, with_run_length
+from starling.tasks import get_task
+
+TRANSPORTS = ("inproc", "ipc", "tcp")
+# Quick enough that a crashed peer is noticed within a short run, slow enough for a loaded box.
+SIM_LIVENESS = Liveness(heartbeat_interval_s=0.25, suspect_timeout_s=1.5, dead_timeout_s=3.0)
+
+
+class SimError(Exception):
+    """The simulation could not run or a peer failed."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    peers: int = 4
+    protocol: str = "allreduce"  # a registered name, or "module:name" to import a plugin first
+    task: str = "charlm"
+    steps: int = 100
+    compressor: str | None = None  # passed to the protocol as its `compressor` option
+    transport: str = "inproc"
+    processes: bool = False  # one OS process per peer (needs tcp or ipc)
+    link: LinkModel = field(default_factory=LinkModel)
+    churn: tuple[ChurnEvent, ...] = ()
+    seed: int = 0
+    options: Mapping[str, Any] = field(default_factory=dict)  # protocol hyper-parameters
+    task_options: Mapping[str, Any] = field(default_factory=dict)
+    eval_every: int = 0  # peer 0 evaluates every this many steps (0: only at the end)
+    liveness: Liveness = SIM_LIVENESS
+    ready_timeout_s: float = 60.0  # for the swarm to form, and for a joiner to fetch state
+    # A send to a crashed peer holds that peer's socket (and, behind it, this node's heartbeats)
+    # until it times out; keep that below the suspect timeout so one crash does not look like two.
+    send_timeout_s: float = 1.0
+    join_timeout_s: float = 5.0  # a joiner greets every peer it learns of, even one that just crashed
+
+    def __post_init__(self) -> None:
+        if self.peers < 1:
+            raise ValueError(f"peers must be >= 1, got {self.peers}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.processes and self.transport == "inproc":
+            raise ValueError("processes need the tcp or ipc transport (inproc works within one process)")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        check_churn(self.churn, self.peers, self.steps)
+
+    @property
+    def world(self) -> int:
+        """Every peer that will ever run (initial peers plus joiners)."""
+        return self.peers + sum(e.count for e in self.churn if e.kind == "join")
+
+    def protocol_options(self) -> dict[str, Any]:
+        options = with_run_length(self.protocol, self.options, self.steps)
+        if self.compressor is not None:
+            options["compressor"] = self.compressor
+        return options
+
+    def stop_at(self, rank: int) -> tuple[str, int] | None:
+        """("kill" | "leave", step) if the churn spec stops peer `rank`."""
+        for event in self.churn:
+            if event.rank == rank and event.kind in ("kill", "leave"):
+                return event.kind, event.step
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"protocol": self.protocol, "peers": self.peers, "steps": self.steps, "task": self.task,
+                "compressor": self.compressor, "transport": self.transport, "processes": self.processes,
+                "link": self.link.describe(), "churn": ",".join(map(str, self.churn)), "seed": self.seed,
+                "options": {k: v for k, v in self.options.items()}, "task_options": dict(self.task_options)}
+
+
+def check_config(config: SimConfig) -> None:
+    """Resolve the protocol, its options and the task now, so bad input fails before any node starts."""
+    cls = resolve_protocol(config.protocol)
+    config_from_options(cls.config_class, config.protocol_options())
+    task = get_task(config.task, **config.task_options)
+    task.batches(config.world - 1, config.world, config.seed)  # checks the shard size for this world
+
+
+
+def endpoint_for(transport: str, rank: int, ipc_dir: str, run_id: str) -> str:
+    if transport == "tcp":
+        return "tcp://127.0.0.1:0"
+    if transport == "ipc":
+        return f"ipc://{ipc_dir}/{rank}.sock"
+    return f"inproc://starling-sim-{run_id}-{rank}"
+
+
+def seeded_identity(seed: int, rank: int) -> Identity:
+    """Rank `rank`'s keys in a simulation seeded `seed`: the same in every run (never for a
+    real swarm, see `Identity.from_seed`)."""
+    return Identity.from_seed(f"starling.sim:{seed}:{rank}")
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise SimError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+

@@ -1,0 +1,111 @@
+"""What a simulated run reports: each peer's result, the run's headline numbers, and the
+files `--out` writes."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starling.node import Node
+from starling.runtime.simconfig import SimConfig, SimError
+
+
+@dataclass
+class PeerResult:
+    rank: int
+    peer_id: str
+    status: str = "running"  # finished | killed | left | failed
+    records: list[dict[str, Any]] = field(default_factory=list)
+    eval_loss: float | None = None
+    bytes_sent: int = 0  # protocol topics (not starting with "$")
+    bytes_sent_total: int = 0  # including membership traffic
+    bytes_received: int = 0
+    joined_at_step: int = 0
+    train_end: float = 0.0  # time.time() when its last step finished
+    links: dict[str, float] = field(default_factory=dict)
+    protocol_info: dict[str, Any] = field(default_factory=dict)  # the protocol's describe() at the end, as JSON data
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def sent_by_topic(node: Node) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for per_topic in node.stats.snapshot()["bytes_sent"].values():
+        for topic, n in per_topic.items():
+            out[topic] = out.get(topic, 0) + n
+    return out
+
+
+def json_data(value: Any) -> Any:
+    """`value` as plain JSON data: a non-finite float becomes "inf", "-inf" or "nan" (as in
+    privacy reports), and anything JSON has no type for becomes its str()."""
+    if isinstance(value, Mapping):
+        return {str(k): json_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_data(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    peers: list[PeerResult]
+    summary: dict[str, Any]
+
+    def write(self, out_dir: str | Path) -> None:
+        """Under `out_dir`: peer-RANK.jsonl (one JSON object per step), peers.json (each
+        peer's final numbers) and summary.json."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob("peer-*.jsonl"):
+            stale.unlink()
+        for peer in self.peers:
+            with open(out / f"peer-{peer.rank}.jsonl", "w") as f:
+                f.writelines(json.dumps(record) + "\n" for record in peer.records)
+        finals = [{k: v for k, v in peer.to_json().items() if k != "records"} for peer in self.peers]
+        (out / "peers.json").write_text(json.dumps(finals, indent=1) + "\n")
+        (out / "summary.json").write_text(json.dumps(self.summary, indent=1) + "\n")
+
+
+def summarize(config: SimConfig, peers: list[PeerResult], t0: float) -> dict[str, Any]:
+    """The run's headline numbers (see the CLI's --json)."""
+    failed = [p for p in peers if p.status == "failed"]
+    if failed:
+        raise SimError(f"peer {failed[0].rank} failed: {failed[0].error}")
+    finished = [p for p in peers if p.status == "finished"]
+    if not finished:
+        raise SimError("no peer finished the run")
+    tails = []
+    for p in finished:
+        losses = [r["loss"] for r in p.records]
+        tail = losses[-max(1, len(losses) // 10):]
+        if tail:
+            tails.append(sum(tail) / len(tail))
+    evals = [p.eval_loss for p in finished if p.eval_loss is not None]
+    links = {k: sum(p.links.get(k, 0) for p in peers) for k in ("dropped", "admitted", "delay_s")}
+    return {
+        **config.describe(),
+        "train_loss": sum(tails) / len(tails) if tails else None,
+        "eval_loss": sum(evals) / len(evals) if evals else None,
+        "eval_loss_peer0": next((p.eval_loss for p in finished if p.rank == 0), None),
+        "bytes_sent_per_peer": sum(p.bytes_sent for p in peers) / len(peers),
+        "bytes_sent_per_peer_total": sum(p.bytes_sent_total for p in peers) / len(peers),
+        "wall_s": max(p.train_end for p in peers) - t0,
+        "final_peers": len(finished),
+        "peer_status": {str(p.rank): p.status for p in peers},
+        "messages_dropped": int(links["dropped"]),
+        "link_delay_s_per_peer": links["delay_s"] / len(peers),
+        # the protocol's own account of the run (sketch-dp: sketch size and privacy spent), from the
+        # lowest-ranked peer that finished
+        "protocol_info": min(finished, key=lambda p: p.rank).protocol_info,
+    }
