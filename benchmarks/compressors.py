@@ -72,7 +72,8 @@ def _time(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _best_pair(a: Callable[[], object], b: Callable[[], object], repeat: int, device: torch.device) -> tuple[float, float]:
+def _best_pair(a: Callable[[], object], b: Callable[[], object], repeat: int,
+               device: torch.device) -> tuple[float, float]:
     """Best-of-``repeat`` times of ``a`` and ``b``, run interleaved so both see the same load."""
     ta, tb = math.inf, math.inf
     for _ in range(repeat):
@@ -136,7 +137,8 @@ def bench_codec(spec: str, x: torch.Tensor, repeat: int, max_repeat: int, device
         row["encode_s"] = round(t_ours, 4)
         row["speedup_vs_torch_topk"] = round(t_torch / t_ours, 2)
         row["l2_mass_vs_exact"] = round(float(ours / exact), 5)
-        row["topk_target_met"] = row["speedup_vs_torch_topk"] >= TOPK_SPEEDUP_TARGET and row["l2_mass_vs_exact"] >= TOPK_MASS_TARGET
+        row["topk_target_met"] = (row["speedup_vs_torch_topk"] >= TOPK_SPEEDUP_TARGET
+                                  and row["l2_mass_vs_exact"] >= TOPK_MASS_TARGET)
     return row
 
 
@@ -164,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         row = bench_codec(spec, x, args.repeat, args.max_repeat, device)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    failed = [r["codec"] for r in rows if any(r.get(k) is False for k in ("speed_target_met", "error_target_met", "topk_target_met"))]
+    targets = ("speed_target_met", "error_target_met", "topk_target_met")
+    failed = [r["codec"] for r in rows if any(r.get(k) is False for k in targets)]
     summary = {"summary": True, "device": device.type, "threads": torch.get_num_threads(),
                "size_mb": args.size_mb, "seconds": round(time.perf_counter() - start, 1), "targets_failed": failed}
     print(json.dumps(summary), flush=True)

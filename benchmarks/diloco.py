@@ -232,7 +232,8 @@ def compare(args: argparse.Namespace, steps: int, base: dict[str, float] | None 
            "bytes_ratio": ratio, "loss_met": gap <= LOSS_TARGET, "bytes_met": ratio >= BYTES_TARGET}
     if args.final_sync:
         row["final_sync_loss_gap"] = mine["eval_loss_final_sync"] / base["eval_loss"] - 1.0
-        row["final_sync_bytes_ratio"] = base["bytes_per_peer"] / (mine["bytes_per_peer"] + mine["final_sync_bytes_per_peer"])
+        row["final_sync_bytes_ratio"] = (base["bytes_per_peer"]
+                                         / (mine["bytes_per_peer"] + mine["final_sync_bytes_per_peer"]))
     return row
 
 
@@ -365,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--final-sync", action="store_true",
                         help="headline: also report a what-if final outer step of every fragment (see _final_sync)")
     parser.add_argument("--allreduce-loss", type=float, default=None,
-                        help="headline: skip the allreduce run and use this measured eval loss (with --allreduce-bytes)")
+                        help="headline: skip the allreduce run and use this measured eval loss "
+                             "(with --allreduce-bytes)")
     parser.add_argument("--allreduce-bytes", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0,
                         help="headline, horizon: initial weights and data order of both protocols (default 0)")
@@ -381,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--only: unknown bench {', '.join(sorted(unknown))}")
     try:
-        args.allreduce_lr = [float(v) for v in args.allreduce_lr.split(",")] if args.allreduce_lr else list(ALLREDUCE_LRS)
+        args.allreduce_lr = ([float(v) for v in args.allreduce_lr.split(",")] if args.allreduce_lr
+                             else list(ALLREDUCE_LRS))
     except ValueError:
         parser.error("--allreduce-lr takes comma-separated numbers")
     if not all(v > 0 for v in args.allreduce_lr):

@@ -203,7 +203,8 @@ def throughput(bench: str, curve: bool, stream: Stream, repeats: int, target: fl
     ratio = starling_mbps / baseline_mbps
     return {
         "bench": bench, "size_mb": stream.payload_bytes / 2**20, "messages": stream.messages,
-        "repeats": repeats, "torch_threads": torch.get_num_threads(), "starling_MBps": round(starling_mbps, 1), "baseline_MBps": round(baseline_mbps, 1),
+        "repeats": repeats, "torch_threads": torch.get_num_threads(), "starling_MBps": round(starling_mbps, 1),
+        "baseline_MBps": round(baseline_mbps, 1),
         "ratio": round(ratio, 3), "target": target, "met": ratio >= target,
     }
 

@@ -75,7 +75,8 @@ class Simulation:
                 peer.create_protocol()
             t0 = time.time()
             for peer in peers:
-                threads.append(threading.Thread(target=peer.train, args=(t0,), name=f"sim-peer-{peer.rank}", daemon=True))
+                threads.append(threading.Thread(target=peer.train, args=(t0,), name=f"sim-peer-{peer.rank}",
+                                                daemon=True))
                 threads[-1].start()
             joins = sorted((e for e in config.churn if e.kind == "join"), key=lambda e: e.step)
             while any(t.is_alive() for t in threads):

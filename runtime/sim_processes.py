@@ -29,7 +29,8 @@ ProgressFn = Callable[[int], None]
 class _ProcessLink:
     """What the parent shares with every peer process."""
 
-    queue: Any  # child -> parent: ("address", rank, addr) | ("ready", rank) | ("step", rank, n) | ("result", rank, PeerResult)
+    # child -> parent: ("address", rank, addr) | ("ready", rank) | ("step", rank, n) | ("result", rank, PeerResult)
+    queue: Any
     start: Any  # set when training starts; t0 holds its time.time()
     stop: Any  # set when every peer is done, so none disappears while others still train
     t0: Any
