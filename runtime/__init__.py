@@ -6,6 +6,7 @@ emulated links, and sums the run up.
 """
 from __future__ import annotations
 
+from starling.runtime.checkpoint import BackgroundCheckpointer, Checkpoint, CheckpointError, CheckpointStore
 from starling.runtime.churn import ChurnEvent, ChurnSpecError, check_churn, parse_churn
 from starling.runtime.links import LinkEmulator, LinkModel, RateError, format_rate, parse_rate
 from starling.runtime.peer import SimPeer
@@ -22,6 +23,7 @@ from starling.runtime.simconfig import (
 )
 from starling.runtime.summary import PeerResult, SimResult, summarize
 from starling.runtime.trainer import (
+    CheckpointConfig,
     Trainer,
     TrainSpec,
     TrainSpecError,
@@ -31,8 +33,37 @@ from starling.runtime.trainer import (
 )
 
 __all__ = [
-    "SIM_LIVENESS", "TRANSPORTS", "ChurnEvent", "ChurnSpecError", "LinkEmulator", "LinkModel", "PeerResult",
-    "RateError", "SimConfig", "SimError", "SimPeer", "SimResult", "Simulation", "TrainSpec", "TrainSpecError",
-    "Trainer", "check_churn", "check_config", "endpoint_for", "format_rate", "parse_churn", "parse_rate",
-    "resolve_protocol", "seeded_identity", "shard_for", "summarize", "wait_for", "with_run_length",
+    "SIM_LIVENESS",
+    "TRANSPORTS",
+    "BackgroundCheckpointer",
+    "Checkpoint",
+    "CheckpointConfig",
+    "CheckpointError",
+    "CheckpointStore",
+    "ChurnEvent",
+    "ChurnSpecError",
+    "LinkEmulator",
+    "LinkModel",
+    "PeerResult",
+    "RateError",
+    "SimConfig",
+    "SimError",
+    "SimPeer",
+    "SimResult",
+    "Simulation",
+    "TrainSpec",
+    "TrainSpecError",
+    "Trainer",
+    "check_churn",
+    "check_config",
+    "endpoint_for",
+    "format_rate",
+    "parse_churn",
+    "parse_rate",
+    "resolve_protocol",
+    "seeded_identity",
+    "shard_for",
+    "summarize",
+    "wait_for",
+    "with_run_length",
 ]

@@ -14,6 +14,9 @@ peer it joins, and one that names different ones is refused at join (see
         trainer.fetch_state()        # continue at the swarm's round, not from scratch
     trainer.run(steps=None, stop=threading.Event())
 
+With `checkpoint=CheckpointConfig(directory, every)`, every `every` steps the protocol's
+state (and the spec it trains) goes to disk on a writer thread, and `resume()` continues a
+restarted peer from the newest checkpoint that verifies (see `runtime/checkpoint.py`).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import dataclasses
 import hashlib
 import importlib
 import io
+import itertools
 import logging
 import threading
 import time
@@ -30,6 +34,7 @@ from typing import Any
 
 from starling.node import Node
 from starling.protocols import Protocol, ProtocolError, StepReport, config_from_options, get_protocol
+from starling.runtime.checkpoint import BackgroundCheckpointer, Checkpoint, CheckpointError, CheckpointStore
 from starling.tasks import Task, get_task
 
 log = logging.getLogger(__name__)
@@ -111,6 +116,21 @@ def with_run_length(protocol: str, options: Mapping[str, Any], steps: int | None
     return out
 
 
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often a trainer writes checkpoints."""
+
+    directory: str
+    every: int  # steps between checkpoints
+    keep: int = 3  # the newest this many stay on disk
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"checkpoint every must be >= 1 step, got {self.every}")
+        if self.keep < 1:
+            raise ValueError(f"checkpoint keep must be >= 1, got {self.keep}")
+
+
 def shard_for(peer_id: str, world: int) -> int:
     """A data shard for a peer that has no rank (a real swarm): stable, spread by its id."""
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % world
@@ -121,7 +141,8 @@ class Trainer:
     joiners, fetches the swarm's state when joining, and loops over its data shard."""
 
     def __init__(self, node: Node, spec: TrainSpec, rank: int, world: int, task: Task | None = None,
-                 serve_state: bool = True, snapshot_every_s: float = 1.0) -> None:
+                 serve_state: bool = True, snapshot_every_s: float = 1.0,
+                 checkpoint: CheckpointConfig | None = None) -> None:
         self.node, self.spec, self.rank, self.world = node, spec, rank, world
         self.task = task if task is not None else get_task(spec.task, **spec.task_options)
         self.proto: Protocol | None = None
@@ -129,6 +150,10 @@ class Trainer:
         self.snapshot_every_s = snapshot_every_s  # 0: after every step
         self._snapshot = b""
         self._snapshot_at = float("-inf")
+        self.checkpoint = checkpoint
+        self._store = CheckpointStore(checkpoint.directory, checkpoint.keep) if checkpoint else None
+        self._writer = BackgroundCheckpointer(self._store) if self._store else None
+        self._resumed_at = 0  # batches of the shard a resumed checkpoint had already trained on
 
     def create_protocol(self) -> Protocol:
         model = self.task.make_model()
@@ -163,7 +188,8 @@ class Trainer:
         self._snapshot_at = time.monotonic()
 
     def batches(self) -> Iterator[Any]:
-        return self.task.batches(self.rank, self.world, self.spec.seed)
+        """This peer's data shard; after `resume()`, from the batch the checkpoint had reached."""
+        return itertools.islice(self.task.batches(self.rank, self.world, self.spec.seed), self._resumed_at, None)
 
     def step(self, batch: Any) -> StepReport:
         """One protocol step on `batch`; refreshes the snapshot joiners fetch."""
@@ -172,7 +198,36 @@ class Trainer:
         report = proto.step(lambda: task.loss(proto.model, batch))
         if self.serve_state and time.monotonic() - self._snapshot_at >= self.snapshot_every_s:
             self.take_snapshot()
+        if self.checkpoint is not None and proto.step_count % self.checkpoint.every == 0:
+            self.save_checkpoint()
         return report
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> None:
+        """Hand a copy of the protocol's state to the writer thread; the training thread
+        pays only for the copy (`state_dict()` clones)."""
+        assert self.proto is not None and self._writer is not None
+        state = {"protocol": self.proto.state_dict(), "swarm": self.spec.to_swarm_config(),
+                 "rank": self.rank, "world": self.world}
+        self._writer.save(self.proto.step_count, state, meta={"peer_id": self.node.peer_id,
+                                                                "protocol": self.spec.protocol})
+
+    def resume(self, at_most: int | None = None) -> Checkpoint | None:
+        """Load the newest checkpoint (of a step <= `at_most`) that verifies into the
+        protocol; None if the directory holds none. Raises CheckpointError for a checkpoint
+        of another swarm (a different protocol, task, options or seed)."""
+        assert self.proto is not None and self._store is not None, "create_protocol() with a checkpoint config"
+        found = self._store.load_latest(at_most=at_most)
+        if found is None:
+            return None
+        checkpoint, state = found
+        if state.get("swarm") != self.spec.to_swarm_config():
+            raise CheckpointError(f"{checkpoint.state_path} was written by a swarm training {state.get('swarm')}, "
+                                  f"not {self.spec.to_swarm_config()}")
+        self.proto.load_state_dict(state["protocol"])
+        self._resumed_at = self.proto.step_count
+        log.info("%s: resumed from %s at step %d", self.node.peer_id, checkpoint.state_path, self.proto.step_count)
+        return checkpoint
 
     def evaluate(self) -> dict[str, float]:
         assert self.proto is not None
@@ -190,5 +245,7 @@ class Trainer:
         return self.proto.step_count
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()  # the checkpoint in progress becomes durable first
         if self.proto is not None:
             self.proto.close()

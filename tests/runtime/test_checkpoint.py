@@ -99,7 +99,7 @@ def test_a_file_that_would_run_code_is_refused_even_with_a_matching_digest(tmp_p
     store.write(5, {"step": 5})
     written = store.write(6, {"step": 6})
     # A pickle of an arbitrary object, with a manifest that vouches for it.
-    evil = pickle.dumps({"step": 6, "payload": _RunsCode()})
+    evil = pickle.dumps({"step": 6, "payload": _RunsCode()}, protocol=2)
     written.state_path.write_bytes(evil)
     manifest = tmp_path / "step-000000006.json"
     m = json.loads(manifest.read_text())
