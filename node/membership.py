@@ -122,7 +122,8 @@ class PeerRecord:
 
     def verify(self) -> None:
         if not self.is_valid():
-            raise WireError(RejectReason.BAD_SIGNATURE, f"peer record for {self.peer_id}: bad signature", field="record")
+            raise WireError(RejectReason.BAD_SIGNATURE, f"peer record for {self.peer_id}: bad signature",
+                            field="record")
 
 
 # One instance per distinct record in the process, shared by every table that holds it: in a
