@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from starling.node.address import PeerAddress, parse_address
 from starling.node.identity import Identity, KeyFileError
-from starling.node.membership import Liveness, PeerStatus
-from starling.node.node import JoinError, Node, NodeConfig, PeerView, SwarmConfigError, UnknownPeerError
+from starling.node.membership import Liveness, PeerStatus, PeerView
+from starling.node.node import JoinError, Node, NodeConfig, SwarmConfigError, UnknownPeerError
 from starling.node.rpc import (
     BadRequestError,
     ConfigConflictError,

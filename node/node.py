@@ -30,7 +30,15 @@ from starling.node.address import PeerAddress, parse_address, parse_bind
 from starling.node.dispatch import Dispatcher, Handler
 from starling.node.identity import Identity
 from starling.node.loop import NetworkThread
-from starling.node.membership import Liveness, PeerRecord, PeerStatus, PeerTable, StatusChange, finite_meta
+from starling.node.membership import (
+    Liveness,
+    PeerRecord,
+    PeerStatus,
+    PeerTable,
+    PeerView,
+    StatusChange,
+    finite_meta,
+)
 from starling.node.security import SecurityMode, ZapPolicy, choose_security
 from starling.node.stats import NodeStats
 from starling.node.swarm import JoinError, Swarm, SwarmConfigError, UnknownPeerError, config_conflicts
@@ -42,7 +50,7 @@ log = logging.getLogger(__name__)
 
 STATUS = "$status"
 
-# Importable from here as they always were: their home is now the membership protocol.
+# Importable from here as they always were: their homes are now the membership modules.
 __all__ = ["JoinError", "LinkShaper", "Node", "NodeConfig", "PeerView", "SwarmConfigError", "UnknownPeerError",
            "config_conflicts"]
 
@@ -64,21 +72,6 @@ class LinkShaper(typing.Protocol):
     async def admit(self, peer: str, nbytes: int) -> bool:
         """Wait until a message of `nbytes` to `peer` may leave; False drops it."""
         ...
-
-
-@dataclass(frozen=True)
-class PeerView:
-    """A read-only snapshot of one peer-table entry."""
-
-    id: str
-    status: PeerStatus
-    addresses: tuple[str, ...]
-    last_seen_age_s: float
-    meta: dict[str, Any]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "status": self.status.value, "addresses": list(self.addresses),
-                "last_seen_age_s": round(self.last_seen_age_s, 3), "meta": self.meta}
 
 
 class Node:
@@ -244,9 +237,7 @@ class Node:
         return sorted(p.id for p in self.peers if p.status in (PeerStatus.ALIVE, PeerStatus.SUSPECT))
 
     async def _snapshot(self) -> list[PeerView]:
-        now = time.monotonic()
-        return [PeerView(p.peer_id, p.status, p.record.addresses, now - p.last_seen, dict(p.meta))
-                for p in self._table.all()]
+        return self._table.views(time.monotonic())
 
     def send(self, peer: str, topic: str, body: Any = None,
              payload: Sequence[Any] = ()) -> concurrent.futures.Future[None]:
