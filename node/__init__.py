@@ -1,7 +1,17 @@
 """starling.node: everything a peer process runs.
 
-The public surface is `Node` (start, join, send, request, leave) plus the identity and
-address helpers; the rest are the parts it is built from.
+The public surface is `Node` (start, join, send, request, leave), the identity and address
+helpers, and the typed errors of requests; the rest are the parts it is built from:
+
+- `node`: the `Node` facade;
+- `rpc`: requests, their error codes (`ErrorCode`) and typed `RemoteError`s, the named
+  reasons a handler refuses work for (`Refusal`, `refusal()`);
+- `dispatch`: the inbound path (decode, authenticate, route to handlers, answer);
+- `swarm`: the membership protocol (hello, announce, want, heartbeats, leave), over
+  `membership`, the peer table and failure detector;
+- `transport`, `wire`, `security`, `identity`, `address`: sockets, frames, CURVE, keys;
+- `transfer`: blobs in digest-checked chunks; `loop`: the network thread and deadlines;
+  `stats`: byte and rejection counters; `client`: one-shot queries from outside a swarm.
 """
 from __future__ import annotations
 

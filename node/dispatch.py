@@ -42,6 +42,16 @@ class Dispatcher:
         self.internal_requests: dict[str, Callable[[Inbound, Any], Any]] = {}
         self.public_internal: set[str] = set()  # of those, the ones peers outside the swarm may call
 
+    def on_internal_message(self, topic: str, handler: Callable[[Message], None]) -> None:
+        """Handle one of the node's own one-way "$" topics (membership gossip)."""
+        self.internal_messages[topic] = handler
+
+    def on_internal_request(self, topic: str, handler: Callable[[Inbound, Any], Any], *, public: bool = False) -> None:
+        """Answer one of the node's own "$" request topics; `public` lets non-members call it."""
+        self.internal_requests[topic] = handler
+        if public:
+            self.public_internal.add(topic)
+
     def reject(self, reason: RejectReason, detail: str) -> None:
         self.node.stats.count_rejected(reason.value)
         log.debug("%s: rejected message (%s): %s", self.node.peer_id, reason.value, detail)

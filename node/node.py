@@ -75,6 +75,8 @@ class LinkShaper(typing.Protocol):
 
 
 class Node:
+    """A peer: its identity, sockets, peer table and handlers, behind one thread-safe API."""
+
     def __init__(self, identity: Identity | None = None, config: NodeConfig | None = None) -> None:
         self.identity = identity or Identity.generate()
         self.config = config or NodeConfig()
@@ -91,8 +93,7 @@ class Node:
         self._handlers = self._dispatch.handlers  # topic -> (handler, public)
         self._swarm = Swarm(self)
         self._swarm.register()
-        self._dispatch.internal_requests[STATUS] = lambda inbound, body: self.status()
-        self._dispatch.public_internal.add(STATUS)
+        self._dispatch.on_internal_request(STATUS, lambda inbound, body: self.status(), public=True)
         self._seq = itertools.count()
         self._meta: dict[str, Any] = {}
         self._transport: Transport | None = None

@@ -92,10 +92,10 @@ class Swarm:
     def register(self) -> None:
         """Serve the membership topics on the node's dispatcher."""
         dispatch = self.node._dispatch
-        dispatch.internal_requests[HELLO] = self.on_hello
-        dispatch.internal_messages.update({PING: self.on_ping, WANT: self.on_want, LEAVE: self.on_leave,
-                                           ANNOUNCE: self.on_announce})
-        dispatch.public_internal.add(HELLO)
+        dispatch.on_internal_request(HELLO, self.on_hello, public=True)  # a joiner is not a member yet
+        for topic, handler in ((PING, self.on_ping), (WANT, self.on_want), (LEAVE, self.on_leave),
+                               (ANNOUNCE, self.on_announce)):
+            dispatch.on_internal_message(topic, handler)
 
     # ---------------------------------------------------------------- joining
     async def join(self, joins: list[PeerAddress]) -> None:
