@@ -54,7 +54,7 @@ MEM_TARGET_BYTES = 2_000_000
 OPTIMIZER = {"optimizer": "adamw", "lr": 3e-3}  # both protocols (as benchmarks/diloco.py's baseline)
 GOSSIP = {"local_steps": 2, "fanout": 1, "topology": "complete", "compressor": "none"}
 # A heartbeat slow enough that hundreds of nodes on one network thread stay mostly idle.
-# Each ping carries the beats of every live peer (node/node.py), so n nodes sharing one
+# Each ping carries the beats of every live peer (node/swarm.py), so n nodes sharing one
 # network thread handle n * fanout * n digest entries per interval: ~2.5 ms of CPU per ping
 # measured at 32-112 nodes. With a 5 s interval 256 nodes took more than the loaded core
 # this process gets and joins starved (147-153 of 256 up after 600 s); 30 s leaves it idle.

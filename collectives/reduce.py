@@ -58,7 +58,7 @@ from starling.collectives.requests import request_patiently
 from starling.compressors import Packet, decode
 from starling.compressors.base import as_bytes, view_as
 from starling.node.loop import AwakeDeadline, close_in_time
-from starling.node.rpc import RemoteError, Reply
+from starling.node.rpc import Refusal, RemoteError, Reply, refusal
 from starling.node.wire import Message
 
 if TYPE_CHECKING:
@@ -284,22 +284,22 @@ class ShardedReducer:
         """An owner receives one member's part; its answer is the shard's average."""
         me, body = self.node.peer_id, msg.body
         if not self._is_open():
-            return _refuse("protocol closed")
+            return refusal(Refusal.CLOSED, "protocol closed")
         try:
             t, i, c = int(body["step"]), int(body["shard"]), int(body["chunk"])
             members = tuple(str(m) for m in body["members"])
         except (TypeError, KeyError, ValueError):
-            return self._reject("malformed", "body must be {step, shard, chunk, members, packet}")
+            return self._reject(Refusal.MALFORMED, "body must be {step, shard, chunk, members, packet}")
         if list(members) != sorted(set(members)) or msg.sender not in members:
-            return self._reject("malformed", "members must be sorted, unique, and include the sender")
+            return self._reject(Refusal.MALFORMED, "members must be sorted, unique, and include the sender")
         if not 0 <= i < len(members) or members[i] != me:
-            return self._reject("not_owner", f"this peer does not own shard {i} of that member list")
+            return self._reject(Refusal.NOT_OWNER, f"this peer does not own shard {i} of that member list")
         chunks = self._layout(len(members))[i]
         if not 0 <= c < len(chunks):
-            return self._reject("bad_chunk", f"shard {i} has {len(chunks)} chunks, not a chunk {c}")
+            return self._reject(Refusal.BAD_CHUNK, f"shard {i} has {len(chunks)} chunks, not a chunk {c}")
         key = (t, members, i, c)
         if key in self._closed or t < self._latest_round:
-            return {**_refuse("late: the round already closed"), "step": self._latest_round}
+            return refusal(Refusal.LATE, "the round already closed", step=self._latest_round)
         lo, hi = chunks[c]
         try:
             packet = packet_from_wire(body.get("packet"), msg.payload)
@@ -307,21 +307,21 @@ class ShardedReducer:
             if part.numel() != hi - lo:
                 raise ValueError(f"{part.numel()} values for a chunk of {hi - lo}")
         except Exception as exc:
-            return self._reject("bad_part", f"bad part: {exc}")
+            return self._reject(Refusal.BAD_PART, f"bad part: {exc}")
         reply, buffers = await self._reduce(key, msg.sender, part, owned=not _shares_memory(part, packet))
         return Reply(reply, buffers)
 
-    def _reject(self, kind: str, reason: str) -> dict[str, Any]:
-        """Refuse bad input from a peer, counted in the node's stats as `<topic>.<kind>`."""
-        self.node.stats.count_rejected(f"{self.topic}.{kind}")
-        return _refuse(reason)
+    def _reject(self, reason: Refusal, detail: str) -> dict[str, Any]:
+        """Refuse bad input from a peer, counted in the node's stats as `<topic>.<reason>`."""
+        self.node.stats.count_rejected(f"{self.topic}.{reason.value}")
+        return refusal(reason, detail)
 
     async def _reduce(self, key: GroupKey, sender: str, part: torch.Tensor,
                       owned: bool = False) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
         """Add a part to its group and wait for the group to close (all in, or timeout)."""
         t, members = key[0], key[1]
         if key in self._closed:
-            return _refuse("late: the round already closed"), ()
+            return refusal(Refusal.LATE, "the round already closed"), ()
         group = self._groups.get(key)
         if group is None:
             others = {p for p in members if self._views.get((t, p), members) != members
@@ -333,7 +333,7 @@ class ShardedReducer:
             group.timer = asyncio.ensure_future(close_in_time(self.timeouts.round_timeout_s, group.done,
                                                               lambda: self._finish(key, group)))
         if sender in group.contributors:
-            return self._reject("duplicate", "duplicate part"), ()
+            return self._reject(Refusal.DUPLICATE, "duplicate part"), ()
         group.add(sender, part, owned)
         self._saw_view(t, sender, members)
         if group.complete():
@@ -342,7 +342,7 @@ class ShardedReducer:
             await group.done.wait()  # set by _finish: all parts in, or the group's timer
         assert group.reply is not None
         if sender in group.bad:
-            return self._reject("not_finite", "bad part: values that are not finite (NaN or Inf)"), ()
+            return self._reject(Refusal.NOT_FINITE, "bad part: values that are not finite (NaN or Inf)"), ()
         return group.reply
 
     def _finish(self, key: GroupKey, group: ShardGroup) -> None:
@@ -352,7 +352,7 @@ class ShardedReducer:
         try:
             total = group.sum()
             if not group.contributors:
-                group.reply = (_refuse("no part was finite"), ())
+                group.reply = (refusal(Refusal.NOT_FINITE, "no part was finite"), ())
             else:
                 avg = total.div_(len(group.contributors))
                 if self.codec.spec == "none":  # lossless: the sum is private and final, so send it as it is
@@ -364,7 +364,8 @@ class ShardedReducer:
         except Exception as exc:  # every contributor gets an answer, never a group that stays open
             log.exception("%s: %s shard %d chunk %d of round %d: averaging failed", self.node.peer_id,
                           self.topic, i, c, t)
-            group.reply = (_refuse(f"the owner could not average: {type(exc).__name__}: {exc}"), ())
+            group.reply = (refusal(Refusal.CLOSE_FAILED, f"the owner could not average: {type(exc).__name__}: {exc}"),
+                           ())
         missing = group.expected - set(group.contributors)
         if missing:
             log.info("%s: %s shard %d chunk %d of round %d closed without %s", self.node.peer_id, self.topic,
@@ -432,6 +433,3 @@ def _shares_memory(part: torch.Tensor, packet: Packet) -> bool:
     storage = part.untyped_storage().data_ptr()
     return any(b.untyped_storage().data_ptr() == storage for b in packet.buffers)
 
-
-def _refuse(reason: str) -> dict[str, Any]:
-    return {"ok": False, "reason": reason}

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from starling.node.loop import AwakeDeadline
-from starling.node.rpc import RemoteError, RequestTimeout
+from starling.node.rpc import NoHandlerError, RequestTimeout
 
 if TYPE_CHECKING:
     from starling.node import Node
@@ -26,7 +26,7 @@ async def request_patiently(node: Node, peer: str, topic: str, body: Any, payloa
                                                      timeout_s=max(deadline.wall_left(), 0.01)))
         except asyncio.TimeoutError:
             raise RequestTimeout(f"no reply from {peer} to {topic!r} within the round's time") from None
-        except RemoteError as exc:
-            if "no handler" not in str(exc) or deadline.left <= retry_s:
+        except NoHandlerError:
+            if deadline.left <= retry_s:
                 raise
             await deadline.sleep(retry_s)

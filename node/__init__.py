@@ -1,22 +1,47 @@
 """starling.node: everything a peer process runs.
 
-The public surface is `Node` (start, join, send, request, leave) plus the identity and
-address helpers; the rest are the parts it is built from.
+The public surface is `Node` (start, join, send, request, leave), the identity and address
+helpers, and the typed errors of requests; the rest are the parts it is built from:
+
+- `node`: the `Node` facade;
+- `rpc`: requests, their error codes (`ErrorCode`) and typed `RemoteError`s, the named
+  reasons a handler refuses work for (`Refusal`, `refusal()`);
+- `dispatch`: the inbound path (decode, authenticate, route to handlers, answer);
+- `swarm`: the membership protocol (hello, announce, want, heartbeats, leave), over
+  `membership`, the peer table and failure detector;
+- `transport`, `wire`, `security`, `identity`, `address`: sockets, frames, CURVE, keys;
+- `transfer`: blobs in digest-checked chunks; `loop`: the network thread and deadlines;
+  `stats`: byte and rejection counters; `client`: one-shot queries from outside a swarm.
 """
 from __future__ import annotations
 
 from starling.node.address import PeerAddress, parse_address
 from starling.node.identity import Identity, KeyFileError
-from starling.node.membership import Liveness, PeerStatus
-from starling.node.node import JoinError, Node, NodeConfig, PeerView, SwarmConfigError, UnknownPeerError
-from starling.node.rpc import RemoteError, Reply, RequestTimeout, RpcError
+from starling.node.membership import Liveness, PeerStatus, PeerView
+from starling.node.node import JoinError, Node, NodeConfig, SwarmConfigError, UnknownPeerError
+from starling.node.rpc import (
+    BadRequestError,
+    ConfigConflictError,
+    ErrorCode,
+    HandlerError,
+    NoHandlerError,
+    Refusal,
+    RefusedError,
+    RemoteError,
+    Reply,
+    RequestTimeout,
+    RpcError,
+    refusal,
+    refusal_of,
+)
 from starling.node.transfer import TransferConfig, TransferError
 from starling.node.transport import TransportConfig
 from starling.node.wire import Limits, Message, RejectReason, WireError
 
 __all__ = [
-    "Identity", "JoinError", "KeyFileError", "Limits", "Liveness", "Message", "Node", "NodeConfig",
-    "PeerAddress", "PeerStatus", "PeerView", "RejectReason", "RemoteError", "Reply", "RequestTimeout",
-    "RpcError", "SwarmConfigError", "TransferConfig", "TransferError", "TransportConfig",
-    "UnknownPeerError", "WireError", "parse_address",
+    "BadRequestError", "ConfigConflictError", "ErrorCode", "HandlerError", "Identity", "JoinError", "KeyFileError",
+    "Limits", "Liveness", "Message", "NoHandlerError", "Node", "NodeConfig", "PeerAddress", "PeerStatus", "PeerView",
+    "Refusal", "RefusedError", "RejectReason", "RemoteError", "Reply", "RequestTimeout", "RpcError",
+    "SwarmConfigError", "TransferConfig", "TransferError", "TransportConfig", "UnknownPeerError", "WireError",
+    "parse_address", "refusal", "refusal_of",
 ]

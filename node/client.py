@@ -45,7 +45,7 @@ async def _aquery(address: str, topic: str, body: Any, identity: Identity, timeo
         except WireError as exc:
             raise ClientError(f"malformed answer from {target.endpoint}: {exc}") from None
         if not ok:
-            raise ClientError(f"{target.endpoint} refused: {result}")
+            raise ClientError(f"{target.endpoint} refused ({result.code.value}): {result.message}")
         return result
     finally:
         sock.close(0)

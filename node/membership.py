@@ -122,7 +122,8 @@ class PeerRecord:
 
     def verify(self) -> None:
         if not self.is_valid():
-            raise WireError(RejectReason.BAD_SIGNATURE, f"peer record for {self.peer_id}: bad signature", field="record")
+            raise WireError(RejectReason.BAD_SIGNATURE, f"peer record for {self.peer_id}: bad signature",
+                            field="record")
 
 
 # One instance per distinct record in the process, shared by every table that holds it: in a
@@ -168,6 +169,21 @@ class PeerInfo:
 
 
 @dataclass(frozen=True)
+class PeerView:
+    """A read-only snapshot of one peer-table entry (what `Node.peers` lists)."""
+
+    id: str
+    status: PeerStatus
+    addresses: tuple[str, ...]
+    last_seen_age_s: float
+    meta: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "status": self.status.value, "addresses": list(self.addresses),
+                "last_seen_age_s": round(self.last_seen_age_s, 3), "meta": self.meta}
+
+
+@dataclass(frozen=True)
 class StatusChange:
     peer_id: str
     old: PeerStatus | None
@@ -191,6 +207,10 @@ class PeerTable:
 
     def all(self) -> list[PeerInfo]:
         return list(self._peers.values())
+
+    def views(self, now: float) -> list[PeerView]:
+        return [PeerView(p.peer_id, p.status, p.record.addresses, now - p.last_seen, dict(p.meta))
+                for p in self._peers.values()]
 
     def live(self) -> list[PeerInfo]:
         return [p for p in self._peers.values() if p.status in (PeerStatus.ALIVE, PeerStatus.SUSPECT)]

@@ -1,17 +1,28 @@
-"""Request/response on top of one-way messages: correlation ids and a timeout on every call.
+"""Request/response on top of one-way messages: correlation ids, a timeout on every call, and
+failures that say what they are with a code.
 
-A request travels as topic "$req" with body [topic, request_id, body]; the answer
-comes back on the same connection as "$rep" with [request_id, ok, body_or_error].
-A handler that raises produces an error reply, so the caller gets an exception
-rather than a hang.
+A request travels as topic "$req" with body [topic, request_id, body]; the answer comes back
+on the same connection as "$rep" with [request_id, ok, body]. A failed request's body is an
+error, {"code": ErrorCode, "message": text, "reason": Refusal or None}, and the requester
+raises the `RemoteError` subclass of its code. Code that must tell failures apart reads
+`.code` (and a refusal's `.reason`), never the message, which is for people and logs.
+
+A handler refuses work in one of two ways:
+- it raises `RefusedError(reason, detail)`, and the request fails with that refusal;
+- or, when the refusal is part of a protocol's answer and carries fields of its own (the
+  reducer's `step`, SPSA's `upto`), it returns `refusal(reason, detail, **extra)`, a body
+  {"ok": False, "code": reason, "reason": text, ...}, which `refusal_of` reads back.
 """
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from starling.node.transport import SendError
 from starling.node.wire import Message, RejectReason, WireError
 
 REQUEST_TOPIC = "$req"
@@ -19,16 +30,89 @@ REPLY_TOPIC = "$rep"
 MAX_ERROR_TEXT = 2000
 
 
+class ErrorCode(str, enum.Enum):
+    """Why a request failed, as its error reply says."""
+
+    NO_HANDLER = "no_handler"  # nothing serves the topic there (yet: a peer whose protocol is not up)
+    CONFIG_CONFLICT = "config_conflict"  # a joiner's swarm config disagrees with the swarm's
+    HANDLER_ERROR = "handler_error"  # the handler raised
+    REFUSED = "refused"  # the handler refused, for a named `Refusal`
+    BAD_REQUEST = "bad_request"  # the request failed the node's own checks (a malformed hello)
+
+
+class Refusal(str, enum.Enum):
+    """Named reasons a handler turns work down; every protocol refuses with these."""
+
+    CLOSED = "closed"  # the protocol (or service) has shut down
+    BUSY = "busy"  # try again later
+    MALFORMED = "malformed"  # the body is not what the topic takes
+    NOT_OWNER = "not_owner"  # sent to a peer that does not own that piece (a shard)
+    BAD_CHUNK = "bad_chunk"  # a chunk index outside its shard
+    BAD_PART = "bad_part"  # a payload that does not decode to what was expected
+    NOT_FINITE = "not_finite"  # NaN or Inf values
+    LATE = "late"  # the round it belongs to has closed
+    DUPLICATE = "duplicate"  # a second, different contribution from the same sender
+    UNKNOWN_STEP = "unknown_step"  # a step this peer cannot place in its log
+    TOO_OLD = "too_old"  # older than anything kept here
+    NOT_FOUND = "not_found"  # no such named thing here (a blob, a transfer)
+    CANCELLED = "cancelled"  # the requester called it off
+    CLOSE_FAILED = "close_failed"  # the refuser could not close the round (its own failure)
+
+
 class RpcError(Exception):
     """Base class for failed requests."""
 
 
 class RemoteError(RpcError):
-    """The remote handler raised (or had no handler for the topic)."""
+    """The remote peer answered with an error; `.code` says which kind.
+
+    Raised on a requester for an error reply (`peer` is set then). A handler may raise the
+    subclasses that name a deliberate answer (`RefusedError`, `ConfigConflictError`) for its
+    node to send; any other exception a handler raises is sent as a handler error.
+    """
+
+    code: ErrorCode = ErrorCode.HANDLER_ERROR
+
+    def __init__(self, detail: str, *, peer: str | None = None, reason: Refusal | None = None) -> None:
+        super().__init__(detail if peer is None else f"peer {peer}: {detail}")
+        self.detail = detail
+        self.peer = peer
+        self.reason = reason  # set on refusals only
+
+
+class NoHandlerError(RemoteError):
+    code = ErrorCode.NO_HANDLER
+
+
+class ConfigConflictError(RemoteError):
+    code = ErrorCode.CONFIG_CONFLICT
+
+
+class HandlerError(RemoteError):
+    code = ErrorCode.HANDLER_ERROR
+
+
+class BadRequestError(RemoteError):
+    code = ErrorCode.BAD_REQUEST
+
+
+class RefusedError(RemoteError):
+    """Work turned down for a named `reason` (`.reason`), with a human-readable detail."""
+
+    code = ErrorCode.REFUSED
+
+    def __init__(self, reason: Refusal, detail: str = "", *, peer: str | None = None) -> None:
+        super().__init__(refusal_text(reason, detail), peer=peer, reason=reason)
+        self.detail = detail  # without the reason: what goes on the wire next to it
 
 
 class RequestTimeout(RpcError, TimeoutError):
     """No reply within the call's timeout."""
+
+
+_ERRORS: dict[ErrorCode, type[RemoteError]] = {
+    cls.code: cls for cls in (NoHandlerError, ConfigConflictError, HandlerError, BadRequestError, RefusedError)
+}
 
 
 @dataclass(frozen=True)
@@ -37,6 +121,75 @@ class Reply:
 
     body: Any = None
     payload: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class ErrorBody:
+    """The body of a failed request's reply."""
+
+    code: ErrorCode
+    message: str
+    reason: Refusal | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"code": self.code.value, "message": self.message[:MAX_ERROR_TEXT],
+                "reason": None if self.reason is None else self.reason.value}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> ErrorBody:
+        """Parse and check an error reply; raises WireError (BAD_FIELD)."""
+        def bad(what: str) -> WireError:
+            return WireError(RejectReason.BAD_FIELD, f"error reply: {what}", field="body")
+
+        if not isinstance(obj, dict) or not isinstance(obj.get("message"), str):
+            raise bad("expected {code, message, reason}")
+        try:
+            code = ErrorCode(obj.get("code"))
+            reason = None if obj.get("reason") is None else Refusal(obj["reason"])
+        except ValueError:
+            raise bad(f"unknown code {obj.get('code')!r} or reason {obj.get('reason')!r}") from None
+        if (code is ErrorCode.REFUSED) != (reason is not None):
+            raise bad("a reason goes with a refusal, and only with one")
+        return cls(code, obj["message"][:MAX_ERROR_TEXT], reason)
+
+    @classmethod
+    def of(cls, exc: BaseException) -> ErrorBody:
+        """What a serving node answers for an exception its handler raised. Only a RemoteError
+        raised here keeps its code: one that a handler's own request got from a third peer
+        (`peer` set) is this handler's error, not a refusal by this node."""
+        if isinstance(exc, RemoteError) and exc.peer is None:
+            return cls(exc.code, exc.detail, exc.reason)
+        return cls(ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}")
+
+    def exception(self, peer: str) -> RemoteError:
+        """The typed exception a requester raises for this error from `peer`."""
+        if self.reason is not None:
+            return RefusedError(self.reason, self.message, peer=peer)
+        return _ERRORS[self.code](self.message, peer=peer)
+
+
+def refusal_text(reason: Refusal, detail: str = "") -> str:
+    return f"{reason.value}: {detail}" if detail else reason.value
+
+
+def refusal(reason: Refusal, detail: str = "", **extra: Any) -> dict[str, Any]:
+    """The body of an answer that turns work down: {"ok": False, "code", "reason", **extra}.
+    "reason" is text for people and logs ("late: the round already closed"); code that acts on
+    a refusal reads "code" (see `refusal_of`) or an extra field it defined."""
+    if {"ok", "code", "reason"} & extra.keys():
+        raise ValueError(f"extra fields may not replace ok, code or reason: {sorted(extra)}")
+    return {"ok": False, "code": reason.value, "reason": refusal_text(reason, detail), **extra}
+
+
+def refusal_of(body: Any) -> Refusal | None:
+    """The named reason of a refusal body; None for any other body (an answer that is not a
+    refusal, or one whose code this version does not know)."""
+    if not isinstance(body, dict) or body.get("ok") is not False:
+        return None
+    try:
+        return Refusal(body.get("code"))
+    except ValueError:
+        return None
 
 
 def request_body(topic: str, request_id: int, body: Any) -> list[Any]:
@@ -52,19 +205,16 @@ def parse_request(msg: Message) -> tuple[str, int, Any]:
 
 
 def reply_body(request_id: int, ok: bool, body: Any) -> list[Any]:
-    return [request_id, ok, body]
+    return [request_id, ok, body.to_wire() if isinstance(body, ErrorBody) else body]
 
 
 def parse_reply(msg: Message) -> tuple[int, bool, Any]:
+    """[id, ok, body]; a failed request's body comes back as a checked `ErrorBody`."""
     b = msg.body
     if (not isinstance(b, list) or len(b) != 3 or not isinstance(b[0], int)
             or isinstance(b[0], bool) or not isinstance(b[1], bool)):
         raise WireError(RejectReason.BAD_FIELD, "reply body must be [id, ok, body]", field="body")
-    return b[0], b[1], b[2]
-
-
-def error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]
+    return b[0], b[1], b[2] if b[1] else ErrorBody.from_wire(b[2])
 
 
 def _mark_retrieved(fut: asyncio.Future[Any]) -> None:
@@ -87,6 +237,38 @@ class PendingRequests:
         self._pending[rid] = (fut, peer)
         return rid, fut
 
+    async def call(self, peer: str, topic: str, send: Callable[[int], Awaitable[None]],
+                   timeout_s: float) -> Message:
+        """Open a request to `peer`, hand it to `send(request_id)`, and wait for the reply.
+
+        Raises the peer's RemoteError, RequestTimeout, or RpcError (not sent; peer gone)."""
+        rid, fut = self.open(peer)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        sending = asyncio.ensure_future(send(rid))
+        try:
+            # A send can wait on a peer that crashed (no connection to hand the message to);
+            # if the peer is declared dead meanwhile, `fut` fails and the request ends now.
+            await asyncio.wait({sending, fut}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if not sending.done():
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    await sending  # the reply beat the send's own bookkeeping
+                    return fut.result()
+                sending.cancel()
+                if fut.done():
+                    return fut.result()  # raises the peer's failure
+                raise asyncio.TimeoutError
+            sending.result()
+            return await asyncio.wait_for(fut, max(deadline - loop.time(), 0.0))
+        except SendError as exc:
+            raise RpcError(f"request {topic!r} to {peer}: {exc}") from None
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"no reply from {peer} to {topic!r} within {timeout_s} s") from None
+        finally:
+            if not sending.done():
+                sending.cancel()
+            self.drop(rid)
+
     def expects(self, rid: int, peer: str) -> bool:
         entry = self._pending.get(rid)
         return entry is not None and entry[1] == peer
@@ -98,7 +280,7 @@ class PendingRequests:
         if ok:
             fut.set_result(replace(msg, body=body))
         else:
-            fut.set_exception(RemoteError(f"peer {peer}: {body}"))
+            fut.set_exception(body.exception(peer))
 
     def waiting_on(self, peer: str) -> bool:
         """True while a request to `peer` awaits its reply (which comes back on its DEALER)."""

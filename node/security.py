@@ -19,7 +19,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 
-from starling.node.address import AddressError, decode_key, is_loopback
+from starling.node.address import AddressError, PeerAddress, decode_key, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,35 @@ def check_plaintext_allowed(endpoints: list[str], *, insecure: bool) -> None:
             "(the default) or pass --insecure"
         )
 
+
+
+def choose_security(listens: list[str], adverts: list[str], joins: list[PeerAddress],
+                    security: SecurityMode | str | None, insecure: bool,
+                    authorized_keys: str | Path | frozenset[bytes] | None,
+                    ) -> tuple[SecurityMode, frozenset[bytes] | None]:
+    """A node's security mode and allowlist from its start options, refusing combinations
+    that would expose it: CURVE unless every listen endpoint is inproc; plaintext only on
+    loopback (unless `insecure`); CURVE joins need the peer's key; an allowlist needs CURVE."""
+    if security is None:
+        all_inproc = all(e.startswith("inproc://") for e in listens)
+        mode = SecurityMode.PLAINTEXT if all_inproc else SecurityMode.CURVE
+    else:
+        mode = SecurityMode(security)
+    if mode is SecurityMode.PLAINTEXT:
+        check_plaintext_allowed(listens + adverts + [j.endpoint for j in joins], insecure=insecure)
+    else:
+        if any(e.startswith("inproc://") for e in listens):
+            raise SecurityError("CURVE does not apply to inproc endpoints; use security='plaintext'")
+        missing = [str(j) for j in joins if j.curve_key is None]
+        if missing:
+            raise SecurityError(f"join address {missing[0]} has no '#KEY' part, which CURVE needs")
+    if authorized_keys is None:
+        return mode, None
+    if mode is not SecurityMode.CURVE:
+        raise SecurityError("an allowlist (authorized keys) needs CURVE security")
+    if isinstance(authorized_keys, frozenset):
+        return mode, authorized_keys
+    return mode, load_authorized_keys(authorized_keys)
 
 class ZapRegistry:
     """One ZAP handler per ZeroMQ context, dispatching on each node's domain."""

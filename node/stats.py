@@ -20,7 +20,7 @@ class NodeStats:
     messages_received: int = 0
     rejected: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     send_failures: int = 0
-    stalls: int = 0  # times this node's own liveness loop woke late (see Node._heartbeat_loop)
+    stalls: int = 0  # times this node's own liveness loop woke late (see Swarm.heartbeat_loop)
     stalled_s: float = 0.0  # their total lateness, not counted against peers' silence
 
     def count_sent(self, peer: str, topic: str, nbytes: int) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from starling.node.rpc import Reply, RpcError
+from starling.node.rpc import Refusal, RefusedError, Reply, RpcError
 
 if TYPE_CHECKING:
     from starling.node.node import Node
@@ -71,12 +71,12 @@ class BlobServer:
     def _open(self, msg: Message) -> dict[str, Any]:
         name = msg.body.get("name") if isinstance(msg.body, dict) else None
         if not isinstance(name, str) or name not in self._providers:
-            raise KeyError(f"no blob named {name!r}")
+            raise RefusedError(Refusal.NOT_FOUND, f"no blob named {name!r}")
         now = time.monotonic()
         for token in [t for t, s in self._snapshots.items() if s.expires < now]:
             del self._snapshots[token]
         if len(self._snapshots) >= self.config.max_snapshots:
-            raise RuntimeError("too many transfers in progress; retry later")
+            raise RefusedError(Refusal.BUSY, "too many transfers in progress; retry later")
         data = memoryview(bytes(self._providers[name]()))
         token = next(self._tokens)
         self._snapshots[token] = _Snapshot(data, now + self.config.snapshot_ttl_s)
@@ -90,7 +90,7 @@ class BlobServer:
         token, index = body.get("token"), body.get("index")
         snap = self._snapshots.get(token) if isinstance(token, int) else None
         if snap is None or not isinstance(index, int) or index < 0:
-            raise KeyError("unknown transfer or bad chunk index")
+            raise RefusedError(Refusal.NOT_FOUND, "unknown transfer or bad chunk index")
         cb = self.config.chunk_bytes
         chunk = snap.data[index * cb:(index + 1) * cb]
         if (index + 1) * cb >= len(snap.data):

@@ -51,7 +51,7 @@ from starling.collectives import (
 )
 from starling.collectives.codec import check_compressor_spec
 from starling.node.node import Node
-from starling.node.rpc import Reply
+from starling.node.rpc import Refusal, Reply, refusal
 from starling.node.wire import Message
 from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
 from starling.protocols.fragments import ASSIGNMENTS, FragmentSchedule, FragmentView, count_layers, split_fragments
@@ -326,14 +326,14 @@ class DiLoCo(Protocol):
     # ------------------------------------------------------------------ network thread
     def _on_sync(self, msg: Message) -> Reply | dict[str, Any]:
         if not self._open:
-            return {"ok": False, "reason": "protocol closed"}
+            return refusal(Refusal.CLOSED, "protocol closed")
         state = self._published
         try:
             fragments = [int(f) for f in msg.body["fragments"]]
             if not all(0 <= f < len(state.outer) for f in fragments):
                 raise ValueError(fragments)
         except (TypeError, KeyError, ValueError):
-            return {"ok": False, "reason": f"body must be {{fragments: [0..{len(state.outer) - 1}]}}"}
+            return refusal(Refusal.MALFORMED, f"body must be {{fragments: [0..{len(state.outer) - 1}]}}")
         payload = [t for f in fragments for t in (state.outer[f], state.momentum[f])]
         return Reply({"ok": True, "step": state.step, "versions": list(state.versions), "fragments": fragments},
                      payload)

@@ -51,7 +51,7 @@ from starling.collectives.codec import check_compressor_spec
 from starling.compressors import decode
 from starling.node.membership import PeerStatus
 from starling.node.node import Node
-from starling.node.rpc import RemoteError, Reply
+from starling.node.rpc import NoHandlerError, Refusal, RemoteError, Reply, refusal
 from starling.node.wire import Message
 from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
 from starling.protocols.optim import make_optimizer, optimizer_state
@@ -201,7 +201,7 @@ class Gossip(Protocol):
                     # No reply (a timeout, or j declared dead meanwhile): j may have applied
                     # its half already, so ask for it back. Unapplied, the undo cancels it.
                     self.node.send(j, UNDO_TOPIC, {"xid": xid})
-                if "no handler" not in str(exc):
+                if not isinstance(exc, NoHandlerError):  # one not running gossip yet is not lost
                     lost.append(j)
                 continue
             theirs = msg.payload[0] if msg.payload else None
@@ -284,20 +284,20 @@ class Gossip(Protocol):
         """Average with a requester: apply my half of the exchange, reply my parameters."""
         theirs = msg.payload[0] if len(msg.payload) == 1 else None
         if not self._open:
-            return {"ok": False, "reason": "closed"}
+            return refusal(Refusal.CLOSED)
         if not isinstance(theirs, torch.Tensor) or theirs.dtype != torch.float32 or theirs.numel() != self.flat.numel:
-            return {"ok": False, "reason": f"expected {self.flat.numel} float32 parameters"}
+            return refusal(Refusal.MALFORMED, f"expected {self.flat.numel} float32 parameters")
         if not bool(torch.isfinite(theirs).all()):
-            return {"ok": False, "reason": "non-finite parameters"}
+            return refusal(Refusal.NOT_FINITE, "non-finite parameters")
         deadline = time.monotonic() + self.config.pull_timeout_s / 2
         while not self._params_lock.acquire(blocking=False):  # never block the network thread
             if time.monotonic() > deadline:
-                return {"ok": False, "reason": "busy"}
+                return refusal(Refusal.BUSY)
             await asyncio.sleep(_LOCK_POLL_S)
         xid = msg.body.get("xid") if isinstance(msg.body, dict) else None
         if xid is not None and self._cancelled.get(msg.sender) == xid:
             self._params_lock.release()
-            return {"ok": False, "reason": "cancelled by the requester"}
+            return refusal(Refusal.CANCELLED, "cancelled by the requester")
         try:
             mine = self.flat.read_params()
             delta = (theirs.reshape(-1) - mine).mul_(self.config.mixing)
@@ -371,8 +371,8 @@ class Gossip(Protocol):
 
     def _on_choco(self, msg: Message) -> None:
         if isinstance(msg.body, dict) and self._open:
-            payload = tuple(p.clone() if isinstance(p, torch.Tensor) else torch.frombuffer(bytearray(p), dtype=torch.uint8)
-                            for p in msg.payload)
+            payload = tuple(p.clone() if isinstance(p, torch.Tensor)
+                            else torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in msg.payload)
             self._inbox.append((msg.sender, msg.body, payload))
 
     def _on_resync(self, msg: Message) -> None:

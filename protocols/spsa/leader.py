@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from starling.node.loop import close_in_time
+from starling.node.rpc import Refusal, refusal
 from starling.protocols.spsa.arith import NO_DIGEST, codes_from_bytes
 from starling.protocols.spsa.records import Record, RecordLog
 
@@ -36,7 +37,7 @@ LOG_TOPIC = "spsa.log"
 LOG_BATCH = 256  # records per "spsa.log" reply
 MAX_GAP_STEPS = 64  # a leader fetches at most this many closed steps it missed from a contributor
 
-Refuse = Callable[..., dict[str, Any]]  # refuse(reason, detail, **extra) -> a counted refusal
+Refuse = Callable[..., dict[str, Any]]  # refuse(Refusal, detail, **extra) -> a counted refusal body
 
 
 def parse_contribution(body: Any, samples: int) -> tuple[int, bytes, int]:
@@ -86,18 +87,18 @@ class Sequencer:
             return self._late(closed, key, codes)
         upto, oldest = self.log.upto, self.log.oldest
         if t < 0 or (oldest >= 0 and t < oldest):
-            return self.refuse("unknown_step", f"step {t} from {sender} is before this log ({oldest}..{upto})",
+            return self.refuse(Refusal.UNKNOWN_STEP, f"step {t} from {sender} is before this log ({oldest}..{upto})",
                                too_old=t >= 0, upto=upto)
         # My own step past my log (after a repair) opens a group; anyone else's must be filled in.
         if t > upto + 1 and sender != self.me and not await self._fill_gap(sender, upto + 1, t):
-            return self.refuse("unknown_step", f"step {t} from {sender}: this peer has closed only up to "
+            return self.refuse(Refusal.UNKNOWN_STEP, f"step {t} from {sender}: this peer has closed only up to "
                                f"{upto} and could not fetch the steps between", upto=upto)
         closed = self.log.get(t)
         if closed is not None:
             return self._late(closed, key, codes)
         group = self._groups.get(t) or self._open_group(t)
         if key in group.codes and group.codes[key] != codes:
-            return self.refuse("duplicate", f"{sender} sent different codes for step {t}")
+            return self.refuse(Refusal.DUPLICATE, f"{sender} sent different codes for step {t}")
         group.codes[key] = codes
         if digest != NO_DIGEST:
             group.digests[key] = digest
@@ -106,7 +107,7 @@ class Sequencer:
         if not group.done.is_set():
             await group.done.wait()  # set by _close: every expected peer in, or the group's timer
         if group.record is None:  # closing failed (logged by the timer): ask elsewhere
-            return self.refuse("close_failed", f"step {t} could not be closed on this leader")
+            return self.refuse(Refusal.CLOSE_FAILED, f"step {t} could not be closed on this leader")
         return self._reply(group.record, key, codes, late=key not in group.record.keys)
 
     def _late(self, record: Record, key: int, codes: bytes) -> dict[str, Any]:
@@ -186,11 +187,11 @@ class Sequencer:
         """Answer "spsa.log": consecutive closed records from `since` on."""
         since = body.get("since") if isinstance(body, dict) else None
         if not isinstance(since, int) or isinstance(since, bool) or since < 0:
-            return self.refuse("malformed", f"{sender}: log request needs an int since >= 0")
+            return self.refuse(Refusal.MALFORMED, f"{sender}: log request needs an int since >= 0")
         upto, oldest = self.log.upto, self.log.oldest
         if oldest >= 0 and since < oldest:
-            return {"ok": False, "too_old": True, "upto": upto,
-                    "reason": f"step {since} is before this log ({oldest}..{upto})"}
+            return refusal(Refusal.TOO_OLD, f"step {since} is before this log ({oldest}..{upto})", too_old=True,
+                           upto=upto)
         return {"ok": True, "records": [r.to_wire() for r in self.log.since(since, LOG_BATCH)], "upto": upto}
 
     def peer_left(self, key: int) -> None:

@@ -42,7 +42,7 @@ from torch import nn
 from starling.collectives import ByteMeter, request_patiently, watch_peers
 from starling.node.loop import AwakeDeadline
 from starling.node.node import Node
-from starling.node.rpc import Reply, RequestTimeout
+from starling.node.rpc import Refusal, Reply, RequestTimeout, refusal
 from starling.node.wire import Message
 from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
 from starling.protocols.spsa.arith import (
@@ -434,11 +434,11 @@ class Spsa(Protocol):
     # ------------------------------------------------------------------ network thread: leader
     async def _on_contrib(self, msg: Message) -> dict[str, Any]:
         if not self._open:
-            return {"ok": False, "reason": "closed: protocol closed"}
+            return refusal(Refusal.CLOSED, "protocol closed")
         try:
             t, codes, digest = parse_contribution(msg.body, self.config.samples)
         except ValueError as exc:
-            return self._refuse("malformed", f"{msg.sender}: {exc}")
+            return self._refuse(Refusal.MALFORMED, f"{msg.sender}: {exc}")
         return await self.sequencer.collect(self._key_of(msg.sender), msg.sender, t, codes, digest)
 
     async def _on_log(self, msg: Message) -> dict[str, Any]:
@@ -451,7 +451,7 @@ class Spsa(Protocol):
             deadline = time.monotonic() + self.config.round_timeout_s
             while not self._lock.acquire(blocking=False):
                 if time.monotonic() > deadline:
-                    return {"ok": False, "reason": "busy"}
+                    return refusal(Refusal.BUSY)
                 await asyncio.sleep(_LOCK_POLL_S)
         finally:
             self._state_waiters -= 1
@@ -463,9 +463,9 @@ class Spsa(Protocol):
             self._lock.release()
         return Reply(body, (flat,))
 
-    def _refuse(self, reason: str, detail: str, **extra: Any) -> dict[str, Any]:
-        self._count_rejected(reason, detail)
-        return {"ok": False, "reason": f"{reason}: {detail}", **extra}
+    def _refuse(self, reason: Refusal, detail: str, **extra: Any) -> dict[str, Any]:
+        self._count_rejected(reason.value, detail)
+        return refusal(reason, detail, **extra)
 
     def _count_rejected(self, reason: str, detail: str) -> None:
         self.node.stats.count_rejected(f"spsa.{reason}")

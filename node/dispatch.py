@@ -1,0 +1,173 @@
+"""The inbound path of a node: decode, authenticate, and hand each message to its handler.
+
+Replies (read on this node's outbound sockets) resolve pending requests. Everything else
+comes in on the node's ROUTER: membership messages go to the membership protocol, requests
+to their handler, whose answer (or typed error, see `node.rpc`) goes back on the same
+connection. A message that fails a check is dropped and counted by its `RejectReason`, and
+changes no state.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from zmq.utils import z85
+
+from starling.node import rpc
+from starling.node.membership import PeerInfo, PeerStatus
+from starling.node.security import SecurityMode
+from starling.node.transport import Inbound, SendError
+from starling.node.wire import Message, RejectReason, WireError, decode, frame_nbytes
+
+if TYPE_CHECKING:
+    from starling.node.node import Node
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Message], Any]
+
+
+class Dispatcher:
+    """Routes a node's inbound messages. Lives on the network thread."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.handlers: dict[str, tuple[Handler, bool]] = {}  # topic -> (handler, public)
+        # the node's own "$" topics: one-way messages, and requests answered with a body
+        self.internal_messages: dict[str, Callable[[Message], None]] = {}
+        self.internal_requests: dict[str, Callable[[Inbound, Any], Any]] = {}
+        self.public_internal: set[str] = set()  # of those, the ones peers outside the swarm may call
+
+    def on_internal_message(self, topic: str, handler: Callable[[Message], None]) -> None:
+        """Handle one of the node's own one-way "$" topics (membership gossip)."""
+        self.internal_messages[topic] = handler
+
+    def on_internal_request(self, topic: str, handler: Callable[[Inbound, Any], Any], *, public: bool = False) -> None:
+        """Answer one of the node's own "$" request topics; `public` lets non-members call it."""
+        self.internal_requests[topic] = handler
+        if public:
+            self.public_internal.add(topic)
+
+    def reject(self, reason: RejectReason, detail: str) -> None:
+        self.node.stats.count_rejected(reason.value)
+        log.debug("%s: rejected message (%s): %s", self.node.peer_id, reason.value, detail)
+
+    async def on_inbound(self, inbound: Inbound) -> None:
+        if self.node.closed:
+            return
+        nbytes = frame_nbytes(inbound.frames)
+        try:
+            msg = decode(inbound.frames, self.node.config.limits)
+            if inbound.route is None:
+                self._on_reply(inbound, msg, nbytes)
+            else:
+                await self._on_router(inbound, msg, nbytes)
+        except WireError as exc:
+            self.reject(exc.reason, str(exc))
+
+    def _on_reply(self, inbound: Inbound, msg: Message, nbytes: int) -> None:
+        node, via = self.node, inbound.via_peer or ""
+        if msg.topic != rpc.REPLY_TOPIC:
+            raise WireError(RejectReason.BAD_FIELD, f"only replies are read on outbound sockets, got {msg.topic!r}",
+                            field="topic")
+        rid, ok, body = rpc.parse_reply(msg)
+        if not node._pending.expects(rid, via):
+            raise WireError(RejectReason.BAD_FIELD, f"reply {rid} from {via} matches no request", field="body")
+        if not via.startswith("bootstrap-") and msg.sender != via:
+            raise WireError(RejectReason.SPOOFED_SENDER, f"reply claims {msg.sender}, came from {via}", field="sender")
+        node.stats.count_received(via, rpc.REPLY_TOPIC, nbytes)
+        node._table.seen(via, time.monotonic())
+        node._pending.resolve(rid, msg, ok, body)
+
+    def _authenticate(self, inbound: Inbound, msg: Message) -> PeerInfo | None:
+        """The sender's table entry if the message provably comes from it; None for a
+        sender outside the swarm (allowed only for public requests)."""
+        info = self.node._table.get(msg.sender)
+        if info is None or info.status is PeerStatus.LEFT:
+            return None
+        if self.node.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(info.record.curve_key).decode():
+            raise WireError(RejectReason.SPOOFED_SENDER, f"{msg.sender} does not own this connection", field="sender")
+        return info
+
+    async def _on_router(self, inbound: Inbound, msg: Message, nbytes: int) -> None:
+        node = self.node
+        info = self._authenticate(inbound, msg)
+        topic, rid, body = msg.topic, None, msg.body
+        if topic == rpc.REQUEST_TOPIC:
+            topic, rid, body = rpc.parse_request(msg)
+        if info is None and not (rid is not None and self._is_public(topic)):
+            raise WireError(RejectReason.UNKNOWN_PEER, f"{msg.sender} is not a member (topic {topic!r})",
+                            field="sender")
+        node.stats.count_received(msg.sender, topic, nbytes)
+        if info is not None:
+            change = node._table.seen(msg.sender, time.monotonic())
+            if change is not None:
+                node._notify(change)
+        internal = self.internal_messages.get(topic)
+        if internal is not None:
+            internal(msg)
+        elif rid is not None:
+            node._spawn(self._serve(inbound, msg, topic, rid, body))
+        else:
+            handler = self.handlers.get(topic)
+            if handler is None:
+                raise WireError(RejectReason.UNKNOWN_TOPIC, f"no handler for {topic!r}", field="topic")
+            try:
+                result = handler[0](msg)
+                if inspect.isawaitable(result):
+                    node._spawn(result)
+            except Exception:
+                self.reject(RejectReason.HANDLER_ERROR, f"handler for {topic!r} raised")
+                log.exception("handler for %r raised", topic)
+
+    def _is_public(self, topic: str) -> bool:
+        if topic in self.public_internal:
+            return True
+        entry = self.handlers.get(topic)
+        return entry is not None and entry[1]
+
+    async def _serve(self, inbound: Inbound, msg: Message, topic: str, rid: int, body: Any) -> None:
+        """Run a request's handler and answer with its result, or with a typed error."""
+        node = self.node
+        payload: tuple[Any, ...] = ()
+        try:
+            result = await self._answer(inbound, msg, topic, body)
+            if isinstance(result, rpc.Reply):
+                result, payload = result.body, result.payload
+            ok = True
+        except WireError as exc:  # the request failed this node's own checks: counted as such
+            self.reject(exc.reason, str(exc))
+            ok, result = False, rpc.ErrorBody(rpc.ErrorCode.BAD_REQUEST, str(exc))
+        except Exception as exc:
+            ok, result = False, rpc.ErrorBody.of(exc)
+            # a refusal, a config conflict or a missing handler is an answer, not a fault
+            if result.code is rpc.ErrorCode.HANDLER_ERROR:
+                self.reject(RejectReason.HANDLER_ERROR, f"{topic}: {exc}")
+                log.warning("handler for %r failed: %s", topic, exc)
+        assert node._transport is not None and inbound.route is not None
+        frames = node._frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, ok, result), payload)
+        if node.shaper is not None and not topic.startswith("$"):
+            if not await node.shaper.admit(msg.sender, frame_nbytes(frames)):
+                return
+        try:
+            await node._transport.reply(inbound.route, frames)
+            node.stats.count_sent(msg.sender, topic, frame_nbytes(frames))
+        except SendError as exc:
+            node.stats.count_send_failure()
+            log.debug("reply to %s failed: %s", msg.sender, exc)
+
+    async def _answer(self, inbound: Inbound, msg: Message, topic: str, body: Any) -> Any:
+        internal = self.internal_requests.get(topic)
+        if internal is not None:
+            return internal(inbound, body)
+        entry = self.handlers.get(topic)
+        if entry is None:
+            raise rpc.NoHandlerError(f"no handler for {topic!r}")
+        result = entry[0](replace(msg, topic=topic, body=body))
+        if inspect.isawaitable(result):
+            result = await result
+        return result

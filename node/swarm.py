@@ -1,0 +1,412 @@
+"""The membership protocol: how a node joins a swarm, stays known in it, and leaves it.
+
+Joining is a hello to one known peer, which answers with its peer table (records signed by
+their owners) and the swarm config; the joiner then connects to every peer it learned of.
+Liveness comes from heartbeats: every interval a node pings a few random peers (all of them
+in a small swarm) with the beat counters it heard from everyone, so the swarm's cost is
+n * fanout pings, not n^2; an id in a digest that a node has no record of is asked for
+(WANT), which also finds peers that joined elsewhere at the same time. A graceful leave is
+a signed broadcast.
+
+Records are signed by their owners; beats and heartbeat metadata are authenticated hop by
+hop only, so a member could claim another is alive for longer than it is (it cannot forge
+records, requests or protocol messages on its behalf).
+
+The table itself (records, statuses, the failure detector's arithmetic) is
+`node.membership`; this module is the messages that keep it current.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from zmq.utils import z85
+
+from starling.node import rpc
+from starling.node.address import PeerAddress
+from starling.node.identity import verify_signature
+from starling.node.membership import (
+    PeerRecord,
+    PeerStatus,
+    StatusChange,
+    finite_meta,
+    leave_statement,
+    parse_digest,
+)
+from starling.node.security import SecurityMode
+from starling.node.transport import Inbound, SendError
+from starling.node.wire import Message, RejectReason, WireError
+
+if TYPE_CHECKING:
+    from starling.node.node import Node
+
+log = logging.getLogger(__name__)
+
+HELLO, ANNOUNCE, PING, LEAVE = "$hello", "$announce", "$ping", "$leave"
+WANT = "$want"  # asks a member for records it gossiped that we lack; answered with ANNOUNCE
+MAX_WANT = 256
+MAX_ANNOUNCE = 256
+
+
+class JoinError(Exception):
+    """Could not join the swarm through any of the given addresses."""
+
+
+class SwarmConfigError(JoinError):
+    """The swarm runs a config this node cannot run."""
+
+
+class UnknownPeerError(ValueError):
+    """A send or request named a peer this node does not know (or that left)."""
+
+
+def config_conflicts(swarm: dict[str, Any], mine: dict[str, Any]) -> list[str]:
+    """Keys this node set that the swarm has set differently."""
+    return [f"{k}: swarm has {swarm[k]!r}, this node has {v!r}" for k, v in mine.items()
+            if k in swarm and swarm[k] != v]
+
+
+def _config_conflict_text(conflicts: list[str]) -> str:
+    return "the swarm runs a config this node cannot run: " + "; ".join(conflicts)
+
+
+class Swarm:
+    """One node's side of the membership protocol. Lives on the network thread; the node
+    owns the peer table, the sockets and the send path, which this drives."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.listeners: list[Callable[[StatusChange], None]] = []
+        self._beat = 0  # our heartbeat counter, relayed by others as proof we are alive
+        self._rng = random.Random()
+        self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
+        self._acked: dict[str, float] = {}  # peer id -> when we last answered its probe
+        self._bootstraps = itertools.count()
+
+    def register(self) -> None:
+        """Serve the membership topics on the node's dispatcher."""
+        dispatch = self.node._dispatch
+        dispatch.on_internal_request(HELLO, self.on_hello, public=True)  # a joiner is not a member yet
+        for topic, handler in ((PING, self.on_ping), (WANT, self.on_want), (LEAVE, self.on_leave),
+                               (ANNOUNCE, self.on_announce)):
+            dispatch.on_internal_message(topic, handler)
+
+    # ---------------------------------------------------------------- joining
+    async def join(self, joins: list[PeerAddress]) -> None:
+        """Join through the first address in `joins` that answers."""
+        errors = []
+        for address in joins:
+            try:
+                await self._join_via(address.endpoint, address.curve_key)
+                return
+            except SwarmConfigError:
+                raise
+            except Exception as exc:  # try the next address
+                errors.append(f"{address}: {exc}")
+        raise JoinError("could not join the swarm: " + "; ".join(errors))
+
+    def _hello_body(self, want_table: bool = True) -> list[Any]:
+        assert self.node.record is not None
+        return [self.node.record.to_wire(), self.node.swarm_config, want_table]
+
+    async def _join_via(self, endpoint: str, curve_key: bytes | None) -> None:
+        """Hello to one known address; learn its table and config. The peer we joined
+        announces us to the others; any it missed find us in the beats pings carry."""
+        node, transport = self.node, self.node._transport
+        assert transport is not None
+        handle = f"bootstrap-{next(self._bootstraps)}"
+        transport.connect(handle, [endpoint], z85.encode(curve_key) if curve_key else None)
+        rid, fut = node._pending.open(handle)
+        try:
+            frames = node._frames(rpc.REQUEST_TOPIC, rpc.request_body(HELLO, rid, self._hello_body()), ())
+            await transport.send(handle, frames)
+            reply = await asyncio.wait_for(fut, node.config.join_timeout_s)
+        except asyncio.TimeoutError:
+            raise JoinError(f"no answer from {endpoint} within {node.config.join_timeout_s} s") from None
+        except rpc.ConfigConflictError as exc:
+            raise SwarmConfigError(f"{endpoint}: {exc.detail}") from None
+        except rpc.RemoteError as exc:
+            raise JoinError(f"{endpoint}: {exc.detail}") from None
+        finally:
+            node._pending.drop(rid)
+            transport.disconnect(handle)
+        responder = self._accept_hello_reply(reply.body)
+        if curve_key is not None and responder.curve_key != curve_key:
+            raise JoinError(f"{endpoint} answered with a record for a different key")
+
+    def _accept_hello_reply(self, body: Any) -> PeerRecord:
+        if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
+            raise JoinError("malformed hello reply")
+        node = self.node
+        config = body.get("config")
+        if config is not None:
+            if not isinstance(config, dict):
+                raise JoinError("malformed swarm config in hello reply")
+            if node.swarm_config is not None:
+                conflicts = config_conflicts(config, node.swarm_config)
+                if conflicts:
+                    raise SwarmConfigError(_config_conflict_text(conflicts))
+            node.swarm_config = {**(node.swarm_config or {}), **config}
+        responder = self.record_from(body.get("record"))
+        self.learn(responder)
+        for raw in body["peers"]:
+            try:
+                self.learn(self.record_from(raw))
+            except WireError as exc:
+                node.stats.count_rejected(exc.reason.value)
+        return responder
+
+    def on_hello(self, inbound: Inbound, body: Any) -> dict[str, Any]:
+        """A joiner's hello (or a member's re-announce): check its record and config, learn it,
+        and answer with our record, the swarm config and (if asked) the table."""
+        node = self.node
+        if not isinstance(body, list) or len(body) != 3 or not isinstance(body[2], bool):
+            raise WireError(RejectReason.BAD_FIELD, "hello body must be [record, config, want_table]", field="body")
+        record = self.record_from(body[0])
+        if node.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
+            raise WireError(RejectReason.SPOOFED_SENDER, "hello record's key does not own this connection",
+                            field="record")
+        theirs = body[1]
+        if theirs is not None:
+            if not isinstance(theirs, dict):
+                raise WireError(RejectReason.BAD_FIELD, "swarm config must be a map", field="config")
+            if node.swarm_config is None:
+                node.swarm_config = dict(theirs)
+            conflicts = config_conflicts(node.swarm_config, theirs)
+            if conflicts:
+                raise rpc.ConfigConflictError(_config_conflict_text(conflicts))
+        # A joiner (it asks for the table) is announced to the others: one message each, no
+        # answer, over the sockets this node holds open (every member's, in a swarm within
+        # `max_open_dealers`). One we hold no socket to, one that joined elsewhere at the same
+        # time, or an announce lost to a crash, is caught by the beats in ping digests: an
+        # unknown id there is asked for (WANT). Announcing to every member would open and close
+        # a socket per member on every join at a seed capped below the swarm's size (a
+        # 256-node swarm capped at 32 sockets took 602 s to start, 177 s capped at 64).
+        transport = node._transport
+        assert transport is not None and node.record is not None
+        if self.learn(record) and body[2]:
+            for p in node._table.live():
+                if p.peer_id != record.peer_id and transport.is_open(p.peer_id):
+                    node._spawn(node._asend_raw(p.peer_id, ANNOUNCE, [record.to_wire()]))
+        # A joiner's hello gets the whole table; one that asks for none (a re-announce) does not.
+        peers = [p.record.to_wire() for p in node._table.live() if p.peer_id != record.peer_id] if body[2] else []
+        return {"record": node.record.to_wire(), "config": node.swarm_config, "peers": peers}
+
+    def on_announce(self, msg: Message) -> None:
+        if not isinstance(msg.body, list) or len(msg.body) > MAX_ANNOUNCE:
+            raise WireError(RejectReason.BAD_FIELD, "announce body must be a list of records", field="body")
+        for raw in msg.body:
+            try:
+                self.learn(self.record_from(raw))
+            except WireError as exc:
+                self.node._dispatch.reject(exc.reason, str(exc))
+
+    def record_from(self, raw: Any) -> PeerRecord:
+        """Parse a relayed record; check its signature unless we hold this exact record
+        already (joins relay whole tables, so re-verifying would cost O(n^2) per join)."""
+        record = PeerRecord.from_wire(raw, verify=False)
+        known = self.node._table.get(record.peer_id)
+        if known is None or known.record != record:
+            record = record.verified()
+        return record
+
+    def learn(self, record: PeerRecord) -> bool:
+        """Add or refresh a verified record; connect to a new peer. True if it was news."""
+        node = self.node
+        change = node._table.upsert(record, time.monotonic())
+        known = node._table.get(record.peer_id)
+        if known is None or known.record is not record:
+            return False
+        transport = node._transport
+        assert transport is not None
+        if transport.has(record.peer_id):
+            transport.disconnect(record.peer_id)  # addresses may have changed
+        server_key = z85.encode(record.curve_key) if node.mode is SecurityMode.CURVE else None
+        transport.connect(record.peer_id, record.addresses, server_key)
+        if change is not None:
+            self.notify(change)
+        return True
+
+    def notify(self, change: StatusChange) -> None:
+        """A peer's status changed: fail what waits on a peer that is gone, tell listeners."""
+        node = self.node
+        log.info("%s: peer %s %s -> %s", node.peer_id, change.peer_id,
+                 change.old.value if change.old else "new", change.new.value)
+        if change.new in (PeerStatus.DEAD, PeerStatus.LEFT):
+            node._pending.fail_peer(change.peer_id, rpc.RpcError(f"peer {change.peer_id} is {change.new.value}"))
+        if change.new is PeerStatus.LEFT and node._transport is not None:
+            node._transport.disconnect(change.peer_id)
+        for cb in self.listeners:
+            try:
+                cb(change)
+            except Exception:
+                log.exception("peer-change listener failed")
+
+    # ---------------------------------------------------------------- leaving
+    async def leave(self) -> None:
+        """Tell every live peer, in a statement signed by us, that we leave."""
+        node = self.node
+        assert node.record is not None
+        timeout_s = node.config.leave_timeout_s
+        stmt = leave_statement(node.peer_id, node.record.incarnation)
+        body = [node.record.incarnation, node.identity.sign(stmt)]
+        sends = [asyncio.ensure_future(node._asend_raw(p.peer_id, LEAVE, body, timeout_s=timeout_s))
+                 for p in node._table.live()]
+        if sends:
+            done, pending = await asyncio.wait(sends, timeout=timeout_s)
+            for t in pending:
+                t.cancel()
+            failed = len(pending) + sum(1 for t in done if t.exception() is not None)
+            if failed:
+                log.warning("%s: leave not delivered to %d of %d peers", node.peer_id, failed, len(sends))
+
+    def on_leave(self, msg: Message) -> None:
+        body = msg.body
+        if (not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], int)
+                or not isinstance(body[1], bytes)):
+            raise WireError(RejectReason.BAD_FIELD, "leave body must be [incarnation, signature]", field="body")
+        info = self.node._table.get(msg.sender)
+        if info is None or not verify_signature(info.record.verify_key, leave_statement(msg.sender, body[0]), body[1]):
+            raise WireError(RejectReason.BAD_SIGNATURE, f"leave for {msg.sender} is not signed by it", field="body")
+        change = self.node._table.left(msg.sender, body[0])
+        if change is not None:
+            self.notify(change)
+
+    # ---------------------------------------------------------------- heartbeats
+    async def heartbeat_loop(self) -> None:
+        node, table = self.node, self.node._table
+        lv = node.config.liveness
+        period = min(lv.heartbeat_interval_s, lv.suspect_timeout_s / 4)
+        last_ping = last_dead_ping = 0.0
+        wake_at: float | None = None
+        while True:
+            now = time.monotonic()
+            # Woke a beat or more late: the loop (or the whole process) was stalled, and the
+            # beats that came meanwhile may still be unread. Peers are not blamed for it.
+            late = 0.0 if wake_at is None else now - wake_at
+            if late > lv.heartbeat_interval_s:
+                node.stats.count_stall(late)
+                table.pardon(late, now)
+                log.log(logging.INFO if late >= lv.suspect_timeout_s else logging.DEBUG,
+                        "%s: liveness loop stalled %.2f s; not counted against peers", node.peer_id, late)
+            if now - last_ping >= lv.heartbeat_interval_s:
+                retry_dead = now - last_dead_ping >= lv.dead_timeout_s
+                last_dead_ping = now if retry_dead else last_dead_ping
+                last_ping = now
+                self._beat += 1
+                digest = self._digest()  # one per round, shared by its pings
+                for peer_id, probe in self._ping_targets(now, retry_dead):
+                    await self._ping(peer_id, probe, digest)
+                horizon = now - lv.dead_timeout_s
+                self._wanted = {k: t for k, t in self._wanted.items() if t > horizon}
+                self._acked = {k: t for k, t in self._acked.items() if t > horizon}
+            for change in table.sweep(now, self._relay_delay_s()):
+                self.notify(change)
+            for gone in table.forget(node.config.forget_after_s, now):
+                if node._transport is not None:
+                    node._transport.disconnect(gone)
+            wake_at = time.monotonic() + period
+            await asyncio.sleep(period)
+
+    def _relay_delay_s(self) -> float:
+        """How much later than a direct ping a relayed beat may arrive: one interval per
+        gossip hop, about log(n) / log(fanout + 1) hops (0 while everyone is pinged).
+        Failure detectors that gossip scale their timeouts with log(n) the same way."""
+        lv = self.node.config.liveness
+        live = len(self.node._table.live())
+        if live <= lv.fanout:
+            return 0.0
+        return lv.heartbeat_interval_s * math.ceil(math.log(live + 1) / math.log(lv.fanout + 1))
+
+    def _ping_targets(self, now: float, retry_dead: bool) -> list[tuple[str, bool]]:
+        """Whom to ping this interval, and whether to ask for an answer (a probe).
+
+        Up to `fanout` other peers, everyone is pinged. Beyond that, `fanout` random peers
+        are, and each ping carries every beat we heard (see `_digest`), so a beat reaches
+        the swarm in about log(n) / log(fanout) intervals at n * fanout pings per interval
+        instead of n^2. Live peers we have not heard of for half the suspect timeout are
+        probed (asked to ping us back at once), the longest silent first, a quarter of
+        `fanout` per interval: an overloaded node whose view of everyone goes stale must not
+        probe them all and add n answers to the load. Dead peers are retried once per dead
+        timeout, in case they come back.
+        """
+        lv = self.node.config.liveness
+        live, targets = [], []
+        for p in self.node._table.all():
+            if p.status is PeerStatus.DEAD:
+                if retry_dead:
+                    targets.append((p.peer_id, False))
+            elif p.status is not PeerStatus.LEFT:
+                live.append(p)
+        if len(live) <= lv.fanout:
+            return targets + [(p.peer_id, False) for p in live]
+        chosen = self._rng.sample(live, lv.fanout)
+        picked = {p.peer_id for p in chosen}
+        stale = now - lv.suspect_timeout_s / 2
+        probes = sorted((p for p in live if p.last_seen < stale and p.peer_id not in picked),
+                        key=lambda p: p.last_seen)[: max(1, lv.fanout // 4)]
+        return targets + [(p.peer_id, False) for p in chosen] + [(p.peer_id, True) for p in probes]
+
+    def _digest(self) -> list[Any]:
+        node = self.node
+        assert node.record is not None
+        return [[node.peer_id, node.record.incarnation, self._beat, node._meta], *node._table.digest()]
+
+    async def _ping(self, peer_id: str, probe: bool, digest: list[Any] | None = None) -> None:
+        node = self.node
+        body = [digest or self._digest(), probe]
+        assert node._transport is not None
+        if not node._transport.is_open(peer_id):
+            # A DEALER opened now takes a moment to connect: wait for it, bounded, off the
+            # heartbeat loop's path.
+            node._spawn(node._asend_raw(peer_id, PING, body, timeout_s=node.config.liveness.heartbeat_interval_s))
+            return
+        try:
+            await node._asend_raw(peer_id, PING, body, wait=False)
+        except (SendError, UnknownPeerError):
+            pass  # the failure detector decides, not one dropped ping
+
+    def on_ping(self, msg: Message) -> None:
+        """Apply the beats a ping carries; ask its sender for records we lack; answer a probe.
+
+        Everything is checked before anything is applied; the new beats are usually few.
+        """
+        node, body = self.node, msg.body
+        if not isinstance(body, list) or len(body) != 2 or not isinstance(body[1], bool):
+            raise WireError(RejectReason.BAD_FIELD, "ping body must be [digest, probe]", field="body")
+        now = time.monotonic()
+        news, unknown = node._table.sort_digest(parse_digest(body[0]))
+        news = [(peer_id, inc, beat, finite_meta(meta) if meta else meta) for peer_id, inc, beat, meta in news]
+        for peer_id, incarnation, beat, meta in news:
+            change = node._table.heartbeat(peer_id, incarnation, beat, meta, now)
+            if change is not None:
+                self.notify(change)
+        interval = node.config.liveness.heartbeat_interval_s
+        want = [peer_id for peer_id in dict.fromkeys(unknown)
+                if now - self._wanted.get(peer_id, -math.inf) >= interval]
+        if want:
+            want = want[:MAX_WANT]
+            self._wanted.update((peer_id, now) for peer_id in want)
+            node._spawn(node._asend_raw(msg.sender, WANT, want))
+        if body[1] and now - self._acked.get(msg.sender, -math.inf) >= interval / 2:
+            self._acked[msg.sender] = now
+            node._spawn(self._ping(msg.sender, False))
+
+    def on_want(self, msg: Message) -> None:
+        body = msg.body
+        if not isinstance(body, list) or len(body) > MAX_WANT or not all(isinstance(x, str) for x in body):
+            raise WireError(RejectReason.BAD_FIELD, f"want body must be a list of at most {MAX_WANT} ids",
+                            field="body")
+        records = []
+        for peer_id in body:
+            info = self.node._table.get(peer_id)
+            if info is not None and info.status in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
+                records.append(info.record.to_wire())
+        if records:
+            self.node._spawn(self.node._asend_raw(msg.sender, ANNOUNCE, records))

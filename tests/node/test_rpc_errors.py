@@ -1,0 +1,130 @@
+"""A remote failure arrives as a typed exception with an error code, never as text to match."""
+from __future__ import annotations
+
+import pytest
+from conftest import wait_until
+
+from starling.node import (
+    BadRequestError,
+    ConfigConflictError,
+    ErrorCode,
+    HandlerError,
+    NoHandlerError,
+    Refusal,
+    RefusedError,
+    RemoteError,
+    RpcError,
+    SwarmConfigError,
+    WireError,
+    refusal,
+    refusal_of,
+)
+from starling.node.rpc import ErrorBody
+
+
+def test_a_request_nobody_serves_raises_no_handler_with_its_code(make_node):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    with pytest.raises(NoHandlerError) as info:
+        b.request(a.peer_id, "nobody-serves-this", None)
+    err = info.value
+    assert isinstance(err, RemoteError) and isinstance(err, RpcError)
+    assert err.code is ErrorCode.NO_HANDLER and err.reason is None and err.peer == a.peer_id
+    assert "handler_error" not in a.stats.snapshot()["rejected"]  # an answer, not a fault
+
+
+def test_a_handler_that_raises_gives_a_handler_error_and_is_counted(make_node):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    a.on("broken", lambda msg: {}["missing"])
+    with pytest.raises(HandlerError) as info:
+        b.request(a.peer_id, "broken", None)
+    assert info.value.code is ErrorCode.HANDLER_ERROR and "KeyError" in str(info.value)
+    assert a.stats.snapshot()["rejected"]["handler_error"] == 1
+
+
+def test_a_handler_refuses_for_a_named_reason(make_node):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+
+    def busy(msg):
+        raise RefusedError(Refusal.BUSY, "come back later")
+
+    a.on("busy", busy)
+    with pytest.raises(RefusedError) as info:
+        b.request(a.peer_id, "busy", None)
+    err = info.value
+    assert err.code is ErrorCode.REFUSED and err.reason is Refusal.BUSY and err.detail == "come back later"
+    assert "handler_error" not in a.stats.snapshot()["rejected"]
+
+
+def test_an_error_a_handler_got_from_a_third_peer_is_its_own_handler_error(make_node):
+    """A no-handler from C, passed on by A's handler, must not read as "A has no handler"
+    (a requester would wait for A's protocol to come up)."""
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    c = make_node("inproc", join=[a.address])
+    assert wait_until(lambda: c.peer_id in a.live_peers())
+
+    async def relay(msg):
+        return (await a.arequest(c.peer_id, "nobody-serves-this", None)).body
+
+    a.on("relay", relay)
+    with pytest.raises(HandlerError) as info:
+        b.request(a.peer_id, "relay", None)
+    assert info.value.code is ErrorCode.HANDLER_ERROR
+
+
+def test_a_conflicting_hello_is_answered_with_the_config_conflict_code(make_node):
+    a = make_node("inproc", swarm_config={"protocol": "gossip"})
+    b = make_node("inproc", join=[a.address])
+    with pytest.raises(ConfigConflictError) as info:
+        b.request(a.peer_id, "$hello", [b.record.to_wire(), {"protocol": "diloco"}, False])
+    assert info.value.code is ErrorCode.CONFIG_CONFLICT and a.swarm_config == {"protocol": "gossip"}
+    # and a joiner turns that code into SwarmConfigError
+    with pytest.raises(SwarmConfigError, match="protocol"):
+        make_node("inproc", join=[a.address], swarm_config={"protocol": "diloco"})
+
+
+def test_a_malformed_hello_is_a_bad_request_counted_by_its_reason(make_node):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    with pytest.raises(BadRequestError) as info:
+        b.request(a.peer_id, "$hello", ["not a record", None, False])
+    assert info.value.code is ErrorCode.BAD_REQUEST
+    assert a.stats.snapshot()["rejected"]["bad_field"] == 1
+
+
+@pytest.mark.parametrize("body", [
+    "just text",  # the old form
+    {"message": "x"},
+    {"code": "gone_fishing", "message": "x", "reason": None},
+    {"code": "refused", "message": "x", "reason": None},  # a refusal names its reason
+    {"code": "handler_error", "message": "x", "reason": "busy"},
+    {"code": "refused", "message": "x", "reason": "bored"},
+    {"code": "no_handler", "message": 3, "reason": None},
+])
+def test_a_malformed_error_reply_is_refused_on_the_wire(body):
+    with pytest.raises(WireError) as info:
+        ErrorBody.from_wire(body)
+    assert info.value.reason.value == "bad_field"
+
+
+def test_error_bodies_round_trip_to_their_exception_types():
+    for exc, kind in [(NoHandlerError("no handler for 'x'"), NoHandlerError),
+                      (RefusedError(Refusal.LATE, "round 3 closed"), RefusedError),
+                      (ConfigConflictError("protocol differs"), ConfigConflictError),
+                      (ValueError("bad"), HandlerError)]:
+        body = ErrorBody.from_wire(ErrorBody.of(exc).to_wire())
+        again = body.exception("peer-x")
+        assert type(again) is kind and again.peer == "peer-x"
+        assert again.reason is (Refusal.LATE if kind is RefusedError else None)
+
+
+def test_a_refusal_body_carries_its_code_its_text_and_its_extra_fields():
+    body = refusal(Refusal.LATE, "the round already closed", step=7)
+    assert body == {"ok": False, "code": "late", "reason": "late: the round already closed", "step": 7}
+    assert refusal_of(body) is Refusal.LATE
+    assert refusal_of({"ok": True}) is None and refusal_of({"ok": False, "code": "??"}) is None
+    with pytest.raises(ValueError):
+        refusal(Refusal.BUSY, code="other")
