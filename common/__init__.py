@@ -10,13 +10,14 @@ It holds what several rooms need done the same way, once:
 from __future__ import annotations
 
 from .hashing import derive_seed, peer_hash
-from .options import coerce_option, config_from_options, option_name, parse_options, split_option
+from .options import coerce_option, config_from_options, option_name, parse_bool, parse_options, split_option
 
 __all__ = [
     "coerce_option",
     "config_from_options",
     "derive_seed",
     "option_name",
+    "parse_bool",
     "parse_options",
     "peer_hash",
     "split_option",

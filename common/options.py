@@ -31,6 +31,14 @@ def option_name(name: str) -> str:
     return name.strip().replace("-", "_")
 
 
+def parse_bool(text: str) -> bool:
+    """``"yes"``, ``" On"``, ``"1"`` -> True; ``"no"``, ``"off"``, ``"0"`` -> False; ValueError for other text."""
+    lowered = text.strip().lower()
+    if lowered in TRUE_WORDS | FALSE_WORDS:
+        return lowered in TRUE_WORDS
+    raise ValueError(f"expected a boolean (true/false), got {text!r}")
+
+
 def split_option(text: str, what: str = "option", *, error: type[Exception] = ValueError) -> tuple[str, str]:
     """``"sync-every = 20"`` -> ``("sync_every", "20")``; `error` naming `what` if it is not NAME=VALUE."""
     name, sep, value = text.partition("=")
@@ -82,18 +90,16 @@ def coerce_option(name: str, value: Any, kind: Any, *, error: type[Exception] = 
     kind, optional = _unwrap_optional(kind)
     if value is None and optional:
         return None
-    if kind is bool:
+    if isinstance(value, str) and kind in (bool, int, float):
+        try:
+            return parse_bool(value) if kind is bool else kind(value.strip())
+        except ValueError:
+            pass
+    elif kind is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.strip().lower() in TRUE_WORDS | FALSE_WORDS:
-            return value.strip().lower() in TRUE_WORDS
     elif kind is int or kind is float:
-        if isinstance(value, str):
-            try:
-                return kind(value.strip())
-            except ValueError:
-                pass
-        elif not isinstance(value, bool) and isinstance(value, numbers.Integral if kind is int else numbers.Real):
+        if not isinstance(value, bool) and isinstance(value, numbers.Integral if kind is int else numbers.Real):
             return kind(value)
     elif kind is str:
         if isinstance(value, str):

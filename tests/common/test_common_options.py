@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from starling.common import coerce_option, config_from_options, option_name, parse_options, split_option
+from starling.common import coerce_option, config_from_options, option_name, parse_bool, parse_options, split_option
 
 
 @dataclass(frozen=True)
@@ -100,3 +100,10 @@ def test_other_kinds_pass_as_they_are() -> None:
 def test_frozen_result() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         config_from_options(Config, {}).count = 1  # type: ignore[misc]
+
+
+def test_one_set_of_bool_words() -> None:
+    assert [parse_bool(w) for w in ("1", "true", " Yes", "ON")] == [True] * 4
+    assert [parse_bool(w) for w in ("0", "False", "no ", "off")] == [False] * 4
+    with pytest.raises(ValueError, match="expected a boolean"):
+        parse_bool("perhaps")
