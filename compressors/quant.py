@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from starling.common import parse_bool
+
 from . import rng
 from .base import (
     Compressor,
@@ -50,15 +52,6 @@ def _absmax(x: torch.Tensor, top: float) -> torch.Tensor:
     """
     absmax = torch.maximum(torch.amax(x, dim=1), torch.amin(x, dim=1).neg_())
     return absmax.clamp_(min=2.0 * top / _F32_MAX)
-
-
-def parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean (true/false), got {text!r}")
 
 
 def _parse_block(text: str) -> int:

@@ -21,6 +21,11 @@ import math
 
 import torch
 
+# One seed derivation for every room; its SplitMix64 mixing and seed check are this RNG's too.
+from starling.common.hashing import check_seed as _check_seed
+from starling.common.hashing import derive_seed
+from starling.common.hashing import mix64 as _mix64_int
+
 __all__ = [
     "bits64",
     "derive_seed",
@@ -52,29 +57,6 @@ def _signed(value: int) -> int:
     """Reinterpret an unsigned 64-bit integer as torch's signed int64."""
     value &= _MASK64
     return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _mix64_int(z: int) -> int:
-    z &= _MASK64
-    z = ((z ^ (z >> 30)) * _C1) & _MASK64
-    z = ((z ^ (z >> 27)) * _C2) & _MASK64
-    return z ^ (z >> 31)
-
-
-def derive_seed(seed: int, *parts: int) -> int:
-    """A new 63-bit seed from ``seed`` and integer ``parts`` (e.g. a row or step number)."""
-    h = _mix64_int(_check_seed(seed))
-    for part in parts:
-        h = _mix64_int(h ^ _mix64_int(int(part) + _GOLDEN))
-    return h >> 1
-
-
-def _check_seed(seed: int) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    if not -(1 << 63) <= seed < (1 << 64):
-        raise ValueError(f"seed must fit in 64 bits, got {seed}")
-    return seed & _MASK64
 
 
 def _key(seed: int, stream: int) -> int:

@@ -13,7 +13,6 @@ perturbations.
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -22,6 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from starling.common import config_from_options as common_config_from_options
 
 if typing.TYPE_CHECKING:
     from starling.node.node import Node
@@ -127,34 +128,4 @@ def registered_protocols() -> list[str]:
 def config_from_options(config_class: type[Any], options: Mapping[str, Any]) -> Any:
     """Build a frozen config dataclass from defaults plus `options` (typed or CLI strings);
     an unknown name or an unparsable value raises ProtocolError naming it."""
-    fields = {f.name: f for f in dataclasses.fields(config_class)}
-    hints = typing.get_type_hints(config_class)
-    values: dict[str, Any] = {}
-    for key, value in options.items():
-        name = key.replace("-", "_")
-        if name not in fields:
-            raise ProtocolError(f"unknown option {key!r} for {config_class.__name__}; "
-                                f"known: {', '.join(sorted(fields))}")
-        values[name] = _coerce(name, value, hints[name])
-    try:
-        return config_class(**values)
-    except (TypeError, ValueError) as exc:
-        raise ProtocolError(f"{config_class.__name__}: {exc}") from None
-
-
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    if not isinstance(value, str):
-        return value
-    base = typing.get_args(hint)[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
-    try:
-        if base is bool:
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        if base in (int, float):
-            return base(value)
-    except ValueError:
-        raise ProtocolError(f"option {name!r}: cannot read {value!r} as {base.__name__}") from None
-    return value
+    return common_config_from_options(config_class, options, error=ProtocolError)

@@ -31,7 +31,6 @@ rows = the largest divisor of n not above sqrt(n)); exponential (i +- 2^k). All 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import logging
 import math
@@ -48,6 +47,7 @@ from torch import nn
 
 from starling.collectives import ByteMeter, FlatModel, make_codec, membership, packet_from_wire, watch_peers
 from starling.collectives.codec import check_compressor_spec
+from starling.common import peer_hash
 from starling.compressors import decode
 from starling.node.membership import PeerStatus
 from starling.node.node import Node
@@ -131,7 +131,7 @@ class Gossip(Protocol):
         # Held by the training thread while it computes or writes parameters, and by the
         # pull handler while it averages: parameters never change under a backward pass.
         self._params_lock = threading.Lock()
-        self._rng = random.Random(int.from_bytes(hashlib.sha256(node.peer_id.encode()).digest()[:8], "little"))
+        self._rng = random.Random(peer_hash(node.peer_id, byteorder="little"))
         self.meter = ByteMeter(node, "gossip.")
         self.codec, _ = make_codec(config.compressor)
         self.choco = self.codec.spec != "none"

@@ -21,7 +21,6 @@ restarted peer from the newest checkpoint that verifies (see `runtime/checkpoint
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib
 import io
 import itertools
@@ -32,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from starling.common import option_name, peer_hash
 from starling.node import Node
 from starling.protocols import Protocol, ProtocolError, StepReport, config_from_options, get_protocol
 from starling.runtime.checkpoint import BackgroundCheckpointer, Checkpoint, CheckpointError, CheckpointStore
@@ -109,7 +109,7 @@ def with_run_length(protocol: str, options: Mapping[str, Any], steps: int | None
     """`options`, plus `budget_steps=steps` when the protocol's config has that field and the
     user did not set it, so that whatever the protocol plans over the run fits its length."""
     out = dict(options)
-    if steps is None or any(name.replace("-", "_") == RUN_LENGTH_OPTION for name in out):
+    if steps is None or any(option_name(name) == RUN_LENGTH_OPTION for name in out):
         return out
     if any(f.name == RUN_LENGTH_OPTION for f in dataclasses.fields(resolve_protocol(protocol).config_class)):
         out[RUN_LENGTH_OPTION] = steps
@@ -133,7 +133,7 @@ class CheckpointConfig:
 
 def shard_for(peer_id: str, world: int) -> int:
     """A data shard for a peer that has no rank (a real swarm): stable, spread by its id."""
-    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % world
+    return peer_hash(peer_id) % world
 
 
 class Trainer:

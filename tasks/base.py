@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import typing
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+# Re-exported: task authors and the CLI read options and seeds the way every room does.
+from starling.common import config_from_options, derive_seed
+from starling.common import parse_options as parse_option_pairs
 
 
 class Task(ABC):
@@ -87,17 +89,6 @@ def evaluating(model: nn.Module) -> Iterator[nn.Module]:
         model.train(was_training)
 
 
-def derive_seed(purpose: str, *parts: int) -> int:
-    """A 63-bit seed for one purpose (e.g. ``"charlm.batches"``) and some integers.
-
-    Hashing keeps streams for different purposes, ranks and worlds unrelated to each other,
-    which ``seed + rank`` would not (peer 1 of seed 0 would equal peer 0 of seed 1).
-    """
-    text = "/".join([purpose, *(str(int(p)) for p in parts)])
-    digest = hashlib.sha256(text.encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def make_generator(purpose: str, *parts: int) -> torch.Generator:
     """A CPU generator seeded by `derive_seed`; the only source of randomness in tasks."""
     return torch.Generator().manual_seed(derive_seed(purpose, *parts))
@@ -112,72 +103,5 @@ def check_rank(rank: int, world: int) -> None:
 
 def parse_options(pairs: list[str]) -> dict[str, str]:
     """``["seq_len=64", "non_iid=0.5"]`` -> ``{"seq_len": "64", "non_iid": "0.5"}`` (CLI helper)."""
-    options: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"task option {pair!r} is not of the form NAME=VALUE")
-        options[key] = value.strip()
-    return options
+    return parse_option_pairs(pairs, "task option")
 
-
-def config_from_options(config_class: type, options: Mapping[str, Any]) -> Any:
-    """Instantiate a config dataclass from its defaults and `options`, checking names and types.
-
-    Raises ValueError naming the offending option for an unknown name or a bad value.
-    """
-    hints = typing.get_type_hints(config_class)
-    known = [f.name for f in dataclasses.fields(config_class) if f.init]
-    unknown = [key for key in options if key not in known]
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {', '.join(map(repr, unknown))} for {config_class.__name__}; "
-            f"known options: {', '.join(known)}"
-        )
-    values = {key: _coerce(key, value, hints[key]) for key, value in options.items()}
-    return config_class(**values)
-
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _coerce(key: str, value: Any, kind: Any) -> Any:
-    def bad() -> ValueError:
-        name = getattr(kind, "__name__", str(kind))
-        return ValueError(f"option {key}={value!r}: expected {name}")
-
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise bad()
-    if kind is int:
-        if isinstance(value, bool):
-            raise bad()
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                raise bad() from None
-        raise bad()
-    if kind is float:
-        if isinstance(value, bool):
-            raise bad()
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                raise bad() from None
-        raise bad()
-    if kind is str:
-        if isinstance(value, str):
-            return value
-        raise bad()
-    return value

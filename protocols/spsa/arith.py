@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from starling.common import peer_hash
 from starling.compressors import rng
 
 CODE_RESERVED = -128
@@ -125,7 +126,7 @@ class ScaleTracker:
 # ---------------------------------------------------------------------------- directions
 def peer_key(peer_id: str) -> int:
     """A peer's 63-bit key: its seed component and its name in records."""
-    return int.from_bytes(hashlib.blake2b(peer_id.encode(), digest_size=8).digest(), "little") >> 1
+    return peer_hash(peer_id, digest="blake2b", byteorder="little", bits=63)
 
 
 def direction_seed(swarm_seed: int, step: int, sample: int, key: int | None) -> int:

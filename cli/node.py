@@ -1,0 +1,191 @@
+"""`starling node start` and `starling node status`: run one peer of a swarm, or ask one."""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+
+from starling.cli.shared import EXPECTED_ERRORS, extra_options, fail, setup_logging
+from starling.common import parse_options
+from starling.node.identity import Identity
+from starling.node.membership import Liveness
+
+log = logging.getLogger(__name__)
+
+
+def node_start(
+    ctx: typer.Context,
+    listen: List[str] = typer.Option(
+        ["tcp://127.0.0.1:0"], "--listen", help="Endpoint to bind (repeatable); port 0 picks a free one."),
+    advertise: Optional[List[str]] = typer.Option(
+        None, "--advertise", help="Address peers should dial instead of the bound one (NAT, port forwarding)."),
+    join: Optional[List[str]] = typer.Option(
+        None, "--join", help="Join address of a swarm member, tcp://HOST:PORT#KEY (repeatable)."),
+    key: Optional[Path] = typer.Option(None, "--key", help="Identity key file (default: a fresh throwaway identity)."),
+    authorized_keys: Optional[Path] = typer.Option(
+        None, "--authorized-keys", help="Allowlist of peer keys; others cannot connect."),
+    plaintext: bool = typer.Option(False, "--plaintext", help="No encryption (simulations on one box only)."),
+    insecure: bool = typer.Option(False, "--insecure", help="Allow --plaintext on non-loopback addresses."),
+    heartbeat_s: float = typer.Option(1.0, "--heartbeat-s", help="Heartbeat interval."),
+    suspect_after_s: float = typer.Option(3.0, "--suspect-after-s", help="Silence before a peer is suspect."),
+    dead_after_s: float = typer.Option(10.0, "--dead-after-s", help="Silence before a peer is dead."),
+    heartbeat_fanout: int = typer.Option(
+        6, "--heartbeat-fanout", min=1,
+        help="Peers pinged per heartbeat once the swarm is larger (beats of the others ride along)."),
+    protocol: Optional[str] = typer.Option(
+        None, "--protocol", help="Train with this protocol (a joiner may omit it: it learns it from the swarm)."),
+    task: Optional[str] = typer.Option(
+        None, "--task", help="Built-in task or module:callable (default charlm; a joiner learns it)."),
+    steps: Optional[int] = typer.Option(
+        None, "--steps", help="Stop training at this swarm step (default: run until stopped)."),
+    compressor: Optional[str] = typer.Option(None, "--compressor", help="Compressor spec (a protocol option)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (a protocol option)."),
+    opt: Optional[List[str]] = typer.Option(None, "--opt", help="Protocol option NAME=VALUE (repeatable)."),
+    task_opt: Optional[List[str]] = typer.Option(None, "--task-opt", help="Task option NAME=VALUE (repeatable)."),
+    seed: int = typer.Option(0, "--seed", help="Swarm seed (data order, shared randomness)."),
+    shard: Optional[str] = typer.Option(
+        None, "--shard", help="This peer's data shard RANK/WORLD (default: picked from the peer id out of 16)."),
+    log_every: int = typer.Option(10, "--log-every", help="Print a JSON progress line every N steps."),
+    log_level: str = typer.Option("info", "--log-level"),
+) -> None:
+    """Start a node and run until SIGINT/SIGTERM, then leave the swarm gracefully.
+
+    With --protocol (or when joining a swarm that trains), the node also trains: the first
+    node fixes the protocol, its hyper-parameters and the task; joiners learn them, fetch
+    the swarm's state and continue at its round."""
+    from starling.node.node import JoinError, Node, NodeConfig
+    from starling.node.transfer import TransferError
+    from starling.protocols.base import ProtocolError
+    from starling.runtime import TrainSpec, TrainSpecError, with_run_length
+    from starling.tasks import TaskSpecError
+
+    setup_logging(log_level)
+    train_errors = (TrainSpecError, ProtocolError, TaskSpecError, TransferError)
+    try:
+        options = {**parse_options(opt or [], "protocol option"), **extra_options(ctx.args)}
+        if compressor is not None:
+            options["compressor"] = compressor
+        if lr is not None:
+            options["lr"] = str(lr)
+        rank_world = _parse_shard(shard)
+        wanted: dict[str, Any] = {}
+        if protocol is not None:
+            spec = TrainSpec(protocol, task or "charlm", with_run_length(protocol, options, steps),
+                             parse_options(task_opt or [], "task option"), seed)
+            spec.check()
+            wanted = spec.to_swarm_config()
+            if join:  # a joiner insists only on what it was told; the rest it learns from the swarm
+                given = {"protocol": True, "task": task is not None, "options": bool(options),
+                         "task_options": bool(task_opt), "seed": False}
+                wanted = {k: v for k, v in wanted.items() if given[k]}
+                if "options" in wanted:  # not the run length it filled in: its --steps is where it stops
+                    wanted["options"] = dict(options)
+        elif task is not None or options or task_opt:
+            raise ValueError("--task and protocol options need --protocol (or join a training swarm without them)")
+        config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout))
+        node = Node(config=config).start(
+            listen, join or [], key=key, advertise=advertise, authorized_keys=authorized_keys,
+            security="plaintext" if plaintext else None, insecure=insecure, swarm_config=wanted or None,
+        )
+    except JoinError as exc:
+        fail(str(exc))
+    except (*train_errors, *EXPECTED_ERRORS) as exc:
+        fail(str(exc))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    typer.echo(f"starling node {node.peer_id} listening; join with: {node.address}", err=False)
+    sys.stdout.flush()
+    trains = protocol is not None or bool((node.swarm_config or {}).get("protocol"))
+    try:
+        if trains:
+            _train(node, rank_world, steps, log_every, stop)
+        else:
+            stop.wait()
+    except train_errors as exc:
+        node.close()
+        fail(str(exc))
+    log.info("leaving the swarm")
+    node.leave()
+
+
+def _parse_shard(shard: Optional[str]) -> Optional[tuple[int, int]]:
+    if shard is None:
+        return None
+    rank, sep, world = shard.partition("/")
+    try:
+        r, w = int(rank), int(world)
+    except ValueError:
+        raise ValueError(f"--shard must be RANK/WORLD, got {shard!r}") from None
+    if not sep or w < 1 or not 0 <= r < w:
+        raise ValueError(f"--shard must be RANK/WORLD with 0 <= RANK < WORLD, got {shard!r}")
+    return r, w
+
+
+def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int], log_every: int,
+           stop: threading.Event) -> None:
+    """The node's training loop: one JSON progress line every `log_every` steps."""
+    import time
+
+    from starling.runtime import Trainer, TrainSpec, shard_for
+
+    spec = TrainSpec.from_swarm_config(node.swarm_config)
+    rank, world = rank_world or (shard_for(node.peer_id, 16), 16)
+    trainer = Trainer(node, spec, rank, world)
+    trainer.create_protocol()
+    if node.live_peers():
+        trainer.fetch_state()
+    start, sent = time.monotonic(), [0]
+    typer.echo(json.dumps({"event": "training", "protocol": spec.protocol, "task": spec.task,
+                           "shard": f"{rank}/{world}", "step": trainer.proto.step_count}))  # type: ignore[union-attr]
+
+    def on_report(report: Any) -> None:
+        sent[0] += report.bytes_sent
+        if log_every and (report.step + 1) % log_every == 0:
+            typer.echo(json.dumps({"step": report.step + 1, "loss": round(report.loss, 5), "peers": report.peers,
+                                   "bytes_sent": sent[0], "wall_s": round(time.monotonic() - start, 2)}))
+            sys.stdout.flush()
+
+    try:
+        final = trainer.run(steps, stop, on_report)
+        metrics = trainer.evaluate()
+        stopped = {"event": "stopped", "step": final, **{k: round(v, 5) for k, v in metrics.items()}}
+        info = trainer.proto.describe()  # type: ignore[union-attr]
+        if "privacy" in info:  # what a private protocol (sketch-dp) has spent
+            stopped["privacy"] = info["privacy"]
+        typer.echo(json.dumps(stopped, default=str))
+        sys.stdout.flush()
+    finally:
+        trainer.close()
+
+
+def node_status(
+    address: str = typer.Argument(..., help="Join address of the node to ask."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    key: Optional[Path] = typer.Option(None, "--key", help="Identity to authenticate with (for allowlisted swarms)."),
+    timeout_s: float = typer.Option(5.0, "--timeout-s"),
+) -> None:
+    """Ask a running node for its peer table and stats."""
+    from starling.node.client import ClientError, query
+
+    try:
+        identity = Identity.load(key) if key else None
+        status = query(address, identity=identity, timeout_s=timeout_s)
+    except (ClientError, *EXPECTED_ERRORS) as exc:
+        fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(status, default=str))
+        return
+    typer.echo(f"node {status['id']}  {status['address']}  ({status['security']})")
+    for p in status["peers"]:
+        typer.echo(f"  {p['id']}  {p['status']:<8} seen {p['last_seen_s']:.1f}s ago  {' '.join(p['addresses'])}")
+    stats = status["stats"]
+    typer.echo(f"  sent {sum(sum(t.values()) for t in stats['bytes_sent'].values())} B, "
+               f"received {sum(sum(t.values()) for t in stats['bytes_received'].values())} B, "
+               f"rejected {sum(stats['rejected'].values())}")

@@ -1,0 +1,55 @@
+"""What every command group shares: one-line failures, logging, and protocol options on the
+command line.
+
+Every expected failure (bad address, unreadable key, unreachable peer) is one clear line on
+stderr and a non-zero exit, never a traceback.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, List
+
+import typer
+
+from starling.common import option_name
+from starling.node.address import AddressError
+from starling.node.identity import KeyFileError
+from starling.node.security import SecurityError
+
+EXPECTED_ERRORS = (AddressError, KeyFileError, SecurityError, OSError, ValueError, TimeoutError)
+
+# Commands that train take any other --NAME VALUE as a protocol hyper-parameter.
+EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+EXTRA_HELP = ("Any other --NAME VALUE is a hyper-parameter of the protocol (a field of its config; "
+              "`starling protocols NAME` lists them), e.g. --sync-every 20 --fragments 4.")
+
+
+def fail(message: str, code: int = 2) -> None:
+    typer.echo(f"starling: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def extra_options(args: List[str]) -> dict[str, Any]:
+    """Protocol hyper-parameters given as --name VALUE, --name=VALUE or a bare --flag (true)."""
+    options: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ValueError(f"unexpected argument {arg!r}")
+        name, sep, value = arg[2:].partition("=")
+        if not sep:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value, i = args[i + 1], i + 1
+            else:
+                value = "true"
+        options[option_name(name)] = value
+        i += 1
+    return options
+

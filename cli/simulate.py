@@ -1,0 +1,194 @@
+"""`starling simulate`: a swarm of real nodes on this machine over emulated links, compared
+with a baseline protocol, as a table or JSON."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+
+from starling.cli.shared import EXPECTED_ERRORS, extra_options, fail, setup_logging
+from starling.common import option_name, parse_options
+
+DEFAULT_SIM_PROTOCOL = "gossip"
+DEFAULT_SIM_STEPS = 60  # the default command (a run plus its allreduce baseline) takes about a minute on 2 cores
+
+
+def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor: Optional[str],
+                 transport: Optional[str], processes: bool, bandwidth: Optional[str], latency_ms: float,
+                 loss: float, churn: Optional[str], seed: int, opt: List[str], lr: Optional[float],
+                 task_opt: List[str], eval_every: int, baseline: str) -> tuple[Any, Any]:
+    """The run's SimConfig and the baseline's (None for --baseline none); ValueError on bad input."""
+    from dataclasses import fields, replace
+
+    from starling.runtime import LinkModel, SimConfig, check_config, parse_churn, parse_rate, resolve_protocol
+
+    if latency_ms < 0:
+        raise ValueError(f"--latency must be >= 0 ms, got {latency_ms:g}")
+    if not 0 <= loss < 1:
+        raise ValueError(f"--loss must be in [0, 1), got {loss:g}")
+    link = LinkModel(parse_rate(bandwidth) if bandwidth else None, latency_ms / 1000.0, loss, seed)
+    options = parse_options(opt, "protocol option")
+    if lr is not None:
+        options["lr"] = lr
+    config = SimConfig(
+        peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor,
+        transport=transport or ("tcp" if processes else "inproc"), processes=processes, link=link,
+        churn=parse_churn(churn) if churn else (), seed=seed, options=options,
+        task_options=parse_options(task_opt, "task option"), eval_every=eval_every,
+    )
+    check_config(config)
+    if baseline.lower() == "none":
+        return config, None
+    # The baseline shares the hyper-parameters it knows (lr, timeouts), not the run's compressor.
+    known = {f.name for f in fields(resolve_protocol(baseline).config_class)} - {"compressor"}
+    base = replace(config, protocol=baseline, compressor=None,
+                   options={k: v for k, v in options.items() if option_name(k) in known})
+    check_config(base)
+    return config, base
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _fmt(value: Optional[float], spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print_table(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    base = summary.get("baseline")
+    table = Table(title=f"starling simulate: {summary['task']}, {summary['steps']} steps")
+    for column in ("protocol", "peers", "train loss", "eval loss", "sent/peer", "vs baseline", "wall s"):
+        table.add_column(column, justify="left" if column == "protocol" else "right", no_wrap=True)
+    rows = [(summary["protocol"], summary)]
+    if base:
+        rows.append((f"{base['protocol']} (baseline)", base))
+    for label, s in rows:
+        ratio = "-"
+        if base and base["bytes_sent_per_peer"]:
+            ratio = f"{s['bytes_sent_per_peer'] / base['bytes_sent_per_peer']:.3g}x"
+        table.add_row(label, str(s["peers"]), _fmt(s["train_loss"]), _fmt(s["eval_loss"]),
+                      _human_bytes(s["bytes_sent_per_peer"]), ratio, f"{s['wall_s']:.1f}")
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    console.print(table)
+    privacy = _privacy_table(summary)
+    if privacy is not None:
+        console.print(privacy)
+
+
+# Headings for the privacy report's fields (protocols/privacy.py PrivacyReport); any other field
+# a protocol reports is printed under its own name, after these.
+_PRIVACY_HEADINGS = {"epsilon": "epsilon", "delta": "delta", "noise_multiplier": "sigma", "clip": "C",
+                     "dp_unit": "unit"}
+
+
+def _privacy_table(summary: dict[str, Any]) -> Any:
+    """The privacy a protocol reports having spent (sketch-dp), or None when it reports none."""
+    from rich.table import Table
+
+    info = summary.get("protocol_info") or {}
+    privacy = info.get("privacy")
+    if not isinstance(privacy, dict) or not privacy:
+        return None
+    cells = {heading: privacy[key] for key, heading in _PRIVACY_HEADINGS.items() if key in privacy}
+    if "sketch_size" in info:
+        cells["sketch"] = info["sketch_size"]
+    cells.update({key.replace("_", " "): value for key, value in privacy.items() if key not in _PRIVACY_HEADINGS})
+    table = Table(title=f"{summary['protocol']}: privacy spent")
+    for heading, value in cells.items():
+        table.add_column(heading, justify="left" if isinstance(value, str) else "right")
+    table.add_row(*(_cell(value) for value in cells.values()))
+    return table
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return format(value, ".4g")
+    return str(value)
+
+
+def simulate(
+    ctx: typer.Context,
+    peers: int = typer.Option(4, "--peers", help="Simulated peers at the start."),
+    protocol: str = typer.Option(DEFAULT_SIM_PROTOCOL, "--protocol", help="Protocol name (or module:name)."),
+    task: str = typer.Option("charlm", "--task", help="Built-in task name or module:callable."),
+    steps: int = typer.Option(DEFAULT_SIM_STEPS, "--steps", help="Training steps per peer."),
+    compressor: Optional[str] = typer.Option(None, "--compressor", help="Compressor spec, e.g. topk:0.01+int8."),
+    transport: Optional[str] = typer.Option(
+        None, "--transport", help="inproc, ipc or tcp (default inproc; tcp with --processes)."),
+    processes: bool = typer.Option(False, "--processes", help="One OS process per peer (tcp on loopback)."),
+    bandwidth: Optional[str] = typer.Option(
+        None, "--bandwidth", help="Per-link bandwidth, e.g. 100mbit, 10Mbps, 1gbit."),
+    latency_ms: float = typer.Option(0.0, "--latency", help="One-way latency per link, in ms."),
+    loss: float = typer.Option(0.0, "--loss", help="Probability that a protocol message is lost."),
+    churn: Optional[str] = typer.Option(None, "--churn", help="e.g. kill:1@50,leave:2@60,join@80 (STEP = swarm step)."),
+    seed: int = typer.Option(0, "--seed", help="Data order, the simulated peers' keys and the links' randomness "
+                             "(see the README for which runs repeat bit for bit)."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Write per-peer metrics (JSON lines) and summary.json here."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+    baseline: str = typer.Option("allreduce", "--baseline", help="Protocol to compare against, or none."),
+    opt: Optional[List[str]] = typer.Option(None, "--opt", help="Protocol option NAME=VALUE (repeatable)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (a protocol option)."),
+    task_opt: Optional[List[str]] = typer.Option(None, "--task-opt", help="Task option NAME=VALUE (repeatable)."),
+    eval_every: int = typer.Option(0, "--eval-every", help="Peer 0 evaluates every N steps (0: at the end only)."),
+    log_level: str = typer.Option("warning", "--log-level"),
+) -> None:
+    """Run a swarm of real nodes on this machine over emulated links and compare it with a baseline."""
+    from starling.node.node import JoinError
+    from starling.node.transfer import TransferError
+    from starling.protocols.base import ProtocolError
+    from starling.runtime import SimError, Simulation
+
+    setup_logging(log_level)
+    errors = (SimError, ProtocolError, JoinError, TransferError, *EXPECTED_ERRORS)
+    try:
+        config, base = _sim_configs(
+            peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor, transport=transport,
+            processes=processes, bandwidth=bandwidth, latency_ms=latency_ms, loss=loss, churn=churn, seed=seed,
+            opt=[*(opt or []), *(f"{k}={v}" for k, v in extra_options(ctx.args).items())], lr=lr,
+            task_opt=task_opt or [], eval_every=eval_every, baseline=baseline)
+    except errors as exc:
+        fail(str(exc))
+    runs = [("run", config)] + ([("baseline", base)] if base is not None and base.protocol != config.protocol else [])
+    show_progress = not as_json and sys.stderr.isatty()
+    results = {}
+    try:
+        if show_progress:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            with Progress(console=Console(stderr=True), transient=True) as bar:
+                for label, cfg in runs:
+                    job = bar.add_task(f"{label}: {cfg.protocol}", total=cfg.steps)
+                    results[label] = Simulation(cfg, lambda step, job=job: bar.update(job, completed=step)).run()
+        else:
+            for label, cfg in runs:
+                results[label] = Simulation(cfg).run()
+    except errors as exc:
+        fail(str(exc))
+    summary = dict(results["run"].summary)
+    if base is not None:
+        summary["baseline"] = results["baseline"].summary if "baseline" in results else dict(results["run"].summary)
+    if out is not None:
+        try:
+            results["run"].write(out)
+            if "baseline" in results:
+                results["baseline"].write(out / "baseline")
+            (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        except OSError as exc:
+            fail(f"cannot write results to {out}: {exc}")
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        _print_table(summary)
