@@ -37,6 +37,8 @@ def _parse_rank(text: str) -> int:
 class PowerSGD(Compressor):
     codec = "powersgd"
     takes_inner = True
+    stage_lossless = False
+    stage_zero_copy = False
     params = (Param("rank", _parse_rank, 4, positional=True, required=True),)
 
     def __init__(self, rank: int = 4, inner: Compressor | None = None) -> None:

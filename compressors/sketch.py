@@ -73,6 +73,8 @@ class CountSketch(Compressor):
     codec = "countsketch"
     takes_inner = True
     seeded = True
+    stage_lossless = False
+    stage_zero_copy = False
     params = (
         Param("size", _parse_rows_cols, (5, 10000), positional=True, required=True, fmt=lambda rc: f"{rc[0]}x{rc[1]}"),
         Param("heavy", _parse_count, 0),
@@ -87,7 +89,9 @@ class CountSketch(Compressor):
         self.hash = _parse_hash(hash)
 
     @staticmethod
-    def _hashes(seed: int, row: int, cols: int, lo: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hashes(
+        seed: int, row: int, cols: int, lo: int, count: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         words = rng.bits64(rng.derive_seed(seed, row), count, device, offset=lo)
         bucket = words.bitwise_right_shift(32).bitwise_and_(0xFFFFFFFF).mul_(cols).bitwise_right_shift_(32)
         sign = words.bitwise_and_(1).to(torch.float32).mul_(-2.0).add_(1.0)
@@ -252,6 +256,8 @@ class GaussianSketch(Compressor):
     codec = "gsketch"
     takes_inner = True
     seeded = True
+    stage_lossless = False
+    stage_zero_copy = False
     params = (Param("size", _parse_size, 1024, positional=True, required=True), Param("kind", _parse_kind, "gauss"))
 
     def __init__(self, size: int = 1024, kind: str = "gauss", inner: Compressor | None = None) -> None:

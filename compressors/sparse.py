@@ -100,6 +100,8 @@ class TopK(Compressor):
     codec = "topk"
     n_buffers = 1
     takes_inner = True
+    stage_lossless = False
+    stage_zero_copy = False
     params = (Param("fraction", _parse_fraction, 0.01, positional=True, required=True),)
 
     def __init__(self, fraction: float = 0.01, inner: Compressor | None = None) -> None:
@@ -194,6 +196,8 @@ class RandomK(Compressor):
     codec = "randomk"
     takes_inner = True
     seeded = True
+    stage_lossless = False
+    stage_zero_copy = False
     params = (Param("fraction", _parse_fraction, 0.01, positional=True, required=True),)
 
     def __init__(self, fraction: float = 0.01, inner: Compressor | None = None) -> None:
