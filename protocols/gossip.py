@@ -1,6 +1,6 @@
 """`gossip`: decentralized SGD with gossip averaging, asynchronous, no global rounds.
 
-Exact pairwise averaging (compressor "none"), every `local_steps` local SGD steps:
+Exact pairwise averaging (a lossless compressor: "none"), every `local_steps` local SGD steps:
 
     members = sorted(live peers + me); N = neighbours(topology, members, me)
     for j in fanout random picks from N:
@@ -134,7 +134,7 @@ class Gossip(Protocol):
         self._rng = random.Random(int.from_bytes(hashlib.sha256(node.peer_id.encode()).digest()[:8], "little"))
         self.meter = ByteMeter(node, "gossip.")
         self.codec, _ = make_codec(config.compressor)
-        self.choco = self.codec.spec != "none"
+        self.choco = not self.codec.lossless  # only a lossy codec needs CHOCO's public copies to converge
         # CHOCO state (training thread, except the inbox and the resync set).
         self.x_hat = torch.zeros(self.flat.numel) if self.choco else None
         self._hats: dict[str, torch.Tensor] = {}
@@ -371,8 +371,8 @@ class Gossip(Protocol):
 
     def _on_choco(self, msg: Message) -> None:
         if isinstance(msg.body, dict) and self._open:
-            payload = tuple(p.clone() if isinstance(p, torch.Tensor) else torch.frombuffer(bytearray(p), dtype=torch.uint8)
-                            for p in msg.payload)
+            payload = tuple(p.clone() if isinstance(p, torch.Tensor)
+                            else torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in msg.payload)
             self._inbox.append((msg.sender, msg.body, payload))
 
     def _on_resync(self, msg: Message) -> None:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from starling.collectives import ByteMeter, request_patiently, watch_peers
+from starling.compressors import from_spec
 from starling.node.loop import AwakeDeadline
 from starling.node.node import Node
 from starling.node.rpc import Reply, RequestTimeout
@@ -71,6 +72,15 @@ _TIMEOUT_RETRIES = 3
 _STATE_YIELD_S = 0.2  # how long a step start waits for a state request to read the parameters
 
 
+def _changes_nothing(spec: str) -> bool:
+    """Whether `spec` names a lossless codec: spsa sends no tensor, so that is the only kind of
+    compressor it can accept without ignoring what the user asked for."""
+    try:
+        return from_spec(spec).lossless
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class SpsaConfig(ProtocolConfig):
     lr: float = 1e-3
@@ -94,7 +104,7 @@ class SpsaConfig(ProtocolConfig):
             raise ValueError(f"directions must be 'shared' or 'per-peer', got {self.directions!r}")
         if self.distribution not in Z_MAX:
             raise ValueError(f"distribution must be 'rademacher' or 'normal', got {self.distribution!r}")
-        if self.compressor != "none":
+        if not _changes_nothing(self.compressor):
             raise ValueError(f"compressor: spsa sends one byte per gradient and takes none, got {self.compressor!r}")
         positive = ("eps", "g_scale", "round_timeout_s", "reply_grace_s", "retry_interval_s")
         for name in positive:
