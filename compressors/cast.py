@@ -42,8 +42,7 @@ class _Cast(Compressor):
 
     n_buffers = 1
     wire_dtype: ClassVar[torch.dtype]
-    stage_lossless = False
-    stage_zero_copy = False
+    stage_lossless = stage_zero_copy = False
 
     def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], seed: int | None, name: str | None) -> Encoded:
         # A copy even when the dtype matches: the packet must not alias the caller's tensor.

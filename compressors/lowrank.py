@@ -36,9 +36,8 @@ def _parse_rank(text: str) -> int:
 @register
 class PowerSGD(Compressor):
     codec = "powersgd"
+    stage_lossless = stage_zero_copy = False
     takes_inner = True
-    stage_lossless = False
-    stage_zero_copy = False
     params = (Param("rank", _parse_rank, 4, positional=True, required=True),)
 
     def __init__(self, rank: int = 4, inner: Compressor | None = None) -> None:

@@ -76,8 +76,7 @@ class _BlockQuantizer(Compressor):
     """Shared chunk loop; subclasses quantize and dequantize one chunk of whole blocks."""
 
     n_buffers = 2
-    stage_lossless = False  # codes of 1 to 8 bits round every value
-    stage_zero_copy = False
+    stage_lossless = stage_zero_copy = False  # codes of 1 to 8 bits round every value
     bits: ClassVar[int]
     default_block: ClassVar[int] = 256
     has_stochastic: ClassVar[bool] = True

@@ -71,10 +71,9 @@ def _check_finite(table: torch.Tensor, codec: str) -> None:
 @register
 class CountSketch(Compressor):
     codec = "countsketch"
+    stage_lossless = stage_zero_copy = False
     takes_inner = True
     seeded = True
-    stage_lossless = False
-    stage_zero_copy = False
     params = (
         Param("size", _parse_rows_cols, (5, 10000), positional=True, required=True, fmt=lambda rc: f"{rc[0]}x{rc[1]}"),
         Param("heavy", _parse_count, 0),
@@ -254,10 +253,9 @@ def _fwht(z: torch.Tensor) -> torch.Tensor:
 @register
 class GaussianSketch(Compressor):
     codec = "gsketch"
+    stage_lossless = stage_zero_copy = False
     takes_inner = True
     seeded = True
-    stage_lossless = False
-    stage_zero_copy = False
     params = (Param("size", _parse_size, 1024, positional=True, required=True), Param("kind", _parse_kind, "gauss"))
 
     def __init__(self, size: int = 1024, kind: str = "gauss", inner: Compressor | None = None) -> None:

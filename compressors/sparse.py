@@ -98,10 +98,9 @@ class TopK(Compressor):
     """Keep the ``fraction`` of values largest in magnitude."""
 
     codec = "topk"
+    stage_lossless = stage_zero_copy = False
     n_buffers = 1
     takes_inner = True
-    stage_lossless = False
-    stage_zero_copy = False
     params = (Param("fraction", _parse_fraction, 0.01, positional=True, required=True),)
 
     def __init__(self, fraction: float = 0.01, inner: Compressor | None = None) -> None:
@@ -194,10 +193,9 @@ class RandomK(Compressor):
     """
 
     codec = "randomk"
+    stage_lossless = stage_zero_copy = False
     takes_inner = True
     seeded = True
-    stage_lossless = False
-    stage_zero_copy = False
     params = (Param("fraction", _parse_fraction, 0.01, positional=True, required=True),)
 
     def __init__(self, fraction: float = 0.01, inner: Compressor | None = None) -> None:
