@@ -11,9 +11,9 @@ from starling.compressors import Compressor, ErrorFeedback, Packet, from_spec
 
 
 def make_codec(spec: str) -> tuple[Compressor, ErrorFeedback | None]:
-    """The compressor for `spec`, and error feedback unless it is lossless (`none`)."""
+    """The compressor for `spec`, and error feedback unless it is lossless (nothing to feed back)."""
     codec = from_spec(spec)
-    return codec, (None if codec.spec == "none" else ErrorFeedback(codec))
+    return codec, (None if codec.lossless else ErrorFeedback(codec))
 
 
 def check_compressor_spec(spec: str) -> None:

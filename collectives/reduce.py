@@ -18,9 +18,10 @@ Chunks pipeline the round (an owner sums and answers the first chunks while late
 still on the wire), and keep the buffers a round allocates (encoded parts, received frames,
 sums) small enough for the allocator to recycle: glibc maps buffers of tens of MB fresh from
 the kernel each time, and their page faults can cost more than the copies. All of a round's
-requests are in flight at once. With the lossless `none` codec, parts and averages are read
-in place from the wire buffers, and an average goes out without a copy; a blocking `reduce`
-also sends its parts as slices of the caller's vector (`start(lend=True)`).
+requests are in flight at once. With a zero-copy (lossless) codec, parts and averages are
+read in place from the wire buffers (`decode(copy=False)`), and an average goes out without a
+copy (`encode(copy=False)`); a blocking `reduce` also sends its parts as slices of the
+caller's vector (`start(lend=True)`).
 
 Each peer sends (P-1)/P of the vector as parts and (P-1)/P as averages: 2(P-1)/P in all,
 the bandwidth-optimal figure. Every member decodes the same averaged packet, so replicas stay
@@ -44,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -56,7 +56,6 @@ from starling.collectives.codec import encode, make_codec, packet_from_wire
 from starling.collectives.layout import DEFAULT_CHUNK_NUMEL, chunk_layout
 from starling.collectives.requests import request_patiently
 from starling.compressors import Packet, decode
-from starling.compressors.base import as_bytes, view_as
 from starling.node.loop import AwakeDeadline, close_in_time
 from starling.node.rpc import Refusal, RemoteError, Reply, refusal
 from starling.node.wire import Message
@@ -164,8 +163,8 @@ class ShardedReducer:
         caller's thread, so the network loop only moves bytes.
 
         By default the caller may write `vector` as soon as this returns: my parts, own
-        ones included, are copies. With `lend` the round reads `vector` in place instead (the
-        lossless `none` codec sends its slices as they are, and my own shard's sum starts
+        ones included, are copies. With `lend` the round reads `vector` in place instead (a
+        zero-copy codec sends its slices as they are, and my own shard's sum starts
         from a view of it), which saves a copy of the whole vector; the caller must then not
         write `vector` before `wait()` has returned. `wait()` returns only once the round has
         ended (every timer of the round ends by _STRETCH times its length), so that nothing
@@ -184,8 +183,8 @@ class ShardedReducer:
             for c, (lo, hi) in enumerate(chunks):
                 if owner == me:  # my own part never crosses the wire
                     parts.append(vector[lo:hi] if lend else vector[lo:hi].clone())
-                elif lend and self.codec.spec == "none":
-                    parts.append(_raw_packet(vector[lo:hi]))
+                elif lend and self.codec.zero_copy:  # lossless too: no error feedback to apply
+                    parts.append(self.codec.encode(vector[lo:hi], copy=False))
                 else:
                     parts.append(encode(self.codec, self._part_feedback, vector[lo:hi],
                                         f"part{i}.{c}/{len(members)}"))
@@ -355,8 +354,8 @@ class ShardedReducer:
                 group.reply = (refusal(Refusal.NOT_FINITE, "no part was finite"), ())
             else:
                 avg = total.div_(len(group.contributors))
-                if self.codec.spec == "none":  # lossless: the sum is private and final, so send it as it is
-                    packet = _raw_packet(avg)
+                if self.codec.zero_copy:  # lossless too, and the sum is private and final: send it as it is
+                    packet = self.codec.encode(avg, copy=False)
                 else:
                     packet = encode(self.codec, self._avg_feedback, avg, f"avg{i}.{c}/{len(members)}")
                 group.reply = ({"ok": True, "packet": packet.header, "contributors": list(group.contributors)},
@@ -410,22 +409,11 @@ class ShardedReducer:
         self._gone.discard(peer_id)
 
 
-def _raw_packet(values: torch.Tensor) -> Packet:
-    """What the `none` codec makes of a 1-D float32 tensor, without its defensive copy."""
-    return Packet({"codec": "none", "shape": [values.numel()], "dtype": "float32"}, (as_bytes(values),))
-
-
 def _decode_flat(packet: Packet) -> torch.Tensor:
-    """The packet's values as a 1-D tensor. A lossless (`none`) float32 packet is read in
-    place, as a view of its wire buffer: decoding would copy it, and every value is read
-    once anyway (added to a sum or copied into the caller's vector)."""
-    h = packet.header
-    if (h.get("codec") == "none" and h.get("dtype") == "float32" and "inner" not in h
-            and len(packet.buffers) == 1 and isinstance(h.get("shape"), list)
-            and all(isinstance(d, int) and d >= 0 for d in h["shape"])
-            and packet.buffers[0].numel() == 4 * math.prod(h["shape"])):
-        return view_as(packet.buffers[0], torch.float32)
-    return decode(packet).reshape(-1)
+    """The packet's values as a 1-D tensor, by the codec its header names. A zero-copy codec's
+    packet is read in place, as a view of its wire buffer: a copy would be wasted, since every
+    value is read once (added to a sum, or copied into the caller's vector) and never written."""
+    return decode(packet, copy=False).reshape(-1)
 
 
 def _shares_memory(part: torch.Tensor, packet: Packet) -> bool:

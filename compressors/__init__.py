@@ -4,12 +4,14 @@
     packet = c.encode(tensor, seed=None, name=None)   # Packet(header, buffers)
     tensor = c.decode(packet, device=None)            # original shape and dtype
     decode(packet)                                    # by the codec its header names
+    c.lossless, c.zero_copy                           # what it can do; branch on these, not on names
+    c.encode(t, copy=False), decode(p, copy=False)    # zero_copy: lend t / read the wire buffer in place
 
 Codecs (``registered_codecs()``; same torch code on CPU and CUDA; any float dtype in, the
 input dtype back). "NaN/Inf" says what encoding a non-finite tensor does.
 
     spec                         wire per value            NaN/Inf
-    none / fp16 / bf16           4 / 2 / 2 bytes           passed through (IEEE casts)
+    none / fp16 / bf16           4 / 2 / 2 bytes           passed through (IEEE casts); none: lossless, zero-copy
     fp8[:e4m3|e5m2]              1 byte + scale/block      NonFiniteError
     int8, int4                   8 / 4 bits + scale/block  NonFiniteError
     fp4[:e2m1|e3m0]              4 bits + scale/block      NonFiniteError

@@ -9,6 +9,13 @@ factors, a sketch) hand that "payload" to a next stage (``inner``), which is how
 Decoding reads every parameter from the header (never from the decoder's own settings) and
 checks it against the buffers; any disagreement raises ``PacketError`` naming the field.
 Decoding never writes into its input buffers (they may be read-only wire memory).
+
+Every codec states two facts about itself, so that callers branch on what a codec can do and
+never on its name: ``lossless`` (decoding gives back the input bit for bit) and ``zero_copy``
+(the packet can carry the input's own memory, and a decode can read the wire buffer in
+place). ``encode(t, copy=False)`` and ``decode(p, copy=False)`` use the second where the codec
+has it; by default a packet never shares memory with its input, nor a decoded tensor with
+its packet.
 """
 from __future__ import annotations
 
@@ -162,7 +169,9 @@ class Header:
 
     def shape(self) -> tuple[int, ...]:
         value = self.get("shape")
-        if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
+        if not isinstance(value, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
+        ):
             raise self.error("shape", f"must be a list of non-negative ints, got {value!r}")
         if len(value) > 64:
             raise self.error("shape", "more than 64 dimensions")
@@ -214,6 +223,12 @@ def register(cls: type[Compressor]) -> type[Compressor]:
     """Class decorator: make a codec known to specs and to header-driven decoding."""
     if cls.codec in _CODECS:
         raise ValueError(f"codec {cls.codec!r} registered twice")
+    for flag in ("stage_lossless", "stage_zero_copy"):
+        if not isinstance(getattr(cls, flag, None), bool):
+            raise TypeError(f"codec {cls.codec!r} must state {flag} (True or False)")
+    if cls.stage_zero_copy and not (cls.stage_lossless and not cls.takes_inner):
+        # sending the input's own bytes is lossless, and leaves no payload for a next stage
+        raise TypeError(f"codec {cls.codec!r}: a zero-copy stage must be lossless and take no next stage")
     _CODECS[cls.codec] = cls
     return cls
 
@@ -233,6 +248,12 @@ class Compressor(ABC):
     takes_inner: ClassVar[bool] = False  # hands a float payload to a next stage
     seeded: ClassVar[bool] = False  # the seed travels in the header
     keeps_fp8: ClassVar[bool] = False  # handles float8 input itself (others see float32)
+    # What one stage can do; every codec states both (``register`` checks), and a pipeline's
+    # ``lossless`` and ``zero_copy`` follow from its stages'.
+    stage_lossless: ClassVar[bool]  # this stage gives back its input bit for bit
+    # This stage's ``_encode`` puts its input's memory in the packet and its ``_decode`` returns
+    # a view of its buffer: the base class copies around both unless the caller says ``copy=False``.
+    stage_zero_copy: ClassVar[bool]
 
     def __init__(self, inner: Compressor | None = None) -> None:
         if inner is not None and not self.takes_inner:
@@ -255,7 +276,9 @@ class Compressor(ABC):
         return own + ("+" + self.inner.spec if self.inner is not None else "")
 
     @classmethod
-    def from_args(cls, positional: Sequence[str], keyword: dict[str, str], inner: Compressor | None = None) -> Compressor:
+    def from_args(
+        cls, positional: Sequence[str], keyword: dict[str, str], inner: Compressor | None = None
+    ) -> Compressor:
         """Build from parsed spec arguments (strings); raises ValueError naming the problem."""
         if len(positional) > len(cls.params):
             raise ValueError(f"{cls.codec} takes at most {len(cls.params)} arguments, got {len(positional)}")
@@ -287,10 +310,29 @@ class Compressor(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
 
+    # --- what the codec can do ------------------------------------------------------------
+
+    @property
+    def lossless(self) -> bool:
+        """Whether ``decode(encode(t))`` equals ``t`` bit for bit (shape and dtype too), for
+        every float tensor: no error feedback is needed, nothing is approximated."""
+        return self.stage_lossless and (self.inner is None or self.inner.lossless)
+
+    @property
+    def zero_copy(self) -> bool:
+        """Whether ``encode(t, copy=False)`` can put ``t``'s own memory in the packet (for a
+        contiguous ``t``), and ``decode(p, copy=False)`` return a view of ``p``'s buffer."""
+        return self.stage_zero_copy and (self.inner is None or self.inner.zero_copy)
+
     # --- public API -----------------------------------------------------------------------
 
-    def encode(self, tensor: torch.Tensor, seed: int | None = None, name: str | None = None) -> Packet:
-        """Encode ``tensor``; ``seed`` feeds seeded codecs and travels in the header."""
+    def encode(self, tensor: torch.Tensor, seed: int | None = None, name: str | None = None, *,
+               copy: bool = True) -> Packet:
+        """Encode ``tensor``; ``seed`` feeds seeded codecs and travels in the header.
+
+        ``copy=False`` lends ``tensor`` to the packet: a ``zero_copy`` codec then sends its
+        memory as it is, and the caller must not write ``tensor`` while the packet is in use.
+        Other codecs make their own buffers either way."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype not in DTYPE_NAMES:
@@ -302,12 +344,17 @@ class Compressor(ABC):
         flat = tensor.detach().reshape(-1)
         if tensor.dtype in _FP8_INPUTS and not self.keeps_fp8:  # few ops support float8
             flat = flat.to(torch.float32)
-        header, buffers = self._encode_stage(flat, tuple(tensor.shape), seed, name)
+        header, buffers = self._encode_stage(flat, tuple(tensor.shape), seed, name, copy)
         header["dtype"] = DTYPE_NAMES[tensor.dtype]
         return Packet(header, tuple(buffers))
 
-    def decode(self, packet: Packet, device: torch.device | str | None = None) -> torch.Tensor:
-        """Rebuild the tensor (its shape and dtype) from ``packet`` on ``device``."""
+    def decode(self, packet: Packet, device: torch.device | str | None = None, *, copy: bool = True) -> torch.Tensor:
+        """Rebuild the tensor (its shape and dtype) from ``packet`` on ``device``.
+
+        ``copy=False`` lets a ``zero_copy`` codec return a view of the packet's buffer (read
+        only: it may be wire memory), after checking the header as any decode does. Whether
+        the result shares memory with the packet is then up to the codec and the buffer's
+        alignment; other codecs build a new tensor either way."""
         if not isinstance(packet, Packet):
             raise TypeError(f"expected a Packet, got {type(packet).__name__}")
         buffers = packet.buffers
@@ -316,7 +363,7 @@ class Compressor(ABC):
             dev = torch.device(device)
         else:
             dev = buffers[0].device if buffers else torch.device("cpu")
-        flat, shape, used = self._decode_stage(packet.header, buffers, 0, "", dev)
+        flat, shape, used = self._decode_stage(packet.header, buffers, 0, "", dev, copy)
         if used != len(buffers):
             raise PacketError("buffers", f"{len(buffers)} buffers, header accounts for {used}")
         return flat.view(shape)
@@ -354,8 +401,10 @@ class Compressor(ABC):
     # --- plumbing -------------------------------------------------------------------------
 
     def _encode_stage(
-        self, flat: torch.Tensor, shape: tuple[int, ...], seed: int | None, name: str | None
+        self, flat: torch.Tensor, shape: tuple[int, ...], seed: int | None, name: str | None, copy: bool = True
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        if copy and self.stage_zero_copy:  # the packet gets the copy's memory, never the caller's
+            flat = flat.clone(memory_format=torch.contiguous_format)
         enc = self._encode(flat, shape, seed, name)
         clash = _RESERVED.intersection(enc.fields)
         if clash:
@@ -374,7 +423,8 @@ class Compressor(ABC):
         return header, buffers
 
     def _decode_stage(
-        self, header: Any, buffers: tuple[torch.Tensor, ...], start: int, path: str, device: torch.device
+        self, header: Any, buffers: tuple[torch.Tensor, ...], start: int, path: str, device: torch.device,
+        copy: bool = True,
     ) -> tuple[torch.Tensor, tuple[int, ...], int]:
         h = Header(header, path)
         codec = h.get("codec")
@@ -385,7 +435,8 @@ class Compressor(ABC):
         wire_dtype = torch.float32 if dtype in _FP8_INPUTS and not self.keeps_fp8 else dtype
         end = start + self.n_buffers
         if len(buffers) < end:
-            raise PacketError(path + "buffers", f"{self.codec} needs {self.n_buffers} buffers, {len(buffers) - start} left")
+            raise PacketError(path + "buffers",
+                              f"{self.codec} needs {self.n_buffers} buffers, {len(buffers) - start} left")
         payload = None
         if self.takes_inner:
             inner_header = h.get("inner")
@@ -396,12 +447,15 @@ class Compressor(ABC):
         elif "inner" in header:
             raise h.error("inner", f"{self.codec} takes no next stage")
         flat = self._decode(h, buffers[start : start + self.n_buffers], payload, shape, wire_dtype, device)
+        if copy and self.stage_zero_copy:  # a view of the buffer: the caller asked for its own tensor
+            flat = flat.clone()
         assert flat.numel() == math.prod(shape) and flat.dtype == wire_dtype, self.codec
         return flat.to(dtype), shape, end
 
 
-def decode(packet: Packet, device: torch.device | str | None = None) -> torch.Tensor:
-    """Decode any packet by the codec its header names (no compressor needed)."""
+def decode(packet: Packet, device: torch.device | str | None = None, *, copy: bool = True) -> torch.Tensor:
+    """Decode any packet by the codec its header names (no compressor needed); ``copy`` as
+    in ``Compressor.decode``."""
     if not isinstance(packet, Packet):
         raise TypeError(f"expected a Packet, got {type(packet).__name__}")
-    return codec_class(packet.header.get("codec"))().decode(packet, device)
+    return codec_class(packet.header.get("codec"))().decode(packet, device, copy=copy)

@@ -36,6 +36,7 @@ def _parse_rank(text: str) -> int:
 @register
 class PowerSGD(Compressor):
     codec = "powersgd"
+    stage_lossless = stage_zero_copy = False
     takes_inner = True
     params = (Param("rank", _parse_rank, 4, positional=True, required=True),)
 

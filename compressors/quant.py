@@ -69,6 +69,7 @@ class _BlockQuantizer(Compressor):
     """Shared chunk loop; subclasses quantize and dequantize one chunk of whole blocks."""
 
     n_buffers = 2
+    stage_lossless = stage_zero_copy = False  # codes of 1 to 8 bits round every value
     bits: ClassVar[int]
     default_block: ClassVar[int] = 256
     has_stochastic: ClassVar[bool] = True
@@ -187,7 +188,9 @@ class _Integer(_BlockQuantizer):
 
     qmax: ClassVar[int]
 
-    def _scaled(self, x: torch.Tensor, scales: torch.Tensor, work: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+    def _scaled(
+        self, x: torch.Tensor, scales: torch.Tensor, work: torch.Tensor, noise: torch.Tensor | None
+    ) -> torch.Tensor:
         """``work`` <- x / scale rounded to an integer code (nearest, or stochastically)."""
         absmax = _absmax(x, self.qmax)
         torch.mul(absmax, 1.0 / self.qmax, out=scales)

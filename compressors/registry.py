@@ -18,7 +18,9 @@ def _parse_stage(text: str, spec: str) -> tuple[str, list[str], dict[str, str]]:
     if not name:
         raise ValueError(f"bad compressor spec {spec!r}: empty stage")
     if name not in _CODECS:
-        raise ValueError(f"bad compressor spec {spec!r}: unknown codec {name!r} (known: {', '.join(registered_codecs())})")
+        raise ValueError(
+            f"bad compressor spec {spec!r}: unknown codec {name!r} (known: {', '.join(registered_codecs())})"
+        )
     positional: list[str] = []
     keyword: dict[str, str] = {}
     if args.strip():

@@ -71,6 +71,7 @@ def _check_finite(table: torch.Tensor, codec: str) -> None:
 @register
 class CountSketch(Compressor):
     codec = "countsketch"
+    stage_lossless = stage_zero_copy = False
     takes_inner = True
     seeded = True
     params = (
@@ -87,7 +88,9 @@ class CountSketch(Compressor):
         self.hash = _parse_hash(hash)
 
     @staticmethod
-    def _hashes(seed: int, row: int, cols: int, lo: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hashes(
+        seed: int, row: int, cols: int, lo: int, count: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         words = rng.bits64(rng.derive_seed(seed, row), count, device, offset=lo)
         bucket = words.bitwise_right_shift(32).bitwise_and_(0xFFFFFFFF).mul_(cols).bitwise_right_shift_(32)
         sign = words.bitwise_and_(1).to(torch.float32).mul_(-2.0).add_(1.0)
@@ -250,6 +253,7 @@ def _fwht(z: torch.Tensor) -> torch.Tensor:
 @register
 class GaussianSketch(Compressor):
     codec = "gsketch"
+    stage_lossless = stage_zero_copy = False
     takes_inner = True
     seeded = True
     params = (Param("size", _parse_size, 1024, positional=True, required=True), Param("kind", _parse_kind, "gauss"))

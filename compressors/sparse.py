@@ -98,6 +98,7 @@ class TopK(Compressor):
     """Keep the ``fraction`` of values largest in magnitude."""
 
     codec = "topk"
+    stage_lossless = stage_zero_copy = False
     n_buffers = 1
     takes_inner = True
     params = (Param("fraction", _parse_fraction, 0.01, positional=True, required=True),)
@@ -192,6 +193,7 @@ class RandomK(Compressor):
     """
 
     codec = "randomk"
+    stage_lossless = stage_zero_copy = False
     takes_inner = True
     seeded = True
     params = (Param("fraction", _parse_fraction, 0.01, positional=True, required=True),)

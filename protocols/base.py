@@ -9,25 +9,35 @@ perturbations.
     proto = get_protocol("gossip").create(node, model, {"lr": 0.05, "topology": "ring"})
     for batch in task.batches(rank, world, seed):
         report = proto.step(lambda: task.loss(model, batch))
+
+What every built-in protocol's plumbing shares lives here too, so that a protocol file holds
+its algorithm: `meter` counts the bytes of its `topic_prefix`, `_serve` registers its topics
+and the peer hooks once it is built, and a step is `_begin_step()` (a `StepClock`), the
+algorithm, and `_report(...)`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from starling.collectives import ByteMeter, watch_peers
 from starling.common import config_from_options as common_config_from_options
 
 if typing.TYPE_CHECKING:
     from starling.node.node import Node
+    from starling.node.wire import Message
 
 LossFn = Callable[[], torch.Tensor]
+Handler = Callable[["Message"], Any]  # a topic's handler, as Node.on takes it (plain or async)
 
 
 class ProtocolError(Exception):
@@ -49,6 +59,27 @@ class StepReport:
     compute_s: float = 0.0  # time spent in local compute (the rest was waiting on the network)
 
 
+class StepClock:
+    """Times one `step`: its wall time so far, and the part of it spent in local compute (the
+    `computing()` blocks); the rest was waiting on the network."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.compute_s = 0.0
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self.compute_s += time.monotonic() - began
+
+    @property
+    def wall_s(self) -> float:
+        return time.monotonic() - self.start
+
+
 @dataclass(frozen=True)
 class ProtocolConfig:
     """Hyper-parameters every protocol has; subclasses add their own fields."""
@@ -59,16 +90,35 @@ class ProtocolConfig:
 
 
 class Protocol(ABC):
-    """One peer's side of a training algorithm."""
+    """One peer's side of a training algorithm.
+
+    A subclass says what it is on its class line (or sets the same class attributes):
+
+        class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_prefix="gossip."):
+    """
 
     name: ClassVar[str]
     config_class: ClassVar[type[ProtocolConfig]] = ProtocolConfig
+    topic_prefix: ClassVar[str | None] = None  # the topics whose bytes `meter` counts, e.g. "gossip."
+
+    def __init_subclass__(cls, *, name: str | None = None, config_class: type[ProtocolConfig] | None = None,
+                          topic_prefix: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name = name
+        if config_class is not None:
+            cls.config_class = config_class
+        if topic_prefix is not None:
+            cls.topic_prefix = topic_prefix
 
     def __init__(self, node: Node, model: nn.Module, config: ProtocolConfig) -> None:
         self.node = node
         self.model = model
         self.config = config
         self.step_count = 0
+        self._open = True  # until close(): step() raises, handlers refuse, peer events are ignored
+        if self.topic_prefix is not None:  # counting from before any topic is served
+            self.meter = ByteMeter(node, self.topic_prefix)
 
     @classmethod
     def create(cls, node: Node, model: nn.Module, options: Mapping[str, Any] | None = None) -> Protocol:
@@ -96,11 +146,37 @@ class Protocol(ABC):
     def on_peer_left(self, peer_id: str) -> None:  # noqa: B027 (an optional hook)
         """Called on the network thread when a peer leaves or is declared dead."""
 
-    def close(self) -> None:  # noqa: B027 (an optional hook)
-        """Release anything the protocol holds (threads, pending exchanges)."""
+    def close(self) -> None:
+        """Release anything the protocol holds (threads, pending exchanges); an override calls
+        this too, which marks the protocol closed."""
+        self._open = False
+
+    def is_open(self) -> bool:
+        return self._open
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "config": dataclasses.asdict(self.config)}
+
+    # ------------------------------------------------------------------ for implementations
+    def _serve(self, handlers: Mapping[str, Handler] | None = None) -> None:
+        """Register this protocol's topics and route peer events to its hooks while it is
+        open. The last thing a constructor does: a request or an event may arrive at once,
+        on the network thread, and must find every attribute in place."""
+        for topic, handler in (handlers or {}).items():
+            self.node.on(topic, handler)
+        watch_peers(self.node, self.on_peer_joined, self.on_peer_left, self.is_open)
+
+    def _begin_step(self) -> StepClock:
+        if not self._open:
+            raise ProtocolError(f"{self.name}: step() after close()")
+        return StepClock()
+
+    def _report(self, step: int, loss: float, clock: StepClock, *, synced: bool = False, peers: int = 1,
+                lost: tuple[str, ...] = ()) -> StepReport:
+        """This step's report, with the bytes `meter` counted since the last one."""
+        sent, received = self.meter.take()
+        return StepReport(step=step, loss=loss, bytes_sent=sent, bytes_received=received, synced=synced,
+                          peers=peers, lost_peers=lost, wall_s=clock.wall_s, compute_s=clock.compute_s)
 
 
 _REGISTRY: dict[str, type[Protocol]] = {}

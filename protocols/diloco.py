@@ -39,23 +39,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from starling.collectives import (
-    ByteMeter,
-    FlatModel,
-    PendingReduce,
-    ReduceResult,
-    ReduceTimeouts,
-    ShardedReducer,
-    membership,
-    watch_peers,
-)
+from starling.collectives import PendingReduce, ReduceResult, ShardedReducer, membership
 from starling.collectives.codec import check_compressor_spec
 from starling.node.node import Node
 from starling.node.rpc import Refusal, Reply, refusal
 from starling.node.wire import Message
-from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
+from starling.protocols.backprop import BackpropProtocol
+from starling.protocols.base import LossFn, ProtocolConfig, ProtocolError, StepClock, StepReport, register
 from starling.protocols.fragments import ASSIGNMENTS, FragmentSchedule, FragmentView, count_layers, split_fragments
-from starling.protocols.optim import make_optimizer, optimizer_state
+from starling.protocols.optim import make_optimizer, reduce_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -147,14 +139,12 @@ class _Published:
 
 
 @register
-class DiLoCo(Protocol):
-    name = "diloco"
-    config_class = DiLoCoConfig
+class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_prefix=TOPIC_PREFIX):
     config: DiLoCoConfig
+    optimizer_key = "inner_optimizer"
 
     def __init__(self, node: Node, model: nn.Module, config: DiLoCoConfig) -> None:
         super().__init__(node, model, config)
-        self.flat = FlatModel(model)
         try:
             fragments = split_fragments(self.flat.numel, count_layers(model), config.fragments,
                                         config.fragment_assignment)
@@ -162,33 +152,33 @@ class DiLoCo(Protocol):
             raise ProtocolError(f"{self.name}: {exc}") from None
         self.views = [FragmentView(self.flat.params, f) for f in fragments]
         self.schedule = FragmentSchedule(config.sync_every, config.fragments, config.overlap_steps)
-        self.inner = make_optimizer(self.flat.params, config.inner_optimizer, config.lr, config.inner_momentum,
-                                    config.weight_decay)
         self.outer = [view.read() for view in self.views]
         self.momentum = [torch.zeros_like(o) for o in self.outer]
         # the round each fragment merges next: its outer parameters' version
         self.versions = [self.schedule.first_round(f) for f in range(len(self.views))]
         self.in_flight: dict[int, _Exchange] = {}
-        self.meter = ByteMeter(node, TOPIC_PREFIX)
-        self._open = True
-        timeouts = ReduceTimeouts(config.round_timeout_s, config.reply_grace_s, config.retry_interval_s)
+        timeouts = reduce_timeouts(config)
         self.reducers = [ShardedReducer(node, f"{TOPIC_PREFIX}f{i}", view.numel, config.compressor, timeouts,
-                                        lambda: self._open) for i, view in enumerate(self.views)]
+                                        self.is_open) for i, view in enumerate(self.views)]
         self._eval: tuple[nn.Module, list[FragmentView]] | None = None
         self._publish()
-        node.on(SYNC_TOPIC, self._on_sync)
-        watch_peers(node, self.on_peer_joined, self.on_peer_left, lambda: self._open)
+        self._serve({SYNC_TOPIC: self._on_sync})
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        c = self.config
+        return make_optimizer(self.flat.params, c.inner_optimizer, c.lr, c.inner_momentum, c.weight_decay)
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The inner optimizer (the paper's name for it): the one that takes the local steps."""
+        return self.optimizer
 
     # ------------------------------------------------------------------ training thread
     def step(self, loss_fn: LossFn) -> StepReport:
-        if not self._open:
-            raise ProtocolError(f"{self.name}: step() after close()")
-        start = time.monotonic()
-        self.inner.zero_grad(set_to_none=False)
-        loss = loss_fn()
-        loss.backward()
-        self.inner.step()
-        compute_s = time.monotonic() - start
+        clock = self._begin_step()
+        with clock.computing():
+            loss = self._backprop(loss_fn)
+            self.inner.step()
 
         t = self.step_count
         s = self.step_count = t + 1
@@ -198,14 +188,11 @@ class DiLoCo(Protocol):
             self._send(*sending)
         merging = self.schedule.merging_at(s)
         if merging is not None:
-            result, merge_compute_s = self._merge(*merging)
-            compute_s += merge_compute_s
+            result = self._merge(*merging, clock)
         self._publish()
-        sent, received = self.meter.take()
-        return StepReport(step=t, loss=float(loss.detach()), bytes_sent=sent, bytes_received=received,
-                          synced=bool(result and result.synced), peers=result.peers if result else 1,
-                          lost_peers=result.lost if result else (), wall_s=time.monotonic() - start,
-                          compute_s=compute_s)
+        if result is None:
+            return self._report(t, loss, clock)
+        return self._report(t, loss, clock, synced=result.synced, peers=result.peers, lost=result.lost)
 
     def _send(self, f: int, k: int) -> None:
         """Start averaging fragment f's pseudo-gradient; training goes on until its merge."""
@@ -223,7 +210,7 @@ class DiLoCo(Protocol):
             average.fill_(math.nan)
         return _Exchange(f, k, members, delta, average, pending)
 
-    def _merge(self, f: int, k: int) -> tuple[ReduceResult | None, float]:
+    def _merge(self, f: int, k: int, clock: StepClock) -> ReduceResult | None:
         """Wait for fragment f's average, take the outer step, merge it into the local parameters."""
         exchange = self.in_flight.pop(f, None)
         result = None
@@ -238,16 +225,16 @@ class DiLoCo(Protocol):
                 log.info("%s: fragment %d round %d closed without me (the swarm is in round %d); catching up",
                          self.node.peer_id, f, k, result.ahead)
                 self._catch_up(f, k, exchange.members)
-                return result, 0.0
+                return result
             if result.lost:
                 log.warning("%s: %s round %d went on without %s", self.node.peer_id, self.reducers[f].topic, k,
                             list(result.lost))
-        start = time.monotonic()
-        if exchange is not None and exchange.average is not None and self.versions[f] == k:
-            average = exchange.average.nan_to_num_(nan=0.0)
-            self._outer_step(f, average)
-        self._merge_local(f)
-        return result, time.monotonic() - start
+        with clock.computing():
+            if exchange is not None and exchange.average is not None and self.versions[f] == k:
+                average = exchange.average.nan_to_num_(nan=0.0)
+                self._outer_step(f, average)
+            self._merge_local(f)
+        return result
 
     def _outer_step(self, f: int, delta: torch.Tensor) -> None:
         """Nesterov SGD on the outer fragment, the averaged pseudo-gradient as its gradient.
@@ -352,7 +339,6 @@ class DiLoCo(Protocol):
         state["outer"] = [o.clone() for o in self.outer]
         state["outer_momentum"] = [m.clone() for m in self.momentum]
         state["versions"] = list(self.versions)
-        state["inner_optimizer"] = optimizer_state(self.inner)
         state["in_flight"] = [{"fragment": e.fragment, "round": e.round, "members": list(e.members),
                                "delta": e.delta.clone()} for e in self.in_flight.values()]
         return state
@@ -364,7 +350,6 @@ class DiLoCo(Protocol):
             raise ProtocolError(f"{self.name}: state has fragments of {[o.numel() for o in outer]} values, "
                                 f"this model's are {sizes}")
         super().load_state_dict(state)
-        self.inner.load_state_dict(state["inner_optimizer"])
         self.outer = [o.to(torch.float32).clone() for o in outer]
         self.momentum = [m.to(torch.float32).clone() for m in momentum]
         self.versions = [int(v) for v in state["versions"]]
@@ -388,20 +373,14 @@ class DiLoCo(Protocol):
                 mine.copy_(theirs)
         return twin
 
-    def close(self) -> None:
-        self._open = False
-
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "step": self.step_count, "parameters": self.flat.numel,
                 "fragment_sizes": [view.numel for view in self.views], "versions": list(self.versions)}
 
 
 @register
-class StreamingDiLoCo(DiLoCo):
+class StreamingDiLoCo(DiLoCo, name="streaming-diloco", config_class=StreamingDiLoCoConfig):
     """DiLoCo with fragments on a staggered schedule, overlapped and merged with alpha."""
-
-    name = "streaming-diloco"
-    config_class = StreamingDiLoCoConfig
 
 
 def _read_sync_reply(msg: Message, fragments: list[int], sizes: list[int], count: int) -> _Published:

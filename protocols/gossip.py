@@ -1,6 +1,6 @@
 """`gossip`: decentralized SGD with gossip averaging, asynchronous, no global rounds.
 
-Exact pairwise averaging (compressor "none"), every `local_steps` local SGD steps:
+Exact pairwise averaging (a lossless compressor: "none"), every `local_steps` local SGD steps:
 
     members = sorted(live peers + me); N = neighbours(topology, members, me)
     for j in fanout random picks from N:
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from starling.collectives import ByteMeter, FlatModel, make_codec, membership, packet_from_wire, watch_peers
+from starling.collectives import make_codec, membership, packet_from_wire
 from starling.collectives.codec import check_compressor_spec
 from starling.common import peer_hash
 from starling.compressors import decode
@@ -53,8 +53,8 @@ from starling.node.membership import PeerStatus
 from starling.node.node import Node
 from starling.node.rpc import NoHandlerError, Refusal, RemoteError, Reply, refusal
 from starling.node.wire import Message
-from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
-from starling.protocols.optim import make_optimizer, optimizer_state
+from starling.protocols.backprop import BackpropProtocol
+from starling.protocols.base import LossFn, ProtocolConfig, ProtocolError, StepReport, register
 
 log = logging.getLogger(__name__)
 
@@ -118,23 +118,17 @@ def neighbours(topology: str, members: tuple[str, ...], me: str) -> list[str]:
 
 
 @register
-class Gossip(Protocol):
-    name = "gossip"
-    config_class = GossipConfig
+class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_prefix="gossip."):
     config: GossipConfig
 
     def __init__(self, node: Node, model: nn.Module, config: GossipConfig) -> None:
         super().__init__(node, model, config)
-        self.flat = FlatModel(model)
-        self.optimizer = make_optimizer(self.flat.params, config.optimizer, config.lr,
-                                        config.momentum, config.weight_decay)
         # Held by the training thread while it computes or writes parameters, and by the
         # pull handler while it averages: parameters never change under a backward pass.
         self._params_lock = threading.Lock()
         self._rng = random.Random(peer_hash(node.peer_id, byteorder="little"))
-        self.meter = ByteMeter(node, "gossip.")
         self.codec, _ = make_codec(config.compressor)
-        self.choco = self.codec.spec != "none"
+        self.choco = not self.codec.lossless  # only a lossy codec needs CHOCO's public copies to converge
         # CHOCO state (training thread, except the inbox and the resync set).
         self.x_hat = torch.zeros(self.flat.numel) if self.choco else None
         self._hats: dict[str, torch.Tensor] = {}
@@ -143,12 +137,6 @@ class Gossip(Protocol):
         self._inbox: deque[tuple[str, dict[str, Any], tuple[torch.Tensor, ...]]] = deque()
         self._has_my_hat: set[str] = set()
         self._hat_lock = threading.Lock()  # guards _has_my_hat (the network thread clears entries)
-        self._open = True
-        node.on(PULL_TOPIC, self._on_pull)
-        node.on(CHOCO_TOPIC, self._on_choco)
-        node.on(RESYNC_TOPIC, self._on_resync)
-        node.on(UNDO_TOPIC, self._on_undo)
-        node.on(ACK_TOPIC, self._on_ack)
         # Undo table (network thread only; see _keep_for_undo): requester -> (xid, the delta
         # applied for it), oldest first; and the xid of each requester's last dropped entry.
         self._applied: dict[str, tuple[int, torch.Tensor]] = {}
@@ -156,19 +144,15 @@ class Gossip(Protocol):
         self._exchange_ids = itertools.count(1)
         self._cancelled: dict[str, Any] = {}
         self.counters: Counter[str] = Counter()  # undone, undo_evicted, undo_dropped_peer_left, undo_refused
-        watch_peers(node, self.on_peer_joined, self.on_peer_left, lambda: self._open)
+        self._serve({PULL_TOPIC: self._on_pull, CHOCO_TOPIC: self._on_choco, RESYNC_TOPIC: self._on_resync,
+                     UNDO_TOPIC: self._on_undo, ACK_TOPIC: self._on_ack})
 
     # ------------------------------------------------------------------ training thread
     def step(self, loss_fn: LossFn) -> StepReport:
-        if not self._open:
-            raise ProtocolError("gossip: step() after close()")
-        start = time.monotonic()
-        with self._params_lock:
-            self.optimizer.zero_grad(set_to_none=False)
-            loss = loss_fn()
-            loss.backward()
+        clock = self._begin_step()
+        with clock.computing(), self._params_lock:
+            loss = self._backprop(loss_fn)
             self.optimizer.step()
-        compute_s = time.monotonic() - start
         t = self.step_count
         self.step_count += 1
         partners: list[str] = []
@@ -180,10 +164,7 @@ class Gossip(Protocol):
                 partners = self._choco_round(members, nbrs)
             else:
                 partners, lost = self._pull_round(t, nbrs)
-        sent, received = self.meter.take()
-        return StepReport(step=t, loss=float(loss.detach()), bytes_sent=sent, bytes_received=received,
-                          synced=bool(partners), peers=1 + len(partners), lost_peers=tuple(lost),
-                          wall_s=time.monotonic() - start, compute_s=compute_s)
+        return self._report(t, loss, clock, synced=bool(partners), peers=1 + len(partners), lost=tuple(lost))
 
     def _pull_round(self, t: int, nbrs: list[str]) -> tuple[list[str], list[str]]:
         """Exact pairwise averaging with up to `fanout` random neighbours, one after another."""
@@ -399,18 +380,11 @@ class Gossip(Protocol):
 
     def state_dict(self) -> dict[str, Any]:
         with self._params_lock:
-            state = super().state_dict()
-            state["optimizer"] = optimizer_state(self.optimizer)
-        return state
+            return super().state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         with self._params_lock:
             super().load_state_dict(state)
-            if "optimizer" in state:
-                self.optimizer.load_state_dict(state["optimizer"])
-
-    def close(self) -> None:
-        self._open = False
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "step": self.step_count, "mode": "choco" if self.choco else "exact",

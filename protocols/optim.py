@@ -1,4 +1,4 @@
-"""What the optimizer-driven protocols share: their config checks and the inner optimizer."""
+"""What the optimizer-driven protocols share: their config checks, round timeouts and the optimizer."""
 from __future__ import annotations
 
 import copy
@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from starling.collectives import ReduceTimeouts
 from starling.collectives.codec import check_compressor_spec
 from starling.protocols.base import ProtocolError
 
@@ -27,6 +28,11 @@ def check_reduce_config(config: Any) -> None:
         if not getattr(config, name) > 0.0:
             raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
     check_compressor_spec(config.compressor)
+
+
+def reduce_timeouts(config: Any) -> ReduceTimeouts:
+    """A config's round timeouts (the fields `check_reduce_config` checks) for its reducers."""
+    return ReduceTimeouts(config.round_timeout_s, config.reply_grace_s, config.retry_interval_s)
 
 
 def make_optimizer(params: Sequence[nn.Parameter], name: str, lr: float, momentum: float,

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,11 +44,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from starling.collectives import ByteMeter, FlatModel, ReduceTimeouts, ShardedReducer, membership, watch_peers
+from starling.collectives import ShardedReducer, membership
 from starling.compressors import CountSketch, GaussianSketch, from_spec, rng
 from starling.node.node import Node
-from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
-from starling.protocols.optim import check_reduce_config, make_optimizer, optimizer_state
+from starling.protocols.backprop import BackpropProtocol
+from starling.protocols.base import LossFn, ProtocolConfig, ProtocolError, StepReport, register
+from starling.protocols.optim import check_reduce_config, reduce_timeouts
 from starling.protocols.privacy import (
     MECHANISMS,
     UNITS,
@@ -183,17 +183,12 @@ class SketchMap:
 
 
 @register
-class SketchDP(Protocol):
-    name = "sketch-dp"
-    config_class = SketchDPConfig
+class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, topic_prefix="sketchdp."):
     config: SketchDPConfig
 
     def __init__(self, node: Node, model: nn.Module, config: SketchDPConfig) -> None:
         super().__init__(node, model, config)
-        self.flat = FlatModel(model)
         self.sketches = SketchMap(config.sketch, self.flat.numel)
-        self.optimizer = make_optimizer(self.flat.params, config.optimizer, config.lr, config.momentum,
-                                        config.weight_decay)
         self.accountant = Accountant(config.accountant)
         self.sigma = self._noise_multiplier()
         self.error = torch.zeros(self.flat.numel) if self.sketches.heavy else None  # public: from means only
@@ -203,12 +198,9 @@ class SketchDP(Protocol):
         self.last_release: torch.Tensor | None = None  # what this peer last sent (clipped + noised)
         self._secret = secret_generator()
         self._warned_budget = False
-        self.meter = ByteMeter(node, "sketchdp.")
-        self._open = True
-        timeouts = ReduceTimeouts(config.round_timeout_s, config.reply_grace_s, config.retry_interval_s)
-        self.reducer = ShardedReducer(node, PART_TOPIC, self.sketches.size, config.compressor, timeouts,
-                                      lambda: self._open)
-        watch_peers(node, self.on_peer_joined, self.on_peer_left, lambda: self._open)
+        self.reducer = ShardedReducer(node, PART_TOPIC, self.sketches.size, config.compressor,
+                                      reduce_timeouts(config), self.is_open)
+        self._serve()
         log.info("%s: sketch-dp, %s-level DP, sigma=%.4g, C=%g, delta=%g, sketch %s (%d of %d values)%s",
                  node.peer_id, config.dp_unit, self.sigma, config.clip, config.delta, config.sketch,
                  self.sketches.size, self.flat.numel, "" if self.sigma > 0 else ": NO NOISE, epsilon = inf")
@@ -239,56 +231,48 @@ class SketchDP(Protocol):
 
     # ------------------------------------------------------------------ training thread
     def step(self, loss_fn: LossFn) -> StepReport:
-        if not self._open:
-            raise ProtocolError("sketch-dp: step() after close()")
-        start = time.monotonic()
+        clock = self._begin_step()
         s, c = self.step_count, self.config
-        if c.local_steps > 1:
-            loss = self._local_step(loss_fn)
-            if (s + 1) % c.local_steps:  # mid-round: nothing leaves this peer
-                self.step_count = s + 1
-                spent = time.monotonic() - start
-                return StepReport(step=s, loss=loss, wall_s=spent, compute_s=spent)
-        t = s // c.local_steps  # the round: one R_t, one release
-        seed_t = rng.derive_seed(c.seed, t)
-        if c.local_steps > 1:
-            y = self._release(self.sketches.sketch(self._local_delta().unsqueeze(0), seed_t))
-        else:
-            y, loss = self._private_sketch(loss_fn, seed_t)
-        if not bool(torch.isfinite(y).all()):  # owners would refuse it and the round would stall
-            raise ProtocolError(f"sketch-dp: non-finite update at step {s} (training diverged; lower lr or clip)")
-        self.last_release = y.clone()
-        compute_s = time.monotonic() - start
+        with clock.computing():
+            if c.local_steps > 1:
+                loss = self._local_step(loss_fn)
+                if (s + 1) % c.local_steps:  # mid-round: nothing leaves this peer (its bytes are the round's)
+                    self.step_count = s + 1
+                    spent = clock.wall_s
+                    return StepReport(step=s, loss=loss, wall_s=spent, compute_s=spent)
+            t = s // c.local_steps  # the round: one R_t, one release
+            seed_t = rng.derive_seed(c.seed, t)
+            if c.local_steps > 1:
+                y = self._release(self.sketches.sketch(self._local_delta().unsqueeze(0), seed_t))
+            else:
+                y, loss = self._private_sketch(loss_fn, seed_t)
+            if not bool(torch.isfinite(y).all()):  # owners would refuse it and the round would stall
+                raise ProtocolError(f"sketch-dp: non-finite update at step {s} (training diverged; lower lr or clip)")
+            self.last_release = y.clone()
 
         members = membership(self.node)
         result = self.reducer.reduce(t, members, y)  # y becomes the mean of the peers' sketches
         if result.ahead > t:
             log.info("%s: sketch-dp round %d was late; catching up to round %d", self.node.peer_id, t, result.ahead)
             self.step_count = result.ahead * c.local_steps
-        step_start = time.monotonic()
-        self.flat.scatter_grads(self._unsketch(y, seed_t))
-        self.optimizer.step()
-        if self.anchor is not None:
-            self.flat.read_params(self.anchor)
-        self.accountant.step(self.sigma, c.rate)
-        self._check_budget()
-        compute_s += time.monotonic() - step_start
+        with clock.computing():
+            self.flat.scatter_grads(self._unsketch(y, seed_t))
+            self.optimizer.step()
+            if self.anchor is not None:
+                self.flat.read_params(self.anchor)
+            self.accountant.step(self.sigma, c.rate)
+            self._check_budget()
         self.step_count = max(self.step_count, s + 1)
         if result.lost:
             log.warning("%s: sketch-dp round %d went on without %s", self.node.peer_id, t, list(result.lost))
-        sent, received = self.meter.take()
-        return StepReport(step=s, loss=loss, bytes_sent=sent, bytes_received=received, synced=result.synced,
-                          peers=result.peers, lost_peers=result.lost, wall_s=time.monotonic() - start,
-                          compute_s=compute_s)
+        return self._report(s, loss, clock, synced=result.synced, peers=result.peers, lost=result.lost)
 
     def _private_sketch(self, loss_fn: LossFn, seed: int) -> tuple[torch.Tensor, float]:
         """This peer's release for the round: clipped in sketch space, then noised."""
         c = self.config
         if c.dp_unit == "peer":
-            self.optimizer.zero_grad(set_to_none=False)
-            loss = loss_fn()
-            loss.backward()
-            rows, value = self.sketches.sketch(self.flat.gather_grads().unsqueeze(0), seed), float(loss.detach())
+            value = self._backprop(loss_fn)
+            rows = self.sketches.sketch(self.flat.gather_grads().unsqueeze(0), seed)
         else:
             if self.data is None:
                 raise ProtocolError("sketch-dp: dp_unit='sample' needs the peer's private data: call "
@@ -317,14 +301,12 @@ class SketchDP(Protocol):
 
     def _local_step(self, loss_fn: LossFn) -> float:
         """One plain SGD step at lr on this peer's batch; the optimizer sees only the round's delta."""
-        self.optimizer.zero_grad(set_to_none=False)
-        loss = loss_fn()
-        loss.backward()
+        loss = self._backprop(loss_fn)
         with torch.no_grad():
             for p in self.flat.params:
                 if p.grad is not None:
                     p.add_(p.grad, alpha=-self.config.lr)
-        return float(loss.detach())
+        return loss
 
     def _local_delta(self) -> torch.Tensor:
         """(x_t - x_local) / lr, the sum of the round's local gradients; the parameters go back to x_t."""
@@ -375,7 +357,6 @@ class SketchDP(Protocol):
             names = [name for name, p in self.model.named_parameters() if p.requires_grad]
             for name, p, chunk in zip(names, self.flat.params, torch.split(self.anchor, self.flat.sizes)):
                 state["model"][name] = chunk.view_as(p).to(p.dtype).clone()
-        state["optimizer"] = optimizer_state(self.optimizer)
         state["privacy"] = {"history": self.accountant.state(), "noise_multiplier": self.sigma}
         if self.error is not None:
             state["error"] = self.error.clone()
@@ -383,8 +364,6 @@ class SketchDP(Protocol):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
         if "privacy" in state:
             self.accountant.load(state["privacy"]["history"])
             self.sigma = float(state["privacy"]["noise_multiplier"])
@@ -392,9 +371,6 @@ class SketchDP(Protocol):
             self.error.copy_(state["error"])
         if self.anchor is not None:
             self.flat.read_params(self.anchor)
-
-    def close(self) -> None:
-        self._open = False
 
     def describe(self) -> dict[str, Any]:
         h = self.config.local_steps

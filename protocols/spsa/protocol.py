@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from starling.collectives import ByteMeter, request_patiently, watch_peers
+from starling.collectives import request_patiently
+from starling.compressors import from_spec
 from starling.node.loop import AwakeDeadline
 from starling.node.node import Node
 from starling.node.rpc import Refusal, Reply, RequestTimeout, refusal
@@ -71,6 +72,15 @@ _TIMEOUT_RETRIES = 3
 _STATE_YIELD_S = 0.2  # how long a step start waits for a state request to read the parameters
 
 
+def _changes_nothing(spec: str) -> bool:
+    """Whether `spec` names a lossless codec: spsa sends no tensor, so that is the only kind of
+    compressor it can accept without ignoring what the user asked for."""
+    try:
+        return from_spec(spec).lossless
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class SpsaConfig(ProtocolConfig):
     lr: float = 1e-3
@@ -94,7 +104,7 @@ class SpsaConfig(ProtocolConfig):
             raise ValueError(f"directions must be 'shared' or 'per-peer', got {self.directions!r}")
         if self.distribution not in Z_MAX:
             raise ValueError(f"distribution must be 'rademacher' or 'normal', got {self.distribution!r}")
-        if self.compressor != "none":
+        if not _changes_nothing(self.compressor):
             raise ValueError(f"compressor: spsa sends one byte per gradient and takes none, got {self.compressor!r}")
         positive = ("eps", "g_scale", "round_timeout_s", "reply_grace_s", "retry_interval_s")
         for name in positive:
@@ -123,9 +133,7 @@ class _Outcome:
 
 
 @register
-class Spsa(Protocol):
-    name = "spsa"
-    config_class = SpsaConfig
+class Spsa(Protocol, name="spsa", config_class=SpsaConfig, topic_prefix="spsa."):
     config: SpsaConfig
 
     def __init__(self, node: Node, model: nn.Module, config: SpsaConfig) -> None:
@@ -139,7 +147,6 @@ class Spsa(Protocol):
         self.me, self.key = node.peer_id, peer_key(node.peer_id)
         self.scale = ScaleTracker.start(config.g_scale)
         self.log = RecordLog(config.log_steps)
-        self.meter = ByteMeter(node, "spsa.")
         self.counters: Counter[str] = Counter()  # late, repairs, replayed, rejected.<reason>
         # Parameters and step state: the training thread holds this while the parameters are
         # perturbed or updated; a state request reads them only in between.
@@ -152,45 +159,36 @@ class Spsa(Protocol):
         self._keys: dict[str, int] = {self.me: self.key}
         self.sequencer = Sequencer(node, self.key, self.log, config.samples, config.round_timeout_s,
                                    lambda: {self._key_of(p) for p in {*self._live, self.me}}, self._refuse)
-        self._open = True
-        watch_peers(node, self.on_peer_joined, self.on_peer_left, lambda: self._open)
         self._live: set[str] = set(node.live_peers())
-        for topic, handler in ((CONTRIB_TOPIC, self._on_contrib), (LOG_TOPIC, self._on_log),
-                               (STATE_TOPIC, self._on_state)):
-            node.on(topic, handler)
+        self._serve({CONTRIB_TOPIC: self._on_contrib, LOG_TOPIC: self._on_log, STATE_TOPIC: self._on_state})
 
     # ------------------------------------------------------------------ training thread
     def step(self, loss_fn: LossFn) -> StepReport:
-        if not self._open:
-            raise ProtocolError("spsa: step() after close()")
-        start = time.monotonic()
-        self._yield_to_state_requests()
-        if self.step_count % self.config.digest_every == 0:
-            self._follow_lowest_lineage()
-        if self._behind:
-            self._catch_up()
-        t = self.step_count
-        with self._lock:
-            digest = self.space.digest() if t % self.config.digest_every == 0 else NO_DIGEST
-            loss, grads = self._estimate(loss_fn, t)
-        codes = codes_to_bytes([encode_g(g, self.scale.scale_log2) for g in grads])
-        compute_s = time.monotonic() - start
+        clock = self._begin_step()
+        with clock.computing():  # catching up counts as compute: no exchange of this step has begun
+            self._yield_to_state_requests()
+            if self.step_count % self.config.digest_every == 0:
+                self._follow_lowest_lineage()
+            if self._behind:
+                self._catch_up()
+            t = self.step_count
+            with self._lock:
+                digest = self.space.digest() if t % self.config.digest_every == 0 else NO_DIGEST
+                loss, grads = self._estimate(loss_fn, t)
+            codes = codes_to_bytes([encode_g(g, self.scale.scale_log2) for g in grads])
         outcome = self.node.run(self._exchange(t, codes, digest), timeout_s=self._exchange_timeout_s())
         previous = self._last_keys
         record = outcome.record
         if record is not None:
-            apply_start = time.monotonic()
-            self._apply_checked(record)
-            compute_s += time.monotonic() - apply_start
+            with clock.computing():
+                self._apply_checked(record)
         if outcome.too_old or outcome.upto > t:
             self._behind = True
             self._catch_up()
-        lost = self._names(set(previous) - set(record.keys)) if record is not None else ()
-        sent, received = self.meter.take()
-        return StepReport(step=t, loss=loss, bytes_sent=sent, bytes_received=received,
-                          synced=record is not None and len(record.keys) > 1,
-                          peers=len(record.keys) if record is not None else 1, lost_peers=lost,
-                          wall_s=time.monotonic() - start, compute_s=compute_s)
+        if record is None:
+            return self._report(t, loss, clock)
+        return self._report(t, loss, clock, synced=len(record.keys) > 1, peers=len(record.keys),
+                            lost=self._names(set(previous) - set(record.keys)))
 
     def _estimate(self, loss_fn: LossFn, t: int) -> tuple[float, list[float]]:
         """Projected gradients along this step's directions; the parameters end bit-exact."""
@@ -507,9 +505,6 @@ class Spsa(Protocol):
         """A digest of the trained parameters (equal on every peer in lock-step)."""
         with self._lock:
             return self.space.digest()
-
-    def close(self) -> None:
-        self._open = False
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "step": self.step_count, "parameters": self.space.numel,
