@@ -31,7 +31,7 @@ import torch
 
 from starling.compressors import CountSketch
 from starling.node.node import Node, NodeConfig
-from starling.protocols import get_protocol
+from starling.protocols import DivergedError, get_protocol
 from starling.runtime import SIM_LIVENESS
 from starling.tasks import get_task
 
@@ -81,7 +81,7 @@ def run_swarm(protocol: str, options: dict[str, Any], task_options: dict[str, An
             t.start()
         for t in threads:
             t.join()
-        diverged = any("non-finite" in str(e) for e in errors)
+        diverged = any(isinstance(e, DivergedError) for e in errors)
         if errors and not diverged:
             raise errors[0]
         losses = [math.nan if diverged else task.evaluate(p.eval_model())["eval_loss"] for p in protos]

@@ -4,6 +4,7 @@ from __future__ import annotations
 # Importing a protocol module registers it by name.
 from starling.protocols import allreduce, diloco, gossip, sketch_dp, spsa  # noqa: F401
 from starling.protocols.base import (
+    DivergedError,
     LossFn,
     Protocol,
     ProtocolConfig,
@@ -15,5 +16,7 @@ from starling.protocols.base import (
     registered_protocols,
 )
 
-__all__ = ["LossFn", "Protocol", "ProtocolConfig", "ProtocolError", "StepReport", "config_from_options", "get_protocol",
-           "register", "registered_protocols"]
+__all__ = [
+    "DivergedError", "LossFn", "Protocol", "ProtocolConfig", "ProtocolError", "StepReport", "config_from_options",
+    "get_protocol", "register", "registered_protocols",
+]

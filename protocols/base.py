@@ -44,6 +44,10 @@ class ProtocolError(Exception):
     """A protocol could not complete an operation (bad config, bad state, unknown name)."""
 
 
+class DivergedError(ProtocolError):
+    """Training produced non-finite values (too high a learning rate, no clipping)."""
+
+
 @dataclass(frozen=True)
 class StepReport:
     """What one `step` did. Byte counts are this step's, as the node counted them."""

@@ -48,7 +48,7 @@ from starling.collectives import ShardedReducer, membership
 from starling.compressors import CountSketch, GaussianSketch, from_spec, rng
 from starling.node.node import Node
 from starling.protocols.backprop import BackpropProtocol
-from starling.protocols.base import LossFn, ProtocolConfig, ProtocolError, StepReport, register
+from starling.protocols.base import DivergedError, LossFn, ProtocolConfig, ProtocolError, StepReport, register
 from starling.protocols.optim import check_reduce_config, reduce_timeouts
 from starling.protocols.privacy import (
     MECHANISMS,
@@ -247,7 +247,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
             else:
                 y, loss = self._private_sketch(loss_fn, seed_t)
             if not bool(torch.isfinite(y).all()):  # owners would refuse it and the round would stall
-                raise ProtocolError(f"sketch-dp: non-finite update at step {s} (training diverged; lower lr or clip)")
+                raise DivergedError(f"sketch-dp: non-finite update at step {s} (training diverged; lower lr or clip)")
             self.last_release = y.clone()
 
         members = membership(self.node)
