@@ -52,22 +52,43 @@ def node_start(
     shard: Optional[str] = typer.Option(
         None, "--shard", help="This peer's data shard RANK/WORLD (default: picked from the peer id out of 16)."),
     log_every: int = typer.Option(10, "--log-every", help="Print a JSON progress line every N steps."),
+    checkpoint_dir: Optional[Path] = typer.Option(
+        None, "--checkpoint-dir", help="Write checkpoints of the training state here (default: the --resume dir)."),
+    checkpoint_every: int = typer.Option(100, "--checkpoint-every", min=1, help="Steps between checkpoints."),
+    checkpoint_keep: int = typer.Option(3, "--checkpoint-keep", min=1, help="How many checkpoints stay on disk."),
+    resume: Optional[Path] = typer.Option(
+        None, "--resume",
+        help="Restart from the newest checkpoint in this dir (and keep checkpointing there); "
+             "the swarm's protocol and task come from it."),
+    resume_quorum: int = typer.Option(
+        1, "--resume-quorum", min=1,
+        help="With --resume: wait for this many peers (self included) and continue from the newest "
+             "step that many hold."),
+    resume_timeout_s: float = typer.Option(
+        300.0, "--resume-timeout-s", help="With --resume: how long to wait for that quorum."),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Start a node and run until SIGINT/SIGTERM, then leave the swarm gracefully.
 
     With --protocol (or when joining a swarm that trains), the node also trains: the first
     node fixes the protocol, its hyper-parameters and the task; joiners learn them, fetch
-    the swarm's state and continue at its round."""
+    the swarm's state and continue at its round. With --checkpoint-dir the training state
+    goes to disk every --checkpoint-every steps; --resume restarts from it."""
     from starling.node.node import JoinError, Node, NodeConfig
     from starling.node.transfer import TransferError
     from starling.protocols.base import ProtocolError
-    from starling.runtime import TrainSpec, TrainSpecError, with_run_length
+    from starling.runtime import CheckpointConfig, CheckpointError, TrainSpec, TrainSpecError, with_run_length
+    from starling.runtime.restart import RestartError
     from starling.tasks import TaskSpecError
 
     setup_logging(log_level)
-    train_errors = (TrainSpecError, ProtocolError, TaskSpecError, TransferError)
+    train_errors = (TrainSpecError, ProtocolError, TaskSpecError, TransferError, CheckpointError, RestartError)
     try:
+        checkpoints = None
+        if checkpoint_dir is not None or resume is not None:
+            checkpoints = CheckpointConfig(str(checkpoint_dir or resume), checkpoint_every, checkpoint_keep)
+        if resume is not None and protocol is None and not join:
+            protocol, task, opt, task_opt, seed = _spec_of_newest_checkpoint(resume)
         options = {**parse_options(opt or [], "protocol option"), **extra_options(ctx.args)}
         if compressor is not None:
             options["compressor"] = compressor
@@ -105,7 +126,8 @@ def node_start(
     trains = protocol is not None or bool((node.swarm_config or {}).get("protocol"))
     try:
         if trains:
-            _train(node, rank_world, steps, log_every, stop)
+            _train(node, rank_world, steps, log_every, stop, checkpoints,
+                   (resume_quorum, resume_timeout_s) if resume is not None else None)
         else:
             stop.wait()
     except train_errors as exc:
@@ -128,8 +150,23 @@ def _parse_shard(shard: Optional[str]) -> Optional[tuple[int, int]]:
     return r, w
 
 
+def _spec_of_newest_checkpoint(directory: Path) -> tuple[str, str, list[str], list[str], int]:
+    """Protocol, task, options (as NAME=VALUE) and seed of the swarm the newest checkpoint in
+    `directory` was written by, from its manifest."""
+    from starling.runtime import CheckpointError, CheckpointStore
+
+    found = CheckpointStore(directory).list()
+    swarm = found[0].meta.get("swarm") if found else None
+    if not isinstance(swarm, dict) or not swarm.get("protocol"):
+        raise CheckpointError(f"no checkpoint in {directory} names the swarm it trained; "
+                              "give --protocol (and --task) to start afresh")
+    pairs = [f"{k}={v}" for k, v in (swarm.get("options") or {}).items()]
+    task_pairs = [f"{k}={v}" for k, v in (swarm.get("task_options") or {}).items()]
+    return str(swarm["protocol"]), str(swarm.get("task", "charlm")), pairs, task_pairs, int(swarm.get("seed", 0))
+
+
 def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int], log_every: int,
-           stop: threading.Event) -> None:
+           stop: threading.Event, checkpoints: Any = None, resume: Optional[tuple[int, float]] = None) -> None:
     """The node's training loop: one JSON progress line every `log_every` steps."""
     import time
 
@@ -137,9 +174,10 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
 
     spec = TrainSpec.from_swarm_config(node.swarm_config)
     rank, world = rank_world or (shard_for(node.peer_id, 16), 16)
-    trainer = Trainer(node, spec, rank, world)
+    trainer = Trainer(node, spec, rank, world, checkpoint=checkpoints)
     trainer.create_protocol()
-    if node.live_peers():
+    resumed = trainer.resume_swarm(*resume) if resume is not None else None
+    if resumed is None and node.live_peers():
         trainer.fetch_state()
     start, sent = time.monotonic(), [0]
     typer.echo(json.dumps({"event": "training", "protocol": spec.protocol, "task": spec.task,

@@ -35,6 +35,7 @@ from starling.common import option_name, peer_hash
 from starling.node import Node
 from starling.protocols import Protocol, ProtocolError, StepReport, config_from_options, get_protocol
 from starling.runtime.checkpoint import BackgroundCheckpointer, Checkpoint, CheckpointError, CheckpointStore
+from starling.runtime.restart import agree_on_step, holders_of
 from starling.tasks import Task, get_task
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,17 @@ class TrainSpec:
                        int(config.get("seed", 0)))
         except (TypeError, ValueError) as exc:
             raise TrainSpecError(f"malformed swarm config: {exc}") from None
+
+    def resolved(self) -> dict[str, Any]:
+        """The spec with every option parsed into its config (so "0.05" and 0.05 compare equal):
+        what two specs must share to train the same swarm."""
+        task = get_task(self.task, **self.task_options)
+        task_config = getattr(task, "config", None)
+        return {"protocol": self.protocol, "task": self.task, "seed": self.seed,
+                "options": dataclasses.asdict(config_from_options(resolve_protocol(self.protocol).config_class,
+                                                                  self.options)),
+                "task_options": dataclasses.asdict(task_config) if dataclasses.is_dataclass(task_config)
+                else dict(self.task_options)}
 
     def check(self) -> None:
         """Resolve the protocol, its options and the task now, so that bad input fails
@@ -209,8 +221,8 @@ class Trainer:
         assert self.proto is not None and self._writer is not None
         state = {"protocol": self.proto.state_dict(), "swarm": self.spec.to_swarm_config(),
                  "rank": self.rank, "world": self.world}
-        self._writer.save(self.proto.step_count, state, meta={"peer_id": self.node.peer_id,
-                                                                "protocol": self.spec.protocol})
+        self._writer.save(self.proto.step_count, state,
+                          meta={"peer_id": self.node.peer_id, "swarm": self.spec.to_swarm_config()})
 
     def resume(self, at_most: int | None = None) -> Checkpoint | None:
         """Load the newest checkpoint (of a step <= `at_most`) that verifies into the
@@ -221,13 +233,35 @@ class Trainer:
         if found is None:
             return None
         checkpoint, state = found
-        if state.get("swarm") != self.spec.to_swarm_config():
+        try:
+            same = TrainSpec.from_swarm_config(state.get("swarm")).resolved() == self.spec.resolved()
+        except (TrainSpecError, ProtocolError, ValueError) as exc:
+            raise CheckpointError(f"{checkpoint.state_path} names a swarm this peer cannot run: {exc}") from None
+        if not same:
             raise CheckpointError(f"{checkpoint.state_path} was written by a swarm training {state.get('swarm')}, "
                                   f"not {self.spec.to_swarm_config()}")
         self.proto.load_state_dict(state["protocol"])
         self._resumed_at = self.proto.step_count
+        if self.serve_state:
+            self.take_snapshot()  # a peer that lacks this checkpoint may fetch it from here
         log.info("%s: resumed from %s at step %d", self.node.peer_id, checkpoint.state_path, self.proto.step_count)
         return checkpoint
+
+    def resume_swarm(self, quorum: int, timeout_s: float) -> int | None:
+        """A whole-swarm restart: agree with `quorum` peers on the newest step they hold a
+        checkpoint of (`runtime/restart.py`), then load it. A peer that lacks that step
+        continues from a peer that has it, as a joiner does. Returns the step training goes
+        on from, or None when no quorum holds a checkpoint (a fresh start)."""
+        assert self.proto is not None and self._store is not None, "create_protocol() with a checkpoint config"
+        agreed = agree_on_step(self.node, self._store, quorum, timeout_s)
+        if agreed is None:
+            return None
+        checkpoint = self.resume(at_most=agreed)
+        if checkpoint is None or checkpoint.step != agreed:
+            log.warning("%s: holds no checkpoint of the agreed step %d; fetching the swarm's state",
+                        self.node.peer_id, agreed)
+            self.fetch_state(holders_of(self.node, agreed) or None)
+        return self.proto.step_count
 
     def evaluate(self) -> dict[str, float]:
         assert self.proto is not None
