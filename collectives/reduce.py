@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -397,6 +397,18 @@ class ShardedReducer:
     def _forget_before(self, t: int) -> None:
         self._closed = {k: r for k, r in self._closed.items() if r >= t}
         self._views = {k: v for k, v in self._views.items() if k[0] >= t}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """This peer's error-feedback residuals (of its parts, and of the averages it owns):
+        private to this peer, for its own checkpoints, never for a joiner."""
+        return {"parts": self._part_feedback.state_dict() if self._part_feedback else None,
+                "averages": self._avg_feedback.state_dict() if self._avg_feedback else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for feedback, key in ((self._part_feedback, "parts"), (self._avg_feedback, "averages")):
+            if feedback is not None and state.get(key) is not None:
+                feedback.load_state_dict(state[key])
 
     # ------------------------------------------------------------------ membership hooks
     def peer_left(self, peer_id: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 # Importing a protocol module registers it by name.
 from starling.protocols import allreduce, diloco, gossip, sketch_dp, spsa  # noqa: F401
 from starling.protocols.base import (
+    PRIVATE_STATE,
     DivergedError,
     LossFn,
     Protocol,
@@ -17,6 +18,6 @@ from starling.protocols.base import (
 )
 
 __all__ = [
-    "DivergedError", "LossFn", "Protocol", "ProtocolConfig", "ProtocolError", "StepReport", "config_from_options",
-    "get_protocol", "register", "registered_protocols",
+    "PRIVATE_STATE", "DivergedError", "LossFn", "Protocol", "ProtocolConfig", "ProtocolError", "StepReport",
+    "config_from_options", "get_protocol", "register", "registered_protocols",
 ]

@@ -37,6 +37,7 @@ if typing.TYPE_CHECKING:
     from starling.node.wire import Message
 
 LossFn = Callable[[], torch.Tensor]
+PRIVATE_STATE = "private"  # the state_dict key of what only the peer's own restart loads
 Handler = Callable[["Message"], Any]  # a topic's handler, as Node.on takes it (plain or async)
 
 
@@ -133,12 +134,27 @@ class Protocol(ABC):
         """One training step (local compute plus whatever exchange the schedule calls for)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a joiner needs to continue in lock-step with the swarm."""
-        return {"step": self.step_count, "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
+        """Everything a joiner needs to continue in lock-step with the swarm, plus, under
+        PRIVATE_STATE, what only this peer's own restart may load (its error-feedback
+        residuals: a joiner that took a donor's would send the donor's error a second time)."""
+        state = {"step": self.step_count, "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
+        private = self.private_state()
+        if private:
+            state[PRIVATE_STATE] = private
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.step_count = int(state["step"])
+        if PRIVATE_STATE in state:
+            self.load_private_state(state[PRIVATE_STATE])
+
+    def private_state(self) -> dict[str, Any]:
+        """This peer's own part of the state (see `state_dict`); none by default."""
+        return {}
+
+    def load_private_state(self, state: Mapping[str, Any]) -> None:  # noqa: B027 (an optional hook)
+        """Restore what `private_state` returned, from this peer's own checkpoint."""
 
     def eval_model(self) -> nn.Module:
         """The model to evaluate (DiLoCo evaluates its outer parameters)."""

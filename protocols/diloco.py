@@ -126,6 +126,9 @@ class _Exchange:
     delta: torch.Tensor  # my pseudo-gradient as sent (a joiner re-sends the donor's)
     average: torch.Tensor | None = None  # where the average lands
     pending: PendingReduce | None = None  # None: not my round (I joined mid-flight): fetch its result
+    # The reducer's error-feedback residuals from just before this round encoded: what a restart
+    # restores, so that re-sending `delta` encodes the very packets the round sent.
+    residuals_before: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -203,12 +206,13 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         if (len(members) > 1 and self.node.peer_id not in members) or delta.numel() != self.views[f].numel:
             return _Exchange(f, k, members, delta)
         average = delta.clone()
+        before = self.reducers[f].state_dict() if not self.reducers[f].codec.lossless else None
         pending = self.reducers[f].start(k, members, average)
         if len(members) > 1:
             # start() has encoded my parts, so the buffer is free until wait(): any shard
             # still NaN after it was not averaged
             average.fill_(math.nan)
-        return _Exchange(f, k, members, delta, average, pending)
+        return _Exchange(f, k, members, delta, average, pending, before)
 
     def _merge(self, f: int, k: int, clock: StepClock) -> ReduceResult | None:
         """Wait for fragment f's average, take the outer step, merge it into the local parameters."""
@@ -324,6 +328,20 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         payload = [t for f in fragments for t in (state.outer[f], state.momentum[f])]
         return Reply({"ok": True, "step": state.step, "versions": list(state.versions), "fragments": fragments},
                      payload)
+
+    def private_state(self) -> dict[str, Any]:
+        """Each fragment's residuals; for a fragment with a round in flight, as they were before
+        it encoded (load_state_dict re-sends that round and encodes it again)."""
+        states = []
+        for f, reducer in enumerate(self.reducers):
+            exchange = self.in_flight.get(f)
+            before = exchange.residuals_before if exchange is not None else None
+            states.append(before if before is not None else reducer.state_dict())
+        return {"reducers": states}
+
+    def load_private_state(self, state: Mapping[str, Any]) -> None:
+        for reducer, saved in zip(self.reducers, state["reducers"]):
+            reducer.load_state_dict(saved)
 
     def on_peer_left(self, peer_id: str) -> None:
         for reducer in self.reducers:

@@ -344,6 +344,12 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
                              rounds=self.accountant.rounds, accountant=c.accountant)
 
     # ------------------------------------------------------------------ hooks and state
+    def private_state(self) -> dict[str, Any]:
+        return {"reducer": self.reducer.state_dict()}
+
+    def load_private_state(self, state: Mapping[str, Any]) -> None:
+        self.reducer.load_state_dict(state["reducer"])
+
     def on_peer_left(self, peer_id: str) -> None:
         self.reducer.peer_left(peer_id)
 

@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from starling.protocols import Protocol
 from starling.runtime.links import LinkEmulator
 from starling.runtime.simconfig import SimConfig, seeded_identity
 from starling.runtime.summary import PeerResult, json_data, sent_by_topic
-from starling.runtime.trainer import Trainer, TrainSpec
+from starling.runtime.trainer import CheckpointConfig, Trainer, TrainSpec
 from starling.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,15 @@ class SimPeer:
                          dict(self.config.task_options), self.config.seed)
 
     def create_protocol(self) -> None:
+        checkpoint = None
+        if self.config.checkpoint_dir:
+            checkpoint = CheckpointConfig(str(Path(self.config.checkpoint_dir) / f"peer-{self.rank}"),
+                                          self.config.checkpoint_every)
         self.trainer = Trainer(self.node, self.spec(), self.rank, self.config.world, task=self.task,
-                               serve_state=self._serve_state, snapshot_every_s=0.0)
+                               serve_state=self._serve_state, snapshot_every_s=0.0, checkpoint=checkpoint)
         self.proto = self.trainer.create_protocol()
+        if self.config.resume and self.trainer.resume() is not None:
+            self.step = self.proto.step_count
 
     def fetch_state(self) -> None:
         """A joiner's catch-up: the protocol state of some live peer, at that peer's step."""
@@ -132,6 +139,8 @@ class SimPeer:
             self.result.links = dataclasses.asdict(self.emulator.counters)
 
     def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.finish_checkpoints()  # what a peer wrote is on disk when its run returns
         if self.result.status in ("running", "finished"):
             self.collect()
         if self.proto is not None and self.result.status in ("running", "finished"):

@@ -45,6 +45,11 @@ class SimConfig:
     # until it times out; keep that below the suspect timeout so one crash does not look like two.
     send_timeout_s: float = 1.0
     join_timeout_s: float = 5.0  # a joiner greets every peer it learns of, even one that just crashed
+    # Checkpoints: every peer writes its own under checkpoint_dir/peer-RANK every checkpoint_every
+    # steps; with `resume` every peer first loads its newest (the swarm restarts where it stopped).
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 100
+    resume: bool = False
 
     def __post_init__(self) -> None:
         if self.peers < 1:
@@ -58,6 +63,12 @@ class SimConfig:
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         check_churn(self.churn, self.peers, self.steps)
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs a checkpoint_dir to resume from")
+        if self.checkpoint_dir and self.processes:
+            raise ValueError("checkpoints are written by in-process peers only (drop --processes)")
 
     @property
     def world(self) -> int:
@@ -81,7 +92,8 @@ class SimConfig:
         return {"protocol": self.protocol, "peers": self.peers, "steps": self.steps, "task": self.task,
                 "compressor": self.compressor, "transport": self.transport, "processes": self.processes,
                 "link": self.link.describe(), "churn": ",".join(map(str, self.churn)), "seed": self.seed,
-                "options": {k: v for k, v in self.options.items()}, "task_options": dict(self.task_options)}
+                "options": {k: v for k, v in self.options.items()}, "task_options": dict(self.task_options),
+                **({"checkpoint_dir": self.checkpoint_dir, "resume": self.resume} if self.checkpoint_dir else {})}
 
 
 def check_config(config: SimConfig) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 
 from starling.common import option_name, peer_hash
 from starling.node import Node
-from starling.protocols import Protocol, ProtocolError, StepReport, config_from_options, get_protocol
+from starling.protocols import PRIVATE_STATE, Protocol, ProtocolError, StepReport, config_from_options, get_protocol
 from starling.runtime.checkpoint import BackgroundCheckpointer, Checkpoint, CheckpointError, CheckpointStore
 from starling.runtime.restart import agree_on_step, holders_of
 from starling.tasks import Task, get_task
@@ -186,7 +186,9 @@ class Trainer:
 
         assert self.proto is not None, "create_protocol() first"
         source, blob = self.node.fetch_blob(STATE_BLOB, peers)
-        self.proto.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+        state = torch.load(io.BytesIO(blob), weights_only=True)
+        state.pop(PRIVATE_STATE, None)  # the donor's own residuals are not the joiner's
+        self.proto.load_state_dict(state)
         log.info("%s: joined from %s at step %d", self.node.peer_id, source, self.proto.step_count)
         return source
 
@@ -195,7 +197,9 @@ class Trainer:
 
         assert self.proto is not None
         buffer = io.BytesIO()
-        torch.save(self.proto.state_dict(), buffer)
+        state = self.proto.state_dict()
+        state.pop(PRIVATE_STATE, None)  # a joiner does not load it: why send it
+        torch.save(state, buffer)
         self._snapshot = buffer.getvalue()  # one reference swap: the network thread reads it
         self._snapshot_at = time.monotonic()
 
@@ -278,8 +282,12 @@ class Trainer:
                 on_report(report)
         return self.proto.step_count
 
-    def close(self) -> None:
+    def finish_checkpoints(self) -> None:
+        """Wait for the checkpoint being written (and one waiting) to become durable."""
         if self._writer is not None:
-            self._writer.close()  # the checkpoint in progress becomes durable first
+            self._writer.close()
+
+    def close(self) -> None:
+        self.finish_checkpoints()
         if self.proto is not None:
             self.proto.close()
