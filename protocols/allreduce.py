@@ -13,7 +13,6 @@ refusals which round the swarm is in and jumps there, so it costs the swarm one 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +49,7 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         super().__init__(node, model, config)
         self.reducer = ShardedReducer(node, PART_TOPIC, self.flat.numel, config.compressor,
                                       reduce_timeouts(config), self.is_open)
+        self.reducers = [self.reducer]
         self._serve()
 
     # ------------------------------------------------------------------ training thread
@@ -74,18 +74,6 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         return self._report(t, loss, clock, synced=result.synced, peers=result.peers, lost=result.lost)
 
     # ------------------------------------------------------------------ hooks and state
-    def private_state(self) -> dict[str, Any]:
-        return {"reducer": self.reducer.state_dict()}
-
-    def load_private_state(self, state: Mapping[str, Any]) -> None:
-        self.reducer.load_state_dict(state["reducer"])
-
-    def on_peer_left(self, peer_id: str) -> None:
-        self.reducer.peer_left(peer_id)
-
-    def on_peer_joined(self, peer_id: str) -> None:
-        self.reducer.peer_joined(peer_id)
-
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "step": self.step_count, "parameters": self.flat.numel}
 

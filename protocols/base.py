@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from starling.collectives import ByteMeter, watch_peers
+from starling.collectives import ByteMeter, ShardedReducer, watch_peers
 from starling.common import config_from_options as common_config_from_options
 
 if typing.TYPE_CHECKING:
@@ -121,6 +121,7 @@ class Protocol(ABC):
         self.model = model
         self.config = config
         self.step_count = 0
+        self.reducers: list[ShardedReducer] = []  # the all-reduces this protocol averages with, if any
         self._open = True  # until close(): step() raises, handlers refuse, peer events are ignored
         if self.topic_prefix is not None:  # counting from before any topic is served
             self.meter = ByteMeter(node, self.topic_prefix)
@@ -150,21 +151,29 @@ class Protocol(ABC):
             self.load_private_state(state[PRIVATE_STATE])
 
     def private_state(self) -> dict[str, Any]:
-        """This peer's own part of the state (see `state_dict`); none by default."""
-        return {}
+        """This peer's own part of the state (see `state_dict`): by default its reducers'
+        error-feedback residuals."""
+        return {"reducers": [reducer.state_dict() for reducer in self.reducers]} if self.reducers else {}
 
-    def load_private_state(self, state: Mapping[str, Any]) -> None:  # noqa: B027 (an optional hook)
+    def load_private_state(self, state: Mapping[str, Any]) -> None:
         """Restore what `private_state` returned, from this peer's own checkpoint."""
+        for reducer, saved in zip(self.reducers, state.get("reducers", ())):
+            reducer.load_state_dict(saved)
 
     def eval_model(self) -> nn.Module:
         """The model to evaluate (DiLoCo evaluates its outer parameters)."""
         return self.model
 
-    def on_peer_joined(self, peer_id: str) -> None:  # noqa: B027 (an optional hook)
+    def on_peer_joined(self, peer_id: str) -> None:
         """Called on the network thread when a peer becomes alive."""
+        for reducer in self.reducers:
+            reducer.peer_joined(peer_id)
 
-    def on_peer_left(self, peer_id: str) -> None:  # noqa: B027 (an optional hook)
-        """Called on the network thread when a peer leaves or is declared dead."""
+    def on_peer_left(self, peer_id: str) -> None:
+        """Called on the network thread when a peer leaves or is declared dead: no round of
+        this protocol's reducers waits for it any longer."""
+        for reducer in self.reducers:
+            reducer.peer_left(peer_id)
 
     def close(self) -> None:
         """Release anything the protocol holds (threads, pending exchanges); an override calls

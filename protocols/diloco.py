@@ -339,18 +339,6 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             states.append(before if before is not None else reducer.state_dict())
         return {"reducers": states}
 
-    def load_private_state(self, state: Mapping[str, Any]) -> None:
-        for reducer, saved in zip(self.reducers, state["reducers"]):
-            reducer.load_state_dict(saved)
-
-    def on_peer_left(self, peer_id: str) -> None:
-        for reducer in self.reducers:
-            reducer.peer_left(peer_id)
-
-    def on_peer_joined(self, peer_id: str) -> None:
-        for reducer in self.reducers:
-            reducer.peer_joined(peer_id)
-
     # ------------------------------------------------------------------ state and evaluation
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

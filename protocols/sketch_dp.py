@@ -200,6 +200,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
         self._warned_budget = False
         self.reducer = ShardedReducer(node, PART_TOPIC, self.sketches.size, config.compressor,
                                       reduce_timeouts(config), self.is_open)
+        self.reducers = [self.reducer]
         self._serve()
         log.info("%s: sketch-dp, %s-level DP, sigma=%.4g, C=%g, delta=%g, sketch %s (%d of %d values)%s",
                  node.peer_id, config.dp_unit, self.sigma, config.clip, config.delta, config.sketch,
@@ -344,18 +345,6 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
                              rounds=self.accountant.rounds, accountant=c.accountant)
 
     # ------------------------------------------------------------------ hooks and state
-    def private_state(self) -> dict[str, Any]:
-        return {"reducer": self.reducer.state_dict()}
-
-    def load_private_state(self, state: Mapping[str, Any]) -> None:
-        self.reducer.load_state_dict(state["reducer"])
-
-    def on_peer_left(self, peer_id: str) -> None:
-        self.reducer.peer_left(peer_id)
-
-    def on_peer_joined(self, peer_id: str) -> None:
-        self.reducer.peer_joined(peer_id)
-
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self.anchor is not None and self.step_count % self.config.local_steps:
