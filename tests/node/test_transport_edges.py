@@ -44,9 +44,11 @@ async def _arrives_after_a_raw_send(fail_raw_send: bool) -> bool:
                     full_after_a_pause = 0
                 except SendError:
                     full_after_a_pause += 1
-                    if full_after_a_pause == 3:
+                    if full_after_a_pause == 4:
                         break
-                    await asyncio.sleep(0.3)  # let the I/O threads move what they still can
+                    # let the I/O threads move what they still can; on a loaded box they are
+                    # slow, and three short pauses once took a slow queue for a full one
+                    await asyncio.sleep(0.6)
             else:
                 pytest.fail("the DEALER's queue never filled")
         # Synchronously, so that the asyncio wrapper cannot react in between: a reply
