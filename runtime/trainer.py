@@ -35,6 +35,7 @@ from starling.common import option_name, peer_hash
 from starling.node import Node
 from starling.protocols import PRIVATE_STATE, Protocol, ProtocolError, StepReport, config_from_options, get_protocol
 from starling.runtime.checkpoint import BackgroundCheckpointer, Checkpoint, CheckpointError, CheckpointStore
+from starling.runtime.modelspec import ARCHITECTURE_KEY, architecture, first_difference
 from starling.runtime.restart import agree_on_step, holders_of
 from starling.tasks import Task, get_task
 
@@ -169,6 +170,7 @@ class Trainer:
 
     def create_protocol(self) -> Protocol:
         model = self.task.make_model()
+        self._check_architecture(model)
         self.proto = resolve_protocol(self.spec.protocol).create(self.node, model, self.spec.options)
         # An optional hook: a protocol that needs the peer's own data set, not only the batches
         # its step() closure sees (sketch-dp's sample-level DP draws Poisson batches from it).
@@ -179,6 +181,20 @@ class Trainer:
             self.take_snapshot()
             self.node.serve_blob(STATE_BLOB, lambda: self._snapshot)
         return self.proto
+
+    def _check_architecture(self, model: Any) -> None:
+        """The first peer whose model is built fixes the swarm's architecture (in its swarm
+        config, which joiners learn at join); a later peer whose model differs is refused here,
+        before it fetches any state, with the first tensor that differs named."""
+        mine = architecture(model)
+        config = self.node.swarm_config
+        swarm = config.get(ARCHITECTURE_KEY) if config else None
+        if swarm is None:
+            self.node.swarm_config = {**(config or {}), ARCHITECTURE_KEY: mine}
+        elif not isinstance(swarm, list):
+            raise TrainSpecError(f"the swarm config's {ARCHITECTURE_KEY!r} is not a list of tensors")
+        elif (difference := first_difference(swarm, mine)) is not None:
+            raise TrainSpecError(f"this peer's model differs from the swarm's: {difference}")
 
     def fetch_state(self, peers: list[str] | None = None) -> str:
         """A joiner's catch-up: the protocol state of some live peer, at that peer's step."""
