@@ -48,7 +48,8 @@ def train(rank: int, node: Node, losses: dict[int, float]) -> None:
         report = proto.step(lambda: nn.functional.mse_loss(model(x[i]), y[i]))
         if rank == 0 and step % 50 == 0:
             print(f"step {step:4d}  loss {report.loss:.4f}  sent {report.bytes_sent} B  peers {report.peers}")
-    losses[rank] = float(nn.functional.mse_loss(proto.eval_model()(x), y))
+    with torch.no_grad():
+        losses[rank] = float(nn.functional.mse_loss(proto.eval_model()(x), y))
     proto.close()
 
 
