@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from starling.collectives import PendingReduce, ReduceResult, ShardedReducer, membership
+from starling.collectives.buffers import BufferAverager
 from starling.collectives.codec import check_compressor_spec
 from starling.node.node import Node
 from starling.node.rpc import Refusal, Reply, refusal
@@ -71,6 +72,9 @@ class DiLoCoConfig(ProtocolConfig):
     fragment_assignment: str = "strided"  # strided | sequential (see fragments.py)
     reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
     retry_interval_s: float = 0.05  # re-ask a peer that is not ready yet
+    # Floating buffers (BatchNorm statistics) are averaged at every sync of fragment 0, so that
+    # every peer's eval_model() agrees; True keeps them each peer's own (FedBN).
+    local_buffers: bool = False
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -163,6 +167,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         timeouts = reduce_timeouts(config)
         self.reducers = [ShardedReducer(node, f"{TOPIC_PREFIX}f{i}", view.numel, config.compressor, timeouts,
                                         self.is_open) for i, view in enumerate(self.views)]
+        self.buffer_sync = None if config.local_buffers else BufferAverager(
+            node, model, f"{TOPIC_PREFIX}buffers", timeouts, self.is_open)
         self._eval: tuple[nn.Module, list[FragmentView]] | None = None
         self._publish()
         self._serve({SYNC_TOPIC: self._on_sync})
@@ -238,6 +244,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                 average = exchange.average.nan_to_num_(nan=0.0)
                 self._outer_step(f, average)
             self._merge_local(f)
+        if f == 0 and self.buffer_sync is not None and exchange is not None and exchange.pending is not None:
+            self.buffer_sync.sync(k, exchange.members)  # the same members, so the same rounds
         return result
 
     def _outer_step(self, f: int, delta: torch.Tensor) -> None:
@@ -329,6 +337,16 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         return Reply({"ok": True, "step": state.step, "versions": list(state.versions), "fragments": fragments},
                      payload)
 
+    def on_peer_left(self, peer_id: str) -> None:
+        super().on_peer_left(peer_id)
+        if self.buffer_sync is not None and self.buffer_sync.reducer is not None:
+            self.buffer_sync.reducer.peer_left(peer_id)
+
+    def on_peer_joined(self, peer_id: str) -> None:
+        super().on_peer_joined(peer_id)
+        if self.buffer_sync is not None and self.buffer_sync.reducer is not None:
+            self.buffer_sync.reducer.peer_joined(peer_id)
+
     def private_state(self) -> dict[str, Any]:
         """Each fragment's residuals; for a fragment with a round in flight, as they were before
         it encoded (load_state_dict re-sends that round and encodes it again)."""
@@ -347,6 +365,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         state["versions"] = list(self.versions)
         state["in_flight"] = [{"fragment": e.fragment, "round": e.round, "members": list(e.members),
                                "delta": e.delta.clone()} for e in self.in_flight.values()]
+        if self.buffer_sync is not None:
+            state["buffers"] = self.buffer_sync.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -363,6 +383,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         for e in state["in_flight"]:
             f, k = int(e["fragment"]), int(e["round"])
             self.in_flight[f] = self._start(f, k, tuple(str(m) for m in e["members"]), e["delta"].clone())
+        if self.buffer_sync is not None and "buffers" in state:
+            self.buffer_sync.load_state_dict(state["buffers"])
         self._publish()
 
     def eval_model(self) -> nn.Module:
@@ -377,6 +399,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         with torch.no_grad():
             for mine, theirs in zip(twin.buffers(), self.model.buffers()):
                 mine.copy_(theirs)
+        if self.buffer_sync is not None:
+            self.buffer_sync.write_averaged(twin)  # the statistics every peer holds since the last sync
         return twin
 
     def describe(self) -> dict[str, Any]:
