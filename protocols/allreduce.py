@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from starling.collectives import ShardedReducer, membership
+from starling.collectives import BufferAverager, ShardedReducer, membership
 from starling.node.node import Node
 from starling.protocols.backprop import BackpropProtocol
 from starling.protocols.base import LossFn, ProtocolConfig, StepReport, register
@@ -36,6 +36,9 @@ class AllReduceConfig(ProtocolConfig):
     weight_decay: float = 0.0
     reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
     retry_interval_s: float = 0.05  # re-send a part to an owner whose protocol is not up yet
+    # Floating buffers (BatchNorm statistics) are averaged every step, after the gradients, in a
+    # small lossless round of their own; True keeps them each peer's own (FedBN).
+    local_buffers: bool = False
 
     def __post_init__(self) -> None:
         check_reduce_config(self)
@@ -49,7 +52,10 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         super().__init__(node, model, config)
         self.reducer = ShardedReducer(node, PART_TOPIC, self.flat.numel, config.compressor,
                                       reduce_timeouts(config), self.is_open)
-        self.reducers = [self.reducer]
+        self.buffer_sync = None if config.local_buffers else BufferAverager(
+            node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open)
+        if self.buffer_sync is not None and self.buffer_sync.reducer is not None:
+            self.reducers.append(self.buffer_sync.reducer)  # peer events reach it too
         self._serve()
 
     # ------------------------------------------------------------------ training thread
@@ -68,6 +74,8 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
             self.step_count = result.ahead
         with clock.computing():
             self.optimizer.step()
+        if self.buffer_sync is not None and len(members) > 1:
+            self.buffer_sync.sync(t, members)
         self.step_count = max(self.step_count, t + 1)
         if result.lost:
             log.warning("%s: allreduce step %d went on without %s", self.node.peer_id, t, list(result.lost))

@@ -27,6 +27,8 @@ arrive in order; a neighbour first gets a full copy of x_hat, and asks for one a
 
 Topologies over the sorted members: complete; ring (i +- 1); torus (2-D grid with wrap,
 rows = the largest divisor of n not above sqrt(n)); exponential (i +- 2^k). All are symmetric.
+
+Buffers (BatchNorm statistics) stay each peer's own for now: only parameters are averaged.
 """
 from __future__ import annotations
 

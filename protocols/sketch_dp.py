@@ -32,6 +32,9 @@ The sample unit needs the peer's private data set: `attach_task(task, rank, worl
 (or `attach_data`) before the first step (the runner behind `starling simulate` and `starling
 node start` calls any protocol's `attach_task`); its batches are drawn here by Poisson sampling and
 `step`'s closure is only used to report a loss when a batch comes out empty.
+
+Buffers (BatchNorm statistics) stay each peer's own: averaging them would release statistics
+of its data outside the privacy accounting.
 """
 from __future__ import annotations
 

@@ -38,13 +38,16 @@ def _train(make_node, protocol: str, options: dict) -> list[torch.Tensor]:
     return outputs
 
 
-@pytest.mark.parametrize("protocol", ["diloco", "streaming-diloco"])
+@pytest.mark.parametrize("protocol", ["allreduce", "diloco", "streaming-diloco"])
 def test_after_a_sync_every_peer_evaluates_with_the_same_statistics(make_node, protocol):
-    options = {"sync_every": 2} if protocol == "diloco" else {"sync_every": 2, "fragments": 2}
+    options = {"allreduce": {}, "diloco": {"sync_every": 2}, "streaming-diloco": {"sync_every": 2, "fragments": 2}}[
+        protocol]
     outputs = _train(make_node, protocol, options)
     assert all(torch.equal(outputs[0], out) for out in outputs[1:])
 
 
-def test_local_buffers_keep_each_peers_statistics(make_node):
-    outputs = _train(make_node, "diloco", {"sync_every": 2, "local_buffers": True})
+@pytest.mark.parametrize("protocol", ["allreduce", "diloco"])
+def test_local_buffers_keep_each_peers_statistics(make_node, protocol):
+    outputs = _train(make_node, protocol, {"sync_every": 2, "local_buffers": True} if protocol == "diloco"
+                     else {"local_buffers": True})
     assert not torch.equal(outputs[0], outputs[1])
