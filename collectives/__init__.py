@@ -6,6 +6,7 @@ requests and peer events. Nothing here knows a specific protocol.
 """
 from __future__ import annotations
 
+from starling.collectives.agreement import AgreementCheck
 from starling.collectives.buffers import BufferAverager
 from starling.collectives.codec import encode, make_codec, packet_from_wire
 from starling.collectives.events import GONE, membership, watch_peers
@@ -16,7 +17,7 @@ from starling.collectives.reduce import PendingReduce, ReduceResult, ReduceTimeo
 from starling.collectives.requests import request_patiently
 
 __all__ = [
-    "DEFAULT_CHUNK_NUMEL", "GONE", "BufferAverager", "ByteMeter", "FlatModel", "PendingReduce", "ReduceResult",
+    "DEFAULT_CHUNK_NUMEL", "GONE", "AgreementCheck", "BufferAverager", "ByteMeter", "FlatModel", "PendingReduce", "ReduceResult",
     "ReduceTimeouts", "ShardedReducer", "chunk_layout", "encode", "make_codec", "membership", "packet_from_wire",
     "request_patiently", "shard_bounds", "watch_peers",
 ]

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from starling.collectives import PendingReduce, ReduceResult, ShardedReducer, membership
+from starling.collectives.agreement import AgreementCheck
 from starling.collectives.buffers import BufferAverager
 from starling.collectives.codec import check_compressor_spec
 from starling.node.node import Node
@@ -75,8 +76,15 @@ class DiLoCoConfig(ProtocolConfig):
     # Floating buffers (BatchNorm statistics) are averaged at every sync of fragment 0, so that
     # every peer's eval_model() agrees; True keeps them each peer's own (FedBN).
     local_buffers: bool = False
+    # Every this many syncs of fragment 0 the members check that their outer parameters agree bit
+    # for bit (a tiny round of digests); a swarm that drifted apart (peers built with different
+    # initial weights, say) takes the outer state of its first member. 0: never (the default
+    # while its cost, one more small round per check, is not yet in the measured figures).
+    check_every: int = 0
 
     def __post_init__(self) -> None:
+        if self.check_every < 0:
+            raise ValueError(f"check_every must be >= 0, got {self.check_every}")
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
         if self.fragments < 1:
@@ -169,6 +177,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                                         self.is_open) for i, view in enumerate(self.views)]
         self.buffer_sync = None if config.local_buffers else BufferAverager(
             node, model, f"{TOPIC_PREFIX}buffers", timeouts, self.is_open)
+        self.agreement = AgreementCheck(node, f"{TOPIC_PREFIX}agree", timeouts, self.is_open) \
+            if config.check_every else None
         self._eval: tuple[nn.Module, list[FragmentView]] | None = None
         self._publish()
         self._serve({SYNC_TOPIC: self._on_sync})
@@ -244,9 +254,35 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                 average = exchange.average.nan_to_num_(nan=0.0)
                 self._outer_step(f, average)
             self._merge_local(f)
-        if f == 0 and self.buffer_sync is not None and exchange is not None and exchange.pending is not None:
-            self.buffer_sync.sync(k, exchange.members)  # the same members, so the same rounds
+        if f == 0 and exchange is not None and exchange.pending is not None:  # the same members, the same rounds
+            if self.buffer_sync is not None:
+                self.buffer_sync.sync(k, exchange.members)
+            if self.agreement is not None and k % self.config.check_every == 0:
+                self._check_agreement(k, exchange.members)
         return result
+
+    def _check_agreement(self, k: int, members: tuple[str, ...]) -> None:
+        """Round k's members compare digests of their outer parameters; on a mismatch every
+        member but the first takes the first member's outer state (the drift guard)."""
+        assert self.agreement is not None
+        if self.agreement.agree(k, members, self.outer) is not False:
+            return
+        source = members[0]
+        if source == self.node.peer_id:
+            log.warning("%s: outer parameters differ across the swarm after round %d; the others take mine",
+                        self.node.peer_id, k)
+            return
+        log.warning("%s: my outer parameters differ from the swarm's after round %d; taking %s's",
+                    self.node.peer_id, k, source)
+        got = self._fetch(list(range(len(self.views))), [source], lambda versions: versions == tuple(self.versions))
+        if got is None:
+            log.warning("%s: could not fetch %s's outer state; checking again at the next sync", self.node.peer_id,
+                        source)
+            return
+        self._adopt(got, range(len(self.views)))
+        for view, outer in zip(self.views, self.outer):
+            view.write(outer)
+        self._publish()
 
     def _outer_step(self, f: int, delta: torch.Tensor) -> None:
         """Nesterov SGD on the outer fragment, the averaged pseudo-gradient as its gradient.
@@ -337,15 +373,22 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         return Reply({"ok": True, "step": state.step, "versions": list(state.versions), "fragments": fragments},
                      payload)
 
+    def _side_reducers(self) -> list[ShardedReducer]:
+        """The small rounds beside the fragments': buffers and the agreement check."""
+        side = [self.agreement.reducer] if self.agreement is not None else []
+        if self.buffer_sync is not None and self.buffer_sync.reducer is not None:
+            side.append(self.buffer_sync.reducer)
+        return side
+
     def on_peer_left(self, peer_id: str) -> None:
         super().on_peer_left(peer_id)
-        if self.buffer_sync is not None and self.buffer_sync.reducer is not None:
-            self.buffer_sync.reducer.peer_left(peer_id)
+        for reducer in self._side_reducers():
+            reducer.peer_left(peer_id)
 
     def on_peer_joined(self, peer_id: str) -> None:
         super().on_peer_joined(peer_id)
-        if self.buffer_sync is not None and self.buffer_sync.reducer is not None:
-            self.buffer_sync.reducer.peer_joined(peer_id)
+        for reducer in self._side_reducers():
+            reducer.peer_joined(peer_id)
 
     def private_state(self) -> dict[str, Any]:
         """Each fragment's residuals; for a fragment with a round in flight, as they were before
