@@ -17,7 +17,7 @@ from starling.collectives.reduce import PendingReduce, ReduceResult, ReduceTimeo
 from starling.collectives.requests import request_patiently
 
 __all__ = [
-    "DEFAULT_CHUNK_NUMEL", "GONE", "AgreementCheck", "BufferAverager", "ByteMeter", "FlatModel", "PendingReduce", "ReduceResult",
-    "ReduceTimeouts", "ShardedReducer", "chunk_layout", "encode", "make_codec", "membership", "packet_from_wire",
-    "request_patiently", "shard_bounds", "watch_peers",
+    "DEFAULT_CHUNK_NUMEL", "GONE", "AgreementCheck", "BufferAverager", "ByteMeter", "FlatModel", "PendingReduce",
+    "ReduceResult", "ReduceTimeouts", "ShardedReducer", "chunk_layout", "encode", "make_codec", "membership",
+    "packet_from_wire", "request_patiently", "shard_bounds", "watch_peers",
 ]
