@@ -55,7 +55,7 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         self.buffer_sync = None if config.local_buffers else BufferAverager(
             node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open)
         if self.buffer_sync is not None and self.buffer_sync.reducer is not None:
-            self.reducers.append(self.buffer_sync.reducer)  # peer events reach it too
+            self.side_reducers.append(self.buffer_sync.reducer)
         self._serve()
 
     # ------------------------------------------------------------------ training thread

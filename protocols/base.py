@@ -122,6 +122,8 @@ class Protocol(ABC):
         self.config = config
         self.step_count = 0
         self.reducers: list[ShardedReducer] = []  # the all-reduces this protocol averages with, if any
+        # small lossless rounds beside them (buffers, agreement checks): peer events, no residuals
+        self.side_reducers: list[ShardedReducer] = []
         self._open = True  # until close(): step() raises, handlers refuse, peer events are ignored
         if self.topic_prefix is not None:  # counting from before any topic is served
             self.meter = ByteMeter(node, self.topic_prefix)
@@ -166,13 +168,13 @@ class Protocol(ABC):
 
     def on_peer_joined(self, peer_id: str) -> None:
         """Called on the network thread when a peer becomes alive."""
-        for reducer in self.reducers:
+        for reducer in (*self.reducers, *self.side_reducers):
             reducer.peer_joined(peer_id)
 
     def on_peer_left(self, peer_id: str) -> None:
         """Called on the network thread when a peer leaves or is declared dead: no round of
         this protocol's reducers waits for it any longer."""
-        for reducer in self.reducers:
+        for reducer in (*self.reducers, *self.side_reducers):
             reducer.peer_left(peer_id)
 
     def close(self) -> None:

@@ -179,6 +179,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             node, model, f"{TOPIC_PREFIX}buffers", timeouts, self.is_open)
         self.agreement = AgreementCheck(node, f"{TOPIC_PREFIX}agree", timeouts, self.is_open) \
             if config.check_every else None
+        self.side_reducers = [r for r in (self.buffer_sync.reducer if self.buffer_sync else None,
+                                          self.agreement.reducer if self.agreement else None) if r is not None]
         self._eval: tuple[nn.Module, list[FragmentView]] | None = None
         self._publish()
         self._serve({SYNC_TOPIC: self._on_sync})
@@ -372,23 +374,6 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         payload = [t for f in fragments for t in (state.outer[f], state.momentum[f])]
         return Reply({"ok": True, "step": state.step, "versions": list(state.versions), "fragments": fragments},
                      payload)
-
-    def _side_reducers(self) -> list[ShardedReducer]:
-        """The small rounds beside the fragments': buffers and the agreement check."""
-        side = [self.agreement.reducer] if self.agreement is not None else []
-        if self.buffer_sync is not None and self.buffer_sync.reducer is not None:
-            side.append(self.buffer_sync.reducer)
-        return side
-
-    def on_peer_left(self, peer_id: str) -> None:
-        super().on_peer_left(peer_id)
-        for reducer in self._side_reducers():
-            reducer.peer_left(peer_id)
-
-    def on_peer_joined(self, peer_id: str) -> None:
-        super().on_peer_joined(peer_id)
-        for reducer in self._side_reducers():
-            reducer.peer_joined(peer_id)
 
     def private_state(self) -> dict[str, Any]:
         """Each fragment's residuals; for a fragment with a round in flight, as they were before
