@@ -1,4 +1,8 @@
-"""The model's trainable parameters as one flat float32 vector, and their gradients."""
+"""The model's trainable parameters as one flat float32 vector, and their gradients.
+
+The vector lives on the parameters' device (a model on a GPU is read, averaged and written
+there), and is float32 whatever the parameters' dtype: a bfloat16 or float16 model is read
+into float32, and what is written back is rounded to the parameter's dtype."""
 from __future__ import annotations
 
 import torch
@@ -15,9 +19,14 @@ class FlatModel:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"the model's trainable parameters are spread over {sorted(map(str, devices))}; "
+                             "one peer's model must sit on one device (see replica groups for more)")
+        self.device = self.params[0].device
         self.sizes = [p.numel() for p in self.params]
         self.numel = sum(self.sizes)
-        self.grad = torch.zeros(self.numel, dtype=torch.float32)
+        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
 
     def _chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(flat, self.sizes))
@@ -39,7 +48,7 @@ class FlatModel:
 
     @torch.no_grad()
     def read_params(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.empty(self.numel, dtype=torch.float32) if out is None else out
+        out = torch.empty(self.numel, dtype=torch.float32, device=self.device) if out is None else out
         for p, chunk in zip(self.params, self._chunks(out)):
             chunk.copy_(p.reshape(-1))
         return out

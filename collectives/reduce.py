@@ -55,6 +55,7 @@ from starling.collectives.accumulator import ShardGroup
 from starling.collectives.codec import encode, make_codec, packet_from_wire
 from starling.collectives.layout import DEFAULT_CHUNK_NUMEL, chunk_layout
 from starling.collectives.requests import request_patiently
+from starling.collectives.staging import HostStaging, to_device
 from starling.compressors import Packet, decode
 from starling.node.loop import AwakeDeadline, close_in_time
 from starling.node.rpc import Refusal, RemoteError, Reply, refusal
@@ -104,9 +105,11 @@ class PendingReduce:
     caller's vector and returns the outcome; `done()` says whether it would not block."""
 
     def __init__(self, reducer: ShardedReducer, t: int, members: tuple[str, ...], vector: torch.Tensor,
-                 future: concurrent.futures.Future[list[_ShardResult]] | None, wait_s: float = 0.0) -> None:
+                 future: concurrent.futures.Future[list[_ShardResult]] | None, wait_s: float = 0.0,
+                 lent: list[torch.Tensor] | None = None) -> None:
         self._reducer, self.round, self._members, self._vector = reducer, t, members, vector
         self._future, self._wait_s = future, wait_s
+        self._lent = lent or []  # pinned host buffers my parts went out in (device vectors only)
         self._result: ReduceResult | None = None
 
     def done(self) -> bool:
@@ -118,6 +121,8 @@ class PendingReduce:
                 self._result = ReduceResult(self.round, False, 1, (), self.round)
             else:
                 results = self._future.result(timeout=self._wait_s)
+                self._reducer._staging.give_back(self._lent)  # the round is over: nothing reads them now
+                self._lent = []
                 self._result = self._reducer._apply(self.round, self._members, self._vector, results)
         return self._result
 
@@ -142,6 +147,7 @@ class ShardedReducer:
         self._is_open = is_open
         self.codec, self._part_feedback = make_codec(compressor)
         _, self._avg_feedback = make_codec(compressor)
+        self._staging = HostStaging()  # where a device vector's encoded parts cross to the host
         # Network-thread state: open accumulators, finished keys, who used which view when.
         self._groups: dict[GroupKey, ShardGroup] = {}
         self._closed: dict[GroupKey, int] = {}
@@ -172,26 +178,40 @@ class ShardedReducer:
         owner (not connected) may still sit in ZeroMQ's queue, and would carry later writes;
         that owner refuses it as late once it has closed the round."""
         if vector.dim() != 1 or vector.numel() != self.numel or vector.dtype != torch.float32:
-            raise ValueError(f"{self.topic}: expected a 1-D float32 vector of {self.numel} values, "
+            raise ValueError(f"{self.topic}: expected a 1-D float32 vector of {self.numel} values (on any device), "
                              f"got {vector.dtype} of shape {tuple(vector.shape)}")
         if len(members) <= 1:
             return PendingReduce(self, t, members, vector, None)
         me = self.node.peer_id
         lend = lend and vector.is_contiguous()  # a strided vector's slices are not wire buffers
+        # A vector on an accelerator is encoded there; only the encoded bytes cross to the host,
+        # through pinned buffers reused round after round. My own part, which the network
+        # thread sums with the others on the host, crosses as a private copy.
+        on_device = HostStaging.needed(vector)
         parts: list[torch.Tensor | Packet] = []  # shard by shard, chunk by chunk
+        lent: list[torch.Tensor] = []
         for i, (chunks, owner) in enumerate(zip(self._layout(len(members)), members)):
             for c, (lo, hi) in enumerate(chunks):
                 if owner == me:  # my own part never crosses the wire
-                    parts.append(vector[lo:hi] if lend else vector[lo:hi].clone())
-                elif lend and self.codec.zero_copy:  # lossless too: no error feedback to apply
-                    parts.append(self.codec.encode(vector[lo:hi], copy=False))
+                    if on_device:
+                        parts.append(vector[lo:hi].to("cpu"))
+                    else:
+                        parts.append(vector[lo:hi] if lend else vector[lo:hi].clone())
+                    continue
+                if lend and self.codec.zero_copy:  # lossless too: no error feedback to apply
+                    packet = self.codec.encode(vector[lo:hi], copy=False)
                 else:
-                    parts.append(encode(self.codec, self._part_feedback, vector[lo:hi],
-                                        f"part{i}.{c}/{len(members)}"))
+                    packet = encode(self.codec, self._part_feedback, vector[lo:hi], f"part{i}.{c}/{len(members)}")
+                if on_device:
+                    packet, more = self._staging.stage(packet)
+                    lent.extend(more)
+                parts.append(packet)
+        if lent:
+            self._staging.ready([vector.device])  # the network thread reads them next
         # A backstop only: the network side always ends a round by then (see AwakeDeadline).
         wait_s = _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
-        round_ = self._round(t, members, parts, own_private=not lend)
-        return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s)
+        round_ = self._round(t, members, parts, own_private=not lend or on_device)
+        return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s, lent)
 
     def _layout(self, parts: int) -> tuple[tuple[tuple[int, int], ...], ...]:
         return chunk_layout(self.numel, parts, self.chunk_numel)
@@ -208,7 +228,7 @@ class ShardedReducer:
                 lost.add(res.owner)
                 continue
             try:
-                avg = _decode_flat(res.packet)
+                avg = _decode_flat(to_device(res.packet, vector.device))  # decoded where it is used
                 if avg.numel() != hi - lo:
                     raise ValueError(f"{avg.numel()} values for a chunk of {hi - lo}")
             except Exception as exc:  # a bad reply costs one chunk's average, not the round

@@ -47,6 +47,7 @@ class AllReduceConfig(ProtocolConfig):
 @register
 class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig, topic_prefix="allreduce."):
     config: AllReduceConfig
+    runs_on_accelerators = True
 
     def __init__(self, node: Node, model: nn.Module, config: AllReduceConfig) -> None:
         super().__init__(node, model, config)

@@ -105,6 +105,10 @@ class Protocol(ABC):
     name: ClassVar[str]
     config_class: ClassVar[type[ProtocolConfig]] = ProtocolConfig
     topic_prefix: ClassVar[str | None] = None  # the topics whose bytes `meter` counts, e.g. "gossip."
+    # Whether the protocol runs with its model on an accelerator (cuda, mps): its tensors follow
+    # the model's device, and what it sends is encoded there. One that does not say so runs on
+    # the CPU only, and the runtime refuses a --device for it, naming this reason.
+    runs_on_accelerators: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, name: str | None = None, config_class: type[ProtocolConfig] | None = None,
                           topic_prefix: str | None = None, **kwargs: Any) -> None:
@@ -161,6 +165,19 @@ class Protocol(ABC):
         """Restore what `private_state` returned, from this peer's own checkpoint."""
         for reducer, saved in zip(self.reducers, state.get("reducers", ())):
             reducer.load_state_dict(saved)
+
+    def place_state(self, device: torch.device | str) -> None:
+        """Keep the protocol's own persistent state (DiLoCo's outer parameters and momentum) on
+        `device`: the CPU spares an accelerator's memory. A protocol whose state is the model
+        and its optimizer has nothing to place, and ignores it."""
+        return None  # a hook: the default places nothing
+
+    def start_from(self, model: nn.Module) -> None:
+        """`model` is this peer's model before it was cast to a lower precision (same tensors,
+        float32): a protocol that keeps float32 state of its own (DiLoCo's outer parameters)
+        starts it from these values, so that peers of different dtypes start from one point.
+        Called before the first step; a protocol whose state is the model ignores it."""
+        return None  # a hook: the default keeps nothing apart from the model
 
     def eval_model(self) -> nn.Module:
         """The model to evaluate (DiLoCo evaluates its outer parameters)."""

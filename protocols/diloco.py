@@ -156,6 +156,7 @@ class _Published:
 @register
 class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_prefix=TOPIC_PREFIX):
     config: DiLoCoConfig
+    runs_on_accelerators = True
     optimizer_key = "inner_optimizer"
 
     def __init__(self, node: Node, model: nn.Module, config: DiLoCoConfig) -> None:
@@ -167,6 +168,10 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             raise ProtocolError(f"{self.name}: {exc}") from None
         self.views = [FragmentView(self.flat.params, f) for f in fragments]
         self.schedule = FragmentSchedule(config.sync_every, config.fragments, config.overlap_steps)
+        # Outer parameters and momentum (float32) live on the model's device, or where
+        # place_state() puts them (pinned CPU memory, to spare an accelerator's memory).
+        self.state_device = self.flat.device
+        self._pin = False
         self.outer = [view.read() for view in self.views]
         self.momentum = [torch.zeros_like(o) for o in self.outer]
         # the round each fragment merges next: its outer parameters' version
@@ -184,6 +189,35 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         self._eval: tuple[nn.Module, list[FragmentView]] | None = None
         self._publish()
         self._serve({SYNC_TOPIC: self._on_sync})
+
+    def place_state(self, device: torch.device | str) -> None:
+        """Keep the outer parameters and momentum on `device`. With the model on an accelerator
+        and `device` the CPU, they sit in pinned host memory (as torchft offers): each sync
+        copies one fragment to the accelerator to form its pseudo-gradient, and takes the
+        outer step on the CPU, so the accelerator holds only the model and inner optimizer."""
+        self.state_device = torch.device(device)
+        self._pin = self.state_device.type == "cpu" and self.flat.device.type != "cpu"
+        self.outer = [self._placed(o) for o in self.outer]
+        self.momentum = [self._placed(m) for m in self.momentum]
+        self._publish()
+
+    def start_from(self, model: nn.Module) -> None:
+        """The outer parameters start from `model`'s (full-precision) values, not from this
+        peer's model rounded to its dtype: a bfloat16 peer and a float32 peer then hold the
+        same outer parameters from the start."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.outer = [self._placed(FragmentView(params, view.fragment).read()) for view in self.views]
+        self._publish()
+
+    def _placed(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as outer state: float32, on the state's device, pinned where that is the host
+        beside an accelerator (a copy; the caller's tensor is left as it is)."""
+        t = t.to(device=self.state_device, dtype=torch.float32)
+        return t.pin_memory() if self._pin and not t.is_pinned() else t
+
+    def _fresh(self, like: torch.Tensor) -> torch.Tensor:
+        """A new tensor for the next outer state (`diloco.sync` may be sending the old one)."""
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device, pin_memory=self._pin)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
@@ -217,8 +251,12 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
 
     def _send(self, f: int, k: int) -> None:
         """Start averaging fragment f's pseudo-gradient; training goes on until its merge."""
-        delta = self.outer[f] - self.views[f].read()
+        delta = self._here(self.outer[f]) - self.views[f].read()  # on the model's device
         self.in_flight[f] = self._start(f, k, membership(self.node), delta)
+
+    def _here(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the model's device (itself when it is there already)."""
+        return t.to(self.flat.device, non_blocking=t.is_pinned())
 
     def _start(self, f: int, k: int, members: tuple[str, ...], delta: torch.Tensor) -> _Exchange:
         if (len(members) > 1 and self.node.peer_id not in members) or delta.numel() != self.views[f].numel:
@@ -287,11 +325,15 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         self._publish()
 
     def _outer_step(self, f: int, delta: torch.Tensor) -> None:
-        """Nesterov SGD on the outer fragment, the averaged pseudo-gradient as its gradient.
-        New tensors, not in-place updates: `diloco.sync` may be sending the old ones."""
-        mu = self.config.outer_momentum
-        momentum = self.momentum[f] * mu + delta
-        self.outer[f] = self.outer[f] - self.config.outer_lr * (delta + mu * momentum)
+        """Nesterov SGD on the outer fragment, the averaged pseudo-gradient as its gradient, in
+        float32 where the outer state lives. New tensors, not in-place updates: `diloco.sync`
+        may be sending the old ones. (The same operations in the same order on every peer:
+        outer parameters stay bit-identical.)"""
+        mu, lr = self.config.outer_momentum, self.config.outer_lr
+        delta = delta.to(self.state_device)
+        momentum = torch.mul(self.momentum[f], mu, out=self._fresh(self.momentum[f])).add_(delta)
+        outer = torch.mul(momentum, mu, out=self._fresh(self.outer[f])).add_(delta).mul_(lr)
+        self.outer[f] = torch.sub(self.outer[f], outer, out=outer)
         self.momentum[f] = momentum
         self.versions[f] += 1
 
@@ -300,7 +342,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         if alpha == 0.0:
             self.views[f].write(self.outer[f])
         else:
-            self.views[f].write(alpha * self.views[f].read() + (1.0 - alpha) * self.outer[f])
+            self.views[f].write(alpha * self.views[f].read() + (1.0 - alpha) * self._here(self.outer[f]))
 
     # ------------------------------------------------------------------ catching up
     def _fetch_merged(self, f: int, version: int, sources: Sequence[str]) -> None:
@@ -330,7 +372,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
     def _adopt(self, got: _Published, fragments: Sequence[int]) -> None:
         for f in fragments:
             if got.versions[f] >= self.versions[f]:
-                self.outer[f], self.momentum[f] = got.outer[f], got.momentum[f]
+                self.outer[f], self.momentum[f] = self._placed(got.outer[f]), self._placed(got.momentum[f])
                 self.versions[f] = got.versions[f]
 
     def _fetch(self, fragments: list[int], sources: Sequence[str],
@@ -404,13 +446,14 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             raise ProtocolError(f"{self.name}: state has fragments of {[o.numel() for o in outer]} values, "
                                 f"this model's are {sizes}")
         super().load_state_dict(state)
-        self.outer = [o.to(torch.float32).clone() for o in outer]
-        self.momentum = [m.to(torch.float32).clone() for m in momentum]
+        self.outer = [self._placed(o.detach().clone()) for o in outer]
+        self.momentum = [self._placed(m.detach().clone()) for m in momentum]
         self.versions = [int(v) for v in state["versions"]]
         self.in_flight = {}
         for e in state["in_flight"]:
             f, k = int(e["fragment"]), int(e["round"])
-            self.in_flight[f] = self._start(f, k, tuple(str(m) for m in e["members"]), e["delta"].clone())
+            delta = e["delta"].to(device=self.flat.device, dtype=torch.float32).clone()
+            self.in_flight[f] = self._start(f, k, tuple(str(m) for m in e["members"]), delta)
         if self.buffer_sync is not None and "buffers" in state:
             self.buffer_sync.load_state_dict(state["buffers"])
         self._publish()

@@ -70,7 +70,8 @@ def split_fragments(numel: int, layers: int, fragments: int, assignment: str) ->
 
 
 class FragmentView:
-    """Reads one fragment of a model's parameters as a contiguous float32 vector, and writes it back."""
+    """Reads one fragment of a model's parameters as a contiguous float32 vector on their device,
+    and writes it back (rounded to the parameters' dtype, from any device)."""
 
     def __init__(self, params: Sequence[nn.Parameter], fragment: Fragment) -> None:
         self.fragment = fragment
@@ -92,7 +93,7 @@ class FragmentView:
 
     @torch.no_grad()
     def read(self) -> torch.Tensor:
-        out = torch.empty(self.numel, dtype=torch.float32)
+        out = torch.empty(self.numel, dtype=torch.float32, device=self._pieces[0][0].device)
         for p, a, b, at in self._pieces:
             out[at:at + b - a].copy_(p.detach().reshape(-1)[a:b])
         return out

@@ -5,14 +5,22 @@ refused before it fetches anything, with the first tensor that differs named.
     architecture(model)            ["h.0.attn.weight:64x64:float32", ...] in state_dict order
     first_difference(swarm, mine)  "tensor 'h.0.attn.weight': the swarm's is 64x64 float32,
                                     this peer's is 64x128 float32", or None
+    state_digest(model)            a SHA-256 (hex, 16 digits) of every tensor's values, in order
+
+The digest of the first peer's initial state rides in the swarm config too (INITIAL_STATE_KEY):
+a peer whose model starts elsewhere (every process seeding its own model, say) learns at once
+that it must take the swarm's state instead of training from its own start.
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 ARCHITECTURE_KEY = "architecture"  # the swarm config's entry
+INITIAL_STATE_KEY = "initial_state"  # the swarm config's digest of the first peer's initial state
 MAX_TENSORS = 100_000  # what a peer reads of another's list: remote input stays bounded
 
 
@@ -45,3 +53,15 @@ def first_difference(swarm: Sequence[object], mine: Sequence[str]) -> str | None
         if name not in theirs:
             return f"tensor {name!r} ({spec}) of this peer's model is not in the swarm's"
     return None
+
+
+@torch.no_grad()
+def state_digest(model: nn.Module) -> str:
+    """A digest of the values of every tensor of the model's state, in state_dict order (names,
+    shapes and dtypes are the architecture's business). Tensors are read on the host, one at a
+    time."""
+    digest = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]

@@ -20,6 +20,7 @@ restarted peer from the newest checkpoint that verifies (see `runtime/checkpoint
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import io
@@ -35,7 +36,8 @@ from starling.common import option_name, peer_hash
 from starling.node import Node
 from starling.protocols import PRIVATE_STATE, Protocol, ProtocolError, StepReport, config_from_options, get_protocol
 from starling.runtime.checkpoint import BackgroundCheckpointer, Checkpoint, CheckpointError, CheckpointStore
-from starling.runtime.modelspec import ARCHITECTURE_KEY, architecture, first_difference
+from starling.runtime.modelspec import ARCHITECTURE_KEY, INITIAL_STATE_KEY, architecture, first_difference, state_digest
+from starling.runtime.placement import Placement
 from starling.runtime.restart import agree_on_step, holders_of
 from starling.tasks import Task, get_task
 
@@ -155,8 +157,14 @@ class Trainer:
 
     def __init__(self, node: Node, spec: TrainSpec, rank: int, world: int, task: Task | None = None,
                  serve_state: bool = True, snapshot_every_s: float = 1.0,
-                 checkpoint: CheckpointConfig | None = None) -> None:
+                 checkpoint: CheckpointConfig | None = None, placement: Placement | None = None) -> None:
+        """`placement`: this peer's device, parameter dtype, autocast and where the protocol
+        keeps its outer state (default: the model as the task builds it)."""
         self.node, self.spec, self.rank, self.world = node, spec, rank, world
+        self.placement = placement or Placement()
+        # Whether this peer's initial state differs from the swarm's first peer's (known at
+        # create_protocol): it must then take the swarm's state rather than train from its own.
+        self.initial_state_differs = False
         self.task = task if task is not None else get_task(spec.task, **spec.task_options)
         self.proto: Protocol | None = None
         self.serve_state = serve_state
@@ -170,8 +178,22 @@ class Trainer:
 
     def create_protocol(self) -> Protocol:
         model = self.task.make_model()
-        self._check_architecture(model)
-        self.proto = resolve_protocol(self.spec.protocol).create(self.node, model, self.spec.options)
+        self._check_architecture(model)  # as the task builds it: peers may differ in device and dtype
+        cls = resolve_protocol(self.spec.protocol)
+        # Cast to a lower precision, the model loses bits the protocol's float32 state keeps.
+        full = copy.deepcopy(model) if self.placement.lowers_precision(model) else None
+        model = self.placement.place(model)
+        where = {str(t.device) for t in model.parameters()}
+        if where != {"cpu"} and not cls.runs_on_accelerators:
+            raise TrainSpecError(f"protocol {self.spec.protocol!r} runs on the CPU only (its tensors do not yet "
+                                 f"follow the model's device), and this peer's model is on {', '.join(sorted(where))}; "
+                                 "use --device cpu")
+        self.proto = cls.create(self.node, model, self.spec.options)
+        if full is not None:
+            self.proto.start_from(full.to(device=self.placement.device) if self.placement.device else full)
+            del full
+        if self.placement.state_device is not None:
+            self.proto.place_state(self.placement.state_device)
         # An optional hook: a protocol that needs the peer's own data set, not only the batches
         # its step() closure sees (sketch-dp's sample-level DP draws Poisson batches from it).
         attach_task = getattr(self.proto, "attach_task", None)
@@ -186,15 +208,21 @@ class Trainer:
         """The first peer whose model is built fixes the swarm's architecture (in its swarm
         config, which joiners learn at join); a later peer whose model differs is refused here,
         before it fetches any state, with the first tensor that differs named."""
-        mine = architecture(model)
+        mine, digest = architecture(model), state_digest(model)
         config = self.node.swarm_config
         swarm = config.get(ARCHITECTURE_KEY) if config else None
         if swarm is None:
-            self.node.swarm_config = {**(config or {}), ARCHITECTURE_KEY: mine}
-        elif not isinstance(swarm, list):
+            self.node.swarm_config = {**(config or {}), ARCHITECTURE_KEY: mine, INITIAL_STATE_KEY: digest}
+            return
+        if not isinstance(swarm, list):
             raise TrainSpecError(f"the swarm config's {ARCHITECTURE_KEY!r} is not a list of tensors")
-        elif (difference := first_difference(swarm, mine)) is not None:
+        if (difference := first_difference(swarm, mine)) is not None:
             raise TrainSpecError(f"this peer's model differs from the swarm's: {difference}")
+        initial = config.get(INITIAL_STATE_KEY) if config else None
+        self.initial_state_differs = isinstance(initial, str) and initial != digest
+        if self.initial_state_differs:
+            log.info("%s: this peer's initial state (digest %s) differs from the swarm's (%s); it takes the "
+                     "swarm's state instead of training from its own start", self.node.peer_id, digest, initial)
 
     def fetch_state(self, peers: list[str] | None = None) -> str:
         """A joiner's catch-up: the protocol state of some live peer, at that peer's step."""
@@ -202,7 +230,7 @@ class Trainer:
 
         assert self.proto is not None, "create_protocol() first"
         source, blob = self.node.fetch_blob(STATE_BLOB, peers)
-        state = torch.load(io.BytesIO(blob), weights_only=True)
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)  # then to my device
         state.pop(PRIVATE_STATE, None)  # the donor's own residuals are not the joiner's
         self.proto.load_state_dict(state)
         log.info("%s: joined from %s at step %d", self.node.peer_id, source, self.proto.step_count)
@@ -225,9 +253,16 @@ class Trainer:
 
     def step(self, batch: Any) -> StepReport:
         """One protocol step on `batch`; refreshes the snapshot joiners fetch."""
-        proto, task = self.proto, self.task
+        proto, task, placement = self.proto, self.task, self.placement
         assert proto is not None
-        report = proto.step(lambda: task.loss(proto.model, batch))
+        model = proto.model
+        batch = placement.batch(batch, model)
+
+        def loss_fn() -> Any:
+            with placement.autocast(model):
+                return task.loss(model, batch)
+
+        report = proto.step(loss_fn)
         if self.serve_state and time.monotonic() - self._snapshot_at >= self.snapshot_every_s:
             self.take_snapshot()
         if self.checkpoint is not None and proto.step_count % self.checkpoint.every == 0:
