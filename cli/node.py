@@ -66,6 +66,16 @@ def node_start(
              "step that many hold."),
     resume_timeout_s: float = typer.Option(
         300.0, "--resume-timeout-s", help="With --resume: how long to wait for that quorum."),
+    device: Optional[str] = typer.Option(
+        None, "--device", help="cpu, cuda, cuda:N, mps or auto: where this peer's model and batches go "
+                               "(default: as the task builds it). A swarm may mix devices."),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="float32, bfloat16 or float16: this peer's parameters (what peers exchange stays "
+                              "float32)."),
+    autocast: Optional[str] = typer.Option(None, "--autocast", help="none or bfloat16: the loss under autocast."),
+    state_device: Optional[str] = typer.Option(
+        None, "--state-device", help="model or cpu: where DiLoCo keeps its outer parameters and momentum "
+                                     "(cpu: pinned host memory beside a GPU)."),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Start a node and run until SIGINT/SIGTERM, then leave the swarm gracefully.
@@ -78,6 +88,7 @@ def node_start(
     from starling.node.transfer import TransferError
     from starling.protocols.base import ProtocolError
     from starling.runtime import CheckpointConfig, CheckpointError, TrainSpec, TrainSpecError, with_run_length
+    from starling.runtime.placement import Placement
     from starling.runtime.restart import RestartError
     from starling.tasks import TaskSpecError
 
@@ -95,6 +106,7 @@ def node_start(
         if lr is not None:
             options["lr"] = str(lr)
         rank_world = _parse_shard(shard)
+        placement = Placement.parse(device, dtype, autocast, state_device)
         wanted: dict[str, Any] = {}
         if protocol is not None:
             spec = TrainSpec(protocol, task or "charlm", with_run_length(protocol, options, steps),
@@ -127,7 +139,7 @@ def node_start(
     try:
         if trains:
             _train(node, rank_world, steps, log_every, stop, checkpoints,
-                   (resume_quorum, resume_timeout_s) if resume is not None else None)
+                   (resume_quorum, resume_timeout_s) if resume is not None else None, placement)
         else:
             stop.wait()
     except train_errors as exc:
@@ -166,7 +178,8 @@ def _spec_of_newest_checkpoint(directory: Path) -> tuple[str, str, list[str], li
 
 
 def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int], log_every: int,
-           stop: threading.Event, checkpoints: Any = None, resume: Optional[tuple[int, float]] = None) -> None:
+           stop: threading.Event, checkpoints: Any = None, resume: Optional[tuple[int, float]] = None,
+           placement: Any = None) -> None:
     """The node's training loop: one JSON progress line every `log_every` steps."""
     import time
 
@@ -174,14 +187,18 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
 
     spec = TrainSpec.from_swarm_config(node.swarm_config)
     rank, world = rank_world or (shard_for(node.peer_id, 16), 16)
-    trainer = Trainer(node, spec, rank, world, checkpoint=checkpoints)
+    trainer = Trainer(node, spec, rank, world, checkpoint=checkpoints, placement=placement)
     trainer.create_protocol()
     resumed = trainer.resume_swarm(*resume) if resume is not None else None
     if resumed is None and node.live_peers():
-        trainer.fetch_state()
+        trainer.fetch_state()  # the swarm's state, not this peer's own start (see initial_state_differs)
+    elif resumed is None and trainer.initial_state_differs:
+        log.warning("this peer's initial state differs from the swarm's, and no peer is up to take the swarm's "
+                    "from: it trains from its own start")
     start, sent = time.monotonic(), [0]
     typer.echo(json.dumps({"event": "training", "protocol": spec.protocol, "task": spec.task,
-                           "shard": f"{rank}/{world}", "step": trainer.proto.step_count}))  # type: ignore[union-attr]
+                           "shard": f"{rank}/{world}", "step": trainer.proto.step_count,  # type: ignore[union-attr]
+                           **trainer.placement.describe()}))
 
     def on_report(report: Any) -> None:
         sent[0] += report.bytes_sent

@@ -19,8 +19,11 @@ DEFAULT_SIM_STEPS = 60  # the default command (a run plus its allreduce baseline
 def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor: Optional[str],
                  transport: Optional[str], processes: bool, bandwidth: Optional[str], latency_ms: float,
                  loss: float, churn: Optional[str], seed: int, opt: List[str], lr: Optional[float],
-                 task_opt: List[str], eval_every: int, baseline: str) -> tuple[Any, Any]:
-    """The run's SimConfig and the baseline's (None for --baseline none); ValueError on bad input."""
+                 task_opt: List[str], eval_every: int, baseline: str,
+                 extra: Optional[dict[str, Any]] = None) -> tuple[Any, Any]:
+    """The run's SimConfig and the baseline's (None for --baseline none); ValueError on bad input.
+    `extra`: more SimConfig fields (placement, checkpoints); the baseline's checkpoints go to a
+    `baseline` folder beside the run's peers."""
     from dataclasses import fields, replace
 
     from starling.runtime import LinkModel, SimConfig, check_config, parse_churn, parse_rate, resolve_protocol
@@ -37,7 +40,7 @@ def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor
         peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor,
         transport=transport or ("tcp" if processes else "inproc"), processes=processes, link=link,
         churn=parse_churn(churn) if churn else (), seed=seed, options=options,
-        task_options=parse_options(task_opt, "task option"), eval_every=eval_every,
+        task_options=parse_options(task_opt, "task option"), eval_every=eval_every, **(extra or {}),
     )
     check_config(config)
     if baseline.lower() == "none":
@@ -45,7 +48,8 @@ def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor
     # The baseline shares the hyper-parameters it knows (lr, timeouts), not the run's compressor.
     known = {f.name for f in fields(resolve_protocol(baseline).config_class)} - {"compressor"}
     base = replace(config, protocol=baseline, compressor=None,
-                   options={k: v for k, v in options.items() if option_name(k) in known})
+                   options={k: v for k, v in options.items() if option_name(k) in known},
+                   checkpoint_dir=str(Path(config.checkpoint_dir) / "baseline") if config.checkpoint_dir else None)
     check_config(base)
     return config, base
 
@@ -142,6 +146,22 @@ def simulate(
     lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (a protocol option)."),
     task_opt: Optional[List[str]] = typer.Option(None, "--task-opt", help="Task option NAME=VALUE (repeatable)."),
     eval_every: int = typer.Option(0, "--eval-every", help="Peer 0 evaluates every N steps (0: at the end only)."),
+    device: Optional[str] = typer.Option(
+        None, "--device", help="cpu, cuda, cuda:N, mps or auto: where every peer's model and batches go "
+                               "(default: as the task builds it)."),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="float32, bfloat16 or float16: the models' parameters (what peers exchange stays "
+                              "float32)."),
+    autocast: Optional[str] = typer.Option(None, "--autocast", help="none or bfloat16: the loss under autocast."),
+    state_device: Optional[str] = typer.Option(
+        None, "--state-device", help="model or cpu: where DiLoCo keeps its outer parameters and momentum "
+                                     "(cpu: pinned host memory beside a GPU)."),
+    checkpoint_dir: Optional[Path] = typer.Option(
+        None, "--checkpoint-dir", help="Every peer writes checkpoints to DIR/peer-RANK (the baseline's to "
+                                       "DIR/baseline/peer-RANK)."),
+    checkpoint_every: int = typer.Option(100, "--checkpoint-every", min=1, help="Steps between checkpoints."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Every peer first loads its newest checkpoint from --checkpoint-dir."),
     log_level: str = typer.Option("warning", "--log-level"),
 ) -> None:
     """Run a swarm of real nodes on this machine over emulated links and compare it with a baseline."""
@@ -157,7 +177,10 @@ def simulate(
             peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor, transport=transport,
             processes=processes, bandwidth=bandwidth, latency_ms=latency_ms, loss=loss, churn=churn, seed=seed,
             opt=[*(opt or []), *(f"{k}={v}" for k, v in extra_options(ctx.args).items())], lr=lr,
-            task_opt=task_opt or [], eval_every=eval_every, baseline=baseline)
+            task_opt=task_opt or [], eval_every=eval_every, baseline=baseline,
+            extra={"device": device, "dtype": dtype, "autocast": autocast, "state_device": state_device,
+                   "checkpoint_dir": None if checkpoint_dir is None else str(checkpoint_dir),
+                   "checkpoint_every": checkpoint_every, "resume": resume})
     except errors as exc:
         fail(str(exc))
     runs = [("run", config)] + ([("baseline", base)] if base is not None and base.protocol != config.protocol else [])

@@ -65,7 +65,8 @@ class SimPeer:
             checkpoint = CheckpointConfig(str(Path(self.config.checkpoint_dir) / f"peer-{self.rank}"),
                                           self.config.checkpoint_every)
         self.trainer = Trainer(self.node, self.spec(), self.rank, self.config.world, task=self.task,
-                               serve_state=self._serve_state, snapshot_every_s=0.0, checkpoint=checkpoint)
+                               serve_state=self._serve_state, snapshot_every_s=0.0, checkpoint=checkpoint,
+                               placement=self.config.placement())
         self.proto = self.trainer.create_protocol()
         if self.config.resume and self.trainer.resume() is not None:
             self.step = self.proto.step_count

@@ -12,6 +12,7 @@ from starling.node.membership import Liveness
 from starling.protocols import config_from_options
 from starling.runtime.churn import ChurnEvent, check_churn
 from starling.runtime.links import LinkModel
+from starling.runtime.placement import Placement
 from starling.runtime.trainer import resolve_protocol, with_run_length
 from starling.tasks import get_task
 
@@ -50,6 +51,11 @@ class SimConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
     resume: bool = False
+    # Where every peer trains (see runtime/placement.py): None keeps the model as the task builds it.
+    device: str | None = None
+    dtype: str | None = None
+    autocast: str | None = None
+    state_device: str | None = None
 
     def __post_init__(self) -> None:
         if self.peers < 1:
@@ -69,6 +75,10 @@ class SimConfig:
             raise ValueError("resume needs a checkpoint_dir to resume from")
         if self.checkpoint_dir and self.processes:
             raise ValueError("checkpoints are written by in-process peers only (drop --processes)")
+        self.placement()  # raises DeviceError (a ValueError) for a device or dtype this machine lacks
+
+    def placement(self) -> Placement:
+        return Placement.parse(self.device, self.dtype, self.autocast, self.state_device)
 
     @property
     def world(self) -> int:
@@ -93,7 +103,8 @@ class SimConfig:
                 "compressor": self.compressor, "transport": self.transport, "processes": self.processes,
                 "link": self.link.describe(), "churn": ",".join(map(str, self.churn)), "seed": self.seed,
                 "options": {k: v for k, v in self.options.items()}, "task_options": dict(self.task_options),
-                **({"checkpoint_dir": self.checkpoint_dir, "resume": self.resume} if self.checkpoint_dir else {})}
+                **({"checkpoint_dir": self.checkpoint_dir, "resume": self.resume} if self.checkpoint_dir else {}),
+                **({"placement": self.placement().describe()} if self.placement() != Placement() else {})}
 
 
 def check_config(config: SimConfig) -> None:

@@ -57,12 +57,15 @@ def test_a_joiner_learns_protocol_and_task_and_trains_with_the_swarm():
         address = out.address()
         assert out.until(lambda r: r.get("event") == "training")["protocol"] == "allreduce"
         out.until(lambda r: r.get("step", 0) >= 3)
-        joiner = subprocess.Popen(starling("node", "start", *FAST, "--join", address, "--log-every", "1"),
+        # the joiner trains in bfloat16 on the first's float32 swarm: a peer's placement is its own
+        joiner = subprocess.Popen(starling("node", "start", *FAST, "--join", address, "--log-every", "1",
+                                           "--device", "cpu", "--dtype", "bfloat16"),
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         theirs = Lines(joiner)
         theirs.address()
         started = theirs.until(lambda r: r.get("event") == "training")
         assert (started["protocol"], started["task"]) == ("allreduce", "quadratic")
+        assert (started["device"], started["dtype"], started["autocast"]) == ("cpu", "bfloat16", "none")
         assert started["step"] > 0  # it continued at the swarm's step, not from scratch
         synced = theirs.until(lambda r: r.get("peers") == 2)
         assert synced["bytes_sent"] > 0
@@ -87,6 +90,9 @@ runner = CliRunner()
     (["node", "start", "--plaintext", "--protocol", "gossip", "--no-such-option", "1"], "no_such_option"),
     (["node", "start", "--plaintext", "--protocol", "gossip", "--shard", "3/2"], "--shard"),
     (["node", "start", "--plaintext", "--task", "quadratic"], "--protocol"),
+    (["node", "start", "--plaintext", "--protocol", "diloco", "--device", "tpu"], "unknown device 'tpu'"),
+    (["node", "start", "--plaintext", "--protocol", "diloco", "--dtype", "int8"], "float32, bfloat16 or float16"),
+    (["node", "start", "--plaintext", "--protocol", "diloco", "--autocast", "float16"], "loss scaling"),
     (["simulate", "--steps", "2", "--fanout", "zero"], "fanout"),
     (["simulate", "--steps", "2", "stray"], "unexpected argument"),
 ])

@@ -96,6 +96,11 @@ def test_baseline_runs_with_the_same_task_and_steps_and_files_are_written(tmp_pa
     (["--task-opt", "dim=many"], "dim"),
     (["--transport", "udp"], "transport"),
     (["--processes", "--transport", "inproc"], "processes"),
+    (["--device", "tpu"], "unknown device 'tpu'; choose cpu | cuda | cuda:N | mps | auto"),
+    (["--dtype", "int8"], "choose float32, bfloat16 or float16"),
+    (["--autocast", "fp16"], "loss scaling"),
+    (["--state-device", "gpu"], "unknown device 'gpu'"),
+    (["--resume"], "resume needs a checkpoint_dir"),
 ])
 def test_bad_input_is_one_clear_line(args, needle):
     result = runner.invoke(app, ["simulate", *TINY, "--baseline", "none", *args])
@@ -103,6 +108,47 @@ def test_bad_input_is_one_clear_line(args, needle):
     assert "Traceback" not in result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("starling: error:") and needle in lines[0], result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_a_device_this_machine_lacks_is_one_clear_line():
+    result = runner.invoke(app, ["simulate", *TINY, "--baseline", "none", "--device", "cuda:1"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "starling: error: device 'cuda:1': this machine has no CUDA device" in result.output
+
+
+RESTART = ["--protocol", "allreduce", "--task", "quadratic", "--task-opt", "dim=32", "--task-opt", "noise_std=0.1",
+           "--peers", "2", "--json", "--checkpoint-every", "4"]
+
+
+def test_simulate_checkpoints_and_resumes_where_it_stopped(tmp_path):
+    """Run 4 steps with checkpoints, resume to 8: the same summary as 8 steps in one go (the
+    baseline's checkpoints go to their own folder)."""
+    whole = runner.invoke(app, ["simulate", *RESTART, "--steps", "8", "--baseline", "none"])
+    first = runner.invoke(app, ["simulate", *RESTART, "--steps", "4", "--baseline", "gossip",
+                                "--checkpoint-dir", str(tmp_path)])
+    assert first.exit_code == 0, first.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["baseline", "peer-0", "peer-1"]
+    assert (tmp_path / "baseline" / "peer-0").is_dir()
+    resumed = runner.invoke(app, ["simulate", *RESTART, "--steps", "8", "--baseline", "none",
+                                  "--checkpoint-dir", str(tmp_path), "--resume", "--out", str(tmp_path / "out")])
+    assert resumed.exit_code == 0, resumed.output
+    for rank in (0, 1):  # both went on from step 4: they trained 4 steps, not 8
+        steps = [json.loads(line)["step"] for line in (tmp_path / "out" / f"peer-{rank}.jsonl").open()]
+        assert steps == [4, 5, 6, 7]
+    a, b = (json.loads(r.output.splitlines()[-1]) for r in (whole, resumed))
+    assert b["checkpoint_dir"] == str(tmp_path) and b["resume"] is True
+    assert b["eval_loss"] == a["eval_loss"] and b["train_loss"] == a["train_loss"]
+
+
+def test_simulate_places_the_models_in_bfloat16():
+    result = runner.invoke(app, ["simulate", "--protocol", "diloco", "--task", "quadratic", "--task-opt", "dim=32",
+                                 "--peers", "2", "--steps", "4", "--sync-every", "2", "--json", "--baseline", "none",
+                                 "--dtype", "bfloat16", "--device", "cpu", "--state-device", "cpu"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.splitlines()[-1])
+    assert summary["placement"] == {"device": "cpu", "dtype": "bfloat16", "autocast": "none", "state_device": "cpu"}
+    assert summary["eval_loss"] is not None
 
 
 def test_plot_needs_a_run_directory(tmp_path):
