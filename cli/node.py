@@ -11,7 +11,7 @@ from typing import Any, List, Optional
 
 import typer
 
-from starling.cli.shared import EXPECTED_ERRORS, extra_options, fail, setup_logging
+from starling.cli.shared import EXPECTED_ERRORS, check_seconds, extra_options, fail, setup_logging
 from starling.common import parse_options
 from starling.node.identity import Identity
 from starling.node.membership import Liveness
@@ -106,6 +106,7 @@ def node_start(
         if lr is not None:
             options["lr"] = str(lr)
         rank_world = _parse_shard(shard)
+        check_seconds("--resume-timeout-s", resume_timeout_s)
         placement = Placement.parse(device, dtype, autocast, state_device)
         wanted: dict[str, Any] = {}
         if protocol is not None:
@@ -230,6 +231,7 @@ def node_status(
     from starling.node.client import ClientError, query
 
     try:
+        check_seconds("--timeout-s", timeout_s)
         identity = Identity.load(key) if key else None
         status = query(address, identity=identity, timeout_s=timeout_s)
     except (ClientError, *EXPECTED_ERRORS) as exc:
