@@ -53,6 +53,7 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         super().__init__(node, model, config)
         self.reducer = ShardedReducer(node, PART_TOPIC, self.flat.numel, config.compressor,
                                       reduce_timeouts(config), self.is_open)
+        self.reducers = [self.reducer]  # peer events reach it; its residuals are this peer's private state
         self.buffer_sync = None if config.local_buffers else BufferAverager(
             node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open)
         if self.buffer_sync is not None and self.buffer_sync.reducer is not None:
