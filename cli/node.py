@@ -15,6 +15,7 @@ from starling.cli.shared import EXPECTED_ERRORS, check_seconds, extra_options, f
 from starling.common import parse_options
 from starling.node.identity import Identity
 from starling.node.membership import Liveness
+from starling.node.transport import TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,13 @@ def node_start(
     heartbeat_s: float = typer.Option(1.0, "--heartbeat-s", help="Heartbeat interval."),
     suspect_after_s: float = typer.Option(3.0, "--suspect-after-s", help="Silence before a peer is suspect."),
     dead_after_s: float = typer.Option(10.0, "--dead-after-s", help="Silence before a peer is dead."),
+    probe_timeout_s: float = typer.Option(
+        1.0, "--probe-timeout-s",
+        help="A peer whose connection drops is probed; silent this long after, it is dead."),
+    watch_connections: bool = typer.Option(
+        True, "--watch-connections/--no-watch-connections",
+        help="Notice a crashed peer from its dropped connection (in about --probe-timeout-s) instead of only "
+             "from missed heartbeats (--dead-after-s)."),
     heartbeat_fanout: int = typer.Option(
         6, "--heartbeat-fanout", min=1,
         help="Peers pinged per heartbeat once the swarm is larger (beats of the others ride along)."),
@@ -122,7 +130,9 @@ def node_start(
                     wanted["options"] = dict(options)
         elif task is not None or options or task_opt:
             raise ValueError("--task and protocol options need --protocol (or join a training swarm without them)")
-        config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout))
+        config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout,
+                                              probe_timeout_s),
+                            transport=TransportConfig(monitor_connections=watch_connections))
         node = Node(config=config).start(
             listen, join or [], key=key, advertise=advertise, authorized_keys=authorized_keys,
             security="plaintext" if plaintext else None, insecure=insecure, swarm_config=wanted or None,
