@@ -60,6 +60,12 @@ def node_start(
     shard: Optional[str] = typer.Option(
         None, "--shard", help="This peer's data shard RANK/WORLD (default: picked from the peer id out of 16)."),
     log_every: int = typer.Option(10, "--log-every", help="Print a JSON progress line every N steps."),
+    min_peers: int = typer.Option(
+        1, "--min-peers", min=1,
+        help="Train only once this many peers (self included) are up: a swarm whose peers start together "
+             "then trains together from its first node's state."),
+    min_peers_timeout_s: float = typer.Option(
+        300.0, "--min-peers-timeout-s", help="With --min-peers: how long to wait for them."),
     checkpoint_dir: Optional[Path] = typer.Option(
         None, "--checkpoint-dir", help="Write checkpoints of the training state here (default: the --resume dir)."),
     checkpoint_every: int = typer.Option(100, "--checkpoint-every", min=1, help="Steps between checkpoints."),
@@ -115,6 +121,7 @@ def node_start(
             options["lr"] = str(lr)
         rank_world = _parse_shard(shard)
         check_seconds("--resume-timeout-s", resume_timeout_s)
+        check_seconds("--min-peers-timeout-s", min_peers_timeout_s)
         placement = Placement.parse(device, dtype, autocast, state_device)
         wanted: dict[str, Any] = {}
         if protocol is not None:
@@ -149,15 +156,28 @@ def node_start(
     trains = protocol is not None or bool((node.swarm_config or {}).get("protocol"))
     try:
         if trains:
+            _wait_for_peers(node, min_peers, min_peers_timeout_s, stop)
             _train(node, rank_world, steps, log_every, stop, checkpoints,
-                   (resume_quorum, resume_timeout_s) if resume is not None else None, placement)
+                   (resume_quorum, resume_timeout_s) if resume is not None else None, placement, joined=bool(join))
         else:
             stop.wait()
-    except train_errors as exc:
+    except (*train_errors, TimeoutError) as exc:
         node.close()
         fail(str(exc))
     log.info("leaving the swarm")
     node.leave()
+
+
+def _wait_for_peers(node: Any, count: int, timeout_s: float, stop: threading.Event) -> None:
+    """Block until `count` peers (self included) are alive; TimeoutError after `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len(node.live_peers()) + 1 < count and not stop.is_set():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"--min-peers {count}: only {len(node.live_peers()) + 1} peers were up after "
+                               f"{timeout_s:g} s")
+        stop.wait(0.05)
 
 
 def _parse_shard(shard: Optional[str]) -> Optional[tuple[int, int]]:
@@ -190,7 +210,7 @@ def _spec_of_newest_checkpoint(directory: Path) -> tuple[str, str, list[str], li
 
 def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int], log_every: int,
            stop: threading.Event, checkpoints: Any = None, resume: Optional[tuple[int, float]] = None,
-           placement: Any = None) -> None:
+           placement: Any = None, joined: bool = True) -> None:
     """The node's training loop: one JSON progress line every `log_every` steps."""
     import time
 
@@ -201,8 +221,10 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
     trainer = Trainer(node, spec, rank, world, checkpoint=checkpoints, placement=placement)
     trainer.create_protocol()
     resumed = trainer.resume_swarm(*resume) if resume is not None else None
-    if resumed is None and node.live_peers():
-        trainer.fetch_state()  # the swarm's state, not this peer's own start (see initial_state_differs)
+    if resumed is None and joined and node.live_peers():
+        # the swarm's state, not this peer's own start (see initial_state_differs); the first
+        # node (no --join) is where the swarm's state starts, whoever joined it meanwhile
+        trainer.fetch_state()
     elif resumed is None and trainer.initial_state_differs:
         log.warning("this peer's initial state differs from the swarm's, and no peer is up to take the swarm's "
                     "from: it trains from its own start")

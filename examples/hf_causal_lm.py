@@ -16,10 +16,9 @@ task's (printable ASCII, the Python standard library's own source). This file is
       python examples/hf_causal_lm.py   # prints one JSON summary; exit status 1 if a check failed
 
 The script starts the first node with the protocol and the task, and two more that join it.
-Each is given `--resume` on an empty checkpoint directory with `--resume-quorum 3`: a restart
-with no checkpoint anywhere starts fresh, and its quorum wait is a barrier, so no peer trains
-alone while the others are still importing torch. All three stop at `--steps`, after a sync
-(no round in flight), and write a checkpoint there. The script then checks what the CLI lets
+Each is given `--min-peers 3`: no peer trains alone while the others are still importing
+torch, and the joiners start from the first node's state. All three stop at `--steps`, after
+a sync (no round in flight), and write a checkpoint there. The script then checks what the CLI lets
 it see: the same eval loss on every peer, bit-identical outer parameters in the three final
 checkpoints, and the tied embedding still tied (in the model each peer evaluates, in its local
 model, and counted once in the vector the swarm averages).
@@ -199,8 +198,8 @@ def run_swarm(workdir: Path, steps: int, sync_every: int, fragments: int, timeou
     def args(i: int) -> list[str]:
         return ["--listen", "tcp://127.0.0.1:0", "--plaintext", *LIVENESS, "--steps", str(steps),
                 "--shard", f"{i}/{PEERS}", "--log-every", str(sync_every // fragments),
-                "--resume", str(ckpt[i]), "--resume-quorum", str(PEERS), "--resume-timeout-s", str(timeout_s),
-                "--checkpoint-every", str(steps)]
+                "--min-peers", str(PEERS), "--min-peers-timeout-s", str(timeout_s),
+                "--checkpoint-dir", str(ckpt[i]), "--checkpoint-every", str(steps)]
 
     first_only = ["--protocol", "streaming-diloco", "--task", "hf_causal_lm:task", "--lr", "3e-3",
                   "--sync-every", str(sync_every), "--fragments", str(fragments), "--overlap-steps", "1"]
@@ -300,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="keep logs and checkpoints here (default: a temporary dir)")
     a = parser.parse_args(argv)
     if a.workdir is not None and a.workdir.exists() and any(a.workdir.iterdir()):
-        parser.error(f"--workdir {a.workdir} is not empty: its peers would resume from the checkpoints in it")
+        parser.error(f"--workdir {a.workdir} is not empty: its old checkpoints would be checked as this run's")
     stride = a.sync_every // a.fragments
     if a.sync_every % a.fragments or stride < 2 or a.steps % stride:
         parser.error("--sync-every must be a multiple of --fragments, at least 2 steps apart, and --steps a "
