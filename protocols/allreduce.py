@@ -56,8 +56,8 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         self.reducers = [self.reducer]  # peer events reach it; its residuals are this peer's private state
         self.buffer_sync = None if config.local_buffers else BufferAverager(
             node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open)
-        if self.buffer_sync is not None and self.buffer_sync.reducer is not None:
-            self.side_reducers.append(self.buffer_sync.reducer)
+        if self.buffer_sync is not None:
+            self.side_reducers += self.buffer_sync.reducers
         self._serve()
 
     # ------------------------------------------------------------------ training thread

@@ -184,8 +184,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             node, model, f"{TOPIC_PREFIX}buffers", timeouts, self.is_open)
         self.agreement = AgreementCheck(node, f"{TOPIC_PREFIX}agree", timeouts, self.is_open) \
             if config.check_every else None
-        self.side_reducers = [r for r in (self.buffer_sync.reducer if self.buffer_sync else None,
-                                          self.agreement.reducer if self.agreement else None) if r is not None]
+        self.side_reducers = [*(self.buffer_sync.reducers if self.buffer_sync else ()),
+                              *((self.agreement.reducer,) if self.agreement else ())]
         self._eval: tuple[nn.Module, list[FragmentView]] | None = None
         self._publish()
         self._serve({SYNC_TOPIC: self._on_sync})
