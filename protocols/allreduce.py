@@ -9,6 +9,11 @@
 
 A peer that fell behind (a joiner whose state is a few rounds old) learns from the owners'
 refusals which round the swarm is in and jumps there, so it costs the swarm one round.
+
+Replicas are meant to be bit-identical. Every `check_every` steps the members compare digests
+of their parameters (`guard.py`); one that drifted (built with other initial weights, or left
+with its own values in a shard whose owner did not answer) takes the first member's
+parameters and optimizer state, and logs it.
 """
 from __future__ import annotations
 
@@ -39,9 +44,14 @@ class AllReduceConfig(ProtocolConfig):
     # Floating buffers (BatchNorm statistics) are averaged every step, after the gradients, in a
     # small lossless round of their own; True keeps them each peer's own (FedBN).
     local_buffers: bool = False
+    # Every this many steps the members check that their parameters agree bit for bit (a tiny
+    # round of digests) and repair a drifted one; 0: never.
+    check_every: int = 0
 
     def __post_init__(self) -> None:
         check_reduce_config(self)
+        if self.check_every < 0:
+            raise ValueError(f"check_every must be >= 0, got {self.check_every}")
 
 
 @register
@@ -58,6 +68,7 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
             node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open)
         if self.buffer_sync is not None:
             self.side_reducers += self.buffer_sync.reducers
+        self.guard = self._drift_guard("allreduce.")
         self._serve()
 
     # ------------------------------------------------------------------ training thread
@@ -78,6 +89,8 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
             self.optimizer.step()
         if self.buffer_sync is not None and len(members) > 1:
             self.buffer_sync.sync(t, members)
+        if self.guard is not None and self.guard.due(t) and len(members) > 1:
+            self.guard.run(t, members)
         self.step_count = max(self.step_count, t + 1)
         if result.lost:
             log.warning("%s: allreduce step %d went on without %s", self.node.peer_id, t, list(result.lost))
