@@ -233,19 +233,14 @@ def test_each_peer_sends_about_two_vectors_times_p_minus_1_over_p(make_node):
     world, dim = 4, 4000
     nodes = swarm(make_node, world)
     models = [nn.Linear(dim, 1, bias=False) for _ in range(world)]
-    with torch.no_grad():  # one starting point, as a swarm has: the drift guard has nothing to repair
-        for m in models[1:]:
-            m.weight.copy_(models[0].weight)
-    protos = [get_protocol("allreduce").create(n, m, {"check_every": 2}) for n, m in zip(nodes, models)]
+    # the gradient round alone: the drift guard's round is measured in test_drift_guard.py
+    protos = [get_protocol("allreduce").create(n, m, {"check_every": 0}) for n, m in zip(nodes, models)]
     x = torch.randn(2, dim)
-    reports = in_parallel([lambda r=r: [protos[r].step(lambda: models[r](x).sum()) for _ in range(2)]
-                           for r in range(world)])
+    reports = in_parallel([lambda r=r: protos[r].step(lambda: models[r](x).sum()) for r in range(world)])
     ideal = 2 * (world - 1) / world * dim * 4
-    for checked, plain in reports:
-        assert ideal <= plain.bytes_sent <= ideal * 1.1, plain
-        assert ideal <= plain.bytes_received <= ideal * 1.1, plain
-        # step 0 ran the drift guard's round too: 16 values, in P - 1 parts and as many averages
-        assert 0 < checked.bytes_sent - plain.bytes_sent < 2000, (checked, plain)
+    for report in reports:
+        assert ideal <= report.bytes_sent <= ideal * 1.1, report
+        assert ideal <= report.bytes_received <= ideal * 1.1, report
 
 
 def test_compressed_replicas_stay_identical_and_near_exact(make_node):
