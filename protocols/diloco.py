@@ -78,9 +78,9 @@ class DiLoCoConfig(ProtocolConfig):
     local_buffers: bool = False
     # Every this many syncs of fragment 0 the members check that their outer parameters agree bit
     # for bit (a tiny round of digests); a swarm that drifted apart (peers built with different
-    # initial weights, say) takes the outer state of its first member. 0: never (the default
-    # while its cost, one more small round per check, is not yet in the measured figures).
-    check_every: int = 0
+    # initial weights, say) takes the outer state of its first member. 0: never. The default costs
+    # 0.14% more bytes (benchmarks/drift_guard.py, docs/benchmarks.md).
+    check_every: int = 10
 
     def __post_init__(self) -> None:
         if self.check_every < 0:

@@ -95,7 +95,7 @@ class SketchDPConfig(ProtocolConfig):
     weight_decay: float = 0.0
     reply_grace_s: float = 2.0
     retry_interval_s: float = 0.05
-    check_every: int = 0  # rounds between drift checks of x_t (guard.py); 0: never
+    check_every: int = 100  # rounds between drift checks of x_t (guard.py), round 0 first; 0: never
 
     def __post_init__(self) -> None:
         sketch_codec(self.sketch)

@@ -61,8 +61,8 @@ def agree(protos: list) -> bool:
 
 
 @pytest.mark.parametrize("variant", list(OPTIONS))
-def test_the_guard_repairs_peers_that_started_apart_and_they_stay_identical(make_node, caplog, variant):
-    protos = trained(make_node, variant, 100)  # step 0 is checked
+def test_the_default_guard_repairs_peers_that_started_apart_and_they_stay_identical(make_node, caplog, variant):
+    protos = trained(make_node, variant, None)  # the default: step 0 is checked
     assert agree(protos)
     assert sorted(p.guard.repairs for p in protos) == [0, 1, 1]  # every member but the first, once
     assert "my parameters differ from the swarm's" in caplog.text
@@ -96,7 +96,7 @@ def test_optimizer_state_that_does_not_fit_is_refused_and_changes_nothing():
 
 def test_the_first_member_serves_only_the_round_of_a_mismatch(make_node):
     nodes = swarm(make_node, 2)
-    protos = [get_protocol("allreduce").create(n, model_of(0), {"check_every": 100}) for n in nodes]
+    protos = [get_protocol("allreduce").create(n, model_of(0), {}) for n in nodes]
     guard = protos[0].guard
 
     def ask(body: dict) -> Refusal | None:
