@@ -10,10 +10,10 @@ peer; nearly all of it is headers). DiLoCo checks every K syncs of fragment 0, s
 K * H steps holds exactly one check (round 0 of fragment 0) and K syncs of every fragment: its
 ratio is the long-run one, whatever H (a fragment's bytes per sync do not depend on H, so the
 default H = 8 only keeps the run short). allreduce and sketch-dp check every K steps
-(rounds), and step 0 is checked, so a run of K steps holds one check. Runs repeat bit for bit
-(seeded keys, member-order sums), so `on - off` is exactly the guard's bytes; the bytes on the
-guard's own topics (`*.agree`, and `*.sync` when a peer is repaired: none here, every peer
-starts from the same weights) are printed too. Bytes are per peer, the protocol's topics
+(rounds), and step 0 is checked, so a run of K steps holds one check. Runs train the same
+bits both times (seeded keys, member-order sums), so `on - off` is the guard's bytes, give or
+take a few dozen bytes of headers; the bytes on the guard's own topics (`*.agree`, and `*.sync`
+when a peer is repaired: none here, every peer starts from the same weights) are printed too. Bytes are per peer, the protocol's topics
 (requests and replies, headers included), membership traffic left out.
 """
 from __future__ import annotations
