@@ -13,8 +13,9 @@ default H = 8 only keeps the run short). allreduce and sketch-dp check every K s
 (rounds), and step 0 is checked, so a run of K steps holds one check. Runs train the same
 bits both times (seeded keys, member-order sums), so `on - off` is the guard's bytes, give or
 take a few dozen bytes of headers; the bytes on the guard's own topics (`*.agree`, and `*.sync`
-when a peer is repaired: none here, every peer starts from the same weights) are printed too. Bytes are per peer, the protocol's topics
-(requests and replies, headers included), membership traffic left out.
+when a peer is repaired: none here, every peer starts from the same weights) are printed too.
+Bytes are per peer, the protocol's topics (requests and replies, headers included), membership
+traffic left out.
 """
 from __future__ import annotations
 

@@ -64,9 +64,10 @@ class BackpropProtocol(Protocol):
         return guard
 
     def _replica_state(self) -> State:
-        """What a drifted peer takes from the first member: parameters and optimizer state (a copy)."""
+        """What a drifted peer takes from the first member: parameters and optimizer state, a
+        copy in host memory (kept until the next check, it spares an accelerator's)."""
         header, tensors = optimizer_to_wire(self.optimizer)
-        return {"optimizer": header}, [self.flat.read_params(), *tensors]
+        return {"optimizer": header}, [self.flat.read_params().cpu(), *tensors]
 
     def _take_replica_state(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         params = tensors[0] if tensors else None

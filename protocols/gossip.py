@@ -395,7 +395,7 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
         if self.numel == self.flat.numel:
             return params
         assert self.buffers is not None
-        return torch.cat([params, self.buffers.read_floats().cpu()])
+        return torch.cat([params, self.buffers.read_floats().to(params.device)])
 
     def _add_mixed(self, delta: torch.Tensor, their_ints: torch.Tensor | None) -> None:
         self.flat.add_to_params(delta[:self.flat.numel])
