@@ -90,8 +90,8 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
             self.optimizer.step()
         if self.buffer_sync is not None and len(members) > 1:
             self.buffer_sync.sync(t, members)
-        if self.guard is not None and self.guard.due(t) and len(members) > 1:
-            self.guard.run(t, members)
+        if self.guard is not None and self.guard.due(t) and len(members) > 1 and result.ahead <= t:
+            self.guard.run(t, members)  # (a peer that was late checks at the swarm's next check)
         self.step_count = max(self.step_count, t + 1)
         if result.lost:
             log.warning("%s: allreduce step %d went on without %s", self.node.peer_id, t, list(result.lost))

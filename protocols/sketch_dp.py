@@ -275,7 +275,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
                 self.flat.read_params(self.anchor)
             self.accountant.step(self.sigma, c.rate)
             self._check_budget()
-        if self.guard is not None and self.guard.due(t) and len(members) > 1:
+        if self.guard is not None and self.guard.due(t) and len(members) > 1 and result.ahead <= t:
             self.guard.run(t, members)  # on x_{t+1}, which every peer holds
         self.step_count = max(self.step_count, s + 1)
         if result.lost:
