@@ -41,8 +41,8 @@ class AllReduceConfig(ProtocolConfig):
     weight_decay: float = 0.0
     reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
     retry_interval_s: float = 0.05  # re-send a part to an owner whose protocol is not up yet
-    # Floating buffers (BatchNorm statistics) are averaged every step, after the gradients, in a
-    # small lossless round of their own; True keeps them each peer's own (FedBN).
+    # Floating buffers (BatchNorm statistics) are averaged, integer ones set to their maximum, every
+    # step after the gradients, in small lossless rounds of their own; True: each peer's own (FedBN).
     local_buffers: bool = False
     # Every this many steps (step 0 first) the members check that their parameters agree bit for
     # bit (a tiny round of digests) and repair a drifted one; 0: never. The default costs 0.002%

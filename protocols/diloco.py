@@ -73,8 +73,8 @@ class DiLoCoConfig(ProtocolConfig):
     fragment_assignment: str = "strided"  # strided | sequential (see fragments.py)
     reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
     retry_interval_s: float = 0.05  # re-ask a peer that is not ready yet
-    # Floating buffers (BatchNorm statistics) are averaged at every sync of fragment 0, so that
-    # every peer's eval_model() agrees; True keeps them each peer's own (FedBN).
+    # Floating buffers (BatchNorm statistics) are averaged, integer ones set to their maximum, at
+    # every sync of fragment 0, so that every peer's eval_model() agrees; True: each peer's own (FedBN).
     local_buffers: bool = False
     # Every this many syncs of fragment 0 the members check that their outer parameters agree bit
     # for bit (a tiny round of digests); a swarm that drifted apart (peers built with different
