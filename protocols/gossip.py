@@ -235,7 +235,8 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
                 body, payload = {"seq": seq, "full": True}, (self.x_hat.clone(),)
             else:
                 body, payload = {"seq": seq, "full": False, "packet": packet.header}, packet.buffers
-            body["buffers"] = len(buffers)  # lossless, after the parameters' frames
+            if buffers:
+                body["buffers"] = len(buffers)  # lossless, after the parameters' frames
             sends.append((j, self.node.send(j, CHOCO_TOPIC, body, (*payload, *buffers))))
         for j, fut in sends:
             try:
