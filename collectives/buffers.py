@@ -16,6 +16,11 @@ takes ceil(P / SLOTS) of these rounds, one after another. The divisor is known o
 member's part reached every owner: after a round that went on without someone, the integers
 stay each peer's own until the next sync (the floating buffers are averaged all the same).
 Complex buffers are neither, and stay each peer's own.
+
+Only persistent buffers (those in the model's `state_dict`) are exchanged. A non-persistent
+one (an attention mask, position ids, a rotary cache) is a constant the model derives from its
+config: the same on every peer, and never learned. A Hugging Face GPT-2's `position_ids`
+would otherwise cost 256 bytes per position per sync, for nothing.
 """
 from __future__ import annotations
 
@@ -43,7 +48,8 @@ class ModelBuffers:
     the integer ones (bool included) as one int64 vector, each on the buffers' own device."""
 
     def __init__(self, model: nn.Module) -> None:
-        buffers = list(model.buffers())
+        persistent = {id(t) for t in model.state_dict(keep_vars=True).values()}
+        buffers = [b for b in model.buffers() if id(b) in persistent]
         self.floats = [b for b in buffers if b.is_floating_point()]
         self.ints = [b for b in buffers if not (b.is_floating_point() or b.is_complex())]
         self.float_numel = sum(b.numel() for b in self.floats)

@@ -93,3 +93,16 @@ def test_the_maximum_is_taken_over_every_member_in_rounds_of_slots(make_node, mo
         assert model.flag.tolist() == [True, False]
         assert model.mean.tolist() == [1.0, 1.0]
         assert sync.maxed is not None and sync.maxed.tolist() == [5, -(2**40) + 2, 2**51, 2, 7, 1, 0]
+
+
+def test_non_persistent_buffers_are_not_exchanged():
+    """A constant the model derives from its config (a mask, position ids) is not state."""
+    from torch import nn
+
+    from starling.collectives.buffers import ModelBuffers
+
+    model = nn.BatchNorm1d(3)
+    model.register_buffer("position_ids", torch.arange(512), persistent=False)
+    model.register_buffer("mask", torch.ones(4, 4), persistent=False)
+    buffers = ModelBuffers(model)
+    assert buffers.float_numel == 6 and buffers.int_numel == 1  # running stats and num_batches_tracked
