@@ -2,6 +2,8 @@
 
 Joining is a hello to one known peer, which answers with its peer table (records signed by
 their owners) and the swarm config; the joiner then connects to every peer it learned of.
+A node's swarm config comes from its own start or from that answer, never from a hello it
+receives (a hello's config is only checked against its own).
 Liveness comes from heartbeats: every interval a node pings a few random peers (all of them
 in a small swarm) with the beat counters it heard from everyone, so the swarm's cost is
 n * fanout pings, not n^2; an id in a digest that a node has no record of is asked for
@@ -173,13 +175,14 @@ class Swarm:
         if node.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
             raise WireError(RejectReason.SPOOFED_SENDER, "hello record's key does not own this connection",
                             field="record")
+        # A hello's config is only checked against ours, never taken: a node takes its config
+        # from its own start or from the peer it joined through. A node started without one
+        # once adopted the first hello's, so any stranger could pick what it trained.
         theirs = body[1]
         if theirs is not None:
             if not isinstance(theirs, dict):
                 raise WireError(RejectReason.BAD_FIELD, "swarm config must be a map", field="config")
-            if node.swarm_config is None:
-                node.swarm_config = dict(theirs)
-            conflicts = config_conflicts(node.swarm_config, theirs)
+            conflicts = config_conflicts(node.swarm_config or {}, theirs)
             if conflicts:
                 raise rpc.ConfigConflictError(_config_conflict_text(conflicts))
         # A joiner (it asks for the table) is announced to the others: one message each, no
