@@ -65,6 +65,7 @@ class RejectReason(str, Enum):
     SPOOFED_SENDER = "spoofed_sender"
     UNKNOWN_TOPIC = "unknown_topic"
     HANDLER_ERROR = "handler_error"
+    NOT_ALLOWED = "not_allowed"  # a peer record whose key is not on the node's allowlist
 
 
 class WireError(ValueError):
