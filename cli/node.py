@@ -219,6 +219,7 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
     """The node's training loop: one JSON progress line every `log_every` steps."""
     import time
 
+    from starling.node.transfer import TransferError
     from starling.runtime import Trainer, TrainSpec, shard_for
 
     spec = TrainSpec.from_swarm_config(node.swarm_config)
@@ -229,7 +230,14 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
     if resumed is None and joined and node.live_peers():
         # the swarm's state, not this peer's own start (see initial_state_differs); the first
         # node (no --join) is where the swarm's state starts, whoever joined it meanwhile
-        trainer.fetch_state(deadline_s=state_fetch_timeout_s)
+        try:
+            trainer.fetch_state(deadline_s=state_fetch_timeout_s, stop=stop)
+        except TransferError:
+            if not stop.is_set():
+                raise
+            log.info("stopped while fetching the swarm's state")
+            trainer.close()
+            return
     elif resumed is None and trainer.initial_state_differs:
         log.warning("this peer's initial state differs from the swarm's, and no peer is up to take the swarm's "
                     "from: it trains from its own start")

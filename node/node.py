@@ -19,6 +19,7 @@ import concurrent.futures
 import itertools
 import logging
 import random
+import threading
 import time
 import typing
 from collections.abc import Callable, Sequence
@@ -277,11 +278,13 @@ class Node:
         self._blobs.publish(name, provider)
 
     def fetch_blob(self, name: str, peers: Sequence[str] | None = None,
-                   config: TransferConfig | None = None, *, deadline_s: float = 0.0) -> tuple[str, bytes]:
+                   config: TransferConfig | None = None, *, deadline_s: float = 0.0,
+                   stop: threading.Event | None = None) -> tuple[str, bytes]:
         """Fetch a named blob in digest-checked chunks from the first peer that has it
         (default: every live peer, in random order so joiners spread over the swarm). Until
         `deadline_s` has passed, rounds over the peers (the live ones of that moment by
-        default) repeat with backoff. Returns (peer, bytes); raises TransferError."""
+        default) repeat with backoff; setting `stop` ends that at once. Returns (peer,
+        bytes); raises TransferError."""
         rng = random.Random()
 
         def candidates() -> list[str]:
@@ -291,7 +294,8 @@ class Node:
             rng.shuffle(live)
             return live
 
-        return self._call(afetch_patiently(self, candidates, name, config or self.config.transfer, deadline_s, rng))
+        return self._call(afetch_patiently(self, candidates, name, config or self.config.transfer, deadline_s, rng,
+                                            stop))
 
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
         """Start a coroutine on the network thread and return at once (for overlap)."""

@@ -24,6 +24,7 @@ import hashlib
 import itertools
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -214,31 +215,30 @@ async def afetch(node: Node, peer: str, name: str, config: TransferConfig | None
     return bytes(out)
 
 
-async def afetch_from_any(node: Node, peers: Sequence[str], name: str,
-                          config: TransferConfig | None = None) -> tuple[str, bytes]:
-    """Try each peer in turn, once; returns (peer, blob). Raises TransferError if all fail."""
-    return await afetch_patiently(node, lambda: peers, name, config, deadline_s=0.0)
-
-
 async def afetch_patiently(node: Node, candidates: Callable[[], Sequence[str]], name: str,
                            config: TransferConfig | None = None, deadline_s: float = 0.0,
-                           rng: random.Random | None = None) -> tuple[str, bytes]:
+                           rng: random.Random | None = None,
+                           stop: threading.Event | None = None) -> tuple[str, bytes]:
     """Fetch `name` from whichever peer can supply it: each of `candidates()` in turn, then,
     until `deadline_s` has passed, every peer again in rounds after a backoff that doubles
     (with jitter: joiners turned away together do not come back together). A busy source,
     one that failed mid-way and one that lacks the blob are all retried: a peer that has not
-    built its state yet serves it a moment later. Returns (peer, blob); raises TransferError
-    saying how many peers and attempts were tried."""
+    built its state yet serves it a moment later. The first round tries every peer whatever
+    the deadline; `stop` (set by another thread) ends the waiting at once. Returns (peer,
+    blob); raises TransferError saying how many peers and attempts were tried."""
     cfg = config or TransferConfig()
     rng = rng or random.Random()
     loop = asyncio.get_running_loop()
     started = loop.time()
+    give_up_at = started + deadline_s
     rounds, attempts, tried = 0, 0, set()
     last: dict[str, TransferError] = {}
     while True:
         rounds += 1
         peers = list(candidates())
         for peer in peers:
+            if rounds > 1 and (loop.time() >= give_up_at or _stopped(stop)):
+                break
             attempts += 1
             tried.add(peer)
             try:
@@ -246,19 +246,29 @@ async def afetch_patiently(node: Node, candidates: Callable[[], Sequence[str]], 
             except TransferError as exc:
                 log.log(logging.INFO if exc.reason is Refusal.BUSY else logging.WARNING, "%s", exc)
                 last[peer] = exc
-        left = started + deadline_s - loop.time()
-        if left <= 0:
+        left = give_up_at - loop.time()
+        if left <= 0 or _stopped(stop):
             break
         wait = min(left, rng.uniform(0.5, 1.0) * min(cfg.retry_backoff_max_s, cfg.retry_backoff_s * 2 ** (rounds - 1)))
         log.warning("%s: no peer could supply %r in round %d (%s); trying again in %.1f s (%.0f s left)",
                     node.peer_id, name, rounds, _outcomes(peers, last), wait, left)
-        await asyncio.sleep(wait)
+        resume_at = loop.time() + wait
+        while not _stopped(stop) and (pause := resume_at - loop.time()) > 0:
+            await asyncio.sleep(min(pause, 0.1) if stop is not None else pause)
     elapsed = loop.time() - started
-    errors = "; ".join(str(e) for e in last.values()) or "no peers to fetch from"
+    errors = [str(e) for e in last.values()]
+    if len(errors) > 3:
+        errors[3:] = [f"and {len(errors) - 3} more"]
+    why = "stopped" if _stopped(stop) else _outcomes(list(last), last)
+    detail = "; ".join(errors) or "no peers to fetch from"
+    all_busy = bool(last) and all(e.reason is Refusal.BUSY for e in last.values())
     raise TransferError(f"no peer could supply {name!r}: {attempts} attempts on {len(tried)} peers in "
-                        f"{rounds} rounds over {elapsed:.1f} s ({_outcomes(list(last), last)}): {errors}",
-                        reason=Refusal.BUSY if last and all(e.reason is Refusal.BUSY for e in last.values())
-                        else None)
+                        f"{rounds} rounds over {elapsed:.1f} s ({why}): {detail}",
+                        reason=Refusal.BUSY if all_busy else None)
+
+
+def _stopped(stop: threading.Event | None) -> bool:
+    return stop is not None and stop.is_set()
 
 
 def _outcomes(peers: list[str], errors: dict[str, TransferError]) -> str:

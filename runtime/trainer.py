@@ -225,14 +225,16 @@ class Trainer:
             log.info("%s: this peer's initial state (digest %s) differs from the swarm's (%s); it takes the "
                      "swarm's state instead of training from its own start", self.node.peer_id, digest, initial)
 
-    def fetch_state(self, peers: list[str] | None = None, deadline_s: float = FETCH_STATE_DEADLINE_S) -> str:
+    def fetch_state(self, peers: list[str] | None = None, deadline_s: float = FETCH_STATE_DEADLINE_S,
+                    stop: threading.Event | None = None) -> str:
         """A joiner's catch-up: the protocol state of some live peer, at that peer's step.
         A busy or failing source sends it to the others, then round after round with backoff
-        until `deadline_s` has passed; then TransferError says what was tried."""
+        until `deadline_s` has passed (or `stop` is set); then TransferError says what was
+        tried."""
         import torch
 
         assert self.proto is not None, "create_protocol() first"
-        source, blob = self.node.fetch_blob(STATE_BLOB, peers, deadline_s=deadline_s)
+        source, blob = self.node.fetch_blob(STATE_BLOB, peers, deadline_s=deadline_s, stop=stop)
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)  # then to my device
         state.pop(PRIVATE_STATE, None)  # the donor's own residuals are not the joiner's
         self.proto.load_state_dict(state)

@@ -1,5 +1,6 @@
 """`starling node start --join` against a first node whose transfer slots other members hold
-(issue 18): the joiner retries with backoff, says so, and gives up only at its deadline."""
+(issue 18): the joiner retries with backoff, says so, stops when told to, and gives up only at
+its deadline."""
 from __future__ import annotations
 
 import signal
@@ -48,6 +49,13 @@ def test_a_joiner_waits_out_members_that_hold_every_transfer_slot_and_gives_up_o
         assert "no peer could supply" in gave_up and "attempts on 5 peers" in gave_up, gave_up
         assert "1 busy, 4 without it" in gave_up, gave_up  # the squatters serve no state
         assert hasty.wait(60) == 2
+
+        stopped = subprocess.Popen(starling("node", "start", *FAST, "--join", first.address),
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(stopped)
+        Lines(stopped).text("trying again in")
+        stopped.send_signal(signal.SIGTERM)  # heard while it waits, not 120 s later
+        assert stopped.wait(60) == 0
 
         patient = subprocess.Popen(starling("node", "start", *FAST, "--join", first.address),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

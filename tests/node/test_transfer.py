@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 
 import pytest
 from conftest import TEST_LIVENESS, wait_until
@@ -137,6 +138,28 @@ def test_a_joiner_gives_up_at_its_deadline_and_says_what_it_tried(make_node):
     with pytest.raises(TransferError, match=r"attempts on 1 peers in \d+ rounds") as info:
         joiner.fetch_blob("state", peers=[a.peer_id], config=patient, deadline_s=1.0)
     assert info.value.reason is Refusal.BUSY and "1 busy" in str(info.value)
+
+
+def test_stop_ends_a_patient_fetch_at_once(make_node, caplog):
+    a = _serving(make_node, b"x" * 100_000, idle_timeout_s=60.0, max_transfers=2)
+    squatter = make_node("tcp", join=[a.address])
+    assert _open_many(squatter, a, 2) == (2, [])
+    joiner = make_node("tcp", join=[a.address])
+    stop, outcome = threading.Event(), []
+
+    def fetch() -> None:
+        try:
+            joiner.fetch_blob("state", peers=[a.peer_id], deadline_s=600, stop=stop)
+        except TransferError as exc:
+            outcome.append(exc)
+
+    with caplog.at_level(logging.INFO, logger="starling.node.transfer"):
+        worker = threading.Thread(target=fetch)
+        worker.start()
+        assert wait_until(lambda: any("trying again" in r.getMessage() for r in caplog.records))
+        stop.set()
+        worker.join(30)
+    assert not worker.is_alive() and len(outcome) == 1 and "(stopped)" in str(outcome[0])
 
 
 def test_only_progress_keeps_a_transfer_open(make_node):
