@@ -81,7 +81,7 @@ def node_start(
     resume_timeout_s: float = typer.Option(
         300.0, "--resume-timeout-s", help="With --resume: how long to wait for that quorum."),
     state_fetch_timeout_s: float = typer.Option(
-        120.0, "--state-fetch-timeout-s", min=0.0,
+        120.0, "--state-fetch-timeout-s",
         help="A joiner's patience for the swarm's state: a busy or failing peer sends it to the others, then "
              "it tries them all again with backoff until this has passed."),
     device: Optional[str] = typer.Option(
@@ -126,6 +126,7 @@ def node_start(
         rank_world = _parse_shard(shard)
         check_seconds("--resume-timeout-s", resume_timeout_s)
         check_seconds("--min-peers-timeout-s", min_peers_timeout_s)
+        check_seconds("--state-fetch-timeout-s", state_fetch_timeout_s)
         placement = Placement.parse(device, dtype, autocast, state_device)
         wanted: dict[str, Any] = {}
         if protocol is not None:
