@@ -12,8 +12,18 @@ import typer
 from starling.cli.shared import EXPECTED_ERRORS, extra_options, fail, setup_logging
 from starling.common import option_name, parse_options
 
-DEFAULT_SIM_PROTOCOL = "gossip"
-DEFAULT_SIM_STEPS = 60  # the default command (a run plus its allreduce baseline) takes about a minute on 2 cores
+# The default command shows what the project is for: Streaming DiLoCo against an all-reduce
+# baseline on the same tokens, in about a minute on 2 cores (a run plus its baseline).
+DEFAULT_SIM_PROTOCOL = "streaming-diloco"
+DEFAULT_SIM_STEPS = 200
+# ... with a sync every 40 steps: 5 outer rounds in 200 steps (the protocol's own default,
+# H = 100, is for runs of thousands of steps). Applies when the protocol is the default one
+# and the user sets no --sync-every.
+DEFAULT_SIM_OPTIONS = {"sync_every": 40}
+# AdamW learning rates tuned per task (benchmarks/diloco.py's sweep for charlm: 3e-3 for
+# allreduce and for DiLoCo's inner loop). A run with AdamW that names no --lr uses it, and its
+# baseline trains with the run's optimizer and lr: the comparison is the fair one.
+TUNED_ADAMW_LR = {"charlm": 3e-3}
 
 
 def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor: Optional[str],
@@ -26,6 +36,7 @@ def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor
     `baseline` folder beside the run's peers."""
     from dataclasses import fields, replace
 
+    from starling.protocols import config_from_options
     from starling.runtime import LinkModel, SimConfig, check_config, parse_churn, parse_rate, resolve_protocol
 
     if latency_ms < 0:
@@ -34,8 +45,15 @@ def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor
         raise ValueError(f"--loss must be in [0, 1), got {loss:g}")
     link = LinkModel(parse_rate(bandwidth) if bandwidth else None, latency_ms / 1000.0, loss, seed)
     options = parse_options(opt, "protocol option")
+    if protocol == DEFAULT_SIM_PROTOCOL:
+        for name, value in DEFAULT_SIM_OPTIONS.items():
+            if not any(option_name(k) == name for k in options):
+                options[name] = value
     if lr is not None:
         options["lr"] = lr
+    elif not any(option_name(k) == "lr" for k in options) and _optimizer_of(protocol, options) == "adamw" \
+            and task in TUNED_ADAMW_LR:
+        options["lr"] = TUNED_ADAMW_LR[task]
     config = SimConfig(
         peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor,
         transport=transport or ("tcp" if processes else "inproc"), processes=processes, link=link,
@@ -45,13 +63,34 @@ def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor
     check_config(config)
     if baseline.lower() == "none":
         return config, None
-    # The baseline shares the hyper-parameters it knows (lr, timeouts), not the run's compressor.
+    # The baseline shares the hyper-parameters it knows (lr, timeouts), not the run's compressor,
+    # and trains with the run's (inner) optimizer and lr, defaults included.
     known = {f.name for f in fields(resolve_protocol(baseline).config_class)} - {"compressor"}
-    base = replace(config, protocol=baseline, compressor=None,
-                   options={k: v for k, v in options.items() if option_name(k) in known},
+    base_options = {option_name(k): v for k, v in options.items() if option_name(k) in known}
+    run = config_from_options(resolve_protocol(protocol).config_class, config.protocol_options())
+    inner = getattr(run, "inner_optimizer", None) or getattr(run, "optimizer", None)
+    if "optimizer" in known and inner is not None:
+        base_options.setdefault("optimizer", inner)
+    if "lr" in known:
+        base_options.setdefault("lr", run.lr)
+    base = replace(config, protocol=baseline, compressor=None, options=base_options,
                    checkpoint_dir=str(Path(config.checkpoint_dir) / "baseline") if config.checkpoint_dir else None)
     check_config(base)
     return config, base
+
+
+def _optimizer_of(protocol: str, options: dict[str, Any]) -> Optional[str]:
+    """The (inner) optimizer `protocol` trains with under `options`, if it names one."""
+    from dataclasses import fields
+
+    from starling.runtime import resolve_protocol
+
+    names = {f.name: f.default for f in fields(resolve_protocol(protocol).config_class)}
+    for field in ("inner_optimizer", "optimizer"):
+        if field in names:
+            given = [v for k, v in options.items() if option_name(k) == field]
+            return str(given[-1]) if given else str(names[field])
+    return None
 
 
 def _human_bytes(n: float) -> str:
@@ -66,23 +105,48 @@ def _fmt(value: Optional[float], spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def bytes_ratio(run: float, base: float) -> str:
+    """How a run's bytes compare with the baseline's, as a person reads it: "671x fewer",
+    "1.33x more", "same"."""
+    if not base:
+        return "-"
+    if run == base:
+        return "same"
+    if run == 0:
+        return "none sent"
+    ratio = base / run if run < base else run / base
+    figure = f"{ratio:.0f}" if ratio >= 10 else f"{ratio:.3g}"
+    return f"{figure}x {'fewer' if run < base else 'more'}"
+
+
+def _label(s: dict[str, Any]) -> str:
+    """ "protocol (compressor, optimizer lr)" for the table."""
+    info = (s.get("protocol_info") or {}).get("config") or {}
+    parts = [str(info["compressor"])] if info.get("compressor") not in (None, "none") else []
+    if "sync_every" in info:
+        parts.append(f"H {info['sync_every']}" + (f", F {info['fragments']}" if info.get("fragments", 1) > 1 else ""))
+    optimizer = info.get("inner_optimizer") or info.get("optimizer")
+    if optimizer is not None and "lr" in info:
+        parts.append(f"{optimizer} lr {info['lr']:g}")
+    return f"{s['protocol']} ({', '.join(parts)})" if parts else s["protocol"]
+
+
 def _print_table(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     base = summary.get("baseline")
-    table = Table(title=f"starling simulate: {summary['task']}, {summary['steps']} steps")
-    for column in ("protocol", "peers", "train loss", "eval loss", "sent/peer", "vs baseline", "wall s"):
-        table.add_column(column, justify="left" if column == "protocol" else "right", no_wrap=True)
-    rows = [(summary["protocol"], summary)]
+    table = Table(title=f"starling simulate: {summary['task']}, {summary['peers']} peers, {summary['steps']} steps "
+                        "each, the same tokens for every run")
+    for column in ("protocol", "train loss", "eval loss", "sent/peer", "vs baseline", "wall s"):
+        table.add_column(column, justify="left" if column == "protocol" else "right", no_wrap=column != "protocol")
+    rows = [(_label(summary), summary)]
     if base:
-        rows.append((f"{base['protocol']} (baseline)", base))
+        rows.append((f"{_label(base)}, baseline", base))
     for label, s in rows:
-        ratio = "-"
-        if base and base["bytes_sent_per_peer"]:
-            ratio = f"{s['bytes_sent_per_peer'] / base['bytes_sent_per_peer']:.3g}x"
-        table.add_row(label, str(s["peers"]), _fmt(s["train_loss"]), _fmt(s["eval_loss"]),
-                      _human_bytes(s["bytes_sent_per_peer"]), ratio, f"{s['wall_s']:.1f}")
+        ratio = bytes_ratio(s["bytes_sent_per_peer"], base["bytes_sent_per_peer"]) if base and s is not base else "-"
+        table.add_row(label, _fmt(s["train_loss"]), _fmt(s["eval_loss"]), _human_bytes(s["bytes_sent_per_peer"]),
+                      ratio, f"{s['wall_s']:.1f}")
     console = Console(width=None if sys.stdout.isatty() else 120)
     console.print(table)
     privacy = _privacy_table(summary)

@@ -69,7 +69,8 @@ def test_baseline_runs_with_the_same_task_and_steps_and_files_are_written(tmp_pa
     for key in FIELDS:
         assert key in base, key
     assert (base["protocol"], base["task"], base["steps"], base["peers"]) == ("allreduce", "quadratic", 3, 2)
-    assert base["bytes_sent_per_peer"] > 0 and base["options"] == {}  # "note" is not an allreduce option
+    # the run's lr (its default, 0.1), not "note" (not an allreduce option)
+    assert base["bytes_sent_per_peer"] > 0 and base["options"] == {"lr": 0.1}
     assert json.loads((out / "summary.json").read_text()) == summary
     assert len((out / "peer-0.jsonl").read_text().splitlines()) == 3
     assert json.loads((out / "baseline" / "summary.json").read_text())["protocol"] == "allreduce"
@@ -78,7 +79,7 @@ def test_baseline_runs_with_the_same_task_and_steps_and_files_are_written(tmp_pa
     table = runner.invoke(app, ["simulate", *TINY, "--baseline", "allreduce"])
     assert table.exit_code == 0, table.output
     assert "test-quiet" in table.stdout and "allreduce" in table.stdout and "vs baseline" in table.stdout
-    assert "0x" in table.stdout  # test-quiet sends nothing: 0x the baseline's bytes
+    assert "none sent" in table.stdout  # test-quiet sends nothing
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -164,3 +165,26 @@ def test_plot_draws_a_png_of_runs(tmp_path):
     result = runner.invoke(app, ["plot", str(tmp_path / "a"), "--out", str(tmp_path / "p.png")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bytes_ratio_reads_as_a_person_says_it():
+    from starling.cli.simulate import bytes_ratio
+
+    assert bytes_ratio(1, 671) == "671x fewer"
+    assert bytes_ratio(133, 100) == "1.33x more"
+    assert bytes_ratio(50, 100) == "2x fewer"
+    assert bytes_ratio(100, 100) == "same" and bytes_ratio(0, 100) == "none sent" and bytes_ratio(5, 0) == "-"
+
+
+@pytest.mark.slow
+def test_the_default_job_shows_streaming_diloco_sending_far_fewer_bytes_than_a_fair_baseline():
+    """The main job's defaults, shortened to 40 steps (one sync of every fragment)."""
+    result = runner.invoke(app, ["simulate", "--steps", "40", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.splitlines()[-1])
+    base = summary["baseline"]
+    assert summary["protocol"] == "streaming-diloco" and base["protocol"] == "allreduce"
+    run_config, base_config = summary["protocol_info"]["config"], base["protocol_info"]["config"]
+    assert (run_config["inner_optimizer"], run_config["lr"]) == ("adamw", 3e-3)  # tuned for charlm
+    assert (base_config["optimizer"], base_config["lr"]) == ("adamw", 3e-3)  # the run's: a fair baseline
+    assert 0 < summary["bytes_sent_per_peer"] < base["bytes_sent_per_peer"] / 20
