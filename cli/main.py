@@ -17,14 +17,29 @@ app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, add_completion=False,
 node_app = typer.Typer(no_args_is_help=True, help="Run or inspect a swarm node.")
 app.add_typer(node_app, name="node")
 
-# Registered in the order `starling --help` lists them.
-app.command()(keys.keygen)
-node_app.command("start", context_settings=EXTRA, epilog=EXTRA_HELP)(node.node_start)
-node_app.command("status")(node.node_status)
-app.command(context_settings=EXTRA, epilog=EXTRA_HELP)(simulate.simulate)
-app.command("protocols")(protocols.protocols_cmd)
-app.command()(plot.plot)
+# Every command's help ends with an example.
+EXAMPLES = {
+    "keygen": "starling keygen --out ~/.starling/identity.key",
+    "start": "starling node start --listen tcp://0.0.0.0:7000 --protocol streaming-diloco --task charlm "
+             "--checkpoint-dir ckpt",
+    "status": "starling node status 'tcp://203.0.113.5:7000#KEY' --json",
+    "simulate": "starling simulate --peers 8 --protocol gossip --topology ring --bandwidth 100mbit --out runs/ring",
+    "protocols": "starling protocols streaming-diloco",
+    "plot": "starling plot runs/ring runs/other --out loss.png",
+}
 
+
+def _epilog(name: str, more: str = "") -> str:
+    return f"{more}\n\nExample: {EXAMPLES[name]}" if more else f"Example: {EXAMPLES[name]}"
+
+
+# Registered in the order `starling --help` lists them.
+app.command(epilog=_epilog("keygen"))(keys.keygen)
+node_app.command("start", context_settings=EXTRA, epilog=_epilog("start", EXTRA_HELP))(node.node_start)
+node_app.command("status", epilog=_epilog("status"))(node.node_status)
+app.command(context_settings=EXTRA, epilog=_epilog("simulate", EXTRA_HELP))(simulate.simulate)
+app.command("protocols", epilog=_epilog("protocols"))(protocols.protocols_cmd)
+app.command(epilog=_epilog("plot"))(plot.plot)
 
 def main() -> None:
     app()

@@ -44,6 +44,7 @@ class OneLineErrors(TyperGroup):
 
     def main(self, args: Optional[Any] = None, prog_name: Optional[str] = None,  # type: ignore[override]
              complete_var: Optional[str] = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        click_style_metavars(self)
         if not standalone_mode:
             return super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                 standalone_mode=False, **extra)
@@ -62,6 +63,48 @@ class OneLineErrors(TyperGroup):
             typer.echo("starling: aborted", err=True)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+# Option types as Click (and Typer before 0.2x) print them; this Typer prints "<int>".
+_METAVARS = {"int": "INTEGER", "float": "FLOAT", "str": "TEXT", "path": "PATH", "Path": "PATH",
+             "list[str]": "TEXT", "list[Path]": "PATH", "int range": "INTEGER RANGE", "float range": "FLOAT RANGE"}
+
+
+def click_style_metavars(command: Any) -> None:
+    """Give every option of `command` and its subcommands the metavar Click users expect
+    (INTEGER, FLOAT, TEXT, PATH), and none to a flag, unless the option names its own."""
+    for param in getattr(command, "params", ()):
+        if getattr(param, "param_type_name", "") == "argument" and not getattr(param, "_starling_type", None):
+            try:  # an argument's metavar is its name in the help; only its type column changes
+                label = param.display_type(None).strip("<>")
+            except Exception:
+                continue
+            param._starling_type = _METAVARS.get(label, label.upper())
+            param.display_type_rich = lambda ctx, label=param._starling_type: label
+            continue
+        if getattr(param, "param_type_name", "") != "option" or param.metavar is not None:
+            continue
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+            continue
+        try:
+            label = param.display_type(None).strip("<>")
+        except Exception:  # a type this mapping does not know keeps Typer's own label
+            continue
+        param.metavar = _METAVARS.get(label, label.upper())
+    if not getattr(command, "_starling_help_metavar", False) and hasattr(command, "get_help_option"):
+        plain = command.get_help_option
+
+        def help_option(ctx: Any, plain: Any = plain) -> Any:
+            option = plain(ctx)
+            if option is not None:
+                option.metavar = ""  # --help is a flag
+            return option
+
+        command.get_help_option = help_option
+        command._starling_help_metavar = True
+    for sub in getattr(command, "commands", {}).values():
+        click_style_metavars(sub)
 
 
 def check_seconds(flag: str, value: float) -> float:

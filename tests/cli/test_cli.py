@@ -73,3 +73,15 @@ def test_a_binary_allowlist_is_one_clear_line_naming_the_file(tmp_path):
     assert result.exit_code != 0 and "Traceback" not in result.output
     lines = [l for l in result.output.splitlines() if l.strip()]
     assert len(lines) == 1 and str(keys) in lines[0] and "is not text" in lines[0], result.output
+
+
+@pytest.mark.parametrize("command", [[], ["keygen"], ["node"], ["node", "start"], ["node", "status"], ["simulate"],
+                                     ["protocols"], ["plot"]])
+def test_help_is_in_the_usual_click_form_with_an_example(command):
+    result = runner.invoke(app, [*command, "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "<bool>" not in result.output and "<int>" not in result.output and "<str>" not in result.output
+    if command and command != ["node"]:
+        assert "Example: starling" in result.output
+    if command == ["simulate"]:
+        assert "INTEGER" in result.output and "FLOAT" in result.output and "TEXT" in result.output
