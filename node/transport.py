@@ -279,6 +279,10 @@ class Transport:
                 continue
             for frames in batch:
                 await self._deliver(frames, key)
+            # Yield once per batch. pyzmq completes a recv at once while messages are queued,
+            # so without this a sender that never pauses keeps the loop in this reader: no
+            # other task (replies, heartbeats, training sends) would run until it stops.
+            await asyncio.sleep(0)
 
     async def _deliver(self, frames: list[zmq.Frame], key: str | None) -> None:
         if key is None:  # the ROUTER: first frame is the connection's routing id
