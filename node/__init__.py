@@ -21,6 +21,7 @@ from starling.node.membership import Liveness, PeerStatus, PeerView
 from starling.node.node import JoinError, Node, NodeConfig, SwarmConfigError, UnknownPeerError
 from starling.node.rpc import (
     BadRequestError,
+    BusyError,
     ConfigConflictError,
     ErrorCode,
     HandlerError,
@@ -39,9 +40,9 @@ from starling.node.transport import TransportConfig
 from starling.node.wire import Limits, Message, RejectReason, WireError
 
 __all__ = [
-    "BadRequestError", "ConfigConflictError", "ErrorCode", "HandlerError", "Identity", "JoinError", "KeyFileError",
-    "Limits", "Liveness", "Message", "NoHandlerError", "Node", "NodeConfig", "PeerAddress", "PeerStatus", "PeerView",
-    "Refusal", "RefusedError", "RejectReason", "RemoteError", "Reply", "RequestTimeout", "RpcError",
-    "SwarmConfigError", "TransferConfig", "TransferError", "TransportConfig", "UnknownPeerError", "WireError",
-    "parse_address", "refusal", "refusal_of",
+    "BadRequestError", "BusyError", "ConfigConflictError", "ErrorCode", "HandlerError", "Identity", "JoinError",
+    "KeyFileError", "Limits", "Liveness", "Message", "NoHandlerError", "Node", "NodeConfig", "PeerAddress",
+    "PeerStatus", "PeerView", "Refusal", "RefusedError", "RejectReason", "RemoteError", "Reply", "RequestTimeout",
+    "RpcError", "SwarmConfigError", "TransferConfig", "TransferError", "TransportConfig", "UnknownPeerError",
+    "WireError", "parse_address", "refusal", "refusal_of",
 ]

@@ -226,10 +226,12 @@ class Transport:
             if left:
                 self._sending[key] = left
 
-    async def reply(self, route: bytes, frames: Sequence[object]) -> None:
+    async def reply(self, route: bytes, frames: Sequence[object], *, wait: bool = True) -> None:
+        """Answer on the connection a request came in on; `wait=False` never waits (a busy
+        refusal must not hold up the reader that refuses)."""
         if self._router is None:
             raise SendError("node is not listening")
-        await self._send(self._router, [route, *frames], True, "reply")
+        await self._send(self._router, [route, *frames], wait, "reply")
 
     async def _send(self, sock: zmq.asyncio.Socket, frames: Sequence[object], wait: bool, what: str,
                     timeout_s: float | None = None) -> None:
