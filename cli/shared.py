@@ -6,7 +6,9 @@ stderr and a non-zero exit, never a traceback.
 """
 from __future__ import annotations
 
+import json
 import logging
+import math
 import sys
 from typing import Any, List
 
@@ -28,6 +30,30 @@ EXTRA_HELP = ("Any other --NAME VALUE is a hyper-parameter of the protocol (a fi
 def fail(message: str, code: int = 2) -> None:
     typer.echo(f"starling: error: {message}", err=True)
     raise typer.Exit(code)
+
+
+MAX_JSON_DEPTH = 64  # deeper parts of what is printed become "<too deep>"
+
+
+def json_text(value: Any) -> str:
+    """One line of JSON for any value, a remote node's answer included: parts JSON cannot
+    hold (nesting past MAX_JSON_DEPTH, keys that are not text, NaN, other types) are written
+    as text instead of raising."""
+    return json.dumps(_plain(value, MAX_JSON_DEPTH), allow_nan=False)
+
+
+def _plain(value: Any, depth: int) -> Any:
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, (dict, list, tuple)) and depth <= 0:
+        return "<too deep>"
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(k): _plain(v, depth - 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, depth - 1) for v in value]
+    return str(value)
 
 
 def setup_logging(level: str) -> None:
