@@ -52,8 +52,10 @@ class AdmissionConfig:
     requests_per_process: int = 1 << 17
     stranger_rate_per_s: float = 10.0  # each stranger's connection: public requests + rejects
     stranger_burst: float = 20.0
-    strangers_rate_per_s: float = 100.0  # all strangers of one node together
-    strangers_burst: float = 100.0
+    # all strangers of one node together; the burst lets a simulated swarm of hundreds of
+    # peers join through one node one after another (a joiner's hello comes from a stranger)
+    strangers_rate_per_s: float = 200.0
+    strangers_burst: float = 1000.0
     tracked_connections: int = 4096  # stranger buckets kept, least recently used dropped
     waste_batch: int = 64  # dropped or refused messages between two pauses of the reader
     waste_pause_s: float = 0.002
