@@ -6,7 +6,8 @@ helpers, and the typed errors of requests; the rest are the parts it is built fr
 - `node`: the `Node` facade;
 - `rpc`: requests, their error codes (`ErrorCode`) and typed `RemoteError`s, the named
   reasons a handler refuses work for (`Refusal`, `refusal()`);
-- `dispatch`: the inbound path (decode, authenticate, route to handlers, answer);
+- `dispatch`: the inbound path (decode, authenticate, route to handlers, answer), within the
+  bounds of `admission` (requests in flight per connection and per process, strangers' rates);
 - `swarm`: the membership protocol (hello, announce, want, heartbeats, leave), over
   `membership`, the peer table and failure detector;
 - `transport`, `wire`, `security`, `identity`, `address`: sockets, frames, CURVE, keys;
