@@ -10,9 +10,9 @@ from __future__ import annotations
 import typer
 
 from starling.cli import keys, node, plot, protocols, simulate
-from starling.cli.shared import EXTRA, EXTRA_HELP
+from starling.cli.shared import EXTRA, EXTRA_HELP, OneLineErrors
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
+app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, add_completion=False,
                   help="Starling: train one model across peers linked by slow, unreliable links.")
 node_app = typer.Typer(no_args_is_help=True, help="Run or inspect a swarm node.")
 app.add_typer(node_app, name="node")

@@ -11,10 +11,11 @@ from typing import Any, List, Optional
 
 import typer
 
-from starling.cli.shared import EXPECTED_ERRORS, extra_options, fail, json_text, setup_logging
+from starling.cli.shared import EXPECTED_ERRORS, check_seconds, extra_options, fail, json_text, setup_logging
 from starling.common import parse_options
 from starling.node.identity import Identity
 from starling.node.membership import Liveness
+from starling.node.transport import TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,13 @@ def node_start(
     heartbeat_s: float = typer.Option(1.0, "--heartbeat-s", help="Heartbeat interval."),
     suspect_after_s: float = typer.Option(3.0, "--suspect-after-s", help="Silence before a peer is suspect."),
     dead_after_s: float = typer.Option(10.0, "--dead-after-s", help="Silence before a peer is dead."),
+    probe_timeout_s: float = typer.Option(
+        1.0, "--probe-timeout-s",
+        help="A peer whose connection drops is probed; silent this long after, it is dead."),
+    watch_connections: bool = typer.Option(
+        True, "--watch-connections/--no-watch-connections",
+        help="Notice a crashed peer from its dropped connection (in about --probe-timeout-s) instead of only "
+             "from missed heartbeats (--dead-after-s)."),
     heartbeat_fanout: int = typer.Option(
         6, "--heartbeat-fanout", min=1,
         help="Peers pinged per heartbeat once the swarm is larger (beats of the others ride along)."),
@@ -52,6 +60,12 @@ def node_start(
     shard: Optional[str] = typer.Option(
         None, "--shard", help="This peer's data shard RANK/WORLD (default: picked from the peer id out of 16)."),
     log_every: int = typer.Option(10, "--log-every", help="Print a JSON progress line every N steps."),
+    min_peers: int = typer.Option(
+        1, "--min-peers", min=1,
+        help="Train only once this many peers (self included) are up: a swarm whose peers start together "
+             "then trains together from its first node's state."),
+    min_peers_timeout_s: float = typer.Option(
+        300.0, "--min-peers-timeout-s", help="With --min-peers: how long to wait for them."),
     checkpoint_dir: Optional[Path] = typer.Option(
         None, "--checkpoint-dir", help="Write checkpoints of the training state here (default: the --resume dir)."),
     checkpoint_every: int = typer.Option(100, "--checkpoint-every", min=1, help="Steps between checkpoints."),
@@ -106,6 +120,8 @@ def node_start(
         if lr is not None:
             options["lr"] = str(lr)
         rank_world = _parse_shard(shard)
+        check_seconds("--resume-timeout-s", resume_timeout_s)
+        check_seconds("--min-peers-timeout-s", min_peers_timeout_s)
         placement = Placement.parse(device, dtype, autocast, state_device)
         wanted: dict[str, Any] = {}
         if protocol is not None:
@@ -121,7 +137,9 @@ def node_start(
                     wanted["options"] = dict(options)
         elif task is not None or options or task_opt:
             raise ValueError("--task and protocol options need --protocol (or join a training swarm without them)")
-        config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout))
+        config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout,
+                                              probe_timeout_s),
+                            transport=TransportConfig(monitor_connections=watch_connections))
         node = Node(config=config).start(
             listen, join or [], key=key, advertise=advertise, authorized_keys=authorized_keys,
             security="plaintext" if plaintext else None, insecure=insecure, swarm_config=wanted or None,
@@ -138,15 +156,28 @@ def node_start(
     trains = protocol is not None or bool((node.swarm_config or {}).get("protocol"))
     try:
         if trains:
+            _wait_for_peers(node, min_peers, min_peers_timeout_s, stop)
             _train(node, rank_world, steps, log_every, stop, checkpoints,
-                   (resume_quorum, resume_timeout_s) if resume is not None else None, placement)
+                   (resume_quorum, resume_timeout_s) if resume is not None else None, placement, joined=bool(join))
         else:
             stop.wait()
-    except train_errors as exc:
+    except (*train_errors, TimeoutError) as exc:
         node.close()
         fail(str(exc))
     log.info("leaving the swarm")
     node.leave()
+
+
+def _wait_for_peers(node: Any, count: int, timeout_s: float, stop: threading.Event) -> None:
+    """Block until `count` peers (self included) are alive; TimeoutError after `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len(node.live_peers()) + 1 < count and not stop.is_set():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"--min-peers {count}: only {len(node.live_peers()) + 1} peers were up after "
+                               f"{timeout_s:g} s")
+        stop.wait(0.05)
 
 
 def _parse_shard(shard: Optional[str]) -> Optional[tuple[int, int]]:
@@ -179,7 +210,7 @@ def _spec_of_newest_checkpoint(directory: Path) -> tuple[str, str, list[str], li
 
 def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int], log_every: int,
            stop: threading.Event, checkpoints: Any = None, resume: Optional[tuple[int, float]] = None,
-           placement: Any = None) -> None:
+           placement: Any = None, joined: bool = True) -> None:
     """The node's training loop: one JSON progress line every `log_every` steps."""
     import time
 
@@ -190,8 +221,10 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
     trainer = Trainer(node, spec, rank, world, checkpoint=checkpoints, placement=placement)
     trainer.create_protocol()
     resumed = trainer.resume_swarm(*resume) if resume is not None else None
-    if resumed is None and node.live_peers():
-        trainer.fetch_state()  # the swarm's state, not this peer's own start (see initial_state_differs)
+    if resumed is None and joined and node.live_peers():
+        # the swarm's state, not this peer's own start (see initial_state_differs); the first
+        # node (no --join) is where the swarm's state starts, whoever joined it meanwhile
+        trainer.fetch_state()
     elif resumed is None and trainer.initial_state_differs:
         log.warning("this peer's initial state differs from the swarm's, and no peer is up to take the swarm's "
                     "from: it trains from its own start")
@@ -230,6 +263,7 @@ def node_status(
     from starling.node.client import ClientError, query
 
     try:
+        check_seconds("--timeout-s", timeout_s)
         identity = Identity.load(key) if key else None
         status = query(address, identity=identity, timeout_s=timeout_s)
     except (ClientError, *EXPECTED_ERRORS) as exc:

@@ -10,9 +10,15 @@ import json
 import logging
 import math
 import sys
-from typing import Any, List
+from typing import Any, List, Optional
 
 import typer
+from typer.core import TyperGroup
+
+try:  # typer vendors click since 0.2x; older ones use click itself
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:  # pragma: no cover
+    from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
 
 from starling.common import option_name
 from starling.node.address import AddressError
@@ -30,6 +36,40 @@ EXTRA_HELP = ("Any other --NAME VALUE is a hyper-parameter of the protocol (a fi
 def fail(message: str, code: int = 2) -> None:
     typer.echo(f"starling: error: {message}", err=True)
     raise typer.Exit(code)
+
+
+class OneLineErrors(TyperGroup):
+    """The `starling` group: a usage error (a bad value, a missing argument, an unknown
+    option) is one line on stderr, like every other failure, and exit status 2, instead of
+    a usage box. `--help`, and a command given no arguments, still print the help."""
+
+    def main(self, args: Optional[Any] = None, prog_name: Optional[str] = None,  # type: ignore[override]
+             complete_var: Optional[str] = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                                standalone_mode=False, **extra)
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except NoArgsIsHelpError as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except ClickException as exc:
+            where = f" (see: {exc.ctx.command_path} --help)" if getattr(exc, "ctx", None) is not None else ""
+            message = " ".join(exc.format_message().split())  # one line, whatever the message
+            typer.echo(f"starling: error: {message}{where}", err=True)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            typer.echo("starling: aborted", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def check_seconds(flag: str, value: float) -> float:
+    """A duration flag's value: finite and > 0, else ValueError naming the flag."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{flag} must be a positive, finite number of seconds, got {value:g}")
+    return value
 
 
 MAX_JSON_DEPTH = 64  # deeper parts of what is printed become "<too deep>"

@@ -188,10 +188,16 @@ def _check_host(host: str, original: str, *, bind: bool) -> None:
             f"address {original!r}: '*' is a listen wildcard, not a host one can join"
         )
     try:
-        ipaddress.ip_address(host)
-        return
+        ip = ipaddress.ip_address(host)
     except ValueError:
-        pass
+        ip = None
+    if ip is not None:
+        if not bind and ip.is_unspecified:
+            raise AddressError(f"address {original!r}: {host} means 'every interface' to a listener; "
+                               "it is not a host one can reach (give the peer's own address)")
+        if ip.is_multicast:
+            raise AddressError(f"address {original!r}: {host} is a multicast address, not a peer's")
+        return
     if re.fullmatch(r"[0-9.]+", host):
         raise AddressError(f"address {original!r}: {host!r} is not a valid IPv4 address")
     labels = host[:-1].split(".") if host.endswith(".") else host.split(".")

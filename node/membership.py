@@ -43,6 +43,10 @@ class Liveness:
     # Pings per interval: every peer while the swarm has at most this many others, else
     # this many picked at random, each carrying the beats heard from everyone (gossip).
     fanout: int = 6
+    # A peer whose connection drops (its process died: the kernel closes its sockets) is
+    # suspect at once and probed; silent this long after the drop, it is dead. Heartbeats
+    # still catch what drops no connection (a partition, a frozen process).
+    probe_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not (0 < self.heartbeat_interval_s <= self.suspect_timeout_s <= self.dead_timeout_s):
@@ -52,6 +56,8 @@ class Liveness:
             )
         if not isinstance(self.fanout, int) or self.fanout < 1:
             raise ValueError(f"fanout must be an int >= 1, got {self.fanout!r}")
+        if not (0 < self.probe_timeout_s <= self.dead_timeout_s):
+            raise ValueError(f"need 0 < probe_timeout_s <= dead_timeout_s, got {self.probe_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -322,6 +328,22 @@ class PeerTable:
                 changes.append(StatusChange(info.peer_id, info.status, PeerStatus.DEAD))
                 info.status = PeerStatus.DEAD
         return changes
+
+    def suspect(self, peer_id: str) -> StatusChange | None:
+        """An alive peer becomes suspect now (its connection dropped), whatever its silence."""
+        info = self._peers.get(peer_id)
+        if info is None or info.status is not PeerStatus.ALIVE:
+            return None
+        info.status = PeerStatus.SUSPECT
+        return StatusChange(peer_id, PeerStatus.ALIVE, PeerStatus.SUSPECT)
+
+    def declare_dead(self, peer_id: str, silent_since: float) -> StatusChange | None:
+        """A suspect peer that has not been heard from since `silent_since` is dead now."""
+        info = self._peers.get(peer_id)
+        if info is None or info.status is not PeerStatus.SUSPECT or info.last_seen > silent_since:
+            return None
+        info.status = PeerStatus.DEAD
+        return StatusChange(peer_id, PeerStatus.SUSPECT, PeerStatus.DEAD)
 
     def pardon(self, seconds: float, now: float) -> None:
         """Do not count `seconds` of silence against anyone: this node could not listen then

@@ -159,6 +159,7 @@ class Node:
             self._net.context, mode=self.mode, curve_public_z85=self.identity.curve_public_z85,
             curve_secret_z85=self.identity.curve_secret_z85, zap_domain=self._zap_domain,
             config=self.config.transport, receiver=self._dispatch.on_inbound, busy=self._pending.waiting_on,
+            dropped=self._swarm.connection_lost,
         )
         if self.mode is SecurityMode.CURVE:
             self._policy = ZapPolicy(allowed)

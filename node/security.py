@@ -60,9 +60,12 @@ def load_authorized_keys(path: str | Path) -> frozenset[bytes]:
     whole join address), blank lines and lines starting with '//' or ';' ignored."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise SecurityError(f"cannot read authorized keys file {p}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise SecurityError(f"authorized keys file {p} is not text (byte {exc.start} is not UTF-8); "
+                            "it holds one key or join address per line") from None
     keys: set[bytes] = set()
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()

@@ -31,6 +31,7 @@ from zmq.utils import z85
 from starling.node import rpc
 from starling.node.address import PeerAddress
 from starling.node.identity import verify_signature
+from starling.node.loop import AwakeDeadline
 from starling.node.membership import (
     PeerRecord,
     PeerStatus,
@@ -276,6 +277,43 @@ class Swarm:
             raise WireError(RejectReason.BAD_SIGNATURE, f"leave for {msg.sender} is not signed by it", field="body")
         change = self.node._table.left(msg.sender, body[0])
         if change is not None:
+            self.notify(change)
+
+    # ---------------------------------------------------------------- dropped connections
+    def connection_lost(self, peer_id: str) -> None:
+        """Our connection to a peer dropped (transport's socket monitor). A live peer becomes
+        suspect at once and is probed; if nothing is heard from it within the probe timeout
+        it is dead, and whatever waits on it (a round, a request) stops waiting. A peer whose
+        connection merely blipped answers the probe once ZeroMQ has reconnected."""
+        node = self.node
+        info = node._table.get(peer_id)
+        if node.closed or info is None or info.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
+            return
+        dropped_at = time.monotonic()
+        log.info("%s: connection to %s dropped; probing it", node.peer_id, peer_id)
+        change = node._table.suspect(peer_id)
+        if change is not None:
+            self.notify(change)
+        node._spawn(self._probe_dropped(peer_id, dropped_at))
+
+    async def _probe_dropped(self, peer_id: str, dropped_at: float) -> None:
+        node = self.node
+        timeout_s = node.config.liveness.probe_timeout_s
+        # Counted in awake time: a stall of this process is not the peer's silence.
+        deadline = AwakeDeadline(timeout_s, tick_s=min(0.05, timeout_s / 4))
+        try:  # sent once ZeroMQ has reconnected, if it can; the wait counts against the budget
+            await deadline.wait(node._asend_raw(peer_id, PING, [self._digest(), True], timeout_s=timeout_s))
+        except (SendError, UnknownPeerError, asyncio.TimeoutError):
+            pass  # not reconnected: the silence decides
+        while not deadline.expired():
+            info = node._table.get(peer_id)
+            if info is None or info.status is not PeerStatus.SUSPECT or info.last_seen > dropped_at:
+                return  # heard from it (or it left, or the sweep got there first)
+            await deadline.sleep(min(0.05, max(deadline.left, 0.0)))
+        change = node._table.declare_dead(peer_id, dropped_at)
+        if change is not None:
+            log.info("%s: %s did not answer a probe within %.2g s of its connection dropping",
+                     node.peer_id, peer_id, timeout_s)
             self.notify(change)
 
     # ---------------------------------------------------------------- heartbeats

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from starling.node.security import SecurityMode, ZapPolicy
 
@@ -39,6 +40,10 @@ class TransportConfig:
     reconnect_ivl_max_ms: int = 2000
     # DEALERs open at once (a soft cap: none is closed while a send or request is in flight)
     max_open_dealers: int = 64
+    # Watch each DEALER's connection (a ZeroMQ socket monitor, one more socket pair per DEALER):
+    # when a peer's process dies its kernel closes the connection at once, and the node hears
+    # of it in milliseconds instead of after the heartbeats' dead timeout.
+    monitor_connections: bool = True
 
 
 @dataclass
@@ -52,6 +57,7 @@ class Inbound:
 
 
 Receiver = Callable[[Inbound], Awaitable[None]]
+Dropped = Callable[[str], None]  # a DEALER's connection to this peer (or bootstrap handle) dropped
 Busy = Callable[[str], bool]  # True while requests to this peer await replies on its DEALER
 DRAIN_BATCH = 64  # messages read per wake-up before yielding to other sockets
 
@@ -87,6 +93,7 @@ class Transport:
         config: TransportConfig,
         receiver: Receiver,
         busy: Busy = lambda key: False,
+        dropped: Dropped = lambda key: None,
     ) -> None:
         self.context = context
         self.mode = mode
@@ -97,6 +104,8 @@ class Transport:
         self._receiver = receiver
         self._router: zmq.asyncio.Socket | None = None
         self._busy = busy
+        self._dropped = dropped
+        self._monitors: dict[str, zmq.asyncio.Socket] = {}
         self._routes: dict[str, tuple[tuple[str, ...], bytes | None]] = {}  # every known peer
         self._dealers: dict[str, zmq.asyncio.Socket] = {}  # the open ones, least recently used first
         self._sending: dict[str, int] = {}  # sends in flight per DEALER
@@ -176,7 +185,29 @@ class Transport:
         self._dealers[key] = dealer
         self.dealers_opened += 1
         self._tasks[key] = asyncio.ensure_future(self._read(dealer, key))
+        if self.config.monitor_connections:
+            monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitors[key] = monitor
+            self._tasks[f"monitor:{key}"] = asyncio.ensure_future(self._watch(monitor, key))
         return dealer
+
+    async def _watch(self, monitor: zmq.asyncio.Socket, key: str) -> None:
+        """Tell the node when the DEALER's connection to `key` drops (the peer's process died,
+        or its host closed the connection): a lead for the failure detector, not a verdict."""
+        while True:
+            try:
+                event = parse_monitor_message(await monitor.recv_multipart())
+            except asyncio.CancelledError:
+                raise
+            except (zmq.ZMQError, ValueError):
+                return  # the monitor was closed with its DEALER
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                try:
+                    self._dropped(key)
+                except Exception:  # the node's bug must not stop the watch
+                    log.exception("connection-drop handler failed for %s", key)
+            elif event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                return
 
     def _dealer(self, key: str) -> zmq.asyncio.Socket:
         """The open DEALER for `key`, opened (closing idle ones over the cap) if need be."""
@@ -209,11 +240,17 @@ class Transport:
 
     def _close(self, key: str, linger_ms: int) -> None:
         dealer = self._dealers.pop(key, None)
-        task = self._tasks.pop(key, None)
-        if task is not None:
-            task.cancel()
+        for name in (key, f"monitor:{key}"):
+            task = self._tasks.pop(name, None)
+            if task is not None:
+                task.cancel()
+        monitor = self._monitors.pop(key, None)
         if dealer is not None:
+            if monitor is not None:
+                dealer.disable_monitor()
             dealer.close(linger_ms)
+        if monitor is not None:
+            monitor.close(0)
 
     async def send(self, key: str, frames: Sequence[object], *, wait: bool = True,
                    timeout_s: float | None = None) -> None:
@@ -305,8 +342,13 @@ class Transport:
         linger = self.config.linger_ms if linger_ms is None else linger_ms
         for task in self._tasks.values():
             task.cancel()
-        for dealer in self._dealers.values():
+        for key, dealer in self._dealers.items():
+            if key in self._monitors:
+                dealer.disable_monitor()
             dealer.close(linger)
+        for monitor in self._monitors.values():
+            monitor.close(0)
+        self._monitors.clear()
         if self._router is not None:
             self._router.close(0)
         self._dealers.clear()

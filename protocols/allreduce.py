@@ -9,6 +9,11 @@
 
 A peer that fell behind (a joiner whose state is a few rounds old) learns from the owners'
 refusals which round the swarm is in and jumps there, so it costs the swarm one round.
+
+Replicas are meant to be bit-identical. Every `check_every` steps the members compare digests
+of their parameters (`guard.py`); one that drifted (built with other initial weights, or left
+with its own values in a shard whose owner did not answer) takes the first member's
+parameters and optimizer state, and logs it.
 """
 from __future__ import annotations
 
@@ -36,12 +41,18 @@ class AllReduceConfig(ProtocolConfig):
     weight_decay: float = 0.0
     reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
     retry_interval_s: float = 0.05  # re-send a part to an owner whose protocol is not up yet
-    # Floating buffers (BatchNorm statistics) are averaged every step, after the gradients, in a
-    # small lossless round of their own; True keeps them each peer's own (FedBN).
+    # Floating buffers (BatchNorm statistics) are averaged, integer ones set to their maximum, every
+    # step after the gradients, in small lossless rounds of their own; True: each peer's own (FedBN).
     local_buffers: bool = False
+    # Every this many steps (step 0 first) the members check that their parameters agree bit for
+    # bit (a tiny round of digests) and repair a drifted one; 0: never. The default costs 0.002%
+    # more bytes (benchmarks/drift_guard.py).
+    check_every: int = 100
 
     def __post_init__(self) -> None:
         check_reduce_config(self)
+        if self.check_every < 0:
+            raise ValueError(f"check_every must be >= 0, got {self.check_every}")
 
 
 @register
@@ -53,10 +64,12 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         super().__init__(node, model, config)
         self.reducer = ShardedReducer(node, PART_TOPIC, self.flat.numel, config.compressor,
                                       reduce_timeouts(config), self.is_open)
+        self.reducers = [self.reducer]  # peer events reach it; its residuals are this peer's private state
         self.buffer_sync = None if config.local_buffers else BufferAverager(
             node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open)
-        if self.buffer_sync is not None and self.buffer_sync.reducer is not None:
-            self.side_reducers.append(self.buffer_sync.reducer)
+        if self.buffer_sync is not None:
+            self.side_reducers += self.buffer_sync.reducers
+        self.guard = self._drift_guard("allreduce.")
         self._serve()
 
     # ------------------------------------------------------------------ training thread
@@ -77,6 +90,8 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
             self.optimizer.step()
         if self.buffer_sync is not None and len(members) > 1:
             self.buffer_sync.sync(t, members)
+        if self.guard is not None and self.guard.due(t) and len(members) > 1 and result.ahead <= t:
+            self.guard.run(t, members)  # (a peer that was late checks at the swarm's next check)
         self.step_count = max(self.step_count, t + 1)
         if result.lost:
             log.warning("%s: allreduce step %d went on without %s", self.node.peer_id, t, list(result.lost))

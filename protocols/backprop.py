@@ -1,6 +1,7 @@
 """What the backprop protocols (allreduce, gossip, DiLoCo, sketch-dp) share: the model's
-trainable parameters as one flat float32 vector, a torch optimizer over them, and the backward
-pass that begins each local step."""
+trainable parameters as one flat float32 vector, a torch optimizer over them, the backward
+pass that begins each local step, and, for those whose peers hold the same parameters, the
+drift guard that compares and repairs them (`guard.py`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -11,7 +12,14 @@ from torch import nn
 
 from starling.collectives import FlatModel
 from starling.protocols.base import LossFn, Protocol, ProtocolConfig
-from starling.protocols.optim import make_optimizer, optimizer_state
+from starling.protocols.guard import DriftGuard, State
+from starling.protocols.optim import (
+    make_optimizer,
+    optimizer_from_wire,
+    optimizer_state,
+    optimizer_to_wire,
+    reduce_timeouts,
+)
 
 if TYPE_CHECKING:
     from starling.node.node import Node
@@ -42,6 +50,32 @@ class BackpropProtocol(Protocol):
         loss = loss_fn()
         loss.backward()
         return float(loss.detach())
+
+    # ------------------------------------------------------------------ the drift guard
+    def _drift_guard(self, prefix: str) -> DriftGuard | None:
+        """The guard of a protocol whose peers hold the same parameters, every `check_every`
+        rounds of its config (None when 0); its small round gets peer events."""
+        c: Any = self.config
+        if not c.check_every:
+            return None
+        guard = DriftGuard(self.node, prefix, c.check_every, reduce_timeouts(c), self.is_open,
+                           lambda: self.flat.params, self._replica_state, self._take_replica_state)
+        self.side_reducers.append(guard.reducer)
+        return guard
+
+    def _replica_state(self) -> State:
+        """What a drifted peer takes from the first member: parameters and optimizer state, a
+        copy in host memory (kept until the next check, it spares an accelerator's)."""
+        header, tensors = optimizer_to_wire(self.optimizer)
+        return {"optimizer": header}, [self.flat.read_params().cpu(), *tensors]
+
+    def _take_replica_state(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        params = tensors[0] if tensors else None
+        if not (isinstance(params, torch.Tensor) and params.dtype == torch.float32
+                and params.numel() == self.flat.numel and bool(torch.isfinite(params).all())):
+            raise ValueError(f"expected {self.flat.numel} finite float32 parameters first")
+        optimizer_from_wire(self.optimizer, header.get("optimizer") or {}, tensors[1:])
+        self.flat.write_params(params.reshape(-1))
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

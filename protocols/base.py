@@ -144,7 +144,7 @@ class Protocol(ABC):
         """Everything a joiner needs to continue in lock-step with the swarm, plus, under
         PRIVATE_STATE, what only this peer's own restart may load (its error-feedback
         residuals: a joiner that took a donor's would send the donor's error a second time)."""
-        state = {"step": self.step_count, "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
+        state = {"step": self.step_count, "model": _clone_once(self.model.state_dict())}
         private = self.private_state()
         if private:
             state[PRIVATE_STATE] = private
@@ -225,6 +225,20 @@ class Protocol(ABC):
         sent, received = self.meter.take()
         return StepReport(step=step, loss=loss, bytes_sent=sent, bytes_received=received, synced=synced,
                           peers=peers, lost_peers=lost, wall_s=clock.wall_s, compute_s=clock.compute_s)
+
+
+def _clone_once(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of a state dict in which tensors that were one (tied weights: an output layer
+    that is the input embedding) stay one: cloned once, stored once by torch.save, and tied
+    again when loaded."""
+    clones: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
+    out = {}
+    for name, t in tensors.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key not in clones:
+            clones[key] = t.detach().clone()
+        out[name] = clones[key]
+    return out
 
 
 _REGISTRY: dict[str, type[Protocol]] = {}

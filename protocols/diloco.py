@@ -73,14 +73,14 @@ class DiLoCoConfig(ProtocolConfig):
     fragment_assignment: str = "strided"  # strided | sequential (see fragments.py)
     reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
     retry_interval_s: float = 0.05  # re-ask a peer that is not ready yet
-    # Floating buffers (BatchNorm statistics) are averaged at every sync of fragment 0, so that
-    # every peer's eval_model() agrees; True keeps them each peer's own (FedBN).
+    # Floating buffers (BatchNorm statistics) are averaged, integer ones set to their maximum, at
+    # every sync of fragment 0, so that every peer's eval_model() agrees; True: each peer's own (FedBN).
     local_buffers: bool = False
     # Every this many syncs of fragment 0 the members check that their outer parameters agree bit
     # for bit (a tiny round of digests); a swarm that drifted apart (peers built with different
-    # initial weights, say) takes the outer state of its first member. 0: never (the default
-    # while its cost, one more small round per check, is not yet in the measured figures).
-    check_every: int = 0
+    # initial weights, say) takes the outer state of its first member. 0: never. The default costs
+    # 0.14% more bytes (benchmarks/drift_guard.py, docs/benchmarks.md).
+    check_every: int = 10
 
     def __post_init__(self) -> None:
         if self.check_every < 0:
@@ -184,8 +184,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             node, model, f"{TOPIC_PREFIX}buffers", timeouts, self.is_open)
         self.agreement = AgreementCheck(node, f"{TOPIC_PREFIX}agree", timeouts, self.is_open) \
             if config.check_every else None
-        self.side_reducers = [r for r in (self.buffer_sync.reducer if self.buffer_sync else None,
-                                          self.agreement.reducer if self.agreement else None) if r is not None]
+        self.side_reducers = [*(self.buffer_sync.reducers if self.buffer_sync else ()),
+                              *((self.agreement.reducer,) if self.agreement else ())]
         self._eval: tuple[nn.Module, list[FragmentView]] | None = None
         self._publish()
         self._serve({SYNC_TOPIC: self._on_sync})

@@ -28,7 +28,13 @@ arrive in order; a neighbour first gets a full copy of x_hat, and asks for one a
 Topologies over the sorted members: complete; ring (i +- 1); torus (2-D grid with wrap,
 rows = the largest divisor of n not above sqrt(n)); exponential (i +- 2^k). All are symmetric.
 
-Buffers (BatchNorm statistics) stay each peer's own for now: only parameters are averaged.
+Buffers (BatchNorm statistics) are mixed at every exchange with the same weights as the
+parameters: an exact exchange appends the floating buffers to x (so the undo takes them back
+too); CHOCO sends them losslessly beside its packet and mixes them with the neighbours' latest
+values, so a variance stays a convex combination of variances (a compressed copy could push it
+below zero). Integer buffers (`num_batches_tracked`) take the maximum of both sides; an undo
+leaves that maximum. Gossip never makes peers agree exactly, so their statistics only come
+closer, as their parameters do. `local_buffers` keeps every buffer each peer's own (FedBN).
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ import torch
 from torch import nn
 
 from starling.collectives import make_codec, membership, packet_from_wire
+from starling.collectives.buffers import ModelBuffers
 from starling.collectives.codec import check_compressor_spec
 from starling.common import peer_hash
 from starling.compressors import decode
@@ -77,6 +84,7 @@ class GossipConfig(ProtocolConfig):
     weight_decay: float = 0.0
     pull_timeout_s: float = 5.0  # a neighbour that has not answered by then is skipped
     max_undo_entries: int = 8  # answered pulls kept (one parameter vector each) until acked
+    local_buffers: bool = False  # True: buffers (BatchNorm statistics) stay each peer's own (FedBN)
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -131,9 +139,15 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
         self._rng = random.Random(peer_hash(node.peer_id, byteorder="little"))
         self.codec, _ = make_codec(config.compressor)
         self.choco = not self.codec.lossless  # only a lossy codec needs CHOCO's public copies to converge
+        buffers = ModelBuffers(model)
+        self.buffers = None if config.local_buffers or not (buffers.float_numel or buffers.int_numel) else buffers
+        # what an exact exchange mixes: the parameters, then the floating buffers
+        self.numel = self.flat.numel + (self.buffers.float_numel if self.buffers and not self.choco else 0)
+        self._int_frames = 1 if self.buffers else 0  # an exact exchange's integer buffers ride beside it
         # CHOCO state (training thread, except the inbox and the resync set).
         self.x_hat = torch.zeros(self.flat.numel) if self.choco else None
         self._hats: dict[str, torch.Tensor] = {}
+        self._their_buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # neighbours' latest, lossless
         self._next_seq_in: dict[str, int] = {}
         self._seq_out = 0
         self._inbox: deque[tuple[str, dict[str, Any], tuple[torch.Tensor, ...]]] = deque()
@@ -173,10 +187,10 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
         partners, lost = [], []
         for j in self._rng.sample(nbrs, min(self.config.fanout, len(nbrs))):
             with self._params_lock:
-                mine = self.flat.read_params()
+                mine, ints = self._read_mixed(), self._read_ints()
             xid = next(self._exchange_ids)
             try:
-                msg = self.node.request(j, PULL_TOPIC, {"step": t, "xid": xid}, [mine],
+                msg = self.node.request(j, PULL_TOPIC, {"step": t, "xid": xid}, [mine, *ints],
                                         timeout_s=self.config.pull_timeout_s)
             except Exception as exc:  # dead, gone, or not running gossip yet
                 log.info("%s: gossip with %s skipped: %s", self.node.peer_id, j, exc)
@@ -191,13 +205,14 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
             if not (isinstance(msg.body, dict) and msg.body.get("ok")):
                 log.debug("%s: %s declined to gossip: %s", self.node.peer_id, j, msg.body)
                 continue
-            if not _same_shape(theirs, mine):  # j applied its half, we cannot apply ours
+            their_ints = self._ints_of(msg.payload[1:])
+            if not _same_shape(theirs, mine) or their_ints is None:  # j applied its half, we cannot apply ours
                 log.info("%s: bad parameters from %s; asking it to undo", self.node.peer_id, j)
                 self.node.send(j, UNDO_TOPIC, {"xid": xid})
                 continue
             delta = (theirs.reshape(-1) - mine).mul_(self.config.mixing)  # exactly minus what j applied
             with self._params_lock:
-                self.flat.add_to_params(delta)
+                self._add_mixed(delta, their_ints)
             self.node.send(j, ACK_TOPIC, {"xid": xid})  # j no longer needs to keep its half
             partners.append(j)
         return partners, lost
@@ -207,6 +222,7 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
         self._drain_inbox()
         with self._params_lock:
             x = self.flat.read_params()
+            buffers = self._read_buffers()
         packet = self.codec.encode(x - self.x_hat)
         self.x_hat.add_(decode(packet).reshape(-1))
         seq, self._seq_out = self._seq_out, self._seq_out + 1
@@ -219,7 +235,9 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
                 body, payload = {"seq": seq, "full": True}, (self.x_hat.clone(),)
             else:
                 body, payload = {"seq": seq, "full": False, "packet": packet.header}, packet.buffers
-            sends.append((j, self.node.send(j, CHOCO_TOPIC, body, payload)))
+            if buffers:
+                body["buffers"] = len(buffers)  # lossless, after the parameters' frames
+            sends.append((j, self.node.send(j, CHOCO_TOPIC, body, (*payload, *buffers))))
         for j, fut in sends:
             try:
                 fut.result(self.config.pull_timeout_s)
@@ -229,21 +247,37 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
                     self._has_my_hat.discard(j)
         # x_i += gamma * sum_j w_ij (x_hat_j - x_hat_i), over neighbours whose copy we hold
         degree = {p: len(neighbours(self.config.topology, members, p)) for p in [self.node.peer_id, *nbrs]}
+        weights = {j: 1.0 / (1 + max(degree[self.node.peer_id], degree[j])) for j in nbrs}
         mix = torch.zeros_like(self.x_hat)
         used = []
         for j in nbrs:
             hat = self._hats.get(j)
             if hat is not None and hat.numel() == mix.numel():
-                w = 1.0 / (1 + max(degree[self.node.peer_id], degree[j]))
-                mix.add_(hat - self.x_hat, alpha=w)
+                mix.add_(hat - self.x_hat, alpha=weights[j])
                 used.append(j)
         with self._params_lock:
             self.flat.add_to_params(mix.mul_(self.config.mixing))
+            self._mix_buffers(weights)
         return used
+
+    def _mix_buffers(self, weights: dict[str, float]) -> None:
+        """CHOCO's step on the buffers, with the parameters' weights and each neighbour's latest
+        lossless buffers; the integers take the maximum."""
+        if self.buffers is None:
+            return
+        floats = self.buffers.read_floats()
+        mix = torch.zeros_like(floats)
+        for j, w in weights.items():
+            got = self._their_buffers.get(j)
+            if got is not None:
+                mix.add_(got[0].to(floats.device) - floats, alpha=w)
+                self.buffers.max_ints(got[1])
+        self.buffers.add_to_floats(mix.mul_(self.config.mixing))
 
     def _drain_inbox(self) -> None:
         while self._inbox:
             sender, body, payload = self._inbox.popleft()
+            payload = self._take_buffers(sender, body, payload)
             try:
                 seq = int(body["seq"])
                 if body.get("full"):
@@ -265,11 +299,14 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
     # ------------------------------------------------------------------ network thread
     async def _on_pull(self, msg: Message) -> Reply | dict[str, Any]:
         """Average with a requester: apply my half of the exchange, reply my parameters."""
-        theirs = msg.payload[0] if len(msg.payload) == 1 else None
+        theirs = msg.payload[0] if len(msg.payload) == 1 + self._int_frames else None
+        their_ints = self._ints_of(msg.payload[1:])
         if not self._open:
             return refusal(Refusal.CLOSED)
-        if not isinstance(theirs, torch.Tensor) or theirs.dtype != torch.float32 or theirs.numel() != self.flat.numel:
-            return refusal(Refusal.MALFORMED, f"expected {self.flat.numel} float32 parameters")
+        if (not isinstance(theirs, torch.Tensor) or theirs.dtype != torch.float32 or theirs.numel() != self.numel
+                or their_ints is None):
+            return refusal(Refusal.MALFORMED, f"expected {self.numel} float32 parameters and buffers"
+                           + (f", then {self.buffers.int_numel} int64 buffers" if self._int_frames else ""))
         if not bool(torch.isfinite(theirs).all()):
             return refusal(Refusal.NOT_FINITE, "non-finite parameters")
         deadline = time.monotonic() + self.config.pull_timeout_s / 2
@@ -282,14 +319,14 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
             self._params_lock.release()
             return refusal(Refusal.CANCELLED, "cancelled by the requester")
         try:
-            mine = self.flat.read_params()
+            mine, ints = self._read_mixed(), self._read_ints()
             delta = (theirs.reshape(-1) - mine).mul_(self.config.mixing)
-            self.flat.add_to_params(delta)
+            self._add_mixed(delta, their_ints)
             if isinstance(xid, int):
                 self._keep_for_undo(msg.sender, xid, delta)
         finally:
             self._params_lock.release()
-        return Reply({"ok": True}, (mine,))
+        return Reply({"ok": True}, (mine, *ints))
 
     def _keep_for_undo(self, requester: str, xid: int, delta: torch.Tensor) -> None:
         """Keep the half-exchange just applied for `requester` until it acks or undoes it.
@@ -340,7 +377,7 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
             entry = self._entry_to_undo(msg.sender, xid)  # again: it may have been dropped meanwhile
             if entry is not None:
                 del self._applied[msg.sender]
-                self.flat.add_to_params(-entry[1])
+                self._add_mixed(-entry[1], None)  # the integers keep their maximum: it undoes nothing
                 self.counters["undone"] += 1
         finally:
             self._params_lock.release()
@@ -351,6 +388,60 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
         entry = self._applied.get(msg.sender)
         if entry is not None and entry[0] == xid:
             del self._applied[msg.sender]
+
+    # ------------------------------------------------------------------ buffers (with the params lock held)
+    def _read_mixed(self) -> torch.Tensor:
+        """What an exact exchange mixes: the parameters, then the floating buffers."""
+        params = self.flat.read_params()
+        if self.numel == self.flat.numel:
+            return params
+        assert self.buffers is not None
+        return torch.cat([params, self.buffers.read_floats().to(params.device)])
+
+    def _add_mixed(self, delta: torch.Tensor, their_ints: torch.Tensor | None) -> None:
+        self.flat.add_to_params(delta[:self.flat.numel])
+        if self.numel > self.flat.numel:
+            assert self.buffers is not None
+            self.buffers.add_to_floats(delta[self.flat.numel:])
+        if their_ints is not None and self._int_frames:
+            assert self.buffers is not None
+            self.buffers.max_ints(their_ints)
+
+    def _read_ints(self) -> list[torch.Tensor]:
+        return [self.buffers.read_ints().cpu()] if self.buffers else []
+
+    def _read_buffers(self) -> list[torch.Tensor]:
+        """CHOCO: the buffers as sent after the packet, floats then integers (either may be empty)."""
+        return [self.buffers.read_floats().cpu(), *self._read_ints()] if self.buffers else []
+
+    def _ints_of(self, frames: Any) -> torch.Tensor | None:
+        """A peer's integer buffers from the frames after its vector (none when buffers stay
+        local); None when they do not fit this model."""
+        if len(frames) != self._int_frames:
+            return None
+        if self.buffers is None:
+            return torch.zeros(0, dtype=torch.int64)
+        ints = frames[0]
+        ok = isinstance(ints, torch.Tensor) and ints.dtype == torch.int64 and ints.numel() == self.buffers.int_numel
+        return ints.reshape(-1) if ok else None
+
+    def _take_buffers(self, sender: str, body: dict[str, Any], payload: tuple[torch.Tensor, ...]
+                      ) -> tuple[torch.Tensor, ...]:
+        """CHOCO: keep a neighbour's buffers from the end of its message; the rest is its packet."""
+        count = body.get("buffers", 0)
+        if not isinstance(count, int) or not 0 <= count <= len(payload):
+            return payload  # the packet's own check refuses it
+        frames, payload = payload[len(payload) - count:], payload[:len(payload) - count]
+        if self.buffers is None:
+            return payload
+        ints = self._ints_of(frames[1:])
+        floats = frames[0] if frames else None
+        if (ints is None or floats is None or floats.dtype != torch.float32
+                or floats.numel() != self.buffers.float_numel or not bool(torch.isfinite(floats).all())):
+            log.info("%s: buffers from %s do not fit this model; not mixed", self.node.peer_id, sender)
+        else:
+            self._their_buffers[sender] = (floats.reshape(-1), ints)
+        return payload
 
     def _on_choco(self, msg: Message) -> None:
         if isinstance(msg.body, dict) and self._open:
@@ -370,6 +461,7 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
     def on_peer_left(self, peer_id: str) -> None:
         with self._hat_lock:
             self._has_my_hat.discard(peer_id)
+        self._their_buffers.pop(peer_id, None)
         # One that left will neither ack nor undo. One declared dead may only have stalled
         # (and still undo): its entry stays, bounded by max_undo_entries like any other.
         if peer_id in self._applied and self.node.status_of(peer_id) is PeerStatus.LEFT:

@@ -46,3 +46,39 @@ def make_optimizer(params: Sequence[nn.Parameter], name: str, lr: float, momentu
 
 def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
     return copy.deepcopy(opt.state_dict())
+
+
+def optimizer_to_wire(opt: torch.optim.Optimizer) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The optimizer's per-parameter state (momentum, Adam's moments and step) as a header and
+    tensors to send; its param_groups (lr and the like) are the swarm's config and stay."""
+    entries: list[list[Any]] = []
+    tensors: list[torch.Tensor] = []
+    for index, state in opt.state_dict()["state"].items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                entries.append([int(index), str(name), "tensor", len(tensors)])
+                tensors.append(value.detach().cpu().clone())
+            else:
+                entries.append([int(index), str(name), "value", value])
+    return {"entries": entries}, tensors
+
+
+def optimizer_from_wire(opt: torch.optim.Optimizer, header: dict[str, Any], tensors: Sequence[torch.Tensor]) -> None:
+    """Load what `optimizer_to_wire` made on a peer with the same parameters; ValueError (and no
+    change) when it does not fit them."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    state: dict[int, dict[str, Any]] = {}
+    for entry in header.get("entries", ()):
+        index, name, kind, value = entry
+        if not (isinstance(index, int) and 0 <= index < len(params)):
+            raise ValueError(f"optimizer state for parameter {index!r}; this model has {len(params)}")
+        if kind == "tensor":
+            if not (isinstance(value, int) and 0 <= value < len(tensors)):
+                raise ValueError(f"optimizer state {name!r} names frame {value!r} of {len(tensors)}")
+            tensor = tensors[value]
+            if tensor.dim() and tensor.shape != params[index].shape:
+                raise ValueError(f"optimizer state {name!r} of shape {tuple(tensor.shape)} for a parameter of "
+                                 f"shape {tuple(params[index].shape)}")
+            value = tensor.clone()
+        state.setdefault(index, {})[name] = value
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})

@@ -35,6 +35,11 @@ node start` calls any protocol's `attach_task`); its batches are drawn here by P
 
 Buffers (BatchNorm statistics) stay each peer's own: averaging them would release statistics
 of its data outside the privacy accounting.
+
+Every peer holds the same x_t (and optimizer state, and FetchSGD's error), so the drift guard
+of allreduce applies (`guard.py`): every `check_every` rounds the members compare digests of
+x_t, and one that drifted takes the first member's public state. Both are post-processing of
+released means, so the check costs no privacy.
 """
 from __future__ import annotations
 
@@ -90,9 +95,12 @@ class SketchDPConfig(ProtocolConfig):
     weight_decay: float = 0.0
     reply_grace_s: float = 2.0
     retry_interval_s: float = 0.05
+    check_every: int = 100  # rounds between drift checks of x_t (guard.py), round 0 first; 0: never
 
     def __post_init__(self) -> None:
         sketch_codec(self.sketch)
+        if self.check_every < 0:
+            raise ValueError(f"check_every must be >= 0, got {self.check_every}")
         if not self.clip > 0.0:
             raise ValueError(f"clip must be > 0, got {self.clip}")
         if self.noise_multiplier is not None and self.target_epsilon is not None:
@@ -204,6 +212,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
         self.reducer = ShardedReducer(node, PART_TOPIC, self.sketches.size, config.compressor,
                                       reduce_timeouts(config), self.is_open)
         self.reducers = [self.reducer]
+        self.guard = self._drift_guard("sketchdp.")
         self._serve()
         log.info("%s: sketch-dp, %s-level DP, sigma=%.4g, C=%g, delta=%g, sketch %s (%d of %d values)%s",
                  node.peer_id, config.dp_unit, self.sigma, config.clip, config.delta, config.sketch,
@@ -266,6 +275,8 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
                 self.flat.read_params(self.anchor)
             self.accountant.step(self.sigma, c.rate)
             self._check_budget()
+        if self.guard is not None and self.guard.due(t) and len(members) > 1 and result.ahead <= t:
+            self.guard.run(t, members)  # on x_{t+1}, which every peer holds
         self.step_count = max(self.step_count, s + 1)
         if result.lost:
             log.warning("%s: sketch-dp round %d went on without %s", self.node.peer_id, t, list(result.lost))
@@ -348,6 +359,27 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
                              rounds=self.accountant.rounds, accountant=c.accountant)
 
     # ------------------------------------------------------------------ hooks and state
+    def _replica_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        header, tensors = super()._replica_state()
+        if self.error is not None:
+            header["error"] = len(tensors)
+            tensors.append(self.error.clone())
+        return header, tensors
+
+    def _take_replica_state(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        error = None
+        if self.error is not None:
+            index = header.get("error")
+            error = tensors[index] if isinstance(index, int) and 0 <= index < len(tensors) else None
+            if error is None or error.numel() != self.error.numel() or error.dtype != torch.float32:
+                raise ValueError(f"expected FetchSGD's error of {self.error.numel()} float32 values")
+            tensors = tensors[:index] + tensors[index + 1:]
+        super()._take_replica_state(header, tensors)
+        if error is not None and self.error is not None:
+            self.error.copy_(error.reshape(-1))
+        if self.anchor is not None:
+            self.flat.read_params(self.anchor)
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self.anchor is not None and self.step_count % self.config.local_steps:

@@ -39,8 +39,17 @@ def test_keygen_refuses_to_overwrite_without_force(tmp_path):
     (["node", "start", "--key", "/nonexistent/key"], "/nonexistent/key"),
     (["node", "status", "tcp://127.0.0.1:1", "--timeout-s", "0.3"], "no answer"),
     (["node", "status", "udp://x:1"], "scheme"),
+    (["node", "status", "tcp://127.0.0.1:1", "--timeout-s", "nan"], "--timeout-s must be a positive, finite"),
+    (["node", "status", "tcp://127.0.0.1:1", "--timeout-s", "-1"], "--timeout-s must be a positive, finite"),
+    (["node", "start", "--resume-timeout-s", "inf"], "--resume-timeout-s must be"),
+    (["node", "start", "--join", "tcp://0.0.0.0:5"], "every interface"),
+    (["node", "start", "--heartbeat-s", "abc"], "Invalid value for '--heartbeat-s'"),
+    (["node", "start", "--lr", "abc"], "Invalid value for '--lr'"),
+    (["simulate", "--steps", "many"], "Invalid value for '--steps'"),
+    (["no-such-command"], "No such command"),
 ])
 def test_errors_are_one_clear_line_and_nonzero(args, needle):
+    """Usage errors too (bad values, unknown commands): one line, not a usage box."""
     result = runner.invoke(app, args)
     assert result.exit_code != 0
     assert "Traceback" not in result.output
@@ -54,3 +63,12 @@ def test_world_readable_key_is_refused(tmp_path):
     os.chmod(out, 0o644)
     result = runner.invoke(app, ["node", "start", "--key", str(out)])
     assert result.exit_code != 0 and "starling: error:" in result.output
+
+
+def test_a_binary_allowlist_is_one_clear_line_naming_the_file(tmp_path):
+    keys = tmp_path / "keys.bin"
+    keys.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    result = runner.invoke(app, ["node", "start", "--authorized-keys", str(keys)])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    assert len(lines) == 1 and str(keys) in lines[0] and "is not text" in lines[0], result.output

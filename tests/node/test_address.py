@@ -108,6 +108,9 @@ def test_parse_address_good(text, endpoint, transport):
         ("tcp://127.0.0.1:5555#short", "43"),
         (f"tcp://127.0.0.1:5555#{KEY_TEXT}A", "43"),
         (f"tcp://127.0.0.1:5555#{KEY_TEXT}#{KEY_TEXT}", "43"),
+        ("tcp://0.0.0.0:5", "every interface"),  # joining it used to wait 10 s for nothing
+        ("tcp://[::]:5", "every interface"),
+        ("tcp://224.0.0.1:5", "multicast"),
     ],
 )
 def test_parse_address_bad(text, fragment):

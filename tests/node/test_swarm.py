@@ -221,9 +221,16 @@ async def _open_dealers(node):
     return node._transport.open_dealers
 
 
+HEARTBEATS_ONLY = NodeConfig(liveness=TEST_LIVENESS, transport=TransportConfig(monitor_connections=False))
+# Heartbeats that would take a minute to notice anything: only a dropped connection can.
+CONNECTIONS_ONLY = NodeConfig(liveness=Liveness(heartbeat_interval_s=0.2, suspect_timeout_s=60.0,
+                                                dead_timeout_s=120.0, probe_timeout_s=0.5))
+
+
 def test_silent_peer_becomes_suspect_then_dead(make_node):
-    a = make_node("tcp")
-    b = make_node("tcp", join=[a.address])
+    """The heartbeat path (connections unwatched): silence makes a peer suspect, then dead."""
+    a = make_node("tcp", config=HEARTBEATS_ONLY)
+    b = make_node("tcp", join=[a.address], config=HEARTBEATS_ONLY)
     assert wait_until(lambda: statuses(a).get(b.peer_id) == "alive")
     changes: list = []
     a.on_peer_change(lambda ch: changes.append((time.monotonic(), ch.new.value)) if ch.peer_id == b.peer_id else None)
@@ -232,6 +239,33 @@ def test_silent_peer_becomes_suspect_then_dead(make_node):
     assert wait_until(lambda: statuses(a)[b.peer_id] == "dead", timeout_s=DEATH_SEEN_WITHIN_S)
     assert [s for _, s in changes] == ["suspect", "dead"]
     assert changes[0][0] - t0 >= TEST_LIVENESS.suspect_timeout_s - TEST_LIVENESS.heartbeat_interval_s
+
+
+def test_a_peer_whose_connection_drops_is_probed_and_declared_dead_without_heartbeat_timeouts(make_node):
+    a = make_node("tcp", config=CONNECTIONS_ONLY)
+    b = make_node("tcp", join=[a.address], config=CONNECTIONS_ONLY)
+    assert wait_until(lambda: statuses(a).get(b.peer_id) == "alive")
+    changes: list = []
+    a.on_peer_change(lambda ch: changes.append(ch.new.value) if ch.peer_id == b.peer_id else None)
+    b.close()  # no leave: the kernel closes its connections, as for a SIGKILL
+    assert wait_until(lambda: statuses(a)[b.peer_id] == "dead", timeout_s=30)  # heartbeats would take 120 s
+    assert changes == ["suspect", "dead"]
+
+
+def test_a_peer_that_answers_the_probe_stays_alive(make_node):
+    """A drop reported while the peer is up (a blip): the probe's answer clears the suspicion."""
+    a = make_node("tcp", config=CONNECTIONS_ONLY)
+    b = make_node("tcp", join=[a.address], config=CONNECTIONS_ONLY)
+    assert wait_until(lambda: statuses(a).get(b.peer_id) == "alive" and statuses(b).get(a.peer_id) == "alive")
+    changes: list = []
+    a.on_peer_change(lambda ch: changes.append(ch.new.value) if ch.peer_id == b.peer_id else None)
+
+    async def drop():
+        a._swarm.connection_lost(b.peer_id)
+    a.run(drop(), timeout_s=10)
+    assert wait_until(lambda: changes == ["suspect", "alive"], timeout_s=30), changes
+    time.sleep(CONNECTIONS_ONLY.liveness.probe_timeout_s + 0.3)  # past the probe's verdict
+    assert changes == ["suspect", "alive"] and statuses(a)[b.peer_id] == "alive"
 
 
 def test_a_stalled_node_does_not_declare_its_peers_dead(make_node):

@@ -233,7 +233,8 @@ def test_each_peer_sends_about_two_vectors_times_p_minus_1_over_p(make_node):
     world, dim = 4, 4000
     nodes = swarm(make_node, world)
     models = [nn.Linear(dim, 1, bias=False) for _ in range(world)]
-    protos = [get_protocol("allreduce").create(n, m, {}) for n, m in zip(nodes, models)]
+    # the gradient round alone: the drift guard's round is measured in test_drift_guard.py
+    protos = [get_protocol("allreduce").create(n, m, {"check_every": 0}) for n, m in zip(nodes, models)]
     x = torch.randn(2, dim)
     reports = in_parallel([lambda r=r: protos[r].step(lambda: models[r](x).sum()) for r in range(world)])
     ideal = 2 * (world - 1) / world * dim * 4
@@ -280,14 +281,14 @@ def test_owner_not_up_yet_gets_the_part_when_it_starts(make_node):
 
 @pytest.mark.timeout(60)
 def test_peer_killed_mid_round_does_not_hang_the_others(make_node):
-    # On a loaded CI box a 2 s timeout and a 1 s grace lost live survivors: an owner closes
-    # its shard round_timeout_s after the first part came, a member waits round_timeout_s +
-    # reply_grace_s from its own start, and two training threads started over 1 s apart.
-    # 5 + 3 s still shows that nothing waits for the dead peer (the default is 30 + 2 s).
-    timeout_s, grace_s = 5.0, 3.0
+    """The round timeout is a minute: only the news of the death (a dropped connection and an
+    unanswered probe, or missed heartbeats) can release the survivors before it. (A protocol
+    whose reducer missed peer events, as allreduce's once did, waited the timeout out.)"""
+    timeout_s, grace_s = 60.0, 5.0
     nodes = swarm(make_node, 3)
     options = {"lr": LR, "round_timeout_s": timeout_s, "reply_grace_s": grace_s}
     protos = [get_protocol("allreduce").create(n, linear(), options) for n in nodes]
+    assert all(p.reducer in p.reducers for p in protos)
     in_parallel([lambda r=r: protos[r].step(lambda: loss_of(protos[r].model, r)) for r in range(3)])
     victim = nodes[2]
     before = victim.stats.total_received("allreduce.part")
@@ -297,10 +298,9 @@ def test_peer_killed_mid_round_does_not_hang_the_others(make_node):
         assert wait_until(lambda: victim.stats.total_received("allreduce.part") >= 2 * before)
         victim.close()
         start = time.monotonic()  # from the death: the time to get there is the box's, not the protocol's
-        reports = [f.result(timeout=30) for f in futs]
+        reports = [f.result(timeout=2 * AwakeDeadline.STRETCH * timeout_s) for f in futs]
         elapsed = time.monotonic() - start
-    # timers count the loop's awake time: a stall of the shared network thread may stretch them
-    assert elapsed < AwakeDeadline.STRETCH * (timeout_s + grace_s), elapsed
+    assert elapsed < timeout_s, elapsed  # released by the death, not by the round's timer
     for report in reports:
         assert report.lost_peers == (victim.peer_id,)
         assert report.synced and report.peers == 2

@@ -88,3 +88,30 @@ def test_bad_options_raise_protocol_error(make_node, name):
 def test_unknown_protocol_name():
     with pytest.raises(ProtocolError, match="unknown protocol"):
         get_protocol("no-such-protocol")
+
+
+def test_a_tied_weight_is_stored_once_in_the_state(make_node):
+    """An output layer that is the input embedding: one tensor in the state, not two copies."""
+    import io
+
+    from torch import nn
+
+    from starling.protocols import get_protocol
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 8)
+            self.head = nn.Linear(8, 50, bias=False)
+            self.head.weight = self.embed.weight
+
+    node = make_node("inproc")
+    proto = get_protocol("diloco").create(node, Tied(), {"sync_every": 2})
+    state = proto.state_dict()
+    assert state["model"]["head.weight"] is state["model"]["embed.weight"]
+    once, twice = io.BytesIO(), io.BytesIO()
+    torch.save(state["model"], once)
+    torch.save({k: v.clone() for k, v in state["model"].items()}, twice)
+    assert len(twice.getvalue()) - len(once.getvalue()) >= 50 * 8 * 4  # one 50x8 float32 table less
+    proto.load_state_dict(state)
+    assert proto.model.head.weight is proto.model.embed.weight

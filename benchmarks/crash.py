@@ -1,0 +1,152 @@
+"""How long a SIGKILLed peer stalls the survivors' training, with crash detection from the
+dropped connection against heartbeats alone, in the same run.
+
+    python benchmarks/crash.py [--peers 4] [--protocols allreduce,streaming-diloco] [--quick]
+
+Target (issue #18): a SIGKILLed peer process stalls the survivors by at most 1.5 s, for
+`allreduce` and `streaming-diloco` (10 s before: the heartbeats' dead timeout).
+
+Each case starts `--peers` real `starling node start` processes on loopback tcp with the
+CLI's default liveness (heartbeat 1 s, suspect 3 s, dead 10 s, probe 1 s), training the
+`quadratic` task with one JSON progress line per step. Once every peer has trained a while,
+one (not the first) is SIGKILLed. A survivor's stall is the longest gap between two of its
+progress lines in the 30 s after the kill, less its median gap before the kill (a step's own
+time); the row reports the worst survivor. `heartbeats` runs the same case with
+`--no-watch-connections`: only missed heartbeats reveal the crash.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+OPTIONS = {
+    "allreduce": ["--lr", "0.05"],
+    "streaming-diloco": ["--sync-every", "8", "--fragments", "2", "--overlap-steps", "1"],
+}
+
+
+def emit(row: dict[str, Any]) -> None:
+    print(json.dumps(row), flush=True)
+
+
+class Peer:
+    """One `starling node start` process; its progress lines are timestamped on arrival."""
+
+    def __init__(self, args: list[str], log: str | None = None) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.log = open(log, "w") if log else None
+        self.proc = subprocess.Popen([sys.executable, "-m", "starling.cli.main", "node", "start", *args],
+                                     stdout=subprocess.PIPE, stderr=self.log or subprocess.DEVNULL, text=True,
+                                     env=env)
+        self.lines: queue.Queue[tuple[float, str]] = queue.Queue()
+        self.steps: list[tuple[float, int]] = []  # (arrival, step)
+        self.address = ""
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            now = time.monotonic()
+            if "join with:" in line:
+                self.address = line.rsplit("join with:", 1)[1].strip()
+            elif line.startswith("{"):
+                record = json.loads(line)
+                if "step" in record and "loss" in record:
+                    self.steps.append((now, int(record["step"])))
+            self.lines.put((now, line))
+            if self.log is not None:
+                self.log.write(f"{now:.3f} stdout: {line}")
+
+    def wait_for_address(self, timeout_s: float = 120) -> str:
+        deadline = time.monotonic() + timeout_s
+        while not self.address:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("a peer did not start")
+            time.sleep(0.05)
+        return self.address
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        if self.log is not None:
+            self.log.close()
+
+
+def run_case(protocol: str, peers: int, watch: bool, warmup_s: float, after_s: float,
+             log_dir: str | None = None) -> dict[str, Any]:
+    common = ["--plaintext", "--log-every", "1", "--log-level", "info" if log_dir else "warning"]
+    if not watch:
+        common.append("--no-watch-connections")
+    def log(i: int) -> str | None:
+        return os.path.join(log_dir, f"{protocol}-{'connections' if watch else 'heartbeats'}-{i}.log") \
+            if log_dir else None
+
+    first = Peer([*common, "--protocol", protocol, "--task", "quadratic", "--task-opt", "dim=2000",
+                  "--round-timeout-s", "30", *OPTIONS[protocol]], log(0))
+    procs = [first]
+    try:
+        address = first.wait_for_address()
+        procs += [Peer([*common, "--join", address], log(i)) for i in range(1, peers)]
+        for p in procs:
+            p.wait_for_address()
+        deadline = time.monotonic() + 180
+        while not all(len(p.steps) > 20 for p in procs):  # every peer is training
+            if time.monotonic() > deadline:
+                raise RuntimeError("the swarm did not start training")
+            time.sleep(0.1)
+        time.sleep(warmup_s)
+        victim = procs[-1]
+        killed_at = time.monotonic()
+        victim.proc.send_signal(signal.SIGKILL)
+        time.sleep(after_s)
+        end = time.monotonic()
+        stalls = []
+        for p in procs[:-1]:
+            steps = list(p.steps)
+            before = [b - a for (a, _), (b, _) in itertools.pairwise(steps) if b < killed_at]
+            # the end of the window counts as a step: a survivor that never stepped again
+            # stalled at least until then (the row then says "censored")
+            after = [t for t, _ in steps if t >= killed_at - 1.0] + [end]
+            gaps = [b - a for a, b in itertools.pairwise(after)]
+            stalls.append(max(gaps) - statistics.median(before[-50:]))
+        stepped = min(sum(1 for t, _ in p.steps if t > killed_at) for p in procs[:-1])
+        return {"stall_s": round(max(stalls), 3), "survivor_stalls_s": [round(s, 3) for s in stalls],
+                "steps_after_kill": stepped, "censored": stepped == 0}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--protocols", default="allreduce,streaming-diloco")
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument("--after-s", type=float, default=15.0, help="watch the survivors this long after the kill")
+    parser.add_argument("--quick", action="store_true", help="3 peers, allreduce")
+    parser.add_argument("--log-dir", help="write each node's log (level info) here")
+    args = parser.parse_args()
+    protocols = ["allreduce"] if args.quick else args.protocols.split(",")
+    peers = 3 if args.quick else args.peers
+    for protocol in protocols:
+        row: dict[str, Any] = {"protocol": protocol, "peers": peers}
+        for label, watch in (("heartbeats", False), ("connections", True)):
+            row[label] = run_case(protocol, peers, watch, args.warmup_s, args.after_s, args.log_dir)
+        row["stall_ratio"] = round(row["connections"]["stall_s"] / max(row["heartbeats"]["stall_s"], 1e-9), 3)
+        row["target_met"] = row["connections"]["stall_s"] <= 1.5
+        emit(row)
+
+
+if __name__ == "__main__":
+    main()
