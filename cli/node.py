@@ -80,6 +80,10 @@ def node_start(
              "step that many hold."),
     resume_timeout_s: float = typer.Option(
         300.0, "--resume-timeout-s", help="With --resume: how long to wait for that quorum."),
+    state_fetch_timeout_s: float = typer.Option(
+        120.0, "--state-fetch-timeout-s",
+        help="A joiner's patience for the swarm's state: a busy or failing peer sends it to the others, then "
+             "it tries them all again with backoff until this has passed."),
     device: Optional[str] = typer.Option(
         None, "--device", help="cpu, cuda, cuda:N, mps or auto: where this peer's model and batches go "
                                "(default: as the task builds it). A swarm may mix devices."),
@@ -122,6 +126,7 @@ def node_start(
         rank_world = _parse_shard(shard)
         check_seconds("--resume-timeout-s", resume_timeout_s)
         check_seconds("--min-peers-timeout-s", min_peers_timeout_s)
+        check_seconds("--state-fetch-timeout-s", state_fetch_timeout_s)
         placement = Placement.parse(device, dtype, autocast, state_device)
         wanted: dict[str, Any] = {}
         if protocol is not None:
@@ -158,7 +163,8 @@ def node_start(
         if trains:
             _wait_for_peers(node, min_peers, min_peers_timeout_s, stop)
             _train(node, rank_world, steps, log_every, stop, checkpoints,
-                   (resume_quorum, resume_timeout_s) if resume is not None else None, placement, joined=bool(join))
+                   (resume_quorum, resume_timeout_s) if resume is not None else None, placement, joined=bool(join),
+                   state_fetch_timeout_s=state_fetch_timeout_s)
         else:
             stop.wait()
     except (*train_errors, TimeoutError) as exc:
@@ -210,10 +216,11 @@ def _spec_of_newest_checkpoint(directory: Path) -> tuple[str, str, list[str], li
 
 def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int], log_every: int,
            stop: threading.Event, checkpoints: Any = None, resume: Optional[tuple[int, float]] = None,
-           placement: Any = None, joined: bool = True) -> None:
+           placement: Any = None, joined: bool = True, state_fetch_timeout_s: float = 120.0) -> None:
     """The node's training loop: one JSON progress line every `log_every` steps."""
     import time
 
+    from starling.node.transfer import TransferError
     from starling.runtime import Trainer, TrainSpec, shard_for
 
     spec = TrainSpec.from_swarm_config(node.swarm_config)
@@ -224,7 +231,14 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
     if resumed is None and joined and node.live_peers():
         # the swarm's state, not this peer's own start (see initial_state_differs); the first
         # node (no --join) is where the swarm's state starts, whoever joined it meanwhile
-        trainer.fetch_state()
+        try:
+            trainer.fetch_state(deadline_s=state_fetch_timeout_s, stop=stop)
+        except TransferError:
+            if not stop.is_set():
+                raise
+            log.info("stopped while fetching the swarm's state")
+            trainer.close()
+            return
     elif resumed is None and trainer.initial_state_differs:
         log.warning("this peer's initial state differs from the swarm's, and no peer is up to take the swarm's "
                     "from: it trains from its own start")

@@ -18,6 +18,8 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import random
+import threading
 import time
 import typing
 from collections.abc import Callable, Sequence
@@ -43,7 +45,7 @@ from starling.node.membership import (
 from starling.node.security import SecurityMode, ZapPolicy, choose_security
 from starling.node.stats import NodeStats
 from starling.node.swarm import JoinError, Swarm, SwarmConfigError, UnknownPeerError, config_conflicts
-from starling.node.transfer import BlobServer, TransferConfig, afetch_from_any
+from starling.node.transfer import BlobServer, TransferConfig, afetch_patiently
 from starling.node.transport import SendError, Transport, TransportConfig
 from starling.node.wire import Limits, Message, encode, frame_nbytes
 
@@ -61,6 +63,7 @@ class NodeConfig:
     liveness: Liveness = field(default_factory=Liveness)
     transport: TransportConfig = field(default_factory=TransportConfig)
     limits: Limits = field(default_factory=Limits)
+    transfer: TransferConfig = field(default_factory=TransferConfig)  # serving and fetching blobs
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # bounds on work others cause
     request_timeout_s: float = 10.0
     join_timeout_s: float = 10.0
@@ -273,15 +276,28 @@ class Node:
     def serve_blob(self, name: str, provider: Callable[[], bytes]) -> None:
         """Let peers fetch `provider()` (a snapshot taken when a transfer opens) by name."""
         if self._blobs is None:
-            self._blobs = BlobServer(self)
+            self._blobs = BlobServer(self, self.config.transfer)
         self._blobs.publish(name, provider)
 
     def fetch_blob(self, name: str, peers: Sequence[str] | None = None,
-                   config: TransferConfig | None = None) -> tuple[str, bytes]:
+                   config: TransferConfig | None = None, *, deadline_s: float = 0.0,
+                   stop: threading.Event | None = None) -> tuple[str, bytes]:
         """Fetch a named blob in digest-checked chunks from the first peer that has it
-        (default: every live peer in turn). Returns (peer, bytes); raises TransferError."""
-        order = list(peers) if peers is not None else self.live_peers()
-        return self._call(afetch_from_any(self, order, name, config))
+        (default: every live peer, in random order so joiners spread over the swarm). Until
+        `deadline_s` has passed, rounds over the peers (the live ones of that moment by
+        default) repeat with backoff; setting `stop` ends that at once. Returns (peer,
+        bytes); raises TransferError."""
+        rng = random.Random()
+
+        def candidates() -> list[str]:
+            if peers is not None:
+                return list(peers)
+            live = [p.peer_id for p in self._table.live()]
+            rng.shuffle(live)
+            return live
+
+        return self._call(afetch_patiently(self, candidates, name, config or self.config.transfer, deadline_s, rng,
+                                            stop))
 
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
         """Start a coroutine on the network thread and return at once (for overlap)."""

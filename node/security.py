@@ -41,6 +41,11 @@ class ZapPolicy:
     denied_count: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def admits(self, curve_key: bytes) -> bool:
+        """Whether a peer with this CURVE public key (raw 32 bytes) may be a member: checked
+        for every record a node learns, first-hand or relayed, not only at the handshake."""
+        return self.allowed is None or curve_key in self.allowed
+
     def callback(self, domain: str, client_key_z85: bytes) -> bool:
         if self.allowed is None:
             return True

@@ -2,6 +2,8 @@
 
 Joining is a hello to one known peer, which answers with its peer table (records signed by
 their owners) and the swarm config; the joiner then connects to every peer it learned of.
+A node's swarm config comes from its own start or from that answer, never from a hello it
+receives (a hello's config is only checked against its own).
 Liveness comes from heartbeats: every interval a node pings a few random peers (all of them
 in a small swarm) with the beat counters it heard from everyone, so the swarm's cost is
 n * fanout pings, not n^2; an id in a digest that a node has no record of is asked for
@@ -53,6 +55,7 @@ HELLO, ANNOUNCE, PING, LEAVE = "$hello", "$announce", "$ping", "$leave"
 WANT = "$want"  # asks a member for records it gossiped that we lack; answered with ANNOUNCE
 MAX_WANT = 256
 MAX_ANNOUNCE = 256
+MAX_REFUSED = 1024  # refused records remembered, so that beats naming them are not asked about
 
 
 class JoinError(Exception):
@@ -88,6 +91,7 @@ class Swarm:
         self._rng = random.Random()
         self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
         self._acked: dict[str, float] = {}  # peer id -> when we last answered its probe
+        self._refused: dict[str, int] = {}  # peer id -> incarnation whose record the allowlist refused
         self._bootstraps = itertools.count()
 
     def register(self) -> None:
@@ -173,13 +177,14 @@ class Swarm:
         if node.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
             raise WireError(RejectReason.SPOOFED_SENDER, "hello record's key does not own this connection",
                             field="record")
+        # A hello's config is only checked against ours, never taken: a node takes its config
+        # from its own start or from the peer it joined through. A node started without one
+        # once adopted the first hello's, so any stranger could pick what it trained.
         theirs = body[1]
         if theirs is not None:
             if not isinstance(theirs, dict):
                 raise WireError(RejectReason.BAD_FIELD, "swarm config must be a map", field="config")
-            if node.swarm_config is None:
-                node.swarm_config = dict(theirs)
-            conflicts = config_conflicts(node.swarm_config, theirs)
+            conflicts = config_conflicts(node.swarm_config or {}, theirs)
             if conflicts:
                 raise rpc.ConfigConflictError(_config_conflict_text(conflicts))
         # A joiner (it asks for the table) is announced to the others: one message each, no
@@ -209,16 +214,40 @@ class Swarm:
                 self.node._dispatch.reject(exc.reason, str(exc))
 
     def record_from(self, raw: Any) -> PeerRecord:
-        """Parse a relayed record; check its signature unless we hold this exact record
-        already (joins relay whole tables, so re-verifying would cost O(n^2) per join)."""
+        """Parse a relayed record; check the allowlist, then its signature unless we hold this
+        exact record already (joins relay whole tables, so re-verifying would cost O(n^2) per
+        join)."""
         record = PeerRecord.from_wire(raw, verify=False)
+        self._check_allowed(record)
         known = self.node._table.get(record.peer_id)
         if known is None or known.record != record:
             record = record.verified()
         return record
 
+    def _check_allowed(self, record: PeerRecord) -> None:
+        """Refuse (WireError NOT_ALLOWED) a record whose key is not on this node's allowlist.
+
+        ZAP checks only who connects to us; records also arrive relayed (a join's table,
+        announces, answers to WANT), and a record in the table is a peer we dial and accept
+        messages from. Each refused (id, incarnation) is logged once and not asked for again
+        when beats mention it."""
+        policy = self.node._policy
+        if policy is None or record.peer_id == self.node.peer_id or policy.admits(record.curve_key):
+            return
+        if self._refused.get(record.peer_id) != record.incarnation:
+            log.warning("%s: refused the record of %s: its key %s is not on the allowlist", self.node.peer_id,
+                        record.peer_id, z85.encode(record.curve_key).decode())
+            self._refused.pop(record.peer_id, None)
+            if len(self._refused) >= MAX_REFUSED:
+                del self._refused[next(iter(self._refused))]  # the oldest refusal
+            self._refused[record.peer_id] = record.incarnation
+        raise WireError(RejectReason.NOT_ALLOWED,
+                        f"peer record for {record.peer_id}: its key is not on this node's allowlist", field="record")
+
     def learn(self, record: PeerRecord) -> bool:
-        """Add or refresh a verified record; connect to a new peer. True if it was news."""
+        """Add or refresh a verified record; connect to a new peer. True if it was news.
+        The one way into the peer table: a record the allowlist refuses never gets there."""
+        self._check_allowed(record)
         node = self.node
         change = node._table.upsert(record, time.monotonic())
         known = node._table.get(record.peer_id)
@@ -420,6 +449,9 @@ class Swarm:
             raise WireError(RejectReason.BAD_FIELD, "ping body must be [digest, probe]", field="body")
         now = time.monotonic()
         news, unknown = node._table.sort_digest(parse_digest(body[0]))
+        if unknown and self._refused:  # not the ones the allowlist refused (in that incarnation)
+            refused = {e[0]: e[1] for e in body[0] if self._refused.get(e[0]) == e[1]}
+            unknown = [peer_id for peer_id in unknown if peer_id not in refused]
         news = [(peer_id, inc, beat, finite_meta(meta) if meta else meta) for peer_id, inc, beat, meta in news]
         for peer_id, incarnation, beat, meta in news:
             change = node._table.heartbeat(peer_id, incarnation, beat, meta, now)

@@ -68,6 +68,7 @@ class RejectReason(str, Enum):
     SPOOFED_SENDER = "spoofed_sender"
     UNKNOWN_TOPIC = "unknown_topic"
     HANDLER_ERROR = "handler_error"
+    NOT_ALLOWED = "not_allowed"  # a peer record whose key is not on the node's allowlist
     BUSY = "busy"  # past a cap on work in flight (node.admission); a request is answered with BUSY
     RATE_LIMITED = "rate_limited"  # a stranger's connection over its rate, dropped unread
 

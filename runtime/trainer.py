@@ -44,6 +44,7 @@ from starling.tasks import Task, get_task
 log = logging.getLogger(__name__)
 
 STATE_BLOB = "starling.train.state"
+FETCH_STATE_DEADLINE_S = 120.0  # how long a joiner keeps trying to fetch the swarm's state
 # A protocol option that plans for the run's length (sketch-dp's privacy budget is spread over
 # it); filled from the run's step count when the user leaves it unset.
 RUN_LENGTH_OPTION = "budget_steps"
@@ -224,12 +225,16 @@ class Trainer:
             log.info("%s: this peer's initial state (digest %s) differs from the swarm's (%s); it takes the "
                      "swarm's state instead of training from its own start", self.node.peer_id, digest, initial)
 
-    def fetch_state(self, peers: list[str] | None = None) -> str:
-        """A joiner's catch-up: the protocol state of some live peer, at that peer's step."""
+    def fetch_state(self, peers: list[str] | None = None, deadline_s: float = FETCH_STATE_DEADLINE_S,
+                    stop: threading.Event | None = None) -> str:
+        """A joiner's catch-up: the protocol state of some live peer, at that peer's step.
+        A busy or failing source sends it to the others, then round after round with backoff
+        until `deadline_s` has passed (or `stop` is set); then TransferError says what was
+        tried."""
         import torch
 
         assert self.proto is not None, "create_protocol() first"
-        source, blob = self.node.fetch_blob(STATE_BLOB, peers)
+        source, blob = self.node.fetch_blob(STATE_BLOB, peers, deadline_s=deadline_s, stop=stop)
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)  # then to my device
         state.pop(PRIVATE_STATE, None)  # the donor's own residuals are not the joiner's
         self.proto.load_state_dict(state)

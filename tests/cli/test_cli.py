@@ -42,6 +42,7 @@ def test_keygen_refuses_to_overwrite_without_force(tmp_path):
     (["node", "status", "tcp://127.0.0.1:1", "--timeout-s", "nan"], "--timeout-s must be a positive, finite"),
     (["node", "status", "tcp://127.0.0.1:1", "--timeout-s", "-1"], "--timeout-s must be a positive, finite"),
     (["node", "start", "--resume-timeout-s", "inf"], "--resume-timeout-s must be"),
+    (["node", "start", "--state-fetch-timeout-s", "0"], "--state-fetch-timeout-s must be"),
     (["node", "start", "--join", "tcp://0.0.0.0:5"], "every interface"),
     (["node", "start", "--heartbeat-s", "abc"], "Invalid value for '--heartbeat-s'"),
     (["node", "start", "--lr", "abc"], "Invalid value for '--lr'"),

@@ -31,9 +31,15 @@ class Lines:
         threading.Thread(target=lambda: [self.queue.put(line) for line in proc.stdout], daemon=True).start()
 
     def address(self, timeout_s: float = 300) -> str:
-        line = self.queue.get(timeout=timeout_s)
-        assert "join with:" in line, line
-        return line.rsplit("join with:", 1)[1].strip()
+        return self.text("join with:", timeout_s).rsplit("join with:", 1)[1].strip()
+
+    def text(self, needle: str, timeout_s: float = 300) -> str:
+        """The next line that contains `needle` (log lines too, when stderr is merged in)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = self.queue.get(timeout=max(0.01, deadline - time.monotonic()))
+            if needle in line:
+                return line
 
     def until(self, pred, timeout_s: float = 300) -> dict:
         deadline = time.monotonic() + timeout_s

@@ -137,3 +137,42 @@ def test_oversize_frame_is_dropped_before_delivery(make_node):
     assert seen == []
     b = make_node("tcp", join=[a.address])  # the node is unharmed
     assert wait_until(lambda: b.peer_id in a.live_peers())
+
+
+def _allowlist(tmp_path, *identities: Identity):
+    path = tmp_path / f"allow-{len(list(tmp_path.iterdir()))}"
+    path.write_text("".join(f"{encode_key(i.curve_public)}\n" for i in identities))
+    return path
+
+
+def test_a_relayed_record_for_a_key_off_the_allowlist_is_never_added_or_dialed(make_node, tmp_path):
+    """Issue 18: an allowed member announced a record for a key not on the list, and the
+    node added it as alive and opened a socket to it."""
+    a_id, b_id, c_id = Identity.generate(), Identity.generate(), Identity.generate()
+    a = make_node("tcp", key=a_id, authorized_keys=_allowlist(tmp_path, b_id))
+    b = make_node("tcp", key=b_id, join=[a.address])  # open: it lets c in
+    assert wait_until(lambda: b.peer_id in a.live_peers())
+    c = make_node("tcp", key=c_id, join=[b.address])  # b announces c to a, and relays c's beats
+    assert wait_until(lambda: c.peer_id in b.live_peers())
+    assert wait_until(lambda: a.stats.snapshot()["rejected"].get("not_allowed", 0) >= 1)
+    # a keeps hearing c's beats from b for a while; it neither adds c nor keeps asking for it
+    refused = a.stats.snapshot()["rejected"]["not_allowed"]
+    heard = a.stats.snapshot()["messages_received"]
+    assert wait_until(lambda: a.stats.snapshot()["messages_received"] >= heard + 20)
+    assert a.stats.snapshot()["rejected"]["not_allowed"] <= refused + 1  # a WANT already on its way
+    assert set(statuses(a)) == {b.peer_id}
+    assert not a._transport.has(c.peer_id)
+
+
+def test_a_joiner_with_an_allowlist_takes_only_listed_records_from_the_join_table(make_node, tmp_path):
+    a_id, b_id, d_id = Identity.generate(), Identity.generate(), Identity.generate()
+    a = make_node("tcp", key=a_id)
+    b = make_node("tcp", key=b_id, join=[a.address])
+    c = make_node("tcp", join=[a.address])
+    assert wait_until(lambda: len(a.live_peers()) == 2)
+    d = make_node("tcp", key=d_id, join=[a.address], authorized_keys=_allowlist(tmp_path, a_id, b_id))
+    assert d.stats.snapshot()["rejected"]["not_allowed"] == 1  # c, in a's answer
+    assert set(statuses(d)) == {a.peer_id, b.peer_id} and not d._transport.has(c.peer_id)
+    # a peer to join through must be on the list too
+    with pytest.raises(JoinError, match="allowlist"):
+        make_node("tcp", join=[c.address], authorized_keys=_allowlist(tmp_path, a_id))

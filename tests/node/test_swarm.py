@@ -319,6 +319,20 @@ def test_swarm_config_fixed_by_first_node(make_node):
         make_node("inproc", join=[a.address], swarm_config={"protocol": "diloco"})
 
 
+def test_a_hello_never_sets_the_config_of_a_node_started_without_one(make_node):
+    """Issue 18: the first inbound hello's config was adopted, so a stranger picked what a
+    node started without --protocol would train (and what its later joiners learned)."""
+    a = make_node("tcp")
+    stranger = make_node("tcp", join=[a.address], swarm_config={"protocol": "diloco", "task": "evil:task"})
+    assert a.swarm_config is None and stranger.swarm_config == {"protocol": "diloco", "task": "evil:task"}
+    # a member's hello (a re-announce) carrying a config is not taken either
+    stranger.request(a.peer_id, "$hello", [stranger.record.to_wire(), {"protocol": "gossip"}, False])
+    assert a.swarm_config is None
+    later = make_node("tcp", join=[a.address])
+    assert later.swarm_config is None  # nothing to learn from a
+    assert a.status()["config"] is None
+
+
 def test_heartbeat_meta_reaches_peers(make_node):
     a = make_node("inproc")
     b = make_node("inproc", join=[a.address])
