@@ -11,7 +11,7 @@ from typing import Any, List, Optional
 
 import typer
 
-from starling.cli.shared import EXPECTED_ERRORS, check_seconds, extra_options, fail, setup_logging
+from starling.cli.shared import EXPECTED_ERRORS, check_seconds, extra_options, fail, json_text, setup_logging
 from starling.common import parse_options
 from starling.node.identity import Identity
 from starling.node.membership import Liveness
@@ -261,7 +261,7 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
         info = trainer.proto.describe()  # type: ignore[union-attr]
         if "privacy" in info:  # what a private protocol (sketch-dp) has spent
             stopped["privacy"] = info["privacy"]
-        typer.echo(json.dumps(stopped, default=str))
+        typer.echo(json_text(stopped))
         sys.stdout.flush()
     finally:
         trainer.close()
@@ -283,12 +283,22 @@ def node_status(
     except (ClientError, *EXPECTED_ERRORS) as exc:
         fail(str(exc))
     if as_json:
-        typer.echo(json.dumps(status, default=str))
+        typer.echo(json_text(status))
         return
-    typer.echo(f"node {status['id']}  {status['address']}  ({status['security']})")
+    try:
+        lines = _status_lines(status)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # an answer not shaped like a status
+        fail(f"malformed status from {address} ({type(exc).__name__}: {exc}); --json prints it as it came")
+    for line in lines:
+        typer.echo(line)
+
+
+def _status_lines(status: Any) -> list[str]:
+    lines = [f"node {status['id']}  {status['address']}  ({status['security']})"]
     for p in status["peers"]:
-        typer.echo(f"  {p['id']}  {p['status']:<8} seen {p['last_seen_s']:.1f}s ago  {' '.join(p['addresses'])}")
+        lines.append(f"  {p['id']}  {p['status']:<8} seen {p['last_seen_s']:.1f}s ago  {' '.join(p['addresses'])}")
     stats = status["stats"]
-    typer.echo(f"  sent {sum(sum(t.values()) for t in stats['bytes_sent'].values())} B, "
-               f"received {sum(sum(t.values()) for t in stats['bytes_received'].values())} B, "
-               f"rejected {sum(stats['rejected'].values())}")
+    lines.append(f"  sent {sum(sum(t.values()) for t in stats['bytes_sent'].values())} B, "
+                 f"received {sum(sum(t.values()) for t in stats['bytes_received'].values())} B, "
+                 f"rejected {sum(stats['rejected'].values())}")
+    return lines

@@ -6,6 +6,7 @@ stderr and a non-zero exit, never a traceback.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
@@ -112,6 +113,30 @@ def check_seconds(flag: str, value: float) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{flag} must be a positive, finite number of seconds, got {value:g}")
     return value
+
+
+MAX_JSON_DEPTH = 64  # deeper parts of what is printed become "<too deep>"
+
+
+def json_text(value: Any) -> str:
+    """One line of JSON for any value, a remote node's answer included: parts JSON cannot
+    hold (nesting past MAX_JSON_DEPTH, keys that are not text, NaN, other types) are written
+    as text instead of raising."""
+    return json.dumps(_plain(value, MAX_JSON_DEPTH), allow_nan=False)
+
+
+def _plain(value: Any, depth: int) -> Any:
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, (dict, list, tuple)) and depth <= 0:
+        return "<too deep>"
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(k): _plain(v, depth - 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, depth - 1) for v in value]
+    return str(value)
 
 
 def setup_logging(level: str) -> None:

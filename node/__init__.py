@@ -6,7 +6,8 @@ helpers, and the typed errors of requests; the rest are the parts it is built fr
 - `node`: the `Node` facade;
 - `rpc`: requests, their error codes (`ErrorCode`) and typed `RemoteError`s, the named
   reasons a handler refuses work for (`Refusal`, `refusal()`);
-- `dispatch`: the inbound path (decode, authenticate, route to handlers, answer);
+- `dispatch`: the inbound path (decode, authenticate, route to handlers, answer), within the
+  bounds of `admission` (requests in flight per connection and per process, strangers' rates);
 - `swarm`: the membership protocol (hello, announce, want, heartbeats, leave), over
   `membership`, the peer table and failure detector;
 - `transport`, `wire`, `security`, `identity`, `address`: sockets, frames, CURVE, keys;
@@ -21,6 +22,7 @@ from starling.node.membership import Liveness, PeerStatus, PeerView
 from starling.node.node import JoinError, Node, NodeConfig, SwarmConfigError, UnknownPeerError
 from starling.node.rpc import (
     BadRequestError,
+    BusyError,
     ConfigConflictError,
     ErrorCode,
     HandlerError,
@@ -39,9 +41,9 @@ from starling.node.transport import TransportConfig
 from starling.node.wire import Limits, Message, RejectReason, WireError
 
 __all__ = [
-    "BadRequestError", "ConfigConflictError", "ErrorCode", "HandlerError", "Identity", "JoinError", "KeyFileError",
-    "Limits", "Liveness", "Message", "NoHandlerError", "Node", "NodeConfig", "PeerAddress", "PeerStatus", "PeerView",
-    "Refusal", "RefusedError", "RejectReason", "RemoteError", "Reply", "RequestTimeout", "RpcError",
-    "SwarmConfigError", "TransferConfig", "TransferError", "TransportConfig", "UnknownPeerError", "WireError",
-    "parse_address", "refusal", "refusal_of",
+    "BadRequestError", "BusyError", "ConfigConflictError", "ErrorCode", "HandlerError", "Identity", "JoinError",
+    "KeyFileError", "Limits", "Liveness", "Message", "NoHandlerError", "Node", "NodeConfig", "PeerAddress",
+    "PeerStatus", "PeerView", "Refusal", "RefusedError", "RejectReason", "RemoteError", "Reply", "RequestTimeout",
+    "RpcError", "SwarmConfigError", "TransferConfig", "TransferError", "TransportConfig", "UnknownPeerError",
+    "WireError", "parse_address", "refusal", "refusal_of",
 ]

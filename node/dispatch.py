@@ -5,9 +5,17 @@ comes in on the node's ROUTER: membership messages go to the membership protocol
 to their handler, whose answer (or typed error, see `node.rpc`) goes back on the same
 connection. A message that fails a check is dropped and counted by its `RejectReason`, and
 changes no state.
+
+Work that other processes cause is bounded by `node.admission`. Before a ROUTER message is
+decoded, a stranger's connection that is over its rate is dropped. A request past a cap on
+requests in flight is answered with a busy error and never reaches its handler. Waste (what
+was only dropped or refused) pauses the reader now and then. Stats keep one entry per
+authenticated member. Everything from senders outside the swarm is counted under
+`stats.STRANGERS`, so no sender can make them grow.
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -18,8 +26,10 @@ from typing import TYPE_CHECKING, Any
 from zmq.utils import z85
 
 from starling.node import rpc
+from starling.node.admission import BUSY_DETAIL, Admission
 from starling.node.membership import PeerInfo, PeerStatus
 from starling.node.security import SecurityMode
+from starling.node.stats import STRANGERS
 from starling.node.transport import Inbound, SendError
 from starling.node.wire import Message, RejectReason, WireError, decode, frame_nbytes
 
@@ -36,6 +46,7 @@ class Dispatcher:
 
     def __init__(self, node: Node) -> None:
         self.node = node
+        self.admission = Admission(node.config.admission, node._net.load)
         self.handlers: dict[str, tuple[Handler, bool]] = {}  # topic -> (handler, public)
         # the node's own "$" topics: one-way messages, and requests answered with a body
         self.internal_messages: dict[str, Callable[[Message], None]] = {}
@@ -59,15 +70,31 @@ class Dispatcher:
     async def on_inbound(self, inbound: Inbound) -> None:
         if self.node.closed:
             return
+        route = inbound.route
+        if route is not None and not self.admission.readable(route):
+            self.node.stats.count_rejected(RejectReason.RATE_LIMITED.value)
+            await self._wasted()
+            return
         nbytes = frame_nbytes(inbound.frames)
+        info: PeerInfo | None = None
         try:
             msg = decode(inbound.frames, self.node.config.limits)
-            if inbound.route is None:
+            if route is None:
                 self._on_reply(inbound, msg, nbytes)
-            else:
-                await self._on_router(inbound, msg, nbytes)
+                return
+            info = self._authenticate(inbound, msg)
+            await self._on_router(inbound, route, msg, nbytes, info)
         except WireError as exc:
             self.reject(exc.reason, str(exc))
+            if route is not None and info is None:  # a member's rejects spend nothing
+                self.admission.charge(route)
+                await self._wasted()
+
+    async def _wasted(self) -> None:
+        """Count a message that was only dropped or refused; every so often, pause the reader
+        (see `node.admission`)."""
+        if self.admission.wasted():
+            await asyncio.sleep(self.admission.config.waste_pause_s)
 
     def _on_reply(self, inbound: Inbound, msg: Message, nbytes: int) -> None:
         node, via = self.node, inbound.via_peer or ""
@@ -93,17 +120,23 @@ class Dispatcher:
             raise WireError(RejectReason.SPOOFED_SENDER, f"{msg.sender} does not own this connection", field="sender")
         return info
 
-    async def _on_router(self, inbound: Inbound, msg: Message, nbytes: int) -> None:
+    async def _on_router(self, inbound: Inbound, route: bytes, msg: Message, nbytes: int,
+                         info: PeerInfo | None) -> None:
         node = self.node
-        info = self._authenticate(inbound, msg)
         topic, rid, body = msg.topic, None, msg.body
         if topic == rpc.REQUEST_TOPIC:
             topic, rid, body = rpc.parse_request(msg)
-        if info is None and not (rid is not None and self._is_public(topic)):
-            raise WireError(RejectReason.UNKNOWN_PEER, f"{msg.sender} is not a member (topic {topic!r})",
-                            field="sender")
-        node.stats.count_received(msg.sender, topic, nbytes)
-        if info is not None:
+        member = info is not None
+        if not member:
+            if rid is None or not self._is_public(topic):
+                raise WireError(RejectReason.UNKNOWN_PEER, f"{msg.sender} is not a member (topic {topic!r})",
+                                field="sender")
+            if not self.admission.charge(route):
+                await self._busy(route, topic, rid, "rate")
+                return
+        peer = msg.sender if member else STRANGERS
+        node.stats.count_received(peer, topic, nbytes)
+        if member:
             change = node._table.seen(msg.sender, time.monotonic())
             if change is not None:
                 node._notify(change)
@@ -111,18 +144,50 @@ class Dispatcher:
         if internal is not None:
             internal(msg)
         elif rid is not None:
-            node._spawn(self._serve(inbound, msg, topic, rid, body))
+            cap = self.admission.admit(route, member)
+            if cap is not None:
+                await self._busy(route, topic, rid, cap, peer)
+                return
+            self._counted(route, member, self._serve(inbound, route, msg, topic, rid, body, member))
         else:
-            handler = self.handlers.get(topic)
-            if handler is None:
-                raise WireError(RejectReason.UNKNOWN_TOPIC, f"no handler for {topic!r}", field="topic")
-            try:
-                result = handler[0](msg)
-                if inspect.isawaitable(result):
-                    node._spawn(result)
-            except Exception:
-                self.reject(RejectReason.HANDLER_ERROR, f"handler for {topic!r} raised")
-                log.exception("handler for %r raised", topic)
+            self._on_message(route, msg, topic)
+
+    def _on_message(self, route: bytes, msg: Message, topic: str) -> None:
+        """A member's one-way message to a handler; an async one counts as a request in flight."""
+        handler = self.handlers.get(topic)
+        if handler is None:
+            raise WireError(RejectReason.UNKNOWN_TOPIC, f"no handler for {topic!r}", field="topic")
+        if self.admission.admit(route, True) is not None:
+            raise WireError(RejectReason.BUSY, f"{topic!r}: too many messages in flight on this connection")
+        try:
+            result = handler[0](msg)
+        except Exception:
+            self.admission.release(route, True)
+            self.reject(RejectReason.HANDLER_ERROR, f"handler for {topic!r} raised")
+            log.exception("handler for %r raised", topic)
+            return
+        if inspect.isawaitable(result):
+            self._counted(route, True, result)
+        else:
+            self.admission.release(route, True)
+
+    def _counted(self, route: bytes, member: bool, work: Any) -> None:
+        """Run admitted work as a task, released when it ends (also if cancelled unstarted)."""
+        self.node._spawn(work).add_done_callback(lambda _: self.admission.release(route, member))
+
+    async def _busy(self, route: bytes, topic: str, rid: int, cap: str, peer: str = STRANGERS) -> None:
+        """Answer a request with a busy error without running it, counted; never waits."""
+        node = self.node
+        self.reject(RejectReason.BUSY, f"{topic}: {BUSY_DETAIL[cap]}")
+        frames = node._frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, False, rpc.ErrorBody(
+            rpc.ErrorCode.BUSY, BUSY_DETAIL[cap])), ())
+        try:
+            assert node._transport is not None
+            await node._transport.reply(route, frames, wait=False)
+            node.stats.count_sent(peer, topic, frame_nbytes(frames))
+        except SendError:
+            node.stats.count_send_failure()
+        await self._wasted()
 
     def _is_public(self, topic: str) -> bool:
         if topic in self.public_internal:
@@ -130,7 +195,8 @@ class Dispatcher:
         entry = self.handlers.get(topic)
         return entry is not None and entry[1]
 
-    async def _serve(self, inbound: Inbound, msg: Message, topic: str, rid: int, body: Any) -> None:
+    async def _serve(self, inbound: Inbound, route: bytes, msg: Message, topic: str, rid: int, body: Any,
+                     member: bool) -> None:
         """Run a request's handler and answer with its result, or with a typed error."""
         node = self.node
         payload: tuple[Any, ...] = ()
@@ -148,14 +214,20 @@ class Dispatcher:
             if result.code is rpc.ErrorCode.HANDLER_ERROR:
                 self.reject(RejectReason.HANDLER_ERROR, f"{topic}: {exc}")
                 log.warning("handler for %r failed: %s", topic, exc)
-        assert node._transport is not None and inbound.route is not None
-        frames = node._frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, ok, result), payload)
-        if node.shaper is not None and not topic.startswith("$"):
+        assert node._transport is not None
+        try:
+            frames = node._frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, ok, result), payload)
+        except (TypeError, ValueError) as exc:  # an answer the wire cannot carry (too deep, not msgpack)
+            self.reject(RejectReason.HANDLER_ERROR, f"{topic}: answer cannot be sent: {exc}")
+            error = rpc.ErrorBody(rpc.ErrorCode.HANDLER_ERROR, f"the answer cannot be sent: {exc}")
+            frames = node._frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, False, error), ())
+        peer = msg.sender if member else STRANGERS
+        if node.shaper is not None and member and not topic.startswith("$"):
             if not await node.shaper.admit(msg.sender, frame_nbytes(frames)):
                 return
         try:
-            await node._transport.reply(inbound.route, frames)
-            node.stats.count_sent(msg.sender, topic, frame_nbytes(frames))
+            await node._transport.reply(route, frames)
+            node.stats.count_sent(peer, topic, frame_nbytes(frames))
         except SendError as exc:
             node.stats.count_send_failure()
             log.debug("reply to %s failed: %s", msg.sender, exc)

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, TypeVar
 import zmq
 import zmq.asyncio
 
+from starling.node.admission import ProcessLoad
 from starling.node.allocator import AllocatorTuning, keep_freed_memory
 from starling.node.security import ZapRegistry
 
@@ -47,6 +48,7 @@ class NetworkThread:
         self.context.set(zmq.MAX_SOCKETS, MAX_SOCKETS_PER_PROCESS)
         self.loop = asyncio.new_event_loop()
         self.zap = ZapRegistry(self.context)  # one ZAP handler per context
+        self.load = ProcessLoad()  # requests in flight across this process's nodes (node.admission)
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="starling-network", daemon=True)
         self._thread.start()

@@ -29,6 +29,7 @@ from typing import Any
 
 from starling.node import rpc
 from starling.node.address import PeerAddress, parse_address, parse_bind
+from starling.node.admission import AdmissionConfig
 from starling.node.dispatch import Dispatcher, Handler
 from starling.node.identity import Identity
 from starling.node.loop import NetworkThread
@@ -63,6 +64,7 @@ class NodeConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     limits: Limits = field(default_factory=Limits)
     transfer: TransferConfig = field(default_factory=TransferConfig)  # serving and fetching blobs
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # bounds on work others cause
     request_timeout_s: float = 10.0
     join_timeout_s: float = 10.0
     leave_timeout_s: float = 1.0
@@ -345,10 +347,11 @@ class Node:
     def _notify(self, change: StatusChange) -> None:
         self._swarm.notify(change)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

@@ -38,6 +38,7 @@ class ErrorCode(str, enum.Enum):
     HANDLER_ERROR = "handler_error"  # the handler raised
     REFUSED = "refused"  # the handler refused, for a named `Refusal`
     BAD_REQUEST = "bad_request"  # the request failed the node's own checks (a malformed hello)
+    BUSY = "busy"  # the node turned the request away unread: too many in flight (see node.admission)
 
 
 class Refusal(str, enum.Enum):
@@ -96,6 +97,13 @@ class BadRequestError(RemoteError):
     code = ErrorCode.BAD_REQUEST
 
 
+class BusyError(RemoteError):
+    """The node had too many requests in flight (from this connection, from peers outside the
+    swarm, or in its process) and did not run the handler; the request may be sent again later."""
+
+    code = ErrorCode.BUSY
+
+
 class RefusedError(RemoteError):
     """Work turned down for a named `reason` (`.reason`), with a human-readable detail."""
 
@@ -111,7 +119,8 @@ class RequestTimeout(RpcError, TimeoutError):
 
 
 _ERRORS: dict[ErrorCode, type[RemoteError]] = {
-    cls.code: cls for cls in (NoHandlerError, ConfigConflictError, HandlerError, BadRequestError, RefusedError)
+    cls.code: cls for cls in (NoHandlerError, ConfigConflictError, HandlerError, BadRequestError, BusyError,
+                              RefusedError)
 }
 
 

@@ -2,6 +2,10 @@
 
 These are what protocols and benchmarks report, so they count whole messages as
 they cross the socket (header frame plus every payload frame).
+
+They stay bounded whatever peers send. Only authenticated members get entries of their own.
+Everything to and from senders outside the swarm is counted under `STRANGERS`. Past
+`max_peers` peers, or `max_topics` topics of one peer, the rest is counted under `OTHERS`.
 """
 from __future__ import annotations
 
@@ -9,6 +13,9 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+STRANGERS = "<strangers>"  # every sender outside the swarm (public requests), one entry
+OTHERS = "<others>"  # peers, or one peer's topics, past the caps
 
 
 @dataclass
@@ -22,15 +29,25 @@ class NodeStats:
     send_failures: int = 0
     stalls: int = 0  # times this node's own liveness loop woke late (see Swarm.heartbeat_loop)
     stalled_s: float = 0.0  # their total lateness, not counted against peers' silence
+    max_peers: int = field(default=1024, repr=False)
+    max_topics: int = field(default=64, repr=False)
+
+    def _add(self, table: dict[str, dict[str, int]], peer: str, topic: str, nbytes: int) -> None:
+        per = table.get(peer)
+        if per is None:
+            per = table[peer if len(table) < self.max_peers else OTHERS]
+        if topic not in per and len(per) >= self.max_topics:
+            topic = OTHERS
+        per[topic] += nbytes
 
     def count_sent(self, peer: str, topic: str, nbytes: int) -> None:
         with self._lock:
-            self.bytes_sent[peer][topic] += nbytes
+            self._add(self.bytes_sent, peer, topic, nbytes)
             self.messages_sent += 1
 
     def count_received(self, peer: str, topic: str, nbytes: int) -> None:
         with self._lock:
-            self.bytes_received[peer][topic] += nbytes
+            self._add(self.bytes_received, peer, topic, nbytes)
             self.messages_received += 1
 
     def count_rejected(self, reason: str) -> None:

@@ -263,10 +263,12 @@ class Transport:
             if left:
                 self._sending[key] = left
 
-    async def reply(self, route: bytes, frames: Sequence[object]) -> None:
+    async def reply(self, route: bytes, frames: Sequence[object], *, wait: bool = True) -> None:
+        """Answer on the connection a request came in on; `wait=False` never waits (a busy
+        refusal must not hold up the reader that refuses)."""
         if self._router is None:
             raise SendError("node is not listening")
-        await self._send(self._router, [route, *frames], True, "reply")
+        await self._send(self._router, [route, *frames], wait, "reply")
 
     async def _send(self, sock: zmq.asyncio.Socket, frames: Sequence[object], wait: bool, what: str,
                     timeout_s: float | None = None) -> None:
@@ -316,6 +318,10 @@ class Transport:
                 continue
             for frames in batch:
                 await self._deliver(frames, key)
+            # Yield once per batch. pyzmq completes a recv at once while messages are queued,
+            # so without this a sender that never pauses keeps the loop in this reader: no
+            # other task (replies, heartbeats, training sends) would run until it stops.
+            await asyncio.sleep(0)
 
     async def _deliver(self, frames: list[zmq.Frame], key: str | None) -> None:
         if key is None:  # the ROUTER: first frame is the connection's routing id

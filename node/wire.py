@@ -6,8 +6,10 @@ follows, ``["t", dtype, shape]`` for a tensor or ``["b", nbytes]`` for raw bytes
 never copied into msgpack: each is its own frame, sent zero-copy and received as a view over
 the frame's memory.
 
-`decode` treats its input as hostile: it checks every field, every size against `Limits`,
-and raises only `WireError`, whose `reason` the node counts.
+`decode` treats its input as hostile: it checks every field, every size against `Limits`
+(the header, which carries the body, is at most `max_header_bytes`; lists and maps nest at
+most `max_depth` deep, so nothing that reads a body later, `json.dumps` included, can hit
+Python's recursion limit), and raises only `WireError`, whose `reason` the node counts.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class RejectReason(str, Enum):
     BAD_SHAPE = "bad_shape"
     OVERSIZE = "oversize"
     TOO_MANY_FRAMES = "too_many_frames"
+    TOO_DEEP = "too_deep"
     # raised by the node
     UNKNOWN_PEER = "unknown_peer"
     BAD_SIGNATURE = "bad_signature"
@@ -66,6 +69,8 @@ class RejectReason(str, Enum):
     UNKNOWN_TOPIC = "unknown_topic"
     HANDLER_ERROR = "handler_error"
     NOT_ALLOWED = "not_allowed"  # a peer record whose key is not on the node's allowlist
+    BUSY = "busy"  # past a cap on work in flight (node.admission); a request is answered with BUSY
+    RATE_LIMITED = "rate_limited"  # a stranger's connection over its rate, dropped unread
 
 
 class WireError(ValueError):
@@ -83,6 +88,7 @@ class Limits:
     max_frames: int = 1024
     max_message_bytes: int = 1 << 30  # sum of all frames, header included
     max_ndim: int = 8
+    max_depth: int = 32  # lists and maps inside one another, the header map counted as 1
 
 
 def _allowed_dtypes() -> dict[str, torch.dtype]:
@@ -157,8 +163,9 @@ def encode(
         packed = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"body is not msgpack-serializable: {exc}") from None
-    try:  # map keys must be str/bytes and extension types are refused on receipt
-        msgpack.unpackb(packed, raw=False, strict_map_key=True, ext_hook=_reject_ext)
+    try:  # map keys must be str/bytes, extension types are refused on receipt, and so is depth
+        _check_depth(msgpack.unpackb(packed, raw=False, strict_map_key=True, ext_hook=_reject_ext),
+                     Limits.max_depth)
     except (WireError, ValueError) as exc:
         raise TypeError(f"body would be rejected by the receiver: {exc}") from None
     return [packed, *frames]
@@ -236,6 +243,7 @@ def _decode(frames: Sequence[bytes | memoryview | zmq.Frame], limits: Limits) ->
         )
 
     header = _unpack_header(header_view)
+    _check_depth(header, limits.max_depth)
     topic, sender, seq, ts, body, descriptors = _check_header(header, len(data_views))
     payload = tuple(
         _decode_frame(descriptor, view, index, limits)
@@ -284,6 +292,17 @@ def _unpack_header(view: memoryview) -> Any:
         raise
     except Exception as exc:
         raise WireError(RejectReason.MALFORMED, f"header is not valid msgpack ({exc!r})") from None
+
+
+def _check_depth(value: Any, max_depth: int) -> None:
+    """Raise TOO_DEEP if lists and maps nest deeper than `max_depth` (without recursing)."""
+    stack = [(value, 1)] if isinstance(value, (list, dict)) else []
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if depth > max_depth:
+            raise WireError(RejectReason.TOO_DEEP, f"lists and maps nest deeper than {max_depth}", "b")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (list, dict)))
 
 
 def _check_topic(topic: Any, error: type[Exception]) -> None:

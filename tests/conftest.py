@@ -7,7 +7,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import zmq
+from zmq.utils import z85
 
+from starling.node.address import parse_address
+from starling.node.identity import Identity
 from starling.node.membership import Liveness
 from starling.node.node import Node, NodeConfig
 
@@ -59,6 +63,20 @@ def swarm(make_node: Callable[..., Node], n: int) -> list[Node]:
     for node in nodes:
         assert wait_until(lambda node=node: len(node.live_peers()) == n - 1)
     return nodes
+
+
+def raw_dealer(address: str, identity: Identity | None = None) -> zmq.Socket:
+    """A hand-driven client socket outside any Node (a stranger, unless `identity` is a member's)."""
+    target = parse_address(address)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if target.curve_key is not None:
+        ident = identity or Identity.generate()
+        sock.curve_serverkey = z85.encode(target.curve_key)
+        sock.curve_publickey = ident.curve_public_z85
+        sock.curve_secretkey = ident.curve_secret_z85
+    sock.connect(target.endpoint)
+    return sock
 
 
 def in_parallel(fns: list) -> list:

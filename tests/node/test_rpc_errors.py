@@ -6,6 +6,7 @@ from conftest import wait_until
 
 from starling.node import (
     BadRequestError,
+    BusyError,
     ConfigConflictError,
     ErrorCode,
     HandlerError,
@@ -40,6 +41,18 @@ def test_a_handler_that_raises_gives_a_handler_error_and_is_counted(make_node):
     with pytest.raises(HandlerError) as info:
         b.request(a.peer_id, "broken", None)
     assert info.value.code is ErrorCode.HANDLER_ERROR and "KeyError" in str(info.value)
+    assert a.stats.snapshot()["rejected"]["handler_error"] == 1
+
+
+def test_an_answer_the_wire_cannot_carry_is_a_handler_error_not_a_timeout(make_node):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    deep: object = 0
+    for _ in range(100):
+        deep = [deep]
+    a.on("deep", lambda msg: deep)
+    with pytest.raises(HandlerError, match="cannot be sent"):
+        b.request(a.peer_id, "deep", None, timeout_s=5)
     assert a.stats.snapshot()["rejected"]["handler_error"] == 1
 
 
@@ -112,6 +125,7 @@ def test_a_malformed_error_reply_is_refused_on_the_wire(body):
 
 def test_error_bodies_round_trip_to_their_exception_types():
     for exc, kind in [(NoHandlerError("no handler for 'x'"), NoHandlerError),
+                      (BusyError("too many requests in flight"), BusyError),
                       (RefusedError(Refusal.LATE, "round 3 closed"), RefusedError),
                       (ConfigConflictError("protocol differs"), ConfigConflictError),
                       (ValueError("bad"), HandlerError)]:

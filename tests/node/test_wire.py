@@ -416,6 +416,31 @@ def test_oversize_header():
     assert _reason(frames, Limits(max_header_bytes=1000)) == RejectReason.OVERSIZE
 
 
+def _nested(depth: int, leaf: object = 0) -> object:
+    value = leaf
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def _header_with_body(body: object) -> list:
+    header = {"v": WIRE_VERSION, "t": "t", "s": "s", "n": 1, "ts": 1.0, "b": body, "f": []}
+    return [msgpack.packb(header, use_bin_type=True)]
+
+
+def test_a_body_nested_deeper_than_the_limit_is_rejected_without_recursion():
+    limit = Limits().max_depth
+    assert decode(_header_with_body(_nested(limit - 1))).body == _nested(limit - 1)  # the header map is 1
+    assert _reason(_header_with_body(_nested(limit))) == RejectReason.TOO_DEEP
+    assert _reason(_header_with_body(_nested(990))) == RejectReason.TOO_DEEP  # the config of issue 18
+    assert _reason(_header_with_body(_nested(5)), Limits(max_depth=4)) == RejectReason.TOO_DEEP
+
+
+def test_a_body_too_deep_for_the_receiver_is_not_sent():
+    with pytest.raises(TypeError, match="nest deeper"):
+        encode("t", "s", 1, _nested(Limits().max_depth))
+
+
 def test_oversize_message():
     frames = encode("t", "s", 1, None, [torch.zeros(1000)])
     assert decode(frames, Limits(max_message_bytes=5000)).payload[0].numel() == 1000

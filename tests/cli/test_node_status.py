@@ -1,0 +1,100 @@
+"""`starling node status` survives any answer: every output is JSON or one clear error line,
+never a traceback (issue 18: a config nested 990 deep killed `--json` with a RecursionError)."""
+from __future__ import annotations
+
+import json
+import threading
+
+import msgpack
+import pytest
+import zmq
+from typer.testing import CliRunner
+
+from starling.cli.main import app
+from starling.cli.shared import MAX_JSON_DEPTH, json_text
+from starling.node.node import Node
+from starling.node.wire import WIRE_VERSION, decode
+
+runner = CliRunner()
+
+
+def _nested(depth: int) -> object:
+    value: object = 0
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def test_json_text_prints_any_value():
+    odd = {"config": _nested(990), 3: float("nan"), "raw": b"\x00", "set": {1}, "inf": [float("inf")]}
+    printed = json.loads(json_text(odd))
+    assert printed["3"] == "nan" and printed["inf"] == ["inf"] and printed["raw"] == str(b"\x00")
+    depth, value = 0, printed["config"]
+    while isinstance(value, (dict, list)):
+        value = value["k"] if isinstance(value, dict) else value[0]
+        depth += 1
+    assert value == "<too deep>" and depth == MAX_JSON_DEPTH - 1
+
+
+class _FakeNode:
+    """A ROUTER that answers one request with a reply header of its choosing."""
+
+    def __init__(self, body: object) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.body = body
+        self.thread = threading.Thread(target=self._answer, daemon=True)
+        self.thread.start()
+
+    def _answer(self) -> None:
+        if not self.sock.poll(10_000):
+            return
+        route, *frames = self.sock.recv_multipart()
+        rid = decode(frames).body[1]
+        header = {"v": WIRE_VERSION, "t": "$rep", "s": "fake", "n": 0, "ts": 0.0, "b": [rid, True, self.body],
+                  "f": []}
+        self.sock.send_multipart([route, msgpack.packb(header, use_bin_type=True)])
+
+    def close(self) -> None:
+        self.thread.join(15)
+        self.sock.close()
+
+
+def _one_error_line(result) -> str:
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("starling: error:"), result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "text"])
+def test_a_body_nested_990_deep_is_one_error_line(as_json):
+    fake = _FakeNode({"id": "x", "config": _nested(990)})
+    try:
+        result = runner.invoke(app, ["node", "status", fake.address, *(["--json"] if as_json else [])])
+    finally:
+        fake.close()
+    assert "malformed answer" in _one_error_line(result)
+
+
+def test_a_body_not_shaped_like_a_status_prints_as_json_or_one_error_line():
+    for as_json in (True, False):
+        fake = _FakeNode([1, {"peers": None}])
+        try:
+            result = runner.invoke(app, ["node", "status", fake.address, *(["--json"] if as_json else [])])
+        finally:
+            fake.close()
+        if as_json:
+            assert result.exit_code == 0 and json.loads(result.output) == [1, {"peers": None}]
+        else:
+            assert "malformed status" in _one_error_line(result)
+
+
+def test_a_node_whose_own_config_is_too_deep_to_send_answers_with_an_error():
+    node = Node().start("tcp://127.0.0.1:0", swarm_config={"deep": _nested(990)})
+    try:
+        line = _one_error_line(runner.invoke(app, ["node", "status", node.address, "--json"]))
+        assert "handler_error" in line and "cannot be sent" in line
+    finally:
+        node.close()
