@@ -11,7 +11,18 @@ from typing import Any, List, Optional
 
 import typer
 
-from starling.cli.shared import EXPECTED_ERRORS, check_seconds, extra_options, fail, json_text, setup_logging
+from starling.cli.shared import (
+    EXPECTED_ERRORS,
+    autocast_option,
+    check_seconds,
+    device_option,
+    dtype_option,
+    extra_options,
+    fail,
+    json_text,
+    setup_logging,
+    state_device_option,
+)
 from starling.common import parse_options
 from starling.node.identity import Identity
 from starling.node.membership import Liveness
@@ -84,16 +95,10 @@ def node_start(
         120.0, "--state-fetch-timeout-s",
         help="A joiner's patience for the swarm's state: a busy or failing peer sends it to the others, then "
              "it tries them all again with backoff until this has passed."),
-    device: Optional[str] = typer.Option(
-        None, "--device", help="cpu, cuda, cuda:N, mps or auto: where this peer's model and batches go "
-                               "(default: as the task builds it). A swarm may mix devices."),
-    dtype: Optional[str] = typer.Option(
-        None, "--dtype", help="float32, bfloat16 or float16: this peer's parameters (what peers exchange stays "
-                              "float32)."),
-    autocast: Optional[str] = typer.Option(None, "--autocast", help="none or bfloat16: the loss under autocast."),
-    state_device: Optional[str] = typer.Option(
-        None, "--state-device", help="model or cpu: where DiLoCo keeps its outer parameters and momentum "
-                                     "(cpu: pinned host memory beside a GPU)."),
+    device: Optional[str] = device_option("this peer's"),
+    dtype: Optional[str] = dtype_option(),
+    autocast: Optional[str] = autocast_option(),
+    state_device: Optional[str] = state_device_option(),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Start a node and run until SIGINT/SIGTERM, then leave the swarm gracefully.

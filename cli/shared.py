@@ -108,6 +108,26 @@ def click_style_metavars(command: Any) -> None:
         click_style_metavars(sub)
 
 
+def device_option(whose: str) -> Any:
+    """`--device`, for `whose` model ("this peer's", "every peer's")."""
+    return typer.Option(None, "--device", help=f"cpu, cuda, cuda:N, mps or auto: where {whose} model and batches go "
+                                               "(default: as the task builds it). A swarm may mix devices.")
+
+
+def dtype_option() -> Any:
+    return typer.Option(None, "--dtype", help="float32, bfloat16 or float16: the model's parameters (what peers "
+                                              "exchange stays float32).")
+
+
+def autocast_option() -> Any:
+    return typer.Option(None, "--autocast", help="none or bfloat16: the loss under autocast.")
+
+
+def state_device_option() -> Any:
+    return typer.Option(None, "--state-device", help="model or cpu: where DiLoCo keeps its outer parameters and "
+                                                     "momentum (cpu: pinned host memory beside a GPU).")
+
+
 def check_seconds(flag: str, value: float) -> float:
     """A duration flag's value: finite and > 0, else ValueError naming the flag."""
     if not (math.isfinite(value) and value > 0):

@@ -9,7 +9,16 @@ from typing import Any, List, Optional
 
 import typer
 
-from starling.cli.shared import EXPECTED_ERRORS, extra_options, fail, setup_logging
+from starling.cli.shared import (
+    EXPECTED_ERRORS,
+    autocast_option,
+    device_option,
+    dtype_option,
+    extra_options,
+    fail,
+    setup_logging,
+    state_device_option,
+)
 from starling.common import option_name, parse_options
 
 # The default command shows what the project is for: Streaming DiLoCo against an all-reduce
@@ -210,16 +219,10 @@ def simulate(
     lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (a protocol option)."),
     task_opt: Optional[List[str]] = typer.Option(None, "--task-opt", help="Task option NAME=VALUE (repeatable)."),
     eval_every: int = typer.Option(0, "--eval-every", help="Peer 0 evaluates every N steps (0: at the end only)."),
-    device: Optional[str] = typer.Option(
-        None, "--device", help="cpu, cuda, cuda:N, mps or auto: where every peer's model and batches go "
-                               "(default: as the task builds it)."),
-    dtype: Optional[str] = typer.Option(
-        None, "--dtype", help="float32, bfloat16 or float16: the models' parameters (what peers exchange stays "
-                              "float32)."),
-    autocast: Optional[str] = typer.Option(None, "--autocast", help="none or bfloat16: the loss under autocast."),
-    state_device: Optional[str] = typer.Option(
-        None, "--state-device", help="model or cpu: where DiLoCo keeps its outer parameters and momentum "
-                                     "(cpu: pinned host memory beside a GPU)."),
+    device: Optional[str] = device_option("every peer's"),
+    dtype: Optional[str] = dtype_option(),
+    autocast: Optional[str] = autocast_option(),
+    state_device: Optional[str] = state_device_option(),
     checkpoint_dir: Optional[Path] = typer.Option(
         None, "--checkpoint-dir", help="Every peer writes checkpoints to DIR/peer-RANK (the baseline's to "
                                        "DIR/baseline/peer-RANK)."),

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-import zmq
-from conftest import statuses, wait_until
-from zmq.utils import z85
+from conftest import raw_dealer, statuses, wait_until
 
 from starling.node.address import encode_key
 from starling.node.identity import Identity
@@ -14,22 +12,6 @@ from starling.node.node import JoinError, Node, NodeConfig
 from starling.node.security import SecurityError
 from starling.node.transport import TransportConfig
 from starling.node.wire import Limits, encode
-
-
-def _raw_dealer(address: str, identity: Identity | None = None) -> zmq.Socket:
-    """A hand-driven client socket, outside any Node."""
-    from starling.node.address import parse_address
-
-    target = parse_address(address)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if target.curve_key is not None:
-        ident = identity or Identity.generate()
-        sock.curve_serverkey = z85.encode(target.curve_key)
-        sock.curve_publickey = ident.curve_public_z85
-        sock.curve_secretkey = ident.curve_secret_z85
-    sock.connect(target.endpoint)
-    return sock
 
 
 def test_allowlist_admits_listed_keys_only(make_node, tmp_path):
@@ -45,7 +27,7 @@ def test_allowlist_admits_listed_keys_only(make_node, tmp_path):
     with pytest.raises(JoinError):
         Node(c_id, short).start("tcp://127.0.0.1:0", [a.address])
     # not even a public request from the outsider is accepted
-    sock = _raw_dealer(a.address, c_id)
+    sock = raw_dealer(a.address, c_id)
     sock.send_multipart(encode("$req", c_id.peer_id, 0, ["x", 1, None]))
     assert not sock.poll(500)
     sock.close()
@@ -60,7 +42,7 @@ def test_spoofed_sender_is_rejected(make_node):
     seen: list = []
     a.on("x", lambda m: seen.append(m))
     # a member-less outsider claims to be B over its own (authenticated) connection
-    sock = _raw_dealer(a.address)
+    sock = raw_dealer(a.address)
     sock.send_multipart(encode("x", b.peer_id, 0, "i am b"))
     assert wait_until(lambda: a.stats.snapshot()["rejected"].get("spoofed_sender") == 1)
     sock.close()
@@ -71,7 +53,7 @@ def test_message_from_non_member_is_rejected(make_node):
     a = make_node("tcp")
     seen: list = []
     a.on("x", lambda m: seen.append(m))
-    sock = _raw_dealer(a.address)
+    sock = raw_dealer(a.address)
     sock.send_multipart(encode("x", "stranger", 0, None))
     assert wait_until(lambda: a.stats.snapshot()["rejected"].get("unknown_peer") == 1)
     sock.close()
@@ -116,7 +98,7 @@ def test_malformed_frames_are_counted_and_change_nothing(make_node, frames):
     b = make_node("tcp", join=[a.address])
     assert wait_until(lambda: len(a.live_peers()) == 1)
     before = statuses(a)
-    sock = _raw_dealer(a.address)
+    sock = raw_dealer(a.address)
     sock.send_multipart(frames)
     assert wait_until(lambda: sum(a.stats.snapshot()["rejected"].values()) == 1)
     sock.close()
@@ -130,7 +112,7 @@ def test_oversize_frame_is_dropped_before_delivery(make_node):
     a = make_node("tcp", config=small)
     seen: list = []
     a.on("big", lambda m: seen.append(m), public=True)
-    sock = _raw_dealer(a.address)
+    sock = raw_dealer(a.address)
     sock.send_multipart(encode("$req", "x", 0, ["big", 1, None], [b"\x00" * (1 << 20)]))
     assert not sock.poll(500)  # ZeroMQ drops the connection: no reply, no delivery
     sock.close()
