@@ -91,6 +91,7 @@ class Swarm:
         self._rng = random.Random()
         self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
         self._acked: dict[str, float] = {}  # peer id -> when we last answered its probe
+        self._probing: set[str] = set()  # peers whose dropped connection is being probed
         self._refused: dict[str, int] = {}  # peer id -> incarnation whose record the allowlist refused
         self._bootstraps = itertools.count()
 
@@ -318,14 +319,23 @@ class Swarm:
         info = node._table.get(peer_id)
         if node.closed or info is None or info.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
             return
+        if peer_id in self._probing:
+            return  # one probe per peer at a time: a peer that flaps cannot pile them up
         dropped_at = time.monotonic()
         log.info("%s: connection to %s dropped; probing it", node.peer_id, peer_id)
         change = node._table.suspect(peer_id)
         if change is not None:
             self.notify(change)
+        self._probing.add(peer_id)
         node._spawn(self._probe_dropped(peer_id, dropped_at))
 
     async def _probe_dropped(self, peer_id: str, dropped_at: float) -> None:
+        try:
+            await self._probe_and_judge(peer_id, dropped_at)
+        finally:
+            self._probing.discard(peer_id)
+
+    async def _probe_and_judge(self, peer_id: str, dropped_at: float) -> None:
         node = self.node
         timeout_s = node.config.liveness.probe_timeout_s
         # Counted in awake time: a stall of this process is not the peer's silence.
