@@ -60,11 +60,17 @@ def test_topologies():
 def test_pairwise_averaging_keeps_the_mean_and_reaches_consensus(make_node, topology):
     protos = spread_swarm(make_node, 4, {"lr": 0.0, "topology": topology})
     before = stacked(protos)
-    reports = run(protos, 8)
+    # How many exchanges 8 steps hold depends on timing (a peer pairs with whoever is free):
+    # on a starved box, a few more rounds of 8, until the spread halves (usually the first).
+    reports: list = []
+    for _ in range(8):
+        reports += [r for rs in run(protos, 8) for r in rs]
+        if distance(stacked(protos)) < 0.5 * distance(before):
+            break
     after = stacked(protos)
     torch.testing.assert_close(after.mean(0), before.mean(0), rtol=0, atol=1e-5)
     assert distance(after) < 0.5 * distance(before), (distance(before), distance(after))
-    assert any(r.synced and r.bytes_sent > 0 for rs in reports for r in rs)
+    assert any(r.synced and r.bytes_sent > 0 for r in reports)
 
 
 def test_one_exchange_makes_the_pair_equal_to_its_mean(make_node):
