@@ -226,8 +226,8 @@ class Node:
 
     def set_meta(self, **meta: Any) -> None:
         """Metadata (e.g. the protocol round) carried to every peer in heartbeats."""
-        finite_meta({**self._meta, **meta})
-        self._meta.update(meta)
+        # A new dict, swapped in whole: the network thread may be packing the old one into a ping.
+        self._meta = finite_meta({**self._meta, **meta})
 
     @property
     def peers(self) -> list[PeerView]:
