@@ -1,7 +1,7 @@
 """The `starling` command: a thin layer over the Python API.
 
 This module is the wiring: the typer app and its command groups, each command living in
-the module of its group (keys, node, simulate, protocols, plot). Every expected failure
+the module of its group (keys, node, watch, simulate, protocols, plot). Every expected failure
 (bad address, unreadable key, unreachable peer) is one clear line on stderr and a
 non-zero exit, never a traceback (`starling.cli.shared.fail`).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from starling.cli import keys, node, plot, protocols, simulate
+from starling.cli import keys, node, plot, protocols, simulate, watch
 from starling.cli.shared import EXTRA, EXTRA_HELP, OneLineErrors
 
 app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, add_completion=False,
@@ -23,6 +23,7 @@ EXAMPLES = {
     "start": "starling node start --listen tcp://0.0.0.0:7000 --protocol streaming-diloco --task charlm "
              "--checkpoint-dir ckpt",
     "status": "starling node status 'tcp://203.0.113.5:7000#KEY' --json",
+    "watch": "starling node watch 'tcp://203.0.113.5:7000#KEY' --interval-s 2",
     "simulate": "starling simulate --peers 8 --protocol gossip --topology ring --bandwidth 100mbit --out runs/ring",
     "protocols": "starling protocols streaming-diloco",
     "plot": "starling plot runs/ring runs/other --out loss.png",
@@ -37,6 +38,7 @@ def _epilog(name: str, more: str = "") -> str:
 app.command(epilog=_epilog("keygen"))(keys.keygen)
 node_app.command("start", context_settings=EXTRA, epilog=_epilog("start", EXTRA_HELP))(node.node_start)
 node_app.command("status", epilog=_epilog("status"))(node.node_status)
+node_app.command("watch", epilog=_epilog("watch"))(watch.node_watch)
 app.command(context_settings=EXTRA, epilog=_epilog("simulate", EXTRA_HELP))(simulate.simulate)
 app.command("protocols", epilog=_epilog("protocols"))(protocols.protocols_cmd)
 app.command(epilog=_epilog("plot"))(plot.plot)

@@ -99,6 +99,15 @@ def node_start(
     dtype: Optional[str] = dtype_option(),
     autocast: Optional[str] = autocast_option(),
     state_device: Optional[str] = state_device_option(),
+    metrics_port: Optional[int] = typer.Option(
+        None, "--metrics-port", min=0, max=65535,
+        help="Serve Prometheus metrics on this port (0: pick a free one and print it)."),
+    metrics_host: str = typer.Option(
+        "127.0.0.1", "--metrics-host", help="With --metrics-port: the address to serve on."),
+    tensorboard: Optional[Path] = typer.Option(
+        None, "--tensorboard",
+        help="Also write the progress lines' numbers as TensorBoard scalars to this directory "
+             "(needs pip install 'starling[tensorboard]')."),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Start a node and run until SIGINT/SIGTERM, then leave the swarm gracefully.
@@ -111,12 +120,15 @@ def node_start(
     from starling.node.transfer import TransferError
     from starling.protocols.base import ProtocolError
     from starling.runtime import CheckpointConfig, CheckpointError, TrainSpec, TrainSpecError, with_run_length
+    from starling.runtime.metrics import MetricsError, MetricsServer, TensorBoardLog
     from starling.runtime.placement import Placement
     from starling.runtime.restart import RestartError
     from starling.tasks import TaskSpecError
 
     setup_logging(log_level)
     train_errors = (TrainSpecError, ProtocolError, TaskSpecError, TransferError, CheckpointError, RestartError)
+    metrics: Optional[MetricsServer] = None
+    board: Optional[TensorBoardLog] = None
     try:
         checkpoints = None
         if checkpoint_dir is not None or resume is not None:
@@ -150,18 +162,24 @@ def node_start(
         config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout,
                                               probe_timeout_s),
                             transport=TransportConfig(monitor_connections=watch_connections))
-        node = Node(config=config).start(
+        node = Node(config=config)
+        if tensorboard is not None:  # before the node starts: a bad directory or a missing extra fails first
+            board = TensorBoardLog(tensorboard)
+        if metrics_port is not None:
+            metrics = MetricsServer(node, metrics_host, metrics_port)
+        node.start(
             listen, join or [], key=key, advertise=advertise, authorized_keys=authorized_keys,
             security="plaintext" if plaintext else None, insecure=insecure, swarm_config=wanted or None,
         )
-    except JoinError as exc:
-        fail(str(exc))
-    except (*train_errors, *EXPECTED_ERRORS) as exc:
+    except (JoinError, MetricsError, *train_errors, *EXPECTED_ERRORS) as exc:
+        _close_observers(metrics, board)
         fail(str(exc))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     typer.echo(f"starling node {node.peer_id} listening; join with: {node.address}", err=False)
+    if metrics is not None:
+        typer.echo(f"starling metrics on {metrics.url}")
     sys.stdout.flush()
     trains = protocol is not None or bool((node.swarm_config or {}).get("protocol"))
     try:
@@ -169,14 +187,22 @@ def node_start(
             _wait_for_peers(node, min_peers, min_peers_timeout_s, stop)
             _train(node, rank_world, steps, log_every, stop, checkpoints,
                    (resume_quorum, resume_timeout_s) if resume is not None else None, placement, joined=bool(join),
-                   state_fetch_timeout_s=state_fetch_timeout_s)
+                   state_fetch_timeout_s=state_fetch_timeout_s, metrics=metrics, board=board)
         else:
             stop.wait()
     except (*train_errors, TimeoutError) as exc:
         node.close()
+        _close_observers(metrics, board)
         fail(str(exc))
     log.info("leaving the swarm")
     node.leave()
+    _close_observers(metrics, board)
+
+
+def _close_observers(metrics: Any, board: Any) -> None:
+    for observer in (board, metrics):
+        if observer is not None:
+            observer.close()
 
 
 def _wait_for_peers(node: Any, count: int, timeout_s: float, stop: threading.Event) -> None:
@@ -221,17 +247,23 @@ def _spec_of_newest_checkpoint(directory: Path) -> tuple[str, str, list[str], li
 
 def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int], log_every: int,
            stop: threading.Event, checkpoints: Any = None, resume: Optional[tuple[int, float]] = None,
-           placement: Any = None, joined: bool = True, state_fetch_timeout_s: float = 120.0) -> None:
-    """The node's training loop: one JSON progress line every `log_every` steps."""
+           placement: Any = None, joined: bool = True, state_fetch_timeout_s: float = 120.0,
+           metrics: Any = None, board: Any = None) -> None:
+    """The node's training loop: one JSON progress line (and TensorBoard scalars, with `board`)
+    every `log_every` steps; every step's progress goes to the heartbeat meta and `metrics`."""
     import time
 
     from starling.node.transfer import TransferError
     from starling.runtime import Trainer, TrainSpec, shard_for
+    from starling.runtime.metrics import TrainingProgress
 
     spec = TrainSpec.from_swarm_config(node.swarm_config)
     rank, world = rank_world or (shard_for(node.peer_id, 16), 16)
     trainer = Trainer(node, spec, rank, world, checkpoint=checkpoints, placement=placement)
     trainer.create_protocol()
+    progress = TrainingProgress()
+    if metrics is not None:
+        metrics.collector.attach(trainer, progress)
     resumed = trainer.resume_swarm(*resume) if resume is not None else None
     if resumed is None and joined and node.live_peers():
         # the swarm's state, not this peer's own start (see initial_state_differs); the first
@@ -247,17 +279,20 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
     elif resumed is None and trainer.initial_state_differs:
         log.warning("this peer's initial state differs from the swarm's, and no peer is up to take the swarm's "
                     "from: it trains from its own start")
-    start, sent = time.monotonic(), [0]
+    start = time.monotonic()
+    progress.step = trainer.proto.step_count  # type: ignore[union-attr]  (a joiner's or resumed peer's)
     typer.echo(json.dumps({"event": "training", "protocol": spec.protocol, "task": spec.task,
-                           "shard": f"{rank}/{world}", "step": trainer.proto.step_count,  # type: ignore[union-attr]
-                           **trainer.placement.describe()}))
+                           "shard": f"{rank}/{world}", "step": progress.step, **trainer.placement.describe()}))
 
     def on_report(report: Any) -> None:
-        sent[0] += report.bytes_sent
+        progress.record(report)
+        node.set_meta(**progress.meta())  # what `node watch` on any peer shows of this one
         if log_every and (report.step + 1) % log_every == 0:
             typer.echo(json.dumps({"step": report.step + 1, "loss": round(report.loss, 5), "peers": report.peers,
-                                   "bytes_sent": sent[0], "wall_s": round(time.monotonic() - start, 2)}))
+                                   "bytes_sent": progress.bytes_sent, "wall_s": round(time.monotonic() - start, 2)}))
             sys.stdout.flush()
+            if board is not None:
+                board.log(progress)
 
     try:
         final = trainer.run(steps, stop, on_report)

@@ -1,10 +1,11 @@
-"""A one-shot client for talking to a node from outside the swarm (`starling node status`).
+"""A one-shot client for talking to a node from outside the swarm (`starling node status`, `watch`).
 
 It connects a DEALER with a throwaway identity and calls a public request topic.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import Any
 
 import zmq
@@ -55,3 +56,10 @@ def query(address: str, topic: str = "$status", body: Any = None, *, identity: I
           timeout_s: float = 5.0) -> Any:
     """Call a public request topic on the node at `address` (a join address)."""
     return NetworkThread.get().run(_aquery(address, topic, body, identity or Identity.generate(), timeout_s))
+
+
+def submit_query(address: str, topic: str = "$status", body: Any = None, *, identity: Identity | None = None,
+                 timeout_s: float = 5.0) -> concurrent.futures.Future[Any]:
+    """`query`, started on the network thread: returns at once with a future, so a caller
+    that polls (`starling node watch`) can stop waiting, or cancel, at any moment."""
+    return NetworkThread.get().submit(_aquery(address, topic, body, identity or Identity.generate(), timeout_s))

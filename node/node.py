@@ -226,8 +226,8 @@ class Node:
 
     def set_meta(self, **meta: Any) -> None:
         """Metadata (e.g. the protocol round) carried to every peer in heartbeats."""
-        finite_meta({**self._meta, **meta})
-        self._meta.update(meta)
+        # A new dict, swapped in whole: the network thread may be packing the old one into a ping.
+        self._meta = finite_meta({**self._meta, **meta})
 
     @property
     def peers(self) -> list[PeerView]:
@@ -318,8 +318,13 @@ class Node:
             "config": self.swarm_config, "meta": dict(self._meta),
             "peers": [{**p.summary(), "last_seen_s": round(now - p.last_seen, 3)} for p in self._table.all()],
             "stats": self.stats.snapshot(),
-            "zap_denied": self._policy.denied_count if self._policy else 0,
+            "zap_denied": self.zap_denied,
         }
+
+    @property
+    def zap_denied(self) -> int:
+        """Connections the allowlist refused (in the ZAP handler, before any message)."""
+        return self._policy.denied_count if self._policy else 0
 
     # ---------------------------------------------------------------- network thread
     def _frames(self, topic: str, body: Any, payload: Sequence[Any]) -> list[Any]:

@@ -20,6 +20,7 @@ restarted peer from the newest checkpoint that verifies (see `runtime/checkpoint
 """
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import importlib
@@ -176,6 +177,8 @@ class Trainer:
         self._store = CheckpointStore(checkpoint.directory, checkpoint.keep) if checkpoint else None
         self._writer = BackgroundCheckpointer(self._store) if self._store else None
         self._resumed_at = 0  # batches of the shard a resumed checkpoint had already trained on
+        # The newest checkpoint this peer wrote (durable) or resumed from: its age is a metric.
+        self.last_checkpoint: Checkpoint | None = None
 
     def create_protocol(self) -> Protocol:
         model = self.task.make_model()
@@ -281,8 +284,14 @@ class Trainer:
         assert self.proto is not None and self._writer is not None
         state = {"protocol": self.proto.state_dict(), "swarm": self.spec.to_swarm_config(),
                  "rank": self.rank, "world": self.world}
-        self._writer.save(self.proto.step_count, state,
-                          meta={"peer_id": self.node.peer_id, "swarm": self.spec.to_swarm_config()})
+        future = self._writer.save(self.proto.step_count, state,
+                                   meta={"peer_id": self.node.peer_id, "swarm": self.spec.to_swarm_config()})
+        future.add_done_callback(self._checkpoint_written)
+
+    def _checkpoint_written(self, future: concurrent.futures.Future[Checkpoint]) -> None:
+        # On the writer thread; one reference swap, read by whoever reports the checkpoint's age.
+        if not future.cancelled() and future.exception() is None:
+            self.last_checkpoint = future.result()
 
     def resume(self, at_most: int | None = None) -> Checkpoint | None:
         """Load the newest checkpoint (of a step <= `at_most`) that verifies into the
@@ -302,6 +311,7 @@ class Trainer:
                                   f"not {self.spec.to_swarm_config()}")
         self.proto.load_state_dict(state["protocol"])
         self._resumed_at = self.proto.step_count
+        self.last_checkpoint = checkpoint
         if self.serve_state:
             self.take_snapshot()  # a peer that lacks this checkpoint may fetch it from here
         log.info("%s: resumed from %s at step %d", self.node.peer_id, checkpoint.state_path, self.proto.step_count)
