@@ -1,7 +1,8 @@
 """Shared-seed SPSA: bytes per projected gradient, loss against MeZO, replay cost, digests.
 
-    python benchmarks/spsa.py [--quick] [--only bytes,loss,replay,digest] [--peers 8]
+    python benchmarks/spsa.py [--quick] [--only bytes,loss,replay,digest,defaults] [--peers 8]
                               [--samples 128] [--loss-steps 150] [--digest-steps 1000]
+                              [--defaults-task teacher] [--defaults-steps 100] [--defaults-samples 1,64]
 
 Prints one JSON row per measurement. Targets checked:
 - ``bytes``: ``--peers`` nodes over tcp on loopback (plaintext, as the simulator runs them)
@@ -21,6 +22,11 @@ Prints one JSON row per measurement. Targets checked:
   update), in ``shared`` mode (target <= 2x) and ``per-peer`` mode (reported).
 - ``digest``: ``--peers`` peers for ``--digest-steps`` steps (per-peer directions); every peer's
   parameter digest must agree at the end.
+- ``defaults``: what ``starling simulate --protocol spsa`` reports, for each of
+  ``--defaults-samples`` (the protocol's defaults otherwise): ``--peers`` simulated peers on
+  ``--defaults-task`` for ``--defaults-steps`` steps, eval loss at each quarter of the run, and
+  the summary's ``bytes_per_projected_gradient`` (protocol bytes as the nodes counted them, per
+  code delivered to one peer). Not run by default: only on ``--only defaults``.
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ from starling.node.node import NodeConfig
 from starling.protocols import get_protocol
 from starling.protocols.spsa.arith import ParamSpace, direction_seed, peer_key
 from starling.protocols.spsa.records import Record
+from starling.runtime import SimConfig, Simulation
 from starling.tasks import get_task
 
 BYTES_TARGET = 1.5
@@ -319,6 +326,25 @@ def bench_digest(peers: int, steps: int) -> None:
             node.close()
 
 
+# ------------------------------------------------------------------ defaults
+def bench_defaults(peers: int, task: str, steps: int, samples: list[int]) -> None:
+    made = get_task(task)
+    start = made.evaluate(made.make_model())["eval_loss"]
+    for n in samples:
+        config = SimConfig(peers=peers, protocol="spsa", task=task, steps=steps, options={"samples": n},
+                           eval_every=max(1, steps // 4))
+        result = Simulation(config).run()
+        s = result.summary
+        evals = [(r["step"] + 1, round(r["eval_loss"], 4)) for r in result.peers[0].records if "eval_loss" in r]
+        emit({"bench": "defaults", "task": task, "peers": peers, "steps": steps, "samples": n,
+              "forward_passes_per_peer": 2 * n * steps, "start_eval_loss": round(start, 4),
+              "eval_loss_at_step": evals,
+              "eval_loss": round(s["eval_loss"], 4), "train_loss": round(s["train_loss"], 4),
+              "bytes_per_projected_gradient": round(s["bytes_per_projected_gradient"], 3),
+              "projected_gradients_delivered": s["projected_gradients_delivered"],
+              "bytes_sent_per_peer": s["bytes_sent_per_peer"], "wall_s": round(s["wall_s"], 1)})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs (a smoke test of every bench)")
@@ -329,6 +355,9 @@ def main() -> None:
     parser.add_argument("--digest-steps", type=int, default=None)
     parser.add_argument("--lr", type=float, default=3e-3, help="MeZO's learning rate; spsa uses peers x lr")
     parser.add_argument("--eps", type=float, default=1e-3)
+    parser.add_argument("--defaults-task", default="teacher", help="task of the defaults bench")
+    parser.add_argument("--defaults-steps", type=int, default=100, help="steps of the defaults bench")
+    parser.add_argument("--defaults-samples", default="1,64", help="samples values the defaults bench compares")
     args = parser.parse_args()
     sizes = dict(QUICK if args.quick else FULL)
     for name in ("samples", "loss_steps", "digest_steps"):
@@ -344,6 +373,9 @@ def main() -> None:
         bench_loss(args.peers, sizes["loss_steps"], args.lr, args.eps)
     if "digest" in only:
         bench_digest(args.peers, sizes["digest_steps"])
+    if "defaults" in only:
+        bench_defaults(args.peers, args.defaults_task, args.defaults_steps,
+                       [int(n) for n in args.defaults_samples.split(",")])
 
 
 if __name__ == "__main__":

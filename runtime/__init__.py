@@ -21,7 +21,7 @@ from starling.runtime.simconfig import (
     seeded_identity,
     wait_for,
 )
-from starling.runtime.summary import PeerResult, SimResult, summarize
+from starling.runtime.summary import PeerResult, SimResult, spsa_bytes_note, summarize
 from starling.runtime.trainer import (
     CheckpointConfig,
     Trainer,
@@ -63,6 +63,7 @@ __all__ = [
     "resolve_protocol",
     "seeded_identity",
     "shard_for",
+    "spsa_bytes_note",
     "summarize",
     "wait_for",
     "with_run_length",

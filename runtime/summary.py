@@ -13,6 +13,9 @@ from typing import Any
 from starling.node import Node
 from starling.runtime.simconfig import SimConfig, SimError
 
+# What spsa's summary calls near one byte per projected gradient (docs/benchmarks.md, SPSA).
+SPSA_TARGET_BYTES = 2.0
+
 
 @dataclass
 class PeerResult:
@@ -108,4 +111,43 @@ def summarize(config: SimConfig, peers: list[PeerResult], t0: float) -> dict[str
         # the protocol's own account of the run (sketch-dp: sketch size and privacy spent), from the
         # lowest-ranked peer that finished
         "protocol_info": min(finished, key=lambda p: p.rank).protocol_info,
+        **spsa_bytes(peers, min(finished, key=lambda p: p.rank).protocol_info),
     }
+
+
+def spsa_bytes(peers: list[PeerResult], info: Mapping[str, Any]) -> dict[str, Any]:
+    """For `spsa` only: what the nodes sent on its topics per projected gradient delivered, and
+    the `samples` that would bring that near SPSA_TARGET_BYTES (None if it is there already).
+
+    One projected gradient delivered is one peer's code applied by another peer: each peer
+    counts, in every record it applied, the others' codes (contributors - 1, times `samples`).
+    Sent bytes are every peer's protocol topics as its node counted them (headers and record
+    keys included), so the figure is what the "one byte" costs above the socket. Each step's
+    codes travel in one message per peer, so a fixed cost per message is spread over `samples`."""
+    if info.get("name") != "spsa":
+        return {}
+    samples = int((info.get("config") or {}).get("samples", 1))
+    delivered = samples * sum(max(0, int(r.get("peers") or 1) - 1) for p in peers for r in p.records)
+    per_gradient = sum(p.bytes_sent for p in peers) / delivered if delivered else None
+    suggested = None
+    if per_gradient is not None and per_gradient > SPSA_TARGET_BYTES:
+        fixed = (per_gradient - 1.0) * samples  # bytes above the codes, per message's worth of samples
+        suggested = 1 << max(0, math.ceil(math.log2(fixed / (SPSA_TARGET_BYTES - 1.0))))
+    return {"projected_gradients_delivered": delivered, "bytes_per_projected_gradient": per_gradient,
+            "suggested_samples": suggested}
+
+
+def spsa_bytes_note(summary: Mapping[str, Any]) -> str | None:
+    """One line for a run summary: spsa's bytes per projected gradient and, when that is well
+    above one byte, the `--samples` that brings it near SPSA_TARGET_BYTES (None: not spsa)."""
+    per_gradient = summary.get("bytes_per_projected_gradient")
+    if per_gradient is None:
+        return None
+    samples = int(((summary.get("protocol_info") or {}).get("config") or {}).get("samples", 1))
+    line = f"spsa sent {per_gradient:.2f} B per projected gradient (samples={samples})"
+    better = summary.get("suggested_samples")
+    if not better:
+        return line
+    expected = 1.0 + (per_gradient - 1.0) * samples / better
+    return (f"{line}: one message per peer per step, whose headers dominate; --samples {better} sends "
+            f"about {expected:.1f} B, for {better / samples:g}x the forward passes per step")

@@ -1,5 +1,7 @@
-"""Shared-seed SPSA: peers exchange one byte per projected gradient and replay each other's
-perturbations from seeds.
+"""Shared-seed SPSA: peers code each projected gradient in one byte and replay each other's
+perturbations from seeds. A step's codes travel in one message per peer, so what a gradient
+costs on the wire is about 1 + 34/samples bytes with 8 peers (the simulate summary's
+`bytes_per_projected_gradient`): near one byte takes `samples` of 64 or more.
 
 - `protocol`: the `spsa` protocol (its step, reading like the algorithm box);
 - `arith`: exact perturbation on a power-of-two grid and the one-byte code;

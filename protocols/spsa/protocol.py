@@ -1,7 +1,8 @@
-"""`spsa`: zeroth-order training where a projected gradient travels as one byte.
+"""`spsa`: zeroth-order training where a projected gradient is coded in one byte (samples=64: ~1.5 B sent).
 
 MeZO (Malladi et al. 2023) on each peer, "Just One Byte" (Zelikman et al. 2023) between them:
-no tensor is ever sent, every peer regenerates every direction from its seed.
+no tensor is ever sent, every peer regenerates every direction from its seed. A step's codes
+travel in one message per peer, ~34 B of headers per gradient with 8 peers spread over `samples`.
 
 Every peer i, step t (training thread; forwards only, memory as for inference):
     digest = hash(theta)                          if t % digest_every == 0
@@ -87,7 +88,7 @@ class SpsaConfig(ProtocolConfig):
     round_timeout_s: float = 10.0
     eps: float = 1e-3  # perturbation size
     directions: str = "shared"  # shared: one z per (step, sample) | per-peer: one per peer too
-    samples: int = 1  # directions each peer evaluates (and bytes it sends) per step
+    samples: int = 1  # directions each peer evaluates (and codes it sends, in one message) per step
     distribution: str = "rademacher"  # rademacher | normal
     seed: int = 0  # the swarm seed every direction derives from
     digest_every: int = 16  # drift guard: compare parameter digests every this many steps
@@ -105,7 +106,7 @@ class SpsaConfig(ProtocolConfig):
         if self.distribution not in Z_MAX:
             raise ValueError(f"distribution must be 'rademacher' or 'normal', got {self.distribution!r}")
         if not _changes_nothing(self.compressor):
-            raise ValueError(f"compressor: spsa sends one byte per gradient and takes none, got {self.compressor!r}")
+            raise ValueError(f"compressor: spsa codes gradients in one byte, takes none, got {self.compressor!r}")
         positive = ("eps", "g_scale", "round_timeout_s", "reply_grace_s", "retry_interval_s")
         for name in positive:
             value = getattr(self, name)
