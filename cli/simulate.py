@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -212,7 +213,9 @@ def simulate(
     seed: int = typer.Option(0, "--seed", help="Data order, the simulated peers' keys and the links' randomness "
                              "(see the README for which runs repeat bit for bit)."),
     out: Optional[Path] = typer.Option(
-        None, "--out", help="Write per-peer metrics (JSON lines) and summary.json here."),
+        None, "--out", help="Write per-peer metrics (JSON lines), summary.json and plot.png here "
+                            "(default: runs/simulate-DATE-TIME; with --json, nothing unless given)."),
+    plot: bool = typer.Option(True, "--plot/--no-plot", help="Draw DIR/plot.png (needs matplotlib)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
     baseline: str = typer.Option("allreduce", "--baseline", help="Protocol to compare against, or none."),
     opt: Optional[List[str]] = typer.Option(None, "--opt", help="Protocol option NAME=VALUE (repeatable)."),
@@ -268,6 +271,8 @@ def simulate(
     except errors as exc:
         fail(str(exc))
     summary = dict(results["run"].summary)
+    if out is None and not as_json:
+        out = default_run_dir()
     if base is not None:
         summary["baseline"] = results["baseline"].summary if "baseline" in results else dict(results["run"].summary)
     if out is not None:
@@ -278,7 +283,37 @@ def simulate(
             (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         except OSError as exc:
             fail(f"cannot write results to {out}: {exc}")
+    drawn = _draw(out) if out is not None and plot else None
     if as_json:
         typer.echo(json.dumps(summary))
-    else:
-        _print_table(summary)
+        return
+    _print_table(summary)
+    from starling.runtime import spsa_bytes_note
+
+    note = spsa_bytes_note(summary)
+    if note:
+        typer.echo(note)
+    if out is not None:
+        typer.echo(f"run written to {out}" + (f"; plot: {drawn}" if drawn else ""))
+
+
+def default_run_dir(root: Path = Path("runs")) -> Path:
+    """A fresh directory name for a run that named no --out: runs/simulate-DATE-TIME[-N]."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate, n = root / f"simulate-{stamp}", 1
+    while candidate.exists():
+        n += 1
+        candidate = root / f"simulate-{stamp}-{n}"
+    return candidate
+
+
+def _draw(out: Path) -> Optional[Path]:
+    """Write out/plot.png next to the run; a missing matplotlib or an unwritable file is a
+    warning on stderr (the run's results are already on disk), not a failure."""
+    from starling.cli.plot import PlotError, write_plot
+
+    try:
+        return write_plot([out], out / "plot.png")
+    except PlotError as exc:
+        typer.echo(f"warning: no plot drawn: {exc}", err=True)
+        return None

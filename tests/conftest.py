@@ -87,3 +87,11 @@ def in_parallel(fns: list) -> list:
 
 def statuses(node: Node) -> dict[str, str]:
     return {p.id: p.status.value for p in node.peers}
+
+
+@pytest.fixture(autouse=True)
+def _cli_tests_run_in_their_own_cwd(request, tmp_path_factory, monkeypatch):
+    """Every test under tests/cli runs in its own empty working directory: `starling simulate`
+    without --out writes its run and plot under ./runs, which must not land in the checkout."""
+    if request.node.path.parent.name == "cli":
+        monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))

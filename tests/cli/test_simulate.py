@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,6 +81,35 @@ def test_baseline_runs_with_the_same_task_and_steps_and_files_are_written(tmp_pa
     assert table.exit_code == 0, table.output
     assert "test-quiet" in table.stdout and "allreduce" in table.stdout and "vs baseline" in table.stdout
     assert "none sent" in table.stdout  # test-quiet sends nothing
+
+
+def test_table_run_writes_its_run_and_plot_and_says_where():
+    """Without --out or --json, the run and its plot land in a fresh runs/simulate-* directory
+    (tests/conftest.py gives every CLI test its own cwd), and the last line names both."""
+    pytest.importorskip("matplotlib")
+    from starling.cli.plot import build_figure
+
+    result = runner.invoke(app, ["simulate", "--protocol", "allreduce", "--task", "quadratic", "--peers", "2",
+                                 "--steps", "3", "--baseline", "none"])
+    assert result.exit_code == 0, result.output
+    runs = Path("runs").resolve()
+    (run_dir,) = runs.iterdir()
+    assert run_dir.name.startswith("simulate-") and (run_dir / "summary.json").is_file()
+    assert (run_dir / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    last = result.stdout.strip().splitlines()[-1]
+    assert last == f"run written to runs/{run_dir.name}; plot: runs/{run_dir.name}/plot.png"
+    assert build_figure([run_dir]).axes[0].get_xscale() == "log"
+    again = runner.invoke(app, ["simulate", "--protocol", "allreduce", "--task", "quadratic", "--peers", "2",
+                                "--steps", "2", "--baseline", "none", "--no-plot"])
+    assert again.exit_code == 0, again.output
+    assert len(list(runs.iterdir())) == 2  # a second run in the same second gets its own
+    assert "plot:" not in again.stdout
+
+
+def test_json_run_writes_nothing_unless_asked():
+    result = runner.invoke(app, ["simulate", *TINY, "--baseline", "none", "--json"])
+    assert result.exit_code == 0, result.output
+    assert not Path("runs").exists()
 
 
 @pytest.mark.parametrize("args, needle", [
