@@ -250,8 +250,10 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
     def on_report(report: Any) -> None:
         sent[0] += report.bytes_sent
         if log_every and (report.step + 1) % log_every == 0:
+            # lost: members of the step's exchange whose contribution its update lacks (died, timed out)
             typer.echo(json.dumps({"step": report.step + 1, "loss": round(report.loss, 5), "peers": report.peers,
-                                   "bytes_sent": sent[0], "wall_s": round(time.monotonic() - start, 2)}))
+                                   "lost": len(report.lost_peers), "bytes_sent": sent[0],
+                                   "wall_s": round(time.monotonic() - start, 2)}))
             sys.stdout.flush()
 
     try:
