@@ -105,7 +105,14 @@ def node_start(
     from starling.node.node import JoinError, Node, NodeConfig
     from starling.node.transfer import TransferError
     from starling.protocols.base import ProtocolError
-    from starling.runtime import CheckpointConfig, CheckpointError, TrainSpec, TrainSpecError, with_run_length
+    from starling.runtime import (
+        CheckpointConfig,
+        CheckpointError,
+        TrainSpec,
+        TrainSpecError,
+        prepare_to_train,
+        with_run_length,
+    )
     from starling.runtime.placement import Placement
     from starling.runtime.restart import RestartError
     from starling.tasks import TaskSpecError
@@ -145,6 +152,8 @@ def node_start(
         config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout,
                                               probe_timeout_s),
                             transport=TransportConfig(monitor_connections=watch_connections))
+        if protocol is not None or join or resume is not None:  # it may train: others count it in from its hello
+            prepare_to_train()
         node = Node(config=config).start(
             listen, join or [], key=key, advertise=advertise, authorized_keys=authorized_keys,
             security="plaintext" if plaintext else None, insecure=insecure, swarm_config=wanted or None,
