@@ -36,6 +36,9 @@ past round_timeout_s + reply_grace_s. Both timeouts count the loop's awake time
 it waits for sits unread in the socket, and every timeout still ends by _STRETCH times its
 length in wall time.
 
+A member whose view of round t differs from an owner's hears so from that owner's answer (the
+owner is not among its shard's contributors) and stops waiting for the owner's part there.
+
 A member that will send nothing in round t says so (`skip(t)`): a joiner whose state was taken
 after the round began, or one that jumped past the round to catch up. Every live peer's groups
 of round t then stop waiting for it, and so do its own; without this, each of them waited for
@@ -319,6 +322,12 @@ class ShardedReducer:
             contributors = tuple(str(c) for c in reply.get("contributors", ()))
         except Exception as exc:
             return _ShardResult(i, c, owner, None, reason=f"malformed average: {exc}")
+        if owner not in contributors:
+            # An owner's group waits for the owner's own part unless it saw the owner take part
+            # in round t under another view (or move past it): my groups of round t stop waiting
+            # for it too. A joiner that counts everyone in round t, which the others began before
+            # they knew it, gets no part from them and would wait out the round timeout.
+            self._saw_view(t, owner, ())
         return _ShardResult(i, c, owner, result, contributors)
 
     async def _on_part(self, msg: Message) -> Reply | dict[str, Any]:

@@ -1,7 +1,7 @@
-"""A member that will send nothing in a round says so (`ShardedReducer.skip`), and nobody waits
-for it there. Found by the chaos soak (benchmarks/chaos.py): a Streaming DiLoCo joiner that
-caught up jumped past a round in which the others already counted it, and the whole swarm
-waited for its part until the round timeout, at every join."""
+"""Nobody waits out the round timeout for a member that will send nothing in a round: one that
+says so (`ShardedReducer.skip`), or one whose answers show it took part under another view.
+Found by the chaos soak (benchmarks/chaos.py): at every join the whole Streaming DiLoCo swarm
+waited for the joiner until the round timeout."""
 from __future__ import annotations
 
 import time
@@ -34,6 +34,22 @@ def test_no_group_waits_for_a_member_that_skips_the_round(make_node):
     results = in_parallel([lambda r=r, v=v: r.reduce(1, members, v) for r, v in zip((a, b, c), vectors)])
     assert all(torch.equal(v, torch.ones(12)) for v in vectors)
     assert all(r.skipped == () and r.lost == () and r.peers == 3 for r in results)
+
+
+def test_a_member_whose_view_the_others_do_not_share_does_not_wait_for_them(make_node):
+    """a and b began round 0 before they knew of c; c counts all three in. c gets no part from
+    them, but their answers to its parts say they took part elsewhere: it stops waiting."""
+    nodes = swarm(make_node, 3)
+    a, b, c = (ShardedReducer(n, "t", 12, timeouts=ReduceTimeouts(round_timeout_s=TIMEOUT_S)) for n in nodes)
+    pair = tuple(sorted((nodes[0].peer_id, nodes[1].peer_id)))
+    everyone = tuple(sorted(n.peer_id for n in nodes))
+    va, vb, vc = torch.zeros(12), 2 * torch.ones(12), 7 * torch.ones(12)
+    in_parallel([lambda: a.reduce(0, pair, va), lambda: b.reduce(0, pair, vb)])
+    start = time.monotonic()
+    rc = c.reduce(0, everyone, vc)
+    assert time.monotonic() - start < TIMEOUT_S / 4
+    assert torch.equal(va, torch.ones(12)) and torch.equal(vb, torch.ones(12))
+    assert not rc.synced and set(rc.lost) == set(pair)  # c's round went without them, and says so
 
 
 def linear() -> nn.Linear:
