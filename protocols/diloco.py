@@ -262,7 +262,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
 
     def _start(self, f: int, k: int, members: tuple[str, ...], delta: torch.Tensor) -> _Exchange:
         if (len(members) > 1 and self.node.peer_id not in members) or delta.numel() != self.views[f].numel:
-            self.reducers[f].skip(k)  # a donor's round that began without me: others may count me in it
+            self._skip(f, k)  # a donor's round that began without me: others may count me in it
             return _Exchange(f, k, members, delta)
         average = delta.clone()
         before = self.reducers[f].state_dict() if not self.reducers[f].codec.lossless else None
@@ -279,7 +279,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         result = None
         if exchange is None or exchange.round != k:
             log.warning("%s: no exchange of fragment %d round %d in flight; fetching it", self.node.peer_id, f, k)
-            self.reducers[f].skip(k)
+            self._skip(f, k)
             self._fetch_merged(f, k + 1, membership(self.node))
         elif exchange.pending is None:
             self._fetch_merged(f, k + 1, exchange.members)
@@ -373,12 +373,21 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         self.step_count = max(self.step_count, got.step)
         for g, r in self.schedule.in_flight_at(got.step):  # started before I arrived: fetched at merge
             self.in_flight[g] = _Exchange(g, r, tuple(sources), torch.zeros(0))
-        for g, reducer in enumerate(self.reducers):
+        for g in range(len(self.views)):
             # the rounds I jumped over, or fetch at their merge: members that count me in them
             # stop waiting for my part (only the latest two can still be open anywhere)
             first_mine = self.in_flight[g].round + 1 if g in self.in_flight else self.versions[g]
             for r in range(max(before[g], first_mine - 2), first_mine):
-                reducer.skip(r)
+                self._skip(g, r)
+
+    def _skip(self, f: int, k: int) -> None:
+        """I send nothing in fragment f's round k, nor in the rounds that ride on fragment 0's
+        merge (buffers, the drift guard's check): nobody waits for my parts there."""
+        self.reducers[f].skip(k)
+        if f == 0 and self.buffer_sync is not None:
+            self.buffer_sync.skip(k, membership(self.node))
+        if f == 0 and self.agreement is not None and k % self.config.check_every == 0:
+            self.agreement.reducer.skip(k)
 
     def _adopt(self, got: _Published, fragments: Sequence[int]) -> None:
         for f in fragments:

@@ -96,3 +96,27 @@ def test_a_streaming_diloco_peer_that_catches_up_past_a_round_does_not_stall_it(
     assert time.monotonic() - start < TIMEOUT_S / 2  # nobody waited for the round timeout
     assert pa.versions == pb.versions == pc.versions == [4, 4]
     assert torch.equal(outer(pa), outer(pc)) and torch.equal(outer(pb), outer(pc))
+
+
+def test_a_peer_that_catches_up_past_a_drift_check_does_not_stall_it(make_node):
+    """The same catch-up, past fragment 0's round 2 (sent after step 9, merged after 10), whose
+    merge also runs the drift guard's check (check_every=1): the check waits for the joiner's
+    digest unless it says it takes no part in it either."""
+    options = {"sync_every": 4, "fragments": 2, "overlap_steps": 1, "round_timeout_s": TIMEOUT_S, "check_every": 1}
+    a, b = swarm(make_node, 2)
+    pa, pb = (get_protocol("streaming-diloco").create(n, linear(), options) for n in (a, b))
+    in_parallel([lambda: train(pa, 0, 2), lambda: train(pb, 1, 2)])
+    stale = pa.state_dict()
+    in_parallel([lambda: train(pa, 0, 8), lambda: train(pb, 1, 8)])
+    c = make_node("inproc", join=[a.address])
+    for node in (a, b, c):
+        assert wait_until(lambda node=node: len(node.live_peers()) == 2)
+    pc = get_protocol("streaming-diloco").create(c, linear(), options)
+    pc.load_state_dict(stale)
+    in_parallel([lambda: train(pa, 0, 9), lambda: train(pb, 1, 9)])
+    assert c.peer_id in pa.in_flight[0].members
+    start = time.monotonic()
+    in_parallel([lambda: train(pa, 0, 16), lambda: train(pb, 1, 16), lambda: train(pc, 2, 16)])
+    assert time.monotonic() - start < TIMEOUT_S / 2
+    assert pa.versions == pb.versions == pc.versions == [4, 4]
+    assert torch.equal(outer(pa), outer(pc)) and torch.equal(outer(pb), outer(pc))
