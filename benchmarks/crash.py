@@ -20,14 +20,13 @@ import argparse
 import itertools
 import json
 import os
-import queue
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nodeprocs import NodeProcess  # a sibling script module (benchmarks/ is not a package)
 
 OPTIONS = {
     "allreduce": ["--lr", "0.05"],
@@ -39,50 +38,6 @@ def emit(row: dict[str, Any]) -> None:
     print(json.dumps(row), flush=True)
 
 
-class Peer:
-    """One `starling node start` process; its progress lines are timestamped on arrival."""
-
-    def __init__(self, args: list[str], log: str | None = None) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.log = open(log, "w") if log else None
-        self.proc = subprocess.Popen([sys.executable, "-m", "starling.cli.main", "node", "start", *args],
-                                     stdout=subprocess.PIPE, stderr=self.log or subprocess.DEVNULL, text=True,
-                                     env=env)
-        self.lines: queue.Queue[tuple[float, str]] = queue.Queue()
-        self.steps: list[tuple[float, int]] = []  # (arrival, step)
-        self.address = ""
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            now = time.monotonic()
-            if "join with:" in line:
-                self.address = line.rsplit("join with:", 1)[1].strip()
-            elif line.startswith("{"):
-                record = json.loads(line)
-                if "step" in record and "loss" in record:
-                    self.steps.append((now, int(record["step"])))
-            self.lines.put((now, line))
-            if self.log is not None:
-                self.log.write(f"{now:.3f} stdout: {line}")
-
-    def wait_for_address(self, timeout_s: float = 120) -> str:
-        deadline = time.monotonic() + timeout_s
-        while not self.address:
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("a peer did not start")
-            time.sleep(0.05)
-        return self.address
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        if self.log is not None:
-            self.log.close()
-
-
 def run_case(protocol: str, peers: int, watch: bool, warmup_s: float, after_s: float,
              log_dir: str | None = None) -> dict[str, Any]:
     common = ["--plaintext", "--log-every", "1", "--log-level", "info" if log_dir else "warning"]
@@ -92,12 +47,12 @@ def run_case(protocol: str, peers: int, watch: bool, warmup_s: float, after_s: f
         return os.path.join(log_dir, f"{protocol}-{'connections' if watch else 'heartbeats'}-{i}.log") \
             if log_dir else None
 
-    first = Peer([*common, "--protocol", protocol, "--task", "quadratic", "--task-opt", "dim=2000",
-                  "--round-timeout-s", "30", *OPTIONS[protocol]], log(0))
+    first = NodeProcess([*common, "--protocol", protocol, "--task", "quadratic", "--task-opt", "dim=2000",
+                         "--round-timeout-s", "30", *OPTIONS[protocol]], log(0))
     procs = [first]
     try:
         address = first.wait_for_address()
-        procs += [Peer([*common, "--join", address], log(i)) for i in range(1, peers)]
+        procs += [NodeProcess([*common, "--join", address], log(i)) for i in range(1, peers)]
         for p in procs:
             p.wait_for_address()
         deadline = time.monotonic() + 180
@@ -108,24 +63,24 @@ def run_case(protocol: str, peers: int, watch: bool, warmup_s: float, after_s: f
         time.sleep(warmup_s)
         victim = procs[-1]
         killed_at = time.monotonic()
-        victim.proc.send_signal(signal.SIGKILL)
+        victim.kill()
         time.sleep(after_s)
         end = time.monotonic()
         stalls = []
         for p in procs[:-1]:
-            steps = list(p.steps)
+            steps = [(s.at, s.step) for s in p.steps]
             before = [b - a for (a, _), (b, _) in itertools.pairwise(steps) if b < killed_at]
             # the end of the window counts as a step: a survivor that never stepped again
             # stalled at least until then (the row then says "censored")
             after = [t for t, _ in steps if t >= killed_at - 1.0] + [end]
             gaps = [b - a for a, b in itertools.pairwise(after)]
             stalls.append(max(gaps) - statistics.median(before[-50:]))
-        stepped = min(sum(1 for t, _ in p.steps if t > killed_at) for p in procs[:-1])
+        stepped = min(sum(1 for s in p.steps if s.at > killed_at) for p in procs[:-1])
         return {"stall_s": round(max(stalls), 3), "survivor_stalls_s": [round(s, 3) for s in stalls],
                 "steps_after_kill": stepped, "censored": stepped == 0}
     finally:
         for p in procs:
-            p.stop()
+            p.close()
 
 
 def main() -> None:

@@ -119,7 +119,14 @@ def node_start(
     from starling.node.node import JoinError, Node, NodeConfig
     from starling.node.transfer import TransferError
     from starling.protocols.base import ProtocolError
-    from starling.runtime import CheckpointConfig, CheckpointError, TrainSpec, TrainSpecError, with_run_length
+    from starling.runtime import (
+        CheckpointConfig,
+        CheckpointError,
+        TrainSpec,
+        TrainSpecError,
+        prepare_to_train,
+        with_run_length,
+    )
     from starling.runtime.metrics import MetricsError, MetricsServer, TensorBoardLog
     from starling.runtime.placement import Placement
     from starling.runtime.restart import RestartError
@@ -162,6 +169,8 @@ def node_start(
         config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout,
                                               probe_timeout_s),
                             transport=TransportConfig(monitor_connections=watch_connections))
+        if protocol is not None or join or resume is not None:  # it may train: others count it in from its hello
+            prepare_to_train()
         node = Node(config=config)
         if tensorboard is not None:  # before the node starts: a bad directory or a missing extra fails first
             board = TensorBoardLog(tensorboard)
@@ -288,8 +297,10 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
         progress.record(report)
         node.set_meta(**progress.meta())  # what `node watch` on any peer shows of this one
         if log_every and (report.step + 1) % log_every == 0:
+            # lost: members of the step's exchange whose contribution its update lacks (died, timed out)
             typer.echo(json.dumps({"step": report.step + 1, "loss": round(report.loss, 5), "peers": report.peers,
-                                   "bytes_sent": progress.bytes_sent, "wall_s": round(time.monotonic() - start, 2)}))
+                                   "lost": len(report.lost_peers), "bytes_sent": progress.bytes_sent,
+                                   "wall_s": round(time.monotonic() - start, 2)}))
             sys.stdout.flush()
             if board is not None:
                 board.log(progress)

@@ -111,6 +111,14 @@ class BufferAverager:
         self.averaged = vector
         return result
 
+    def skip(self, t: int, members: tuple[str, ...]) -> None:
+        """This peer takes no part in sync t (see `ShardedReducer.skip`): nobody waits for it there."""
+        if self.reducer is not None:
+            self.reducer.skip(t)
+        if self.max_reducer is not None:
+            for j in range(-(-len(members) // SLOTS)):
+                self.max_reducer.skip(t * _SUBROUNDS + j)
+
     def _take_max(self, t: int, members: tuple[str, ...]) -> None:
         assert self.max_reducer is not None
         if self.node.peer_id not in members:

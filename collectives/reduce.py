@@ -36,6 +36,14 @@ past round_timeout_s + reply_grace_s. Both timeouts count the loop's awake time
 it waits for sits unread in the socket, and every timeout still ends by _STRETCH times its
 length in wall time.
 
+A member whose view of round t differs from an owner's hears so from that owner's answer (the
+owner is not among its shard's contributors) and stops waiting for the owner's part there.
+
+A member that will send nothing in round t says so (`skip(t)`): a joiner whose state was taken
+after the round began, or one that jumped past the round to catch up. Every live peer's groups
+of round t then stop waiting for it, and so do its own; without this, each of them waited for
+round_timeout_s. A member that skipped a round is reported as `skipped`, not `lost`.
+
 A reducer serves one vector of a fixed length under one topic; a protocol that averages
 several vectors (DiLoCo's fragments) makes one reducer per vector, each with its own topic,
 so that their rounds are independent and several may be in flight at once.
@@ -67,6 +75,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _KEEP_CLOSED_ROUNDS = 64  # how long an owner remembers finished rounds, to answer late parts
+_KEEP_SKIPS = 2 * _KEEP_CLOSED_ROUNDS  # rounds whose skips a reducer remembers (peers can send any round)
 GroupKey = tuple[int, tuple[str, ...], int, int]  # (round, members, shard, chunk)
 _STRETCH = AwakeDeadline.STRETCH  # a round's timeouts count awake time, and end by this many times their length
 
@@ -87,6 +96,7 @@ class ReduceResult:
     peers: int  # members whose contribution every shard's average includes (self included)
     lost: tuple[str, ...]  # members missing from some shard's average
     ahead: int  # the latest round an owner said it is in (> round: this peer fell behind)
+    skipped: tuple[str, ...] = ()  # members missing from it that said they send nothing in it (not lost)
 
 
 @dataclass(frozen=True)
@@ -155,6 +165,8 @@ class ShardedReducer:
         self._peer_round: dict[str, int] = {}  # the latest round each peer is known to be in
         self._gone: set[str] = set()
         self._latest_round = -1  # the latest round this peer has started
+        # round -> members that said they send nothing in it (frozen: the caller's thread reads it)
+        self._skipped: dict[int, frozenset[str]] = {}
         node.on(topic, self._on_part)
 
     # ------------------------------------------------------------------ caller's thread
@@ -216,10 +228,22 @@ class ShardedReducer:
     def _layout(self, parts: int) -> tuple[tuple[tuple[int, int], ...], ...]:
         return chunk_layout(self.numel, parts, self.chunk_numel)
 
+    def skip(self, t: int) -> None:
+        """This peer sends nothing in round t (it took the swarm's state after the round began,
+        or jumped past it to catch up): its own groups of round t stop waiting for it, and it
+        tells every live peer, whose groups stop waiting too. Call from the caller's thread."""
+        self.node.run(self._skip_here(t))
+        for peer in self.node.live_peers():
+            self.node.send(peer, self.topic, {"skip": t})  # one way: a peer that died meanwhile misses it
+
+    async def _skip_here(self, t: int) -> None:
+        self._saw_skip(t, self.node.peer_id)
+
     def _apply(self, t: int, members: tuple[str, ...], vector: torch.Tensor,
                results: list[_ShardResult]) -> ReduceResult:
         """Write each averaged chunk over the local values; collect who was missing."""
         me, synced, lost = self.node.peer_id, False, set()
+        skipped = self._skipped.get(t, frozenset())
         bounds = [b for chunks in self._layout(len(members)) for b in chunks]
         for (lo, hi), res in zip(bounds, results):
             if res.packet is None:
@@ -241,7 +265,8 @@ class ShardedReducer:
             synced = synced or len(res.contributors) > 1
         lost.discard(me)
         ahead = max([t] + [r.owner_round for r in results])
-        return ReduceResult(t, synced, len(members) - len(lost), tuple(sorted(lost)), ahead)
+        return ReduceResult(t, synced, len(members) - len(lost), tuple(sorted(lost - skipped)), ahead,
+                            tuple(sorted(lost & skipped)))
 
     # ------------------------------------------------------------------ network thread
     async def _round(self, t: int, members: tuple[str, ...], parts: list[torch.Tensor | Packet],
@@ -297,6 +322,12 @@ class ShardedReducer:
             contributors = tuple(str(c) for c in reply.get("contributors", ()))
         except Exception as exc:
             return _ShardResult(i, c, owner, None, reason=f"malformed average: {exc}")
+        if owner not in contributors:
+            # An owner's group waits for the owner's own part unless it saw the owner take part
+            # in round t under another view (or move past it): my groups of round t stop waiting
+            # for it too. A joiner that counts everyone in round t, which the others began before
+            # they knew it, gets no part from them and would wait out the round timeout.
+            self._saw_view(t, owner, ())
         return _ShardResult(i, c, owner, result, contributors)
 
     async def _on_part(self, msg: Message) -> Reply | dict[str, Any]:
@@ -304,6 +335,11 @@ class ShardedReducer:
         me, body = self.node.peer_id, msg.body
         if not self._is_open():
             return refusal(Refusal.CLOSED, "protocol closed")
+        if isinstance(body, dict) and "skip" in body:  # the sender sends nothing in that round
+            if type(body["skip"]) is not int or body["skip"] < 0:
+                return self._reject(Refusal.MALFORMED, "skip must be a round number")
+            self._saw_skip(body["skip"], msg.sender)
+            return {"ok": True}
         try:
             t, i, c = int(body["step"]), int(body["shard"]), int(body["chunk"])
             members = tuple(str(m) for m in body["members"])
@@ -345,7 +381,7 @@ class ShardedReducer:
         if group is None:
             others = {p for p in members if self._views.get((t, p), members) != members
                       or self._peer_round.get(p, t) > t}
-            group = ShardGroup(members, set(members) - self._gone - others)
+            group = ShardGroup(members, set(members) - self._gone - others - self._skipped.get(t, frozenset()))
             self._groups[key] = group
             # closes it round_timeout_s after its first part, in awake time: a part that came
             # while the loop was stalled is read before the group gives up on it
@@ -393,6 +429,15 @@ class ShardedReducer:
         self._groups.pop(key, None)
         self._closed[key] = t
 
+    def _saw_skip(self, t: int, peer: str) -> None:
+        """`peer` sends nothing in round t: no group of round t waits for it, nor will one made later."""
+        self._skipped[t] = self._skipped.get(t, frozenset()) | {peer}
+        if len(self._skipped) > _KEEP_SKIPS:
+            del self._skipped[min(self._skipped)]
+        for key, group in list(self._groups.items()):
+            if key[0] == t:
+                self._stop_waiting_for(key, group, peer)
+
     def _saw_view(self, t: int, sender: str, members: tuple[str, ...]) -> None:
         """A sender used `members` in round t: groups of other views of that round, and groups
         of earlier rounds (it has moved past them), stop waiting for it."""
@@ -417,6 +462,7 @@ class ShardedReducer:
     def _forget_before(self, t: int) -> None:
         self._closed = {k: r for k, r in self._closed.items() if r >= t}
         self._views = {k: v for k, v in self._views.items() if k[0] >= t}
+        self._skipped = {r: p for r, p in self._skipped.items() if r >= t}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -24,7 +24,9 @@ Elastic membership. A joiner loads a peer's `state_dict` (outer parameters, mome
 inner optimizer state, rounds in flight). For a round in flight it takes part in (its member
 list names the joiner), it sends the donor's pseudo-gradient; for one it does not, it fetches
 the outer fragment after that merge from a member ("diloco.sync"). A peer that learns it has
-fallen a round behind fetches the whole outer state and jumps to that peer's step.
+fallen a round behind fetches the whole outer state and jumps to that peer's step. Either way
+it tells the others which rounds it sends nothing in (`ShardedReducer.skip`): members that
+already counted it in would otherwise wait for its part until the round timeout.
 """
 from __future__ import annotations
 
@@ -260,6 +262,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
 
     def _start(self, f: int, k: int, members: tuple[str, ...], delta: torch.Tensor) -> _Exchange:
         if (len(members) > 1 and self.node.peer_id not in members) or delta.numel() != self.views[f].numel:
+            self._skip(f, k)  # a donor's round that began without me: others may count me in it
             return _Exchange(f, k, members, delta)
         average = delta.clone()
         before = self.reducers[f].state_dict() if not self.reducers[f].codec.lossless else None
@@ -276,6 +279,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         result = None
         if exchange is None or exchange.round != k:
             log.warning("%s: no exchange of fragment %d round %d in flight; fetching it", self.node.peer_id, f, k)
+            self._skip(f, k)
             self._fetch_merged(f, k + 1, membership(self.node))
         elif exchange.pending is None:
             self._fetch_merged(f, k + 1, exchange.members)
@@ -362,12 +366,28 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                         self.node.peer_id, self.step_count)
             return
         self.in_flight.clear()  # my rounds were refused as late
+        before = list(self.versions)  # the round of each fragment I would have merged next
         self._adopt(got, range(len(self.views)))
         for view, outer in zip(self.views, self.outer):
             view.write(outer)  # my local progress belongs to rounds that closed without me
         self.step_count = max(self.step_count, got.step)
         for g, r in self.schedule.in_flight_at(got.step):  # started before I arrived: fetched at merge
             self.in_flight[g] = _Exchange(g, r, tuple(sources), torch.zeros(0))
+        for g in range(len(self.views)):
+            # the rounds I jumped over, or fetch at their merge: members that count me in them
+            # stop waiting for my part (only the latest two can still be open anywhere)
+            first_mine = self.in_flight[g].round + 1 if g in self.in_flight else self.versions[g]
+            for r in range(max(before[g], first_mine - 2), first_mine):
+                self._skip(g, r)
+
+    def _skip(self, f: int, k: int) -> None:
+        """I send nothing in fragment f's round k, nor in the rounds that ride on fragment 0's
+        merge (buffers, the drift guard's check): nobody waits for my parts there."""
+        self.reducers[f].skip(k)
+        if f == 0 and self.buffer_sync is not None:
+            self.buffer_sync.skip(k, membership(self.node))
+        if f == 0 and self.agreement is not None and k % self.config.check_every == 0:
+            self.agreement.reducer.skip(k)
 
     def _adopt(self, got: _Published, fragments: Sequence[int]) -> None:
         for f in fragments:

@@ -148,6 +148,18 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint keep must be >= 1, got {self.keep}")
 
 
+def prepare_to_train() -> None:
+    """Pay torch's one-time lazy work now. The first optimizer a process builds imports
+    torch._dynamo: 1.8 to 3.5 s on a busy 2-core box, nearly all of a joiner's time from its
+    hello to its first step (fetching the state took 10 ms). A node that will train calls this
+    before it says hello: from its hello on, the others count it in their rounds, and every
+    second it then spends importing is a second their rounds wait for its parts (found by the
+    chaos soak, benchmarks/chaos.py)."""
+    import torch
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+
+
 def shard_for(peer_id: str, world: int) -> int:
     """A data shard for a peer that has no rank (a real swarm): stable, spread by its id."""
     return peer_hash(peer_id) % world

@@ -74,7 +74,7 @@ def test_a_joiner_learns_protocol_and_task_and_trains_with_the_swarm():
         assert (started["device"], started["dtype"], started["autocast"]) == ("cpu", "bfloat16", "none")
         assert started["step"] > 0  # it continued at the swarm's step, not from scratch
         synced = theirs.until(lambda r: r.get("peers") == 2)
-        assert synced["bytes_sent"] > 0
+        assert synced["bytes_sent"] > 0 and synced["lost"] == 0  # lost: members its update lacks
         for proc in (joiner, first):
             proc.send_signal(signal.SIGTERM)
         stopped = theirs.until(lambda r: r.get("event") == "stopped")
