@@ -116,7 +116,7 @@ def node_start(
     node fixes the protocol, its hyper-parameters and the task; joiners learn them, fetch
     the swarm's state and continue at its round. With --checkpoint-dir the training state
     goes to disk every --checkpoint-every steps; --resume restarts from it."""
-    from starling.node.node import JoinError, Node, NodeConfig
+    from starling.node.node import JoinError, Node, NodeConfig, NodeFault
     from starling.node.transfer import TransferError
     from starling.protocols.base import ProtocolError
     from starling.runtime import (
@@ -133,7 +133,8 @@ def node_start(
     from starling.tasks import TaskSpecError
 
     setup_logging(log_level)
-    train_errors = (TrainSpecError, ProtocolError, TaskSpecError, TransferError, CheckpointError, RestartError)
+    train_errors = (TrainSpecError, ProtocolError, TaskSpecError, TransferError, CheckpointError, RestartError,
+                    NodeFault)
     metrics: Optional[MetricsServer] = None
     board: Optional[TensorBoardLog] = None
     try:
@@ -198,7 +199,8 @@ def node_start(
                    (resume_quorum, resume_timeout_s) if resume is not None else None, placement, joined=bool(join),
                    state_fetch_timeout_s=state_fetch_timeout_s, metrics=metrics, board=board)
         else:
-            stop.wait()
+            while not stop.wait(0.5):
+                node.check_fault()  # a node whose sockets failed exits with the reason, not silently
     except (*train_errors, TimeoutError) as exc:
         node.close()
         _close_observers(metrics, board)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from starling.node.address import PeerAddress, parse_address
 from starling.node.identity import Identity, KeyFileError
 from starling.node.membership import Liveness, PeerStatus, PeerView
-from starling.node.node import JoinError, Node, NodeConfig, SwarmConfigError, UnknownPeerError
+from starling.node.node import JoinError, Node, NodeConfig, NodeFault, SwarmConfigError, UnknownPeerError
 from starling.node.rpc import (
     BadRequestError,
     BusyError,
@@ -42,7 +42,7 @@ from starling.node.wire import Limits, Message, RejectReason, WireError
 
 __all__ = [
     "BadRequestError", "BusyError", "ConfigConflictError", "ErrorCode", "HandlerError", "Identity", "JoinError",
-    "KeyFileError", "Limits", "Liveness", "Message", "NoHandlerError", "Node", "NodeConfig", "PeerAddress",
+    "KeyFileError", "Limits", "Liveness", "Message", "NoHandlerError", "Node", "NodeConfig", "NodeFault", "PeerAddress",
     "PeerStatus", "PeerView", "Refusal", "RefusedError", "RejectReason", "RemoteError", "Reply", "RequestTimeout",
     "RpcError", "SwarmConfigError", "TransferConfig", "TransferError", "TransportConfig", "UnknownPeerError",
     "WireError", "parse_address", "refusal", "refusal_of",

@@ -54,8 +54,12 @@ log = logging.getLogger(__name__)
 STATUS = "$status"
 
 # Importable from here as they always were: their homes are now the membership modules.
-__all__ = ["JoinError", "LinkShaper", "Node", "NodeConfig", "PeerView", "SwarmConfigError", "UnknownPeerError",
-           "config_conflicts"]
+__all__ = ["JoinError", "LinkShaper", "Node", "NodeConfig", "NodeFault", "PeerView", "SwarmConfigError",
+           "UnknownPeerError", "config_conflicts"]
+
+
+class NodeFault(RuntimeError):
+    """A node stopped on its own: one of its sockets failed (see `Node.fault`)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,8 @@ class Node:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._blobs: BlobServer | None = None
         self._state = "new"
+        self._fault: str | None = None
+        self._closing: asyncio.Future[None] | None = None
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -116,6 +122,28 @@ class Node:
     @property
     def closed(self) -> bool:
         return self._state == "closed"
+
+    @property
+    def fault(self) -> str | None:
+        """Why this node stopped on its own (a socket failed), or None. A faulted node is
+        closed: its peers see it go as a crash, and whoever trains on it must stop
+        (`check_fault`)."""
+        return self._fault
+
+    def check_fault(self) -> None:
+        """Raise NodeFault if a socket failure stopped this node."""
+        if self._fault is not None:
+            raise NodeFault(f"node {self.peer_id} stopped: {self._fault}")
+
+    def _fail(self, reason: str) -> None:
+        """A socket failed under this node (on the network thread): stop it, loudly, once."""
+        if self._fault is not None:
+            return
+        self._fault = reason
+        log.error("%s: %s; this node stops", self.peer_id, reason)
+        if self._state != "closed":
+            self._state = "closed"
+            self._closing = asyncio.ensure_future(self._aclose())  # not in _tasks: it cancels those
 
     def start(
         self,
@@ -162,7 +190,7 @@ class Node:
             self._net.context, mode=self.mode, curve_public_z85=self.identity.curve_public_z85,
             curve_secret_z85=self.identity.curve_secret_z85, zap_domain=self._zap_domain,
             config=self.config.transport, receiver=self._dispatch.on_inbound, busy=self._pending.waiting_on,
-            dropped=self._swarm.connection_lost,
+            dropped=self._swarm.connection_lost, fatal=self._fail,
         )
         if self.mode is SecurityMode.CURVE:
             self._policy = ZapPolicy(allowed)

@@ -11,6 +11,7 @@ All methods run on the network thread.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket as pysocket
 from collections.abc import Awaitable, Callable, Sequence
@@ -59,6 +60,7 @@ class Inbound:
 Receiver = Callable[[Inbound], Awaitable[None]]
 Dropped = Callable[[str], None]  # a DEALER's connection to this peer (or bootstrap handle) dropped
 Busy = Callable[[str], bool]  # True while requests to this peer await replies on its DEALER
+Fatal = Callable[[str], None]  # a socket failed (no descriptor left, a broken reader): the node cannot go on
 DRAIN_BATCH = 64  # messages read per wake-up before yielding to other sockets
 
 
@@ -94,6 +96,7 @@ class Transport:
         receiver: Receiver,
         busy: Busy = lambda key: False,
         dropped: Dropped = lambda key: None,
+        fatal: Fatal = lambda reason: None,
     ) -> None:
         self.context = context
         self.mode = mode
@@ -105,6 +108,7 @@ class Transport:
         self._router: zmq.asyncio.Socket | None = None
         self._busy = busy
         self._dropped = dropped
+        self._fatal = fatal
         self._monitors: dict[str, zmq.asyncio.Socket] = {}
         self._routes: dict[str, tuple[tuple[str, ...], bytes | None]] = {}  # every known peer
         self._dealers: dict[str, zmq.asyncio.Socket] = {}  # the open ones, least recently used first
@@ -170,6 +174,16 @@ class Transport:
             self._open(key)
 
     def _open(self, key: str) -> zmq.asyncio.Socket:
+        try:
+            return self._open_dealer(key)
+        except zmq.ZMQError as exc:
+            # Out of descriptors (EMFILE) or of the context's sockets: this node can no longer
+            # reach its peers, and going on would leave it a member that silently drops work.
+            reason = f"cannot open a socket to {key}: {exc}"
+            self._fatal(reason)
+            raise SendError(reason) from None
+
+    def _open_dealer(self, key: str) -> zmq.asyncio.Socket:
         endpoints, server_key_z85 = self._routes[key]
         dealer = self.context.socket(zmq.DEALER)
         self._common(dealer)
@@ -314,8 +328,12 @@ class Transport:
             except zmq.ZMQError as exc:
                 if exc.errno in (zmq.ETERM, zmq.ENOTSOCK) or sock.closed:
                     return
-                log.debug("recv error on %s: %s", key or "router", exc)
-                continue
+                if exc.errno == errno.EINTR:
+                    continue
+                # A reader that retried would spin; one that returned would leave the node a
+                # member that hears nothing on this socket. Either is a silent dead receiver.
+                self._fatal(f"cannot read from {key or 'the listening socket'}: {exc}")
+                return
             for frames in batch:
                 await self._deliver(frames, key)
             # Yield once per batch. pyzmq completes a recv at once while messages are queued,

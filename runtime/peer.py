@@ -34,8 +34,14 @@ class SimPeer:
         self.config, self.task, self.rank = config, task, rank
         self.listen = listen
         self.on_step = on_step or (lambda rank, step: None)
+        # Socket monitors tell a node at once that a peer's process died; over inproc they
+        # hear nothing (a simulated crash reaches the other peers through `crashed`) and would
+        # cost two descriptors per DEALER.
+        transport = TransportConfig(send_timeout_s=config.send_timeout_s,
+                                    monitor_connections=config.transport != "inproc",
+                                    max_open_dealers=config.max_dealers or TransportConfig.max_open_dealers)
         node_config = NodeConfig(liveness=config.liveness, join_timeout_s=config.join_timeout_s,
-                                 transport=TransportConfig(send_timeout_s=config.send_timeout_s))
+                                 transport=transport)
         self.node = Node(identity or seeded_identity(config.seed, rank), config=node_config)
         self.emulator: LinkEmulator | None = None
         self.crashed = crashed if crashed is not None else set()

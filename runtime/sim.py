@@ -19,9 +19,12 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import torch
 
+from starling.node import JoinError
+from starling.runtime.capacity import CapacityError, plan_capacity
 from starling.runtime.peer import SimPeer
 from starling.runtime.sim_processes import ProgressFn, run_processes
 from starling.runtime.simconfig import SimConfig, SimError, check_config, endpoint_for, wait_for
@@ -40,6 +43,15 @@ class Simulation:
 
     def run(self) -> SimResult:
         check_config(self.config)
+        if not self.config.processes:
+            # every peer that will ever run lives in this process: fit them, or refuse now
+            try:
+                capacity = plan_capacity(self.config.world, self.config.world, self.config.transport,
+                                         monitors=self.config.transport != "inproc",
+                                         max_dealers=self.config.max_dealers)
+            except CapacityError as exc:
+                raise SimError(str(exc)) from None
+            self.config = replace(self.config, max_dealers=capacity.max_dealers)
         if self.config.processes:
             peers, t0 = run_processes(self.config, self.progress)
         else:
@@ -68,8 +80,12 @@ class Simulation:
         try:
             address = peers[0].start([])
             for peer in peers[1:]:
-                peer.start([address])
-            wait_for(lambda: all(len(p.node.live_peers()) == config.peers - 1 for p in peers),
+                try:
+                    peer.start([address])
+                except (JoinError, OSError) as exc:
+                    _no_fault(peers)  # the failure behind it, if a node stopped on one
+                    raise SimError(f"peer {peer.rank} could not join: {exc}") from None
+            wait_for(lambda: _no_fault(peers) and all(len(p.node.live_peers()) == config.peers - 1 for p in peers),
                      config.ready_timeout_s, f"{config.peers} peers to see each other")
             for peer in peers:
                 peer.create_protocol()
@@ -114,3 +130,11 @@ class Simulation:
             joiner.result.status, joiner.result.error = "failed", f"{type(exc).__name__}: {exc}"
             return
         joiner.train(t0)
+
+
+def _no_fault(peers: list[SimPeer]) -> bool:
+    """True, or SimError naming the first peer whose node stopped on a socket failure."""
+    for peer in peers:
+        if peer.node.fault is not None:
+            raise SimError(f"peer {peer.rank}'s node stopped: {peer.node.fault}")
+    return True

@@ -56,6 +56,9 @@ class SimConfig:
     dtype: str | None = None
     autocast: str | None = None
     state_device: str | None = None
+    # Open DEALERs per simulated node (see runtime/capacity.py): None picks the largest cap up
+    # to a real node's 64 that fits the process's descriptors; a run that cannot fit is refused.
+    max_dealers: int | None = None
 
     def __post_init__(self) -> None:
         if self.peers < 1:
@@ -66,6 +69,8 @@ class SimConfig:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.processes and self.transport == "inproc":
             raise ValueError("processes need the tcp or ipc transport (inproc works within one process)")
+        if self.max_dealers is not None and self.max_dealers < 1:
+            raise ValueError(f"max_dealers must be >= 1, got {self.max_dealers}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         check_churn(self.churn, self.peers, self.steps)

@@ -282,7 +282,9 @@ class Trainer:
             with placement.autocast(model):
                 return task.loss(model, batch)
 
+        self.node.check_fault()
         report = proto.step(loss_fn)
+        self.node.check_fault()  # a step whose sockets failed under it may have "finished" alone
         if self.serve_state and time.monotonic() - self._snapshot_at >= self.snapshot_every_s:
             self.take_snapshot()
         if self.checkpoint is not None and proto.step_count % self.checkpoint.every == 0:

@@ -1,0 +1,132 @@
+"""Will a simulated swarm fit in its processes? File descriptors and ZeroMQ sockets, counted
+before any node starts.
+
+Every simulated peer is a real node: one ROUTER, plus one DEALER per peer it talks to, up to
+its cap of open DEALERs (`TransportConfig.max_open_dealers`; over the cap the least recently
+used idle one closes). Measured with /proc/self/fd (12 nodes that all see each other):
+- every ZeroMQ socket holds one descriptor (its mailbox);
+- a connection over tcp or ipc holds one at each end, and in a simulation both ends are in
+  this machine's processes: two per DEALER;
+- a socket monitor (`TransportConfig.monitor_connections`) adds a pair of sockets per DEALER;
+- a tcp or ipc ROUTER holds one more, its listening socket.
+
+So a node needs `1 + L + D * (1 + 2M + 2C)` descriptors, with D open DEALERs, L = C = 1 over
+tcp or ipc (0 over inproc) and M = 1 with monitors; and `1 + D * (1 + 2M)` of the process's
+ZeroMQ sockets (`node.loop.MAX_SOCKETS_PER_PROCESS`).
+
+`plan_capacity` raises the soft RLIMIT_NOFILE to the hard limit, picks the DEALER cap (the
+one asked for, or the largest up to 64 that fits), and refuses with one line, saying what
+to change, a swarm that cannot fit.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from starling.node.loop import MAX_SOCKETS_PER_PROCESS
+
+try:
+    import resource
+except ImportError:  # not on Windows: no limit to raise, and none we can read
+    resource = None  # type: ignore[assignment]
+
+DEFAULT_MAX_DEALERS = 64  # a real node's cap (TransportConfig.max_open_dealers)
+MIN_MAX_DEALERS = 4  # below this a peer spends its steps opening and closing sockets
+# Descriptors a simulating process holds besides its nodes: torch, the interpreter, the
+# network thread's context and event loop, logs, a joiner's state transfer; measured ~60.
+RESERVED_FDS = 256
+
+
+class CapacityError(ValueError):
+    """The swarm cannot fit in its processes' descriptors or sockets."""
+
+
+@dataclass(frozen=True)
+class Capacity:
+    max_dealers: int  # the cap every simulated node runs with
+    fds_per_peer: int
+    sockets_per_peer: int
+    fd_limit: int  # this process's soft RLIMIT_NOFILE after raising it
+    peers_per_process: int
+
+    def describe(self) -> dict[str, int]:
+        return {"max_dealers": self.max_dealers, "fds_per_peer": self.fds_per_peer,
+                "sockets_per_peer": self.sockets_per_peer, "fd_limit": self.fd_limit,
+                "peers_per_process": self.peers_per_process}
+
+
+def fds_per_peer(dealers: int, transport: str, monitors: bool) -> int:
+    wired = transport != "inproc"
+    return 1 + int(wired) + dealers * (1 + 2 * int(monitors) + 2 * int(wired))
+
+
+def sockets_per_peer(dealers: int, monitors: bool) -> int:
+    return 1 + dealers * (1 + 2 * int(monitors))
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; return the soft limit now in force."""
+    if resource is None:
+        return 1 << 30
+    unlimited = resource.RLIM_INFINITY
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == unlimited:
+        return 1 << 30
+    target = hard if hard != unlimited else max(soft, 1 << 20)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return int(soft)
+
+
+def open_fds() -> int:
+    """Descriptors this process holds now (0 where /proc is not there to count them)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def plan_capacity(peers_per_process: int, swarm: int, transport: str, monitors: bool,
+                  max_dealers: int | None, *, processes_hint: int = 0) -> Capacity:
+    """The DEALER cap for a swarm of `swarm` peers, `peers_per_process` in each process, that
+    fits the descriptors and ZeroMQ sockets of a process; CapacityError (one line, naming the
+    limit and what to change) if none does. `max_dealers` None: the largest cap up to
+    DEFAULT_MAX_DEALERS that fits, and no lower than MIN_MAX_DEALERS."""
+    limit = raise_fd_limit()
+    room = limit - max(RESERVED_FDS, open_fds() + 64)
+    useful = max(1, swarm - 1)  # a node never holds more DEALERs than it has peers
+
+    def fits(dealers: int) -> bool:
+        d = min(dealers, useful)
+        return (peers_per_process * fds_per_peer(d, transport, monitors) <= room
+                and peers_per_process * sockets_per_peer(d, monitors) <= MAX_SOCKETS_PER_PROCESS)
+
+    if max_dealers is not None:
+        if max_dealers < 1:
+            raise CapacityError(f"max_dealers must be >= 1, got {max_dealers}")
+        chosen = max_dealers
+    else:
+        chosen = next((d for d in range(DEFAULT_MAX_DEALERS, MIN_MAX_DEALERS - 1, -1) if fits(d)), MIN_MAX_DEALERS)
+    if not fits(chosen):
+        d = min(chosen, useful)
+        need_fds = peers_per_process * fds_per_peer(d, transport, monitors)
+        need_sockets = peers_per_process * sockets_per_peer(d, monitors)
+        what = (f"{need_fds} file descriptors, and this process may open {room} more (ulimit -n {limit})"
+                if need_fds > room else
+                f"{need_sockets} ZeroMQ sockets, over the {MAX_SOCKETS_PER_PROCESS} a process may hold")
+        per_process = max(1, room // max(1, fds_per_peer(d, transport, monitors)))
+        more = -(-swarm // per_process)
+        hint = (f"run it in {more} or more processes (--processes {more})" if more > max(1, processes_hint)
+                else "use fewer peers per process")
+        lower = next((k for k in range(d - 1, 0, -1) if fits(k)), None)
+        cap = f", lower the socket cap (--max-dealers {lower})" if lower is not None else ""
+        raise CapacityError(
+            f"{peers_per_process} peers in one process with up to {d} open sockets to others each need {what}: "
+            f"{hint}{cap}, or raise the hard limit (ulimit -Hn)")
+    d = min(chosen, useful)
+    return Capacity(chosen, fds_per_peer(d, transport, monitors), sockets_per_peer(d, monitors), limit,
+                    peers_per_process)
