@@ -226,6 +226,9 @@ def simulate(
     dtype: Optional[str] = dtype_option(),
     autocast: Optional[str] = autocast_option(),
     state_device: Optional[str] = state_device_option(),
+    max_dealers: Optional[int] = typer.Option(
+        None, "--max-dealers", min=1, help="Sockets each simulated peer keeps open to others (default: the largest "
+                                           "up to a real node's 64 that fits this process's descriptors)."),
     checkpoint_dir: Optional[Path] = typer.Option(
         None, "--checkpoint-dir", help="Every peer writes checkpoints to DIR/peer-RANK (the baseline's to "
                                        "DIR/baseline/peer-RANK)."),
@@ -249,6 +252,7 @@ def simulate(
             opt=[*(opt or []), *(f"{k}={v}" for k, v in extra_options(ctx.args).items())], lr=lr,
             task_opt=task_opt or [], eval_every=eval_every, baseline=baseline,
             extra={"device": device, "dtype": dtype, "autocast": autocast, "state_device": state_device,
+                   "max_dealers": max_dealers,
                    "checkpoint_dir": None if checkpoint_dir is None else str(checkpoint_dir),
                    "checkpoint_every": checkpoint_every, "resume": resume})
     except errors as exc:

@@ -355,17 +355,18 @@ class Node:
         return self._policy.denied_count if self._policy else 0
 
     # ---------------------------------------------------------------- network thread
-    def _frames(self, topic: str, body: Any, payload: Sequence[Any]) -> list[Any]:
-        return encode(topic, self.peer_id, next(self._seq), body, payload)
+    def _frames(self, topic: str, body: Any, payload: Sequence[Any], check_body: bool = True) -> list[Any]:
+        return encode(topic, self.peer_id, next(self._seq), body, payload, check_body=check_body)
 
     async def _asend_raw(self, peer: str, topic: str, body: Any, payload: Sequence[Any] = (), *,
                          wait: bool = True, stats_topic: str | None = None,
-                         timeout_s: float | None = None) -> None:
-        """Send any message, "$" topics included, to a known peer (membership and requests use it)."""
+                         timeout_s: float | None = None, check_body: bool = True) -> None:
+        """Send any message, "$" topics included, to a known peer (membership and requests use it).
+        `check_body=False` skips re-reading the body as the receiver will (see `wire.encode`)."""
         info = self._table.get(peer)
         if info is None or info.status is PeerStatus.LEFT or self._transport is None:
             raise UnknownPeerError(f"unknown peer {peer!r}")
-        frames = self._frames(topic, body, payload)
+        frames = self._frames(topic, body, payload, check_body)
         # Emulated links shape protocol traffic only; membership keeps its own timing.
         if self.shaper is not None and not (stats_topic or topic).startswith("$"):
             if not await self.shaper.admit(peer, frame_nbytes(frames)):

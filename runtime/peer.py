@@ -14,7 +14,7 @@ from starling.node import Node, NodeConfig, TransportConfig
 from starling.node.identity import Identity
 from starling.protocols import Protocol
 from starling.runtime.links import LinkEmulator
-from starling.runtime.simconfig import SimConfig, seeded_identity
+from starling.runtime.simconfig import SimConfig, seeded_identity, sim_liveness
 from starling.runtime.summary import PeerResult, json_data, sent_by_topic
 from starling.runtime.trainer import CheckpointConfig, Trainer, TrainSpec
 from starling.tasks import Task
@@ -40,7 +40,8 @@ class SimPeer:
         transport = TransportConfig(send_timeout_s=config.send_timeout_s,
                                     monitor_connections=config.transport != "inproc",
                                     max_open_dealers=config.max_dealers or TransportConfig.max_open_dealers)
-        node_config = NodeConfig(liveness=config.liveness, join_timeout_s=config.join_timeout_s,
+        liveness = config.liveness or sim_liveness(config.peers_per_process(), config.world)
+        node_config = NodeConfig(liveness=liveness, join_timeout_s=config.join_timeout_s,
                                  transport=transport)
         self.node = Node(identity or seeded_identity(config.seed, rank), config=node_config)
         self.emulator: LinkEmulator | None = None

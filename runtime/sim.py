@@ -43,6 +43,7 @@ class Simulation:
 
     def run(self) -> SimResult:
         check_config(self.config)
+        self.config = self.config.sized_for_swarm()
         if not self.config.processes:
             # every peer that will ever run lives in this process: fit them, or refuse now
             try:

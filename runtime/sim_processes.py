@@ -52,6 +52,7 @@ def _peer_process(config: SimConfig, rank: int, join: list[str], link: _ProcessL
             link.queue.put(("ready", rank))
             link.start.wait()
         else:
+            assert config.liveness is not None  # Simulation.run sized it
             time.sleep(4 * config.liveness.heartbeat_interval_s)  # learn the rest of the table
             peer.create_protocol()
             peer.fetch_state()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starling.node.identity import Identity
@@ -19,6 +19,29 @@ from starling.tasks import get_task
 TRANSPORTS = ("inproc", "ipc", "tcp")
 # Quick enough that a crashed peer is noticed within a short run, slow enough for a loaded box.
 SIM_LIVENESS = Liveness(heartbeat_interval_s=0.25, suspect_timeout_s=1.5, dead_timeout_s=3.0)
+# Every ping carries a beat for every peer its sender knows (node/swarm.py), so a process of
+# k simulated peers in a swarm of n reads and writes about k * fanout * n digest entries per
+# heartbeat interval, on its one network thread (~3-5 us an entry, both ends). A simulator
+# sized to the swarm keeps that near this many entries a second by lengthening the interval
+# (and the timeouts with it) and pinging fewer peers; a real node's own process holds one
+# peer, so its cost is fanout * n per interval.
+DIGEST_ENTRIES_PER_S = 100_000
+LARGE_SWARM_FANOUT = 2  # pings per interval once the interval has to grow
+
+
+def sim_liveness(peers_in_process: int, swarm: int) -> Liveness:
+    """SIM_LIVENESS, stretched for a big swarm so that membership traffic in one process stays
+    near DIGEST_ENTRIES_PER_S: the interval grows with k * n, suspect and dead stay 6 and 12
+    intervals. 1024 peers in one process: a beat every ~21 s and a crash seen within ~4 min;
+    the same swarm over 4 processes: every ~5 s."""
+    base = SIM_LIVENESS
+    entries = peers_in_process * min(base.fanout, max(1, swarm - 1)) * swarm
+    if entries / base.heartbeat_interval_s <= DIGEST_ENTRIES_PER_S:
+        return base
+    fanout = LARGE_SWARM_FANOUT
+    interval = max(base.heartbeat_interval_s, peers_in_process * fanout * swarm / DIGEST_ENTRIES_PER_S)
+    return Liveness(heartbeat_interval_s=interval, suspect_timeout_s=6 * interval, dead_timeout_s=12 * interval,
+                    fanout=fanout, probe_timeout_s=4 * interval)
 
 
 class SimError(Exception):
@@ -40,7 +63,7 @@ class SimConfig:
     options: Mapping[str, Any] = field(default_factory=dict)  # protocol hyper-parameters
     task_options: Mapping[str, Any] = field(default_factory=dict)
     eval_every: int = 0  # peer 0 evaluates every this many steps (0: only at the end)
-    liveness: Liveness = SIM_LIVENESS
+    liveness: Liveness | None = None  # None: sim_liveness(), sized to the swarm (see sized_for_swarm)
     ready_timeout_s: float = 60.0  # for the swarm to form, and for a joiner to fetch state
     # A send to a crashed peer holds that peer's socket (and, behind it, this node's heartbeats)
     # until it times out; keep that below the suspect timeout so one crash does not look like two.
@@ -85,6 +108,18 @@ class SimConfig:
     def placement(self) -> Placement:
         return Placement.parse(self.device, self.dtype, self.autocast, self.state_device)
 
+    def peers_per_process(self) -> int:
+        """The most peers one process holds: all of them, or one per process."""
+        return 1 if self.processes else self.world
+
+    def sized_for_swarm(self) -> SimConfig:
+        """This config with what depends on the swarm's size filled in: the liveness (unless
+        given) and a ready timeout that leaves the swarm time to form (ten intervals, and
+        0.1 s a peer for the joins)."""
+        liveness = self.liveness or sim_liveness(self.peers_per_process(), self.world)
+        ready = max(self.ready_timeout_s, 10 * liveness.heartbeat_interval_s + 0.1 * self.world)
+        return replace(self, liveness=liveness, ready_timeout_s=ready)
+
     @property
     def world(self) -> int:
         """Every peer that will ever run (initial peers plus joiners)."""
@@ -108,6 +143,8 @@ class SimConfig:
                 "compressor": self.compressor, "transport": self.transport, "processes": self.processes,
                 "link": self.link.describe(), "churn": ",".join(map(str, self.churn)), "seed": self.seed,
                 "options": {k: v for k, v in self.options.items()}, "task_options": dict(self.task_options),
+                "max_dealers": self.max_dealers,
+                "heartbeat_s": None if self.liveness is None else round(self.liveness.heartbeat_interval_s, 3),
                 **({"checkpoint_dir": self.checkpoint_dir, "resume": self.resume} if self.checkpoint_dir else {}),
                 **({"placement": self.placement().describe()} if self.placement() != Placement() else {})}
 
