@@ -2,7 +2,8 @@
 
 Every simulated peer is a real `Node` with real sockets and a real protocol. By default all
 peers share one process (the process's one network thread, one training thread per peer);
-with `processes=True` each peer is its own OS process, over tcp on loopback. Every node's
+with `processes=P` they are spread over P worker processes that each run their peers the same
+way, over tcp (or ipc) on loopback (see `sim_processes.py`). Every node's
 outgoing links go through a `LinkEmulator` (bandwidth, latency, loss); churn (see
 `runtime.churn`) crashes, stops and adds peers at given steps.
 
@@ -24,7 +25,7 @@ import torch
 
 from starling.runtime.peer import SimPeer
 from starling.runtime.sim_processes import ProgressFn, run_processes
-from starling.runtime.simconfig import SimConfig, SimError, check_config, endpoint_for, wait_for
+from starling.runtime.simconfig import SimConfig, check_config, endpoint_for, wait_for
 from starling.runtime.summary import PeerResult, SimResult, summarize
 from starling.tasks import get_task
 
@@ -99,18 +100,8 @@ class Simulation:
                 peer.close()
             torch.set_num_threads(threads_before)
 
-    def _join(self, joiner: SimPeer, live: list[SimPeer], t0: float) -> None:
-        try:
-            joiner.start([p.node.address for p in live])
-            expected = {p.node.peer_id for p in live if p.result.status == "running"}
-            try:
-                wait_for(lambda: expected <= set(joiner.node.live_peers()), 5.0, "the joiner to see the swarm")
-            except SimError:
-                log.warning("joiner %d sees only part of the swarm; going on", joiner.rank)
-            joiner.create_protocol()
-            joiner.fetch_state()
-        except Exception as exc:
-            log.exception("peer %d could not join", joiner.rank)
-            joiner.result.status, joiner.result.error = "failed", f"{type(exc).__name__}: {exc}"
-            return
-        joiner.train(t0)
+    @staticmethod
+    def _join(joiner: SimPeer, live: list[SimPeer], t0: float) -> None:
+        expected = {p.node.peer_id for p in live if p.result.status == "running"}
+        if joiner.join_swarm([p.node.address for p in live], expected):
+            joiner.train(t0)
