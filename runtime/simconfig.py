@@ -33,7 +33,9 @@ class SimConfig:
     steps: int = 100
     compressor: str | None = None  # passed to the protocol as its `compressor` option
     transport: str = "inproc"
-    processes: bool = False  # one OS process per peer (needs tcp or ipc)
+    # 0: every peer is a thread of this process; P >= 1: the peers are dealt round-robin to P
+    # worker processes (needs tcp or ipc). True (the old flag) means one process per peer.
+    processes: int = 0
     link: LinkModel = field(default_factory=LinkModel)
     churn: tuple[ChurnEvent, ...] = ()
     seed: int = 0
@@ -64,6 +66,11 @@ class SimConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if isinstance(self.processes, bool):  # bool is an int: check it first
+            object.__setattr__(self, "processes", self.peers if self.processes else 0)
+        if not isinstance(self.processes, int) or not 0 <= self.processes <= self.peers:
+            raise ValueError(f"processes must be a whole number from 0 (threads in this process) to peers "
+                             f"({self.peers}), got {self.processes!r}")
         if self.processes and self.transport == "inproc":
             raise ValueError("processes need the tcp or ipc transport (inproc works within one process)")
         if self.eval_every < 0:
