@@ -237,10 +237,15 @@ class _Parent:
                     args=(config, index, list(ranks), self.inboxes[index], self.link, self.ipc_dir, log_level))
                 worker.start()
                 self.workers.append(worker)  # only started ones: the cleanup joins them
+            began = time.monotonic()
             self._until(lambda: 0 in self.addresses, "the worker processes to start rank 0")
+            log.info("rank 0 listens after %.1f s; %d workers now start their peers", time.monotonic() - began,
+                     len(self.workers))
             for inbox in self.inboxes:
                 inbox.put(("swarm", self.addresses[0][0]))
             self._until(lambda: self.ready == config.peers, "the peer processes to form a swarm")
+            log.info("%d peers in %d processes formed a swarm in %.1f s", config.peers, len(self.workers),
+                     time.monotonic() - began)
             self.link.t0.value = t0 = time.time()
             self.link.start.set()
             self._train()
