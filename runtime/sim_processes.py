@@ -10,7 +10,9 @@ thread per peer, `torch.set_num_threads(1)`, one network thread for all of them.
 `inproc` cannot reach, so every peer binds the configured tcp or ipc endpoint and speaks to every
 other peer, in its worker or not, over that socket.
 
-Start-up, bounded by `ready_timeout_s` at each stage (spawning and importing torch count):
+Start-up, in stages that each fail once nothing has moved for `ready_timeout_s` (spawning and
+importing torch count; a stage bounds stalls rather than its total, so a larger swarm may take
+longer to form as long as its peers keep learning of each other):
 1. The parent spawns every worker at once. The worker that holds rank 0 starts it and reports
    its address.
 2. The parent hands that address to every worker; each starts its peers, which join through
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 
 from starling.runtime.peer import SimPeer
-from starling.runtime.simconfig import SimConfig, SimError, endpoint_for, wait_for
+from starling.runtime.simconfig import SimConfig, SimError, endpoint_for
 from starling.runtime.summary import PeerResult
 from starling.tasks import get_task
 
@@ -55,7 +57,8 @@ _POLL_S = 0.05
 class _Link:
     """What the parent shares with every worker."""
 
-    # worker -> parent: ("address", rank, address, peer_id) | ("ready", worker, ranks)
+    # worker -> parent: ("address", rank, address, peer_id) | ("forming", worker, links_seen)
+    #   | ("ready", worker, ranks)
     #   | ("step", worker, furthest) | ("done", rank, status) | ("result", rank, PeerResult)
     #   | ("error", worker, message)
     queue: Any
@@ -134,8 +137,8 @@ class _Worker:
             if peer.rank != 0:
                 peer.start([first])
                 self._announce(peer)
-        wait_for(lambda: all(len(p.node.live_peers()) >= self.config.peers - 1 for p in peers),
-                 self.config.ready_timeout_s, f"{self.config.peers} peers to see each other")
+        if not self._wait_until_peers_see_each_other(peers):
+            return False
         for peer in peers:
             peer.create_protocol()
         self.link.queue.put(("ready", self.index, ranks))
@@ -143,6 +146,28 @@ class _Worker:
             if self._given_up():
                 return False
         return True
+
+    def _wait_until_peers_see_each_other(self, peers: list[SimPeer]) -> bool:
+        """Wait until each of `peers` sees every other peer of the swarm, telling the parent
+        while that count grows; SimError once it has not grown for ready_timeout_s."""
+        needed = len(peers) * (self.config.peers - 1)
+        best, moved, told = -1, time.monotonic(), 0.0
+        while True:
+            seen = sum(min(len(p.node.live_peers()), self.config.peers - 1) for p in peers)
+            if seen >= needed:
+                return True
+            now = time.monotonic()
+            if seen > best:
+                best, moved = seen, now
+                if now - told > 1.0:
+                    told = now
+                    self.link.queue.put(("forming", self.index, seen))
+            elif now - moved > self.config.ready_timeout_s:
+                raise SimError(f"worker {self.index}: its peers saw {seen} of the {needed} links to the rest "
+                               f"of the swarm, and none more for {self.config.ready_timeout_s:g} s")
+            if self._given_up():
+                return False
+            time.sleep(_POLL_S)
 
     def _serve(self, t0: float) -> None:
         """Until the parent says stop: launch joiners, pass on progress, report ended peers."""
@@ -256,6 +281,9 @@ class _Parent:
         finally:
             self.link.stop.set()
             # A worker given up on may hold training threads and unread messages: do not wait long.
+            if not finished:
+                for inbox in self.inboxes:
+                    inbox.cancel_join_thread()  # what a dead worker never read must not hold our exit
             deadline = time.monotonic() + (15.0 if finished else 3.0)
             for worker in self.workers:
                 worker.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -284,19 +312,24 @@ class _Parent:
         self.inboxes[worker].put(("join", rank, [address for address, _ in live.values()], running))
 
     def _until(self, cond: Callable[[], bool], what: str) -> None:
+        """Pump until `cond`; SimError once no worker has said anything for ready_timeout_s."""
         deadline = time.monotonic() + self.config.ready_timeout_s
         while not cond():
             if time.monotonic() > deadline:
-                raise SimError(f"timed out after {self.config.ready_timeout_s:g} s waiting for {what}")
-            self._pump()
+                raise SimError(f"timed out after {self.config.ready_timeout_s:g} s without news waiting for {what}")
+            if self._pump():
+                deadline = time.monotonic() + self.config.ready_timeout_s
 
-    def _pump(self) -> None:
-        """Read what the workers sent (up to _POLL_S for the first message); raise SimError if
-        a worker failed or exited while it still held ranks whose results never came."""
+    def _pump(self) -> bool:
+        """Read what the workers sent (up to _POLL_S for the first message), and say whether
+        anything came; raise SimError if a worker failed or exited while it still held ranks
+        whose results never came."""
         exited = [(w, p.exitcode) for w, p in enumerate(self.workers) if p.exitcode is not None]
+        news = False
         try:  # drain after looking at exit codes: what an exited worker sent is in the queue by now
             message = self.link.queue.get(timeout=_POLL_S)
             while True:
+                news = True
                 self._handle(message)
                 message = self.link.queue.get_nowait()
         except queue.Empty:
@@ -306,6 +339,7 @@ class _Parent:
             if missing:
                 raise SimError(f"worker process {index} exited with code {code} while it held "
                                f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}")
+        return news
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -317,6 +351,8 @@ class _Parent:
             self.furthest = max(self.furthest, message[2])
         elif kind == "done":
             self.done[message[1]] = message[2]
+        elif kind == "forming":
+            pass  # news that the swarm is still forming: `_until` waits on
         elif kind == "result":
             self.results[message[1]] = message[2]
         elif kind == "error":

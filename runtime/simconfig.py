@@ -43,7 +43,9 @@ class SimConfig:
     task_options: Mapping[str, Any] = field(default_factory=dict)
     eval_every: int = 0  # peer 0 evaluates every this many steps (0: only at the end)
     liveness: Liveness = SIM_LIVENESS
-    ready_timeout_s: float = 60.0  # for the swarm to form, and for a joiner to fetch state
+    # For the swarm to form (with processes: the longest a start-up stage may go without news,
+    # so a big swarm that keeps forming is not cut off), and for a joiner to fetch state.
+    ready_timeout_s: float = 60.0
     # A send to a crashed peer holds that peer's socket (and, behind it, this node's heartbeats)
     # until it times out; keep that below the suspect timeout so one crash does not look like two.
     send_timeout_s: float = 1.0
