@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from starling.protocols.base import Protocol, ProtocolConfig, StepReport, register, registered_protocols
-from starling.runtime import SimConfig, SimError, Simulation, parse_churn
+from starling.runtime import SimConfig, SimError, Simulation, parse_churn, seeded_identity
 from starling.runtime.sim_processes import placement
 
 
@@ -48,8 +48,20 @@ class PacedSGD(Protocol):
         return StepReport(step=self.step_count, loss=loss.item())
 
 
+class FailingSGD(PacedSGD):
+    """Rank 1's peer raises at its third step (peer ids are seeded, so rank 1 is known here)."""
+
+    name = "test-paced-failing"
+
+    def step(self, loss_fn) -> StepReport:
+        if self.step_count == 2 and self.node.peer_id == seeded_identity(0, 1).peer_id:
+            raise RuntimeError("boom in a worker")
+        return super().step(loss_fn)
+
+
 if "test-paced" not in registered_protocols():
     register(PacedSGD)
+    register(FailingSGD)
 
 PACED = dict(protocol=f"{__name__}:test-paced", task="quadratic", task_options={"dim": 16}, transport="tcp",
              ready_timeout_s=180)
@@ -112,3 +124,11 @@ def test_a_worker_killed_mid_run_fails_the_run_naming_its_ranks():
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_peer_failing_in_a_worker_fails_the_run_with_its_error():
+    config = SimConfig(peers=3, processes=2, steps=6, **{**PACED, "protocol": f"{__name__}:test-paced-failing"})
+    with pytest.raises(SimError, match="peer 1 failed: RuntimeError: boom in a worker"):
+        Simulation(config).run()
