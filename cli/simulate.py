@@ -205,8 +205,8 @@ def simulate(
     transport: Optional[str] = typer.Option(
         None, "--transport", help="inproc, ipc or tcp (default inproc; tcp with --processes)."),
     processes: int = typer.Option(
-        0, "--processes", help="Spread the peers over P OS processes, round-robin by rank (tcp on loopback; "
-                               "0: all threads of this one)."),
+        0, "--processes", metavar="P",
+        help="Spread the peers over P OS processes, round-robin by rank (tcp on loopback; 0: threads of this one)."),
     bandwidth: Optional[str] = typer.Option(
         None, "--bandwidth", help="Per-link bandwidth, e.g. 100mbit, 10Mbps, 1gbit."),
     latency_ms: float = typer.Option(0.0, "--latency", help="One-way latency per link, in ms."),

@@ -58,9 +58,8 @@ class _Link:
     """What the parent shares with every worker."""
 
     # worker -> parent: ("address", rank, address, peer_id) | ("forming", worker, links_seen)
-    #   | ("ready", worker, ranks)
-    #   | ("step", worker, furthest) | ("done", rank, status) | ("result", rank, PeerResult)
-    #   | ("error", worker, message)
+    #   | ("ready", worker, ranks) | ("step", worker, furthest) | ("done", rank, status)
+    #   | ("result", rank, PeerResult) | ("error", worker, message)
     queue: Any
     start: Any  # set when training starts; t0 then holds its time.time()
     stop: Any  # set when every peer is done (or the run is given up): report and close
