@@ -37,7 +37,7 @@ TUNED_ADAMW_LR = {"charlm": 3e-3}
 
 
 def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor: Optional[str],
-                 transport: Optional[str], processes: bool, bandwidth: Optional[str], latency_ms: float,
+                 transport: Optional[str], processes: int, bandwidth: Optional[str], latency_ms: float,
                  loss: float, churn: Optional[str], seed: int, opt: List[str], lr: Optional[float],
                  task_opt: List[str], eval_every: int, baseline: str,
                  extra: Optional[dict[str, Any]] = None) -> tuple[Any, Any]:
@@ -204,7 +204,9 @@ def simulate(
     compressor: Optional[str] = typer.Option(None, "--compressor", help="Compressor spec, e.g. topk:0.01+int8."),
     transport: Optional[str] = typer.Option(
         None, "--transport", help="inproc, ipc or tcp (default inproc; tcp with --processes)."),
-    processes: bool = typer.Option(False, "--processes", help="One OS process per peer (tcp on loopback)."),
+    processes: int = typer.Option(
+        0, "--processes", metavar="P",
+        help="Spread the peers over P OS processes, round-robin by rank (tcp on loopback; 0: threads of this one)."),
     bandwidth: Optional[str] = typer.Option(
         None, "--bandwidth", help="Per-link bandwidth, e.g. 100mbit, 10Mbps, 1gbit."),
     latency_ms: float = typer.Option(0.0, "--latency", help="One-way latency per link, in ms."),

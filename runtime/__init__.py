@@ -1,7 +1,7 @@
 """starling.runtime: running a training job.
 
 `TrainSpec` and `Trainer` run one peer (`starling node start`); the simulator runs many
-(`Simulation(SimConfig(...)).run()`), in threads or one process per peer, with churn and
+(`Simulation(SimConfig(...)).run()`), in threads or spread over worker processes, with churn and
 emulated links, and sums the run up.
 """
 from __future__ import annotations

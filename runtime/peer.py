@@ -14,7 +14,7 @@ from starling.node import Node, NodeConfig, TransportConfig
 from starling.node.identity import Identity
 from starling.protocols import Protocol
 from starling.runtime.links import LinkEmulator
-from starling.runtime.simconfig import SimConfig, seeded_identity, sim_liveness
+from starling.runtime.simconfig import SimConfig, SimError, seeded_identity, sim_liveness, wait_for
 from starling.runtime.summary import PeerResult, json_data, sent_by_topic
 from starling.runtime.trainer import CheckpointConfig, Trainer, TrainSpec
 from starling.tasks import Task
@@ -77,6 +77,24 @@ class SimPeer:
         self.proto = self.trainer.create_protocol()
         if self.config.resume and self.trainer.resume() is not None:
             self.step = self.proto.step_count
+
+    def join_swarm(self, addresses: list[str], expected: set[str]) -> bool:
+        """A joiner's way in: greet the live peers at `addresses`, wait (briefly) until it sees
+        the peers `expected` (their ids), then fetch the training state. False, with the result
+        marked failed, if it could not join."""
+        try:
+            self.start(addresses)
+            try:
+                wait_for(lambda: expected <= set(self.node.live_peers()), 5.0, "the joiner to see the swarm")
+            except SimError:
+                log.warning("joiner %d sees only part of the swarm; going on", self.rank)
+            self.create_protocol()
+            self.fetch_state()
+        except Exception as exc:
+            log.exception("peer %d could not join", self.rank)
+            self.result.status, self.result.error = "failed", f"{type(exc).__name__}: {exc}"
+            return False
+        return True
 
     def fetch_state(self) -> None:
         """A joiner's catch-up: the protocol state of some live peer, at that peer's step."""

@@ -2,7 +2,8 @@
 
 Every simulated peer is a real `Node` with real sockets and a real protocol. By default all
 peers share one process (the process's one network thread, one training thread per peer);
-with `processes=True` each peer is its own OS process, over tcp on loopback. Every node's
+with `processes=P` they are spread over P worker processes that each run their peers the same
+way, over tcp (or ipc) on loopback (see `sim_processes.py`). Every node's
 outgoing links go through a `LinkEmulator` (bandwidth, latency, loss); churn (see
 `runtime.churn`) crashes, stops and adds peers at given steps.
 
@@ -44,15 +45,16 @@ class Simulation:
     def run(self) -> SimResult:
         check_config(self.config)
         self.config = self.config.sized_for_swarm()
-        if not self.config.processes:
-            # every peer that will ever run lives in this process: fit them, or refuse now
-            try:
-                capacity = plan_capacity(self.config.world, self.config.world, self.config.transport,
-                                         monitors=self.config.transport != "inproc",
-                                         max_dealers=self.config.max_dealers)
-            except CapacityError as exc:
-                raise SimError(str(exc)) from None
-            self.config = replace(self.config, max_dealers=capacity.max_dealers)
+        # Every process holds its share of the peers that will ever run (all of them, without
+        # workers): fit them, or refuse before any node starts. A worker's descriptor limit
+        # is this process's (it inherits the raised soft limit).
+        try:
+            capacity = plan_capacity(self.config.peers_per_process(), self.config.world, self.config.transport,
+                                     monitors=self.config.transport != "inproc",
+                                     max_dealers=self.config.max_dealers, processes_hint=self.config.processes)
+        except CapacityError as exc:
+            raise SimError(str(exc)) from None
+        self.config = replace(self.config, max_dealers=capacity.max_dealers)
         if self.config.processes:
             peers, t0 = run_processes(self.config, self.progress)
         else:
@@ -116,21 +118,11 @@ class Simulation:
                 peer.close()
             torch.set_num_threads(threads_before)
 
-    def _join(self, joiner: SimPeer, live: list[SimPeer], t0: float) -> None:
-        try:
-            joiner.start([p.node.address for p in live])
-            expected = {p.node.peer_id for p in live if p.result.status == "running"}
-            try:
-                wait_for(lambda: expected <= set(joiner.node.live_peers()), 5.0, "the joiner to see the swarm")
-            except SimError:
-                log.warning("joiner %d sees only part of the swarm; going on", joiner.rank)
-            joiner.create_protocol()
-            joiner.fetch_state()
-        except Exception as exc:
-            log.exception("peer %d could not join", joiner.rank)
-            joiner.result.status, joiner.result.error = "failed", f"{type(exc).__name__}: {exc}"
-            return
-        joiner.train(t0)
+    @staticmethod
+    def _join(joiner: SimPeer, live: list[SimPeer], t0: float) -> None:
+        expected = {p.node.peer_id for p in live if p.result.status == "running"}
+        if joiner.join_swarm([p.node.address for p in live], expected):
+            joiner.train(t0)
 
 
 def _no_fault(peers: list[SimPeer]) -> bool:

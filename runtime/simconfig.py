@@ -56,7 +56,9 @@ class SimConfig:
     steps: int = 100
     compressor: str | None = None  # passed to the protocol as its `compressor` option
     transport: str = "inproc"
-    processes: bool = False  # one OS process per peer (needs tcp or ipc)
+    # 0: every peer is a thread of this process; P >= 1: the peers are dealt round-robin to P
+    # worker processes (needs tcp or ipc). True (the old flag) means one process per peer.
+    processes: int = 0
     link: LinkModel = field(default_factory=LinkModel)
     churn: tuple[ChurnEvent, ...] = ()
     seed: int = 0
@@ -64,7 +66,9 @@ class SimConfig:
     task_options: Mapping[str, Any] = field(default_factory=dict)
     eval_every: int = 0  # peer 0 evaluates every this many steps (0: only at the end)
     liveness: Liveness | None = None  # None: sim_liveness(), sized to the swarm (see sized_for_swarm)
-    ready_timeout_s: float = 60.0  # for the swarm to form, and for a joiner to fetch state
+    # For the swarm to form (with processes: the longest a start-up stage may go without news,
+    # so a big swarm that keeps forming is not cut off), and for a joiner to fetch state.
+    ready_timeout_s: float = 60.0
     # A send to a crashed peer holds that peer's socket (and, behind it, this node's heartbeats)
     # until it times out; keep that below the suspect timeout so one crash does not look like two.
     send_timeout_s: float = 1.0
@@ -90,6 +94,11 @@ class SimConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if isinstance(self.processes, bool):  # bool is an int: check it first
+            object.__setattr__(self, "processes", self.peers if self.processes else 0)
+        if not isinstance(self.processes, int) or not 0 <= self.processes <= self.peers:
+            raise ValueError(f"processes must be a whole number from 0 (threads in this process) to peers "
+                             f"({self.peers}), got {self.processes!r}")
         if self.processes and self.transport == "inproc":
             raise ValueError("processes need the tcp or ipc transport (inproc works within one process)")
         if self.max_dealers is not None and self.max_dealers < 1:
@@ -109,8 +118,9 @@ class SimConfig:
         return Placement.parse(self.device, self.dtype, self.autocast, self.state_device)
 
     def peers_per_process(self) -> int:
-        """The most peers one process holds: all of them, or one per process."""
-        return 1 if self.processes else self.world
+        """The most peers one process holds: all of them, or their share of P workers (joiners
+        go to the least loaded one)."""
+        return -(-self.world // self.processes) if self.processes else self.world
 
     def sized_for_swarm(self) -> SimConfig:
         """This config with what depends on the swarm's size filled in: the liveness (unless

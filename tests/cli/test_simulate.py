@@ -126,7 +126,11 @@ def test_json_run_writes_nothing_unless_asked():
     (["--opt", "bogus=1"], "bogus"),
     (["--task-opt", "dim=many"], "dim"),
     (["--transport", "udp"], "transport"),
-    (["--processes", "--transport", "inproc"], "processes"),
+    (["--processes", "2", "--transport", "inproc"], "processes"),
+    (["--processes", "-1"], "processes must be a whole number from 0"),
+    (["--processes", "3"], "processes must be a whole number from 0 (threads in this process) to peers (2), got 3"),
+    (["--processes", "two"], "Invalid value for '--processes'"),
+    (["--processes"], "--processes"),  # it takes a count now
     (["--device", "tpu"], "unknown device 'tpu'; choose cpu | cuda | cuda:N | mps | auto"),
     (["--dtype", "int8"], "choose float32, bfloat16 or float16"),
     (["--autocast", "fp16"], "loss scaling"),
