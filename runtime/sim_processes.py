@@ -152,6 +152,9 @@ class _Worker:
         needed = len(peers) * (self.config.peers - 1)
         best, moved, told = -1, time.monotonic(), 0.0
         while True:
+            for peer in peers:
+                if peer.node.fault is not None:
+                    raise SimError(f"peer {peer.rank}'s node stopped: {peer.node.fault}")
             seen = sum(min(len(p.node.live_peers()), self.config.peers - 1) for p in peers)
             if seen >= needed:
                 return True
