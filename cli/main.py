@@ -7,6 +7,8 @@ non-zero exit, never a traceback (`starling.cli.shared.fail`).
 """
 from __future__ import annotations
 
+import gc
+
 import typer
 
 from starling.cli import keys, node, plot, protocols, simulate, watch
@@ -44,7 +46,13 @@ app.command("protocols", epilog=_epilog("protocols"))(protocols.protocols_cmd)
 app.command(epilog=_epilog("plot"))(plot.plot)
 
 def main() -> None:
-    app()
+    try:
+        app()
+    finally:
+        # The interpreter's last garbage collection walks every object a training run left
+        # (1 s for a small model; 30 s and more on a loaded box, where a swarm that finished
+        # together looked hung). Everything that must be flushed is closed by now: skip it.
+        gc.freeze()
 
 
 if __name__ == "__main__":
