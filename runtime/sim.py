@@ -30,6 +30,7 @@ from starling.runtime.peer import SimPeer
 from starling.runtime.sim_processes import ProgressFn, run_processes
 from starling.runtime.simconfig import SimConfig, SimError, check_config, endpoint_for, wait_for
 from starling.runtime.summary import PeerResult, SimResult, summarize
+from starling.runtime.trainer import prepare_to_train
 from starling.tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class Simulation:
 
     def run(self) -> SimResult:
         check_config(self.config)
+        prepare_to_train()  # torch's one-time lazy imports, once, not inside the first peer's start
         self.config = self.config.sized_for_swarm()
         # Every process holds its share of the peers that will ever run (all of them, without
         # workers): fit them, or refuse before any node starts. A worker's descriptor limit

@@ -45,6 +45,7 @@ import torch
 from starling.runtime.peer import SimPeer
 from starling.runtime.simconfig import SimConfig, SimError, endpoint_for
 from starling.runtime.summary import PeerResult
+from starling.runtime.trainer import prepare_to_train
 from starling.tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ def _worker_main(config: SimConfig, index: int, ranks: list[int], inbox: Any, li
                  log_level: int) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
+    prepare_to_train()
     worker = _Worker(config, index, inbox, link, ipc_dir)
     try:
         worker.run(ranks)
