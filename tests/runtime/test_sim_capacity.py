@@ -105,7 +105,7 @@ def test_a_node_whose_socket_fails_stops_and_its_peers_see_it_go():
     out = result.stdout
     assert "third refused:" in out and "Too many open files" in out, out + result.stderr
     assert "seed fault: cannot open a socket to" in out and "closed: True" in out, out
-    assert f"NodeFault: node " in out and "stopped: cannot open a socket" in out
+    assert "NodeFault: node " in out and "stopped: cannot open a socket" in out
     assert "second sees the seed: suspect" in out or "second sees the seed: dead" in out, out
     assert "second fine" in out and "this node stops" in result.stderr  # logged at ERROR
 
