@@ -255,6 +255,9 @@ class PendingRequests:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         sending = asyncio.ensure_future(send(rid))
+        # A send still waiting when this request ends (cancelled, timed out, answered) may
+        # fail later, to nobody: its failure is read here, not logged as never retrieved.
+        sending.add_done_callback(_read_outcome)
         try:
             # A send can wait on a peer that crashed (no connection to hand the message to);
             # if the peer is declared dead meanwhile, `fut` fails and the request ends now.
@@ -311,3 +314,8 @@ class PendingRequests:
             if not fut.done():
                 fut.set_exception(exc)
         self._pending.clear()
+
+
+def _read_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

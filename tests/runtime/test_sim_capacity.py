@@ -130,3 +130,28 @@ def test_a_socket_failure_ends_the_run_with_an_error_not_a_hang():
     assert "SimError: peer " in out and "node stopped: cannot open a socket" in out, out + result.stderr
     assert "Too many open files" in out
     assert float(out.split("seconds:")[1]) < 60
+
+
+def test_membership_traffic_per_process_is_bounded_by_the_sized_liveness():
+    from starling.node.membership import Liveness
+    from starling.runtime.simconfig import DIGEST_ENTRIES_PER_S, SIM_LIVENESS, SimConfig, sim_liveness
+
+    assert sim_liveness(4, 4) == SIM_LIVENESS and sim_liveness(64, 64) == SIM_LIVENESS
+    for local, swarm in ((128, 128), (512, 512), (1024, 1024), (256, 1024)):
+        lv = sim_liveness(local, swarm)
+        assert local * lv.fanout * swarm / lv.heartbeat_interval_s <= DIGEST_ENTRIES_PER_S * 1.0001
+        assert (lv.suspect_timeout_s, lv.dead_timeout_s) == (6 * lv.heartbeat_interval_s, 12 * lv.heartbeat_interval_s)
+    assert sim_liveness(256, 1024).heartbeat_interval_s == sim_liveness(1024, 1024).heartbeat_interval_s / 4
+    sized = SimConfig(peers=1024, task="quadratic", protocol="gossip", processes=4, transport="tcp").sized_for_swarm()
+    assert sized.liveness == sim_liveness(256, 1024) and sized.ready_timeout_s >= 10 * sized.liveness.heartbeat_interval_s
+    mine = Liveness(0.5, 2.0, 4.0)
+    assert SimConfig(peers=1024, liveness=mine).sized_for_swarm().liveness is mine
+
+
+def test_the_summary_names_the_socket_cap_and_heartbeat_the_run_used():
+    from starling.runtime import SimConfig, Simulation
+
+    summary = Simulation(SimConfig(peers=3, protocol="gossip", task="quadratic", steps=2)).run().summary
+    assert summary["max_dealers"] == 64 and summary["heartbeat_s"] == 0.25
+    capped = Simulation(SimConfig(peers=3, protocol="gossip", task="quadratic", steps=2, max_dealers=1)).run()
+    assert capped.summary["max_dealers"] == 1 and all(p.status == "finished" for p in capped.peers)
