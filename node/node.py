@@ -269,7 +269,12 @@ class Node:
         return None if info is None else info.status
 
     def live_peers(self) -> list[str]:
-        return sorted(p.id for p in self.peers if p.status in (PeerStatus.ALIVE, PeerStatus.SUSPECT))
+        """The ids of peers alive or suspect, sorted (read on the network thread, without the
+        full views `peers` builds: a simulator polls this for each of hundreds of nodes)."""
+        return self._call(self._live_ids())
+
+    async def _live_ids(self) -> list[str]:
+        return sorted(p.peer_id for p in self._table.live())
 
     async def _snapshot(self) -> list[PeerView]:
         return self._table.views(time.monotonic())

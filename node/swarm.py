@@ -423,7 +423,15 @@ class Swarm:
                 live.append(p)
         if len(live) <= lv.fanout:
             return targets + [(p.peer_id, False) for p in live]
-        chosen = self._rng.sample(live, lv.fanout)
+        # Past the socket cap, a ping to a peer whose DEALER is closed opens one and closes
+        # another: most intervals ping peers we hold a socket to (every beat we heard rides
+        # along, so whom we ping matters little to how fast beats spread), one in four any peer.
+        transport = self.node._transport
+        pool = live
+        if transport is not None and len(live) > transport.config.max_open_dealers and self._rng.random() < 0.75:
+            held = [p for p in live if transport.is_open(p.peer_id)]
+            pool = held if len(held) >= lv.fanout else live
+        chosen = self._rng.sample(pool, lv.fanout)
         picked = {p.peer_id for p in chosen}
         stale = now - lv.suspect_timeout_s / 2
         probes = sorted((p for p in live if p.last_seen < stale and p.peer_id not in picked),

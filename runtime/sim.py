@@ -26,7 +26,7 @@ import torch
 
 from starling.node import JoinError
 from starling.runtime.capacity import CapacityError, plan_capacity
-from starling.runtime.peer import SimPeer
+from starling.runtime.peer import SimPeer, start_together
 from starling.runtime.sim_processes import ProgressFn, run_processes
 from starling.runtime.simconfig import SimConfig, SimError, check_config, endpoint_for, wait_for
 from starling.runtime.summary import PeerResult, SimResult, summarize
@@ -84,14 +84,16 @@ class Simulation:
         threads: list[threading.Thread] = []
         try:
             address = peers[0].start([])
-            for peer in peers[1:]:
-                try:
-                    peer.start([address])
-                except (JoinError, OSError) as exc:
-                    _no_fault(peers)  # the failure behind it, if a node stopped on one
-                    raise SimError(f"peer {peer.rank} could not join: {exc}") from None
+            try:
+                start_together(peers[1:], [address])
+            except (JoinError, OSError) as exc:
+                _no_fault(peers)  # the failure behind it, if a node stopped on one
+                raise SimError(f"a peer could not join: {exc}") from None
+            # polled every 0.02 s for a few peers, less often for many (each poll asks every
+            # node, on the network thread the swarm is forming on)
             wait_for(lambda: _no_fault(peers) and all(len(p.node.live_peers()) == config.peers - 1 for p in peers),
-                     config.ready_timeout_s, f"{config.peers} peers to see each other")
+                     config.ready_timeout_s, f"{config.peers} peers to see each other",
+                     interval_s=max(0.02, config.peers / 1000))
             for peer in peers:
                 peer.create_protocol()
             t0 = time.time()

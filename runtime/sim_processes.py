@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from starling.runtime.peer import SimPeer
+from starling.runtime.peer import SimPeer, start_together
 from starling.runtime.simconfig import SimConfig, SimError, endpoint_for
 from starling.runtime.summary import PeerResult
 from starling.runtime.trainer import prepare_to_train
@@ -134,10 +134,10 @@ class _Worker:
         if message is None:
             return False
         first = message[1]
-        for peer in peers:
-            if peer.rank != 0:
-                peer.start([first])
-                self._announce(peer)
+        others = [peer for peer in peers if peer.rank != 0]
+        start_together(others, [first])
+        for peer in others:
+            self._announce(peer)
         if not self._wait_until_peers_see_each_other(peers):
             return False
         for peer in peers:
@@ -171,7 +171,7 @@ class _Worker:
                                f"of the swarm, and none more for {self.config.ready_timeout_s:g} s")
             if self._given_up():
                 return False
-            time.sleep(_POLL_S)
+            time.sleep(max(_POLL_S, len(peers) / 1000))  # each poll asks every peer of this worker
 
     def _serve(self, t0: float) -> None:
         """Until the parent says stop: launch joiners, pass on progress, report ended peers."""
