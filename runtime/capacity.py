@@ -12,7 +12,9 @@ used idle one closes). Measured with /proc/self/fd (12 nodes that all see each o
 
 So a node needs `1 + L + D * (1 + 2M + 2C)` descriptors, with D open DEALERs, L = C = 1 over
 tcp or ipc (0 over inproc) and M = 1 with monitors; and `1 + D * (1 + 2M)` of the process's
-ZeroMQ sockets (`node.loop.MAX_SOCKETS_PER_PROCESS`).
+ZeroMQ sockets (`node.loop.MAX_SOCKETS_PER_PROCESS`). Over tcp or ipc a process also keeps one
+descriptor per peer of the swarm in reserve: connections into a node are not capped, and the
+seed every peer joins through holds one from each.
 
 `plan_capacity` raises the soft RLIMIT_NOFILE to the hard limit, picks the DEALER cap (the
 one asked for, or the largest up to 64 that fits), and refuses with one line, saying what
@@ -98,6 +100,12 @@ def plan_capacity(peers_per_process: int, swarm: int, transport: str, monitors: 
     DEFAULT_MAX_DEALERS that fits, and no lower than MIN_MAX_DEALERS."""
     limit = raise_fd_limit()
     room = limit - max(RESERVED_FDS, open_fds() + 64)
+    if transport != "inproc":
+        # Connections into a node are not capped: every peer joins through rank 0 and keeps
+        # a socket to it, so the process that holds rank 0 holds up to one more end per peer
+        # (a 1024-peer run over 4 processes ran that process out of descriptors, and libzmq
+        # aborts when it cannot open one for a connection).
+        room -= swarm
     useful = max(1, swarm - 1)  # a node never holds more DEALERs than it has peers
 
     def fits(dealers: int) -> bool:
