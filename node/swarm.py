@@ -161,7 +161,12 @@ class Swarm:
             node.swarm_config = {**(node.swarm_config or {}), **config}
         responder = self.record_from(body.get("record"))
         self.learn(responder)
-        for raw in body["peers"]:
+        # In a random order: a node opens sockets to the first peers it learns (up to its
+        # cap), and in the table's order every joiner of a big swarm connected to the same
+        # oldest peers, whose processes then held a connection from every peer.
+        peers = list(body["peers"])
+        self._rng.shuffle(peers)
+        for raw in peers:
             try:
                 self.learn(self.record_from(raw))
             except WireError as exc:
