@@ -51,11 +51,6 @@ class Capacity:
     fd_limit: int  # this process's soft RLIMIT_NOFILE after raising it
     peers_per_process: int
 
-    def describe(self) -> dict[str, int]:
-        return {"max_dealers": self.max_dealers, "fds_per_peer": self.fds_per_peer,
-                "sockets_per_peer": self.sockets_per_peer, "fd_limit": self.fd_limit,
-                "peers_per_process": self.peers_per_process}
-
 
 def fds_per_peer(dealers: int, transport: str, monitors: bool) -> int:
     wired = transport != "inproc"

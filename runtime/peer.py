@@ -189,3 +189,11 @@ def start_together(peers: list[SimPeer], join: list[str]) -> None:
         futures = [pool.submit(peer.start, join) for peer in peers]
         for future in futures:
             future.result()
+
+
+def raise_if_faulted(peers: list[SimPeer]) -> bool:
+    """True, or SimError naming the first peer whose node stopped on a socket failure."""
+    for peer in peers:
+        if peer.node.fault is not None:
+            raise SimError(f"peer {peer.rank}'s node stopped: {peer.node.fault}")
+    return True

@@ -26,7 +26,7 @@ import torch
 
 from starling.node import JoinError
 from starling.runtime.capacity import CapacityError, plan_capacity
-from starling.runtime.peer import SimPeer, start_together
+from starling.runtime.peer import SimPeer, raise_if_faulted, start_together
 from starling.runtime.sim_processes import ProgressFn, run_processes
 from starling.runtime.simconfig import SimConfig, SimError, check_config, endpoint_for, wait_for
 from starling.runtime.summary import PeerResult, SimResult, summarize
@@ -87,11 +87,12 @@ class Simulation:
             try:
                 start_together(peers[1:], [address])
             except (JoinError, OSError) as exc:
-                _no_fault(peers)  # the failure behind it, if a node stopped on one
+                raise_if_faulted(peers)  # the failure behind it, if a node stopped on one
                 raise SimError(f"a peer could not join: {exc}") from None
             # polled every 0.02 s for a few peers, less often for many (each poll asks every
             # node, on the network thread the swarm is forming on)
-            wait_for(lambda: _no_fault(peers) and all(len(p.node.live_peers()) == config.peers - 1 for p in peers),
+            wait_for(lambda: raise_if_faulted(peers)
+                     and all(len(p.node.live_peers()) == config.peers - 1 for p in peers),
                      config.ready_timeout_s, f"{config.peers} peers to see each other",
                      interval_s=max(0.02, config.peers / 1000))
             for peer in peers:
@@ -127,11 +128,3 @@ class Simulation:
         expected = {p.node.peer_id for p in live if p.result.status == "running"}
         if joiner.join_swarm([p.node.address for p in live], expected):
             joiner.train(t0)
-
-
-def _no_fault(peers: list[SimPeer]) -> bool:
-    """True, or SimError naming the first peer whose node stopped on a socket failure."""
-    for peer in peers:
-        if peer.node.fault is not None:
-            raise SimError(f"peer {peer.rank}'s node stopped: {peer.node.fault}")
-    return True

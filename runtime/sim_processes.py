@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from starling.runtime.peer import SimPeer, start_together
+from starling.runtime.peer import SimPeer, raise_if_faulted, start_together
 from starling.runtime.simconfig import SimConfig, SimError, endpoint_for
 from starling.runtime.summary import PeerResult
 from starling.runtime.trainer import prepare_to_train
@@ -154,9 +154,7 @@ class _Worker:
         needed = len(peers) * (self.config.peers - 1)
         best, moved, told = -1, time.monotonic(), 0.0
         while True:
-            for peer in peers:
-                if peer.node.fault is not None:
-                    raise SimError(f"peer {peer.rank}'s node stopped: {peer.node.fault}")
+            raise_if_faulted(peers)
             seen = sum(min(len(p.node.live_peers()), self.config.peers - 1) for p in peers)
             if seen >= needed:
                 return True
