@@ -252,6 +252,12 @@ class Node:
         """`callback(change)` runs on the network thread whenever a peer's status changes."""
         self._swarm.listeners.append(callback)
 
+    def sync_peers(self, peer: str) -> concurrent.futures.Future[int]:
+        """Learn the peer table of `peer`, a member (anti-entropy: the peers that joined
+        elsewhere, or through the same seed at the same time). The future gives how many
+        records were news."""
+        return self._net.submit(self._swarm.sync(peer))
+
     def set_meta(self, **meta: Any) -> None:
         """Metadata (e.g. the protocol round) carried to every peer in heartbeats."""
         # A new dict, swapped in whole: the network thread may be packing the old one into a ping.

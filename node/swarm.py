@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 
 HELLO, ANNOUNCE, PING, LEAVE = "$hello", "$announce", "$ping", "$leave"
 WANT = "$want"  # asks a member for records it gossiped that we lack; answered with ANNOUNCE
+# A member asks another for its whole table (anti-entropy, as memberlist's push-pull): peers
+# that joined through one seed at the same time learn each other in one round trip, not over
+# the many heartbeat intervals their digests take to spread in a big swarm.
+SYNC = "$sync"
 MAX_WANT = 256
 MAX_ANNOUNCE = 256
 MAX_REFUSED = 1024  # refused records remembered, so that beats naming them are not asked about
@@ -99,6 +103,7 @@ class Swarm:
         """Serve the membership topics on the node's dispatcher."""
         dispatch = self.node._dispatch
         dispatch.on_internal_request(HELLO, self.on_hello, public=True)  # a joiner is not a member yet
+        dispatch.on_internal_request(SYNC, self.on_sync)
         for topic, handler in ((PING, self.on_ping), (WANT, self.on_want), (LEAVE, self.on_leave),
                                (ANNOUNCE, self.on_announce)):
             dispatch.on_internal_message(topic, handler)
@@ -210,6 +215,26 @@ class Swarm:
         peers = [p.record.to_wire() for p in node._table.live() if p.peer_id != record.peer_id] if body[2] else []
         return {"record": node.record.to_wire(), "config": node.swarm_config, "peers": peers}
 
+    def on_sync(self, inbound: Inbound, body: Any) -> dict[str, Any]:
+        """A member asks for our table: the records of every peer alive to us."""
+        if body is not None:
+            raise WireError(RejectReason.BAD_FIELD, "sync body must be empty", field="body")
+        return {"peers": [p.record.to_wire() for p in self.node._table.live()]}
+
+    async def sync(self, peer_id: str) -> int:
+        """Learn the table of `peer_id` (a member): the number of records that were news."""
+        reply = await self.node.arequest(peer_id, SYNC)
+        body = reply.body
+        if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
+            raise WireError(RejectReason.BAD_FIELD, "malformed sync reply", field="body")
+        learned = 0
+        for raw in body["peers"]:
+            try:
+                learned += self.learn(self.record_from(raw))
+            except WireError as exc:
+                self.node.stats.count_rejected(exc.reason.value)
+        return learned
+
     def on_announce(self, msg: Message) -> None:
         if not isinstance(msg.body, list) or len(msg.body) > MAX_ANNOUNCE:
             raise WireError(RejectReason.BAD_FIELD, "announce body must be a list of records", field="body")
@@ -255,10 +280,12 @@ class Swarm:
         The one way into the peer table: a record the allowlist refuses never gets there."""
         self._check_allowed(record)
         node = self.node
+        before = node._table.get(record.peer_id)
+        held = None if before is None else before.record
         change = node._table.upsert(record, time.monotonic())
         known = node._table.get(record.peer_id)
-        if known is None or known.record is not record:
-            return False
+        if known is None or known.record is not record or held is record:
+            return False  # refused, older, or the record we hold already (its socket stays)
         transport = node._transport
         assert transport is not None
         if transport.has(record.peer_id):

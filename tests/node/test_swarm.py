@@ -7,12 +7,15 @@ import time
 
 import pytest
 import torch
-from conftest import DEATH_SEEN_WITHIN_S, TEST_LIVENESS, statuses, wait_until
+from conftest import DEATH_SEEN_WITHIN_S, TEST_LIVENESS, raw_dealer, statuses, wait_until
 
+from starling.node import BadRequestError
+from starling.node.identity import Identity
 from starling.node.membership import Liveness
 from starling.node.node import NodeConfig, SwarmConfigError, UnknownPeerError
 from starling.node.rpc import RemoteError, Reply, RequestTimeout
 from starling.node.transport import TransportConfig
+from starling.node.wire import encode
 
 TRANSPORTS = ["tcp", "ipc", "inproc"]
 
@@ -356,3 +359,49 @@ def test_status_client_reads_a_node(make_node):
     assert status["id"] == a.peer_id
     assert [p["id"] for p in status["peers"]] == [b.peer_id]
     assert status["peers"][0]["status"] in ("alive", "suspect")  # suspect only on a starved CPU
+
+
+QUIET = NodeConfig(liveness=Liveness(heartbeat_interval_s=30.0, suspect_timeout_s=60.0, dead_timeout_s=120.0),
+                   request_timeout_s=5.0)  # no beat, so no digest, spreads a record during the test
+
+
+def test_a_table_pull_teaches_a_member_the_peers_it_missed_in_one_round_trip(make_node):
+    a = make_node("inproc", config=QUIET)
+    b = make_node("inproc", join=[a.address], config=QUIET)
+    c = make_node("inproc", join=[a.address], config=QUIET)
+    assert wait_until(lambda: c.peer_id in b.live_peers())
+
+    async def forget_c() -> None:  # as if A's announce of C never reached B
+        del b._table._peers[c.peer_id]
+        b._transport.disconnect(c.peer_id)
+
+    b.run(forget_c())
+    assert b.sync_peers(a.peer_id).result(10) == 1  # C's record, and nothing else, was news
+    assert statuses(b) == {a.peer_id: "alive", c.peer_id: "alive"}
+    b.request(c.peer_id, "$status", None)
+    # pulling again learns nothing, and keeps the sockets it has (no reconnect per known record)
+    opened = b.run(_dealers_opened(b))
+    assert b.sync_peers(a.peer_id).result(10) == 0
+    assert b.run(_dealers_opened(b)) == opened
+
+
+@pytest.mark.parametrize("body", [{"x": 1}, [], "all"])
+def test_a_malformed_table_pull_is_refused_counted_and_changes_nothing(make_node, body):
+    a = make_node("inproc", config=QUIET)
+    b = make_node("inproc", join=[a.address], config=QUIET)
+    assert wait_until(lambda: b.peer_id in a.live_peers())
+    with pytest.raises(BadRequestError):
+        b.request(a.peer_id, "$sync", body)
+    assert a.stats.snapshot()["rejected"]["bad_field"] == 1
+    assert statuses(a) == {b.peer_id: "alive"}
+
+
+def test_a_stranger_cannot_pull_the_table(make_node):
+    a = make_node("tcp", config=QUIET)
+    make_node("tcp", join=[a.address], config=QUIET)
+    outsider = Identity.generate()
+    sock = raw_dealer(a.address, outsider)
+    sock.send_multipart(encode("$req", outsider.peer_id, 0, ["$sync", 1, None]))
+    assert wait_until(lambda: a.stats.snapshot()["rejected"].get("unknown_peer") == 1)
+    assert not sock.poll(300)  # no table came back
+    sock.close()
