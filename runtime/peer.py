@@ -191,6 +191,26 @@ def start_together(peers: list[SimPeer], join: list[str]) -> None:
             future.result()
 
 
+SYNCS_IN_FLIGHT = 32  # table pulls at once: each answer is the whole table (~0.3 KB a peer)
+
+
+def sync_with_seed(peers: list[SimPeer], seed_id: str, world: int) -> int:
+    """One anti-entropy pass: each of `peers` that does not yet see all `world` peers learns
+    the seed's table (the seed heard every joiner's hello). Peers that joined at the same
+    time learn each other here in one round trip; left to the ids in heartbeat digests, a
+    swarm of a thousand took many heartbeat intervals (stretched to minutes at that size) to
+    form. A pull that fails is left to the digests. Returns how many peers pulled."""
+    behind = [p for p in peers if p.node.peer_id != seed_id and len(p.node.live_peers()) < world - 1]
+    for start in range(0, len(behind), SYNCS_IN_FLIGHT):
+        futures = [p.node.sync_peers(seed_id) for p in behind[start:start + SYNCS_IN_FLIGHT]]
+        for future in futures:
+            try:
+                future.result()
+            except Exception as exc:
+                log.debug("table pull from the seed failed: %r", exc)
+    return len(behind)
+
+
 def raise_if_faulted(peers: list[SimPeer]) -> bool:
     """True, or SimError naming the first peer whose node stopped on a socket failure."""
     for peer in peers:

@@ -26,7 +26,7 @@ import torch
 
 from starling.node import JoinError
 from starling.runtime.capacity import CapacityError, plan_capacity
-from starling.runtime.peer import SimPeer, raise_if_faulted, start_together
+from starling.runtime.peer import SimPeer, raise_if_faulted, start_together, sync_with_seed
 from starling.runtime.sim_processes import ProgressFn, run_processes
 from starling.runtime.simconfig import SimConfig, SimError, check_config, endpoint_for, wait_for
 from starling.runtime.summary import PeerResult, SimResult, summarize
@@ -89,6 +89,7 @@ class Simulation:
             except (JoinError, OSError) as exc:
                 raise_if_faulted(peers)  # the failure behind it, if a node stopped on one
                 raise SimError(f"a peer could not join: {exc}") from None
+            sync_with_seed(peers, peers[0].node.peer_id, config.peers)
             # polled every 0.02 s for a few peers, less often for many (each poll asks every
             # node, on the network thread the swarm is forming on)
             wait_for(lambda: raise_if_faulted(peers)

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from starling.runtime.peer import SimPeer, raise_if_faulted, start_together
+from starling.runtime.peer import SimPeer, raise_if_faulted, start_together, sync_with_seed
 from starling.runtime.simconfig import SimConfig, SimError, endpoint_for
 from starling.runtime.summary import PeerResult
 from starling.runtime.trainer import prepare_to_train
@@ -133,12 +133,12 @@ class _Worker:
         message = self._next_message(self.config.ready_timeout_s, "rank 0's address")
         if message is None:
             return False
-        first = message[1]
+        first, seed_id = message[1], message[2]
         others = [peer for peer in peers if peer.rank != 0]
         start_together(others, [first])
         for peer in others:
             self._announce(peer)
-        if not self._wait_until_peers_see_each_other(peers):
+        if not self._wait_until_peers_see_each_other(peers, seed_id):
             return False
         for peer in peers:
             peer.create_protocol()
@@ -148,11 +148,15 @@ class _Worker:
                 return False
         return True
 
-    def _wait_until_peers_see_each_other(self, peers: list[SimPeer]) -> bool:
+    def _wait_until_peers_see_each_other(self, peers: list[SimPeer], seed_id: str) -> bool:
         """Wait until each of `peers` sees every other peer of the swarm, telling the parent
-        while that count grows; SimError once it has not grown for ready_timeout_s."""
+        while that count grows; SimError once it has not grown for ready_timeout_s. Peers
+        still short pull rank 0's table now and then: the other workers join while this one
+        waits, and the seed hears every hello."""
         needed = len(peers) * (self.config.peers - 1)
         best, moved, told = -1, time.monotonic(), 0.0
+        pull_every_s = max(1.0, self.config.peers / 256)
+        pulled = -pull_every_s
         while True:
             raise_if_faulted(peers)
             seen = sum(min(len(p.node.live_peers()), self.config.peers - 1) for p in peers)
@@ -169,6 +173,9 @@ class _Worker:
                                f"of the swarm, and none more for {self.config.ready_timeout_s:g} s")
             if self._given_up():
                 return False
+            if now - pulled > pull_every_s:
+                sync_with_seed(peers, seed_id, self.config.peers)
+                pulled = time.monotonic()
             time.sleep(max(_POLL_S, len(peers) / 1000))  # each poll asks every peer of this worker
 
     def _serve(self, t0: float) -> None:
@@ -269,7 +276,7 @@ class _Parent:
             log.info("rank 0 listens after %.1f s; %d workers now start their peers", time.monotonic() - began,
                      len(self.workers))
             for inbox in self.inboxes:
-                inbox.put(("swarm", self.addresses[0][0]))
+                inbox.put(("swarm", *self.addresses[0]))
             self._until(lambda: self.ready == config.peers, "the peer processes to form a swarm")
             log.info("%d peers in %d processes formed a swarm in %.1f s", config.peers, len(self.workers),
                      time.monotonic() - began)
