@@ -358,7 +358,17 @@ class Node:
             "peers": [{**p.summary(), "last_seen_s": round(now - p.last_seen, 3)} for p in self._table.all()],
             "stats": self.stats.snapshot(),
             "zap_denied": self.zap_denied,
+            "sockets": self._socket_counts(),
         }
+
+    def _socket_counts(self) -> dict[str, int]:
+        """Open DEALERs against the cap, how many the cap made us open over the node's life,
+        and how many sends found every socket up to the cap's ceiling busy."""
+        t = self._transport
+        if t is None:
+            return {}
+        return {"open": t.open_dealers, "cap": t.config.max_open_dealers, "opened": t.dealers_opened,
+                "refused": t.dealers_refused}
 
     @property
     def zap_denied(self) -> int:

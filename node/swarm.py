@@ -325,6 +325,9 @@ class Swarm:
             done, pending = await asyncio.wait(sends, timeout=timeout_s)
             for t in pending:
                 t.cancel()
+                # a send that times out as it is cancelled ends with its SendError: read it
+                # here, not logged as never retrieved (a thousand leaving peers logged dozens)
+                t.add_done_callback(lambda t: t.cancelled() or t.exception())
             failed = len(pending) + sum(1 for t in done if t.exception() is not None)
             if failed:
                 log.warning("%s: leave not delivered to %d of %d peers", node.peer_id, failed, len(sends))

@@ -39,12 +39,20 @@ class TransportConfig:
     send_timeout_s: float = 10.0  # a send that cannot be queued by then fails
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 2000
-    # DEALERs open at once (a soft cap: none is closed while a send or request is in flight)
+    # DEALERs open at once. None is closed while a send or request is in flight, so the cap
+    # can be passed, by at most a quarter (`dealer_ceiling`): past that a send to a peer with
+    # no open DEALER fails (SendError) until one goes idle. Peers that are slow to read or to
+    # answer must not make a node open sockets without bound.
     max_open_dealers: int = 64
     # Watch each DEALER's connection (a ZeroMQ socket monitor, one more socket pair per DEALER):
     # when a peer's process dies its kernel closes the connection at once, and the node hears
     # of it in milliseconds instead of after the heartbeats' dead timeout.
     monitor_connections: bool = True
+
+
+def dealer_ceiling(max_open_dealers: int) -> int:
+    """The most DEALERs a node holds at once: its cap, plus a quarter for busy ones."""
+    return max_open_dealers + max(1, max_open_dealers // 4)
 
 
 @dataclass
@@ -116,6 +124,7 @@ class Transport:
         self._tasks: dict[str | None, asyncio.Task[None]] = {}
         self.bound: list[str] = []
         self.dealers_opened = 0  # over the node's life: how much the socket cap churns
+        self.dealers_refused = 0  # sends failed because every DEALER up to the ceiling was busy
         self._closed = False
 
     def _common(self, sock: zmq.asyncio.Socket) -> None:
@@ -179,7 +188,7 @@ class Transport:
         except zmq.ZMQError as exc:
             # Out of descriptors (EMFILE) or of the context's sockets: this node can no longer
             # reach its peers, and going on would leave it a member that silently drops work.
-            reason = f"cannot open a socket to {key}: {exc}"
+            reason = f"cannot open a socket to {key} ({len(self._dealers)} open already): {exc}"
             self._fatal(reason)
             raise SendError(reason) from None
 
@@ -236,6 +245,10 @@ class Transport:
             idle = [k for k in self._dealers if not self._sending.get(k) and not self._busy(k)]
             for victim in idle[:excess]:
                 self._close(victim, self.config.linger_ms)  # queued messages still go out
+            if len(self._dealers) >= dealer_ceiling(self.config.max_open_dealers):
+                self.dealers_refused += 1
+                raise SendError(f"no socket for {key}: all {len(self._dealers)} open DEALERs are busy "
+                                f"(cap {self.config.max_open_dealers})")
         return self._open(key)
 
     @property

@@ -13,7 +13,7 @@ from starling.node import BadRequestError
 from starling.node.identity import Identity
 from starling.node.membership import Liveness
 from starling.node.node import NodeConfig, SwarmConfigError, UnknownPeerError
-from starling.node.rpc import RemoteError, Reply, RequestTimeout
+from starling.node.rpc import RemoteError, Reply, RequestTimeout, RpcError
 from starling.node.transport import TransportConfig
 from starling.node.wire import encode
 
@@ -199,6 +199,41 @@ def test_open_dealers_are_capped_without_losing_a_reply_in_flight(make_node):
             assert capped.run(_open_dealers(capped)) <= 3  # the cap, plus the one held by the slow request
     assert pending.result(5).body == "done"  # its DEALER was not closed under it
     assert capped.run(_open_dealers(capped)) <= 2
+
+
+def test_busy_sockets_pass_the_cap_by_a_quarter_at_most_and_a_send_past_that_is_refused(make_node):
+    # Peers that answer slowly keep our DEALERs to them busy: they may pass the cap, but a send
+    # that would open one more past the ceiling fails, and is counted, instead of opening sockets
+    # without bound.
+    others = [make_node("inproc")]
+    others += [make_node("inproc", join=[others[0].address]) for _ in range(5)]
+    release = threading.Event()
+
+    async def slow(m):
+        while not release.is_set():
+            await asyncio.sleep(0.02)
+        return Reply("done")
+
+    for n in others:
+        n.on("slow", slow)
+        n.on("echo", lambda m: Reply(m.body))
+    slow_beats = Liveness(heartbeat_interval_s=30.0, suspect_timeout_s=60.0, dead_timeout_s=120.0)
+    capped = make_node("inproc", join=[others[0].address],
+                       config=NodeConfig(liveness=slow_beats, request_timeout_s=10.0,
+                                         transport=TransportConfig(max_open_dealers=4)))  # ceiling 5
+    assert wait_until(lambda: len(capped.live_peers()) == 6)
+    try:
+        pending = [capped.submit(capped.arequest(n.peer_id, "slow", None, timeout_s=10.0)) for n in others[:5]]
+        assert wait_until(lambda: capped.run(_open_dealers(capped)) == 5)
+        with pytest.raises(RpcError, match="DEALERs are busy"):
+            capped.request(others[5].peer_id, "echo", 1)
+        assert capped.status()["sockets"]["refused"] == 1
+        assert capped.run(_open_dealers(capped)) == 5
+    finally:
+        release.set()
+    assert [f.result(10).body for f in pending] == ["done"] * 5
+    assert capped.request(others[5].peer_id, "echo", 2).body == 2  # idle ones close for it now
+    assert capped.run(_open_dealers(capped)) <= 4
 
 
 def test_pings_over_sockets_opened_on_demand_keep_a_capped_node_alive(make_node):
