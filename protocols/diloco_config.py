@@ -1,5 +1,10 @@
-"""The hyper-parameters of `diloco` and `streaming-diloco`, checked when a config is built
-(split from diloco.py, which had grown past the size a module should keep).
+"""The hyper-parameters of `diloco` and `streaming-diloco`, checked when a config is built.
+
+Peers of different speeds (issue 20) add: `sync_every_s` (time-based inner rounds),
+`quorum` and `quorum_grace_s` (a round closes without the stragglers) and
+`staleness_weight` (what a late contribution counts for in the next round). Every
+contribution is weighted by the inner steps it was computed on; equal weights leave the
+average exactly the plain one, so a swarm that uses none of these trains as it always did.
 """
 from __future__ import annotations
 
@@ -34,6 +39,18 @@ class DiLoCoConfig(ProtocolConfig):
     # initial weights, say) takes the outer state of its first member. 0: never. The default costs
     # 0.14% more bytes (benchmarks/drift_guard.py, docs/benchmarks.md).
     check_every: int = 10
+    # Peers of different speeds (issue 20). sync_every_s > 0: time-based inner rounds, each peer
+    # runs as many inner steps as fit in a window of this many seconds (fragments.SyncClock);
+    # 0: every peer runs sync_every steps. overlap_steps still counts steps after a send.
+    sync_every_s: float = 0.0
+    # quorum K >= 1: a fragment's round closes once K members are in plus quorum_grace_s (the
+    # round's leader names the set, collectives/quorum.py); 0: a round waits for every member.
+    quorum: int = 0
+    quorum_grace_s: float = 0.5
+    # gamma: a contribution that missed its round's close counts this much in the fragment's
+    # next round (outer_sync.py). 0.5 is FedBuff's polynomial staleness 1/(1+delay) at one
+    # round of delay; 0 drops late work, 1 counts it in full.
+    staleness_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if self.check_every < 0:
@@ -68,6 +85,15 @@ class DiLoCoConfig(ProtocolConfig):
         if self.fragment_assignment not in ASSIGNMENTS:
             raise ValueError(f"fragment_assignment must be one of {', '.join(ASSIGNMENTS)}, "
                              f"got {self.fragment_assignment!r}")
+        if not self.sync_every_s >= 0.0 or self.sync_every_s == float("inf"):
+            raise ValueError(f"sync_every_s must be a finite number >= 0 (0: sync every sync_every steps), "
+                             f"got {self.sync_every_s}")
+        if self.quorum < 0:
+            raise ValueError(f"quorum must be >= 0 (0: every member), got {self.quorum}")
+        if not 0.0 <= self.quorum_grace_s < float("inf"):
+            raise ValueError(f"quorum_grace_s must be a finite number >= 0, got {self.quorum_grace_s}")
+        if not 0.0 <= self.staleness_weight <= 1.0:
+            raise ValueError(f"staleness_weight must be in [0, 1], got {self.staleness_weight}")
         for name in ("round_timeout_s", "reply_grace_s", "retry_interval_s"):
             if not getattr(self, name) > 0.0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
