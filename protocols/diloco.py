@@ -98,6 +98,8 @@ class DiLoCo(OuterSyncRounds, BackpropProtocol, name="diloco", config_class=DiLo
         self.ledger = TokenLedger(len(self.views), config.staleness_weight)
         # my share of each round's average (0 in a round that closed without me): what I weigh
         self.weight_log = {"rounds": 0, "missed": 0, "share_sum": 0.0}
+        self.last_closing: dict[int, Any] = {}
+        self.last_shares: dict[str, float] = {}
         self._last_step_end: float | None = None
         timeouts = reduce_timeouts(config)
         self.reducers = [ShardedReducer(node, f"{TOPIC_PREFIX}f{i}", view.numel, config.compressor, timeouts,

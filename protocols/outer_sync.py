@@ -119,6 +119,8 @@ class OuterSyncRounds:
     in_flight: dict[int, Exchange]
     ledger: TokenLedger
     weight_log: dict[str, Any]
+    last_closing: dict[int, Closing | None]  # each fragment's latest closing set (None: no valid set came)
+    last_shares: dict[str, float]  # each contributor's share of the latest average I applied
 
     if TYPE_CHECKING:
         def _skip(self, f: int, k: int) -> None: ...
@@ -170,6 +172,7 @@ class OuterSyncRounds:
                         exchange.round, exc)
             closing = None
         exchange.asking, exchange.closing = None, closing
+        self.last_closing[exchange.fragment] = closing
         f, me = exchange.fragment, self.node.peer_id
         if closing is None or me not in closing.members:
             exchange.missed = True
@@ -195,9 +198,10 @@ class OuterSyncRounds:
         self.views[f].write(self.outer[f])
 
     def _log_share(self, result: ReduceResult, members: tuple[str, ...]) -> None:
-        shares = dict(result.shares)
+        shares = dict(result.shares) or {m: 1.0 / len(members) for m in members}
+        self.last_shares = shares
         self.weight_log["rounds"] += 1
-        self.weight_log["share_sum"] += shares.get(self.node.peer_id, 0.0) if shares else 1.0 / max(1, len(members))
+        self.weight_log["share_sum"] += shares.get(self.node.peer_id, 0.0)
 
 
 @dataclass(frozen=True)
