@@ -63,6 +63,7 @@ import torch
 from starling.collectives.accumulator import ShardGroup
 from starling.collectives.codec import encode, make_codec, packet_from_wire
 from starling.collectives.layout import DEFAULT_CHUNK_NUMEL, chunk_layout
+from starling.collectives.outcome import ReduceResult, ReduceTimeouts, shares_in
 from starling.collectives.requests import request_patiently
 from starling.collectives.staging import HostStaging, to_device
 from starling.compressors import Packet, decode
@@ -79,27 +80,6 @@ _KEEP_CLOSED_ROUNDS = 64  # how long an owner remembers finished rounds, to answ
 _KEEP_SKIPS = 2 * _KEEP_CLOSED_ROUNDS  # rounds whose skips a reducer remembers (peers can send any round)
 GroupKey = tuple[int, tuple[str, ...], int, int]  # (round, members, shard, chunk)
 _STRETCH = AwakeDeadline.STRETCH  # a round's timeouts count awake time, and end by this many times their length
-
-
-@dataclass(frozen=True)
-class ReduceTimeouts:
-    round_timeout_s: float = 30.0  # an owner closes a shard without members not in by then
-    reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
-    retry_interval_s: float = 0.05  # re-send a part to an owner whose protocol is not up yet
-
-
-@dataclass(frozen=True)
-class ReduceResult:
-    """What one round did to the caller's vector (averaged in place where owners answered)."""
-
-    round: int
-    synced: bool  # some shard was averaged with at least one other peer
-    peers: int  # members whose contribution every shard's average includes (self included)
-    lost: tuple[str, ...]  # members missing from some shard's average
-    ahead: int  # the latest round an owner said it is in (> round: this peer fell behind)
-    skipped: tuple[str, ...] = ()  # members missing from it that said they send nothing in it (not lost)
-    # each contributor's share of the average, when their weights differed (sum to one); () when equal
-    shares: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -308,7 +288,7 @@ class ShardedReducer:
         if not reply["ok"]:
             return _ShardResult(i, c, me, None, reason=reply["reason"])
         return _ShardResult(i, c, me, Packet(reply["packet"], buffers), tuple(reply["contributors"]),
-                            shares=_read_shares(reply))
+                            shares=shares_in(reply))
 
     async def _send_part(self, t: int, members: tuple[str, ...], i: int, c: int, owner: str,
                          packet: Packet, weight: float | None = None) -> _ShardResult:
@@ -335,7 +315,7 @@ class ShardedReducer:
         try:
             result = packet_from_wire(reply.get("packet"), msg.payload)
             contributors = tuple(str(c) for c in reply.get("contributors", ()))
-            shares = _read_shares(reply)
+            shares = shares_in(reply)
         except Exception as exc:
             return _ShardResult(i, c, owner, None, reason=f"malformed average: {exc}")
         if owner not in contributors:
@@ -513,11 +493,6 @@ def _decode_flat(packet: Packet) -> torch.Tensor:
     packet is read in place, as a view of its wire buffer: a copy would be wasted, since every
     value is read once (added to a sum, or copied into the caller's vector) and never written."""
     return decode(packet, copy=False).reshape(-1)
-
-
-def _read_shares(reply: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
-    """The contributors' shares an owner's reply names (none when their weights were equal)."""
-    return tuple(sorted((str(peer), float(share)) for peer, share in reply.get("shares") or ()))
 
 
 def _shares_memory(part: torch.Tensor, packet: Packet) -> bool:
