@@ -193,6 +193,8 @@ class DiLoCo(OuterSyncRounds, BackpropProtocol, name="diloco", config_class=DiLo
                                          asking=self.quorums[f].ask(k, members, weight))
         else:
             self.in_flight[f] = self._start(f, k, members, part, weight, merge_at)
+        if self.config.eager_updates:
+            self._eager_update(self.in_flight[f])
 
     def _here(self, t: torch.Tensor) -> torch.Tensor:
         """`t` on the model's device (itself when it is there already)."""
@@ -242,7 +244,7 @@ class DiLoCo(OuterSyncRounds, BackpropProtocol, name="diloco", config_class=DiLo
             if exchange is not None and exchange.average is not None and self.versions[f] == k:
                 average = exchange.average.nan_to_num_(nan=0.0)
                 self._outer_step(f, average)
-            self._merge_local(f)
+            self._merge_local(f, exchange.provisional if exchange is not None else None)
         if f == 0 and exchange is not None and exchange.pending is not None:  # the same members, the same rounds
             if self.buffer_sync is not None:
                 self.buffer_sync.sync(k, exchange.members)
@@ -273,22 +275,31 @@ class DiLoCo(OuterSyncRounds, BackpropProtocol, name="diloco", config_class=DiLo
             view.write(outer)
         self._publish()
 
-    def _outer_step(self, f: int, delta: torch.Tensor) -> None:
+    def _outer_step(self, f: int, delta: torch.Tensor, commit: bool = True) -> torch.Tensor:
         """Nesterov SGD on the outer fragment, the averaged pseudo-gradient as its gradient, in
         float32 where the outer state lives. New tensors, not in-place updates: `diloco.sync`
         may be sending the old ones. (The same operations in the same order on every peer:
-        outer parameters stay bit-identical.)"""
+        outer parameters stay bit-identical.) `commit=False`: only return the outer fragment
+        this step would make (an eager update's stand-in)."""
         mu, lr = self.config.outer_momentum, self.config.outer_lr
         delta = delta.to(self.state_device)
         momentum = torch.mul(self.momentum[f], mu, out=self._fresh(self.momentum[f])).add_(delta)
         outer = torch.mul(momentum, mu, out=self._fresh(self.outer[f])).add_(delta).mul_(lr)
-        self.outer[f] = torch.sub(self.outer[f], outer, out=outer)
-        self.momentum[f] = momentum
-        self.versions[f] += 1
+        outer = torch.sub(self.outer[f], outer, out=outer)
+        if commit:
+            self.outer[f], self.momentum[f] = outer, momentum
+            self.versions[f] += 1
+        return outer
 
-    def _merge_local(self, f: int) -> None:
+    def _merge_local(self, f: int, provisional: torch.Tensor | None = None) -> None:
+        """local = alpha local + (1 - alpha) outer; after an eager update (`provisional`, the
+        stand-in merged at the send) only the difference between the two outer fragments is
+        merged, so the steps taken meanwhile keep their full size (Kale et al. 2025)."""
         alpha = self.config.alpha
-        if alpha == 0.0:
+        if provisional is not None:
+            correction = self._here(self.outer[f]) - self._here(provisional)
+            self.views[f].write(self.views[f].read().add_(correction, alpha=1.0 - alpha))
+        elif alpha == 0.0:
             self.views[f].write(self.outer[f])
         else:
             self.views[f].write(alpha * self.views[f].read() + (1.0 - alpha) * self._here(self.outer[f]))

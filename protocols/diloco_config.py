@@ -51,6 +51,10 @@ class DiLoCoConfig(ProtocolConfig):
     # next round (outer_sync.py). 0.5 is FedBuff's polynomial staleness 1/(1+delay) at one
     # round of delay; 0 drops late work, 1 counts it in full.
     staleness_weight: float = 0.5
+    # Eager updates (Kale et al. 2025), with overlap: at a fragment's send the local fragment
+    # merges the outer step its own pseudo-gradient would make; at the merge only the
+    # difference to the real one. Outer parameters are the same as without.
+    eager_updates: bool = False
 
     def __post_init__(self) -> None:
         if self.check_every < 0:
@@ -94,6 +98,8 @@ class DiLoCoConfig(ProtocolConfig):
             raise ValueError(f"quorum_grace_s must be a finite number >= 0, got {self.quorum_grace_s}")
         if not 0.0 <= self.staleness_weight <= 1.0:
             raise ValueError(f"staleness_weight must be in [0, 1], got {self.staleness_weight}")
+        if self.eager_updates and self.overlap_steps < 1:
+            raise ValueError("eager_updates needs overlap_steps >= 1: without overlap the average is there at once")
         for name in ("round_timeout_s", "reply_grace_s", "retry_interval_s"):
             if not getattr(self, name) > 0.0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

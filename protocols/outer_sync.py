@@ -57,6 +57,12 @@ class Exchange:
     asking: concurrent.futures.Future[Closing | None] | None = None
     closing: Closing | None = None
     missed: bool = False  # the round closed without me: `delta` is carried to the next one
+    provisional: torch.Tensor | None = None  # eager updates: the outer fragment my own delta would make
+
+
+def alpha_merge(alpha: float, local: torch.Tensor, outer: torch.Tensor) -> torch.Tensor:
+    """Streaming DiLoCo's merge of a global fragment into the local one."""
+    return outer if alpha == 0.0 else alpha * local + (1.0 - alpha) * outer
 
 
 class TokenLedger:
@@ -127,6 +133,16 @@ class OuterSyncRounds:
         def _start(self, f: int, k: int, members: tuple[str, ...], delta: torch.Tensor, weight: float = 1.0,
                    merge_at: int = 0) -> Exchange: ...
         def _fetch_merged(self, f: int, version: int, sources: Sequence[str]) -> None: ...
+        def _outer_step(self, f: int, delta: torch.Tensor, commit: bool = True) -> torch.Tensor: ...
+        def _here(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def _eager_update(self, exchange: Exchange) -> None:
+        """Eager updates (Kale et al. 2025): until the average comes, my own pseudo-gradient
+        stands in for it. The local fragment merges the outer step it would make now; the
+        merge later adds only the difference to the real one (`DiLoCo._merge_local`)."""
+        f = exchange.fragment
+        exchange.provisional = provisional = self._outer_step(f, exchange.delta, commit=False)
+        self.views[f].write(alpha_merge(self.config.alpha, self.views[f].read(), self._here(provisional)))
 
     def _sends_at(self, s: int) -> list[tuple[int, int]]:
         """(fragment, round) pairs whose exchange starts after step s."""

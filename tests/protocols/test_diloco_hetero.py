@@ -173,6 +173,34 @@ def test_a_joiner_weighs_the_steps_it_took_from_its_first_contribution(make_node
     assert torch.equal(outer(pa), outer(pc)) and torch.equal(outer(pb), outer(pc))
 
 
+# ---------------------------------------------------------------- eager updates
+def test_eager_updates_merge_a_stand_in_at_the_send_and_leave_the_outer_step_as_it_was(make_node):
+    """H 4, tau 2: fragment 0 leaves after step 2 and merges after 4. With eager updates the
+    local parameters take, at the send, the outer step my own pseudo-gradient would make;
+    the outer parameters after the merge are those of the same swarm without."""
+    alpha, lr, mu = 0.5, 0.7, 0.9
+    opts = {**EXACT, "sync_every": 4, "fragments": 1, "overlap_steps": 2, "alpha": alpha, "outer_lr": lr,
+            "outer_momentum": mu}
+    swarms = {}
+    for eager in (False, True):
+        nodes = swarm(make_node, 2)
+        swarms[eager] = [get_protocol("streaming-diloco").create(n, linear(), {**opts, "eager_updates": eager})
+                         for n in nodes]
+        in_parallel([lambda r=r, eager=eager: train(swarms[eager][r], r, 2) for r in range(2)])
+    theta0 = outer(swarms[False][0])
+    for r in range(2):
+        local_send = torch.cat([p.detach().reshape(-1) for p in swarms[False][r].model.parameters()])
+        delta = theta0 - local_send
+        stand_in = theta0 - lr * (1 + mu) * delta
+        eager_local = torch.cat([p.detach().reshape(-1) for p in swarms[True][r].model.parameters()])
+        torch.testing.assert_close(eager_local, alpha * local_send + (1 - alpha) * stand_in)
+    for eager in (False, True):
+        in_parallel([lambda r=r, eager=eager: train(swarms[eager][r], r, 2) for r in range(2)])
+    assert torch.equal(outer(swarms[True][0]), outer(swarms[False][0]))
+    assert torch.equal(outer(swarms[True][0]), outer(swarms[True][1]))
+    assert not torch.equal(swarms[True][0].model.weight, swarms[False][0].model.weight)
+
+
 # ---------------------------------------------------------------- bad input
 def test_a_part_with_a_nan_or_negative_weight_is_refused_counted_and_changes_nothing(make_node):
     a, b = swarm(make_node, 2)
@@ -222,6 +250,7 @@ def test_a_bad_ask_is_refused_and_a_malformed_closing_set_is_read_as_none(make_n
     ({"staleness_weight": 1.5}, r"staleness_weight must be in \[0, 1\]"),
     ({"sync_every_s": -1}, "sync_every_s must be"),
     ({"sync_every_s": float("nan")}, "sync_every_s must be"),
+    ({"eager_updates": True, "overlap_steps": 0}, "eager_updates needs overlap_steps >= 1"),
 ])
 def test_bad_heterogeneity_options_are_refused(make_node, options, message):
     with pytest.raises(ProtocolError, match=message):
