@@ -232,6 +232,10 @@ def simulate(
         None, "--peer-speed", metavar="V,V,...",
         help="Relative compute speed of each peer, e.g. 1,1,1,0.33: a slower peer sleeps on its training thread "
              "for the compute it lacks (one value per --peers, each > 0)."),
+    duration: float = typer.Option(
+        0.0, "--duration", metavar="SECONDS",
+        help="Wall-clock budget: every peer stops training this long after the start, leaves and evaluates "
+             "(--steps stays an upper bound; 0: run the steps). Compares protocols on the same time."),
     max_dealers: Optional[int] = typer.Option(
         None, "--max-dealers", min=1, help="Sockets each simulated peer keeps open to others (default: the largest "
                                            "up to a real node's 64 that fits this process's descriptors)."),
@@ -259,6 +263,7 @@ def simulate(
             task_opt=task_opt or [], eval_every=eval_every, baseline=baseline,
             extra={"device": device, "dtype": dtype, "autocast": autocast, "state_device": state_device,
                    "max_dealers": max_dealers, "peer_speed": parse_peer_speed(peer_speed, peers),
+                   "duration_s": duration,
                    "checkpoint_dir": None if checkpoint_dir is None else str(checkpoint_dir),
                    "checkpoint_every": checkpoint_every, "resume": resume})
     except errors as exc:

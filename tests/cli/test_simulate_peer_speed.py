@@ -29,6 +29,21 @@ def test_a_bad_peer_speed_is_one_clear_line(value, needle):
     assert len(lines) == 1 and lines[0].startswith("starling: error:") and needle in lines[0], result.output
 
 
+def test_a_negative_duration_is_one_clear_line():
+    result = runner.invoke(app, ["simulate", *TINY, "--duration", "-1"])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code != 0 and len(lines) == 1 and "duration_s must be" in lines[0], result.output
+
+
+def test_a_duration_stops_the_run_in_time():
+    result = runner.invoke(app, ["simulate", "--protocol", "diloco", "--task", "quadratic", "--task-opt", "dim=32",
+                                 "--peers", "2", "--steps", "1000000", "--baseline", "none", "--json",
+                                 "--duration", "1"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["duration_s"] == 1.0 and summary["final_peers"] == 2 and summary["wall_s"] < 30
+
+
 def test_peer_speed_slows_a_peer_and_is_recorded(tmp_path):
     result = runner.invoke(app, ["simulate", *TINY, "--peer-speed", "1,0.25", "--json", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
