@@ -45,6 +45,8 @@ class DiLoCoConfig(ProtocolConfig):
     sync_every_s: float = 0.0
     # quorum K >= 1: a fragment's round closes once K members are in plus quorum_grace_s (the
     # round's leader names the set, collectives/quorum.py); 0: a round waits for every member.
+    # Pair it with sync_every_s for peers that are slower for good: with step-based rounds such a
+    # peer reaches every round after it closed, so its work never lands (a stalled one's does).
     quorum: int = 0
     quorum_grace_s: float = 0.5
     # gamma: a contribution that missed its round's close counts this much in the fragment's

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from starling.node.wire import Message
 
 log = logging.getLogger(__name__)
+MISSES_BEFORE_WARNING = 3  # rounds in a row a peer misses before it says why that may keep happening
 ASK_WAIT_S = 5.0  # past the leader's own deadlines: a backstop for a closing set's future
 
 
@@ -209,6 +210,11 @@ class OuterSyncRounds:
                  k + 1)
         self.weight_log["rounds"] += 1
         self.weight_log["missed"] += 1
+        self.weight_log["in_a_row"] = in_a_row = self.weight_log.get("in_a_row", 0) + 1
+        if in_a_row == MISSES_BEFORE_WARNING and self.clock is None:
+            log.warning("%s: %d rounds in a row closed without me: with step-based rounds a peer slower than "
+                        "the quorum reaches every round after it closed, and its work never lands; "
+                        "sync_every_s (time-based rounds) brings it in", self.node.peer_id, in_a_row)
         sources = exchange.closing.members if exchange.closing is not None else membership(self.node)
         self._fetch_merged(f, k + 1, sources)
         self.views[f].write(self.outer[f])
@@ -217,6 +223,7 @@ class OuterSyncRounds:
         shares = dict(result.shares) or {m: 1.0 / len(members) for m in members}
         self.last_shares = shares
         self.weight_log["rounds"] += 1
+        self.weight_log["in_a_row"] = 0
         self.weight_log["share_sum"] += shares.get(self.node.peer_id, 0.0)
 
 
