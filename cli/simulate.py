@@ -228,6 +228,14 @@ def simulate(
     dtype: Optional[str] = dtype_option(),
     autocast: Optional[str] = autocast_option(),
     state_device: Optional[str] = state_device_option(),
+    peer_speed: Optional[str] = typer.Option(
+        None, "--peer-speed", metavar="V,V,...",
+        help="Relative compute speed of each peer, e.g. 1,1,1,0.33: a slower peer sleeps on its training thread "
+             "for the compute it lacks (one value per --peers, each > 0)."),
+    duration: float = typer.Option(
+        0.0, "--duration", metavar="SECONDS",
+        help="Wall-clock budget: every peer stops training this long after the start, leaves and evaluates "
+             "(--steps stays an upper bound; 0: run the steps). Compares protocols on the same time."),
     max_dealers: Optional[int] = typer.Option(
         None, "--max-dealers", min=1, help="Sockets each simulated peer keeps open to others (default: the largest "
                                            "up to a real node's 64 that fits this process's descriptors)."),
@@ -254,7 +262,8 @@ def simulate(
             opt=[*(opt or []), *(f"{k}={v}" for k, v in extra_options(ctx.args).items())], lr=lr,
             task_opt=task_opt or [], eval_every=eval_every, baseline=baseline,
             extra={"device": device, "dtype": dtype, "autocast": autocast, "state_device": state_device,
-                   "max_dealers": max_dealers,
+                   "max_dealers": max_dealers, "peer_speed": parse_peer_speed(peer_speed, peers),
+                   "duration_s": duration,
                    "checkpoint_dir": None if checkpoint_dir is None else str(checkpoint_dir),
                    "checkpoint_every": checkpoint_every, "resume": resume})
     except errors as exc:
@@ -301,6 +310,22 @@ def simulate(
         typer.echo(note)
     if out is not None:
         typer.echo(f"run written to {out}" + (f"; plot: {drawn}" if drawn else ""))
+
+
+def parse_peer_speed(text: Optional[str], peers: int) -> tuple[float, ...]:
+    """--peer-speed's comma-separated speeds; ValueError naming what is wrong."""
+    if text is None:
+        return ()
+    try:
+        speeds = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--peer-speed takes numbers separated by commas (e.g. 1,1,1,0.33), got {text!r}") from None
+    if len(speeds) != peers:
+        raise ValueError(f"--peer-speed names {len(speeds)} speeds for {peers} peers (--peers): give one per peer")
+    bad = [v for v in speeds if not 0.0 < v < float("inf")]
+    if bad:
+        raise ValueError(f"--peer-speed values must be finite numbers > 0, got {bad[0]:g}")
+    return speeds
 
 
 def default_run_dir(root: Path = Path("runs")) -> Path:

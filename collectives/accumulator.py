@@ -1,5 +1,11 @@
 """An owner's accumulator: the parts of one chunk of one shard of one round, summed in
-member order, with non-finite parts left out."""
+member order, with non-finite parts left out, and averaged by the contributors' weights.
+
+Weights (the tokens each part was computed on, issue 20): the average is sum_i s_i part_i
+with shares s_i = w_i / sum_j w_j, which sum to one. Equal weights (every part without one
+counts 1) take the plain path, sum / count, so that the average is bit for bit what it was
+before parts carried weights.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -37,11 +43,13 @@ class ShardGroup:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     reply: tuple[dict[str, Any], tuple[torch.Tensor, ...]] | None = None
     timer: asyncio.Future[None] | None = None  # closes the group when its time is up
+    weights: dict[str, float] = field(default_factory=dict)  # each contributor's weight (1 if it named none)
 
-    def add(self, sender: str, part: torch.Tensor, owned: bool = False) -> None:
+    def add(self, sender: str, part: torch.Tensor, owned: bool = False, weight: float = 1.0) -> None:
         """`owned`: nobody else holds `part` (it may become a lone part's sum as it is)."""
         self.contributors.append(sender)
         self.received[sender] = part
+        self.weights[sender] = weight
         if owned:
             self.owned.add(sender)
         self._fold(closing=False)
@@ -86,6 +94,23 @@ class ShardGroup:
         for part in good[1:]:
             total.add_(part)
         return total
+
+    def average(self) -> tuple[torch.Tensor, dict[str, float] | None]:
+        """The finite parts' average and, when their weights differ, each contributor's share
+        of it (None: equal weights, the plain average). Empty when no part was finite."""
+        total = self.sum()
+        if not self.contributors:
+            return total, None
+        weights = [self.weights.get(s, 1.0) for s in self.contributors]
+        whole = sum(weights)
+        if len(set(weights)) == 1 or whole <= 0.0:
+            return total.div_(len(self.contributors)), None
+        shares = {s: self.weights.get(s, 1.0) / whole for s in self.contributors}
+        average = torch.zeros_like(total)
+        for sender in self.members:  # in members order, as the sum is: every run rounds alike
+            if sender in shares:
+                average.add_(self.received[sender], alpha=shares[sender])
+        return average, shares
 
     def complete(self) -> bool:
         return self.expected <= set(self.contributors)

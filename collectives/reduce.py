@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,7 @@ import torch
 from starling.collectives.accumulator import ShardGroup
 from starling.collectives.codec import encode, make_codec, packet_from_wire
 from starling.collectives.layout import DEFAULT_CHUNK_NUMEL, chunk_layout
+from starling.collectives.outcome import ReduceResult, ReduceTimeouts, shares_in
 from starling.collectives.requests import request_patiently
 from starling.collectives.staging import HostStaging, to_device
 from starling.compressors import Packet, decode
@@ -81,25 +83,6 @@ _STRETCH = AwakeDeadline.STRETCH  # a round's timeouts count awake time, and end
 
 
 @dataclass(frozen=True)
-class ReduceTimeouts:
-    round_timeout_s: float = 30.0  # an owner closes a shard without members not in by then
-    reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
-    retry_interval_s: float = 0.05  # re-send a part to an owner whose protocol is not up yet
-
-
-@dataclass(frozen=True)
-class ReduceResult:
-    """What one round did to the caller's vector (averaged in place where owners answered)."""
-
-    round: int
-    synced: bool  # some shard was averaged with at least one other peer
-    peers: int  # members whose contribution every shard's average includes (self included)
-    lost: tuple[str, ...]  # members missing from some shard's average
-    ahead: int  # the latest round an owner said it is in (> round: this peer fell behind)
-    skipped: tuple[str, ...] = ()  # members missing from it that said they send nothing in it (not lost)
-
-
-@dataclass(frozen=True)
 class _ShardResult:
     shard: int
     chunk: int
@@ -108,6 +91,7 @@ class _ShardResult:
     contributors: tuple[str, ...] = ()
     reason: str = ""
     owner_round: int = -1  # the owner's latest round, when it refused a part as late
+    shares: tuple[tuple[str, float], ...] = ()
 
 
 class PendingReduce:
@@ -175,7 +159,8 @@ class ShardedReducer:
         Blocks until the round has ended, so the round reads `vector` in place (`lend`)."""
         return self.start(t, members, vector, lend=True).wait()
 
-    def start(self, t: int, members: tuple[str, ...], vector: torch.Tensor, lend: bool = False) -> PendingReduce:
+    def start(self, t: int, members: tuple[str, ...], vector: torch.Tensor, lend: bool = False,
+              weight: float | None = None) -> PendingReduce:
         """Encode my parts now and run round t on the network thread; `wait()` on the
         result writes the average into `vector`. Encoding and decoding happen on the
         caller's thread, so the network loop only moves bytes.
@@ -188,7 +173,12 @@ class ShardedReducer:
         ended (every timer of the round ends by _STRETCH times its length), so that nothing
         of the round reads `vector` later. One edge remains: a part that never reached an
         owner (not connected) may still sit in ZeroMQ's queue, and would carry later writes;
-        that owner refuses it as late once it has closed the round."""
+        that owner refuses it as late once it has closed the round.
+
+        `weight`: what my parts count for in the average (the tokens they were computed on;
+        None counts 1). Owners average by the members' weights; equal ones give the plain average."""
+        if weight is not None and not (math.isfinite(weight) and weight >= 0.0):
+            raise ValueError(f"{self.topic}: weight must be a finite number >= 0, got {weight!r}")
         if vector.dim() != 1 or vector.numel() != self.numel or vector.dtype != torch.float32:
             raise ValueError(f"{self.topic}: expected a 1-D float32 vector of {self.numel} values (on any device), "
                              f"got {vector.dtype} of shape {tuple(vector.shape)}")
@@ -222,7 +212,7 @@ class ShardedReducer:
             self._staging.ready([vector.device])  # the network thread reads them next
         # A backstop only: the network side always ends a round by then (see AwakeDeadline).
         wait_s = _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
-        round_ = self._round(t, members, parts, own_private=not lend or on_device)
+        round_ = self._round(t, members, parts, own_private=not lend or on_device, weight=weight)
         return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s, lent)
 
     def _layout(self, parts: int) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -265,12 +255,13 @@ class ShardedReducer:
             synced = synced or len(res.contributors) > 1
         lost.discard(me)
         ahead = max([t] + [r.owner_round for r in results])
+        shares = next((r.shares for r in results if r.shares), ())
         return ReduceResult(t, synced, len(members) - len(lost), tuple(sorted(lost - skipped)), ahead,
-                            tuple(sorted(lost & skipped)))
+                            tuple(sorted(lost & skipped)), shares)
 
     # ------------------------------------------------------------------ network thread
     async def _round(self, t: int, members: tuple[str, ...], parts: list[torch.Tensor | Packet],
-                     own_private: bool) -> list[_ShardResult]:
+                     own_private: bool, weight: float | None = None) -> list[_ShardResult]:
         me = self.node.peer_id
         self._latest_round = max(self._latest_round, t)
         jobs = []
@@ -279,29 +270,33 @@ class ShardedReducer:
         for (i, c, owner), part in zip(slots, parts):
             if owner == me:
                 assert isinstance(part, torch.Tensor)
-                jobs.append(self._reduce_own(t, members, i, c, part, own_private))
+                jobs.append(self._reduce_own(t, members, i, c, part, own_private, weight))
             else:
                 assert isinstance(part, Packet)
-                jobs.append(self._send_part(t, members, i, c, owner, part))
+                jobs.append(self._send_part(t, members, i, c, owner, part, weight))
         results = await asyncio.gather(*jobs)
         self._forget_before(t - _KEEP_CLOSED_ROUNDS)
         return list(results)
 
     async def _reduce_own(self, t: int, members: tuple[str, ...], i: int, c: int,
-                          part: torch.Tensor, private: bool) -> _ShardResult:
+                          part: torch.Tensor, private: bool, weight: float | None) -> _ShardResult:
         me = self.node.peer_id
         # private: start() cloned it, so it may become the sum; else a view of the caller's
         # vector, which the group reads and never writes
-        reply, buffers = await self._reduce((t, members, i, c), me, part, owned=private)
+        reply, buffers = await self._reduce((t, members, i, c), me, part, owned=private,
+                                            weight=1.0 if weight is None else weight)
         if not reply["ok"]:
             return _ShardResult(i, c, me, None, reason=reply["reason"])
-        return _ShardResult(i, c, me, Packet(reply["packet"], buffers), tuple(reply["contributors"]))
+        return _ShardResult(i, c, me, Packet(reply["packet"], buffers), tuple(reply["contributors"]),
+                            shares=shares_in(reply))
 
     async def _send_part(self, t: int, members: tuple[str, ...], i: int, c: int, owner: str,
-                         packet: Packet) -> _ShardResult:
+                         packet: Packet, weight: float | None = None) -> _ShardResult:
         # Counted in awake time: an average that came while this loop was stalled is read, not dropped.
         deadline = AwakeDeadline(self.timeouts.round_timeout_s + self.timeouts.reply_grace_s)
         body = {"step": t, "shard": i, "chunk": c, "members": list(members), "packet": packet.header}
+        if weight is not None:
+            body["weight"] = weight
         try:
             msg = await request_patiently(self.node, owner, self.topic, body, packet.buffers, deadline,
                                           self.timeouts.retry_interval_s)
@@ -320,6 +315,7 @@ class ShardedReducer:
         try:
             result = packet_from_wire(reply.get("packet"), msg.payload)
             contributors = tuple(str(c) for c in reply.get("contributors", ()))
+            shares = shares_in(reply)
         except Exception as exc:
             return _ShardResult(i, c, owner, None, reason=f"malformed average: {exc}")
         if owner not in contributors:
@@ -328,7 +324,7 @@ class ShardedReducer:
             # for it too. A joiner that counts everyone in round t, which the others began before
             # they knew it, gets no part from them and would wait out the round timeout.
             self._saw_view(t, owner, ())
-        return _ShardResult(i, c, owner, result, contributors)
+        return _ShardResult(i, c, owner, result, contributors, shares=shares)
 
     async def _on_part(self, msg: Message) -> Reply | dict[str, Any]:
         """An owner receives one member's part; its answer is the shard's average."""
@@ -343,8 +339,11 @@ class ShardedReducer:
         try:
             t, i, c = int(body["step"]), int(body["shard"]), int(body["chunk"])
             members = tuple(str(m) for m in body["members"])
-        except (TypeError, KeyError, ValueError):
+            weight = body.get("weight", 1.0)
+        except (TypeError, KeyError, ValueError, AttributeError):
             return self._reject(Refusal.MALFORMED, "body must be {step, shard, chunk, members, packet}")
+        if type(weight) not in (int, float) or not (math.isfinite(weight) and weight >= 0.0):
+            return self._reject(Refusal.MALFORMED, f"weight must be a finite number >= 0, got {weight!r}")
         if list(members) != sorted(set(members)) or msg.sender not in members:
             return self._reject(Refusal.MALFORMED, "members must be sorted, unique, and include the sender")
         if not 0 <= i < len(members) or members[i] != me:
@@ -363,7 +362,8 @@ class ShardedReducer:
                 raise ValueError(f"{part.numel()} values for a chunk of {hi - lo}")
         except Exception as exc:
             return self._reject(Refusal.BAD_PART, f"bad part: {exc}")
-        reply, buffers = await self._reduce(key, msg.sender, part, owned=not _shares_memory(part, packet))
+        reply, buffers = await self._reduce(key, msg.sender, part, owned=not _shares_memory(part, packet),
+                                            weight=float(weight))
         return Reply(reply, buffers)
 
     def _reject(self, reason: Refusal, detail: str) -> dict[str, Any]:
@@ -372,7 +372,7 @@ class ShardedReducer:
         return refusal(reason, detail)
 
     async def _reduce(self, key: GroupKey, sender: str, part: torch.Tensor,
-                      owned: bool = False) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
+                      owned: bool = False, weight: float = 1.0) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
         """Add a part to its group and wait for the group to close (all in, or timeout)."""
         t, members = key[0], key[1]
         if key in self._closed:
@@ -389,7 +389,7 @@ class ShardedReducer:
                                                               lambda: self._finish(key, group)))
         if sender in group.contributors:
             return self._reject(Refusal.DUPLICATE, "duplicate part"), ()
-        group.add(sender, part, owned)
+        group.add(sender, part, owned, weight)
         self._saw_view(t, sender, members)
         if group.complete():
             self._finish(key, group)
@@ -405,17 +405,18 @@ class ShardedReducer:
             return
         t, members, i, c = key
         try:
-            total = group.sum()
+            avg, shares = group.average()
             if not group.contributors:
                 group.reply = (refusal(Refusal.NOT_FINITE, "no part was finite"), ())
             else:
-                avg = total.div_(len(group.contributors))
                 if self.codec.zero_copy:  # lossless too, and the sum is private and final: send it as it is
                     packet = self.codec.encode(avg, copy=False)
                 else:
                     packet = encode(self.codec, self._avg_feedback, avg, f"avg{i}.{c}/{len(members)}")
-                group.reply = ({"ok": True, "packet": packet.header, "contributors": list(group.contributors)},
-                               packet.buffers)
+                reply = {"ok": True, "packet": packet.header, "contributors": list(group.contributors)}
+                if shares is not None:  # only when weights differed: equal ones send what they always did
+                    reply["shares"] = [[s, shares[s]] for s in group.contributors]
+                group.reply = (reply, packet.buffers)
         except Exception as exc:  # every contributor gets an answer, never a group that stays open
             log.exception("%s: %s shard %d chunk %d of round %d: averaging failed", self.node.peer_id,
                           self.topic, i, c, t)

@@ -27,6 +27,14 @@ the outer fragment after that merge from a member ("diloco.sync"). A peer that l
 fallen a round behind fetches the whole outer state and jumps to that peer's step. Either way
 it tells the others which rounds it sends nothing in (`ShardedReducer.skip`): members that
 already counted it in would otherwise wait for its part until the round timeout.
+
+Peers of different speeds (issue 20, `outer_sync.py`). Each pseudo-gradient travels with its
+weight, the inner steps it was computed on, and owners average by weight (equal weights: the
+plain average, bit for bit). `sync_every_s` replaces the step schedule with a clock
+(`fragments.SyncClock`): a fragment's send falls due at a time, after as many steps as fit.
+`quorum` adds a question before the all-reduce: the round's leader names the members whose
+contributions it takes (`collectives/quorum.py`); those average among themselves, the rest
+fetch the merged fragment and carry their pseudo-gradient into the next round.
 """
 from __future__ import annotations
 
@@ -35,23 +43,24 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from starling.collectives import PendingReduce, ReduceResult, ShardedReducer, membership
+from starling.collectives import ReduceResult, ShardedReducer, membership
 from starling.collectives.agreement import AgreementCheck
 from starling.collectives.buffers import BufferAverager
-from starling.collectives.codec import check_compressor_spec
+from starling.collectives.quorum import QuorumClose
 from starling.node.node import Node
 from starling.node.rpc import Refusal, Reply, refusal
 from starling.node.wire import Message
 from starling.protocols.backprop import BackpropProtocol
-from starling.protocols.base import LossFn, ProtocolConfig, ProtocolError, StepClock, StepReport, register
-from starling.protocols.fragments import ASSIGNMENTS, FragmentSchedule, FragmentView, count_layers, split_fragments
+from starling.protocols.base import LossFn, ProtocolError, StepClock, StepReport, register
+from starling.protocols.diloco_config import DiLoCoConfig, StreamingDiLoCoConfig
+from starling.protocols.fragments import FragmentSchedule, FragmentView, SyncClock, count_layers, split_fragments
 from starling.protocols.optim import make_optimizer, reduce_timeouts
+from starling.protocols.outer_sync import Exchange, OuterSyncRounds, Published, TokenLedger, read_sync_reply
 
 log = logging.getLogger(__name__)
 
@@ -59,104 +68,8 @@ TOPIC_PREFIX = "diloco."
 SYNC_TOPIC = "diloco.sync"  # outer parameters and momentum of some fragments, as a peer holds them now
 
 
-@dataclass(frozen=True)
-class DiLoCoConfig(ProtocolConfig):
-    lr: float = 1e-3  # inner optimizer
-    compressor: str = "int4"  # pseudo-gradients travel in 4 bits; the outer step stays float32
-    sync_every: int = 100  # H: inner steps between two syncs of the same fragment
-    fragments: int = 1  # F: fragments synced one at a time, H / F steps apart
-    overlap_steps: int = 0  # tau: a fragment's exchange starts this many steps before its merge
-    alpha: float = 0.0  # merge: local = alpha local + (1 - alpha) global
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9  # Nesterov
-    inner_optimizer: str = "adamw"  # adamw | sgd
-    inner_momentum: float = 0.0  # sgd only
-    weight_decay: float = 0.0
-    fragment_assignment: str = "strided"  # strided | sequential (see fragments.py)
-    reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
-    retry_interval_s: float = 0.05  # re-ask a peer that is not ready yet
-    # Floating buffers (BatchNorm statistics) are averaged, integer ones set to their maximum, at
-    # every sync of fragment 0, so that every peer's eval_model() agrees; True: each peer's own (FedBN).
-    local_buffers: bool = False
-    # Every this many syncs of fragment 0 the members check that their outer parameters agree bit
-    # for bit (a tiny round of digests); a swarm that drifted apart (peers built with different
-    # initial weights, say) takes the outer state of its first member. 0: never. The default costs
-    # 0.14% more bytes (benchmarks/drift_guard.py, docs/benchmarks.md).
-    check_every: int = 10
-
-    def __post_init__(self) -> None:
-        if self.check_every < 0:
-            raise ValueError(f"check_every must be >= 0, got {self.check_every}")
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
-        if self.fragments < 1:
-            raise ValueError(f"fragments must be >= 1, got {self.fragments}")
-        if self.sync_every % self.fragments:
-            raise ValueError(f"sync_every (H={self.sync_every}) must be divisible by fragments "
-                             f"(F={self.fragments}): one fragment syncs every H/F steps")
-        if self.overlap_steps < 0:
-            raise ValueError(f"overlap_steps must be >= 0, got {self.overlap_steps}")
-        if self.overlap_steps >= self.sync_every:
-            raise ValueError(f"overlap_steps (tau={self.overlap_steps}) must be < sync_every "
-                             f"(H={self.sync_every}): a fragment's exchange would still be in flight "
-                             "when its next one starts")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
-        if not self.lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {self.lr}")
-        if not self.outer_lr > 0.0:
-            raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.inner_optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"inner_optimizer must be 'adamw' or 'sgd', got {self.inner_optimizer!r}")
-        if not 0.0 <= self.inner_momentum < 1.0:
-            raise ValueError(f"inner_momentum must be in [0, 1), got {self.inner_momentum}")
-        if self.weight_decay < 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.fragment_assignment not in ASSIGNMENTS:
-            raise ValueError(f"fragment_assignment must be one of {', '.join(ASSIGNMENTS)}, "
-                             f"got {self.fragment_assignment!r}")
-        for name in ("round_timeout_s", "reply_grace_s", "retry_interval_s"):
-            if not getattr(self, name) > 0.0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        check_compressor_spec(self.compressor)
-
-
-@dataclass(frozen=True)
-class StreamingDiLoCoConfig(DiLoCoConfig):
-    fragments: int = 4
-    overlap_steps: int = 1
-    alpha: float = 0.5
-
-
-@dataclass
-class _Exchange:
-    """One fragment's round in flight."""
-
-    fragment: int
-    round: int
-    members: tuple[str, ...]
-    delta: torch.Tensor  # my pseudo-gradient as sent (a joiner re-sends the donor's)
-    average: torch.Tensor | None = None  # where the average lands
-    pending: PendingReduce | None = None  # None: not my round (I joined mid-flight): fetch its result
-    # The reducer's error-feedback residuals from just before this round encoded: what a restart
-    # restores, so that re-sending `delta` encodes the very packets the round sent.
-    residuals_before: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True)
-class _Published:
-    """What `diloco.sync` serves: references to tensors the training thread never changes in place."""
-
-    step: int
-    versions: tuple[int, ...]
-    outer: tuple[torch.Tensor, ...]
-    momentum: tuple[torch.Tensor, ...]
-
-
 @register
-class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_prefix=TOPIC_PREFIX):
+class DiLoCo(OuterSyncRounds, BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_prefix=TOPIC_PREFIX):
     config: DiLoCoConfig
     runs_on_accelerators = True
     optimizer_key = "inner_optimizer"
@@ -176,12 +89,23 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         self._pin = False
         self.outer = [view.read() for view in self.views]
         self.momentum = [torch.zeros_like(o) for o in self.outer]
+        # time-based inner rounds (sync_every_s), or None: the step schedule
+        self.clock = SyncClock(config.sync_every_s, config.fragments) if config.sync_every_s else None
         # the round each fragment merges next: its outer parameters' version
-        self.versions = [self.schedule.first_round(f) for f in range(len(self.views))]
-        self.in_flight: dict[int, _Exchange] = {}
+        self.versions = [0 if self.clock else self.schedule.first_round(f) for f in range(len(self.views))]
+        self.next_round = list(self.versions)  # time-based: the round each fragment sends next
+        self.in_flight: dict[int, Exchange] = {}
+        self.ledger = TokenLedger(len(self.views), config.staleness_weight)
+        # my share of each round's average (0 in a round that closed without me): what I weigh
+        self.weight_log = {"rounds": 0, "missed": 0, "share_sum": 0.0}
+        self.last_closing: dict[int, Any] = {}
+        self.last_shares: dict[str, float] = {}
+        self._last_step_end: float | None = None
         timeouts = reduce_timeouts(config)
         self.reducers = [ShardedReducer(node, f"{TOPIC_PREFIX}f{i}", view.numel, config.compressor, timeouts,
                                         self.is_open) for i, view in enumerate(self.views)]
+        self.quorums = [QuorumClose(node, f"{TOPIC_PREFIX}q{i}", config.quorum, config.quorum_grace_s, timeouts,
+                                    self.is_open, salt=i) for i in range(len(self.views))] if config.quorum else []
         self.buffer_sync = None if config.local_buffers else BufferAverager(
             node, model, f"{TOPIC_PREFIX}buffers", timeouts, self.is_open)
         self.agreement = AgreementCheck(node, f"{TOPIC_PREFIX}agree", timeouts, self.is_open) \
@@ -232,51 +156,73 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
 
     # ------------------------------------------------------------------ training thread
     def step(self, loss_fn: LossFn) -> StepReport:
-        clock = self._begin_step()
+        clock, began = self._begin_step(), time.time()
+        if self.clock is not None:
+            self.clock.started(began)
         with clock.computing():
             loss = self._backprop(loss_fn)
             self.inner.step()
+        if self.clock is not None:  # a step's time: from the last one's end (data, emulated slowness) to now
+            self.clock.stepped(time.time() - (self._last_step_end or began))
 
         t = self.step_count
         s = self.step_count = t + 1
+        self.ledger.stepped()
         result: ReduceResult | None = None
-        sending = self.schedule.sending_at(s)
-        if sending is not None:
-            self._send(*sending)
-        merging = self.schedule.merging_at(s)
-        if merging is not None:
-            result = self._merge(*merging, clock)
+        for f, k in self._sends_at(s):
+            self._send(f, k)
+        self._admit_answered()
+        for f, k in self._merges_at(s):
+            result = self._merge(f, k, clock) or result
         self._publish()
+        self._last_step_end = time.time()
         if result is None:
             return self._report(t, loss, clock)
         return self._report(t, loss, clock, synced=result.synced, peers=result.peers, lost=result.lost)
 
     def _send(self, f: int, k: int) -> None:
-        """Start averaging fragment f's pseudo-gradient; training goes on until its merge."""
+        """Start averaging fragment f's pseudo-gradient (weighted by the steps it took, a late
+        one folded in); training goes on until its merge. With a quorum, first ask the
+        round's leader for its closing set."""
         delta = self._here(self.outer[f]) - self.views[f].read()  # on the model's device
-        self.in_flight[f] = self._start(f, k, membership(self.node), delta)
+        part, weight = self.ledger.contribution(f, delta)
+        members = membership(self.node)
+        merge_at = self.step_count + self.config.overlap_steps
+        if self.quorums and len(members) > 1:
+            self.in_flight[f] = Exchange(f, k, members, part, weight=weight, merge_at=merge_at,
+                                         asking=self.quorums[f].ask(k, members, weight))
+        else:
+            self.in_flight[f] = self._start(f, k, members, part, weight, merge_at)
+        if self.config.eager_updates:
+            self._eager_update(self.in_flight[f])
 
     def _here(self, t: torch.Tensor) -> torch.Tensor:
         """`t` on the model's device (itself when it is there already)."""
         return t.to(self.flat.device, non_blocking=t.is_pinned())
 
-    def _start(self, f: int, k: int, members: tuple[str, ...], delta: torch.Tensor) -> _Exchange:
+    def _start(self, f: int, k: int, members: tuple[str, ...], delta: torch.Tensor, weight: float = 1.0,
+               merge_at: int = 0) -> Exchange:
         if (len(members) > 1 and self.node.peer_id not in members) or delta.numel() != self.views[f].numel:
             self._skip(f, k)  # a donor's round that began without me: others may count me in it
-            return _Exchange(f, k, members, delta)
+            return Exchange(f, k, members, delta, weight=weight, merge_at=merge_at)
         average = delta.clone()
         before = self.reducers[f].state_dict() if not self.reducers[f].codec.lossless else None
-        pending = self.reducers[f].start(k, members, average)
+        pending = self.reducers[f].start(k, members, average, weight=weight)
         if len(members) > 1:
             # start() has encoded my parts, so the buffer is free until wait(): any shard
             # still NaN after it was not averaged
             average.fill_(math.nan)
-        return _Exchange(f, k, members, delta, average, pending, before)
+        return Exchange(f, k, members, delta, average, pending, before, weight=weight, merge_at=merge_at)
 
     def _merge(self, f: int, k: int, clock: StepClock) -> ReduceResult | None:
         """Wait for fragment f's average, take the outer step, merge it into the local parameters."""
         exchange = self.in_flight.pop(f, None)
         result = None
+        if exchange is not None and exchange.asking is not None:
+            self._admit(exchange)  # waits for the leader's set
+        if exchange is not None and exchange.missed:
+            self._missed(exchange)
+            return None
         if exchange is None or exchange.round != k:
             log.warning("%s: no exchange of fragment %d round %d in flight; fetching it", self.node.peer_id, f, k)
             self._skip(f, k)
@@ -293,11 +239,12 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             if result.lost:
                 log.warning("%s: %s round %d went on without %s", self.node.peer_id, self.reducers[f].topic, k,
                             list(result.lost))
+            self._log_share(result, exchange.members)
         with clock.computing():
             if exchange is not None and exchange.average is not None and self.versions[f] == k:
                 average = exchange.average.nan_to_num_(nan=0.0)
                 self._outer_step(f, average)
-            self._merge_local(f)
+            self._merge_local(f, exchange.provisional if exchange is not None else None)
         if f == 0 and exchange is not None and exchange.pending is not None:  # the same members, the same rounds
             if self.buffer_sync is not None:
                 self.buffer_sync.sync(k, exchange.members)
@@ -328,22 +275,31 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             view.write(outer)
         self._publish()
 
-    def _outer_step(self, f: int, delta: torch.Tensor) -> None:
+    def _outer_step(self, f: int, delta: torch.Tensor, commit: bool = True) -> torch.Tensor:
         """Nesterov SGD on the outer fragment, the averaged pseudo-gradient as its gradient, in
         float32 where the outer state lives. New tensors, not in-place updates: `diloco.sync`
         may be sending the old ones. (The same operations in the same order on every peer:
-        outer parameters stay bit-identical.)"""
+        outer parameters stay bit-identical.) `commit=False`: only return the outer fragment
+        this step would make (an eager update's stand-in)."""
         mu, lr = self.config.outer_momentum, self.config.outer_lr
         delta = delta.to(self.state_device)
         momentum = torch.mul(self.momentum[f], mu, out=self._fresh(self.momentum[f])).add_(delta)
         outer = torch.mul(momentum, mu, out=self._fresh(self.outer[f])).add_(delta).mul_(lr)
-        self.outer[f] = torch.sub(self.outer[f], outer, out=outer)
-        self.momentum[f] = momentum
-        self.versions[f] += 1
+        outer = torch.sub(self.outer[f], outer, out=outer)
+        if commit:
+            self.outer[f], self.momentum[f] = outer, momentum
+            self.versions[f] += 1
+        return outer
 
-    def _merge_local(self, f: int) -> None:
+    def _merge_local(self, f: int, provisional: torch.Tensor | None = None) -> None:
+        """local = alpha local + (1 - alpha) outer; after an eager update (`provisional`, the
+        stand-in merged at the send) only the difference between the two outer fragments is
+        merged, so the steps taken meanwhile keep their full size (Kale et al. 2025)."""
         alpha = self.config.alpha
-        if alpha == 0.0:
+        if provisional is not None:
+            correction = self._here(self.outer[f]) - self._here(provisional)
+            self.views[f].write(self.views[f].read().add_(correction, alpha=1.0 - alpha))
+        elif alpha == 0.0:
             self.views[f].write(self.outer[f])
         else:
             self.views[f].write(alpha * self.views[f].read() + (1.0 - alpha) * self._here(self.outer[f]))
@@ -370,9 +326,14 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         self._adopt(got, range(len(self.views)))
         for view, outer in zip(self.views, self.outer):
             view.write(outer)  # my local progress belongs to rounds that closed without me
+        if self.clock is not None:  # time-based rounds: the clock says which round is next
+            for g in range(len(self.views)):
+                for r in range(before[g], self.versions[g]):
+                    self._skip(g, r)
+            return
         self.step_count = max(self.step_count, got.step)
         for g, r in self.schedule.in_flight_at(got.step):  # started before I arrived: fetched at merge
-            self.in_flight[g] = _Exchange(g, r, tuple(sources), torch.zeros(0))
+            self.in_flight[g] = Exchange(g, r, tuple(sources), torch.zeros(0))
         for g in range(len(self.views)):
             # the rounds I jumped over, or fetch at their merge: members that count me in them
             # stop waiting for my part (only the latest two can still be open anywhere)
@@ -389,14 +350,14 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         if f == 0 and self.agreement is not None and k % self.config.check_every == 0:
             self.agreement.reducer.skip(k)
 
-    def _adopt(self, got: _Published, fragments: Sequence[int]) -> None:
+    def _adopt(self, got: Published, fragments: Sequence[int]) -> None:
         for f in fragments:
             if got.versions[f] >= self.versions[f]:
                 self.outer[f], self.momentum[f] = self._placed(got.outer[f]), self._placed(got.momentum[f])
                 self.versions[f] = got.versions[f]
 
     def _fetch(self, fragments: list[int], sources: Sequence[str],
-               ready: Callable[[tuple[int, ...]], bool]) -> _Published | None:
+               ready: Callable[[tuple[int, ...]], bool]) -> Published | None:
         """Ask `sources` in turn for these fragments until one answers with `ready(versions)`
         true, or the round timeout (plus grace) has passed."""
         me, sizes = self.node.peer_id, [self.views[f].numel for f in fragments]
@@ -410,7 +371,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                 try:  # a bounded wait per peer, so that a dead one leaves time to ask the others
                     msg = self.node.request(peer, SYNC_TOPIC, {"fragments": fragments},
                                             timeout_s=min(remaining, max(1.0, self.config.round_timeout_s / 4)))
-                    got = _read_sync_reply(msg, fragments, sizes, len(self.views))
+                    got = read_sync_reply(msg, fragments, sizes, len(self.views))
                 except Exception as exc:  # dead, not up yet, or a malformed answer: ask another
                     log.debug("%s: %s from %s failed: %s", me, SYNC_TOPIC, peer, exc)
                     continue
@@ -420,7 +381,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         return None
 
     def _publish(self) -> None:
-        self._published = _Published(self.step_count, tuple(self.versions), tuple(self.outer), tuple(self.momentum))
+        self._published = Published(self.step_count, tuple(self.versions), tuple(self.outer), tuple(self.momentum))
 
     # ------------------------------------------------------------------ network thread
     def _on_sync(self, msg: Message) -> Reply | dict[str, Any]:
@@ -439,13 +400,29 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
 
     def private_state(self) -> dict[str, Any]:
         """Each fragment's residuals; for a fragment with a round in flight, as they were before
-        it encoded (load_state_dict re-sends that round and encodes it again)."""
+        it encoded (load_state_dict re-sends that round and encodes it again). And my tokens
+        since my last contributions, with any late one carried: a joiner starts from none."""
         states = []
         for f, reducer in enumerate(self.reducers):
             exchange = self.in_flight.get(f)
             before = exchange.residuals_before if exchange is not None else None
             states.append(before if before is not None else reducer.state_dict())
-        return {"reducers": states}
+        return {"reducers": states, "ledger": self.ledger.state_dict()}
+
+    def load_private_state(self, state: Mapping[str, Any]) -> None:
+        super().load_private_state(state)
+        if "ledger" in state:
+            self.ledger.load_state_dict(state["ledger"])
+
+    def on_peer_joined(self, peer_id: str) -> None:
+        super().on_peer_joined(peer_id)
+        for quorum in self.quorums:
+            quorum.peer_joined(peer_id)
+
+    def on_peer_left(self, peer_id: str) -> None:
+        super().on_peer_left(peer_id)
+        for quorum in self.quorums:
+            quorum.peer_left(peer_id)
 
     # ------------------------------------------------------------------ state and evaluation
     def state_dict(self) -> dict[str, Any]:
@@ -454,7 +431,11 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         state["outer_momentum"] = [m.clone() for m in self.momentum]
         state["versions"] = list(self.versions)
         state["in_flight"] = [{"fragment": e.fragment, "round": e.round, "members": list(e.members),
-                               "delta": e.delta.clone()} for e in self.in_flight.values()]
+                               "delta": e.delta.clone(), "weight": e.weight, "merge_at": e.merge_at}
+                              for e in self.in_flight.values()]
+        if self.clock is not None:
+            state["clock_epoch"] = self.clock.epoch  # the swarm's: a joiner's rounds fall due with the others'
+            state["next_round"] = list(self.next_round)
         if self.buffer_sync is not None:
             state["buffers"] = self.buffer_sync.state_dict()
         return state
@@ -470,10 +451,19 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         self.momentum = [self._placed(m.detach().clone()) for m in momentum]
         self.versions = [int(v) for v in state["versions"]]
         self.in_flight = {}
+        if self.clock is not None:
+            self.clock.epoch = state.get("clock_epoch", self.clock.epoch)
+            self.next_round = [int(r) for r in state.get("next_round", self.versions)]
         for e in state["in_flight"]:
             f, k = int(e["fragment"]), int(e["round"])
             delta = e["delta"].to(device=self.flat.device, dtype=torch.float32).clone()
-            self.in_flight[f] = self._start(f, k, tuple(str(m) for m in e["members"]), delta)
+            members, weight, merge_at = tuple(str(m) for m in e["members"]), float(e.get("weight", 1.0)), \
+                int(e.get("merge_at", 0))
+            if self.quorums:  # the donor asked for a closing set, not me: fetch the round's result at merge
+                self._skip(f, k)
+                self.in_flight[f] = Exchange(f, k, members, delta, weight=weight, merge_at=merge_at)
+            else:
+                self.in_flight[f] = self._start(f, k, members, delta, weight, merge_at)
         if self.buffer_sync is not None and "buffers" in state:
             self.buffer_sync.load_state_dict(state["buffers"])
         self._publish()
@@ -496,26 +486,11 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "step": self.step_count, "parameters": self.flat.numel,
-                "fragment_sizes": [view.numel for view in self.views], "versions": list(self.versions)}
+                "fragment_sizes": [view.numel for view in self.views], "versions": list(self.versions),
+                "rounds": self.weight_log["rounds"], "missed_rounds": self.weight_log["missed"],
+                "mean_share": self.weight_log["share_sum"] / max(1, self.weight_log["rounds"])}
 
 
 @register
 class StreamingDiLoCo(DiLoCo, name="streaming-diloco", config_class=StreamingDiLoCoConfig):
     """DiLoCo with fragments on a staggered schedule, overlapped and merged with alpha."""
-
-
-def _read_sync_reply(msg: Message, fragments: list[int], sizes: list[int], count: int) -> _Published:
-    body = msg.body
-    if not isinstance(body, dict) or not body.get("ok"):
-        raise ValueError(body.get("reason") if isinstance(body, dict) else "malformed reply")
-    versions = tuple(int(v) for v in body["versions"])
-    if len(versions) != count or list(body["fragments"]) != fragments or len(msg.payload) != 2 * len(fragments):
-        raise ValueError("reply does not match the request")
-    outer: list[torch.Tensor] = [torch.zeros(0)] * count
-    momentum: list[torch.Tensor] = [torch.zeros(0)] * count
-    for i, (f, n) in enumerate(zip(fragments, sizes)):
-        o, m = (torch.as_tensor(t).reshape(-1).to(torch.float32).clone() for t in msg.payload[2 * i:2 * i + 2])
-        if o.numel() != n or m.numel() != n or not (torch.isfinite(o).all() and torch.isfinite(m).all()):
-            raise ValueError(f"fragment {f}: expected {n} finite values")
-        outer[f], momentum[f] = o, m
-    return _Published(int(body["step"]), versions, tuple(outer), tuple(momentum))

@@ -159,3 +159,41 @@ class FragmentSchedule:
         """Rounds started at or before step s that merge after it, oldest first."""
         return [r for d in range(self.overlap_steps - 1, -1, -1)
                 if (r := self.sending_at(s - d)) is not None]
+
+
+class SyncClock:
+    """Time-based inner rounds (`sync_every_s`, issue 20): fragment f's k-th sync is due at
+
+        due(f, k) = epoch + k W + (f + 1) W / F                  (W = sync_every_s)
+
+    and a peer starts its exchange after the last inner step that ends before it: when one
+    more step (its own recent step time) would end past due(f, k). Fast and slow peers thus
+    reach a fragment's sync together, each with as many inner steps as fit in its window.
+    The epoch is the swarm's: the first peer's first step, which a joiner takes from its
+    donor's state (wall-clock time, so peers compare it across hosts with synced clocks)."""
+
+    SMOOTHING = 0.3  # weight of the newest step in the step-time average
+
+    def __init__(self, sync_every_s: float, fragments: int) -> None:
+        if not sync_every_s > 0.0 or fragments < 1:
+            raise ValueError("sync_every_s must be > 0 and fragments >= 1")
+        self.window_s, self.fragments = sync_every_s, fragments
+        self.epoch: float | None = None
+        self.step_s = 0.0  # recent time between two steps' ends (compute, data, emulated slowness)
+
+    def due(self, fragment: int, k: int) -> float:
+        assert self.epoch is not None
+        return self.epoch + k * self.window_s + (fragment + 1) * self.window_s / self.fragments
+
+    def started(self, now: float) -> None:
+        """A step begins at `now`; the first one fixes the epoch unless a donor's state did."""
+        if self.epoch is None:
+            self.epoch = now
+
+    def stepped(self, took_s: float) -> None:
+        self.step_s = took_s if self.step_s == 0.0 else \
+            (1.0 - self.SMOOTHING) * self.step_s + self.SMOOTHING * took_s
+
+    def should_send(self, fragment: int, k: int, now: float) -> bool:
+        """Whether fragment f's round k starts now: one more step would end past its time."""
+        return now + self.step_s >= self.due(fragment, k)

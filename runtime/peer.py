@@ -111,16 +111,25 @@ class SimPeer:
         assert trainer is not None
         stop = config.stop_at(self.rank)
         batches = trainer.batches()
+        slowdown = config.slowdown(self.rank)
         try:
             while self.step < config.steps:
                 if stop is not None and self.step >= stop[1]:
                     self._stop(stop[0])
                     return
+                if config.duration_s and time.time() - t0 >= config.duration_s:
+                    self._out_of_time()
+                    break
                 report = trainer.step(next(batches))
+                # emulated slower hardware: the step's compute takes `slowdown` times as long
+                slept = (slowdown - 1.0) * report.compute_s
+                if slept > 0:
+                    time.sleep(slept)
                 self.step += 1
-                self._record(report, t0)
+                self._record(report, t0, slept)
                 self.on_step(self.rank, self.step)
-            self.result.train_end = time.time()
+            if not self.result.train_end:
+                self.result.train_end = time.time()
             self.result.eval_loss = float(trainer.evaluate()["eval_loss"])
             self.result.protocol_info = json_data(self.proto.describe())  # type: ignore[union-attr]
             self.result.status = "finished"
@@ -130,13 +139,25 @@ class SimPeer:
             self._stop("kill")  # the others see it go as a crash
             self.result.status = "failed"
 
-    def _record(self, report: Any, t0: float) -> None:
+    def _out_of_time(self) -> None:
+        """The run's wall-clock budget is spent: leave (rounds stop waiting for me at once), then
+        evaluate what this peer holds."""
+        self.result.train_end = time.time()
+        self.collect()
+        self.proto.close()  # type: ignore[union-attr]
+        self.node.leave()
+
+    def _record(self, report: Any, t0: float, slept: float = 0.0) -> None:
         by_topic = sent_by_topic(self.node)
         record = {"peer": self.rank, "step": report.step, "loss": report.loss, "wall_s": time.time() - t0,
                   "bytes_sent": sum(n for t, n in by_topic.items() if not t.startswith("$")),
                   "bytes_sent_total": sum(by_topic.values()), "bytes_by_topic": by_topic,
                   "synced": report.synced, "peers": report.peers, "step_wall_s": report.wall_s,
                   "compute_s": report.compute_s}
+        if self.config.peer_speed:  # emulated heterogeneity: the speed, and the compute it stood for
+            record["speed"] = self.config.peer_speed[self.rank] if self.rank < len(self.config.peer_speed) else \
+                max(self.config.peer_speed)
+            record["slowdown_s"] = slept
         if self.config.eval_every and self.rank == 0 and self.step % self.config.eval_every == 0:
             record["eval_loss"] = float(self.trainer.evaluate()["eval_loss"])  # type: ignore[union-attr]
         self.result.records.append(record)

@@ -87,6 +87,13 @@ class SimConfig:
     # Open DEALERs per simulated node (see runtime/capacity.py): None picks the largest cap up
     # to a real node's 64 that fits the process's descriptors; a run that cannot fit is refused.
     max_dealers: int | None = None
+    # Emulated heterogeneity (issue 20): one relative compute speed per initial peer (joiners run
+    # at the fastest). A peer of speed v sleeps (max speed / v - 1) times each step's measured
+    # compute time on its training thread, so "1,1,1,0.33" makes the last peer about 3x slower.
+    peer_speed: tuple[float, ...] = ()
+    # A wall-clock budget: every peer stops training this many seconds after the start (steps
+    # stay an upper bound), leaves the swarm, and evaluates. 0: run the steps.
+    duration_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.peers < 1:
@@ -104,6 +111,16 @@ class SimConfig:
             raise ValueError("processes need the tcp or ipc transport (inproc works within one process)")
         if self.max_dealers is not None and self.max_dealers < 1:
             raise ValueError(f"max_dealers must be >= 1, got {self.max_dealers}")
+        if self.peer_speed:
+            object.__setattr__(self, "peer_speed", tuple(float(v) for v in self.peer_speed))
+            if len(self.peer_speed) != self.peers:
+                raise ValueError(f"peer speeds name {len(self.peer_speed)} peers, but there are {self.peers} "
+                                 "(give one speed per peer, e.g. 1,1,1,0.33)")
+            bad = [v for v in self.peer_speed if not (0.0 < v < float("inf"))]
+            if bad:
+                raise ValueError(f"peer speeds must be finite numbers > 0, got {bad[0]:g}")
+        if not 0.0 <= self.duration_s < float("inf"):
+            raise ValueError(f"duration_s must be a finite number >= 0 (0: run the steps), got {self.duration_s}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         check_churn(self.churn, self.peers, self.steps)
@@ -114,6 +131,12 @@ class SimConfig:
         if self.checkpoint_dir and self.processes:
             raise ValueError("checkpoints are written by in-process peers only (drop --processes)")
         self.placement()  # raises DeviceError (a ValueError) for a device or dtype this machine lacks
+
+    def slowdown(self, rank: int) -> float:
+        """How many times slower than the fastest peer `rank` computes (1: full speed)."""
+        if not self.peer_speed or rank >= len(self.peer_speed):
+            return 1.0
+        return max(self.peer_speed) / self.peer_speed[rank]
 
     def placement(self) -> Placement:
         return Placement.parse(self.device, self.dtype, self.autocast, self.state_device)
@@ -155,6 +178,8 @@ class SimConfig:
                 "link": self.link.describe(), "churn": ",".join(map(str, self.churn)), "seed": self.seed,
                 "options": {k: v for k, v in self.options.items()}, "task_options": dict(self.task_options),
                 "max_dealers": self.max_dealers,
+                **({"peer_speed": list(self.peer_speed)} if self.peer_speed else {}),
+                **({"duration_s": self.duration_s} if self.duration_s else {}),
                 "heartbeat_s": None if self.liveness is None else round(self.liveness.heartbeat_interval_s, 3),
                 **({"checkpoint_dir": self.checkpoint_dir, "resume": self.resume} if self.checkpoint_dir else {}),
                 **({"placement": self.placement().describe()} if self.placement() != Placement() else {})}

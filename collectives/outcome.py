@@ -1,0 +1,33 @@
+"""What a round of the sharded all-reduce is given (its timeouts) and what it returns (its
+outcome): small types that the reducer, and what averages with it, share."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ReduceTimeouts:
+    round_timeout_s: float = 30.0  # an owner closes a shard without members not in by then
+    reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
+    retry_interval_s: float = 0.05  # re-send a part to an owner whose protocol is not up yet
+
+
+@dataclass(frozen=True)
+class ReduceResult:
+    """What one round did to the caller's vector (averaged in place where owners answered)."""
+
+    round: int
+    synced: bool  # some shard was averaged with at least one other peer
+    peers: int  # members whose contribution every shard's average includes (self included)
+    lost: tuple[str, ...]  # members missing from some shard's average
+    ahead: int  # the latest round an owner said it is in (> round: this peer fell behind)
+    skipped: tuple[str, ...] = ()  # members missing from it that said they send nothing in it (not lost)
+    # each contributor's share of the average, when their weights differed (sum to one); () when equal
+    shares: tuple[tuple[str, float], ...] = ()
+
+
+def shares_in(reply: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
+    """The contributors' shares an owner's reply names (none when their weights were equal)."""
+    return tuple(sorted((str(peer), float(share)) for peer, share in reply.get("shares") or ()))

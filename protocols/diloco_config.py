@@ -1,0 +1,115 @@
+"""The hyper-parameters of `diloco` and `streaming-diloco`, checked when a config is built.
+
+Peers of different speeds (issue 20) add: `sync_every_s` (time-based inner rounds),
+`quorum` and `quorum_grace_s` (a round closes without the stragglers) and
+`staleness_weight` (what a late contribution counts for in the next round). Every
+contribution is weighted by the inner steps it was computed on; equal weights leave the
+average exactly the plain one, so a swarm that uses none of these trains as it always did.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starling.collectives.codec import check_compressor_spec
+from starling.protocols.base import ProtocolConfig
+from starling.protocols.fragments import ASSIGNMENTS
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig(ProtocolConfig):
+    lr: float = 1e-3  # inner optimizer
+    compressor: str = "int4"  # pseudo-gradients travel in 4 bits; the outer step stays float32
+    sync_every: int = 100  # H: inner steps between two syncs of the same fragment
+    fragments: int = 1  # F: fragments synced one at a time, H / F steps apart
+    overlap_steps: int = 0  # tau: a fragment's exchange starts this many steps before its merge
+    alpha: float = 0.0  # merge: local = alpha local + (1 - alpha) global
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9  # Nesterov
+    inner_optimizer: str = "adamw"  # adamw | sgd
+    inner_momentum: float = 0.0  # sgd only
+    weight_decay: float = 0.0
+    fragment_assignment: str = "strided"  # strided | sequential (see fragments.py)
+    reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
+    retry_interval_s: float = 0.05  # re-ask a peer that is not ready yet
+    # Floating buffers (BatchNorm statistics) are averaged, integer ones set to their maximum, at
+    # every sync of fragment 0, so that every peer's eval_model() agrees; True: each peer's own (FedBN).
+    local_buffers: bool = False
+    # Every this many syncs of fragment 0 the members check that their outer parameters agree bit
+    # for bit (a tiny round of digests); a swarm that drifted apart (peers built with different
+    # initial weights, say) takes the outer state of its first member. 0: never. The default costs
+    # 0.14% more bytes (benchmarks/drift_guard.py, docs/benchmarks.md).
+    check_every: int = 10
+    # Peers of different speeds (issue 20). sync_every_s > 0: time-based inner rounds, each peer
+    # runs as many inner steps as fit in a window of this many seconds (fragments.SyncClock);
+    # 0: every peer runs sync_every steps. overlap_steps still counts steps after a send.
+    sync_every_s: float = 0.0
+    # quorum K >= 1: a fragment's round closes once K members are in plus quorum_grace_s (the
+    # round's leader names the set, collectives/quorum.py); 0: a round waits for every member.
+    # Pair it with sync_every_s for peers that are slower for good: with step-based rounds such a
+    # peer reaches every round after it closed, so its work never lands (a stalled one's does).
+    quorum: int = 0
+    quorum_grace_s: float = 0.5
+    # gamma: a contribution that missed its round's close counts this much in the fragment's
+    # next round (outer_sync.py). 0.5 is FedBuff's polynomial staleness 1/(1+delay) at one
+    # round of delay; 0 drops late work, 1 counts it in full.
+    staleness_weight: float = 0.5
+    # Eager updates (Kale et al. 2025), with overlap: at a fragment's send the local fragment
+    # merges the outer step its own pseudo-gradient would make; at the merge only the
+    # difference to the real one. Outer parameters are the same as without.
+    eager_updates: bool = False
+
+    def __post_init__(self) -> None:
+        if self.check_every < 0:
+            raise ValueError(f"check_every must be >= 0, got {self.check_every}")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
+        if self.fragments < 1:
+            raise ValueError(f"fragments must be >= 1, got {self.fragments}")
+        if self.sync_every % self.fragments:
+            raise ValueError(f"sync_every (H={self.sync_every}) must be divisible by fragments "
+                             f"(F={self.fragments}): one fragment syncs every H/F steps")
+        if self.overlap_steps < 0:
+            raise ValueError(f"overlap_steps must be >= 0, got {self.overlap_steps}")
+        if self.overlap_steps >= self.sync_every:
+            raise ValueError(f"overlap_steps (tau={self.overlap_steps}) must be < sync_every "
+                             f"(H={self.sync_every}): a fragment's exchange would still be in flight "
+                             "when its next one starts")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if not self.lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        if not self.outer_lr > 0.0:
+            raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.inner_optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"inner_optimizer must be 'adamw' or 'sgd', got {self.inner_optimizer!r}")
+        if not 0.0 <= self.inner_momentum < 1.0:
+            raise ValueError(f"inner_momentum must be in [0, 1), got {self.inner_momentum}")
+        if self.weight_decay < 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.fragment_assignment not in ASSIGNMENTS:
+            raise ValueError(f"fragment_assignment must be one of {', '.join(ASSIGNMENTS)}, "
+                             f"got {self.fragment_assignment!r}")
+        if not self.sync_every_s >= 0.0 or self.sync_every_s == float("inf"):
+            raise ValueError(f"sync_every_s must be a finite number >= 0 (0: sync every sync_every steps), "
+                             f"got {self.sync_every_s}")
+        if self.quorum < 0:
+            raise ValueError(f"quorum must be >= 0 (0: every member), got {self.quorum}")
+        if not 0.0 <= self.quorum_grace_s < float("inf"):
+            raise ValueError(f"quorum_grace_s must be a finite number >= 0, got {self.quorum_grace_s}")
+        if not 0.0 <= self.staleness_weight <= 1.0:
+            raise ValueError(f"staleness_weight must be in [0, 1], got {self.staleness_weight}")
+        if self.eager_updates and self.overlap_steps < 1:
+            raise ValueError("eager_updates needs overlap_steps >= 1: without overlap the average is there at once")
+        for name in ("round_timeout_s", "reply_grace_s", "retry_interval_s"):
+            if not getattr(self, name) > 0.0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_compressor_spec(self.compressor)
+
+
+@dataclass(frozen=True)
+class StreamingDiLoCoConfig(DiLoCoConfig):
+    fragments: int = 4
+    overlap_steps: int = 1
+    alpha: float = 0.5

@@ -1,0 +1,267 @@
+"""Peers of different speeds (issue 20): token-weighted averages, the quorum close, late
+contributions carried into the next round once, time-based inner rounds, and bad input."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+from conftest import in_parallel, swarm, wait_until
+from torch import nn
+
+from starling.collectives import ReduceTimeouts, ShardedReducer
+from starling.collectives.quorum import QuorumClose, read_closing
+from starling.node import Refusal, refusal_of
+from starling.protocols import PRIVATE_STATE, ProtocolError, get_protocol
+from starling.protocols.fragments import SyncClock
+from starling.protocols.outer_sync import TokenLedger
+
+EXACT = {"compressor": "none", "inner_optimizer": "sgd", "lr": 0.1, "check_every": 0}
+
+
+def linear() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(5, 3)
+
+
+def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g) * (rank + 1)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def train(proto, rank: int, steps: int) -> list:
+    return [proto.step(lambda: loss_of(proto.model, rank, proto.step_count)) for _ in range(steps)]
+
+
+def outer(proto) -> torch.Tensor:
+    return torch.cat([o.reshape(-1) for o in proto.outer])
+
+
+# ---------------------------------------------------------------- weights
+def test_weights_follow_tokens_and_shares_sum_to_one(make_node):
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    reducers = [ShardedReducer(n, "test.w", 6) for n in nodes]
+    vectors = [torch.full((6,), float(r + 1)) for r in range(3)]
+    tokens = [10.0, 30.0, 60.0]
+    results = in_parallel([lambda r=r: _reduce_weighted(reducers[r], members, vectors[r], tokens[r])
+                           for r in range(3)])
+    expected = sum(v * w for v, w in zip(vectors, tokens)) / sum(tokens)
+    ids = [n.peer_id for n in nodes]
+    for average, result in results:
+        torch.testing.assert_close(average, expected)
+        shares = dict(result.shares)
+        assert math.isclose(sum(shares.values()), 1.0, rel_tol=0, abs_tol=1e-12)
+        assert [round(shares[i], 12) for i in ids] == [round(w / sum(tokens), 12) for w in tokens]
+    assert all(torch.equal(results[0][0], a) for a, _ in results)  # one average for everyone
+
+    # equal weights: the plain average, bit for bit, and no shares on the wire
+    plain = in_parallel([lambda r=r: _reduce_weighted(reducers[r], members, vectors[r], None, t=1) for r in range(3)])
+    equal = in_parallel([lambda r=r: _reduce_weighted(reducers[r], members, vectors[r], 7.0, t=2) for r in range(3)])
+    for (p, _), (e, result) in zip(plain, equal):
+        assert torch.equal(p, e) and result.shares == ()
+
+
+def _reduce_weighted(reducer, members, vector, weight, t=0):
+    average = vector.clone()
+    result = reducer.start(t, members, average, weight=weight).wait()
+    return average, result
+
+
+def test_the_ledger_counts_steps_per_fragment_and_folds_a_late_part_once():
+    ledger = TokenLedger(2, staleness_weight=0.5)
+    for _ in range(3):
+        ledger.stepped()
+    part, weight = ledger.contribution(0, torch.ones(2))
+    assert weight == 3.0 and torch.equal(part, torch.ones(2)) and ledger.steps == [0, 3]
+    ledger.missed(0, part, weight)
+    ledger.stepped()
+    folded, weight = ledger.contribution(0, torch.zeros(2))  # 1 new step, 3 late ones at gamma 0.5
+    assert weight == 1.0 + 0.5 * 3.0
+    torch.testing.assert_close(folded, torch.full((2,), 1.5 / 2.5))
+    ledger.included(0)
+    ledger.stepped()
+    assert ledger.contribution(0, torch.zeros(2))[1] == 1.0  # the carry was spent once
+
+
+# ---------------------------------------------------------------- the quorum close
+def quorum_swarm(make_node, n: int, **options):
+    nodes = swarm(make_node, n)
+    opts = {**EXACT, "sync_every": 2, "quorum": n - 1, "quorum_grace_s": 1.0, "round_timeout_s": 20.0, **options}
+    return nodes, [get_protocol("diloco").create(node, linear(), opts) for node in nodes]
+
+
+def test_a_round_closes_at_quorum_without_the_slow_peer_and_its_part_lands_once_later(make_node):
+    nodes, (pa, pb, pc) = quorum_swarm(make_node, 3)
+    ids = [n.peer_id for n in nodes]
+    slow_may_go = threading.Event()
+
+    def slow() -> list:
+        assert slow_may_go.wait(60)
+        return train(pc, 2, 2)
+
+    def release_when_fast_merged() -> None:
+        assert wait_until(lambda: pa.versions == [1] and pb.versions == [1], 30)
+        slow_may_go.set()
+
+    with_slow = in_parallel([lambda: train(pa, 0, 2), lambda: train(pb, 1, 2), slow, release_when_fast_merged])
+    # round 0 closed with the two fast peers only, and the slow one was told the same set
+    assert pa.last_closing[0].members == pb.last_closing[0].members == tuple(sorted(ids[:2]))
+    assert pc.last_closing[0] == pa.last_closing[0]
+    assert with_slow[0][-1].synced and with_slow[0][-1].peers == 2
+    assert pc.weight_log["missed"] == 1 and pc.ledger.carry[0] is not None
+    assert pa.versions == pb.versions == pc.versions == [1]
+    assert torch.equal(outer(pa), outer(pc)) and torch.equal(outer(pb), outer(pc))
+
+    # round 1: all three on time; the slow peer's late part rides along, at gamma 0.5
+    in_parallel([lambda: train(pa, 0, 2), lambda: train(pb, 1, 2), lambda: train(pc, 2, 2)])
+    closing = pa.last_closing[0]
+    assert closing == pb.last_closing[0] == pc.last_closing[0]
+    assert dict(closing.contributions) == {ids[0]: 2.0, ids[1]: 2.0, ids[2]: 2.0 + 0.5 * 2.0}
+    assert math.isclose(sum(pa.last_shares.values()), 1.0) and math.isclose(pa.last_shares[ids[2]], 3.0 / 7.0)
+    assert pc.ledger.carry[0] is None
+    # round 2: spent once, it is not counted again
+    in_parallel([lambda: train(pa, 0, 2), lambda: train(pb, 1, 2), lambda: train(pc, 2, 2)])
+    assert dict(pa.last_closing[0].contributions) == dict.fromkeys(ids, 2.0)
+    assert pa.versions == pb.versions == pc.versions == [3]
+    assert torch.equal(outer(pa), outer(pc)) and torch.equal(outer(pb), outer(pc))
+    assert torch.equal(pa.momentum[0], pc.momentum[0])
+
+
+def test_time_based_rounds_with_a_slow_peer_keep_outer_parameters_bit_identical(make_node):
+    """sync_every_s: each peer runs the steps that fit; a peer 4x slower runs fewer, weighs
+    less, and every peer ends each round with the same outer parameters."""
+    nodes = swarm(make_node, 3)
+    opts = {**EXACT, "sync_every_s": 0.8, "fragments": 2, "sync_every": 2, "quorum": 2, "quorum_grace_s": 0.3,
+            "round_timeout_s": 20.0}
+    protos = [get_protocol("streaming-diloco").create(n, linear(), {**opts, "overlap_steps": 1}) for n in nodes]
+    pause = [0.01, 0.01, 0.04]
+
+    def run(r):
+        proto = protos[r]
+        while min(proto.versions) < 3:
+            proto.step(lambda: (time.sleep(pause[r]), loss_of(proto.model, r, proto.step_count))[1])
+
+    in_parallel([lambda r=r: run(r) for r in range(3)])
+    assert protos[0].versions == protos[1].versions == protos[2].versions == [3, 3]
+    assert torch.equal(outer(protos[0]), outer(protos[2])) and torch.equal(outer(protos[1]), outer(protos[2]))
+    assert protos[2].step_count < protos[0].step_count  # fewer steps fit in the slow peer's windows
+    slow_share = protos[2].weight_log["share_sum"] / protos[2].weight_log["rounds"]
+    assert slow_share < 1 / 3
+
+
+def test_a_joiner_weighs_the_steps_it_took_from_its_first_contribution(make_node):
+    a, b = swarm(make_node, 2)
+    opts = {**EXACT, "sync_every": 4, "round_timeout_s": 20.0}
+    pa, pb = (get_protocol("diloco").create(n, linear(), opts) for n in (a, b))
+    in_parallel([lambda: train(pa, 0, 2), lambda: train(pb, 1, 2)])
+    c = make_node("inproc", join=[a.address])
+    for node in (a, b, c):
+        assert wait_until(lambda node=node: len(node.live_peers()) == 2)
+    pc = get_protocol("diloco").create(c, linear(), opts)
+    state = pa.state_dict()
+    state.pop(PRIVATE_STATE)  # as a Trainer sends it: the donor's own ledger is not the joiner's
+    pc.load_state_dict(state)
+    in_parallel([lambda: train(pa, 0, 2), lambda: train(pb, 1, 2), lambda: train(pc, 2, 2)])
+    assert pa.versions == pb.versions == pc.versions == [1]
+    shares = pa.last_shares
+    assert shares == pc.last_shares
+    assert math.isclose(shares[c.peer_id], 2 / 10) and math.isclose(shares[a.peer_id], 4 / 10)
+    assert torch.equal(outer(pa), outer(pc)) and torch.equal(outer(pb), outer(pc))
+
+
+# ---------------------------------------------------------------- eager updates
+def test_eager_updates_merge_a_stand_in_at_the_send_and_leave_the_outer_step_as_it_was(make_node):
+    """H 4, tau 2: fragment 0 leaves after step 2 and merges after 4. With eager updates the
+    local parameters take, at the send, the outer step my own pseudo-gradient would make;
+    the outer parameters after the merge are those of the same swarm without."""
+    alpha, lr, mu = 0.5, 0.7, 0.9
+    opts = {**EXACT, "sync_every": 4, "fragments": 1, "overlap_steps": 2, "alpha": alpha, "outer_lr": lr,
+            "outer_momentum": mu}
+    swarms = {}
+    for eager in (False, True):
+        nodes = swarm(make_node, 2)
+        swarms[eager] = [get_protocol("streaming-diloco").create(n, linear(), {**opts, "eager_updates": eager})
+                         for n in nodes]
+        in_parallel([lambda r=r, eager=eager: train(swarms[eager][r], r, 2) for r in range(2)])
+    theta0 = outer(swarms[False][0])
+    for r in range(2):
+        local_send = torch.cat([p.detach().reshape(-1) for p in swarms[False][r].model.parameters()])
+        delta = theta0 - local_send
+        stand_in = theta0 - lr * (1 + mu) * delta
+        eager_local = torch.cat([p.detach().reshape(-1) for p in swarms[True][r].model.parameters()])
+        torch.testing.assert_close(eager_local, alpha * local_send + (1 - alpha) * stand_in)
+    for eager in (False, True):
+        in_parallel([lambda r=r, eager=eager: train(swarms[eager][r], r, 2) for r in range(2)])
+    assert torch.equal(outer(swarms[True][0]), outer(swarms[False][0]))
+    assert torch.equal(outer(swarms[True][0]), outer(swarms[True][1]))
+    assert not torch.equal(swarms[True][0].model.weight, swarms[False][0].model.weight)
+
+
+# ---------------------------------------------------------------- bad input
+def test_a_part_with_a_nan_or_negative_weight_is_refused_counted_and_changes_nothing(make_node):
+    a, b = swarm(make_node, 2)
+    members = tuple(sorted((a.peer_id, b.peer_id)))
+    owner, other = (a, b) if members[0] == a.peer_id else (b, a)
+    reducer = ShardedReducer(owner, "test.bad", 4)
+    for weight in (float("nan"), -1.0, "heavy"):
+        body = {"step": 0, "shard": 0, "chunk": 0, "members": list(members), "packet": {}, "weight": weight}
+        reply = other.request(owner.peer_id, "test.bad", body).body
+        assert refusal_of(reply) is Refusal.MALFORMED and "weight" in reply["reason"]
+    assert owner.stats.rejected["test.bad.malformed"] == 3
+    assert not reducer._groups and not reducer._closed
+    with pytest.raises(ValueError, match="weight"):
+        ShardedReducer(other, "test.bad", 4).start(0, members, torch.ones(4), weight=float("inf"))
+
+
+def test_a_bad_ask_is_refused_and_a_malformed_closing_set_is_read_as_none(make_node):
+    a, b = swarm(make_node, 2)
+    members = tuple(sorted((a.peer_id, b.peer_id)))
+    leader_node, asker_node = (a, b) if members[0] == a.peer_id else (b, a)
+    quorum = QuorumClose(leader_node, "test.q", 1, 0.0, ReduceTimeouts(round_timeout_s=5.0))
+    for body in ({"round": 0, "members": list(members), "weight": float("nan")},
+                 {"round": 0, "members": list(members), "weight": -2},
+                 {"round": -1, "members": list(members), "weight": 1.0},
+                 {"members": list(members)}):
+        reply = asker_node.request(leader_node.peer_id, "test.q", body).body
+        assert refusal_of(reply) is Refusal.MALFORMED
+    assert leader_node.stats.rejected["test.q.malformed"] == 4
+    assert not quorum._open and not quorum._closed
+
+    # a leader whose answer is not a closing set: the asker counts it and is in no set
+    for bad in ({"ok": True, "round": 0, "closed": [["x", -1.0]]}, {"ok": True, "round": 3, "closed": [["x", 1]]},
+                {"ok": True, "round": 0, "closed": [["y", 1], ["x", 1]]}, {"ok": True, "round": 0}, ["nope"]):
+        leader_node.on("test.fake", lambda msg, bad=bad: bad)
+        asker = QuorumClose(asker_node, "test.fake", 1, 0.0, ReduceTimeouts(round_timeout_s=5.0))
+        assert asker.ask(0, members, 1.0).result(timeout=30) is None
+        with pytest.raises(ValueError):
+            read_closing(bad, 0)
+    assert asker_node.stats.rejected["test.fake.malformed_close"] == 5
+    with pytest.raises(ValueError, match="weight"):
+        quorum.ask(0, members, float("nan"))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"quorum": -1}, "quorum must be >= 0"),
+    ({"quorum_grace_s": -0.5}, "quorum_grace_s must be"),
+    ({"staleness_weight": 1.5}, r"staleness_weight must be in \[0, 1\]"),
+    ({"sync_every_s": -1}, "sync_every_s must be"),
+    ({"sync_every_s": float("nan")}, "sync_every_s must be"),
+    ({"eager_updates": True, "overlap_steps": 0}, "eager_updates needs overlap_steps >= 1"),
+])
+def test_bad_heterogeneity_options_are_refused(make_node, options, message):
+    with pytest.raises(ProtocolError, match=message):
+        get_protocol("streaming-diloco").create(make_node("inproc"), linear(), options)
+
+
+def test_the_sync_clock_sends_when_one_more_step_would_not_fit():
+    clock = SyncClock(sync_every_s=4.0, fragments=2)
+    clock.started(100.0)
+    assert clock.due(0, 0) == 102.0 and clock.due(1, 0) == 104.0 and clock.due(0, 1) == 106.0
+    clock.stepped(0.5)
+    assert not clock.should_send(0, 0, 101.0) and clock.should_send(0, 0, 101.6)
+    clock.stepped(1.5)  # a slower step: the average moves 30% of the way
+    assert clock.step_s == pytest.approx(0.8) and clock.should_send(0, 0, 101.2)
