@@ -151,13 +151,23 @@ def leave_statement(peer_id: str, incarnation: int) -> bytes:
     return msgpack.packb(["starling-leave-v1", peer_id, incarnation], use_bin_type=True)
 
 
-@dataclass
+# The meta of a peer that has told us none, shared by every entry until its first update (a
+# simulation's n^2 entries each held an empty dict of their own).
+_NO_META: dict[str, Any] = {}
+
+
+@dataclass(slots=True)  # n^2 of these in a simulated swarm: no per-entry __dict__
 class PeerInfo:
     record: PeerRecord
     status: PeerStatus
     last_seen: float
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=lambda: _NO_META)  # never mutated: see update_meta
     beat: int = -1  # the highest heartbeat counter heard from this incarnation
+
+    def update_meta(self, meta: dict[str, Any]) -> None:
+        if self.meta is _NO_META:
+            self.meta = {}
+        self.meta.update(meta)
 
     @property
     def peer_id(self) -> str:
@@ -257,7 +267,7 @@ class PeerTable:
             return None
         info.last_seen = max(info.last_seen, now)
         if meta:
-            info.meta.update(meta)
+            info.update_meta(meta)
         if info.status is not PeerStatus.ALIVE:
             old, info.status = info.status, PeerStatus.ALIVE
             return StatusChange(peer_id, old, PeerStatus.ALIVE)
@@ -292,7 +302,7 @@ class PeerTable:
             return None
         info.beat = beat
         if meta:
-            info.meta.update(meta)
+            info.update_meta(meta)
         return self.seen(peer_id, now)
 
     def digest(self) -> list[list[Any]]:

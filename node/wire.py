@@ -15,6 +15,7 @@ Python's recursion limit), and raises only `WireError`, whose `reason` the node 
 from __future__ import annotations
 
 import math
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -252,7 +253,10 @@ def _decode(frames: Sequence[bytes | memoryview | zmq.Frame], limits: Limits) ->
         _decode_frame(descriptor, view, index, limits)
         for index, (descriptor, view) in enumerate(zip(descriptors, data_views))
     )
-    return Message(topic=topic, sender=sender, seq=seq, timestamp=ts, body=body,
+    # Interned: a node keeps senders and topics as keys of its tables and counters, and a
+    # string decoded per message would be held once per node (n^2 copies in a simulation).
+    # Interned strings go when nothing refers to them, so strangers cannot grow the table.
+    return Message(topic=sys.intern(topic), sender=sys.intern(sender), seq=seq, timestamp=ts, body=body,
                    payload=payload, nbytes=total)  # fmt: skip
 
 
