@@ -34,7 +34,9 @@ class AgreementCheck:
     """Asks, in round t, whether every member's tensors are bit for bit the same."""
 
     def __init__(self, node: Node, topic: str, timeouts: ReduceTimeouts, is_open: Callable[[], bool]) -> None:
-        self.reducer = ShardedReducer(node, topic, 2 * WIDTH, "none", timeouts, is_open)
+        # One owner: 16 values cut into a shard per member made n^2 requests of a value or
+        # none each (65,536 at 256 peers, which did not finish in the round timeout).
+        self.reducer = ShardedReducer(node, topic, 2 * WIDTH, "none", timeouts, is_open, min_shard_numel=2 * WIDTH)
 
     def agree(self, t: int, members: tuple[str, ...], tensors: Sequence[torch.Tensor]) -> bool | None:
         """True if every member holds the same bits, False if some member differs, None when

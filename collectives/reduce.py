@@ -130,13 +130,19 @@ class ShardedReducer:
 
     def __init__(self, node: Node, topic: str, numel: int, compressor: str = "none",
                  timeouts: ReduceTimeouts | None = None, is_open: Callable[[], bool] = lambda: True,
-                 chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> None:
+                 chunk_numel: int = DEFAULT_CHUNK_NUMEL, min_shard_numel: int = 1) -> None:
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
+        if min_shard_numel < 1:
+            raise ValueError(f"min_shard_numel must be >= 1, got {min_shard_numel}")
         self.node = node
         self.topic = topic
         self.numel = numel
         self.chunk_numel = chunk_numel  # every peer of a swarm must use the same
+        # Above 1: shards of at least this many values, owned by the first members only. A
+        # small vector over many peers (a 4096-value sketch over 1024 peers) otherwise cuts
+        # into P shards of a few values each: P^2 requests a round, a million at 1024 peers.
+        self.min_shard_numel = min_shard_numel  # every peer of a swarm must use the same
         self.timeouts = timeouts or ReduceTimeouts()
         self._is_open = is_open
         self.codec, self._part_feedback = make_codec(compressor)
@@ -215,8 +221,11 @@ class ShardedReducer:
         round_ = self._round(t, members, parts, own_private=not lend or on_device, weight=weight)
         return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s, lent)
 
-    def _layout(self, parts: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-        return chunk_layout(self.numel, parts, self.chunk_numel)
+    def _layout(self, members: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Shard by shard, the chunks of a round over `members` peers; shard i is owned by
+        members[i] (zip with the members stops at the last shard)."""
+        shards = members if self.min_shard_numel <= 1 else max(1, min(members, self.numel // self.min_shard_numel))
+        return chunk_layout(self.numel, shards, self.chunk_numel)
 
     def skip(self, t: int) -> None:
         """This peer sends nothing in round t (it took the swarm's state after the round began,
@@ -346,9 +355,10 @@ class ShardedReducer:
             return self._reject(Refusal.MALFORMED, f"weight must be a finite number >= 0, got {weight!r}")
         if list(members) != sorted(set(members)) or msg.sender not in members:
             return self._reject(Refusal.MALFORMED, "members must be sorted, unique, and include the sender")
-        if not 0 <= i < len(members) or members[i] != me:
+        layout = self._layout(len(members))
+        if not 0 <= i < len(layout) or members[i] != me:
             return self._reject(Refusal.NOT_OWNER, f"this peer does not own shard {i} of that member list")
-        chunks = self._layout(len(members))[i]
+        chunks = layout[i]
         if not 0 <= c < len(chunks):
             return self._reject(Refusal.BAD_CHUNK, f"shard {i} has {len(chunks)} chunks, not a chunk {c}")
         key = (t, members, i, c)

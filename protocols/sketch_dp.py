@@ -74,6 +74,10 @@ from starling.protocols.privacy import (
 log = logging.getLogger(__name__)
 
 PART_TOPIC = "sketchdp.part"
+# A sketch is small (4096 values by default): shards of at least 256 values, so a round over
+# n peers is n x min(n, size / 256) requests instead of n^2 (16 owners at 1024 peers). Who
+# owns a shard changes nothing for privacy: every peer noises its own sketch before it leaves.
+MIN_SHARD_NUMEL = 256
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
         self._secret = secret_generator()
         self._warned_budget = False
         self.reducer = ShardedReducer(node, PART_TOPIC, self.sketches.size, config.compressor,
-                                      reduce_timeouts(config), self.is_open)
+                                      reduce_timeouts(config), self.is_open, min_shard_numel=MIN_SHARD_NUMEL)
         self.reducers = [self.reducer]
         self.guard = self._drift_guard("sketchdp.")
         self._serve()

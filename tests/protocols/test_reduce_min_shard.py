@@ -1,0 +1,54 @@
+"""A small vector over many peers: shards of at least `min_shard_numel` values, owned by the
+first members only, so a round costs n x (shards) requests instead of n^2."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import in_parallel, swarm
+
+from starling.collectives import ShardedReducer
+from starling.node import Refusal, refusal_of
+
+
+class CountingReducer(ShardedReducer):
+    """Counts the parts that reach it as an owner."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.parts_in = 0
+        super().__init__(*args, **kwargs)
+
+    async def _on_part(self, msg):
+        self.parts_in += 1
+        return await super()._on_part(msg)
+
+
+def test_only_the_first_members_own_shards_and_every_peer_gets_the_same_average(make_node):
+    nodes = swarm(make_node, 4)
+    reducers = [CountingReducer(n, "t.min", 12, min_shard_numel=6) for n in nodes]  # 2 shards of 6
+    members = tuple(sorted(n.peer_id for n in nodes))
+    vectors = [torch.arange(12.0) * (i + 1) for i in range(4)]
+    results = in_parallel([lambda r=r, v=v: r.reduce(0, members, v) for r, v in zip(reducers, vectors)])
+    for v, r in zip(vectors, results):
+        assert torch.equal(v, torch.arange(12.0) * 2.5)
+        assert r.peers == 4 and r.lost == () and r.synced
+    parts_in = {n.peer_id: r.parts_in for n, r in zip(nodes, reducers)}
+    # every part went to one of the first two members, one from each of the three others
+    assert [parts_in[m] for m in members] == [3, 3, 0, 0]
+
+
+def test_a_part_for_a_shard_past_the_owners_is_refused_and_counted(make_node):
+    a, b, c = swarm(make_node, 3)
+    for n in (a, b, c):
+        ShardedReducer(n, "t.min", 12, min_shard_numel=6)
+    members = tuple(sorted(n.peer_id for n in (a, b, c)))
+    third = next(n for n in (a, b, c) if n.peer_id == members[2])  # owns nothing: 2 shards
+    sender = next(n for n in (a, b, c) if n is not third)
+    body = {"step": 0, "shard": 2, "chunk": 0, "members": list(members), "packet": {}}
+    reply = sender.request(third.peer_id, "t.min", body).body
+    assert refusal_of(reply) is Refusal.NOT_OWNER
+    assert third.stats.rejected["t.min.not_owner"] == 1
+
+
+def test_min_shard_numel_must_be_positive(make_node):
+    with pytest.raises(ValueError, match="min_shard_numel"):
+        ShardedReducer(make_node("inproc"), "t.min", 12, min_shard_numel=0)
