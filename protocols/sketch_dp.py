@@ -74,10 +74,12 @@ from starling.protocols.privacy import (
 log = logging.getLogger(__name__)
 
 PART_TOPIC = "sketchdp.part"
-# A sketch is small (4096 values by default): shards of at least 256 values, so a round over
-# n peers is n x min(n, size / 256) requests instead of n^2 (16 owners at 1024 peers). Who
-# owns a shard changes nothing for privacy: every peer noises its own sketch before it leaves.
-MIN_SHARD_NUMEL = 256
+# A sketch is small (4096 values by default): shards of at least 512 values, so a round over
+# n peers is n x min(n, size / 512) requests instead of n^2 (8 owners at 1024 peers, fewer
+# than the socket cap of 13 that fits 1024 peers in one process; 16 owners churned sockets
+# until the process ran out of descriptors). Who owns a shard changes nothing for privacy:
+# every peer noises its own sketch before it leaves.
+MIN_SHARD_NUMEL = 512
 
 
 @dataclass(frozen=True)
