@@ -1,10 +1,14 @@
 """Shared helpers for the socket-level tests."""
 from __future__ import annotations
 
+import importlib.util
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import zmq
@@ -21,6 +25,20 @@ TEST_LIVENESS = Liveness(heartbeat_interval_s=0.2, suspect_timeout_s=1.5, dead_t
 # listen (Node._heartbeat_loop pardons its own stalls), and a starved CI box stalls it for
 # seconds at a time, so this is a hang detector, not a latency bound.
 DEATH_SEEN_WITHIN_S = TEST_LIVENESS.dead_timeout_s + 30.0
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module (they are scripts, not a package), registered in
+    sys.modules as `starling_bench_<name>`: dataclasses look their module up there."""
+    spec = importlib.util.spec_from_file_location(f"starling_bench_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:

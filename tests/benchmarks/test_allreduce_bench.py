@@ -5,23 +5,19 @@ chunks, so the multi-chunk path of the sharded reducer is exercised across proce
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "allreduce.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("allreduce_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("allreduce")
 
 
 @pytest.mark.slow

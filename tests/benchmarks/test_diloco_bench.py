@@ -2,20 +2,14 @@
 (tiny swarms; the training runs themselves need the full benchmark)."""
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "diloco.py"
+from conftest import load_benchmark
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("starling_bench_diloco", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("diloco")
 
 
 def test_lr_factor_constant_and_cosine():

@@ -1,22 +1,14 @@
 """benchmarks/diloco_levers.py: the socket-free DiLoCo model runs, and reduces to plain training."""
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "diloco_levers.py"
+from conftest import load_benchmark
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("starling_bench_diloco_levers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("diloco_levers")
 
 
 @pytest.mark.parametrize("fragments", [1, 2])

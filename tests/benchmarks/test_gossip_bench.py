@@ -2,22 +2,17 @@
 (not timings or targets: those need the full run)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gossip.py"
 TINY_CHARLM = {"n_layer": 1, "n_head": 2, "n_embd": 16, "seq_len": 16, "batch_size": 4,
                "corpus_chars": 20_000, "eval_batches": 1}
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("starling_bench_gossip", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gossip")
 
 
 def rows(capsys) -> dict[str, list[dict]]:

@@ -2,20 +2,14 @@
 peers' shares of tokens and weight), on a hand-made result (the runs need the benchmark)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "heterogeneous.py"
+from conftest import load_benchmark
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("starling_bench_heterogeneous", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("heterogeneous")
 
 
 def peer(rank, steps, compute_s, wall_s, info=None):
