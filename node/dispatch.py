@@ -1,9 +1,12 @@
 """The inbound path of a node: decode, authenticate, and hand each message to its handler.
 
-Replies (read on this node's outbound sockets) resolve pending requests. Everything else
-comes in on the node's ROUTER: membership messages go to the membership protocol, requests
-to their handler, whose answer (or typed error, see `node.rpc`) goes back on the same
-connection. A message that fails a check is dropped and counted by its `RejectReason`, and
+Replies resolve pending requests. Everything else comes in on the node's ROUTER: membership
+messages go to the membership protocol, requests to their handler, whose answer (or typed
+error, see `node.rpc`) goes back on the same connection. A client (a node nobody can dial)
+reads the same messages on the DEALERs it opened, and a message relayed between clients
+arrives sealed (`node.relay`); both come from an authenticated member, and their answers go
+back by the node's send path. Their origin ("route") is the peer id, a str, where a ROUTER
+connection's is its routing id, bytes. A message that fails a check is dropped and counted by its `RejectReason`, and
 changes no state.
 
 Work that other processes cause is bounded by `node.admission`. Before a ROUTER message is
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Message], Any]
+Route = bytes | str  # a ROUTER connection's routing id, or the id of the member a message came from
 
 
 class Dispatcher:
@@ -80,9 +84,19 @@ class Dispatcher:
         try:
             msg = decode(inbound.frames, self.node.config.limits)
             if route is None:
-                self._on_reply(inbound, msg, nbytes)
+                via = inbound.via_peer or ""
+                if msg.topic == rpc.REPLY_TOPIC:
+                    self._on_reply(via, msg, nbytes)
+                else:  # a client reads what its peers send it on the DEALER it opened to them
+                    await self._on_router(inbound, via, msg, nbytes, self._member(via, msg))
                 return
             info = self._authenticate(inbound, msg)
+            if info is not None and not info.record.reachable:
+                assert self.node._transport is not None
+                self.node._transport.attach(msg.sender, route)
+            if msg.topic == rpc.REPLY_TOPIC and info is not None:  # a client answers on its DEALER
+                self._on_reply(msg.sender, msg, nbytes)
+                return
             await self._on_router(inbound, route, msg, nbytes, info)
         except WireError as exc:
             self.reject(exc.reason, str(exc))
@@ -96,11 +110,35 @@ class Dispatcher:
         if self.admission.wasted():
             await asyncio.sleep(self.admission.config.waste_pause_s)
 
-    def _on_reply(self, inbound: Inbound, msg: Message, nbytes: int) -> None:
-        node, via = self.node, inbound.via_peer or ""
+    async def on_opened(self, src: str, frames: list[Any]) -> None:
+        """A message `src` sealed for us and a relay delivered (opened by `node.relay`)."""
+        if self.node.closed:
+            return
+        try:
+            msg = decode(frames, self.node.config.limits)
+            nbytes = frame_nbytes(frames)
+            if msg.topic == rpc.REPLY_TOPIC:
+                self._on_reply(src, msg, nbytes)
+            else:
+                await self._on_router(Inbound(frames, None, src, None), src, msg, nbytes, self._member(src, msg))
+        except WireError as exc:
+            self.reject(exc.reason, str(exc))
+
+    def _member(self, via: str, msg: Message) -> PeerInfo:
+        """The member a DEALER of ours (or a seal) proves a message came from."""
+        info = self.node._table.get(via)
+        if via.startswith("bootstrap-") or info is None or info.status is PeerStatus.LEFT:
+            raise WireError(RejectReason.UNKNOWN_PEER, f"{msg.topic!r} from {via or 'nowhere'}, not a member",
+                            field="sender")
+        if msg.sender != via:
+            raise WireError(RejectReason.SPOOFED_SENDER, f"message claims {msg.sender}, came from {via}",
+                            field="sender")
+        return info
+
+    def _on_reply(self, via: str, msg: Message, nbytes: int) -> None:
+        node = self.node
         if msg.topic != rpc.REPLY_TOPIC:
-            raise WireError(RejectReason.BAD_FIELD, f"only replies are read on outbound sockets, got {msg.topic!r}",
-                            field="topic")
+            raise WireError(RejectReason.BAD_FIELD, f"expected a reply, got {msg.topic!r}", field="topic")
         rid, ok, body = rpc.parse_reply(msg)
         if not node._pending.expects(rid, via):
             raise WireError(RejectReason.BAD_FIELD, f"reply {rid} from {via} matches no request", field="body")
@@ -120,7 +158,7 @@ class Dispatcher:
             raise WireError(RejectReason.SPOOFED_SENDER, f"{msg.sender} does not own this connection", field="sender")
         return info
 
-    async def _on_router(self, inbound: Inbound, route: bytes, msg: Message, nbytes: int,
+    async def _on_router(self, inbound: Inbound, route: Route, msg: Message, nbytes: int,
                          info: PeerInfo | None) -> None:
         node = self.node
         topic, rid, body = msg.topic, None, msg.body
@@ -152,7 +190,7 @@ class Dispatcher:
         else:
             self._on_message(route, msg, topic)
 
-    def _on_message(self, route: bytes, msg: Message, topic: str) -> None:
+    def _on_message(self, route: Route, msg: Message, topic: str) -> None:
         """A member's one-way message to a handler; an async one counts as a request in flight."""
         handler = self.handlers.get(topic)
         if handler is None:
@@ -171,19 +209,18 @@ class Dispatcher:
         else:
             self.admission.release(route, True)
 
-    def _counted(self, route: bytes, member: bool, work: Any) -> None:
+    def _counted(self, route: Route, member: bool, work: Any) -> None:
         """Run admitted work as a task, released when it ends (also if cancelled unstarted)."""
         self.node._spawn(work).add_done_callback(lambda _: self.admission.release(route, member))
 
-    async def _busy(self, route: bytes, topic: str, rid: int, cap: str, peer: str = STRANGERS) -> None:
+    async def _busy(self, route: Route, topic: str, rid: int, cap: str, peer: str = STRANGERS) -> None:
         """Answer a request with a busy error without running it, counted; never waits."""
         node = self.node
         self.reject(RejectReason.BUSY, f"{topic}: {BUSY_DETAIL[cap]}")
         frames = node._frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, False, rpc.ErrorBody(
             rpc.ErrorCode.BUSY, BUSY_DETAIL[cap])), ())
         try:
-            assert node._transport is not None
-            await node._transport.reply(route, frames, wait=False)
+            await self._answer_on(route, frames, wait=False)
             node.stats.count_sent(peer, topic, frame_nbytes(frames))
         except SendError:
             node.stats.count_send_failure()
@@ -195,7 +232,7 @@ class Dispatcher:
         entry = self.handlers.get(topic)
         return entry is not None and entry[1]
 
-    async def _serve(self, inbound: Inbound, route: bytes, msg: Message, topic: str, rid: int, body: Any,
+    async def _serve(self, inbound: Inbound, route: Route, msg: Message, topic: str, rid: int, body: Any,
                      member: bool) -> None:
         """Run a request's handler and answer with its result, or with a typed error."""
         node = self.node
@@ -226,16 +263,27 @@ class Dispatcher:
             if not await node.shaper.admit(msg.sender, frame_nbytes(frames)):
                 return
         try:
-            await node._transport.reply(route, frames)
+            await self._answer_on(route, frames)
             node.stats.count_sent(peer, topic, frame_nbytes(frames))
         except SendError as exc:
             node.stats.count_send_failure()
             log.debug("reply to %s failed: %s", msg.sender, exc)
 
+    async def _answer_on(self, route: Route, frames: list[Any], wait: bool = True) -> None:
+        """Send an answer back the way its request came: the ROUTER connection, or (for a
+        request a client read on its DEALER, or one relayed) the node's path to that peer."""
+        node = self.node
+        if isinstance(route, str):
+            await node._send_frames(route, frames, wait=wait)
+            return
+        assert node._transport is not None
+        await node._transport.reply(route, frames, wait=wait)
+
     async def _answer(self, inbound: Inbound, msg: Message, topic: str, body: Any) -> Any:
         internal = self.internal_requests.get(topic)
         if internal is not None:
-            return internal(inbound, body)
+            result = internal(inbound, body)
+            return await result if inspect.isawaitable(result) else result
         entry = self.handlers.get(topic)
         if entry is None:
             raise rpc.NoHandlerError(f"no handler for {topic!r}")

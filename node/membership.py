@@ -66,6 +66,11 @@ class PeerRecord:
 
     `incarnation` grows with every restart of the peer, so a newer record replaces an
     older one and a stale relay cannot resurrect a peer that left.
+
+    A peer with no addresses is a client: nobody can dial it (it listens nowhere, or the
+    peer it joined through could not dial it back), so others reach it over the connections
+    it opened to them, or through a relay (`node.relay`). `relay` says the peer forwards
+    sealed messages between clients.
     """
 
     peer_id: str
@@ -74,24 +79,32 @@ class PeerRecord:
     addresses: tuple[str, ...]
     incarnation: int
     signature: bytes = b""
+    relay: bool = False
+
+    @property
+    def reachable(self) -> bool:
+        return bool(self.addresses)
 
     def signed_bytes(self) -> bytes:
         return msgpack.packb(
-            ["starling-record-v1", self.peer_id, self.verify_key, self.curve_key,
-             list(self.addresses), self.incarnation],
+            ["starling-record-v2", self.peer_id, self.verify_key, self.curve_key,
+             list(self.addresses), self.incarnation, self.relay],
             use_bin_type=True,
         )
 
     @classmethod
-    def create(cls, identity: Identity, addresses: list[str] | tuple[str, ...], incarnation: int) -> PeerRecord:
-        unsigned = cls(identity.peer_id, identity.verify_key, identity.curve_public, tuple(addresses), incarnation)
+    def create(cls, identity: Identity, addresses: list[str] | tuple[str, ...], incarnation: int, *,
+               relay: bool = False) -> PeerRecord:
+        unsigned = cls(identity.peer_id, identity.verify_key, identity.curve_public, tuple(addresses), incarnation,
+                       relay=relay)
         return replace(unsigned, signature=identity.sign(unsigned.signed_bytes()))
 
     def is_valid(self) -> bool:
         return _record_is_valid(self.peer_id, self.verify_key, self.signed_bytes(), self.signature)
 
     def to_wire(self) -> list[Any]:
-        return [self.peer_id, self.verify_key, self.curve_key, list(self.addresses), self.incarnation, self.signature]
+        return [self.peer_id, self.verify_key, self.curve_key, list(self.addresses), self.incarnation, self.signature,
+                self.relay]
 
     @classmethod
     def from_wire(cls, obj: Any, *, verify: bool = True) -> PeerRecord:
@@ -99,9 +112,9 @@ class PeerRecord:
         def bad(what: str) -> WireError:
             return WireError(RejectReason.BAD_FIELD, f"peer record: {what}", field="record")
 
-        if not isinstance(obj, (list, tuple)) or len(obj) != 6:
-            raise bad("expected a 6-item list")
-        peer_id, vkey, ckey, addrs, inc, sig = obj
+        if not isinstance(obj, (list, tuple)) or len(obj) != 7:
+            raise bad("expected a 7-item list")
+        peer_id, vkey, ckey, addrs, inc, sig, relay = obj
         if not isinstance(peer_id, str) or not 0 < len(peer_id) <= 64:
             raise bad("peer_id must be a short string")
         for name, val, size in (("verify_key", vkey, 32), ("curve_key", ckey, 32), ("signature", sig, 64)):
@@ -112,7 +125,9 @@ class PeerRecord:
             raise bad(f"addresses must be at most {MAX_ADDRESSES} strings")
         if not isinstance(inc, int) or isinstance(inc, bool) or not 0 <= inc < 2**63:
             raise bad("incarnation must be a non-negative int64")
-        key = (peer_id, vkey, ckey, tuple(addrs), inc, sig)
+        if not isinstance(relay, bool):
+            raise bad("relay must be a bool")
+        key = (peer_id, vkey, ckey, tuple(addrs), inc, sig, relay)
         record = _RECORDS.get(key)
         if record is not None:
             return record  # this exact record, verified before
@@ -124,7 +139,7 @@ class PeerRecord:
         instance of this record."""
         self.verify()
         return _RECORDS.setdefault((self.peer_id, self.verify_key, self.curve_key, self.addresses,
-                                    self.incarnation, self.signature), self)
+                                    self.incarnation, self.signature, self.relay), self)
 
     def verify(self) -> None:
         if not self.is_valid():
@@ -178,6 +193,8 @@ class PeerInfo:
             "id": self.peer_id,
             "status": self.status.value,
             "addresses": list(self.record.addresses),
+            "reachable": self.record.reachable,
+            "relay": self.record.relay,
             "incarnation": self.record.incarnation,
             "last_seen_s": self.last_seen,
             "meta": dict(self.meta),

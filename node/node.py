@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from starling.node import rpc
-from starling.node.address import PeerAddress, parse_address, parse_bind
+from starling.node.address import PeerAddress, is_loopback, parse_address, parse_bind
 from starling.node.admission import AdmissionConfig
 from starling.node.dispatch import Dispatcher, Handler
 from starling.node.identity import Identity
@@ -42,6 +42,7 @@ from starling.node.membership import (
     StatusChange,
     finite_meta,
 )
+from starling.node.relay import VIA, Relay, RelayConfig
 from starling.node.security import SecurityMode, ZapPolicy, choose_security
 from starling.node.stats import NodeStats
 from starling.node.swarm import JoinError, Swarm, SwarmConfigError, UnknownPeerError, config_conflicts
@@ -69,8 +70,14 @@ class NodeConfig:
     limits: Limits = field(default_factory=Limits)
     transfer: TransferConfig = field(default_factory=TransferConfig)  # serving and fetching blobs
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # bounds on work others cause
+    relay: RelayConfig = field(default_factory=RelayConfig)
+    offer_relay: bool = True  # a reachable node forwards sealed messages between clients
+    reach_timeout_s: float = 2.0  # how long a dial-back to a joiner may take (see swarm.REACH)
     request_timeout_s: float = 10.0
     join_timeout_s: float = 10.0
+    join_attempts: int = 1  # rounds over the join addresses, with backoff between them
+    join_backoff_s: float = 1.0
+    rejoin_interval_s: float = 10.0  # how often join addresses whose peers are gone are tried again
     leave_timeout_s: float = 1.0
     forget_after_s: float = 60.0  # dead/left peers are dropped from the table after this
 
@@ -102,6 +109,8 @@ class Node:
         self._handlers = self._dispatch.handlers  # topic -> (handler, public)
         self._swarm = Swarm(self)
         self._swarm.register()
+        self._relay = Relay(self, self.config.relay)
+        self._relay.register()
         self._dispatch.on_internal_request(STATUS, lambda inbound, body: self.status(), public=True)
         self._seq = itertools.count()
         self._meta: dict[str, Any] = {}
@@ -147,7 +156,7 @@ class Node:
 
     def start(
         self,
-        listen: str | Sequence[str] = "tcp://127.0.0.1:0",
+        listen: str | Sequence[str] | None = "tcp://127.0.0.1:0",
         join: Sequence[str] = (),
         *,
         key: Identity | str | Path | None = None,
@@ -161,13 +170,19 @@ class Node:
 
         `security` defaults to CURVE unless every listen endpoint is inproc. Plaintext
         is refused on non-loopback endpoints unless `insecure`.
+
+        `listen=None` (or no endpoint) makes a client: it binds nothing and is reached over
+        the connections it opens. A node that listens on TCP off loopback and joins asks the
+        peer it joins through to dial it back, and becomes a client if it cannot.
         """
         if self._state != "new":
             raise RuntimeError(f"node already {self._state}")
         if key is not None:
             self.identity = key if isinstance(key, Identity) else Identity.load(key)
             self._table = PeerTable(self.identity.peer_id, self.config.liveness)
-        listens = [parse_bind(x) for x in ([listen] if isinstance(listen, str) else listen)]
+        listens = [parse_bind(x) for x in ([] if listen is None else [listen] if isinstance(listen, str) else listen)]
+        if not listens and not join:
+            raise ValueError("a node that listens nowhere must join a swarm (give a join address)")
         adverts = [] if advertise is None else [advertise] if isinstance(advertise, str) else list(advertise)
         adverts = [parse_address(a).endpoint for a in adverts]
         joins = [parse_address(a) for a in join]
@@ -195,14 +210,38 @@ class Node:
         if self.mode is SecurityMode.CURVE:
             self._policy = ZapPolicy(allowed)
             self._net.zap.register(self._zap_domain, self._policy)
-        await self._transport.bind(listens, self._policy)
-        endpoints = adverts or self._transport.advertised()
-        self.record = PeerRecord.create(self.identity, endpoints, time.time_ns())
+        endpoints: list[str] = []
+        if listens:
+            await self._transport.bind(listens, self._policy)
+            endpoints = adverts or self._transport.advertised()
+        if endpoints and joins and self._needs_dial_back(endpoints):
+            if await self._swarm.reachable_via(joins, endpoints) is False:
+                log.warning("%s: the peer we join through cannot dial %s; joining as a client (reached over the "
+                            "connections this node opens, and through relays)", self.peer_id, ", ".join(endpoints))
+                endpoints = []
+        self.record = PeerRecord.create(self.identity, endpoints, time.time_ns(),
+                                        relay=bool(endpoints) and self.config.offer_relay)
         key = self.identity.curve_public if self.mode is SecurityMode.CURVE else None
-        self.address = str(PeerAddress(endpoints[0], key))
+        self.address = str(PeerAddress(endpoints[0], key)) if endpoints else ""
         self._spawn(self._swarm.heartbeat_loop())
         if joins:
             await self._swarm.join(joins)
+
+    @staticmethod
+    def _needs_dial_back(endpoints: list[str]) -> bool:
+        """Only TCP off loopback can be out of reach (inproc and ipc are this machine's)."""
+        return any(e.startswith("tcp://") and not is_loopback(e) for e in endpoints)
+
+    @property
+    def reachable(self) -> bool:
+        """Whether other peers can dial this node (False: a client, see `start`)."""
+        return self.record is not None and self.record.reachable
+
+    def _set_via(self) -> None:
+        """A client names the relays it holds connections to, in its heartbeats."""
+        via = self._relay.via()
+        if self._meta.get(VIA) != via:
+            self._meta = {**self._meta, VIA: via}
 
     def leave(self) -> None:
         """Announce a graceful leave to every live peer, then close."""
@@ -354,6 +393,8 @@ class Node:
         now = time.monotonic()
         return {
             "id": self.peer_id, "address": self.address, "security": self.mode.value,
+            "reachable": self.reachable, "relay": bool(self.record and self.record.relay),
+            "listening": self._transport is not None and self._transport.listening,
             "config": self.swarm_config, "meta": dict(self._meta),
             "peers": [{**p.summary(), "last_seen_s": round(now - p.last_seen, 3)} for p in self._table.all()],
             "stats": self.stats.snapshot(),
@@ -393,11 +434,21 @@ class Node:
             if not await self.shaper.admit(peer, frame_nbytes(frames)):
                 return  # lost on the emulated link
         try:
-            await self._transport.send(peer, frames, wait=wait, timeout_s=timeout_s)
+            await self._send_frames(peer, frames, wait=wait, timeout_s=timeout_s)
         except SendError:
             self.stats.count_send_failure()
             raise
         self.stats.count_sent(peer, stats_topic or topic, frame_nbytes(frames))
+
+    async def _send_frames(self, peer: str, frames: list[Any], *, wait: bool = True,
+                           timeout_s: float | None = None) -> None:
+        """Frames to a peer: on our DEALER to it, down the connection a client opened to us,
+        or, for a client neither can reach, sealed through a relay."""
+        assert self._transport is not None
+        if self._transport.can_send(peer):
+            await self._transport.send(peer, frames, wait=wait, timeout_s=timeout_s)
+        else:
+            await self._relay.send(peer, frames, wait=wait, timeout_s=timeout_s)
 
     def _notify(self, change: StatusChange) -> None:
         self._swarm.notify(change)

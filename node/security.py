@@ -109,7 +109,8 @@ def choose_security(listens: list[str], adverts: list[str], joins: list[PeerAddr
     that would expose it: CURVE unless every listen endpoint is inproc; plaintext only on
     loopback (unless `insecure`); CURVE joins need the peer's key; an allowlist needs CURVE."""
     if security is None:
-        all_inproc = all(e.startswith("inproc://") for e in listens)
+        # a client (no listen endpoint) goes by where it joins
+        all_inproc = all(e.startswith("inproc://") for e in (listens or [j.endpoint for j in joins]))
         mode = SecurityMode.PLAINTEXT if all_inproc else SecurityMode.CURVE
     else:
         mode = SecurityMode(security)

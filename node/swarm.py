@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -31,10 +32,11 @@ from typing import TYPE_CHECKING, Any
 from zmq.utils import z85
 
 from starling.node import rpc
-from starling.node.address import PeerAddress
+from starling.node.address import AddressError, PeerAddress, parse_address
 from starling.node.identity import verify_signature
 from starling.node.loop import AwakeDeadline
 from starling.node.membership import (
+    MAX_ADDRESSES,
     PeerRecord,
     PeerStatus,
     StatusChange,
@@ -57,6 +59,14 @@ WANT = "$want"  # asks a member for records it gossiped that we lack; answered w
 # that joined through one seed at the same time learn each other in one round trip, not over
 # the many heartbeat intervals their digests take to spread in a big swarm.
 SYNC = "$sync"
+# Reachability: a joiner asks the peer it joins through to dial it back (REACH); that peer
+# opens a fresh connection to the joiner's advertised addresses and asks for an ECHO of a
+# nonce. An answer proves someone holding the joiner's key listens there (under CURVE the
+# dial-back authenticates the joiner's key); silence means the joiner is behind a NAT or a
+# firewall and joins as a client.
+REACH, ECHO = "$reach", "$echo"
+MAX_DIALING = 8  # dial-backs in flight at once: each is a connection a stranger makes us open
+MAX_NONCE = 64
 MAX_WANT = 256
 MAX_ANNOUNCE = 256
 MAX_REFUSED = 1024  # refused records remembered, so that beats naming them are not asked about
@@ -98,29 +108,110 @@ class Swarm:
         self._probing: set[str] = set()  # peers whose dropped connection is being probed
         self._refused: dict[str, int] = {}  # peer id -> incarnation whose record the allowlist refused
         self._bootstraps = itertools.count()
+        self._dialing = 0
+        self.seeds: list[PeerAddress] = []  # the join addresses, tried again while their peers are gone
+        self._last_rejoin = time.monotonic()
 
     def register(self) -> None:
         """Serve the membership topics on the node's dispatcher."""
         dispatch = self.node._dispatch
         dispatch.on_internal_request(HELLO, self.on_hello, public=True)  # a joiner is not a member yet
         dispatch.on_internal_request(SYNC, self.on_sync)
+        dispatch.on_internal_request(REACH, self.on_reach, public=True)
+        dispatch.on_internal_request(ECHO, self.on_echo, public=True)
         for topic, handler in ((PING, self.on_ping), (WANT, self.on_want), (LEAVE, self.on_leave),
                                (ANNOUNCE, self.on_announce)):
             dispatch.on_internal_message(topic, handler)
 
     # ---------------------------------------------------------------- joining
     async def join(self, joins: list[PeerAddress]) -> None:
-        """Join through the first address in `joins` that answers."""
-        errors = []
+        """Join through the first address in `joins` that answers, trying them in turn, in
+        rounds with exponential backoff (`join_attempts` rounds), so a swarm whose seed is
+        restarting or a DNS name that is not yet up does not fail the join at once."""
+        self.seeds = list(joins)
+        errors: list[str] = []
+        attempts = self.node.config.join_attempts
+        for attempt in range(attempts):
+            errors = []
+            for address in joins:
+                try:
+                    await self._join_via(address.endpoint, address.curve_key)
+                    return
+                except SwarmConfigError:
+                    raise
+                except Exception as exc:  # try the next address
+                    errors.append(f"{address}: {exc}")
+            if attempt + 1 < attempts:
+                delay = min(self.node.config.join_backoff_s * 2 ** attempt, 30.0)
+                log.info("%s: no join address answered; trying again in %.1f s", self.node.peer_id, delay)
+                await asyncio.sleep(delay * (0.5 + self._rng.random()))
+        raise JoinError(f"could not join the swarm ({attempts} rounds): " + "; ".join(errors))
+
+    async def _bootstrap_request(self, endpoint: str, curve_key: bytes | None, topic: str, body: Any,
+                                 timeout_s: float) -> Message:
+        """A request to an address, not to a peer of our table (a join, a dial-back), on a
+        connection of its own that is closed after the answer."""
+        node, transport = self.node, self.node._transport
+        assert transport is not None
+        handle = f"bootstrap-{next(self._bootstraps)}"
+        transport.connect(handle, [endpoint], z85.encode(curve_key) if curve_key else None)
+        rid, fut = node._pending.open(handle)
+        try:
+            frames = node._frames(rpc.REQUEST_TOPIC, rpc.request_body(topic, rid, body), ())
+            await transport.send(handle, frames, timeout_s=timeout_s)
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise JoinError(f"no answer from {endpoint} within {timeout_s} s") from None
+        finally:
+            node._pending.drop(rid)
+            transport.disconnect(handle)
+
+    async def reachable_via(self, joins: list[PeerAddress], endpoints: list[str]) -> bool | None:
+        """Ask the first join address that answers whether it can dial us on `endpoints`;
+        None if none answered (the join that follows fails and says why)."""
         for address in joins:
             try:
-                await self._join_via(address.endpoint, address.curve_key)
-                return
-            except SwarmConfigError:
-                raise
-            except Exception as exc:  # try the next address
-                errors.append(f"{address}: {exc}")
-        raise JoinError("could not join the swarm: " + "; ".join(errors))
+                reply = await self._bootstrap_request(address.endpoint, address.curve_key, REACH, [endpoints],
+                                                      self.node.config.join_timeout_s)
+            except Exception as exc:
+                log.info("%s: reachability check via %s failed: %s", self.node.peer_id, address, exc)
+                continue
+            if isinstance(reply.body, dict) and isinstance(reply.body.get("reachable"), bool):
+                return reply.body["reachable"]
+        return None
+
+    async def on_reach(self, inbound: Inbound, body: Any) -> dict[str, Any]:
+        """Dial a would-be joiner back on the addresses it gives (bounded: few at a time)."""
+        if (not isinstance(body, list) or len(body) != 1 or not isinstance(body[0], list)
+                or not 0 < len(body[0]) <= MAX_ADDRESSES):
+            raise WireError(RejectReason.BAD_FIELD, f"reach body must be [[1 to {MAX_ADDRESSES} addresses]]",
+                            field="body")
+        try:
+            endpoints = [parse_address(a).endpoint for a in body[0]]
+        except (AddressError, TypeError) as exc:
+            raise WireError(RejectReason.BAD_FIELD, f"reach: {exc}", field="body") from None
+        if self._dialing >= MAX_DIALING:
+            raise rpc.BusyError(f"{self._dialing} dial-backs in flight")
+        key = inbound.user_id.encode() if inbound.user_id else None
+        self._dialing += 1
+        try:
+            for endpoint in endpoints:
+                nonce = os.urandom(16)
+                try:
+                    reply = await self._bootstrap_request(endpoint, z85.decode(key) if key else None, ECHO, nonce,
+                                                          self.node.config.reach_timeout_s)
+                except Exception:
+                    continue
+                if reply.body == nonce:
+                    return {"reachable": True, "endpoint": endpoint}
+            return {"reachable": False}
+        finally:
+            self._dialing -= 1
+
+    def on_echo(self, inbound: Inbound, body: Any) -> bytes:
+        if not isinstance(body, bytes) or len(body) > MAX_NONCE:
+            raise WireError(RejectReason.BAD_FIELD, f"echo body must be at most {MAX_NONCE} bytes", field="body")
+        return body
 
     def _hello_body(self, want_table: bool = True) -> list[Any]:
         assert self.node.record is not None
@@ -129,24 +220,13 @@ class Swarm:
     async def _join_via(self, endpoint: str, curve_key: bytes | None) -> None:
         """Hello to one known address; learn its table and config. The peer we joined
         announces us to the others; any it missed find us in the beats pings carry."""
-        node, transport = self.node, self.node._transport
-        assert transport is not None
-        handle = f"bootstrap-{next(self._bootstraps)}"
-        transport.connect(handle, [endpoint], z85.encode(curve_key) if curve_key else None)
-        rid, fut = node._pending.open(handle)
         try:
-            frames = node._frames(rpc.REQUEST_TOPIC, rpc.request_body(HELLO, rid, self._hello_body()), ())
-            await transport.send(handle, frames)
-            reply = await asyncio.wait_for(fut, node.config.join_timeout_s)
-        except asyncio.TimeoutError:
-            raise JoinError(f"no answer from {endpoint} within {node.config.join_timeout_s} s") from None
+            reply = await self._bootstrap_request(endpoint, curve_key, HELLO, self._hello_body(),
+                                                  self.node.config.join_timeout_s)
         except rpc.ConfigConflictError as exc:
             raise SwarmConfigError(f"{endpoint}: {exc.detail}") from None
         except rpc.RemoteError as exc:
             raise JoinError(f"{endpoint}: {exc.detail}") from None
-        finally:
-            node._pending.drop(rid)
-            transport.disconnect(handle)
         responder = self._accept_hello_reply(reply.body)
         if curve_key is not None and responder.curve_key != curve_key:
             raise JoinError(f"{endpoint} answered with a record for a different key")
@@ -292,6 +372,8 @@ class Swarm:
             transport.disconnect(record.peer_id)  # addresses may have changed
         server_key = z85.encode(record.curve_key) if node.mode is SecurityMode.CURVE else None
         transport.connect(record.peer_id, record.addresses, server_key)
+        if node.record is not None and not node.record.reachable and record.reachable:
+            node._spawn(self._ping(record.peer_id, False))  # so it learns our connection at once
         if change is not None:
             self.notify(change)
         return True
@@ -420,11 +502,36 @@ class Swarm:
                 self._acked = {k: t for k, t in self._acked.items() if t > horizon}
             for change in table.sweep(now, self._relay_delay_s()):
                 self.notify(change)
+            if self.seeds and now - self._last_rejoin >= node.config.rejoin_interval_s:
+                self._last_rejoin = now
+                lost = [a for a in self.seeds if not self._seed_alive(a)]
+                if lost:
+                    node._spawn(self._rejoin(lost))
+            if node.record is not None and not node.record.reachable:
+                node._set_via()
             for gone in table.forget(node.config.forget_after_s, now):
                 if node._transport is not None:
                     node._transport.disconnect(gone)
             wake_at = time.monotonic() + period
             await asyncio.sleep(period)
+
+    def _seed_alive(self, address: PeerAddress) -> bool:
+        """Whether a join address belongs to us or to a peer alive to us."""
+        node = self.node
+        mine = node.record is not None and (address.endpoint in node.record.addresses
+                                            or address.curve_key == node.identity.curve_public)
+        return mine or any(address.curve_key == p.record.curve_key if address.curve_key is not None
+                           else address.endpoint in p.record.addresses for p in node._table.live())
+
+    async def _rejoin(self, lost: list[PeerAddress]) -> None:
+        """Hello again to join addresses whose peers we lost (a partition, a seed that
+        restarted): each side learns the other's table, and a swarm that split is one again."""
+        for address in lost:
+            try:
+                await self._join_via(address.endpoint, address.curve_key)
+                log.info("%s: rejoined through %s", self.node.peer_id, address)
+            except Exception as exc:
+                log.debug("%s: rejoin through %s failed: %s", self.node.peer_id, address, exc)
 
     def _relay_delay_s(self) -> float:
         """How much later than a direct ping a relayed beat may arrive: one interval per
@@ -450,7 +557,10 @@ class Swarm:
         """
         lv = self.node.config.liveness
         live, targets = [], []
+        transport = self.node._transport
         for p in self.node._table.all():
+            if not p.record.reachable and (transport is None or not transport.can_send(p.peer_id)):
+                continue  # a client only a relay reaches: its beats come to us in others' digests
             if p.status is PeerStatus.DEAD:
                 if retry_dead:
                     targets.append((p.peer_id, False))
@@ -461,7 +571,6 @@ class Swarm:
         # Past the socket cap, a ping to a peer whose DEALER is closed opens one and closes
         # another: most intervals ping peers we hold a socket to (every beat we heard rides
         # along, so whom we ping matters little to how fast beats spread), one in four any peer.
-        transport = self.node._transport
         pool = live
         if transport is not None and len(live) > transport.config.max_open_dealers and self._rng.random() < 0.75:
             held = [p for p in live if transport.is_open(p.peer_id)]
@@ -471,7 +580,14 @@ class Swarm:
         stale = now - lv.suspect_timeout_s / 2
         probes = sorted((p for p in live if p.last_seen < stale and p.peer_id not in picked),
                         key=lambda p: p.last_seen)[: max(1, lv.fanout // 4)]
-        return targets + [(p.peer_id, False) for p in chosen] + [(p.peer_id, True) for p in probes]
+        targets += [(p.peer_id, False) for p in chosen] + [(p.peer_id, True) for p in probes]
+        record = self.node.record
+        if record is not None and not record.reachable:
+            # a client's relays must hear from it often: each message it sends them refreshes
+            # the connection they send to it on (`Transport.attach`)
+            picked |= {p.peer_id for p in probes}
+            targets += [(p.peer_id, False) for p in live if p.record.relay and p.peer_id not in picked]
+        return targets
 
     def _digest(self) -> list[Any]:
         node = self.node

@@ -6,6 +6,11 @@ we send to it. A known peer's DEALER opens when it is learned while fewer than
 used one that has nothing in flight (so a swarm of hundreds of nodes in one process does not
 hold n^2 sockets). Replies to requests go back over the connection the request came on
 (ROUTER -> the requester's DEALER), so a peer behind NAT can still ask questions.
+
+A client peer (one with no address: it listens nowhere anyone can dial) is reached the same
+way in the other direction: it opens DEALERs to the peers it talks to, and they send to it on
+their ROUTER by the routing id of its connection (`attach`), learned from the last message
+it sent them. No second connection is made, so nothing has to get through its NAT inbound.
 All methods run on the network thread.
 """
 from __future__ import annotations
@@ -121,6 +126,7 @@ class Transport:
         self._routes: dict[str, tuple[tuple[str, ...], bytes | None]] = {}  # every known peer
         self._dealers: dict[str, zmq.asyncio.Socket] = {}  # the open ones, least recently used first
         self._sending: dict[str, int] = {}  # sends in flight per DEALER
+        self._attached: dict[str, bytes] = {}  # client peer -> ROUTER routing id of its connection to us
         self._tasks: dict[str | None, asyncio.Task[None]] = {}
         self.bound: list[str] = []
         self.dealers_opened = 0  # over the node's life: how much the socket cap churns
@@ -142,6 +148,8 @@ class Transport:
         router = self.context.socket(zmq.ROUTER)
         self._common(router)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # dual stack only where asked: with it, IPv4 binds report v4-mapped v6 endpoints
+        router.setsockopt(zmq.IPV6, int(any(ep.startswith("tcp://[") for ep in endpoints)))
         if self.mode is SecurityMode.CURVE:
             router.curve_server = True
             router.curve_publickey = self._public
@@ -179,8 +187,22 @@ class Transport:
         if self.mode is SecurityMode.CURVE and server_key_z85 is None:
             raise ValueError(f"peer {key} has no CURVE key but this node uses CURVE")
         self._routes[key] = (tuple(endpoints), server_key_z85)
-        if len(self._dealers) < self.config.max_open_dealers:
+        if endpoints and len(self._dealers) < self.config.max_open_dealers:
             self._open(key)
+
+    def attach(self, key: str, route: bytes) -> None:
+        """A client peer's message came in on our ROUTER with this routing id: send to it there."""
+        if key in self._routes and not self._routes[key][0]:
+            self._attached[key] = route
+
+    def can_send(self, key: str) -> bool:
+        """Whether `send` has a way to `key`: a peer we can dial, or a client attached to us."""
+        route = self._routes.get(key)
+        return route is not None and (bool(route[0]) or key in self._attached)
+
+    @property
+    def listening(self) -> bool:
+        return self._router is not None
 
     def _open(self, key: str) -> zmq.asyncio.Socket:
         try:
@@ -199,6 +221,7 @@ class Transport:
         # Queue nothing for a peer we are not connected to: sends wait (bounded) instead
         # of piling up for a peer that may never come back.
         dealer.setsockopt(zmq.IMMEDIATE, 1)
+        dealer.setsockopt(zmq.IPV6, 1)  # IPv6 literals, and names that resolve to v6 only; v4 still works
         if self.mode is SecurityMode.CURVE:
             dealer.curve_serverkey = server_key_z85
             dealer.curve_publickey = self._public
@@ -240,6 +263,8 @@ class Transport:
             return dealer
         if key not in self._routes:
             raise SendError(f"no connection to peer {key}")
+        if not self._routes[key][0]:
+            raise SendError(f"peer {key} is a client with no connection to us")
         excess = len(self._dealers) + 1 - self.config.max_open_dealers
         if excess > 0:
             idle = [k for k in self._dealers if not self._sending.get(k) and not self._busy(k)]
@@ -263,6 +288,7 @@ class Transport:
 
     def disconnect(self, key: str, linger_ms: int = 0) -> None:
         self._routes.pop(key, None)
+        self._attached.pop(key, None)
         self._close(key, linger_ms)
 
     def _close(self, key: str, linger_ms: int) -> None:
@@ -281,6 +307,12 @@ class Transport:
 
     async def send(self, key: str, frames: Sequence[object], *, wait: bool = True,
                    timeout_s: float | None = None) -> None:
+        route = self._attached.get(key)
+        if route is not None and self._router is not None:
+            # A message for a client goes back down the connection it opened to us. If that
+            # connection is gone, ZeroMQ drops it: its next message attaches a new one.
+            await self._send(self._router, [route, *frames], wait, key, timeout_s)
+            return
         dealer = self._dealer(key)
         self._sending[key] = self._sending.get(key, 0) + 1
         try:
@@ -384,4 +416,5 @@ class Transport:
             self._router.close(0)
         self._dealers.clear()
         self._routes.clear()
+        self._attached.clear()
         self._tasks.clear()

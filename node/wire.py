@@ -72,6 +72,9 @@ class RejectReason(str, Enum):
     NOT_ALLOWED = "not_allowed"  # a peer record whose key is not on the node's allowlist
     BUSY = "busy"  # past a cap on work in flight (node.admission); a request is answered with BUSY
     RATE_LIMITED = "rate_limited"  # a stranger's connection over its rate, dropped unread
+    NO_ROUTE = "no_route"  # a relay asked to forward to a peer it cannot reach, or by a node that is no relay
+    RELAY_TAMPERED = "relay_tampered"  # a relayed message whose seal does not open (altered on the way)
+    REPLAYED = "replayed"  # a relayed message delivered before
 
 
 class WireError(ValueError):

@@ -1,0 +1,194 @@
+"""Client peers (nobody can dial them) and relays between them, over real CURVE sockets on
+loopback. The same paths across real NAT routers are in tests/node/test_netns_nat.py."""
+from __future__ import annotations
+
+import pytest
+from conftest import TEST_LIVENESS, wait_until
+
+from starling.node import rpc
+from starling.node.client import query
+from starling.node.identity import Identity
+from starling.node.node import Node, NodeConfig
+from starling.node.relay import RELAYED, VIA, Relay, RelayConfig, Sealer, pack_frames, unpack_frames
+from starling.node.wire import WireError, encode
+
+CONFIG = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0, reach_timeout_s=0.5)
+
+
+@pytest.fixture
+def nodes():
+    made: list[Node] = []
+
+    def make(listen: str | None = "tcp://127.0.0.1:0", join: list[str] | None = None, **kwargs) -> Node:
+        node = Node(config=CONFIG)
+        made.append(node)
+        node.start(listen, join or [], **kwargs)
+        node.on("echo", lambda msg: {"from": node.peer_id, "got": msg.body})
+        return node
+
+    yield make
+    for node in made:
+        node.close()
+
+
+def _public_and_clients(make, clients: int = 2) -> tuple[list[Node], list[Node]]:
+    s = make()
+    r = make(join=[s.address])
+    cs = [make(listen=None, join=[s.address]) for _ in range(clients)]
+    everyone = [s, r, *cs]
+    for node in everyone:
+        assert wait_until(lambda node=node: len(node.live_peers()) == len(everyone) - 1)
+    for c in cs:  # each client names both relays once it holds connections to them
+        assert wait_until(lambda c=c: all(p in c.status()["meta"].get(VIA, "") for p in (s.peer_id, r.peer_id)))
+    return [s, r], cs
+
+
+def test_a_client_has_no_address_and_says_so(nodes):
+    s = nodes()
+    c = nodes(listen=None, join=[s.address])
+    status = c.status()
+    assert (status["reachable"], status["relay"], status["listening"], status["address"]) == (False, False, False, "")
+    assert (s.status()["reachable"], s.status()["relay"]) == (True, True)
+    seen = {p["id"]: p for p in s.status()["peers"]}[c.peer_id]
+    assert (seen["reachable"], seen["addresses"]) == (False, [])
+
+
+def test_a_node_that_listens_nowhere_must_join():
+    with pytest.raises(ValueError, match="must join"):
+        Node(config=CONFIG).start(None, [])
+
+
+def test_requests_both_ways_between_a_client_and_a_public_peer(nodes):
+    s = nodes()
+    c = nodes(listen=None, join=[s.address])
+    assert wait_until(lambda: s.live_peers() == [c.peer_id] and c.live_peers() == [s.peer_id])
+    assert c.request(s.peer_id, "echo", 1).body == {"from": s.peer_id, "got": 1}
+    # the public peer answers down the connection the client opened: no relay in between
+    assert wait_until(lambda: s._transport.can_send(c.peer_id))
+    assert s.request(c.peer_id, "echo", 2).body == {"from": c.peer_id, "got": 2}
+    assert "$relay" not in s.stats.snapshot()["bytes_sent"].get(c.peer_id, {})
+
+
+def test_two_clients_talk_through_a_relay_that_reads_nothing(nodes):
+    (s, r), (c1, c2) = _public_and_clients(nodes)
+    big = bytes(range(256)) * 4096  # 1 MiB of payload
+    reply = c1.request(c2.peer_id, "echo", {"n": 3}, payload=[big])
+    assert reply.body == {"from": c2.peer_id, "got": {"n": 3}}
+    relays = [n for n in (s, r) if n.stats.snapshot()["bytes_received"].get(c1.peer_id, {}).get("$relay")]
+    assert relays, "the request went through neither public peer"
+    # what a relay forwards is sealed: the payload's bytes appear nowhere in it
+    grabbed: list[bytes] = []
+    for relay in (s, r):
+        original = relay._relay._forward
+
+        async def spy(dest, body, sealed, original=original):
+            grabbed.append(bytes(sealed))
+            await original(dest, body, sealed)
+
+        relay._relay._forward = spy
+    c1.request(c2.peer_id, "echo", "secret text", payload=[big], timeout_s=5)
+    assert len(grabbed) == 2  # the request and its answer
+    assert all(b"secret text" not in g and big[:4096] not in g for g in grabbed)
+
+
+def test_a_relay_that_flips_a_byte_is_caught_and_nothing_is_delivered(nodes):
+    (s, r), (c1, c2) = _public_and_clients(nodes)
+    delivered: list[object] = []
+    c2.on("note", lambda msg: delivered.append(msg.body))
+    for relay in (s, r):
+        original = relay._relay._forward
+
+        async def flip(dest, body, sealed, original=original):
+            altered = bytearray(sealed)
+            altered[len(altered) // 2] ^= 0x01
+            await original(dest, body, memoryview(bytes(altered)))
+
+        relay._relay._forward = flip
+    c1.send(c2.peer_id, "note", "hello").result(5)
+    assert wait_until(lambda: c2.stats.snapshot()["rejected"].get("relay_tampered", 0) >= 1)
+    assert delivered == []
+
+
+def test_a_replayed_relayed_message_is_refused():
+    a, b = Identity.generate(), Identity.generate()
+    sa = Sealer(a.curve_secret, a.peer_id, RelayConfig())
+    sb = Sealer(b.curve_secret, b.peer_id, RelayConfig())
+    frames = encode("note", a.peer_id, 1, {"x": 1})
+    nonce, sealed = sa.seal(b.peer_id, b.curve_public, frames)
+    opened = sb.open(a.peer_id, a.curve_public, nonce, sealed, 16)
+    assert [bytes(f) for f in opened] == [bytes(f) for f in frames]
+    with pytest.raises(WireError, match="replayed"):
+        sb.open(a.peer_id, a.curve_public, nonce, sealed, 16)
+    # sealed for b by a: a third party's key does not open it, nor does a claim that c sent it
+    c = Identity.generate()
+    nonce, sealed = sa.seal(b.peer_id, b.curve_public, frames)
+    with pytest.raises(WireError, match="relay_tampered"):
+        sb.open(c.peer_id, c.curve_public, nonce, sealed, 16)
+
+
+def test_frame_packing_refuses_lengths_that_do_not_add_up():
+    frames = [b"head", b"", b"x" * 1000]
+    assert [bytes(f) for f in unpack_frames(pack_frames(frames), 8)] == frames
+    packed = bytearray(pack_frames(frames))
+    for bad in (packed[:3], packed[:-1], packed + b"!", b"\xff\xff\xff\xff" + packed[4:]):
+        with pytest.raises(WireError):
+            unpack_frames(bytes(bad), 8)
+
+
+def test_killing_the_relay_in_use_moves_clients_to_the_other(nodes):
+    (s, r), (c1, c2) = _public_and_clients(nodes)
+    first = c2.status()["meta"][VIA].split(",")[0]
+    relay, other = (s, r) if first == s.peer_id else (r, s)
+    assert c1.request(c2.peer_id, "echo", 1).body["got"] == 1
+    carried = other.stats.snapshot()["bytes_received"].get(c1.peer_id, {}).get("$relay", 0)
+    relay.close()  # no leave: a crash, as far as the others can tell
+    assert wait_until(lambda: relay.peer_id not in c2.status()["meta"][VIA], timeout_s=10)
+    assert c1.request(c2.peer_id, "echo", 2, timeout_s=5).body["got"] == 2
+    assert other.stats.snapshot()["bytes_received"][c1.peer_id].get("$relay", 0) > carried
+
+
+def test_the_seed_dials_a_joiner_back_and_authenticates_its_key(nodes):
+    s = nodes()
+    b = nodes()
+    endpoint = b.address.split("#")[0]
+    assert query(s.address, "$reach", [[endpoint]], identity=b.identity)["reachable"] is True
+    # someone else's key: the dial-back's CURVE handshake with b fails, so not reachable
+    assert query(s.address, "$reach", [[endpoint]], identity=Identity.generate(), timeout_s=5)["reachable"] is False
+
+
+def test_a_joiner_the_seed_cannot_dial_becomes_a_client(nodes):
+    s = nodes()
+    # advertises an address nobody can reach (TEST-NET-1): the dial-back times out
+    c = nodes(listen="tcp://127.0.0.1:0", join=[s.address], advertise="tcp://192.0.2.1:9")
+    assert c.status()["reachable"] is False
+    assert wait_until(lambda: s.live_peers() == [c.peer_id])
+    assert wait_until(lambda: s._transport.can_send(c.peer_id))
+    assert s.request(c.peer_id, "echo", 5).body["got"] == 5
+
+
+def test_relay_messages_from_a_non_relay_or_to_strangers_are_refused(nodes):
+    (s, r), (c1, c2) = _public_and_clients(nodes)
+    # a client is no relay: asking it to relay is refused and counted
+    c1_sealed = c1._relay.sealer.seal(s.peer_id, s.identity.curve_public, encode("note", c1.peer_id, 1, None))
+    c2.run(c1._asend_raw(c2.peer_id, "$relay", [s.peer_id, c1_sealed[0]], [c1_sealed[1]]))
+    assert wait_until(lambda: c2.stats.snapshot()["rejected"].get("no_route", 0) == 1)
+    # a relay asked to forward to someone outside the swarm refuses too
+    s.run(c1._asend_raw(s.peer_id, "$relay", ["nobody", c1_sealed[0]], [c1_sealed[1]]))
+    assert wait_until(lambda: s.stats.snapshot()["rejected"].get("no_route", 0) == 1)
+    # a relayed message claiming a source the destination does not know is refused
+    s.run(s._asend_raw(c2.peer_id, RELAYED, ["nobody", c1_sealed[0]], [c1_sealed[1]]))
+    assert wait_until(lambda: c2.stats.snapshot()["rejected"].get("unknown_peer", 0) >= 1)
+
+
+def test_a_relay_caps_its_forwards_in_flight(nodes):
+    s = nodes()
+    relay: Relay = s._relay
+    relay.forwarding = relay.config.max_forwarding
+    c1 = nodes(listen=None, join=[s.address])
+    c2 = nodes(listen=None, join=[s.address])
+    assert wait_until(lambda: len(c1.live_peers()) == 2 and len(c2.live_peers()) == 2)
+    with pytest.raises(rpc.RequestTimeout):
+        c1.request(c2.peer_id, "echo", 1, timeout_s=0.5)
+    assert s.stats.snapshot()["rejected"].get("busy", 0) >= 1
+    relay.forwarding = 0
+    assert c1.request(c2.peer_id, "echo", 2).body["got"] == 2
