@@ -38,7 +38,15 @@ def node_start(
     advertise: Optional[List[str]] = typer.Option(
         None, "--advertise", help="Address peers should dial instead of the bound one (NAT, port forwarding)."),
     join: Optional[List[str]] = typer.Option(
-        None, "--join", help="Join address of a swarm member, tcp://HOST:PORT#KEY (repeatable)."),
+        None, "--join", help="Join address of a swarm member, tcp://HOST:PORT#KEY (repeatable: tried in turn; HOST "
+                             "may be a DNS name or an [IPv6] literal)."),
+    join_attempts: int = typer.Option(
+        5, "--join-attempts", min=1, help="Rounds over the --join addresses, with backoff, before giving up."),
+    no_listen: bool = typer.Option(
+        False, "--no-listen", help="Client mode: bind nothing; peers reach this node over the connections it opens "
+                                   "(automatic when the peer it joins through cannot dial it back)."),
+    relay: bool = typer.Option(
+        True, "--relay/--no-relay", help="Once reachable, forward sealed messages between clients behind NAT."),
     key: Optional[Path] = typer.Option(None, "--key", help="Identity key file (default: a fresh throwaway identity)."),
     authorized_keys: Optional[Path] = typer.Option(
         None, "--authorized-keys", help="Allowlist of peer keys; others cannot connect."),
@@ -169,7 +177,10 @@ def node_start(
             raise ValueError("--task and protocol options need --protocol (or join a training swarm without them)")
         config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout,
                                               probe_timeout_s),
-                            transport=TransportConfig(monitor_connections=watch_connections))
+                            transport=TransportConfig(monitor_connections=watch_connections),
+                            offer_relay=relay, join_attempts=join_attempts)
+        if no_listen and not join:
+            raise ValueError("--no-listen needs --join: a node that listens nowhere can only join a swarm")
         if protocol is not None or join or resume is not None:  # it may train: others count it in from its hello
             prepare_to_train()
         node = Node(config=config)
@@ -178,7 +189,7 @@ def node_start(
         if metrics_port is not None:
             metrics = MetricsServer(node, metrics_host, metrics_port)
         node.start(
-            listen, join or [], key=key, advertise=advertise, authorized_keys=authorized_keys,
+            None if no_listen else listen, join or [], key=key, advertise=advertise, authorized_keys=authorized_keys,
             security="plaintext" if plaintext else None, insecure=insecure, swarm_config=wanted or None,
         )
     except (JoinError, MetricsError, *train_errors, *EXPECTED_ERRORS) as exc:
@@ -187,7 +198,11 @@ def node_start(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    typer.echo(f"starling node {node.peer_id} listening; join with: {node.address}", err=False)
+    if node.reachable:
+        typer.echo(f"starling node {node.peer_id} listening; join with: {node.address}", err=False)
+    else:
+        typer.echo(f"starling node {node.peer_id} joined as a client (nobody can dial it; reached through the "
+                   "connections it opened, and relays)", err=False)
     if metrics is not None:
         typer.echo(f"starling metrics on {metrics.url}")
     sys.stdout.flush()

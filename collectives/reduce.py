@@ -4,7 +4,8 @@
 Reduce-scatter by shard owners (hivemind's butterfly all-reduce), one request per chunk:
 
     members  = sorted(live peers + me)                 # the caller's view of round t
-    split v into P = |members| contiguous shards; shard i is owned by members[i]
+    split v into P = |owners| contiguous shards, owners being the reachable members (all
+    members when none is reachable); shard i is owned by owners[i]
     split each shard into chunks of at most chunk_numel values
     for each chunk c of each shard i, in parallel:
         send chunk (i, c) to shard i's owner (TOPIC)   # the owner's reply is the average
@@ -198,7 +199,7 @@ class ShardedReducer:
         on_device = HostStaging.needed(vector)
         parts: list[torch.Tensor | Packet] = []  # shard by shard, chunk by chunk
         lent: list[torch.Tensor] = []
-        for i, (chunks, owner) in enumerate(zip(self._layout(len(members)), members)):
+        for i, (chunks, owner) in enumerate(self._shards(members)):
             for c, (lo, hi) in enumerate(chunks):
                 if owner == me:  # my own part never crosses the wire
                     if on_device:
@@ -220,6 +221,20 @@ class ShardedReducer:
         wait_s = _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
         round_ = self._round(t, members, parts, own_private=not lend or on_device, weight=weight)
         return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s, lent)
+
+    def _owners(self, members: tuple[str, ...]) -> tuple[str, ...]:
+        """Who owns shards: the members others can dial, in member order (every peer holds the
+        same signed records, so every peer agrees). A client (behind NAT) only sends parts, and
+        its answers come back down the connections it opened, so no shard's traffic is relayed.
+        If no member is reachable, all own shards and relays carry their parts."""
+        reachable = self.node.is_reachable
+        owners = tuple(m for m in members if reachable(m))
+        return owners or members
+
+    def _shards(self, members: tuple[str, ...]) -> list[tuple[tuple[tuple[int, int], ...], str]]:
+        """(chunks, owner) of each shard of a round over `members`."""
+        owners = self._owners(members)
+        return list(zip(self._layout(len(owners)), owners))
 
     def _layout(self, members: int) -> tuple[tuple[tuple[int, int], ...], ...]:
         """Shard by shard, the chunks of a round over `members` peers; shard i is owned by
@@ -243,7 +258,7 @@ class ShardedReducer:
         """Write each averaged chunk over the local values; collect who was missing."""
         me, synced, lost = self.node.peer_id, False, set()
         skipped = self._skipped.get(t, frozenset())
-        bounds = [b for chunks in self._layout(len(members)) for b in chunks]
+        bounds = [b for chunks, _ in self._shards(members) for b in chunks]
         for (lo, hi), res in zip(bounds, results):
             if res.packet is None:
                 log.info("%s: %s shard %d chunk %d keeps its local values: %s", me, self.topic, res.shard,
@@ -274,7 +289,7 @@ class ShardedReducer:
         me = self.node.peer_id
         self._latest_round = max(self._latest_round, t)
         jobs = []
-        slots = [(i, c, owner) for i, (chunks, owner) in enumerate(zip(self._layout(len(members)), members))
+        slots = [(i, c, owner) for i, (chunks, owner) in enumerate(self._shards(members))
                  for c in range(len(chunks))]
         for (i, c, owner), part in zip(slots, parts):
             if owner == me:
@@ -355,10 +370,10 @@ class ShardedReducer:
             return self._reject(Refusal.MALFORMED, f"weight must be a finite number >= 0, got {weight!r}")
         if list(members) != sorted(set(members)) or msg.sender not in members:
             return self._reject(Refusal.MALFORMED, "members must be sorted, unique, and include the sender")
-        layout = self._layout(len(members))
-        if not 0 <= i < len(layout) or members[i] != me:
+        shards = self._shards(members)
+        if not 0 <= i < len(shards) or shards[i][1] != me:
             return self._reject(Refusal.NOT_OWNER, f"this peer does not own shard {i} of that member list")
-        chunks = layout[i]
+        chunks = shards[i][0]
         if not 0 <= c < len(chunks):
             return self._reject(Refusal.BAD_CHUNK, f"shard {i} has {len(chunks)} chunks, not a chunk {c}")
         key = (t, members, i, c)

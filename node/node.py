@@ -237,6 +237,14 @@ class Node:
         """Whether other peers can dial this node (False: a client, see `start`)."""
         return self.record is not None and self.record.reachable
 
+    def is_reachable(self, peer_id: str) -> bool:
+        """Whether `peer_id` (or this node) can be dialled, by its signed record; a peer not in
+        the table counts as reachable (callable from any thread)."""
+        if peer_id == self.peer_id:
+            return self.reachable
+        info = self._table.get(peer_id)
+        return info is None or info.record.reachable
+
     def _set_via(self) -> None:
         """A client names the relays it holds connections to, in its heartbeats."""
         via = self._relay.via()
