@@ -1,0 +1,167 @@
+"""Peers behind real NAT routers: network namespaces, veth pairs, a bridge, and iptables
+MASQUERADE on router namespaces that let no new connection in (the lab of benchmarks/nat.py).
+
+Two public peers and two home peers, each home behind its own router, run `starling node
+start` as real processes. The home peers listen on their private addresses; the peer they
+join through cannot dial them back, so they join as clients. Skipped, saying why, where
+namespaces cannot be made (not root, no iptables); `.ci/run` installs iptables."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import load_benchmark
+
+from starling.node.identity import Identity
+
+nat = load_benchmark("nat")
+WHY = nat.lab_unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"no NAT lab here: {WHY}")]
+
+HOME_PORT = 7101
+FAST = ["--heartbeat-s", "0.3", "--suspect-after-s", "3", "--dead-after-s", "6", "--log-level", "warning"]
+ROLES = ("pub", "pub", "h1", "h2")
+
+
+def _train_args(protocol: str, steps: int) -> list[str]:
+    return ["--protocol", protocol, "--task", "charlm", "--steps", str(steps), "--log-every", "4",
+            "--min-peers", "4", "--round-timeout-s", "10",
+            *(["--opt", "sync_every=8", "--opt", "fragments=2"] if protocol == "streaming-diloco" else [])]
+
+
+class Peer:
+    def __init__(self, prefix: list[str], args: list[str]) -> None:
+        cmd = [*prefix, sys.executable, "-m", "starling.cli.main", "node", "start", *FAST, *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.lines: list[str] = []
+        self.id = ""
+
+    def wait_for(self, needle: str, timeout_s: float = 240) -> str:
+        import select
+
+        deadline = time.monotonic() + timeout_s
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"node exited ({self.proc.wait()}) before printing {needle!r}: {self.lines[-5:]}")
+            self.lines.append(line)
+            if needle in line:
+                return line
+        raise AssertionError(f"no {needle!r} within {timeout_s} s: {self.lines[-5:]}")
+
+    def address(self) -> str:
+        line = next((x for x in self.lines if "join with:" in x), None) or self.wait_for("join with:")
+        return line.rsplit("join with:", 1)[1].strip()
+
+    def stopped(self) -> dict:
+        return json.loads(self.wait_for('"event": "stopped"'))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def lab():
+    with nat.NatLab() as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("keys")
+    paths = []
+    for i in range(4):
+        path = folder / f"peer{i}.key"
+        Identity.generate().save(path)
+        paths.append(str(path))
+    return paths
+
+
+def _swarm(keys: list[str], extra: list[str], lab=None) -> list[Peer]:
+    """P1 (the seed), P2, H1, H2: in the lab, or all on loopback (lab None)."""
+    peers: list[Peer] = []
+    hosts = [*lab.public_hosts, lab.home_host(1), lab.home_host(2)] if lab else ["127.0.0.1"] * 4
+    try:
+        for i, (role, host) in enumerate(zip(ROLES, hosts)):
+            port = HOME_PORT if lab and role.startswith("h") else 0
+            args = ["--key", keys[i], "--listen", f"tcp://{host}:{port}", "--shard", f"{i}/4", *extra]
+            if peers:
+                args += ["--join", seed]
+            peers.append(Peer(lab.exec_prefix(role) if lab else [], args))
+            if i == 0:
+                seed = peers[0].address()
+        return peers
+    except BaseException:
+        for p in peers:
+            p.kill()
+        raise
+
+
+def test_a_home_peer_cannot_be_dialled_but_can_dial_out(lab, keys):
+    peers = _swarm(keys, [], lab)
+    try:
+        for p in peers[2:]:
+            assert "joined as a client" in p.wait_for("starling node")
+        assert lab.can_connect("h1", lab.home_host(1), HOME_PORT)  # it does listen, at home
+        assert not lab.can_connect("pub", lab.home_host(1), HOME_PORT)  # no route in
+        assert not lab.can_connect("pub", "10.77.0.11", HOME_PORT)  # the router forwards nothing in
+        assert not lab.can_connect("h2", lab.home_host(1), HOME_PORT)
+        assert lab.can_connect("h1", lab.public_hosts[0], _port_of(peers[0]))  # out is fine
+    finally:
+        for p in peers:
+            p.kill()
+
+
+def _port_of(peer: Peer) -> int:
+    return int(peer.address().split("#")[0].rsplit(":", 1)[1])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("protocol", ["streaming-diloco", "allreduce"])
+def test_four_peers_across_nat_train_to_the_loss_of_four_on_loopback(lab, keys, protocol):
+    losses = {}
+    for where in ("nat", "loopback"):
+        peers = _swarm(keys, _train_args(protocol, 16), lab if where == "nat" else None)
+        try:
+            losses[where] = [p.stopped()["eval_loss"] for p in peers]
+        finally:
+            for p in peers:
+                p.kill()
+    nat_loss, loop_loss = (sum(v) / len(v) for v in (losses["nat"], losses["loopback"]))
+    assert abs(nat_loss - loop_loss) <= 0.01 * loop_loss, losses
+
+
+@pytest.mark.timeout(900)
+def test_killing_the_relay_in_use_moves_home_peers_to_the_other_and_training_goes_on(lab, keys):
+    peers = _swarm(keys, _train_args("streaming-diloco", 64), lab)
+    try:
+        ids = [Identity.load(k).peer_id for k in keys]
+        for p, peer_id in zip(peers, ids):
+            p.id = peer_id
+        relay = min(ids[:2])  # the clients name their relays in id order: the first is in use
+        victim = peers[ids.index(relay)]
+        peers[2].wait_for('"step": 8')
+        victim.kill()  # SIGKILL: no leave
+        for p in peers[2:]:  # the home peers go on training
+            p.wait_for('"step": 32')
+        survivor = peers[1 - ids.index(relay)]
+        address = survivor.address()
+        status = json.loads(subprocess.run(
+            [*lab.exec_prefix("pub"), sys.executable, "-m", "starling.cli.main", "node", "status", address, "--json"],
+            capture_output=True, text=True, timeout=120, check=True).stdout)
+        vias = {p["id"]: p["meta"].get("$via") for p in status["peers"] if p["id"] in ids[2:]}
+        assert vias == {ids[2]: survivor.id, ids[3]: survivor.id}, vias
+        finals = [p.stopped() for p in peers if p is not victim]
+        assert all(f["step"] == 64 for f in finals)
+    finally:
+        for p in peers:
+            p.kill()
