@@ -95,10 +95,8 @@ def _swarm(keys: list[str], extra: list[str], lab=None) -> list[Peer]:
             port = HOME_PORT if lab and role.startswith("h") else 0
             args = ["--key", keys[i], "--listen", f"tcp://{host}:{port}", "--shard", f"{i}/4", *extra]
             if peers:
-                args += ["--join", seed]
+                args += ["--join", peers[0].address()]
             peers.append(Peer(lab.exec_prefix(role) if lab else [], args))
-            if i == 0:
-                seed = peers[0].address()
         return peers
     except BaseException:
         for p in peers:
