@@ -158,7 +158,8 @@ class Worker:
     def __init__(self, lab: NatLab, role: str, *args: str) -> None:
         here = os.path.abspath(__file__)
         self.proc = subprocess.Popen([*lab.exec_prefix(role), sys.executable, here, "--worker", *args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=None if os.environ.get("NAT_BENCH_DEBUG") else subprocess.DEVNULL,
                                      text=True)
 
     def line(self, timeout_s: float = 120.0) -> dict[str, Any]:
@@ -222,6 +223,8 @@ def _worker(argv: list[str]) -> None:
 
 
 def run(rate_mbit: float | None, mib: int, repeats: int) -> dict[str, Any]:
+    # a terminated run still removes its namespaces (the `finally` below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     lab = NatLab(rate_mbit=rate_mbit).up()
     workers: list[Worker] = []
     try:

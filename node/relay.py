@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from starling.node.membership import PeerStatus
+from starling.node.swarm import WANT
 from starling.node.transport import SendError
 from starling.node.wire import Message, RejectReason, WireError
 
@@ -235,6 +236,8 @@ class Relay:
         src = body[0]
         info = node._table.get(src)
         if info is None or info.status is PeerStatus.LEFT:
+            if info is None:  # a peer that joined a moment ago: the relay has its record
+                node._spawn(node._asend_raw(msg.sender, WANT, [src]))
             raise WireError(RejectReason.UNKNOWN_PEER, f"relayed message from unknown peer {src}")
         frames = self.sealer.open(src, info.record.curve_key, body[1], msg.payload[0], node.config.limits.max_frames)
         node._spawn(node._dispatch.on_opened(src, frames))

@@ -289,7 +289,8 @@ class Swarm:
         assert transport is not None and node.record is not None
         if self.learn(record) and body[2]:
             for p in node._table.live():
-                if p.peer_id != record.peer_id and transport.is_open(p.peer_id):
+                if p.peer_id != record.peer_id and (transport.is_open(p.peer_id)
+                                                    or (not p.record.reachable and transport.can_send(p.peer_id))):
                     node._spawn(node._asend_raw(p.peer_id, ANNOUNCE, [record.to_wire()]))
         # A joiner's hello gets the whole table; one that asks for none (a re-announce) does not.
         peers = [p.record.to_wire() for p in node._table.live() if p.peer_id != record.peer_id] if body[2] else []
