@@ -130,7 +130,8 @@ class ShardedReducer:
 
     def __init__(self, node: Node, topic: str, numel: int, compressor: str = "none",
                  timeouts: ReduceTimeouts | None = None, is_open: Callable[[], bool] = lambda: True,
-                 chunk_numel: int = DEFAULT_CHUNK_NUMEL, min_shard_numel: int = 1) -> None:
+                 chunk_numel: int = DEFAULT_CHUNK_NUMEL, min_shard_numel: int = 1,
+                 part_feedback: bool = True) -> None:
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         if min_shard_numel < 1:
@@ -146,6 +147,8 @@ class ShardedReducer:
         self.timeouts = timeouts or ReduceTimeouts()
         self._is_open = is_open
         self.codec, self._part_feedback = make_codec(compressor)
+        if not part_feedback:  # what my lossy parts drop is lost (owners still feed back their averages')
+            self._part_feedback = None
         _, self._avg_feedback = make_codec(compressor)
         self._staging = HostStaging()  # where a device vector's encoded parts cross to the host
         # Network-thread state: open accumulators, finished keys, who used which view when.
