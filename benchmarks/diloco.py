@@ -3,7 +3,8 @@
     python benchmarks/diloco.py [--quick] [--steps N] [--peers P] [--sync-every H]
                                 [--fragments F] [--overlap-steps T] [--util-overlap-steps T]
                                 [--util-steps N] [--sweep-steps N] [--sweep-sync-every H]
-                                [--horizons N,N,...] [--sparse-spec SPEC] [--sparse-sweep-steps N]
+                                [--horizons N,N,...] [--sparse-spec SPEC] [--sparse-average-spec SPEC]
+                                [--sparse-sweep-steps N]
                                 [--only headline,horizon,peak,util,sweep,sparse,sparse-sweep]
 
 Every run is a simulated swarm of real nodes over inproc sockets (`starling.runtime.sim`), one
@@ -405,11 +406,13 @@ def sparse(args: argparse.Namespace) -> dict[str, Any]:
     steps = args.steps
     base = best_allreduce(args, steps, schedule_of(args, steps), {})
     int4 = streaming(args, steps)
-    mine = streaming(args, steps, compressor=args.sparse_spec, **SPARSE_OUTER)
+    mine = streaming(args, steps, compressor=args.sparse_spec, average_compressor=args.sparse_average_spec,
+                     **SPARSE_OUTER)
     ratio = base["bytes_per_peer"] / mine["bytes_per_peer"]
     gap, gap_int4 = mine["eval_loss"] / base["eval_loss"] - 1.0, mine["eval_loss"] / int4["eval_loss"] - 1.0
     row = {"bench": "sparse", "peers": args.peers, "steps": steps, "sync_every": args.sync_every,
-           "fragments": args.fragments, "compressor": args.sparse_spec, **SPARSE_OUTER,
+           "fragments": args.fragments, "compressor": args.sparse_spec,
+           "average_compressor": args.sparse_average_spec or args.sparse_spec, **SPARSE_OUTER,
            "parameters": charlm_parameters(),
            "allreduce_eval_loss": base["eval_loss"], "int4_eval_loss": int4["eval_loss"],
            "sparse_eval_loss": mine["eval_loss"], "sparse_eval_loss_local": mine["eval_loss_local"],
@@ -468,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="headline,horizon,peak,util,sweep", help="comma-separated benches "
                         "(also sparse, sparse-sweep: issue 23's rows, not run by default)")
     parser.add_argument("--sparse-spec", default=SPARSE_SPEC, help=f"sparse: the compressor ({SPARSE_SPEC})")
+    parser.add_argument("--sparse-average-spec", default="",
+                        help="sparse: the owners' codec for averages (default: the same as --sparse-spec)")
     parser.add_argument("--sparse-sweep-steps", type=int, default=None, help="sparse-sweep: run length (512)")
     parser.add_argument("--horizons", default=None,
                         help=f"horizon: comma-separated run lengths in steps (default {HORIZONS['full']})")

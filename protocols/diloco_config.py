@@ -62,6 +62,10 @@ class DiLoCoConfig(ProtocolConfig):
     # part residuals). False drops it (the sweep of docs/benchmarks.md shows what that costs at 2
     # bits and 1.6% density). Owners always feed back what their re-encoded averages drop.
     error_feedback: bool = True
+    # The codec owners send averages in; "" (default): the same as `compressor`. With a sparse
+    # compressor, K P per chunk keeps the union of the P parts' supports (one lossy hop for
+    # support; see docs/architecture.md for the bytes).
+    average_compressor: str = ""
 
     def __post_init__(self) -> None:
         if self.check_every < 0:
@@ -111,6 +115,8 @@ class DiLoCoConfig(ProtocolConfig):
             if not getattr(self, name) > 0.0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         check_compressor_spec(self.compressor)
+        if self.average_compressor:
+            check_compressor_spec(self.average_compressor)
 
 
 @dataclass(frozen=True)

@@ -118,3 +118,16 @@ def test_streaming_diloco_with_sparse_pseudo_gradients_keeps_peers_identical_thr
     in_parallel([lambda p=p, r=r: train(p, r, 4) for r, p in enumerate((pa, pb, pc))])
     assert pa.versions == pb.versions == pc.versions == [3, 3]
     assert torch.equal(outer(pa), outer(pb)) and torch.equal(outer(pa), outer(pc))
+
+
+def test_owners_may_send_averages_in_a_denser_codec_that_keeps_the_union_of_supports(make_node):
+    world, numel = 3, 96  # shards of 32 values: two chunks of 16 each
+    nodes = swarm(make_node, world)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    reducers = [ShardedReducer(n, "test.union", numel, "chunktopk:2/16", average_compressor="chunktopk:6/16")
+                for n in nodes]
+    vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    in_parallel([lambda r=r: reducers[r].reduce(0, members, vectors[r]) for r in range(world)])
+    assert all(torch.equal(v, vectors[0]) for v in vectors[1:])
+    per_chunk = (vectors[0].view(-1, 16) != 0).sum(dim=1)
+    assert int(per_chunk.max()) <= 6 and int(per_chunk.max()) > 2  # more than one part's K survived
