@@ -404,8 +404,15 @@ def streaming(args: argparse.Namespace, steps: int, **overrides: Any) -> dict[st
 def sparse(args: argparse.Namespace) -> dict[str, Any]:
     """Issue 23's headline: allreduce, int4 and sparse streaming-diloco, same run, same seed."""
     steps = args.steps
-    base = best_allreduce(args, steps, schedule_of(args, steps), {})
-    int4 = streaming(args, steps)
+    if args.allreduce_loss is not None:  # reuse measured baselines (same steps, peers, seed)
+        base = {"eval_loss": args.allreduce_loss, "bytes_per_peer": args.allreduce_bytes}
+    else:
+        base = best_allreduce(args, steps, schedule_of(args, steps), {})
+    if args.int4_loss is not None:
+        int4 = {"eval_loss": args.int4_loss, "bytes_per_peer": args.int4_bytes,
+                **bits_per_parameter(args.int4_bytes, steps, args.sync_every)}
+    else:
+        int4 = streaming(args, steps)
     mine = streaming(args, steps, compressor=args.sparse_spec, average_compressor=args.sparse_average_spec,
                      **SPARSE_OUTER)
     ratio = base["bytes_per_peer"] / mine["bytes_per_peer"]
@@ -434,14 +441,18 @@ def sparse(args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def sparse_grid(chunk: int = 4096) -> list[tuple[str, Any, str, bool]]:
-    """(axis, value, compressor, error feedback): density at 2 bits, bits at 64/4096, and
-    error feedback off at 1 and 2 bits."""
-    grid = [("density", k / chunk, f"chunktopk:{k}/{chunk}+q2:block={k}", True) for k in (24, 64, 128, 200)]
-    grid += [("bits", 1, f"chunktopk:64/{chunk}+sign:block=64", True), ("bits", 2, SPARSE_SPEC, True),
-             ("bits", 4, f"chunktopk:64/{chunk}+int4:block=64", True)]
-    grid += [("error_feedback", False, SPARSE_SPEC, False),
-             ("error_feedback", False, f"chunktopk:64/{chunk}+sign:block=64", False)]
+def sparse_grid(chunk: int = 4096) -> list[tuple[str, Any, str, bool, str]]:
+    """(axis, value, compressor, error feedback, owners' codec for averages or ""): density at 2
+    bits, bits at 64/4096, error feedback off at 1 and 2 bits, 6-bit indices (1 or 2 of every 64
+    values: more values for the bytes), and owners that keep the union of the 4 parts' supports."""
+    q2 = SPARSE_SPEC
+    grid = [("density", k / chunk, f"chunktopk:{k}/{chunk}+q2:block={k}", True, "") for k in (24, 64, 128, 200)]
+    grid += [("bits", 1, f"chunktopk:64/{chunk}+sign:block=64", True, ""), ("bits", 2, q2, True, ""),
+             ("bits", 4, f"chunktopk:64/{chunk}+int4:block=64", True, "")]
+    grid += [("error_feedback", False, q2, False, ""),
+             ("error_feedback", False, f"chunktopk:64/{chunk}+sign:block=64", False, "")]
+    grid += [("chunk", 64, f"chunktopk:{k}/64+q2:block=64", True, "") for k in (1, 2)]
+    grid += [("average", "union", q2, True, f"chunktopk:256/{chunk}+q2:block=256")]
     return grid
 
 
@@ -450,11 +461,13 @@ def sparse_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     steps = args.sparse_sweep_steps
     int4 = streaming(args, steps)
     rows, done = [], {}
-    for axis, value, spec, feedback in sparse_grid():
-        if (spec, feedback) not in done:
-            done[(spec, feedback)] = streaming(args, steps, compressor=spec, error_feedback=feedback, **SPARSE_OUTER)
-        got = done[(spec, feedback)]
+    for axis, value, spec, feedback, average in sparse_grid():
+        if (spec, feedback, average) not in done:
+            done[(spec, feedback, average)] = streaming(args, steps, compressor=spec, error_feedback=feedback,
+                                                        average_compressor=average, **SPARSE_OUTER)
+        got = done[(spec, feedback, average)]
         row = {"bench": "sparse-sweep", "axis": axis, "value": value, "compressor": spec, "error_feedback": feedback,
+               "average_compressor": average or spec,
                "steps": steps, "eval_loss": got["eval_loss"], "int4_eval_loss": int4["eval_loss"],
                "loss_gap_int4": got["eval_loss"] / int4["eval_loss"] - 1.0, "bytes_per_peer": got["bytes_per_peer"],
                "bits_per_param_per_sync": got["bits_per_param_per_sync"], "message_bits_per_param": message_bits(spec)}
@@ -494,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="headline: skip the allreduce run and use this measured eval loss "
                              "(with --allreduce-bytes)")
     parser.add_argument("--allreduce-bytes", type=float, default=None)
+    parser.add_argument("--int4-loss", type=float, default=None,
+                        help="sparse: skip the int4 streaming run and use this measured eval loss (with --int4-bytes)")
+    parser.add_argument("--int4-bytes", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0,
                         help="headline, horizon: initial weights and data order of both protocols (default 0)")
     parser.add_argument("--round-timeout-s", type=float, default=None,

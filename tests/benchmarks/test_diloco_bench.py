@@ -81,7 +81,7 @@ def test_sparse_bits_per_parameter_and_its_sweep_grid():
     assert bench.message_bits(bench.SPARSE_SPEC) == pytest.approx(64 / 4096 * 14 + 64 / 4096, rel=0.05)
     assert bench.published()["sparseloco"]["bits_per_param_per_step"] == pytest.approx(0.22 / 30)
     grid = bench.sparse_grid()
-    densities = [value for axis, value, _, _ in grid if axis == "density"]
+    densities = [value for axis, value, *_ in grid if axis == "density"]
     assert min(densities) >= 0.005 and max(densities) <= 0.05
-    assert sorted(value for axis, value, _, _ in grid if axis == "bits") == [1, 2, 4]
-    assert any(not feedback for *_, feedback in grid)
+    assert sorted(value for axis, value, *_ in grid if axis == "bits") == [1, 2, 4]
+    assert any(not feedback for _, _, _, feedback, _ in grid)
