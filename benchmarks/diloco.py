@@ -4,7 +4,7 @@
                                 [--fragments F] [--overlap-steps T] [--util-overlap-steps T]
                                 [--util-steps N] [--sweep-steps N] [--sweep-sync-every H]
                                 [--horizons N,N,...] [--sparse-spec SPEC] [--sparse-average-spec SPEC]
-                                [--sparse-sweep-steps N]
+                                [--sparse-sync-every H] [--sparse-sweep-steps N]
                                 [--only headline,horizon,peak,util,sweep,sparse,sparse-sweep]
 
 Every run is a simulated swarm of real nodes over inproc sockets (`starling.runtime.sim`), one
@@ -396,7 +396,7 @@ def streaming(args: argparse.Namespace, steps: int, **overrides: Any) -> dict[st
     options = diloco_options(args, **overrides)
     result = run("streaming-diloco", args.peers, steps, options, **_seeded(args))
     row = {"bench": "run", "protocol": "streaming-diloco", "peers": args.peers, "steps": steps, **options,
-           **result, **bits_per_parameter(result["bytes_per_peer"], steps, args.sync_every)}
+           **result, **bits_per_parameter(result["bytes_per_peer"], steps, options["sync_every"])}
     emit(row)
     return row
 
@@ -413,11 +413,12 @@ def sparse(args: argparse.Namespace) -> dict[str, Any]:
                 **bits_per_parameter(args.int4_bytes, steps, args.sync_every)}
     else:
         int4 = streaming(args, steps)
+    sync_every = args.sparse_sync_every or args.sync_every
     mine = streaming(args, steps, compressor=args.sparse_spec, average_compressor=args.sparse_average_spec,
-                     **SPARSE_OUTER)
+                     sync_every=sync_every, **SPARSE_OUTER)
     ratio = base["bytes_per_peer"] / mine["bytes_per_peer"]
     gap, gap_int4 = mine["eval_loss"] / base["eval_loss"] - 1.0, mine["eval_loss"] / int4["eval_loss"] - 1.0
-    row = {"bench": "sparse", "peers": args.peers, "steps": steps, "sync_every": args.sync_every,
+    row = {"bench": "sparse", "peers": args.peers, "steps": steps, "sync_every": sync_every,
            "fragments": args.fragments, "compressor": args.sparse_spec,
            "average_compressor": args.sparse_average_spec or args.sparse_spec, **SPARSE_OUTER,
            "parameters": charlm_parameters(),
@@ -431,7 +432,7 @@ def sparse(args: argparse.Namespace) -> dict[str, Any]:
            "bits_per_param_per_sync": mine["bits_per_param_per_sync"],
            "bits_per_param_per_step": mine["bits_per_param_per_step"],
            "message_bits_per_param": message_bits(args.sparse_spec),
-           "message_bits_per_param_per_step": message_bits(args.sparse_spec) / args.sync_every,
+           "message_bits_per_param_per_step": message_bits(args.sparse_spec) / sync_every,
            "published": published(),
            "bits_met": mine["bits_per_param_per_sync"] <= SPARSE_BITS_TARGET,
            "message_bits_met": message_bits(args.sparse_spec) <= SPARSE_BITS_TARGET,
@@ -486,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sparse-spec", default=SPARSE_SPEC, help=f"sparse: the compressor ({SPARSE_SPEC})")
     parser.add_argument("--sparse-average-spec", default="",
                         help="sparse: the owners' codec for averages (default: the same as --sparse-spec)")
+    parser.add_argument("--sparse-sync-every", type=int, default=None,
+                        help="sparse: H of the sparse run (default: --sync-every, the baselines')")
     parser.add_argument("--sparse-sweep-steps", type=int, default=None, help="sparse-sweep: run length (512)")
     parser.add_argument("--horizons", default=None,
                         help=f"horizon: comma-separated run lengths in steps (default {HORIZONS['full']})")
