@@ -131,3 +131,17 @@ def test_owners_may_send_averages_in_a_denser_codec_that_keeps_the_union_of_supp
     assert all(torch.equal(v, vectors[0]) for v in vectors[1:])
     per_chunk = (vectors[0].view(-1, 16) != 0).sum(dim=1)
     assert int(per_chunk.max()) <= 6 and int(per_chunk.max()) > 2  # more than one part's K survived
+
+
+def test_error_feedback_off_keeps_no_part_residuals_but_owners_keep_theirs(make_node):
+    nodes = swarm(make_node, 2)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    reducers = [ShardedReducer(n, "test.noef", 200, SPEC, part_feedback=False) for n in nodes]
+    vectors = [torch.randn(200, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    in_parallel([lambda r=r: reducers[r].reduce(0, members, vectors[r]) for r in range(2)])
+    assert torch.equal(vectors[0], vectors[1])
+    for reducer in reducers:
+        state = reducer.state_dict()
+        assert state["parts"] is None and state["averages"]["residuals"]
+    proto = get_protocol("streaming-diloco").create(nodes[0], linear(), {"compressor": SPEC, "error_feedback": False})
+    assert all(r.state_dict()["parts"] is None for r in proto.reducers)
