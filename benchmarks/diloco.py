@@ -3,7 +3,9 @@
     python benchmarks/diloco.py [--quick] [--steps N] [--peers P] [--sync-every H]
                                 [--fragments F] [--overlap-steps T] [--util-overlap-steps T]
                                 [--util-steps N] [--sweep-steps N] [--sweep-sync-every H]
-                                [--horizons N,N,...] [--only headline,horizon,peak,util,sweep]
+                                [--horizons N,N,...] [--sparse-spec SPEC] [--sparse-average-spec SPEC]
+                                [--sparse-sync-every H] [--sparse-sweep-steps N]
+                                [--only headline,horizon,peak,util,sweep,sparse,sparse-sweep]
 
 Every run is a simulated swarm of real nodes over inproc sockets (`starling.runtime.sim`), one
 training thread per peer, each peer on its own data shard. Prints one JSON row per measurement,
@@ -24,6 +26,16 @@ then a summary row. Targets checked:
   links is mostly waiting (< 50%).
 - ``sweep``: the paper's qualitative findings on the small model: 4-bit vs 8-bit vs fp32
   exchange, overlap 0..5, alpha 0 vs 0.5 (with overlap), peers 1/2/4 at equal steps.
+- ``sparse`` (issue 23): the headline's run with SparseLoCo-style pseudo-gradients
+  (``--sparse-spec``, ``chunktopk:64/4096+q2``: top 64 of every 4096 values, 2 bits each, error
+  feedback in the outer loop) against ``allreduce`` and the int4 streaming run, all in one
+  invocation. Targets: at most 0.3 bits per parameter per sync, eval loss within 1% of int4's,
+  >= 3000x fewer bytes per peer than allreduce and within 2% of its loss. Bits per parameter are
+  given two ways: socket bytes each peer sent (headers, parts and averages) per parameter synced,
+  and the codec's own message for a whole fragment (what SparseLoCo's figure counts); next to
+  SparseLoCo's and DeMo/DisTrO's published figures.
+- ``sparse-sweep``: density (0.6%-4.9%), bits per value (1, 2, 4) and error feedback on or off,
+  on shorter runs (``--sparse-sweep-steps``, 512), each row beside the int4 run of that length.
 
 Bytes are what each peer's node counted on the protocol's topics (requests and replies,
 headers included); membership traffic is left out for both protocols. Peers have seeded keys
@@ -66,6 +78,17 @@ WIDE = {"n_layer": 4, "n_embd": 128}  # 0.8M parameters instead of 0.11M
 # declared peers dead when this loaded 2-core box starved the network thread, and each
 # false death closed a round without the others ("went on without"): 3 allreduce steps in
 # 189, and 3-7 of 16 fragment rounds in DiLoCo runs. A lenient one measures the protocols.
+SPARSE_SPEC = "chunktopk:64/4096+q2"
+# SparseLoCo's outer loop: every peer takes the global fragment at each merge (alpha 0) and the
+# outer step is plain SGD at lr 1 (its error feedback already carries what was not sent). At 512
+# steps this beat the int4 headline's alpha 0.5, lr 0.7, Nesterov 0.9 by 19% in eval loss, and
+# error feedback under those hurt: the residual and the local replica both kept the unsent part.
+SPARSE_OUTER = {"alpha": 0.0, "outer_lr": 1.0, "outer_momentum": 0.0}
+SPARSE_BITS_TARGET, SPARSE_INT4_LOSS_TARGET, SPARSE_BYTES_TARGET = 0.3, 0.01, 3000.0
+# Published figures (docs/REFERENCES): SparseLoCo, Templar's config: 0.22 bits per parameter per
+# sync at H = 30. DeMo/DisTrO: sends every step, up to 85x less than 32-bit data-parallel.
+PUBLISHED = {"sparseloco": {"bits_per_param_per_sync": 0.22, "sync_every": 30},
+             "demo_distro": {"bits_per_param_per_sync": 32.0 / 85.0, "sync_every": 1}}
 BENCH_LIVENESS = Liveness(heartbeat_interval_s=0.5, suspect_timeout_s=15.0, dead_timeout_s=60.0)
 
 
@@ -343,12 +366,130 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def bits_per_parameter(bytes_per_peer: float, steps: int, sync_every: int) -> dict[str, float]:
+    """Socket bytes one peer sent, as bits per model parameter: per sync (every parameter syncs
+    steps / H times) and per inner step."""
+    bits = 8.0 * bytes_per_peer / charlm_parameters()
+    return {"bits_per_param_per_sync": bits / (steps / sync_every), "bits_per_param_per_step": bits / steps}
+
+
+def message_bits(spec: str) -> float:
+    """Bits per parameter of the codec's own message for the whole model (buffers, no header)."""
+    from starling.compressors import from_spec
+
+    n = charlm_parameters()
+    packet = from_spec(spec).encode(torch.randn(n, generator=torch.Generator().manual_seed(0)))
+    return 8.0 * sum(b.numel() for b in packet.buffers) / n
+
+
+def charlm_parameters() -> int:
+    return sum(p.numel() for p in get_task("charlm").make_model().parameters())
+
+
+def published() -> dict[str, dict[str, float]]:
+    """The published figures, per sync and per inner step."""
+    return {name: {**f, "bits_per_param_per_step": f["bits_per_param_per_sync"] / f["sync_every"]}
+            for name, f in PUBLISHED.items()}
+
+
+def streaming(args: argparse.Namespace, steps: int, **overrides: Any) -> dict[str, Any]:
+    options = diloco_options(args, **overrides)
+    result = run("streaming-diloco", args.peers, steps, options, **_seeded(args))
+    row = {"bench": "run", "protocol": "streaming-diloco", "peers": args.peers, "steps": steps, **options,
+           **result, **bits_per_parameter(result["bytes_per_peer"], steps, options["sync_every"])}
+    emit(row)
+    return row
+
+
+def sparse(args: argparse.Namespace) -> dict[str, Any]:
+    """Issue 23's headline: allreduce, int4 and sparse streaming-diloco, same run, same seed."""
+    steps = args.steps
+    if args.allreduce_loss is not None:  # reuse measured baselines (same steps, peers, seed)
+        base = {"eval_loss": args.allreduce_loss, "bytes_per_peer": args.allreduce_bytes}
+    else:
+        base = best_allreduce(args, steps, schedule_of(args, steps), {})
+    if args.int4_loss is not None:
+        int4 = {"eval_loss": args.int4_loss, "bytes_per_peer": args.int4_bytes,
+                **bits_per_parameter(args.int4_bytes, steps, args.sync_every)}
+    else:
+        int4 = streaming(args, steps)
+    sync_every = args.sparse_sync_every or args.sync_every
+    mine = streaming(args, steps, compressor=args.sparse_spec, average_compressor=args.sparse_average_spec,
+                     sync_every=sync_every, **SPARSE_OUTER)
+    ratio = base["bytes_per_peer"] / mine["bytes_per_peer"]
+    gap, gap_int4 = mine["eval_loss"] / base["eval_loss"] - 1.0, mine["eval_loss"] / int4["eval_loss"] - 1.0
+    row = {"bench": "sparse", "peers": args.peers, "steps": steps, "sync_every": sync_every,
+           "fragments": args.fragments, "compressor": args.sparse_spec,
+           "average_compressor": args.sparse_average_spec or args.sparse_spec, **SPARSE_OUTER,
+           "parameters": charlm_parameters(),
+           "allreduce_eval_loss": base["eval_loss"], "int4_eval_loss": int4["eval_loss"],
+           "sparse_eval_loss": mine["eval_loss"], "sparse_eval_loss_local": mine["eval_loss_local"],
+           "loss_gap_allreduce": gap, "loss_gap_int4": gap_int4,
+           "allreduce_bytes_per_peer": base["bytes_per_peer"], "int4_bytes_per_peer": int4["bytes_per_peer"],
+           "sparse_bytes_per_peer": mine["bytes_per_peer"], "bytes_ratio_allreduce": ratio,
+           "bytes_ratio_int4": int4["bytes_per_peer"] / mine["bytes_per_peer"],
+           "int4_bits_per_param_per_sync": int4["bits_per_param_per_sync"],
+           "bits_per_param_per_sync": mine["bits_per_param_per_sync"],
+           "bits_per_param_per_step": mine["bits_per_param_per_step"],
+           "message_bits_per_param": message_bits(args.sparse_spec),
+           "message_bits_per_param_per_step": message_bits(args.sparse_spec) / sync_every,
+           "published": published(),
+           "bits_met": mine["bits_per_param_per_sync"] <= SPARSE_BITS_TARGET,
+           "message_bits_met": message_bits(args.sparse_spec) <= SPARSE_BITS_TARGET,
+           "int4_loss_met": gap_int4 <= SPARSE_INT4_LOSS_TARGET,
+           "bytes_met": ratio >= SPARSE_BYTES_TARGET, "loss_met": gap <= LOSS_TARGET}
+    emit(row)
+    return row
+
+
+def sparse_grid(chunk: int = 4096) -> list[tuple[str, Any, str, bool, str]]:
+    """(axis, value, compressor, error feedback, owners' codec for averages or ""): density at 2
+    bits, bits at 64/4096, error feedback off at 1 and 2 bits, 6-bit indices (1 or 2 of every 64
+    values: more values for the bytes), and owners that keep the union of the 4 parts' supports."""
+    q2 = SPARSE_SPEC
+    grid = [("density", k / chunk, f"chunktopk:{k}/{chunk}+q2:block={k}", True, "") for k in (24, 64, 128, 200)]
+    grid += [("bits", 1, f"chunktopk:64/{chunk}+sign:block=64", True, ""), ("bits", 2, q2, True, ""),
+             ("bits", 4, f"chunktopk:64/{chunk}+int4:block=64", True, "")]
+    grid += [("error_feedback", False, q2, False, ""),
+             ("error_feedback", False, f"chunktopk:64/{chunk}+sign:block=64", False, "")]
+    grid += [("chunk", 64, f"chunktopk:{k}/64+q2:block=64", True, "") for k in (1, 2)]
+    grid += [("average", "union", q2, True, f"chunktopk:256/{chunk}+q2:block=256")]
+    return grid
+
+
+def sparse_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Where the loss breaks, on `--sparse-sweep-steps` runs (shorter than the headline's)."""
+    steps = args.sparse_sweep_steps
+    int4 = streaming(args, steps)
+    rows, done = [], {}
+    for axis, value, spec, feedback, average in sparse_grid():
+        if (spec, feedback, average) not in done:
+            done[(spec, feedback, average)] = streaming(args, steps, compressor=spec, error_feedback=feedback,
+                                                        average_compressor=average, **SPARSE_OUTER)
+        got = done[(spec, feedback, average)]
+        row = {"bench": "sparse-sweep", "axis": axis, "value": value, "compressor": spec, "error_feedback": feedback,
+               "average_compressor": average or spec,
+               "steps": steps, "eval_loss": got["eval_loss"], "int4_eval_loss": int4["eval_loss"],
+               "loss_gap_int4": got["eval_loss"] / int4["eval_loss"] - 1.0, "bytes_per_peer": got["bytes_per_peer"],
+               "bits_per_param_per_sync": got["bits_per_param_per_sync"], "message_bits_per_param": message_bits(spec)}
+        emit(row)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small run for a smoke test")
     for name in FULL:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
-    parser.add_argument("--only", default="headline,horizon,peak,util,sweep", help="comma-separated benches")
+    parser.add_argument("--only", default="headline,horizon,peak,util,sweep", help="comma-separated benches "
+                        "(also sparse, sparse-sweep: issue 23's rows, not run by default)")
+    parser.add_argument("--sparse-spec", default=SPARSE_SPEC, help=f"sparse: the compressor ({SPARSE_SPEC})")
+    parser.add_argument("--sparse-average-spec", default="",
+                        help="sparse: the owners' codec for averages (default: the same as --sparse-spec)")
+    parser.add_argument("--sparse-sync-every", type=int, default=None,
+                        help="sparse: H of the sparse run (default: --sync-every, the baselines')")
+    parser.add_argument("--sparse-sweep-steps", type=int, default=None, help="sparse-sweep: run length (512)")
     parser.add_argument("--horizons", default=None,
                         help=f"horizon: comma-separated run lengths in steps (default {HORIZONS['full']})")
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
@@ -369,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="headline: skip the allreduce run and use this measured eval loss "
                              "(with --allreduce-bytes)")
     parser.add_argument("--allreduce-bytes", type=float, default=None)
+    parser.add_argument("--int4-loss", type=float, default=None,
+                        help="sparse: skip the int4 streaming run and use this measured eval loss (with --int4-bytes)")
+    parser.add_argument("--int4-bytes", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0,
                         help="headline, horizon: initial weights and data order of both protocols (default 0)")
     parser.add_argument("--round-timeout-s", type=float, default=None,
@@ -379,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is None:
             setattr(args, name, value)
     benches = set(args.only.split(","))
-    unknown = benches - {"headline", "horizon", "peak", "util", "sweep"}
+    unknown = benches - {"headline", "horizon", "peak", "util", "sweep", "sparse", "sparse-sweep"}
     if unknown:
         parser.error(f"--only: unknown bench {', '.join(sorted(unknown))}")
     try:
@@ -408,6 +552,13 @@ def main(argv: list[str] | None = None) -> int:
         summary["util_met"] = util(args)["met"]
     if "sweep" in benches:
         sweep(args)
+    if "sparse" in benches:
+        row = sparse(args)
+        summary.update({f"sparse_{k}": row[k] for k in ("bits_met", "message_bits_met", "int4_loss_met",
+                                                        "bytes_met", "loss_met")})
+    if "sparse-sweep" in benches:
+        args.sparse_sweep_steps = args.sparse_sweep_steps or (512 if not args.quick else 32)
+        sparse_sweep(args)
     summary["benchmark_s"] = round(time.monotonic() - started, 1)
     emit(summary)
     return 0

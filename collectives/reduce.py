@@ -131,7 +131,8 @@ class ShardedReducer:
 
     def __init__(self, node: Node, topic: str, numel: int, compressor: str = "none",
                  timeouts: ReduceTimeouts | None = None, is_open: Callable[[], bool] = lambda: True,
-                 chunk_numel: int = DEFAULT_CHUNK_NUMEL, min_shard_numel: int = 1) -> None:
+                 chunk_numel: int = DEFAULT_CHUNK_NUMEL, min_shard_numel: int = 1,
+                 part_feedback: bool = True, average_compressor: str | None = None) -> None:
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         if min_shard_numel < 1:
@@ -147,7 +148,11 @@ class ShardedReducer:
         self.timeouts = timeouts or ReduceTimeouts()
         self._is_open = is_open
         self.codec, self._part_feedback = make_codec(compressor)
-        _, self._avg_feedback = make_codec(compressor)
+        if not part_feedback:  # what my lossy parts drop is lost (owners still feed back their averages')
+            self._part_feedback = None
+        # Owners may encode averages with another codec: a sparse one that keeps the union of the
+        # parts' supports (K P a chunk), so the second hop drops no support (docs/architecture.md).
+        self.average_codec, self._avg_feedback = make_codec(average_compressor or compressor)
         self._staging = HostStaging()  # where a device vector's encoded parts cross to the host
         # Network-thread state: open accumulators, finished keys, who used which view when.
         self._groups: dict[GroupKey, ShardGroup] = {}
@@ -434,10 +439,10 @@ class ShardedReducer:
             if not group.contributors:
                 group.reply = (refusal(Refusal.NOT_FINITE, "no part was finite"), ())
             else:
-                if self.codec.zero_copy:  # lossless too, and the sum is private and final: send it as it is
-                    packet = self.codec.encode(avg, copy=False)
+                if self.average_codec.zero_copy:  # lossless too, and the sum is private and final: send it
+                    packet = self.average_codec.encode(avg, copy=False)
                 else:
-                    packet = encode(self.codec, self._avg_feedback, avg, f"avg{i}.{c}/{len(members)}")
+                    packet = encode(self.average_codec, self._avg_feedback, avg, f"avg{i}.{c}/{len(members)}")
                 reply = {"ok": True, "packet": packet.header, "contributors": list(group.contributors)}
                 if shares is not None:  # only when weights differed: equal ones send what they always did
                     reply["shares"] = [[s, shares[s]] for s in group.contributors]

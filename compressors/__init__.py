@@ -17,6 +17,8 @@ input dtype back). "NaN/Inf" says what encoding a non-finite tensor does.
     fp4[:e2m1|e3m0]              4 bits + scale/block      NonFiniteError
     sign                         1 bit + scale/block       NonFiniteError
     topk:F                       F * (value + index)       NonFiniteError
+    chunktopk:K/C                K/C * (value + log2 C)    NonFiniteError
+    q2[:block=B]                 2 bits + 2 scales/block   NonFiniteError
     randomk:F                    F * value (seeded)        raises if a sent value is
     powersgd:R                   (rows + cols) * R         NonFiniteError (vectors: next stage)
     countsketch:RxC[,heavy=K]    R * C (seeded)            NonFiniteError
@@ -30,6 +32,7 @@ from __future__ import annotations
 from . import rng
 from .base import Compressor, NonFiniteError, Packet, PacketError, decode
 from .cast import BFloat16, Float16, Raw
+from .chunked import Q2, ChunkTopK
 from .feedback import ErrorFeedback
 from .lowrank import PowerSGD
 from .quant import FP4, FP8, Int4, Int8, Sign
@@ -40,7 +43,9 @@ from .sparse import RandomK, TopK
 __all__ = [
     "FP4",
     "FP8",
+    "Q2",
     "BFloat16",
+    "ChunkTopK",
     "Compressor",
     "CountSketch",
     "ErrorFeedback",

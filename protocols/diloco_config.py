@@ -57,6 +57,15 @@ class DiLoCoConfig(ProtocolConfig):
     # merges the outer step its own pseudo-gradient would make; at the merge only the
     # difference to the real one. Outer parameters are the same as without.
     eager_updates: bool = False
+    # Error feedback in the outer loop: with a lossy compressor each peer keeps, per fragment, what
+    # its parts of the pseudo-gradient did not carry and adds it to the next one (the reducer's
+    # part residuals). False drops it (the sweep of docs/benchmarks.md shows what that costs at 2
+    # bits and 1.6% density). Owners always feed back what their re-encoded averages drop.
+    error_feedback: bool = True
+    # The codec owners send averages in; "" (default): the same as `compressor`. With a sparse
+    # compressor, K P per chunk keeps the union of the P parts' supports (one lossy hop for
+    # support; see docs/architecture.md for the bytes).
+    average_compressor: str = ""
 
     def __post_init__(self) -> None:
         if self.check_every < 0:
@@ -106,6 +115,8 @@ class DiLoCoConfig(ProtocolConfig):
             if not getattr(self, name) > 0.0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         check_compressor_spec(self.compressor)
+        if self.average_compressor:
+            check_compressor_spec(self.average_compressor)
 
 
 @dataclass(frozen=True)

@@ -68,3 +68,20 @@ def test_a_seeded_run_repeats_bit_for_bit():
     first = bench.run("streaming-diloco", 3, 8, options, task_options=tiny)
     again = bench.run("streaming-diloco", 3, 8, options, task_options=tiny)
     assert first["eval_loss"] == again["eval_loss"] and first["eval_loss_local"] == again["eval_loss_local"]
+
+
+def test_sparse_bits_per_parameter_and_its_sweep_grid():
+    """Issue 23's arithmetic: socket bits per parameter per sync and per step, the codec's
+    message for SparseLoCo's config, and a sweep that spans 0.5%-5% density and 1, 2, 4 bits."""
+    bench = load_bench()
+    params = bench.charlm_parameters()
+    bits = bench.bits_per_parameter(params / 8 * 64, steps=4096, sync_every=64)  # 1 bit a parameter, 64 syncs
+    assert bits["bits_per_param_per_sync"] == pytest.approx(1.0)
+    assert bits["bits_per_param_per_step"] == pytest.approx(1.0 / 64)
+    assert bench.message_bits(bench.SPARSE_SPEC) == pytest.approx(64 / 4096 * 14 + 64 / 4096, rel=0.05)
+    assert bench.published()["sparseloco"]["bits_per_param_per_step"] == pytest.approx(0.22 / 30)
+    grid = bench.sparse_grid()
+    densities = [value for axis, value, *_ in grid if axis == "density"]
+    assert min(densities) >= 0.005 and max(densities) <= 0.05
+    assert sorted(value for axis, value, *_ in grid if axis == "bits") == [1, 2, 4]
+    assert any(not feedback for _, _, _, feedback, _ in grid)
