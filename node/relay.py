@@ -84,6 +84,16 @@ def unpack_frames(data: bytes | memoryview, max_frames: int) -> list[memoryview]
     return frames
 
 
+def _envelope(msg: Message, who: str) -> tuple[str, bytes, memoryview]:
+    """(peer id, nonce, sealed bytes) of a `$relay` or `$relayed` message; WireError if malformed."""
+    body, payload = msg.body, msg.payload
+    if (not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], str)
+            or not isinstance(body[1], bytes) or len(payload) != 1 or not isinstance(payload[0], memoryview)):
+        raise WireError(RejectReason.BAD_FIELD, f"{msg.topic} body must be [{who}, nonce] and one bytes frame",
+                        field="body")
+    return body[0], body[1], payload[0]
+
+
 def _aad(src: str, dest: str) -> bytes:
     return f"starling-relay-v1\0{src}\0{dest}".encode()
 
@@ -197,13 +207,8 @@ class Relay:
 
     # ---------------------------------------------------------------- as the relay
     def on_relay(self, msg: Message) -> None:
-        body, node = msg.body, self.node
-        if (not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], str)
-                or not isinstance(body[1], bytes) or len(msg.payload) != 1
-                or not isinstance(msg.payload[0], memoryview)):
-            raise WireError(RejectReason.BAD_FIELD, "relay body must be [dest, nonce] and one bytes frame",
-                            field="body")
-        dest = body[0]
+        node = self.node
+        dest, nonce, sealed = _envelope(msg, "dest")
         if node.record is None or not node.record.relay:
             raise WireError(RejectReason.NO_ROUTE, f"{msg.sender} asked to relay, and this node is no relay")
         info = node._table.get(dest)
@@ -215,7 +220,7 @@ class Relay:
         if self.forwarding >= self.config.max_forwarding:
             raise WireError(RejectReason.BUSY, f"relay: {self.forwarding} forwards in flight")
         self.forwarding += 1
-        node._spawn(self._forward(dest, [msg.sender, body[1]], msg.payload[0]))
+        node._spawn(self._forward(dest, [msg.sender, nonce], sealed))
 
     async def _forward(self, dest: str, body: list[Any], sealed: memoryview) -> None:
         try:
@@ -227,17 +232,12 @@ class Relay:
 
     # ---------------------------------------------------------------- as the destination
     def on_relayed(self, msg: Message) -> None:
-        body, node = msg.body, self.node
-        if (not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], str)
-                or not isinstance(body[1], bytes) or len(msg.payload) != 1
-                or not isinstance(msg.payload[0], memoryview)):
-            raise WireError(RejectReason.BAD_FIELD, "relayed body must be [src, nonce] and one bytes frame",
-                            field="body")
-        src = body[0]
+        node = self.node
+        src, nonce, sealed = _envelope(msg, "src")
         info = node._table.get(src)
         if info is None or info.status is PeerStatus.LEFT:
             if info is None:  # a peer that joined a moment ago: the relay has its record
                 node._spawn(node._asend_raw(msg.sender, WANT, [src]))
             raise WireError(RejectReason.UNKNOWN_PEER, f"relayed message from unknown peer {src}")
-        frames = self.sealer.open(src, info.record.curve_key, body[1], msg.payload[0], node.config.limits.max_frames)
+        frames = self.sealer.open(src, info.record.curve_key, nonce, sealed, node.config.limits.max_frames)
         node._spawn(node._dispatch.on_opened(src, frames))

@@ -175,6 +175,11 @@ def test_relay_messages_from_a_non_relay_or_to_strangers_are_refused(nodes):
     # a relay asked to forward to someone outside the swarm refuses too
     s.run(c1._asend_raw(s.peer_id, "$relay", ["nobody", c1_sealed[0]], [c1_sealed[1]]))
     assert wait_until(lambda: s.stats.snapshot()["rejected"].get("no_route", 0) == 1)
+    # a malformed envelope (no sealed frame, a body that is no [dest, nonce]) is refused and counted
+    bad = s.stats.snapshot()["rejected"].get("bad_field", 0)
+    s.run(c1._asend_raw(s.peer_id, "$relay", [c2.peer_id, c1_sealed[0]]))
+    s.run(c1._asend_raw(s.peer_id, "$relay", "junk", [c1_sealed[1]]))
+    assert wait_until(lambda: s.stats.snapshot()["rejected"].get("bad_field", 0) == bad + 2)
     # a relayed message claiming a source the destination does not know is refused
     s.run(s._asend_raw(c2.peer_id, RELAYED, ["nobody", c1_sealed[0]], [c1_sealed[1]]))
     assert wait_until(lambda: c2.stats.snapshot()["rejected"].get("unknown_peer", 0) >= 1)
