@@ -79,6 +79,7 @@ class ReplicaGroup:
     init_method: str  # "env://" under torchrun, "file://..." when Starling spawned the ranks
     timeout_s: float = DEFAULT_TIMEOUT_S
     backend: str = "gloo"  # "nccl" when the ranks train on GPUs
+    local_rank: int | None = None  # this rank's GPU on its host (torchrun's LOCAL_RANK); None: rank
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -93,7 +94,8 @@ class ReplicaGroup:
         outside torchrun or with one rank."""
         if int(env.get("WORLD_SIZE", "1")) <= 1:
             return None
-        return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), "env://", timeout_s, backend)
+        return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), "env://", timeout_s, backend,
+                   int(env.get("LOCAL_RANK", env["RANK"])))
 
     @property
     def is_leader(self) -> bool:
@@ -103,8 +105,18 @@ class ReplicaGroup:
         """This rank's data shard, given its replica's shard `rank` of `world`."""
         return rank * self.size + self.rank, world * self.size
 
+    def placement(self, placement: Placement) -> Placement:
+        """`placement` for this rank: on its own GPU when the replica trains on GPUs."""
+        device = placement.device
+        if device is None or device.type != "cuda":
+            return placement
+        return dataclasses.replace(placement, device=torch.device("cuda", self.rank if self.local_rank is None
+                                                                  else self.local_rank))
+
     def init(self) -> None:
         """Rendezvous with the replica's other ranks (bounded by the timeout)."""
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.placement(Placement(device=torch.device("cuda"))).device)
         dist.init_process_group(self.backend, init_method=self.init_method, rank=self.rank, world_size=self.size,
                                 timeout=datetime.timedelta(seconds=self.timeout_s))
 
@@ -194,6 +206,8 @@ class ReplicaLeader:
         self._dirty = True  # the followers have none of my state yet
         self._clean: tuple[int, ...] = ()
         self._after_inner: tuple[int, ...] | None = None
+        self._forwards = 0  # DDP averages the gradients of a loss that calls the model, no other
+        self.ddp.register_forward_pre_hook(self._forwarded)
         self.optimizer.register_step_pre_hook(self._before_inner)
         self.optimizer.register_step_post_hook(self._after_inner_step)
         trainer.forward_model = self.ddp
@@ -201,6 +215,9 @@ class ReplicaLeader:
     def _versions(self) -> tuple[int, ...]:
         """The parameters' version counters: any in-place write (a view's too) moves them."""
         return tuple(p._version for p in self.model.parameters())
+
+    def _forwarded(self, *_: Any) -> None:
+        self._forwards += 1
 
     def _before_inner(self, *_: Any) -> None:
         if self._versions() != self._clean:
@@ -216,6 +233,10 @@ class ReplicaLeader:
 
     def after_step(self) -> None:
         """Note whether the protocol wrote the parameters after the inner step (an outer merge)."""
+        if not self._forwards:
+            raise ReplicaError(f"task {self.trainer.spec.task!r}'s loss does not call the model, so DDP cannot "
+                               "average the ranks' gradients; a replica of many ranks needs a loss that does")
+        self._forwards = 0
         now = self._versions()
         if now != (self._after_inner if self._after_inner is not None else self._clean):
             self._dirty = True
@@ -237,8 +258,9 @@ class ReplicaLeader:
             node.leave()
         except Exception as leave_exc:  # already closed: the others see it as a crash instead
             log.warning("%s: could not leave cleanly: %r", node.peer_id, leave_exc)
-        return ReplicaError(f"a rank of this replica failed ({type(exc).__name__}: {str(exc)[:300]}); "
-                            "the replica left the swarm")
+        why = str(exc) if isinstance(exc, ReplicaError) else \
+            f"a rank of this replica failed ({type(exc).__name__}: {str(exc)[:300]})"
+        return ReplicaError(f"{why}; the replica left the swarm")
 
     def _send(self, command: int) -> None:
         dirty = self._dirty or self._versions() != self._clean
@@ -297,11 +319,12 @@ class ReplicaFollower:
         received: list[Any] = [None]
         dist.broadcast_object_list(received, 0)
         setup: ReplicaSetup = received[0]
+        self.placement = group.placement(setup.placement)
         self.group, self.setup = group, setup
         self.task = get_task(setup.task, **setup.task_options)
-        self.model = setup.placement.place(self.task.make_model())
+        self.model = self.placement.place(self.task.make_model())
         self.swarm = copy.deepcopy(self.model)
-        self.ddp = _wrap(self.model, setup.placement)
+        self.ddp = _wrap(self.model, self.placement)
         self.optimizer = _make_optimizer(setup, _trainable(self.model))
         self.result = FollowerResult(group.rank)
 
@@ -310,7 +333,7 @@ class ReplicaFollower:
         return itertools.islice(self.task.batches(rank, world, self.setup.seed), self.setup.skip, None)
 
     def run(self) -> FollowerResult:
-        placement, model = self.setup.placement, self.model
+        placement, model = self.placement, self.model
         control = _control(0, False, 0, placement.device if self.group.backend == "nccl" else None)
         batches = self.batches()
         while True:
@@ -338,3 +361,33 @@ def follow(group: ReplicaGroup) -> FollowerResult:
         return ReplicaFollower(group).run()
     finally:
         group.close()
+
+
+def _follower_main(group: ReplicaGroup, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        follow(group)
+    except Exception as exc:  # its leader says why the replica stopped; this rank only that it did
+        log.warning("replica rank %d stopped: %s: %s", group.rank, type(exc).__name__, exc)
+        raise SystemExit(1) from None
+
+
+def spawn_followers(size: int, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo",
+                    directory: str | None = None) -> tuple[ReplicaGroup, list[Any]]:
+    """`node start --nproc-per-replica N`: this process is rank 0; spawn ranks 1..N-1 (they
+    rendezvous through a file in `directory`, a fresh temporary one by default). Returns the
+    leader's group (not yet initialized) and the follower processes (daemons: they go with
+    this process)."""
+    import multiprocessing
+    import tempfile
+
+    init = f"file://{directory or tempfile.mkdtemp(prefix='starling-replica-')}/rendezvous"
+    ctx = multiprocessing.get_context("spawn")
+    level = logging.getLogger().getEffectiveLevel()
+    procs = []
+    for rank in range(1, size):
+        proc = ctx.Process(target=_follower_main, name=f"replica-rank-{rank}", daemon=True,
+                           args=(ReplicaGroup(rank, size, init, timeout_s, backend), level))
+        proc.start()
+        procs.append(proc)
+    return ReplicaGroup(0, size, init, timeout_s, backend), procs

@@ -141,8 +141,9 @@ class SimConfig:
                                                 ("peer_speed", self.peer_speed)) if given]
             if refused:
                 raise ValueError(f"replicas of many ranks run in their own processes; drop {', '.join(refused)}")
-            if self.transport == "inproc":  # the replicas' leaders are in different processes
-                object.__setattr__(self, "transport", "tcp")
+            if self.transport == "ipc":
+                raise ValueError("replicas of many ranks reach each other over tcp on loopback (drop --transport ipc)")
+            object.__setattr__(self, "transport", "tcp")  # the default inproc cannot cross their processes
         self.placement()  # raises DeviceError (a ValueError) for a device or dtype this machine lacks
 
     def slowdown(self, rank: int) -> float:
