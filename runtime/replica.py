@@ -155,14 +155,14 @@ def _wrap(model: nn.Module, placement: Placement) -> nn.Module:
     return DistributedDataParallel(model, device_ids=ids)
 
 
-def _state_tensors(model: nn.Module, swarm: nn.Module) -> list[torch.Tensor]:
+def state_tensors(model: nn.Module, swarm: nn.Module) -> list[torch.Tensor]:
     """What a state broadcast carries: the parameters and buffers of the model and of the
     swarm's model, in module order."""
     return [*model.parameters(), *model.buffers(), *swarm.parameters(), *swarm.buffers()]
 
 
 @torch.no_grad()
-def _broadcast_tensors(tensors: Sequence[torch.Tensor]) -> None:
+def broadcast_tensors(tensors: Sequence[torch.Tensor]) -> None:
     """Broadcast `tensors` from rank 0 in place: one flat buffer per dtype and device."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
@@ -268,7 +268,7 @@ class ReplicaLeader:
         dist.broadcast(_control(command, dirty, step, self._control_device()), 0)
         if dirty:
             swarm = self.trainer.proto.eval_model()  # type: ignore[union-attr]
-            _broadcast_tensors(_state_tensors(self.model, swarm))
+            broadcast_tensors(state_tensors(self.model, swarm))
         self._dirty = False
         self._clean = self._versions()
 
@@ -327,30 +327,36 @@ class ReplicaFollower:
         self.ddp = _wrap(self.model, self.placement)
         self.optimizer = _make_optimizer(setup, _trainable(self.model))
         self.result = FollowerResult(group.rank)
+        self._control = _control(0, False, 0, self.placement.device if group.backend == "nccl" else None)
+        self._batches = self.batches()
 
     def batches(self) -> Iterator[Any]:
         rank, world = self.setup.rank + self.group.rank, self.setup.world
         return itertools.islice(self.task.batches(rank, world, self.setup.seed), self.setup.skip, None)
 
-    def run(self) -> FollowerResult:
+    def step(self) -> bool:
+        """Take the leader's next order: its state if it sends it, then an inner step on my next
+        batch (True), or STOP (False)."""
         placement, model = self.placement, self.model
-        control = _control(0, False, 0, placement.device if self.group.backend == "nccl" else None)
-        batches = self.batches()
-        while True:
-            dist.broadcast(control, 0)
-            command, dirty, step = (int(v) for v in control.tolist())
-            if dirty:
-                _broadcast_tensors(_state_tensors(model, self.swarm))
-            if command == _STOP:
-                break
-            batch = placement.batch(next(batches), model)
-            self.optimizer.zero_grad(set_to_none=False)
-            with placement.autocast(model):
-                loss = self.task.loss(self.ddp, batch)
-            loss.backward()
-            self.optimizer.step()
-            self.result.steps = step + 1
-        self.result.model, self.result.swarm = state_digest(model), state_digest(self.swarm)
+        dist.broadcast(self._control, 0)
+        command, dirty, step = (int(v) for v in self._control.tolist())
+        if dirty:
+            broadcast_tensors(state_tensors(model, self.swarm))
+        if command == _STOP:
+            return False
+        batch = placement.batch(next(self._batches), model)
+        self.optimizer.zero_grad(set_to_none=False)
+        with placement.autocast(model):
+            loss = self.task.loss(self.ddp, batch)
+        loss.backward()
+        self.optimizer.step()
+        self.result.steps = step + 1
+        return True
+
+    def run(self) -> FollowerResult:
+        while self.step():
+            pass
+        self.result.model, self.result.swarm = state_digest(self.model), state_digest(self.swarm)
         return self.result
 
 
