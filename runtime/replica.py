@@ -244,9 +244,14 @@ class ReplicaLeader:
 
     def finish(self) -> None:
         """STOP to the followers (with my last state): every rank ends holding the same bits."""
-        if not self._finished:
-            self._finished = True
+        if self._finished:
+            return
+        self._finished = True
+        try:
             self._send(_STOP)
+        except Exception as exc:  # a rank died after the last step: nothing is left to tell it
+            log.warning("%s: could not stop the replica's other ranks: %s: %s", self.trainer.node.peer_id,
+                        type(exc).__name__, exc)
 
     def lost(self, exc: BaseException) -> ReplicaError:
         """A step failed (a rank died, or the group timed out): leave the swarm cleanly and say so."""
