@@ -195,6 +195,7 @@ class ReplicaLeader:
         self.optimizer: torch.optim.Optimizer = proto.optimizer  # type: ignore[attr-defined]
         self._device = trainer.placement.device
         self._finished = False
+        self._sent: Any = None  # the last control broadcast, in flight
         cls = type(self.optimizer)
         setup = ReplicaSetup(trainer.spec.task, dict(trainer.spec.task_options), trainer.spec.seed,
                              trainer.rank, trainer.world, trainer.resumed_at, trainer.placement,
@@ -270,7 +271,15 @@ class ReplicaLeader:
     def _send(self, command: int) -> None:
         dirty = self._dirty or self._versions() != self._clean
         step = self.trainer.proto.step_count  # type: ignore[union-attr]
-        dist.broadcast(_control(command, dirty, step, self._control_device()), 0)
+        # Sent without waiting for the followers to take it: the process group runs its
+        # collectives in order, so the step's DDP all-reduce follows it anyway, and the leader
+        # need not sit out a round trip every step. The last one's failure surfaces here.
+        if self._sent is not None:
+            self._sent.wait()
+        self._control_sent = _control(command, dirty, step, self._control_device())  # alive until it is sent
+        self._sent = dist.broadcast(self._control_sent, 0, async_op=True)
+        if command == _STOP:
+            self._sent.wait()
         if dirty:
             swarm = self.trainer.proto.eval_model()  # type: ignore[union-attr]
             broadcast_tensors(state_tensors(self.model, swarm))
