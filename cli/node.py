@@ -138,7 +138,7 @@ def node_start(
     )
     from starling.runtime.metrics import MetricsError, MetricsServer, TensorBoardLog
     from starling.runtime.placement import Placement
-    from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaError, follow
+    from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaError, follow, ignore_stop_signals
     from starling.runtime.restart import RestartError
     from starling.tasks import TaskSpecError
 
@@ -151,6 +151,7 @@ def node_start(
             raise ValueError("a replica of many ranks trains: give --protocol (or --join a training swarm)")
         group, followers = _replica_group(nproc_per_replica, replica_timeout_s, device)
         if group is not None and not group.is_leader:  # a follower: the leader says what to train
+            ignore_stop_signals()
             follow(group)
             return
     except (ReplicaError, RuntimeError, *EXPECTED_ERRORS) as exc:

@@ -383,8 +383,18 @@ def follow(group: ReplicaGroup) -> FollowerResult:
         group.close()
 
 
+def ignore_stop_signals() -> None:
+    """A follower stops when its leader says so: Ctrl-C (which reaches every process of the
+    terminal's group) or torchrun's SIGTERM stops the leader, and the leader then stops it."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _follower_main(group: ReplicaGroup, log_level: int) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ignore_stop_signals()
     try:
         follow(group)
     except Exception as exc:  # its leader says why the replica stopped; this rank only that it did
