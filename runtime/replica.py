@@ -384,12 +384,12 @@ def follow(group: ReplicaGroup) -> FollowerResult:
 
 
 def ignore_stop_signals() -> None:
-    """A follower stops when its leader says so: Ctrl-C (which reaches every process of the
-    terminal's group) or torchrun's SIGTERM stops the leader, and the leader then stops it."""
+    """A follower stops when its leader says so: Ctrl-C, which reaches every process of the
+    terminal's group, stops the leader, and the leader then stops it. SIGTERM still ends it
+    (multiprocessing ends a dead leader's daemons so, and waits for them)."""
     import signal
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _follower_main(group: ReplicaGroup, log_level: int) -> None:
