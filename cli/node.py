@@ -116,6 +116,15 @@ def node_start(
         None, "--tensorboard",
         help="Also write the progress lines' numbers as TensorBoard scalars to this directory "
              "(needs pip install 'starling[tensorboard]')."),
+    nproc_per_replica: int = typer.Option(
+        1, "--nproc-per-replica", min=1, metavar="N",
+        help="This peer is a replica of N ranks (processes spawned here; under torchrun, torchrun's ranks): DDP "
+             "(gloo on the CPU, NCCL on GPUs) inside, the protocol between replicas. Every replica of a swarm has "
+             "as many ranks as its first."),
+    replica_timeout_s: float = typer.Option(
+        300.0, "--replica-timeout-s",
+        help="The replica's torch.distributed timeout: how long a rank waits for the others (a dead rank is "
+             "usually seen at once from its closed connection)."),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Start a node and run until SIGINT/SIGTERM, then leave the swarm gracefully.
@@ -137,12 +146,24 @@ def node_start(
     )
     from starling.runtime.metrics import MetricsError, MetricsServer, TensorBoardLog
     from starling.runtime.placement import Placement
+    from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaError, follow, ignore_stop_signals
     from starling.runtime.restart import RestartError
     from starling.tasks import TaskSpecError
 
     setup_logging(log_level)
     train_errors = (TrainSpecError, ProtocolError, TaskSpecError, TransferError, CheckpointError, RestartError,
-                    NodeFault)
+                    NodeFault, ReplicaError)
+    try:
+        check_seconds("--replica-timeout-s", replica_timeout_s)
+        if nproc_per_replica > 1 and protocol is None and not join and resume is None:
+            raise ValueError("a replica of many ranks trains: give --protocol (or --join a training swarm)")
+        group, followers = _replica_group(nproc_per_replica, replica_timeout_s, device)
+        if group is not None and not group.is_leader:  # a follower: the leader says what to train
+            ignore_stop_signals()
+            follow(group)
+            return
+    except (ReplicaError, RuntimeError, *EXPECTED_ERRORS) as exc:
+        fail(str(exc))
     metrics: Optional[MetricsServer] = None
     board: Optional[TensorBoardLog] = None
     try:
@@ -175,6 +196,9 @@ def node_start(
                     wanted["options"] = dict(options)
         elif task is not None or options or task_opt:
             raise ValueError("--task and protocol options need --protocol (or join a training swarm without them)")
+        if group is not None:
+            wanted[REPLICA_RANKS_KEY] = group.size  # the swarm refuses a replica of another size at hello
+            group.init()
         config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout,
                                               probe_timeout_s),
                             transport=TransportConfig(monitor_connections=watch_connections),
@@ -194,7 +218,7 @@ def node_start(
         )
     except (JoinError, MetricsError, *train_errors, *EXPECTED_ERRORS) as exc:
         _close_observers(metrics, board)
-        fail(str(exc))
+        fail(str(exc))  # the followers, daemons, go with this process
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -212,7 +236,7 @@ def node_start(
             _wait_for_peers(node, min_peers, min_peers_timeout_s, stop)
             _train(node, rank_world, steps, log_every, stop, checkpoints,
                    (resume_quorum, resume_timeout_s) if resume is not None else None, placement, joined=bool(join),
-                   state_fetch_timeout_s=state_fetch_timeout_s, metrics=metrics, board=board)
+                   state_fetch_timeout_s=state_fetch_timeout_s, metrics=metrics, board=board, group=group)
         else:
             while not stop.wait(0.5):
                 node.check_fault()  # a node whose sockets failed exits with the reason, not silently
@@ -223,6 +247,27 @@ def node_start(
     log.info("leaving the swarm")
     node.leave()
     _close_observers(metrics, board)
+    if group is not None:
+        group.close()
+        for follower in followers:  # they stopped where this rank did
+            follower.join(timeout=10.0)
+
+
+def _replica_group(nproc: int, timeout_s: float, device: Optional[str]) -> tuple[Any, list[Any]]:
+    """This process's replica group: torchrun's (from its environment), or rank 0 of `nproc`
+    ranks spawned here; (None, []) for a peer of one process."""
+    from starling.runtime.replica import ReplicaGroup, spawn_followers
+
+    backend = "nccl" if device is not None and device.startswith("cuda") else "gloo"
+    group = ReplicaGroup.from_env(timeout_s=timeout_s, backend=backend)
+    if group is not None:
+        if nproc > 1:
+            raise ValueError("under torchrun the replica's ranks are torchrun's (--nproc-per-node): drop "
+                             "--nproc-per-replica")
+        return group, []
+    if nproc == 1:
+        return None, []
+    return spawn_followers(nproc, timeout_s, backend)
 
 
 def _close_observers(metrics: Any, board: Any) -> None:
@@ -274,7 +319,7 @@ def _spec_of_newest_checkpoint(directory: Path) -> tuple[str, str, list[str], li
 def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int], log_every: int,
            stop: threading.Event, checkpoints: Any = None, resume: Optional[tuple[int, float]] = None,
            placement: Any = None, joined: bool = True, state_fetch_timeout_s: float = 120.0,
-           metrics: Any = None, board: Any = None) -> None:
+           metrics: Any = None, board: Any = None, group: Any = None) -> None:
     """The node's training loop: one JSON progress line (and TensorBoard scalars, with `board`)
     every `log_every` steps; every step's progress goes to the heartbeat meta and `metrics`."""
     import time
@@ -285,7 +330,10 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
 
     spec = TrainSpec.from_swarm_config(node.swarm_config)
     rank, world = rank_world or (shard_for(node.peer_id, 16), 16)
-    trainer = Trainer(node, spec, rank, world, checkpoint=checkpoints, placement=placement)
+    if group is not None:  # each rank of the replica its own shard
+        rank, world = group.shard(rank, world)
+    trainer = Trainer(node, spec, rank, world, checkpoint=checkpoints, placement=placement,
+                      replica_ranks=group.size if group is not None else 1)
     trainer.create_protocol()
     progress = TrainingProgress()
     if metrics is not None:
@@ -305,10 +353,13 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
     elif resumed is None and trainer.initial_state_differs:
         log.warning("this peer's initial state differs from the swarm's, and no peer is up to take the swarm's "
                     "from: it trains from its own start")
+    if group is not None:
+        trainer.attach_replica(group)  # the state it starts from goes to the other ranks
     start = time.monotonic()
     progress.step = trainer.proto.step_count  # type: ignore[union-attr]  (a joiner's or resumed peer's)
     typer.echo(json.dumps({"event": "training", "protocol": spec.protocol, "task": spec.task,
-                           "shard": f"{rank}/{world}", "step": progress.step, **trainer.placement.describe()}))
+                           "shard": f"{rank}/{world}", "step": progress.step, **trainer.placement.describe(),
+                           **({"replica_ranks": group.size} if group is not None else {})}))
 
     def on_report(report: Any) -> None:
         progress.record(report)

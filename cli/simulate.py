@@ -83,7 +83,9 @@ def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor
         base_options.setdefault("optimizer", inner)
     if "lr" in known:
         base_options.setdefault("lr", run.lr)
-    base = replace(config, protocol=baseline, compressor=None, options=base_options,
+    # A baseline that cannot run in replicas of many ranks (allreduce) runs single-process peers.
+    replicas = config.nproc_per_replica if getattr(resolve_protocol(baseline), "local_inner_steps", False) else 1
+    base = replace(config, protocol=baseline, compressor=None, options=base_options, nproc_per_replica=replicas,
                    checkpoint_dir=str(Path(config.checkpoint_dir) / "baseline") if config.checkpoint_dir else None)
     check_config(base)
     return config, base
@@ -146,8 +148,11 @@ def _print_table(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
     base = summary.get("baseline")
-    table = Table(title=f"starling simulate: {summary['task']}, {summary['peers']} peers, {summary['steps']} steps "
-                        "each, the same tokens for every run")
+    ranks = summary.get("nproc_per_replica", 1)
+    who = f"{summary['peers']} replicas of {ranks} ranks" if ranks > 1 else f"{summary['peers']} peers"
+    tokens = "the same tokens for every run" if base is None or base.get("nproc_per_replica", 1) == ranks else \
+        "the baseline's peers one rank each"
+    table = Table(title=f"starling simulate: {summary['task']}, {who}, {summary['steps']} steps each, {tokens}")
     for column in ("protocol", "train loss", "eval loss", "sent/peer", "vs baseline", "wall s"):
         table.add_column(column, justify="left" if column == "protocol" else "right", no_wrap=column != "protocol")
     rows = [(_label(summary), summary)]
@@ -236,6 +241,10 @@ def simulate(
         0.0, "--duration", metavar="SECONDS",
         help="Wall-clock budget: every peer stops training this long after the start, leaves and evaluates "
              "(--steps stays an upper bound; 0: run the steps). Compares protocols on the same time."),
+    nproc_per_replica: int = typer.Option(
+        1, "--nproc-per-replica", min=1, metavar="N",
+        help="Every peer is a replica of N gloo ranks, each its own process: DDP inside a replica, the protocol "
+             "between replicas (diloco, streaming-diloco; an allreduce baseline runs single-process peers)."),
     max_dealers: Optional[int] = typer.Option(
         None, "--max-dealers", min=1, help="Sockets each simulated peer keeps open to others (default: the largest "
                                            "up to a real node's 64 that fits this process's descriptors)."),
@@ -263,7 +272,7 @@ def simulate(
             task_opt=task_opt or [], eval_every=eval_every, baseline=baseline,
             extra={"device": device, "dtype": dtype, "autocast": autocast, "state_device": state_device,
                    "max_dealers": max_dealers, "peer_speed": parse_peer_speed(peer_speed, peers),
-                   "duration_s": duration,
+                   "duration_s": duration, "nproc_per_replica": nproc_per_replica,
                    "checkpoint_dir": None if checkpoint_dir is None else str(checkpoint_dir),
                    "checkpoint_every": checkpoint_every, "resume": resume})
     except errors as exc:

@@ -109,6 +109,11 @@ class Protocol(ABC):
     # the model's device, and what it sends is encoded there. One that does not say so runs on
     # the CPU only, and the runtime refuses a --device for it, naming this reason.
     runs_on_accelerators: ClassVar[bool] = False
+    # Whether the local step is backprop and the inner optimizer's step (`self.optimizer`) on this
+    # peer's gradients alone, everything from other peers written into the parameters after it
+    # (DiLoCo). Only such a protocol runs in a replica of many ranks: rank 0 runs it, the
+    # others repeat its inner steps and take what it wrote besides (runtime/replica.py).
+    local_inner_steps: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, name: str | None = None, config_class: type[ProtocolConfig] | None = None,
                           topic_prefix: str | None = None, **kwargs: Any) -> None:

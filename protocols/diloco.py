@@ -72,6 +72,7 @@ SYNC_TOPIC = "diloco.sync"  # outer parameters and momentum of some fragments, a
 class DiLoCo(OuterSyncRounds, BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_prefix=TOPIC_PREFIX):
     config: DiLoCoConfig
     runs_on_accelerators = True
+    local_inner_steps = True
     optimizer_key = "inner_optimizer"
 
     def __init__(self, node: Node, model: nn.Module, config: DiLoCoConfig) -> None:

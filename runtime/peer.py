@@ -15,6 +15,7 @@ from starling.node import Node, NodeConfig, TransportConfig
 from starling.node.identity import Identity
 from starling.protocols import Protocol
 from starling.runtime.links import LinkEmulator
+from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaGroup
 from starling.runtime.simconfig import SimConfig, SimError, seeded_identity, sim_liveness, wait_for
 from starling.runtime.summary import PeerResult, json_data, sent_by_topic
 from starling.runtime.trainer import CheckpointConfig, Trainer, TrainSpec
@@ -28,11 +29,12 @@ class SimPeer:
 
     def __init__(self, config: SimConfig, task: Task, rank: int, listen: str,
                  on_step: Callable[[int, int], None] | None = None, crashed: set[str] | None = None,
-                 identity: Identity | None = None) -> None:
+                 identity: Identity | None = None, group: ReplicaGroup | None = None) -> None:
         """`identity`: the node's keys; by default `seeded_identity(config.seed, rank)`, the
         same in every run, so that a run without churn or emulated links repeats bit for bit
         (peer ids decide shard ownership and the order in which owners sum)."""
         self.config, self.task, self.rank = config, task, rank
+        self.group = group  # this peer leads a replica of many ranks (runtime/replica.py)
         self.listen = listen
         self.on_step = on_step or (lambda rank, step: None)
         # Socket monitors tell a node at once that a peer's process died; over inproc they
@@ -59,8 +61,9 @@ class SimPeer:
 
     # ---------------------------------------------------------------- setup
     def start(self, join: list[str]) -> str:
+        ranks = {REPLICA_RANKS_KEY: self.group.size} if self.group is not None else {}
         self.node.start(self.listen, join, security="plaintext",
-                        swarm_config={**self.spec().to_swarm_config(), "simulation": True})
+                        swarm_config={**self.spec().to_swarm_config(), "simulation": True, **ranks})
         return self.node.address
 
     def spec(self) -> TrainSpec:
@@ -72,9 +75,12 @@ class SimPeer:
         if self.config.checkpoint_dir:
             checkpoint = CheckpointConfig(str(Path(self.config.checkpoint_dir) / f"peer-{self.rank}"),
                                           self.config.checkpoint_every)
-        self.trainer = Trainer(self.node, self.spec(), self.rank, self.config.world, task=self.task,
+        rank, world, ranks = self.rank, self.config.world, 1
+        if self.group is not None:
+            (rank, world), ranks = self.group.shard(rank, world), self.group.size
+        self.trainer = Trainer(self.node, self.spec(), rank, world, task=self.task,
                                serve_state=self._serve_state, snapshot_every_s=0.0, checkpoint=checkpoint,
-                               placement=self.config.placement())
+                               placement=self.config.placement(), replica_ranks=ranks)
         self.proto = self.trainer.create_protocol()
         if self.config.resume and self.trainer.resume() is not None:
             self.step = self.proto.step_count
@@ -109,6 +115,8 @@ class SimPeer:
         torch.set_num_threads(1)
         trainer, config = self.trainer, self.config
         assert trainer is not None
+        if self.group is not None and trainer.replica is None:
+            trainer.attach_replica(self.group)  # its state, fetched or not, goes to the other ranks
         stop = config.stop_at(self.rank)
         batches = trainer.batches()
         slowdown = config.slowdown(self.rank)

@@ -27,6 +27,7 @@ import torch
 from starling.node import JoinError
 from starling.runtime.capacity import CapacityError, plan_capacity
 from starling.runtime.peer import SimPeer, raise_if_faulted, start_together, sync_with_seed
+from starling.runtime.replica_sim import run_replicas
 from starling.runtime.sim_processes import ProgressFn, run_processes
 from starling.runtime.simconfig import SimConfig, SimError, check_config, endpoint_for, wait_for
 from starling.runtime.summary import PeerResult, SimResult, summarize
@@ -47,6 +48,9 @@ class Simulation:
         check_config(self.config)
         prepare_to_train()  # torch's one-time lazy imports, once, not inside the first peer's start
         self.config = self.config.sized_for_swarm()
+        if self.config.nproc_per_replica > 1:  # a process per rank, one peer per replica: nothing to plan
+            peers, t0 = run_replicas(self.config, self.progress)
+            return SimResult(self.config, peers, summarize(self.config, peers, t0))
         # Every process holds its share of the peers that will ever run (all of them, without
         # workers): fit them, or refuse before any node starts. A worker's descriptor limit
         # is this process's (it inherits the raised soft limit).

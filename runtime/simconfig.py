@@ -94,6 +94,10 @@ class SimConfig:
     # A wall-clock budget: every peer stops training this many seconds after the start (steps
     # stay an upper bound), leaves the swarm, and evaluates. 0: run the steps.
     duration_s: float = 0.0
+    # Ranks per replica (issue 22): above 1, every peer is a replica of this many gloo ranks in
+    # their own processes (runtime/replica_sim.py), its rank 0 the swarm's peer.
+    nproc_per_replica: int = 1
+    replica_timeout_s: float = 60.0  # the replica's torch.distributed timeout
 
     def __post_init__(self) -> None:
         if self.peers < 1:
@@ -130,6 +134,16 @@ class SimConfig:
             raise ValueError("resume needs a checkpoint_dir to resume from")
         if self.checkpoint_dir and self.processes:
             raise ValueError("checkpoints are written by in-process peers only (drop --processes)")
+        if self.nproc_per_replica < 1:
+            raise ValueError(f"nproc_per_replica must be >= 1, got {self.nproc_per_replica}")
+        if self.nproc_per_replica > 1:
+            refused = [name for name, given in (("processes", self.processes), ("checkpoint_dir", self.checkpoint_dir),
+                                                ("peer_speed", self.peer_speed)) if given]
+            if refused:
+                raise ValueError(f"replicas of many ranks run in their own processes; drop {', '.join(refused)}")
+            if self.transport == "ipc":
+                raise ValueError("replicas of many ranks reach each other over tcp on loopback (drop --transport ipc)")
+            object.__setattr__(self, "transport", "tcp")  # the default inproc cannot cross their processes
         self.placement()  # raises DeviceError (a ValueError) for a device or dtype this machine lacks
 
     def slowdown(self, rank: int) -> float:
@@ -180,6 +194,7 @@ class SimConfig:
                 "max_dealers": self.max_dealers,
                 **({"peer_speed": list(self.peer_speed)} if self.peer_speed else {}),
                 **({"duration_s": self.duration_s} if self.duration_s else {}),
+                **({"nproc_per_replica": self.nproc_per_replica} if self.nproc_per_replica > 1 else {}),
                 "heartbeat_s": None if self.liveness is None else round(self.liveness.heartbeat_interval_s, 3),
                 **({"checkpoint_dir": self.checkpoint_dir, "resume": self.resume} if self.checkpoint_dir else {}),
                 **({"placement": self.placement().describe()} if self.placement() != Placement() else {})}
@@ -190,7 +205,11 @@ def check_config(config: SimConfig) -> None:
     cls = resolve_protocol(config.protocol)
     config_from_options(cls.config_class, config.protocol_options())
     task = get_task(config.task, **config.task_options)
-    task.batches(config.world - 1, config.world, config.seed)  # checks the shard size for this world
+    shards = config.world * config.nproc_per_replica  # every rank of every replica has its own
+    task.batches(shards - 1, shards, config.seed)  # checks the shard size for this world
+    if config.nproc_per_replica > 1 and not getattr(cls, "local_inner_steps", False):
+        raise SimError(f"protocol {config.protocol!r} does not take its inner steps alone, so a replica of many "
+                       "ranks cannot run it; use diloco or streaming-diloco")
 
 
 

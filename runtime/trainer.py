@@ -39,6 +39,7 @@ from starling.protocols import PRIVATE_STATE, Protocol, ProtocolError, StepRepor
 from starling.runtime.checkpoint import BackgroundCheckpointer, Checkpoint, CheckpointError, CheckpointStore
 from starling.runtime.modelspec import ARCHITECTURE_KEY, INITIAL_STATE_KEY, architecture, first_difference, state_digest
 from starling.runtime.placement import Placement
+from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaGroup, ReplicaLeader, check_replica_ranks
 from starling.runtime.restart import agree_on_step, holders_of
 from starling.tasks import Task, get_task
 
@@ -171,10 +172,18 @@ class Trainer:
 
     def __init__(self, node: Node, spec: TrainSpec, rank: int, world: int, task: Task | None = None,
                  serve_state: bool = True, snapshot_every_s: float = 1.0,
-                 checkpoint: CheckpointConfig | None = None, placement: Placement | None = None) -> None:
+                 checkpoint: CheckpointConfig | None = None, placement: Placement | None = None,
+                 replica_ranks: int = 1) -> None:
         """`placement`: this peer's device, parameter dtype, autocast and where the protocol
-        keeps its outer state (default: the model as the task builds it)."""
+        keeps its outer state (default: the model as the task builds it). `replica_ranks`:
+        the ranks of this peer's replica (`runtime/replica.py`); every replica of a swarm has
+        as many as its first peer's."""
         self.node, self.spec, self.rank, self.world = node, spec, rank, world
+        self.replica_ranks = replica_ranks
+        # With a replica of many ranks: its leader (`attach_replica`), and the model the loss
+        # runs through (the protocol's model under DDP, which averages the ranks' gradients).
+        self.replica: ReplicaLeader | None = None
+        self.forward_model: Any = None
         self.placement = placement or Placement()
         # Whether this peer's initial state differs from the swarm's first peer's (known at
         # create_protocol): it must then take the swarm's state rather than train from its own.
@@ -193,6 +202,7 @@ class Trainer:
         self.last_checkpoint: Checkpoint | None = None
 
     def create_protocol(self) -> Protocol:
+        self._check_replica_ranks()
         model = self.task.make_model()
         self._check_architecture(model)  # as the task builds it: peers may differ in device and dtype
         cls = resolve_protocol(self.spec.protocol)
@@ -219,6 +229,26 @@ class Trainer:
             self.take_snapshot()
             self.node.serve_blob(STATE_BLOB, lambda: self._snapshot)
         return self.proto
+
+    def _check_replica_ranks(self) -> None:
+        """The first peer fixes how many ranks each replica has (when more than one); a peer
+        whose replica differs is refused before it builds anything (ReplicaError)."""
+        config = self.node.swarm_config or {}
+        if REPLICA_RANKS_KEY not in config and self.replica_ranks > 1 and ARCHITECTURE_KEY not in config:
+            self.node.swarm_config = {**config, REPLICA_RANKS_KEY: self.replica_ranks}
+            return
+        check_replica_ranks(config, self.replica_ranks)
+
+    def attach_replica(self, group: ReplicaGroup) -> ReplicaLeader:
+        """Lead this peer's replica from now on (after create_protocol and any fetch or resume):
+        the followers get the state, and every step after is taken by all the ranks."""
+        self.replica = ReplicaLeader(group, self)
+        return self.replica
+
+    @property
+    def resumed_at(self) -> int:
+        """Batches of the shard a resumed checkpoint had already trained on."""
+        return self._resumed_at
 
     def _check_architecture(self, model: Any) -> None:
         """The first peer whose model is built fixes the swarm's architecture (in its swarm
@@ -277,13 +307,22 @@ class Trainer:
         assert proto is not None
         model = proto.model
         batch = placement.batch(batch, model)
+        forward = self.forward_model if self.forward_model is not None else model
 
         def loss_fn() -> Any:
             with placement.autocast(model):
-                return task.loss(model, batch)
+                return task.loss(forward, batch)
 
         self.node.check_fault()
-        report = proto.step(loss_fn)
+        if self.replica is None:
+            report = proto.step(loss_fn)
+        else:
+            try:
+                self.replica.before_step()
+                report = proto.step(loss_fn)
+                self.replica.after_step()
+            except Exception as exc:  # the ranks cannot agree on what comes next: the replica goes
+                raise self.replica.lost(exc) from exc
         self.node.check_fault()  # a step whose sockets failed under it may have "finished" alone
         if self.serve_state and time.monotonic() - self._snapshot_at >= self.snapshot_every_s:
             self.take_snapshot()
@@ -362,12 +401,18 @@ class Trainer:
                 on_report(report)
         return self.proto.step_count
 
+    def finish_replica(self) -> None:
+        """Tell the replica's other ranks to stop here (they end holding this rank's state)."""
+        if self.replica is not None:
+            self.replica.finish()
+
     def finish_checkpoints(self) -> None:
         """Wait for the checkpoint being written (and one waiting) to become durable."""
         if self._writer is not None:
             self._writer.close()
 
     def close(self) -> None:
+        self.finish_replica()
         self.finish_checkpoints()
         if self.proto is not None:
             self.proto.close()

@@ -1,0 +1,423 @@
+"""One replica, many ranks: torch.distributed inside a replica, Starling between replicas.
+
+A replica is a `torch.distributed` process group of N ranks (launched by `torchrun`, or
+spawned by `starling node start --nproc-per-replica N`). Inner steps run under DDP (gloo on
+the CPU, NCCL on GPUs). Rank 0, the leader, is the replica's one Starling peer: its Trainer
+runs the protocol as any peer does, on the DDP-wrapped model, and only it talks to the swarm.
+The other ranks, followers, take the same inner steps on their own batches: the same
+gradients (DDP averaged them), the same inner optimizer and state, so the same parameters.
+
+What the leader's protocol writes into the parameters besides the inner optimizer's step (an
+outer merge, a catch-up, a joiner's fetched state) the followers cannot compute: the leader
+finds such writes from the parameters' version counters (optimizer hooks mark where the
+inner step begins and ends) and broadcasts its parameters, buffers and swarm model (the
+protocol's `eval_model()`, the outer parameters for DiLoCo) right after. Every rank of the
+replica then holds the same bits.
+
+One control broadcast from the leader opens every step: GO (take an inner step) or STOP, and
+whether a state broadcast follows. Followers thus never begin a step the leader will not
+take, and stop where it stops, whatever made it stop (its step count, a signal, churn).
+
+A rank that dies breaks the group: the others' next collective fails (gloo notices a closed
+connection at once; otherwise after the group's timeout). The leader then leaves the swarm
+cleanly (`ReplicaError`), and followers exit; the other replicas go on without this one. A
+replica that starts again joins and fetches the swarm's state like any peer, then hands it
+to its followers through the same broadcast.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import importlib
+import inspect
+import itertools
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from starling.runtime.modelspec import state_digest
+from starling.runtime.placement import Placement
+from starling.tasks import get_task
+
+if TYPE_CHECKING:
+    from starling.runtime.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+REPLICA_RANKS_KEY = "replica_ranks"  # in the swarm config: every replica of a swarm has this many ranks
+DEFAULT_TIMEOUT_S = 300.0  # a follower waits this long for its leader (a joiner's fetch, a slow round)
+_GO, _STOP = 1, 0
+
+
+class ReplicaError(RuntimeError):
+    """A rank of this replica failed (the replica has left the swarm), or this replica cannot
+    run in this swarm."""
+
+
+def check_replica_ranks(swarm_config: Mapping[str, Any] | None, ranks: int) -> None:
+    """ReplicaError unless the swarm's replicas have `ranks` ranks (a swarm that never said
+    has replicas of one rank: single-process peers)."""
+    swarm = int((swarm_config or {}).get(REPLICA_RANKS_KEY, 1))
+    if swarm != ranks:
+        raise ReplicaError(f"the swarm's replicas have {swarm} rank{'s' if swarm != 1 else ''} each and this one "
+                           f"has {ranks}: start it with --nproc-per-replica {swarm}")
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """This process's place in its replica's process group."""
+
+    rank: int
+    size: int
+    init_method: str  # "env://" under torchrun, "file://..." when Starling spawned the ranks
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    backend: str = "gloo"  # "nccl" when the ranks train on GPUs
+    local_rank: int | None = None  # this rank's GPU on its host (torchrun's LOCAL_RANK); None: rank
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"replica rank {self.rank} of {self.size}: need 0 <= rank < size")
+        if not self.timeout_s > 0:
+            raise ValueError(f"the replica's timeout must be > 0 s, got {self.timeout_s}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 backend: str = "gloo") -> ReplicaGroup | None:
+        """The group `torchrun` set up (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or None
+        outside torchrun or with one rank."""
+        if int(env.get("WORLD_SIZE", "1")) <= 1:
+            return None
+        return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), "env://", timeout_s, backend,
+                   int(env.get("LOCAL_RANK", env["RANK"])))
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, rank: int, world: int) -> tuple[int, int]:
+        """This rank's data shard, given its replica's shard `rank` of `world`."""
+        return rank * self.size + self.rank, world * self.size
+
+    def placement(self, placement: Placement) -> Placement:
+        """`placement` for this rank: on its own GPU when the replica trains on GPUs."""
+        device = placement.device
+        if device is None or device.type != "cuda":
+            return placement
+        return dataclasses.replace(placement, device=torch.device("cuda", self.rank if self.local_rank is None
+                                                                  else self.local_rank))
+
+    def init(self) -> None:
+        """Rendezvous with the replica's other ranks (bounded by the timeout)."""
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.placement(Placement(device=torch.device("cuda"))).device)
+        dist.init_process_group(self.backend, init_method=self.init_method, rank=self.rank, world_size=self.size,
+                                timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    @staticmethod
+    def close() -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class ReplicaSetup:
+    """What the leader tells its followers once: what to train, on which data, from which state."""
+
+    task: str
+    task_options: Mapping[str, Any]
+    seed: int
+    rank: int  # the leader's data shard; follower r takes rank + r
+    world: int
+    skip: int  # batches of the shard already trained (a resumed checkpoint's)
+    placement: Placement
+    optimizer: str  # "module:qualname" of the inner optimizer's class
+    optimizer_defaults: Mapping[str, Any]
+    optimizer_state: Mapping[str, Any]
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _wrap(model: nn.Module, placement: Placement) -> nn.Module:
+    """`model` under DDP: one bucketed all-reduce of the gradients per backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = placement.device
+    ids = [device] if device is not None and device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def state_tensors(model: nn.Module, swarm: nn.Module) -> list[torch.Tensor]:
+    """What a state broadcast carries: the parameters and buffers of the model and of the
+    swarm's model, in module order."""
+    return [*model.parameters(), *model.buffers(), *swarm.parameters(), *swarm.buffers()]
+
+
+@torch.no_grad()
+def broadcast_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    """Broadcast `tensors` from rank 0 in place: one flat buffer per dtype and device."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for group in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        dist.broadcast(flat, 0)
+        if dist.get_rank() != 0:
+            for t, piece in zip(group, torch.split(flat, [t.numel() for t in group])):
+                t.detach().copy_(piece.view_as(t))
+
+
+def _control(command: int, dirty: bool, step: int, device: torch.device | None) -> torch.Tensor:
+    return torch.tensor([command, int(dirty), step], dtype=torch.int64, device=device)
+
+
+class ReplicaLeader:
+    """Rank 0's side: wraps the Trainer's model in DDP, opens every step with a control
+    broadcast, and sends its state to the followers after any write they cannot compute."""
+
+    def __init__(self, group: ReplicaGroup, trainer: Trainer) -> None:
+        proto = trainer.proto
+        assert proto is not None, "create_protocol() (and fetch or resume the state) first"
+        if not getattr(type(proto), "local_inner_steps", False):
+            raise ReplicaError(f"protocol {trainer.spec.protocol!r} does not take its inner steps alone (its "
+                               "gradients or updates come from other peers), so a replica of many ranks cannot run "
+                               "it; use diloco or streaming-diloco")
+        self.group, self.trainer = group, trainer
+        self.model: nn.Module = proto.model
+        self.optimizer: torch.optim.Optimizer = proto.optimizer  # type: ignore[attr-defined]
+        self._device = trainer.placement.device
+        self._finished = False
+        self._sent: Any = None  # the last control broadcast, in flight
+        cls = type(self.optimizer)
+        setup = ReplicaSetup(trainer.spec.task, dict(trainer.spec.task_options), trainer.spec.seed,
+                             trainer.rank, trainer.world, trainer.resumed_at, trainer.placement,
+                             f"{cls.__module__}:{cls.__qualname__}", dict(self.optimizer.defaults),
+                             self.optimizer.state_dict())
+        dist.broadcast_object_list([setup], 0)
+        proto.eval_model()  # its twin is a copy of the model: made before DDP hooks into the model
+        self.ddp = _wrap(self.model, trainer.placement)
+        self._dirty = True  # the followers have none of my state yet
+        self._clean: tuple[int, ...] = ()
+        self._after_inner: tuple[int, ...] | None = None
+        self._forwards = 0  # DDP averages the gradients of a loss that calls the model, no other
+        self.ddp.register_forward_pre_hook(self._forwarded)
+        self.optimizer.register_step_pre_hook(self._before_inner)
+        self.optimizer.register_step_post_hook(self._after_inner_step)
+        trainer.forward_model = self.ddp
+
+    def _versions(self) -> tuple[int, ...]:
+        """The parameters' version counters: any in-place write (a view's too) moves them."""
+        return tuple(p._version for p in self.model.parameters())
+
+    def _forwarded(self, *_: Any) -> None:
+        self._forwards += 1
+
+    def _before_inner(self, *_: Any) -> None:
+        if self._versions() != self._clean:
+            self._dirty = True
+
+    def _after_inner_step(self, *_: Any) -> None:
+        self._after_inner = self._versions()
+
+    def before_step(self) -> None:
+        """GO to the followers (with my state first, if it changed in a way they cannot follow)."""
+        self._send(_GO)
+        self._after_inner = None
+
+    def after_step(self) -> None:
+        """Note whether the protocol wrote the parameters after the inner step (an outer merge)."""
+        if not self._forwards:
+            raise ReplicaError(f"task {self.trainer.spec.task!r}'s loss does not call the model, so DDP cannot "
+                               "average the ranks' gradients; a replica of many ranks needs a loss that does")
+        self._forwards = 0
+        now = self._versions()
+        if now != (self._after_inner if self._after_inner is not None else self._clean):
+            self._dirty = True
+        self._clean = now
+
+    def finish(self) -> None:
+        """STOP to the followers (with my last state): every rank ends holding the same bits."""
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            self._send(_STOP)
+        except Exception as exc:  # a rank died after the last step: nothing is left to tell it
+            log.warning("%s: could not stop the replica's other ranks: %s: %s", self.trainer.node.peer_id,
+                        type(exc).__name__, exc)
+
+    def lost(self, exc: BaseException) -> ReplicaError:
+        """A step failed (a rank died, or the group timed out): leave the swarm cleanly and say so."""
+        self._finished = True
+        node = self.trainer.node
+        log.error("%s: replica of %d ranks failed (%s: %s); leaving the swarm", node.peer_id, self.group.size,
+                  type(exc).__name__, exc)
+        try:
+            node.leave()
+        except Exception as leave_exc:  # already closed: the others see it as a crash instead
+            log.warning("%s: could not leave cleanly: %r", node.peer_id, leave_exc)
+        why = str(exc) if isinstance(exc, ReplicaError) else \
+            f"a rank of this replica failed ({type(exc).__name__}: {str(exc)[:300]})"
+        return ReplicaError(f"{why}; the replica left the swarm")
+
+    def _send(self, command: int) -> None:
+        dirty = self._dirty or self._versions() != self._clean
+        step = self.trainer.proto.step_count  # type: ignore[union-attr]
+        # Sent without waiting for the followers to take it: the process group runs its
+        # collectives in order, so the step's DDP all-reduce follows it anyway, and the leader
+        # need not sit out a round trip every step. The last one's failure surfaces here.
+        if self._sent is not None:
+            self._sent.wait()
+        self._control_sent = _control(command, dirty, step, self._control_device())  # alive until it is sent
+        self._sent = dist.broadcast(self._control_sent, 0, async_op=True)
+        if command == _STOP:
+            self._sent.wait()
+        if dirty:
+            swarm = self.trainer.proto.eval_model()  # type: ignore[union-attr]
+            broadcast_tensors(state_tensors(self.model, swarm))
+        self._dirty = False
+        self._clean = self._versions()
+
+    def _control_device(self) -> torch.device | None:
+        return self._device if self.group.backend == "nccl" else None
+
+    def digests(self) -> dict[str, str]:
+        """Digests of my model and of the swarm's, to compare with the followers'."""
+        return {"model": state_digest(self.model), "swarm": state_digest(self.trainer.proto.eval_model())}  # type: ignore[union-attr]
+
+
+@dataclass
+class FollowerResult:
+    """What a follower did: the steps it took and digests of what it ends holding."""
+
+    rank: int
+    steps: int = 0
+    model: str = ""  # state_digest of its model
+    swarm: str = ""  # ... and of the swarm's model, as its leader last sent it
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _import_class(path: str) -> Any:
+    module, _, name = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _make_optimizer(setup: ReplicaSetup, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The leader's inner optimizer over `params`: its class, the defaults its constructor
+    takes (the rest come back with its state's param groups), its state."""
+    cls = _import_class(setup.optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    optimizer = cls(params, **{k: v for k, v in setup.optimizer_defaults.items() if k in accepted})
+    optimizer.load_state_dict(setup.optimizer_state)
+    return optimizer
+
+
+class ReplicaFollower:
+    """A rank > 0: the leader's inner steps on its own batches, the leader's state where the
+    leader says so, until the leader says STOP."""
+
+    def __init__(self, group: ReplicaGroup) -> None:
+        received: list[Any] = [None]
+        dist.broadcast_object_list(received, 0)
+        setup: ReplicaSetup = received[0]
+        self.placement = group.placement(setup.placement)
+        self.group, self.setup = group, setup
+        self.task = get_task(setup.task, **setup.task_options)
+        self.model = self.placement.place(self.task.make_model())
+        self.swarm = copy.deepcopy(self.model)
+        self.ddp = _wrap(self.model, self.placement)
+        self.optimizer = _make_optimizer(setup, _trainable(self.model))
+        self.result = FollowerResult(group.rank)
+        self._control = _control(0, False, 0, self.placement.device if group.backend == "nccl" else None)
+        self._batches = self.batches()
+
+    def batches(self) -> Iterator[Any]:
+        rank, world = self.setup.rank + self.group.rank, self.setup.world
+        return itertools.islice(self.task.batches(rank, world, self.setup.seed), self.setup.skip, None)
+
+    def step(self) -> bool:
+        """Take the leader's next order: its state if it sends it, then an inner step on my next
+        batch (True), or STOP (False)."""
+        placement, model = self.placement, self.model
+        dist.broadcast(self._control, 0)
+        command, dirty, step = (int(v) for v in self._control.tolist())
+        if dirty:
+            broadcast_tensors(state_tensors(model, self.swarm))
+        if command == _STOP:
+            return False
+        batch = placement.batch(next(self._batches), model)
+        self.optimizer.zero_grad(set_to_none=False)
+        with placement.autocast(model):
+            loss = self.task.loss(self.ddp, batch)
+        loss.backward()
+        self.optimizer.step()
+        self.result.steps = step + 1
+        return True
+
+    def run(self) -> FollowerResult:
+        while self.step():
+            pass
+        self.result.model, self.result.swarm = state_digest(self.model), state_digest(self.swarm)
+        return self.result
+
+
+def follow(group: ReplicaGroup) -> FollowerResult:
+    """A follower rank's whole life: rendezvous, train under the leader, leave the group."""
+    group.init()
+    try:
+        return ReplicaFollower(group).run()
+    finally:
+        group.close()
+
+
+def ignore_stop_signals() -> None:
+    """A follower stops when its leader says so: Ctrl-C, which reaches every process of the
+    terminal's group, stops the leader, and the leader then stops it. SIGTERM still ends it
+    (multiprocessing ends a dead leader's daemons so, and waits for them)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _follower_main(group: ReplicaGroup, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ignore_stop_signals()
+    try:
+        follow(group)
+    except Exception as exc:  # its leader says why the replica stopped; this rank only that it did
+        log.warning("replica rank %d stopped: %s: %s", group.rank, type(exc).__name__, exc)
+        raise SystemExit(1) from None
+
+
+def spawn_followers(size: int, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo",
+                    directory: str | None = None) -> tuple[ReplicaGroup, list[Any]]:
+    """`node start --nproc-per-replica N`: this process is rank 0; spawn ranks 1..N-1 (they
+    rendezvous through a file in `directory`, a fresh temporary one by default). Returns the
+    leader's group (not yet initialized) and the follower processes (daemons: they go with
+    this process)."""
+    import multiprocessing
+    import tempfile
+
+    init = f"file://{directory or tempfile.mkdtemp(prefix='starling-replica-')}/rendezvous"
+    ctx = multiprocessing.get_context("spawn")
+    level = logging.getLogger().getEffectiveLevel()
+    procs = []
+    for rank in range(1, size):
+        proc = ctx.Process(target=_follower_main, name=f"replica-rank-{rank}", daemon=True,
+                           args=(ReplicaGroup(rank, size, init, timeout_s, backend), level))
+        proc.start()
+        procs.append(proc)
+    return ReplicaGroup(0, size, init, timeout_s, backend), procs
