@@ -35,7 +35,6 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from starling.node.membership import PeerStatus
-from starling.node.swarm import WANT
 from starling.node.transport import SendError
 from starling.node.wire import Message, RejectReason, WireError
 
@@ -108,7 +107,7 @@ class Sealer:
         self._keys: OrderedDict[tuple[str, bytes], AESGCM] = OrderedDict()
         self._session = os.urandom(4)
         self._counter = 0
-        self._seen: OrderedDict[tuple[str, bytes], tuple[int, set[int]]] = OrderedDict()  # replay guard
+        self._seen: OrderedDict[tuple[str, bytes], tuple[int, int]] = OrderedDict()  # replay guard
 
     def _key(self, peer: str, curve_key: bytes) -> AESGCM:
         cached = self._keys.get((peer, curve_key))
@@ -142,17 +141,20 @@ class Sealer:
         return unpack_frames(plain, max_frames)
 
     def _check_fresh(self, src: str, nonce: bytes) -> None:
-        """Refuse a counter seen before, or one too far behind (a relay replaying old messages)."""
+        """Refuse a counter seen before, or one too far behind (a relay replaying old messages).
+        Per sender session: the highest counter and a bitmask of the `replay_window` below it."""
         session, counter = nonce[:4], int.from_bytes(nonce[4:], "big")
-        highest, recent = self._seen.get((src, session), (0, set()))
+        highest, seen = self._seen.get((src, session), (0, 0))
         window = self._config.replay_window
-        if counter in recent or counter <= highest - window:
-            raise WireError(RejectReason.REPLAYED, f"a message relayed from {src} was delivered before")
-        recent.add(counter)
         if counter > highest:
+            seen = ((seen << (counter - highest)) | 1) & ((1 << window) - 1)
             highest = counter
-            recent = {c for c in recent if c > highest - window}
-        self._seen[(src, session)] = (highest, recent)
+        else:
+            behind = highest - counter
+            if behind >= window or (seen >> behind) & 1:
+                raise WireError(RejectReason.REPLAYED, f"a message relayed from {src} was delivered before")
+            seen |= 1 << behind
+        self._seen[(src, session)] = (highest, seen)
         self._seen.move_to_end((src, session))
         if len(self._seen) > self._config.max_keys:
             self._seen.popitem(last=False)
@@ -237,7 +239,7 @@ class Relay:
         info = node._table.get(src)
         if info is None or info.status is PeerStatus.LEFT:
             if info is None:  # a peer that joined a moment ago: the relay has its record
-                node._spawn(node._asend_raw(msg.sender, WANT, [src]))
+                node._swarm.want_from(msg.sender, src)
             raise WireError(RejectReason.UNKNOWN_PEER, f"relayed message from unknown peer {src}")
         frames = self.sealer.open(src, info.record.curve_key, nonce, sealed, node.config.limits.max_frames)
         node._spawn(node._dispatch.on_opened(src, frames))

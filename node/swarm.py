@@ -68,6 +68,7 @@ REACH, ECHO = "$reach", "$echo"
 MAX_DIALING = 8  # dial-backs in flight at once: each is a connection a stranger makes us open
 MAX_NONCE = 64
 MAX_WANT = 256
+MAX_WANTED = 4096  # ids asked for and not yet forgotten (see `want_from`)
 MAX_ANNOUNCE = 256
 MAX_REFUSED = 1024  # refused records remembered, so that beats naming them are not asked about
 
@@ -640,6 +641,16 @@ class Swarm:
         if body[1] and now - self._acked.get(msg.sender, -math.inf) >= interval / 2:
             self._acked[msg.sender] = now
             node._spawn(self._ping(msg.sender, False))
+
+    def want_from(self, peer_id: str, unknown: str) -> None:
+        """Ask `peer_id` for the record of `unknown`, at most once an interval per id, and with a
+        bounded memory of ids asked for (names a peer makes up must not grow it)."""
+        now = time.monotonic()
+        if len(self._wanted) >= MAX_WANTED or now - self._wanted.get(unknown, -math.inf) < \
+                self.node.config.liveness.heartbeat_interval_s:
+            return
+        self._wanted[unknown] = now
+        self.node._spawn(self.node._asend_raw(peer_id, WANT, [unknown]))
 
     def on_want(self, msg: Message) -> None:
         body = msg.body

@@ -197,3 +197,22 @@ def test_a_relay_caps_its_forwards_in_flight(nodes):
     assert s.stats.snapshot()["rejected"].get("busy", 0) >= 1
     relay.forwarding = 0
     assert c1.request(c2.peer_id, "echo", 2).body["got"] == 2
+
+
+def test_the_replay_window_takes_late_messages_once_and_refuses_the_too_old():
+    a, b = Identity.generate(), Identity.generate()
+    sa = Sealer(a.curve_secret, a.peer_id, RelayConfig(replay_window=8))
+    sb = Sealer(b.curve_secret, b.peer_id, RelayConfig(replay_window=8))
+    sealed = [sa.seal(b.peer_id, b.curve_public, encode("t", a.peer_id, i, None)) for i in range(20)]  # counters 1..20
+
+    def opens(i: int) -> bool:
+        try:
+            sb.open(a.peer_id, a.curve_public, *sealed[i], 16)
+            return True
+        except WireError:
+            return False
+
+    assert [opens(i) for i in (2, 0, 1, 5, 3, 19, 12)] == [True] * 7  # out of order, within the window
+    assert [opens(i) for i in (2, 19, 12)] == [False] * 3  # delivered before
+    assert [opens(i) for i in (10, 11)] == [False, False]  # 9 and 8 behind the highest: past the window
+    assert opens(13)  # 6 behind, never seen
