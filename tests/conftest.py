@@ -83,6 +83,22 @@ def swarm(make_node: Callable[..., Node], n: int) -> list[Node]:
     return nodes
 
 
+def join_with_state(make_node: Callable[..., Node], members: list[Node], protocol: str, model, options: dict,
+                    donor) -> tuple[Node, object]:
+    """A new inproc node joins `members` (through the first), sees them all alive, and starts
+    `protocol` from `donor`'s state as a Trainer sends it (the donor's private state stays its own)."""
+    from starling.protocols import PRIVATE_STATE, get_protocol
+
+    node = make_node("inproc", join=[members[0].address])
+    for peer in (*members, node):
+        assert wait_until(lambda peer=peer: len(peer.live_peers()) == len(members))
+    proto = get_protocol(protocol).create(node, model, options)
+    state = donor.state_dict()
+    state.pop(PRIVATE_STATE)
+    proto.load_state_dict(state)
+    return node, proto
+
+
 def raw_dealer(address: str, identity: Identity | None = None) -> zmq.Socket:
     """A hand-driven client socket outside any Node (a stranger, unless `identity` is a member's)."""
     target = parse_address(address)

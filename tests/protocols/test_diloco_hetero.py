@@ -8,13 +8,13 @@ import time
 
 import pytest
 import torch
-from conftest import in_parallel, swarm, wait_until
+from conftest import in_parallel, join_with_state, swarm, wait_until
 from torch import nn
 
 from starling.collectives import ReduceTimeouts, ShardedReducer
 from starling.collectives.quorum import QuorumClose, read_closing
 from starling.node import Refusal, refusal_of
-from starling.protocols import PRIVATE_STATE, ProtocolError, get_protocol
+from starling.protocols import ProtocolError, get_protocol
 from starling.protocols.fragments import SyncClock
 from starling.protocols.outer_sync import TokenLedger
 
@@ -158,13 +158,8 @@ def test_a_joiner_weighs_the_steps_it_took_from_its_first_contribution(make_node
     opts = {**EXACT, "sync_every": 4, "round_timeout_s": 20.0}
     pa, pb = (get_protocol("diloco").create(n, linear(), opts) for n in (a, b))
     in_parallel([lambda: train(pa, 0, 2), lambda: train(pb, 1, 2)])
-    c = make_node("inproc", join=[a.address])
-    for node in (a, b, c):
-        assert wait_until(lambda node=node: len(node.live_peers()) == 2)
-    pc = get_protocol("diloco").create(c, linear(), opts)
-    state = pa.state_dict()
-    state.pop(PRIVATE_STATE)  # as a Trainer sends it: the donor's own ledger is not the joiner's
-    pc.load_state_dict(state)
+    # as a Trainer sends it: the donor's own ledger is not the joiner's
+    c, pc = join_with_state(make_node, [a, b], "diloco", linear(), opts, donor=pa)
     in_parallel([lambda: train(pa, 0, 2), lambda: train(pb, 1, 2), lambda: train(pc, 2, 2)])
     assert pa.versions == pb.versions == pc.versions == [1]
     shares = pa.last_shares

@@ -7,7 +7,7 @@ import io
 
 import pytest
 import torch
-from conftest import in_parallel, swarm, wait_until
+from conftest import in_parallel, join_with_state, swarm
 from torch import nn
 
 from starling.collectives import ShardedReducer
@@ -108,13 +108,8 @@ def test_streaming_diloco_with_sparse_pseudo_gradients_keeps_peers_identical_thr
     restored = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     assert all(torch.equal(restored[PRIVATE_STATE]["reducers"][0]["parts"]["residuals"][k], v)
                for k, v in residuals.items())
-    c = make_node("inproc", join=[a.address])
-    for node in (a, b, c):
-        assert wait_until(lambda node=node: len(node.live_peers()) == 2)
-    pc = get_protocol("streaming-diloco").create(c, linear(), options)
-    joined = pa.state_dict()
-    joined.pop(PRIVATE_STATE)  # as the trainer sends it: the donor's residuals stay the donor's
-    pc.load_state_dict(joined)
+    # as the trainer sends it: the donor's residuals stay the donor's
+    c, pc = join_with_state(make_node, [a, b], "streaming-diloco", linear(), options, donor=pa)
     in_parallel([lambda p=p, r=r: train(p, r, 4) for r, p in enumerate((pa, pb, pc))])
     assert pa.versions == pb.versions == pc.versions == [3, 3]
     assert torch.equal(outer(pa), outer(pb)) and torch.equal(outer(pa), outer(pc))
