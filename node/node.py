@@ -30,6 +30,7 @@ from typing import Any
 from starling.node import rpc
 from starling.node.address import PeerAddress, is_loopback, parse_address, parse_bind
 from starling.node.admission import AdmissionConfig
+from starling.node.bootstrap import Bootstrap
 from starling.node.dispatch import Dispatcher, Handler
 from starling.node.identity import Identity
 from starling.node.loop import NetworkThread
@@ -109,6 +110,8 @@ class Node:
         self._handlers = self._dispatch.handlers  # topic -> (handler, public)
         self._swarm = Swarm(self)
         self._swarm.register()
+        self._bootstrap = Bootstrap(self, self._swarm)
+        self._bootstrap.register()
         self._relay = Relay(self, self.config.relay)
         self._relay.register()
         self._dispatch.on_internal_request(STATUS, lambda inbound, body: self.status(), public=True)
@@ -215,7 +218,7 @@ class Node:
             await self._transport.bind(listens, self._policy)
             endpoints = adverts or self._transport.advertised()
         if endpoints and joins and self._needs_dial_back(endpoints):
-            if await self._swarm.reachable_via(joins, endpoints) is False:
+            if await self._bootstrap.reachable_via(joins, endpoints) is False:
                 log.warning("%s: the peer we join through cannot dial %s; joining as a client (reached over the "
                             "connections this node opens, and through relays)", self.peer_id, ", ".join(endpoints))
                 endpoints = []
@@ -225,7 +228,7 @@ class Node:
         self.address = str(PeerAddress(endpoints[0], key)) if endpoints else ""
         self._spawn(self._swarm.heartbeat_loop())
         if joins:
-            await self._swarm.join(joins)
+            await self._bootstrap.join(joins)
 
     @staticmethod
     def _needs_dial_back(endpoints: list[str]) -> bool:

@@ -1,7 +1,9 @@
 """The membership protocol: how a node joins a swarm, stays known in it, and leaves it.
 
-Joining is a hello to one known peer, which answers with its peer table (records signed by
-their owners) and the swarm config; the joiner then connects to every peer it learned of.
+Joining is a hello to one known peer (sent by `node.bootstrap`, which also tries addresses in
+turn, checks that the joiner can be dialled, and rejoins a split swarm); the peer answers with
+its table (records signed by their owners) and the swarm config, and the joiner connects to
+every peer it learned of.
 A node's swarm config comes from its own start or from that answer, never from a hello it
 receives (a hello's config is only checked against its own).
 Liveness comes from heartbeats: every interval a node pings a few random peers (all of them
@@ -20,10 +22,8 @@ The table itself (records, statuses, the failure detector's arithmetic) is
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable
@@ -32,11 +32,9 @@ from typing import TYPE_CHECKING, Any
 from zmq.utils import z85
 
 from starling.node import rpc
-from starling.node.address import AddressError, PeerAddress, parse_address
 from starling.node.identity import verify_signature
 from starling.node.loop import AwakeDeadline
 from starling.node.membership import (
-    MAX_ADDRESSES,
     PeerRecord,
     PeerStatus,
     StatusChange,
@@ -49,6 +47,7 @@ from starling.node.transport import Inbound, SendError
 from starling.node.wire import Message, RejectReason, WireError
 
 if TYPE_CHECKING:
+    from starling.node.bootstrap import Bootstrap
     from starling.node.node import Node
 
 log = logging.getLogger(__name__)
@@ -59,14 +58,6 @@ WANT = "$want"  # asks a member for records it gossiped that we lack; answered w
 # that joined through one seed at the same time learn each other in one round trip, not over
 # the many heartbeat intervals their digests take to spread in a big swarm.
 SYNC = "$sync"
-# Reachability: a joiner asks the peer it joins through to dial it back (REACH); that peer
-# opens a fresh connection to the joiner's advertised addresses and asks for an ECHO of a
-# nonce. An answer proves someone holding the joiner's key listens there (under CURVE the
-# dial-back authenticates the joiner's key); silence means the joiner is behind a NAT or a
-# firewall and joins as a client.
-REACH, ECHO = "$reach", "$echo"
-MAX_DIALING = 8  # dial-backs in flight at once: each is a connection a stranger makes us open
-MAX_NONCE = 64
 MAX_WANT = 256
 MAX_WANTED = 4096  # ids asked for and not yet forgotten (see `want_from`)
 MAX_ANNOUNCE = 256
@@ -91,7 +82,7 @@ def config_conflicts(swarm: dict[str, Any], mine: dict[str, Any]) -> list[str]:
             if k in swarm and swarm[k] != v]
 
 
-def _config_conflict_text(conflicts: list[str]) -> str:
+def config_conflict_text(conflicts: list[str]) -> str:
     return "the swarm runs a config this node cannot run: " + "; ".join(conflicts)
 
 
@@ -108,156 +99,16 @@ class Swarm:
         self._acked: dict[str, float] = {}  # peer id -> when we last answered its probe
         self._probing: set[str] = set()  # peers whose dropped connection is being probed
         self._refused: dict[str, int] = {}  # peer id -> incarnation whose record the allowlist refused
-        self._bootstraps = itertools.count()
-        self._dialing = 0
-        self.seeds: list[PeerAddress] = []  # the join addresses, tried again while their peers are gone
-        self._last_rejoin = time.monotonic()
+        self.bootstrap: Bootstrap | None = None  # joining from addresses (node.bootstrap), set by the node
 
     def register(self) -> None:
         """Serve the membership topics on the node's dispatcher."""
         dispatch = self.node._dispatch
         dispatch.on_internal_request(HELLO, self.on_hello, public=True)  # a joiner is not a member yet
         dispatch.on_internal_request(SYNC, self.on_sync)
-        dispatch.on_internal_request(REACH, self.on_reach, public=True)
-        dispatch.on_internal_request(ECHO, self.on_echo, public=True)
         for topic, handler in ((PING, self.on_ping), (WANT, self.on_want), (LEAVE, self.on_leave),
                                (ANNOUNCE, self.on_announce)):
             dispatch.on_internal_message(topic, handler)
-
-    # ---------------------------------------------------------------- joining
-    async def join(self, joins: list[PeerAddress]) -> None:
-        """Join through the first address in `joins` that answers, trying them in turn, in
-        rounds with exponential backoff (`join_attempts` rounds), so a swarm whose seed is
-        restarting or a DNS name that is not yet up does not fail the join at once."""
-        self.seeds = list(joins)
-        errors: list[str] = []
-        attempts = self.node.config.join_attempts
-        for attempt in range(attempts):
-            errors = []
-            for address in joins:
-                try:
-                    await self._join_via(address.endpoint, address.curve_key)
-                    return
-                except SwarmConfigError:
-                    raise
-                except Exception as exc:  # try the next address
-                    errors.append(f"{address}: {exc}")
-            if attempt + 1 < attempts:
-                delay = min(self.node.config.join_backoff_s * 2 ** attempt, 30.0)
-                log.info("%s: no join address answered; trying again in %.1f s", self.node.peer_id, delay)
-                await asyncio.sleep(delay * (0.5 + self._rng.random()))
-        raise JoinError(f"could not join the swarm ({attempts} rounds): " + "; ".join(errors))
-
-    async def _bootstrap_request(self, endpoint: str, curve_key: bytes | None, topic: str, body: Any,
-                                 timeout_s: float) -> Message:
-        """A request to an address, not to a peer of our table (a join, a dial-back), on a
-        connection of its own that is closed after the answer."""
-        node, transport = self.node, self.node._transport
-        assert transport is not None
-        handle = f"bootstrap-{next(self._bootstraps)}"
-        transport.connect(handle, [endpoint], z85.encode(curve_key) if curve_key else None)
-        rid, fut = node._pending.open(handle)
-        try:
-            frames = node._frames(rpc.REQUEST_TOPIC, rpc.request_body(topic, rid, body), ())
-            await transport.send(handle, frames, timeout_s=timeout_s)
-            return await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError:
-            raise JoinError(f"no answer from {endpoint} within {timeout_s} s") from None
-        finally:
-            node._pending.drop(rid)
-            transport.disconnect(handle)
-
-    async def reachable_via(self, joins: list[PeerAddress], endpoints: list[str]) -> bool | None:
-        """Ask the first join address that answers whether it can dial us on `endpoints`;
-        None if none answered (the join that follows fails and says why)."""
-        for address in joins:
-            try:
-                reply = await self._bootstrap_request(address.endpoint, address.curve_key, REACH, [endpoints],
-                                                      self.node.config.join_timeout_s)
-            except Exception as exc:
-                log.info("%s: reachability check via %s failed: %s", self.node.peer_id, address, exc)
-                continue
-            if isinstance(reply.body, dict) and isinstance(reply.body.get("reachable"), bool):
-                return reply.body["reachable"]
-        return None
-
-    async def on_reach(self, inbound: Inbound, body: Any) -> dict[str, Any]:
-        """Dial a would-be joiner back on the addresses it gives (bounded: few at a time)."""
-        if (not isinstance(body, list) or len(body) != 1 or not isinstance(body[0], list)
-                or not 0 < len(body[0]) <= MAX_ADDRESSES):
-            raise WireError(RejectReason.BAD_FIELD, f"reach body must be [[1 to {MAX_ADDRESSES} addresses]]",
-                            field="body")
-        try:
-            endpoints = [parse_address(a).endpoint for a in body[0]]
-        except (AddressError, TypeError) as exc:
-            raise WireError(RejectReason.BAD_FIELD, f"reach: {exc}", field="body") from None
-        if self._dialing >= MAX_DIALING:
-            raise rpc.BusyError(f"{self._dialing} dial-backs in flight")
-        key = inbound.user_id.encode() if inbound.user_id else None
-        self._dialing += 1
-        try:
-            for endpoint in endpoints:
-                nonce = os.urandom(16)
-                try:
-                    reply = await self._bootstrap_request(endpoint, z85.decode(key) if key else None, ECHO, nonce,
-                                                          self.node.config.reach_timeout_s)
-                except Exception:
-                    continue
-                if reply.body == nonce:
-                    return {"reachable": True, "endpoint": endpoint}
-            return {"reachable": False}
-        finally:
-            self._dialing -= 1
-
-    def on_echo(self, inbound: Inbound, body: Any) -> bytes:
-        if not isinstance(body, bytes) or len(body) > MAX_NONCE:
-            raise WireError(RejectReason.BAD_FIELD, f"echo body must be at most {MAX_NONCE} bytes", field="body")
-        return body
-
-    def _hello_body(self, want_table: bool = True) -> list[Any]:
-        assert self.node.record is not None
-        return [self.node.record.to_wire(), self.node.swarm_config, want_table]
-
-    async def _join_via(self, endpoint: str, curve_key: bytes | None) -> None:
-        """Hello to one known address; learn its table and config. The peer we joined
-        announces us to the others; any it missed find us in the beats pings carry."""
-        try:
-            reply = await self._bootstrap_request(endpoint, curve_key, HELLO, self._hello_body(),
-                                                  self.node.config.join_timeout_s)
-        except rpc.ConfigConflictError as exc:
-            raise SwarmConfigError(f"{endpoint}: {exc.detail}") from None
-        except rpc.RemoteError as exc:
-            raise JoinError(f"{endpoint}: {exc.detail}") from None
-        responder = self._accept_hello_reply(reply.body)
-        if curve_key is not None and responder.curve_key != curve_key:
-            raise JoinError(f"{endpoint} answered with a record for a different key")
-
-    def _accept_hello_reply(self, body: Any) -> PeerRecord:
-        if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
-            raise JoinError("malformed hello reply")
-        node = self.node
-        config = body.get("config")
-        if config is not None:
-            if not isinstance(config, dict):
-                raise JoinError("malformed swarm config in hello reply")
-            if node.swarm_config is not None:
-                conflicts = config_conflicts(config, node.swarm_config)
-                if conflicts:
-                    raise SwarmConfigError(_config_conflict_text(conflicts))
-            node.swarm_config = {**(node.swarm_config or {}), **config}
-        responder = self.record_from(body.get("record"))
-        self.learn(responder)
-        # In a random order: a node opens sockets to the first peers it learns (up to its
-        # cap), and in the table's order every joiner of a big swarm connected to the same
-        # oldest peers, whose processes then held a connection from every peer.
-        peers = list(body["peers"])
-        self._rng.shuffle(peers)
-        for raw in peers:
-            try:
-                self.learn(self.record_from(raw))
-            except WireError as exc:
-                node.stats.count_rejected(exc.reason.value)
-        return responder
 
     def on_hello(self, inbound: Inbound, body: Any) -> dict[str, Any]:
         """A joiner's hello (or a member's re-announce): check its record and config, learn it,
@@ -278,7 +129,7 @@ class Swarm:
                 raise WireError(RejectReason.BAD_FIELD, "swarm config must be a map", field="config")
             conflicts = config_conflicts(node.swarm_config or {}, theirs)
             if conflicts:
-                raise rpc.ConfigConflictError(_config_conflict_text(conflicts))
+                raise rpc.ConfigConflictError(config_conflict_text(conflicts))
         # A joiner (it asks for the table) is announced to the others: one message each, no
         # answer, over the sockets this node holds open (every member's, in a swarm within
         # `max_open_dealers`). One we hold no socket to, one that joined elsewhere at the same
@@ -504,11 +355,8 @@ class Swarm:
                 self._acked = {k: t for k, t in self._acked.items() if t > horizon}
             for change in table.sweep(now, self._relay_delay_s()):
                 self.notify(change)
-            if self.seeds and now - self._last_rejoin >= node.config.rejoin_interval_s:
-                self._last_rejoin = now
-                lost = [a for a in self.seeds if not self._seed_alive(a)]
-                if lost:
-                    node._spawn(self._rejoin(lost))
+            if self.bootstrap is not None:
+                self.bootstrap.tick(now)
             if node.record is not None and not node.record.reachable:
                 node._set_via()
             for gone in table.forget(node.config.forget_after_s, now):
@@ -516,24 +364,6 @@ class Swarm:
                     node._transport.disconnect(gone)
             wake_at = time.monotonic() + period
             await asyncio.sleep(period)
-
-    def _seed_alive(self, address: PeerAddress) -> bool:
-        """Whether a join address belongs to us or to a peer alive to us."""
-        node = self.node
-        mine = node.record is not None and (address.endpoint in node.record.addresses
-                                            or address.curve_key == node.identity.curve_public)
-        return mine or any(address.curve_key == p.record.curve_key if address.curve_key is not None
-                           else address.endpoint in p.record.addresses for p in node._table.live())
-
-    async def _rejoin(self, lost: list[PeerAddress]) -> None:
-        """Hello again to join addresses whose peers we lost (a partition, a seed that
-        restarted): each side learns the other's table, and a swarm that split is one again."""
-        for address in lost:
-            try:
-                await self._join_via(address.endpoint, address.curve_key)
-                log.info("%s: rejoined through %s", self.node.peer_id, address)
-            except Exception as exc:
-                log.debug("%s: rejoin through %s failed: %s", self.node.peer_id, address, exc)
 
     def _relay_delay_s(self) -> float:
         """How much later than a direct ping a relayed beat may arrive: one interval per

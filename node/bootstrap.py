@@ -1,0 +1,218 @@
+"""Reaching a swarm from addresses: the join, the dial-back that tells a joiner whether it can
+be dialled, and the rejoin that heals a split swarm.
+
+Joining is a hello to one known address, on a connection of its own, answered with the peer
+table (records signed by their owners) and the swarm config; several addresses are tried in
+turn, in rounds with backoff. Before its hello, a node that listens on TCP off loopback asks
+the peer it joins through to dial it back (REACH): that peer opens a fresh connection to the
+joiner's advertised addresses and asks for an ECHO of a nonce. An answer proves someone holding
+the joiner's key listens there (under CURVE the dial-back authenticates the joiner's key);
+silence means the joiner is behind a NAT or a firewall, and it joins as a client. Every
+`rejoin_interval_s`, join addresses whose peer is not alive to us are hello'd again: a seed that
+restarted with an empty table, or the other half of a partition, learns our table and we learn
+its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from zmq.utils import z85
+
+from starling.node import rpc
+from starling.node.address import AddressError, PeerAddress, parse_address
+from starling.node.membership import MAX_ADDRESSES, PeerRecord
+from starling.node.swarm import HELLO, JoinError, Swarm, SwarmConfigError, config_conflict_text, config_conflicts
+from starling.node.transport import Inbound
+from starling.node.wire import Message, RejectReason, WireError
+
+if TYPE_CHECKING:
+    from starling.node.node import Node
+
+log = logging.getLogger(__name__)
+
+REACH, ECHO = "$reach", "$echo"
+MAX_DIALING = 8  # dial-backs in flight at once: each is a connection a stranger makes us open
+MAX_NONCE = 64
+
+
+class Bootstrap:
+    """One node's way into a swarm from addresses. Lives on the network thread."""
+
+    def __init__(self, node: Node, swarm: Swarm) -> None:
+        self.node = node
+        self.swarm = swarm
+        self.seeds: list[PeerAddress] = []  # the join addresses, tried again while their peers are gone
+        self._bootstraps = itertools.count()
+        self._dialing = 0
+        self._last_rejoin = time.monotonic()
+        swarm.bootstrap = self
+
+    def register(self) -> None:
+        dispatch = self.node._dispatch
+        dispatch.on_internal_request(REACH, self.on_reach, public=True)
+        dispatch.on_internal_request(ECHO, self.on_echo, public=True)
+
+    def tick(self, now: float) -> None:
+        """From the heartbeat loop: hello again to join addresses whose peers are gone."""
+        if self.seeds and now - self._last_rejoin >= self.node.config.rejoin_interval_s:
+            self._last_rejoin = now
+            lost = [a for a in self.seeds if not self.seed_alive(a)]
+            if lost:
+                self.node._spawn(self._rejoin(lost))
+
+    async def join(self, joins: list[PeerAddress]) -> None:
+        """Join through the first address in `joins` that answers, trying them in turn, in
+        rounds with exponential backoff (`join_attempts` rounds), so a swarm whose seed is
+        restarting or a DNS name that is not yet up does not fail the join at once."""
+        self.seeds = list(joins)
+        errors: list[str] = []
+        attempts = self.node.config.join_attempts
+        for attempt in range(attempts):
+            errors = []
+            for address in joins:
+                try:
+                    await self._join_via(address.endpoint, address.curve_key)
+                    return
+                except SwarmConfigError:
+                    raise
+                except Exception as exc:  # try the next address
+                    errors.append(f"{address}: {exc}")
+            if attempt + 1 < attempts:
+                delay = min(self.node.config.join_backoff_s * 2 ** attempt, 30.0)
+                log.info("%s: no join address answered; trying again in %.1f s", self.node.peer_id, delay)
+                await asyncio.sleep(delay * (0.5 + self.swarm._rng.random()))
+        raise JoinError(f"could not join the swarm ({attempts} rounds): " + "; ".join(errors))
+
+    async def _bootstrap_request(self, endpoint: str, curve_key: bytes | None, topic: str, body: Any,
+                                 timeout_s: float) -> Message:
+        """A request to an address, not to a peer of our table (a join, a dial-back), on a
+        connection of its own that is closed after the answer."""
+        node, transport = self.node, self.node._transport
+        assert transport is not None
+        handle = f"bootstrap-{next(self._bootstraps)}"
+        transport.connect(handle, [endpoint], z85.encode(curve_key) if curve_key else None)
+        rid, fut = node._pending.open(handle)
+        try:
+            frames = node._frames(rpc.REQUEST_TOPIC, rpc.request_body(topic, rid, body), ())
+            await transport.send(handle, frames, timeout_s=timeout_s)
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise JoinError(f"no answer from {endpoint} within {timeout_s} s") from None
+        finally:
+            node._pending.drop(rid)
+            transport.disconnect(handle)
+
+    async def reachable_via(self, joins: list[PeerAddress], endpoints: list[str]) -> bool | None:
+        """Ask the first join address that answers whether it can dial us on `endpoints`;
+        None if none answered (the join that follows fails and says why)."""
+        for address in joins:
+            try:
+                reply = await self._bootstrap_request(address.endpoint, address.curve_key, REACH, [endpoints],
+                                                      self.node.config.join_timeout_s)
+            except Exception as exc:
+                log.info("%s: reachability check via %s failed: %s", self.node.peer_id, address, exc)
+                continue
+            if isinstance(reply.body, dict) and isinstance(reply.body.get("reachable"), bool):
+                return reply.body["reachable"]
+        return None
+
+    async def on_reach(self, inbound: Inbound, body: Any) -> dict[str, Any]:
+        """Dial a would-be joiner back on the addresses it gives (bounded: few at a time)."""
+        if (not isinstance(body, list) or len(body) != 1 or not isinstance(body[0], list)
+                or not 0 < len(body[0]) <= MAX_ADDRESSES):
+            raise WireError(RejectReason.BAD_FIELD, f"reach body must be [[1 to {MAX_ADDRESSES} addresses]]",
+                            field="body")
+        try:
+            endpoints = [parse_address(a).endpoint for a in body[0]]
+        except (AddressError, TypeError) as exc:
+            raise WireError(RejectReason.BAD_FIELD, f"reach: {exc}", field="body") from None
+        if self._dialing >= MAX_DIALING:
+            raise rpc.BusyError(f"{self._dialing} dial-backs in flight")
+        key = inbound.user_id.encode() if inbound.user_id else None
+        self._dialing += 1
+        try:
+            for endpoint in endpoints:
+                nonce = os.urandom(16)
+                try:
+                    reply = await self._bootstrap_request(endpoint, z85.decode(key) if key else None, ECHO, nonce,
+                                                          self.node.config.reach_timeout_s)
+                except Exception:
+                    continue
+                if reply.body == nonce:
+                    return {"reachable": True, "endpoint": endpoint}
+            return {"reachable": False}
+        finally:
+            self._dialing -= 1
+
+    def on_echo(self, inbound: Inbound, body: Any) -> bytes:
+        if not isinstance(body, bytes) or len(body) > MAX_NONCE:
+            raise WireError(RejectReason.BAD_FIELD, f"echo body must be at most {MAX_NONCE} bytes", field="body")
+        return body
+
+    def _hello_body(self, want_table: bool = True) -> list[Any]:
+        assert self.node.record is not None
+        return [self.node.record.to_wire(), self.node.swarm_config, want_table]
+
+    async def _join_via(self, endpoint: str, curve_key: bytes | None) -> None:
+        """Hello to one known address; learn its table and config. The peer we joined
+        announces us to the others; any it missed find us in the beats pings carry."""
+        try:
+            reply = await self._bootstrap_request(endpoint, curve_key, HELLO, self._hello_body(),
+                                                  self.node.config.join_timeout_s)
+        except rpc.ConfigConflictError as exc:
+            raise SwarmConfigError(f"{endpoint}: {exc.detail}") from None
+        except rpc.RemoteError as exc:
+            raise JoinError(f"{endpoint}: {exc.detail}") from None
+        responder = self._accept_hello_reply(reply.body)
+        if curve_key is not None and responder.curve_key != curve_key:
+            raise JoinError(f"{endpoint} answered with a record for a different key")
+
+    def _accept_hello_reply(self, body: Any) -> PeerRecord:
+        if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
+            raise JoinError("malformed hello reply")
+        node = self.node
+        config = body.get("config")
+        if config is not None:
+            if not isinstance(config, dict):
+                raise JoinError("malformed swarm config in hello reply")
+            if node.swarm_config is not None:
+                conflicts = config_conflicts(config, node.swarm_config)
+                if conflicts:
+                    raise SwarmConfigError(config_conflict_text(conflicts))
+            node.swarm_config = {**(node.swarm_config or {}), **config}
+        responder = self.swarm.record_from(body.get("record"))
+        self.swarm.learn(responder)
+        # In a random order: a node opens sockets to the first peers it learns (up to its
+        # cap), and in the table's order every joiner of a big swarm connected to the same
+        # oldest peers, whose processes then held a connection from every peer.
+        peers = list(body["peers"])
+        self.swarm._rng.shuffle(peers)
+        for raw in peers:
+            try:
+                self.swarm.learn(self.swarm.record_from(raw))
+            except WireError as exc:
+                node.stats.count_rejected(exc.reason.value)
+        return responder
+
+    def seed_alive(self, address: PeerAddress) -> bool:
+        """Whether a join address belongs to us or to a peer alive to us."""
+        node = self.node
+        mine = node.record is not None and (address.endpoint in node.record.addresses
+                                            or address.curve_key == node.identity.curve_public)
+        return mine or any(address.curve_key == p.record.curve_key if address.curve_key is not None
+                           else address.endpoint in p.record.addresses for p in node._table.live())
+
+    async def _rejoin(self, lost: list[PeerAddress]) -> None:
+        """Hello again to join addresses whose peers we lost (a partition, a seed that
+        restarted): each side learns the other's table, and a swarm that split is one again."""
+        for address in lost:
+            try:
+                await self._join_via(address.endpoint, address.curve_key)
+                log.info("%s: rejoined through %s", self.node.peer_id, address)
+            except Exception as exc:
+                log.debug("%s: rejoin through %s failed: %s", self.node.peer_id, address, exc)
