@@ -126,6 +126,14 @@ class Node:
         self._fault: str | None = None
         self._closing: asyncio.Future[None] | None = None
 
+    def _use_identity(self, identity: Identity) -> None:
+        """`start(key=...)` replaces the identity the node was built with: everything that
+        holds its keys or its id takes the new one here (the peer table's own id, the relay's
+        sealing keys), or relayed messages would be sealed and opened under the old keys."""
+        self.identity = identity
+        self._table = PeerTable(identity.peer_id, self.config.liveness)
+        self._relay.use_identity(identity)
+
     # ---------------------------------------------------------------- lifecycle
     @property
     def peer_id(self) -> str:
@@ -181,8 +189,7 @@ class Node:
         if self._state != "new":
             raise RuntimeError(f"node already {self._state}")
         if key is not None:
-            self.identity = key if isinstance(key, Identity) else Identity.load(key)
-            self._table = PeerTable(self.identity.peer_id, self.config.liveness)
+            self._use_identity(key if isinstance(key, Identity) else Identity.load(key))
         listens = [parse_bind(x) for x in ([] if listen is None else [listen] if isinstance(listen, str) else listen)]
         if not listens and not join:
             raise ValueError("a node that listens nowhere must join a swarm (give a join address)")

@@ -34,6 +34,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from starling.node.identity import Identity
 from starling.node.membership import PeerStatus
 from starling.node.transport import SendError
 from starling.node.wire import Message, RejectReason, WireError
@@ -169,6 +170,10 @@ class Relay:
         self.sealer = Sealer(node.identity.curve_secret, node.peer_id, config)
         self.forwarding = 0
 
+    def use_identity(self, identity: Identity) -> None:
+        """Seal and open with this identity's keys from now on."""
+        self.sealer = Sealer(identity.curve_secret, identity.peer_id, self.config)
+
     def register(self) -> None:
         dispatch = self.node._dispatch
         dispatch.on_internal_message(RELAY, self.on_relay)
@@ -184,12 +189,15 @@ class Relay:
         return [r for r in named if r in live] + sorted(r for r in live if r not in named)
 
     def via(self) -> str:
-        """The relays this client is attached to (its DEALER to them is open), for `$via`."""
+        """The relays this client is attached to, for `$via`: those that have sent it something
+        down the DEALER it holds to them, which proves they hold its connection's routing id.
+        An open DEALER is not enough: a relay that has not yet read a message of ours on it
+        cannot forward to us, and refused the messages that named it (`no_route`)."""
         transport = self.node._transport
         if transport is None:
             return ""
         held = sorted(p.peer_id for p in self.node._table.live()
-                      if p.record.relay and p.record.reachable and transport.is_open(p.peer_id))
+                      if p.record.relay and p.record.reachable and transport.heard(p.peer_id))
         return ",".join(held[: self.config.max_relays])
 
     async def send(self, dest: str, frames: list[Any], *, wait: bool, timeout_s: float | None) -> None:

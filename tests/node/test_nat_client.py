@@ -216,3 +216,37 @@ def test_the_replay_window_takes_late_messages_once_and_refuses_the_too_old():
     assert [opens(i) for i in (2, 19, 12)] == [False] * 3  # delivered before
     assert [opens(i) for i in (10, 11)] == [False, False]  # 9 and 8 behind the highest: past the window
     assert opens(13)  # 6 behind, never seen
+
+
+def test_clients_started_with_key_files_open_what_they_relay_to_each_other(nodes, tmp_path):
+    paths = []
+    for name in ("relay", "a", "b"):
+        Identity.generate().save(tmp_path / name)
+        paths.append(tmp_path / name)
+    r = nodes(key=paths[0])
+    a, b = (nodes(listen=None, join=[r.address], key=p) for p in paths[1:])
+    assert (a.peer_id, b.peer_id) == (Identity.load(paths[1]).peer_id, Identity.load(paths[2]).peer_id)
+    for c in (a, b):
+        assert wait_until(lambda c=c: len(c.live_peers()) == 2)
+        assert wait_until(lambda c=c: r.peer_id in c.status()["meta"].get(VIA, ""))
+    assert a.request(b.peer_id, "echo", {"n": 1}).body == {"from": b.peer_id, "got": {"n": 1}}
+    assert b.request(a.peer_id, "echo", {"n": 2}).body == {"from": a.peer_id, "got": {"n": 2}}
+    assert "relay_tampered" not in a.stats.snapshot()["rejected"] | b.stats.snapshot()["rejected"]
+
+
+def test_a_client_names_a_relay_only_once_the_relay_has_reached_it(nodes):
+    """A relay forwards to a client only down a connection the client spoke on; naming it
+    before then sent other clients' messages to a relay that refused them (`no_route`)."""
+    s = nodes()
+    c = nodes(listen=None, join=[s.address])
+    transport = c._transport
+    assert wait_until(lambda: s.peer_id in c.status()["meta"].get(VIA, ""))
+    assert transport.heard(s.peer_id) and s._transport.can_send(c.peer_id)
+
+    async def reconnect() -> tuple[bool, str]:  # a fresh connection: the relay knows nothing of it yet
+        transport._close(s.peer_id, 0)
+        transport._dealer(s.peer_id)
+        return transport.is_open(s.peer_id), c._relay.via()
+
+    assert c._call(reconnect()) == (True, "")  # open, and not named until the relay has used it
+    assert wait_until(lambda: s.peer_id in c._relay.via())  # its probe was answered down the new one
