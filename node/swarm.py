@@ -399,7 +399,7 @@ class Swarm:
             elif p.status is not PeerStatus.LEFT:
                 live.append(p)
         if len(live) <= lv.fanout:
-            return targets + [(p.peer_id, False) for p in live]
+            return self._probe_unheard_relays(targets + [(p.peer_id, False) for p in live])
         # Past the socket cap, a ping to a peer whose DEALER is closed opens one and closes
         # another: most intervals ping peers we hold a socket to (every beat we heard rides
         # along, so whom we ping matters little to how fast beats spread), one in four any peer.
@@ -419,7 +419,21 @@ class Swarm:
             # the connection they send to it on (`Transport.attach`)
             picked |= {p.peer_id for p in probes}
             targets += [(p.peer_id, False) for p in live if p.record.relay and p.peer_id not in picked]
-        return targets
+        return self._probe_unheard_relays(targets)
+
+    def _probe_unheard_relays(self, targets: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+        """A client's pings to relays that have not answered down its connection yet ask for an
+        answer at once: the answer is what lets it name them in `$via` (`Relay.via`)."""
+        record, transport = self.node.record, self.node._transport
+        if record is None or record.reachable or transport is None:
+            return targets
+        table = self.node._table
+        out = []
+        for peer_id, probe in targets:
+            info = table.get(peer_id)
+            relay = info is not None and info.record.relay and info.record.reachable
+            out.append((peer_id, probe or (relay and not transport.heard(peer_id))))
+        return out
 
     def _digest(self) -> list[Any]:
         node = self.node

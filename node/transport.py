@@ -127,6 +127,7 @@ class Transport:
         self._dealers: dict[str, zmq.asyncio.Socket] = {}  # the open ones, least recently used first
         self._sending: dict[str, int] = {}  # sends in flight per DEALER
         self._attached: dict[str, bytes] = {}  # client peer -> ROUTER routing id of its connection to us
+        self._heard: set[str] = set()  # peers that sent us something down the DEALER we hold to them
         self._tasks: dict[str | None, asyncio.Task[None]] = {}
         self.bound: list[str] = []
         self.dealers_opened = 0  # over the node's life: how much the socket cap churns
@@ -283,6 +284,11 @@ class Transport:
     def is_open(self, key: str) -> bool:
         return key in self._dealers
 
+    def heard(self, key: str) -> bool:
+        """Whether `key` has sent us anything down our open DEALER to it: proof that it knows
+        the connection (a client's relay can reach it there, `attach`)."""
+        return key in self._heard
+
     def has(self, key: str) -> bool:
         return key in self._routes
 
@@ -293,6 +299,7 @@ class Transport:
 
     def _close(self, key: str, linger_ms: int) -> None:
         dealer = self._dealers.pop(key, None)
+        self._heard.discard(key)
         for name in (key, f"monitor:{key}"):
             task = self._tasks.pop(name, None)
             if task is not None:
@@ -393,6 +400,8 @@ class Transport:
             inbound = Inbound(frames[1:], bytes(frames[0].bytes), None, _curve_user_id(frames[1]))
         else:
             inbound = Inbound(frames, None, key, None)
+            if key in self._dealers:
+                self._heard.add(key)
         try:
             await self._receiver(inbound)
         except Exception:  # a receiver bug must not kill the socket's reader
@@ -417,4 +426,5 @@ class Transport:
         self._dealers.clear()
         self._routes.clear()
         self._attached.clear()
+        self._heard.clear()
         self._tasks.clear()
