@@ -40,6 +40,7 @@ from typing import Any
 
 PUBLIC = "10.77.0"
 BLOB = "bench16"
+ECHO = "echo"
 RELAY_TARGET, FRAMING_TARGET = 0.45, 0.02
 
 
@@ -159,19 +160,26 @@ class Worker:
         here = os.path.abspath(__file__)
         self.proc = subprocess.Popen([*lab.exec_prefix(role), sys.executable, here, "--worker", *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=None if os.environ.get("NAT_BENCH_DEBUG") else subprocess.DEVNULL,
-                                     text=True)
+                                     stderr=None if os.environ.get("NAT_BENCH_DEBUG") else subprocess.DEVNULL)
+        self._pending = b""  # read from the pipe, not yet a whole line
 
     def line(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        """The worker's next JSON line. Read from the descriptor, not a buffered file: lines that
+        arrive together would sit in the file's buffer while select() waits on the empty pipe."""
         import select
 
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        if not ready:
-            raise TimeoutError(f"no line from worker within {timeout_s} s")
-        text = self.proc.stdout.readline()
-        if not text:
-            raise RuntimeError(f"worker exited ({self.proc.wait()})")
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"no line from worker within {timeout_s} s")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"worker exited ({self.proc.wait()})")
+            self._pending += chunk
+        text, self._pending = self._pending.split(b"\n", 1)
         return json.loads(text)
 
     def stop(self) -> dict[str, Any] | None:
@@ -200,10 +208,13 @@ def _worker(argv: list[str]) -> None:
     p.add_argument("--fetch", action="append", default=[])  # peer ids to fetch from, in turn
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--key", help="identity file (a throwaway identity without)")
+    p.add_argument("--ask", action="append", default=[])  # peer ids to send an echo request, before fetching
     a = p.parse_args(argv)
     from starling.node.node import Node, NodeConfig
 
-    node = Node(config=NodeConfig(offer_relay=not a.no_relay, join_attempts=5)).start(a.listen, a.join)
+    node = Node(config=NodeConfig(offer_relay=not a.no_relay, join_attempts=5)).start(a.listen, a.join, key=a.key)
+    node.on(ECHO, lambda msg: {"echo": msg.body, "from": node.peer_id})
     if a.serve_mib:
         blob = os.urandom(a.serve_mib << 20)
         node.serve_blob(BLOB, lambda: blob)
@@ -211,6 +222,10 @@ def _worker(argv: list[str]) -> None:
     deadline = time.monotonic() + 60
     while len(node.live_peers()) < a.peers - 1 and time.monotonic() < deadline:
         time.sleep(0.05)
+    for peer in a.ask:
+        nonce = os.urandom(8).hex()
+        reply = node.request(peer, ECHO, nonce, timeout_s=30).body
+        print(json.dumps({"asked": peer, "answered": reply["from"], "echoed": reply["echo"] == nonce}), flush=True)
     for peer in a.fetch:
         for _ in range(a.repeats):
             t0 = time.perf_counter()

@@ -122,6 +122,39 @@ def test_a_home_peer_cannot_be_dialled_but_can_dial_out(lab, keys):
             p.kill()
 
 
+def test_two_keyed_home_peers_talk_and_fetch_state_through_a_relay(lab, keys):
+    """Home to home, both started with key files: a request and a state fetch, each sealed
+    for the other and carried by the public relay (the relay's sealing keys are the node's
+    own, not the identity it was built with)."""
+    workers = []
+    try:
+        relay = nat.Worker(lab, "pub", "--listen", f"tcp://{lab.public_hosts[0]}:0", "--key", keys[0], "--peers", "3")
+        workers.append(relay)
+        seed = relay.line()
+        served = nat.Worker(lab, "h2", "--listen", f"tcp://{lab.home_host(2)}:0", "--join", seed["address"],
+                            "--key", keys[2], "--serve-mib", "1", "--peers", "3")
+        workers.append(served)
+        server = served.line()
+        fetching = nat.Worker(lab, "h1", "--listen", f"tcp://{lab.home_host(1)}:0", "--join", seed["address"],
+                              "--key", keys[1], "--peers", "3", "--repeats", "1", "--ask", server["id"],
+                              "--fetch", server["id"])
+        workers.append(fetching)
+        me = fetching.line()
+        assert [seed["id"], me["id"], server["id"]] == [Identity.load(k).peer_id for k in (keys[0], keys[1], keys[2])]
+        assert not me["reachable"] and not server["reachable"]  # both are clients: only the relay reaches them
+        asked = fetching.line()
+        assert asked == {"asked": server["id"], "answered": server["id"], "echoed": True}
+        fetched = fetching.line()
+        assert fetched["from"] == server["id"] and fetched["bytes"] == 1 << 20
+        assert fetching.line()["event"] == "done"
+        received = served.stop() or {}
+        assert "relay_tampered" not in received.get("rejected", {}), received.get("rejected")
+        assert sum(received.get("bytes_sent", {}).get(seed["id"], {}).get(t, 0) for t in ("$relay",)) > 1 << 20
+    finally:
+        for w in workers:
+            w.stop()
+
+
 def _port_of(peer: Peer) -> int:
     return int(peer.address().split("#")[0].rsplit(":", 1)[1])
 
