@@ -151,6 +151,9 @@ def node_start(
     from starling.tasks import TaskSpecError
 
     setup_logging(log_level)
+    # Until the node is up, SIGTERM exits the way an error does (cleanups and atexit run: a
+    # replica's spawned ranks and its rendezvous folder); then it asks for a graceful leave.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     train_errors = (TrainSpecError, ProtocolError, TaskSpecError, TransferError, CheckpointError, RestartError,
                     NodeFault, ReplicaError)
     try:
@@ -196,8 +199,11 @@ def node_start(
                     wanted["options"] = dict(options)
         elif task is not None or options or task_opt:
             raise ValueError("--task and protocol options need --protocol (or join a training swarm without them)")
+        if protocol is not None or join or resume is not None:
+            # Said at hello, so a swarm of replicas of another size refuses this one there, before
+            # it counts as a member (toward --min-peers too); a single process says 1.
+            wanted[REPLICA_RANKS_KEY] = group.size if group is not None else 1
         if group is not None:
-            wanted[REPLICA_RANKS_KEY] = group.size  # the swarm refuses a replica of another size at hello
             group.init()
         config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout,
                                               probe_timeout_s),
@@ -251,6 +257,10 @@ def node_start(
         group.close()
         for follower in followers:  # they stopped where this rank did
             follower.join(timeout=10.0)
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _replica_group(nproc: int, timeout_s: float, device: Optional[str]) -> tuple[Any, list[Any]]:
@@ -364,6 +374,9 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
     def on_report(report: Any) -> None:
         progress.record(report)
         node.set_meta(**progress.meta())  # what `node watch` on any peer shows of this one
+        replica = trainer.replica
+        if replica is not None and replica.rank_digests is not None:
+            node.set_status_info(replica=replica.rank_digests.to_json())  # `node status`: do the ranks agree?
         if log_every and (report.step + 1) % log_every == 0:
             # lost: members of the step's exchange whose contribution its update lacks (died, timed out)
             typer.echo(json.dumps({"step": report.step + 1, "loss": round(report.loss, 5), "peers": report.peers,
@@ -375,8 +388,11 @@ def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int
 
     try:
         final = trainer.run(steps, stop, on_report)
+        trainer.finish_replica()  # the other ranks stop here, and say what they hold
         metrics = trainer.evaluate()
         stopped = {"event": "stopped", "step": final, **{k: round(v, 5) for k, v in metrics.items()}}
+        if trainer.replica is not None and trainer.replica.rank_digests is not None:
+            stopped["replica"] = trainer.replica.rank_digests.to_json()
         info = trainer.proto.describe()  # type: ignore[union-attr]
         if "privacy" in info:  # what a private protocol (sketch-dp) has spent
             stopped["privacy"] = info["privacy"]
@@ -416,6 +432,11 @@ def _status_lines(status: Any) -> list[str]:
     lines = [f"node {status['id']}  {status['address']}  ({status['security']})"]
     for p in status["peers"]:
         lines.append(f"  {p['id']}  {p['status']:<8} seen {p['last_seen_s']:.1f}s ago  {' '.join(p['addresses'])}")
+    replica = (status.get("info") or {}).get("replica")
+    if replica:
+        verdict = "agree" if replica["agree"] else "DIFFER"
+        lines.append(f"  replica of {replica['ranks']} ranks, at step {replica['step']} their models {verdict}: "
+                     + " ".join(str(d) for d in replica["digests"]))
     stats = status["stats"]
     lines.append(f"  sent {sum(sum(t.values()) for t in stats['bytes_sent'].values())} B, "
                  f"received {sum(sum(t.values()) for t in stats['bytes_received'].values())} B, "

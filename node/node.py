@@ -117,6 +117,7 @@ class Node:
         self._dispatch.on_internal_request(STATUS, lambda inbound, body: self.status(), public=True)
         self._seq = itertools.count()
         self._meta: dict[str, Any] = {}
+        self._info: dict[str, Any] = {}  # what `status` reports beside the table (`set_status_info`)
         self._transport: Transport | None = None
         self._policy: ZapPolicy | None = None
         self._zap_domain = ""
@@ -320,6 +321,12 @@ class Node:
         # A new dict, swapped in whole: the network thread may be packing the old one into a ping.
         self._meta = finite_meta({**self._meta, **meta})
 
+    def set_status_info(self, **info: Any) -> None:
+        """Facts about this node that its `status` answer carries (and heartbeats do not):
+        what whoever runs the node wants an operator to see, e.g. its replica's rank digests.
+        Values must be plain data the wire can carry."""
+        self._info = {**self._info, **info}  # swapped in whole: `status` may be reading the old one
+
     @property
     def peers(self) -> list[PeerView]:
         """Snapshot of the peer table (all statuses)."""
@@ -417,7 +424,7 @@ class Node:
             "id": self.peer_id, "address": self.address, "security": self.mode.value,
             "reachable": self.reachable, "relay": bool(self.record and self.record.relay),
             "listening": self._transport is not None and self._transport.listening,
-            "config": self.swarm_config, "meta": dict(self._meta),
+            "config": self.swarm_config, "meta": dict(self._meta), "info": dict(self._info),
             "peers": [{**p.summary(), "last_seen_s": round(now - p.last_seen, 3)} for p in self._table.all()],
             "stats": self.stats.snapshot(),
             "zap_denied": self.zap_denied,

@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 
 REPLICA_RANKS_KEY = "replica_ranks"  # in the swarm config: every replica of a swarm has this many ranks
 DEFAULT_TIMEOUT_S = 300.0  # a follower waits this long for its leader (a joiner's fetch, a slow round)
+# Every this many steps (and at the first and the last) every rank digests its model and the
+# leader gathers the digests, for `node status`: a host read and a hash of the whole model per
+# rank, so not every step.
+DIGEST_EVERY = 50
 _GO, _STOP = 1, 0
 
 
@@ -175,8 +179,31 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor]) -> None:
                 t.detach().copy_(piece.view_as(t))
 
 
-def _control(command: int, dirty: bool, step: int, device: torch.device | None) -> torch.Tensor:
-    return torch.tensor([command, int(dirty), step], dtype=torch.int64, device=device)
+def _control(command: int, dirty: bool, step: int, digest: bool, device: torch.device | None) -> torch.Tensor:
+    return torch.tensor([command, int(dirty), step, int(digest)], dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True)
+class RankDigests:
+    """What every rank of a replica held at the start of one step (after any state broadcast,
+    before the inner step): digests of their models, in rank order."""
+
+    step: int
+    digests: tuple[str, ...]
+
+    @property
+    def agree(self) -> bool:
+        return len(set(self.digests)) == 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ranks": len(self.digests), "step": self.step, "agree": self.agree, "digests": list(self.digests)}
+
+
+def gather_digests(model: nn.Module, step: int) -> RankDigests:
+    """Every rank's model digest (a collective: every rank calls it at the same point)."""
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, state_digest(model))
+    return RankDigests(step, tuple(str(d) for d in digests))
 
 
 class ReplicaLeader:
@@ -205,6 +232,8 @@ class ReplicaLeader:
         proto.eval_model()  # its twin is a copy of the model: made before DDP hooks into the model
         self.ddp = _wrap(self.model, trainer.placement)
         self._dirty = True  # the followers have none of my state yet
+        self._orders = 0  # control broadcasts sent: every DIGEST_EVERY-th gathers the ranks' digests
+        self.rank_digests: RankDigests | None = None  # the last gathered (`node status` shows them)
         self._clean: tuple[int, ...] = ()
         self._after_inner: tuple[int, ...] | None = None
         self._forwards = 0  # DDP averages the gradients of a loss that calls the model, no other
@@ -276,13 +305,20 @@ class ReplicaLeader:
         # need not sit out a round trip every step. The last one's failure surfaces here.
         if self._sent is not None:
             self._sent.wait()
-        self._control_sent = _control(command, dirty, step, self._control_device())  # alive until it is sent
+        digest = command == _STOP or self._orders % DIGEST_EVERY == 0
+        self._orders += 1
+        self._control_sent = _control(command, dirty, step, digest, self._control_device())  # alive until sent
         self._sent = dist.broadcast(self._control_sent, 0, async_op=True)
         if command == _STOP:
             self._sent.wait()
         if dirty:
             swarm = self.trainer.proto.eval_model()  # type: ignore[union-attr]
             broadcast_tensors(state_tensors(self.model, swarm))
+        if digest:
+            self.rank_digests = gather_digests(self.model, step)
+            if not self.rank_digests.agree:
+                log.error("%s: the ranks of this replica hold different models at step %d: %s",
+                          self.trainer.node.peer_id, step, list(self.rank_digests.digests))
         self._dirty = False
         self._clean = self._versions()
 
@@ -341,7 +377,7 @@ class ReplicaFollower:
         self.ddp = _wrap(self.model, self.placement)
         self.optimizer = _make_optimizer(setup, _trainable(self.model))
         self.result = FollowerResult(group.rank)
-        self._control = _control(0, False, 0, self.placement.device if group.backend == "nccl" else None)
+        self._control = _control(0, False, 0, False, self.placement.device if group.backend == "nccl" else None)
         self._batches = self.batches()
 
     def batches(self) -> Iterator[Any]:
@@ -353,9 +389,11 @@ class ReplicaFollower:
         batch (True), or STOP (False)."""
         placement, model = self.placement, self.model
         dist.broadcast(self._control, 0)
-        command, dirty, step = (int(v) for v in self._control.tolist())
+        command, dirty, step, digest = (int(v) for v in self._control.tolist())
         if dirty:
             broadcast_tensors(state_tensors(model, self.swarm))
+        if digest:
+            gather_digests(model, step)
         if command == _STOP:
             return False
         batch = placement.batch(next(self._batches), model)
@@ -405,13 +443,21 @@ def _follower_main(group: ReplicaGroup, log_level: int) -> None:
 def spawn_followers(size: int, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo",
                     directory: str | None = None) -> tuple[ReplicaGroup, list[Any]]:
     """`node start --nproc-per-replica N`: this process is rank 0; spawn ranks 1..N-1 (they
-    rendezvous through a file in `directory`, a fresh temporary one by default). Returns the
+    rendezvous through a file in `directory`, by default a fresh temporary one that goes when
+    this process exits). Returns the
     leader's group (not yet initialized) and the follower processes (daemons: they go with
     this process)."""
+    import atexit
     import multiprocessing
+    import shutil
     import tempfile
 
-    init = f"file://{directory or tempfile.mkdtemp(prefix='starling-replica-')}/rendezvous"
+    if directory is None:
+        # Removed when this process exits, whatever the path (a refusal, an error, SIGTERM,
+        # which `node start` turns into an exit); the followers are joined or ended by then.
+        directory = tempfile.mkdtemp(prefix="starling-replica-")
+        atexit.register(shutil.rmtree, directory, True)
+    init = f"file://{directory}/rendezvous"
     ctx = multiprocessing.get_context("spawn")
     level = logging.getLogger().getEffectiveLevel()
     procs = []

@@ -1,11 +1,15 @@
 """`starling node start --nproc-per-replica N`: real replicas of gloo ranks that train together,
-and a replica of another size refused at its hello."""
+a replica of another size (a single process too) refused at its hello, and the rendezvous
+folder of spawned ranks removed on every way out."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -31,20 +35,32 @@ def events(out: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+def leftover_rendezvous(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("starling-replica-"))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_replicas_of_two_ranks_train_together_and_a_replica_of_three_is_refused():
+def test_two_replicas_of_two_ranks_train_together_and_other_sizes_are_refused_at_hello(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where each replica's rendezvous folder goes
     first = subprocess.Popen(starling("--protocol", "streaming-diloco", "--nproc-per-replica", "2", "--steps", "8",
                                       "--opt", "sync_every=4", "--min-peers", "2", "--shard", "0/2", *TINY),
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         address = address_of(first)
-        refused = subprocess.run(starling("--join", address, "--nproc-per-replica", "3", "--steps", "8"),
-                                 capture_output=True, text=True, timeout=200)
-        assert refused.returncode != 0
-        assert "replica_ranks: swarm has 2, this node has 3" in refused.stderr, refused.stderr[-2000:]
+        for ranks in ("3", "1"):  # a replica of 3, and a single process: refused at hello, never members
+            refused = subprocess.run(starling("--join", address, "--nproc-per-replica", ranks, "--steps", "8"),
+                                     capture_output=True, text=True, timeout=200, env=env)
+            assert refused.returncode != 0
+            assert f"replica_ranks: swarm has 2, this node has {ranks}" in refused.stderr, refused.stderr[-2000:]
+            assert "training" not in refused.stdout
+        status = json.loads(subprocess.run(
+            [sys.executable, "-m", "starling.cli.main", "node", "status", address, "--json"],
+            capture_output=True, text=True, timeout=60, check=True).stdout)
+        assert status["peers"] == []  # nobody counted toward --min-peers: the first still waits
+        assert first.poll() is None
         second = subprocess.run(starling("--join", address, "--nproc-per-replica", "2", "--steps", "8",
-                                         "--shard", "1/2"), capture_output=True, text=True, timeout=200)
+                                         "--shard", "1/2"), capture_output=True, text=True, timeout=200, env=env)
         out, _ = first.communicate(timeout=120)
     finally:
         first.kill()
@@ -55,3 +71,37 @@ def test_two_replicas_of_two_ranks_train_together_and_a_replica_of_three_is_refu
     assert any(e.get("peers") == 2 for e in mine[1:-1])
     # the same outer parameters on both replicas: the same eval loss
     assert mine[-1]["event"] == theirs[-1]["event"] == "stopped" and mine[-1]["eval_loss"] == theirs[-1]["eval_loss"]
+    for stopped in (mine[-1], theirs[-1]):  # each replica's ranks end holding the same model
+        assert stopped["replica"]["ranks"] == 2 and stopped["replica"]["agree"], stopped
+        assert stopped["replica"]["step"] == 8
+    assert leftover_rendezvous(tmp_path) == []  # after a run and after a refusal
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_replica_stopped_by_sigterm_leaves_no_rendezvous_folder(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    waiting = subprocess.Popen(starling("--protocol", "streaming-diloco", "--nproc-per-replica", "2",
+                                        "--min-peers", "2", *TINY),
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        address_of(waiting)  # up, with its ranks spawned, waiting for a second peer
+        assert leftover_rendezvous(tmp_path)
+        waiting.send_signal(signal.SIGTERM)
+        waiting.wait(timeout=60)
+    finally:
+        waiting.kill()
+    assert leftover_rendezvous(tmp_path) == []
+    early = subprocess.Popen(starling("--protocol", "streaming-diloco", "--nproc-per-replica", "2",
+                                      "--join", "tcp://127.0.0.1:9", "--join-attempts", "30", *TINY),
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:  # SIGTERM while it still tries to join (before its node is up)
+        deadline = time.monotonic() + 60
+        while not leftover_rendezvous(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert leftover_rendezvous(tmp_path)
+        early.send_signal(signal.SIGTERM)
+        assert early.wait(timeout=60) != 0
+    finally:
+        early.kill()
+    assert leftover_rendezvous(tmp_path) == []

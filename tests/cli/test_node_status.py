@@ -98,3 +98,15 @@ def test_a_node_whose_own_config_is_too_deep_to_send_answers_with_an_error():
         assert "handler_error" in line and "cannot be sent" in line
     finally:
         node.close()
+
+
+def test_status_shows_a_replicas_rank_digests_and_whether_they_agree():
+    node = Node().start("tcp://127.0.0.1:0", security="plaintext")
+    try:
+        node.set_status_info(replica={"ranks": 2, "step": 50, "agree": False, "digests": ["aaaa", "bbbb"]})
+        as_json = runner.invoke(app, ["node", "status", node.address, "--json"])
+        table = runner.invoke(app, ["node", "status", node.address])
+    finally:
+        node.close()
+    assert json.loads(as_json.output)["info"]["replica"]["digests"] == ["aaaa", "bbbb"]
+    assert "replica of 2 ranks, at step 50 their models DIFFER: aaaa bbbb" in table.output
