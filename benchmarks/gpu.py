@@ -120,6 +120,9 @@ class Plan:
     peers: int = 4
     steps: int = 40
     warmup_steps: int = 5  # a peer's first steps (CUDA's lazy start-up) are left out of step_s
+    # A swarm's peers stop training this many seconds after they start (SimConfig.duration_s), so
+    # that one stuck run cannot take the others' time; its row then says it ran fewer steps. 0: none.
+    run_budget_s: float = 90.0
     task_options: dict[str, Any] = field(default_factory=dict)  # the default charlm task
     streaming: dict[str, Any] = field(default_factory=lambda: {"sync_every": 8, "fragments": 2,
                                                                 "overlap_steps": 1})
@@ -127,6 +130,7 @@ class Plan:
     @classmethod
     def quick(cls) -> Plan:
         return cls(elements=1 << 16, check_elements=1 << 16, cap_divisor=16, repeat=2, steps=3, warmup_steps=1,
+                   run_budget_s=60.0,
                    task_options={"n_embd": 16, "batch_size": 2, "eval_batches": 1, "corpus_chars": 20_000},
                    streaming={"sync_every": 2, "fragments": 2, "overlap_steps": 1})
 
@@ -365,7 +369,8 @@ def simulate(run: SwarmRun, device: torch.device, precision: str, plan: Plan,
              state_device: str | None = None) -> tuple[SimResult, float]:
     config = SimConfig(peers=plan.peers, protocol=run.protocol, task="charlm", steps=plan.steps,
                        options=run.options, task_options=plan.task_options, liveness=BENCH_LIVENESS,
-                       device=str(device), state_device=state_device, **PRECISIONS[precision])
+                       duration_s=plan.run_budget_s, device=str(device), state_device=state_device,
+                       **PRECISIONS[precision])
     began = time.perf_counter()
     result = Simulation(config).run()
     return result, time.perf_counter() - began
@@ -387,7 +392,8 @@ def describe_run(run: SwarmRun, result: SimResult, seconds: float, plan: Plan) -
     finite = all(loss is not None and math.isfinite(loss) for loss in losses)
     agree = finite and len(set(losses)) == 1
     info = result.summary.get("protocol_info") or {}
-    row = {"peers": plan.peers, "steps": plan.steps, **step_times(result, plan.warmup_steps),
+    steps_done = min(len(p.records) for p in result.peers)
+    row = {"peers": plan.peers, "steps": plan.steps, "steps_done": steps_done, **step_times(result, plan.warmup_steps),
            "eval_loss": losses, "eval_finite": finite, "one_model_promised": run.one_model, "peers_agree": agree,
            "eval_spread": (max(losses) - min(losses)) if finite else None,
            "train_loss": result.summary.get("train_loss"),
@@ -396,7 +402,8 @@ def describe_run(run: SwarmRun, result: SimResult, seconds: float, plan: Plan) -
            "train_s": round(result.summary["wall_s"], 3), "run_s": round(seconds, 3)}
     if "rounds" in info:
         row.update(rounds=info["rounds"], missed_rounds=info.get("missed_rounds"))
-    row["ok"] = finite and (agree or not run.one_model) and row["peer_status"] == ["finished"]
+    row["ok"] = (finite and (agree or not run.one_model) and row["peer_status"] == ["finished"]
+                 and steps_done == plan.steps)
     return row
 
 

@@ -8,7 +8,8 @@
 # 2. makes `starling` importable without `pip install -e`: .gpusite/starling/<room> links to
 #    each code folder, as pyproject.toml's package-dir maps them (starling is a namespace
 #    package, so no __init__.py);
-# 3. runs the tests that take another path where CUDA is present, into $OUT/tests.log;
+# 3. runs the tests that take another path where CUDA is present (at most GPU_TESTS_TIMEOUT_S
+#    seconds), into $OUT/tests.log;
 # 4. runs benchmarks/gpu.py (at most GPU_BENCH_TIMEOUT_S seconds) into $OUT/gpu.jsonl.
 # Every step runs even if the one before failed; $OUT/status.txt has each step's exit status.
 set -uo pipefail
@@ -47,7 +48,7 @@ EOF
 status imports "${PIPESTATUS[0]}"
 
 # 3. the tests whose path differs where CUDA is present (grep -l cuda tests/)
-python3 -m pytest -q -p no:cacheprovider \
+timeout "${GPU_TESTS_TIMEOUT_S:-120}" python3 -m pytest -q -p no:cacheprovider \
     tests/compressors/test_compressors_cuda.py tests/collectives/test_staging.py tests/runtime/test_placement.py \
     tests/common/test_common_devices.py tests/cli/test_simulate.py 2>&1 | tee "$OUT/tests.log"
 status tests "${PIPESTATUS[0]}"

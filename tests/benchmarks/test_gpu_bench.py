@@ -38,7 +38,7 @@ def test_a_quick_cpu_run_prints_every_section_without_errors(capsys):
     sims = [r for r in rows if r.get("section") == "simulate" and "run" in r]
     assert len(sims) == len(bench.PRECISIONS) * 3
     for row in sims:
-        assert row["eval_finite"] and row["peer_status"] == ["finished"]
+        assert row["eval_finite"] and row["peer_status"] == ["finished"] and row["steps_done"] == row["steps"]
         assert row["peers_agree"] or not row["one_model_promised"]
         assert (row["run"] == "no-sync") == ("step_over_no_sync" not in row)
     assert all(r["rounds"] > 0 for r in sims if r["run"] == "streaming-diloco")
