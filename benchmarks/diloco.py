@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from starling.node.membership import Liveness
-from starling.runtime import LinkModel, SimConfig, SimPeer, check_config, endpoint_for, wait_for
+from starling.runtime import LinkModel, SimConfig, SimPeer, busy_share, check_config, endpoint_for, wait_for
 from starling.tasks import get_task
 
 LOSS_TARGET = 0.02  # relative eval-loss gap to allreduce
@@ -183,8 +183,7 @@ def run(protocol: str, peers: int, steps: int, options: dict[str, Any], link: Li
 
 
 def _utilization(sim: SimPeer) -> float:
-    records = sim.result.records
-    return sum(r["compute_s"] for r in records) / max(sum(r["step_wall_s"] for r in records), 1e-9)
+    return busy_share(sim.result.records) or 0.0
 
 
 def _sync_batch_bytes(sim: SimPeer) -> float:

@@ -33,7 +33,7 @@ import statistics
 from typing import Any
 
 from starling.node.membership import Liveness
-from starling.runtime import SimConfig, Simulation
+from starling.runtime import SimConfig, Simulation, busy_share
 
 LR = 3e-3  # AdamW, inner and all-reduce (TUNED_ADAMW_LR for charlm)
 UTIL_TARGET, EQUAL_TARGET = 0.90, 0.01
@@ -63,10 +63,6 @@ def describe(label: str, result: Any, speeds: tuple[float, ...]) -> dict[str, An
     steps = {p.rank: len(p.records) for p in result.peers}
     total = sum(steps.values())
 
-    def utilization(peers: list[Any]) -> float:
-        return sum(r["compute_s"] for p in peers for r in p.records) / \
-            max(1e-9, sum(r["step_wall_s"] for p in peers for r in p.records))
-
     def weight_share(p: Any) -> float:
         info = p.protocol_info or {}
         return float(info["mean_share"]) if "mean_share" in info else 1.0 / len(result.peers)
@@ -74,7 +70,7 @@ def describe(label: str, result: Any, speeds: tuple[float, ...]) -> dict[str, An
     return {
         "run": label, "protocol": result.config.protocol, "options": dict(result.config.options),
         "speeds": list(speeds), "budget_s": result.config.duration_s, "eval_loss": result.summary["eval_loss"],
-        "steps": steps, "fast_utilization": utilization(fast),
+        "steps": steps, "fast_utilization": busy_share(r for p in fast for r in p.records),
         "slow_token_share": sum(steps[p.rank] for p in slow) / total if slow else None,
         "slow_weight_share": sum(weight_share(p) for p in slow) if slow else None,
         "slow_missed_rounds": [int((p.protocol_info or {}).get("missed_rounds", 0)) for p in slow],

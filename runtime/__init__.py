@@ -21,7 +21,7 @@ from starling.runtime.simconfig import (
     seeded_identity,
     wait_for,
 )
-from starling.runtime.summary import PeerResult, SimResult, spsa_bytes_note, summarize
+from starling.runtime.summary import PeerResult, SimResult, busy_note, busy_share, spsa_bytes_note, summarize
 from starling.runtime.trainer import (
     CheckpointConfig,
     Trainer,
@@ -55,6 +55,8 @@ __all__ = [
     "TrainSpec",
     "TrainSpecError",
     "Trainer",
+    "busy_note",
+    "busy_share",
     "check_churn",
     "check_config",
     "endpoint_for",

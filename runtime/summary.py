@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,11 +108,42 @@ def summarize(config: SimConfig, peers: list[PeerResult], t0: float) -> dict[str
         "peer_status": {str(p.rank): p.status for p in peers},
         "messages_dropped": int(links["dropped"]),
         "link_delay_s_per_peer": links["delay_s"] / len(peers),
+        # each peer's training thread: the share of its steps' wall time spent computing
+        "busy_share": {str(p.rank): busy_share(p.records) for p in peers},
         # the protocol's own account of the run (sketch-dp: sketch size and privacy spent), from the
         # lowest-ranked peer that finished
         "protocol_info": min(finished, key=lambda p: p.rank).protocol_info,
         **spsa_bytes(peers, min(finished, key=lambda p: p.rank).protocol_info),
     }
+
+
+def busy_share(records: Iterable[Mapping[str, Any]]) -> float | None:
+    """How busy a peer's training thread was: the sum of its steps' compute over the sum of
+    their wall time (each step record's `compute_s` and `step_wall_s`), so that a long step
+    weighs by its length; the rest of the wall time was spent waiting on the network. An
+    emulated slow peer's sleep (`peer_speed`) falls between steps and is in neither. None: no
+    step took any time."""
+    compute = wall = 0.0
+    for record in records:
+        compute += record["compute_s"]
+        wall += record["step_wall_s"]
+    return compute / wall if wall > 0.0 else None
+
+
+def busy_note(summary: Mapping[str, Any]) -> str | None:
+    """One line for a run summary: each peer's busy share, with its speed where peers differ
+    (None: no peer took a step)."""
+    shares = {int(rank): share for rank, share in (summary.get("busy_share") or {}).items() if share is not None}
+    if not shares:
+        return None
+    speeds = list(summary.get("peer_speed") or ())
+    differ = len(set(speeds)) > 1
+
+    def peer(rank: int) -> str:
+        speed = f" (speed {speeds[rank]:g})" if differ and rank < len(speeds) else ""
+        return f"{rank} {shares[rank]:.1%}{speed}"
+
+    return "busy (compute over step wall time), by peer: " + ", ".join(peer(rank) for rank in sorted(shares))
 
 
 def spsa_bytes(peers: list[PeerResult], info: Mapping[str, Any]) -> dict[str, Any]:

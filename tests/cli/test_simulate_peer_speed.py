@@ -55,3 +55,13 @@ def test_peer_speed_slows_a_peer_and_is_recorded(tmp_path):
     assert all(r["slowdown_s"] == 0 for r in fast)
     # the slow peer sleeps 3x each step's compute: (1 / 0.25 - 1)
     assert all(r["slowdown_s"] == pytest.approx(3 * r["compute_s"]) for r in slow)
+
+
+def test_the_summary_says_how_busy_each_peer_was(tmp_path):
+    result = runner.invoke(app, ["simulate", *TINY, "--peer-speed", "1,0.25", "--json"])
+    assert result.exit_code == 0, result.output
+    assert set(json.loads(result.stdout)["busy_share"]) == {"0", "1"}
+    result = runner.invoke(app, ["simulate", *TINY, "--peer-speed", "1,0.25", "--out", str(tmp_path), "--no-plot"])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("busy "))
+    assert "by peer: 0 " in line and "(speed 0.25)" in line
