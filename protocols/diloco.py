@@ -31,7 +31,9 @@ already counted it in would otherwise wait for its part until the round timeout.
 Peers of different speeds (issue 20, `outer_sync.py`). Each pseudo-gradient travels with its
 weight, the inner steps it was computed on, and owners average by weight (equal weights: the
 plain average, bit for bit). `sync_every_s` replaces the step schedule with a clock
-(`fragments.SyncClock`): a fragment's send falls due at a time, after as many steps as fit.
+(`fragments.SyncClock`): a fragment's send falls due at a time, after as many steps as fit,
+and its merge follows after as many of the peer's own steps as fit in `overlap_window_share`
+of a fragment's window (at least tau), so that fast peers hide the round behind more steps.
 `quorum` adds a question before the all-reduce: the round's leader names the members whose
 contributions it takes (`collectives/quorum.py`); those average among themselves, the rest
 fetch the merged fragment and carry their pseudo-gradient into the next round.
@@ -91,7 +93,8 @@ class DiLoCo(OuterSyncRounds, BackpropProtocol, name="diloco", config_class=DiLo
         self.outer = [view.read() for view in self.views]
         self.momentum = [torch.zeros_like(o) for o in self.outer]
         # time-based inner rounds (sync_every_s), or None: the step schedule
-        self.clock = SyncClock(config.sync_every_s, config.fragments) if config.sync_every_s else None
+        self.clock = SyncClock(config.sync_every_s, config.fragments, config.overlap_steps,
+                               config.overlap_window_share) if config.sync_every_s else None
         # the round each fragment merges next: its outer parameters' version
         self.versions = [0 if self.clock else self.schedule.first_round(f) for f in range(len(self.views))]
         self.next_round = list(self.versions)  # time-based: the round each fragment sends next
@@ -191,7 +194,8 @@ class DiLoCo(OuterSyncRounds, BackpropProtocol, name="diloco", config_class=DiLo
         delta = self._here(self.outer[f]) - self.views[f].read()  # on the model's device
         part, weight = self.ledger.contribution(f, delta)
         members = membership(self.node)
-        merge_at = self.step_count + self.config.overlap_steps
+        # a step count, whichever rounds: a checkpoint or a joiner takes it as it is
+        merge_at = self.step_count + (self.clock.overlap() if self.clock else self.config.overlap_steps)
         if self.quorums and len(members) > 1:
             self.in_flight[f] = Exchange(f, k, members, part, weight=weight, merge_at=merge_at,
                                          asking=self.quorums[f].ask(k, members, weight))
@@ -492,7 +496,8 @@ class DiLoCo(OuterSyncRounds, BackpropProtocol, name="diloco", config_class=DiLo
         return {**super().describe(), "step": self.step_count, "parameters": self.flat.numel,
                 "fragment_sizes": [view.numel for view in self.views], "versions": list(self.versions),
                 "rounds": self.weight_log["rounds"], "missed_rounds": self.weight_log["missed"],
-                "mean_share": self.weight_log["share_sum"] / max(1, self.weight_log["rounds"])}
+                "mean_share": self.weight_log["share_sum"] / max(1, self.weight_log["rounds"]),
+                **({"overlap_now": self.clock.overlap()} if self.clock else {})}
 
 
 @register

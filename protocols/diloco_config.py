@@ -39,10 +39,18 @@ class DiLoCoConfig(ProtocolConfig):
     # initial weights, say) takes the outer state of its first member. 0: never. The default costs
     # 0.14% more bytes (benchmarks/drift_guard.py, docs/benchmarks.md).
     check_every: int = 10
-    # Peers of different speeds (issue 20). sync_every_s > 0: time-based inner rounds, each peer
-    # runs as many inner steps as fit in a window of this many seconds (fragments.SyncClock);
-    # 0: every peer runs sync_every steps. overlap_steps still counts steps after a send.
+    # Peers of different speeds. sync_every_s > 0: time-based inner rounds, each peer runs as many
+    # inner steps as fit in a window of this many seconds (fragments.SyncClock); 0: every peer
+    # runs sync_every steps.
     sync_every_s: float = 0.0
+    # With sync_every_s, a fragment's exchange merges after overlap_steps steps or, if more, after
+    # as many of this peer's own recent steps as fit in this share of a fragment's window
+    # (sync_every_s / fragments): a round takes about the same time on every peer, so a fast peer
+    # hides it behind several steps and a slow one behind about one. 0: overlap_steps alone (as
+    # with step-based rounds, where this does nothing). Below 1, a fragment merges before its own
+    # next send; streaming-diloco's 0.5 keeps fast peers >= 90% busy in the README's command
+    # (docs/benchmarks.md, "Peers of different speeds").
+    overlap_window_share: float = 0.0
     # quorum K >= 1: a fragment's round closes once K members are in plus quorum_grace_s (the
     # round's leader names the set, collectives/quorum.py); 0: a round waits for every member.
     # Pair it with sync_every_s for peers that are slower for good: with step-based rounds such a
@@ -107,6 +115,9 @@ class DiLoCoConfig(ProtocolConfig):
         if not self.sync_every_s >= 0.0 or self.sync_every_s == float("inf"):
             raise ValueError(f"sync_every_s must be a finite number >= 0 (0: sync every sync_every steps), "
                              f"got {self.sync_every_s}")
+        if not 0.0 <= self.overlap_window_share < 1.0:
+            raise ValueError(f"overlap_window_share must be in [0, 1) (0: merge overlap_steps after a send), "
+                             f"got {self.overlap_window_share}")
         if self.quorum < 0:
             raise ValueError(f"quorum must be >= 0 (0: every member), got {self.quorum}")
         if not 0.0 <= self.quorum_grace_s < float("inf"):
@@ -130,3 +141,4 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
     fragments: int = 4
     overlap_steps: int = 1
     alpha: float = 0.5
+    overlap_window_share: float = 0.5

@@ -162,7 +162,7 @@ class FragmentSchedule:
 
 
 class SyncClock:
-    """Time-based inner rounds (`sync_every_s`, issue 20): fragment f's k-th sync is due at
+    """Time-based inner rounds (`sync_every_s`): fragment f's k-th sync is due at
 
         due(f, k) = epoch + k W + (f + 1) W / F                  (W = sync_every_s)
 
@@ -170,14 +170,28 @@ class SyncClock:
     more step (its own recent step time) would end past due(f, k). Fast and slow peers thus
     reach a fragment's sync together, each with as many inner steps as fit in its window.
     The epoch is the swarm's: the first peer's first step, which a joiner takes from its
-    donor's state (wall-clock time, so peers compare it across hosts with synced clocks)."""
+    donor's state (wall-clock time, so peers compare it across hosts with synced clocks).
+
+    The exchange then merges after
+
+        overlap = max(tau, floor(share W / F / step_s))          (share = overlap_window_share)
+
+    of this peer's steps: a round costs about the same time on every peer (a quorum question
+    and an all-reduce), so a fixed number of steps hides it on a peer of one speed only. A
+    fast peer hides it behind several short steps, a slow one behind about one; share < 1
+    merges a fragment before its own next send, W later (the fragment after it, W / F later,
+    may start meanwhile: they travel apart)."""
 
     SMOOTHING = 0.3  # weight of the newest step in the step-time average
 
-    def __init__(self, sync_every_s: float, fragments: int) -> None:
+    def __init__(self, sync_every_s: float, fragments: int, overlap_steps: int = 0,
+                 overlap_window_share: float = 0.0) -> None:
         if not sync_every_s > 0.0 or fragments < 1:
             raise ValueError("sync_every_s must be > 0 and fragments >= 1")
+        if overlap_steps < 0 or not 0.0 <= overlap_window_share < 1.0:
+            raise ValueError("overlap_steps must be >= 0 and overlap_window_share in [0, 1)")
         self.window_s, self.fragments = sync_every_s, fragments
+        self.overlap_steps, self.overlap_window_share = overlap_steps, overlap_window_share
         self.epoch: float | None = None
         self.step_s = 0.0  # recent time between two steps' ends (compute, data, emulated slowness)
 
@@ -197,3 +211,10 @@ class SyncClock:
     def should_send(self, fragment: int, k: int, now: float) -> bool:
         """Whether fragment f's round k starts now: one more step would end past its time."""
         return now + self.step_s >= self.due(fragment, k)
+
+    def overlap(self) -> int:
+        """Steps from an exchange that starts now to its merge (see the class docstring)."""
+        if self.overlap_window_share == 0.0 or self.step_s <= 0.0:
+            return self.overlap_steps
+        fit = self.overlap_window_share * self.window_s / self.fragments / self.step_s
+        return max(self.overlap_steps, int(fit))

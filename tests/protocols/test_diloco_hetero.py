@@ -246,6 +246,8 @@ def test_a_bad_ask_is_refused_and_a_malformed_closing_set_is_read_as_none(make_n
     ({"sync_every_s": -1}, "sync_every_s must be"),
     ({"sync_every_s": float("nan")}, "sync_every_s must be"),
     ({"eager_updates": True, "overlap_steps": 0}, "eager_updates needs overlap_steps >= 1"),
+    ({"overlap_window_share": 1.0}, r"overlap_window_share must be in \[0, 1\)"),
+    ({"overlap_window_share": -0.1}, r"overlap_window_share must be in \[0, 1\)"),
 ])
 def test_bad_heterogeneity_options_are_refused(make_node, options, message):
     with pytest.raises(ProtocolError, match=message):
@@ -260,3 +262,63 @@ def test_the_sync_clock_sends_when_one_more_step_would_not_fit():
     assert not clock.should_send(0, 0, 101.0) and clock.should_send(0, 0, 101.6)
     clock.stepped(1.5)  # a slower step: the average moves 30% of the way
     assert clock.step_s == pytest.approx(0.8) and clock.should_send(0, 0, 101.2)
+
+
+def test_the_overlap_follows_the_window_in_each_peers_own_steps():
+    """W 2 s, F 4: a fragment's window is 0.5 s, half of it 0.25 s. A peer of 0.05 s steps
+    hides a round behind 5 of them, one 3x slower behind 1 (tau, the floor); share 0: tau."""
+    fast, slow = (SyncClock(sync_every_s=2.0, fragments=4, overlap_steps=1, overlap_window_share=0.5)
+                  for _ in range(2))
+    assert fast.overlap() == 1  # no step timed yet: tau
+    fast.stepped(0.05)
+    slow.stepped(0.15)
+    assert fast.overlap() == 5 and slow.overlap() == 1
+    assert SyncClock(2.0, 4, overlap_steps=7, overlap_window_share=0.5).overlap() == 7  # before a step
+    fixed = SyncClock(2.0, 4, overlap_steps=2, overlap_window_share=0.0)
+    fixed.stepped(0.01)
+    assert fixed.overlap() == 2
+    with pytest.raises(ValueError, match="overlap_window_share"):
+        SyncClock(2.0, 4, overlap_window_share=1.0)
+
+
+class FakeTime:
+    """Wall-clock time that moves only when a step's loss says so: every step takes `step_s`."""
+
+    monotonic, sleep = staticmethod(time.monotonic), staticmethod(time.sleep)  # deadlines stay real
+
+    def __init__(self, step_s: float) -> None:
+        self.now, self.step_s = 1000.0, step_s
+
+    def time(self) -> float:
+        return self.now
+
+    def loss(self, proto, rank: int) -> torch.Tensor:
+        self.now += self.step_s
+        return loss_of(proto.model, rank, proto.step_count)
+
+
+@pytest.mark.parametrize("step_s, share, merge_after", [(0.0625, 0.5, 8), (0.4, 0.5, 1), (0.0625, 0.0, 1)])
+def test_with_time_based_rounds_a_fragment_merges_after_the_steps_that_fit_in_its_share_of_the_window(
+        make_node, monkeypatch, step_s, share, merge_after):
+    """W 2 s, F 2: fragment 0 is due 1 s after the epoch. Steps of 1/16 s send it after step 15
+    (a 16th would end at its time) and, half of its 1 s window being 8 such steps, merge it
+    after step 23; a peer of 0.4 s steps merges after 1 step (tau), as does share 0."""
+    from starling.protocols import diloco, outer_sync
+
+    clock = FakeTime(step_s)
+    monkeypatch.setattr(diloco, "time", clock)
+    monkeypatch.setattr(outer_sync, "time", clock)
+    opts = {**EXACT, "sync_every_s": 2.0, "fragments": 2, "sync_every": 2, "overlap_steps": 1,
+            "overlap_window_share": share}
+    proto = get_protocol("streaming-diloco").create(make_node("inproc"), linear(), opts)
+    send = next(s for s in range(1, 100) if (s + 1) * step_s >= 1.0)
+    for _ in range(send):
+        proto.step(lambda: clock.loss(proto, 0))
+    assert proto.step_count == send and proto.in_flight[0].merge_at == send + merge_after
+    state = proto.state_dict()  # a checkpoint or a joiner takes the merge as a step count
+    assert [e["merge_at"] for e in state["in_flight"]] == [send + merge_after]
+    while proto.step_count < send + merge_after - 1:
+        proto.step(lambda: clock.loss(proto, 0))
+        assert 0 in proto.in_flight and proto.versions[0] == 0
+    proto.step(lambda: clock.loss(proto, 0))
+    assert 0 not in proto.in_flight and proto.versions[0] == 1
