@@ -119,3 +119,10 @@ def to_device(batch: Any, device: torch.device) -> Any:
         except TypeError:  # a mapping type that is not built from a dict
             return moved
     return batch
+
+
+def to_model_device(batch: Any, model: torch.nn.Module) -> Any:
+    """`batch` on the device of the model's first parameter (as it is for a model with none):
+    where a task's evaluation and a trainer's steps put what they feed the model."""
+    first = next(model.parameters(), None)
+    return batch if first is None else to_device(batch, first.device)

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from starling.common.devices import to_model_device
 from starling.tasks import CharLMConfig, CharLMTask, Task, config_from_options, evaluating, make_generator
 from starling.tasks.charlm import VOCAB_SIZE
 
@@ -103,7 +104,7 @@ class HFCausalLMTask(Task):
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         inputs, targets = self.text.eval_set()
         with evaluating(model):
-            losses = [self.loss(model, (x, y)).item() for x, y in zip(inputs, targets)]
+            losses = [self.loss(model, to_model_device((x, y), model)).item() for x, y in zip(inputs, targets)]
         tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight  # type: ignore[operator]
         return {"eval_loss": sum(losses) / len(losses), "embeddings_tied": float(tied)}
 

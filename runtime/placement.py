@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from starling.common.devices import resolve_autocast, resolve_device, resolve_dtype, to_device
+from starling.common.devices import resolve_autocast, resolve_device, resolve_dtype, to_model_device
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,7 @@ class Placement:
     @staticmethod
     def batch(batch: Any, model: nn.Module) -> Any:
         """`batch` on the device of the model's first parameter."""
-        first = next(model.parameters(), None)
-        return batch if first is None else to_device(batch, first.device)
+        return to_model_device(batch, model)
 
     @contextlib.contextmanager
     def autocast(self, model: nn.Module) -> Iterator[None]:

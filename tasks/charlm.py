@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from starling.common.devices import to_model_device
+
 from .base import Task, check_rank, evaluating, make_generator
 from .gpt import GPT, GPTConfig
 
@@ -196,6 +198,6 @@ class CharLMTask(Task):
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         inputs, targets = self.eval_set()
         with evaluating(model):
-            losses = [self.loss(model, (x, y)).item() for x, y in zip(inputs, targets)]
+            losses = [self.loss(model, to_model_device((x, y), model)).item() for x, y in zip(inputs, targets)]
         eval_loss = sum(losses) / len(losses)
         return {"eval_loss": eval_loss, "eval_bits_per_char": eval_loss / math.log(2)}

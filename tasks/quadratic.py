@@ -114,7 +114,7 @@ class QuadraticTask(Task):
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         with evaluating(model):
-            delta = _point(model).double() - self._optimum
+            delta = _point(model).double().cpu() - self._optimum
             gap = 0.5 * torch.sum(self._curvature * delta**2)
             return {"eval_loss": gap.item(), "distance": delta.norm().item()}
 

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from starling.common.devices import to_model_device
+
 from .base import Task, check_rank, evaluating, make_generator
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs (B, input_dim) float32, labels (B,) int64
@@ -163,7 +165,7 @@ class TeacherTask(Task):
         return F.cross_entropy(model(x), y)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        x, y = self._eval_set
+        x, y = to_model_device(self._eval_set, model)
         with evaluating(model):
             logits = model(x)
             return {
