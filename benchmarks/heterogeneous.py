@@ -84,8 +84,8 @@ def main() -> None:
     parser.add_argument("--speeds", default="1,1,1,0.33")
     parser.add_argument("--sync-every", type=int, default=40, help="H: inner steps between syncs (sync run)")
     parser.add_argument("--fragments", type=int, default=4)
-    # tau: 1 (the protocol's default) left the fast peers busy 79% of the time in the first
-    # run (a round every 0.55 s, each a quorum question and a 4-peer reduce); 4 hides them
+    # tau: the sync run's overlap, and the floor of the async run's, whose rounds merge after
+    # the steps that fit in half a fragment's window if more (overlap_window_share)
     parser.add_argument("--overlap-steps", type=int, default=4)
     parser.add_argument("--equal-steps", type=int, default=200)
     parser.add_argument("--quorum", type=int, default=3)

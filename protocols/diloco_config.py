@@ -48,8 +48,9 @@ class DiLoCoConfig(ProtocolConfig):
     # (sync_every_s / fragments): a round takes about the same time on every peer, so a fast peer
     # hides it behind several steps and a slow one behind about one. 0: overlap_steps alone (as
     # with step-based rounds, where this does nothing). Below 1, a fragment merges before its own
-    # next send; streaming-diloco's 0.5 keeps fast peers >= 90% busy in the README's command
-    # (docs/benchmarks.md, "Peers of different speeds").
+    # next send. streaming-diloco's 0.5 keeps the README's fast peers 96% busy, against 86% with 0
+    # (docs/benchmarks.md, "Peers of different speeds"); diloco's 0 keeps its rounds blocking, as
+    # with alpha 0 the merge would overwrite the steps taken meanwhile.
     overlap_window_share: float = 0.0
     # quorum K >= 1: a fragment's round closes once K members are in plus quorum_grace_s (the
     # round's leader names the set, collectives/quorum.py); 0: a round waits for every member.
