@@ -414,8 +414,9 @@ class Sign(_BlockQuantizer):
         super().__init__(block, False, inner)
 
     def _quantize(self, x, scales, codes, work, noise, count) -> None:
-        torch.sum(torch.abs(x, out=work), dim=1, out=scales)
-        scales.mul_(1.0 / count)
+        # Summed in float64, rounded once: a float32 sum's rounding depends on the reduction
+        # order, which differs between CPU and CUDA, and the two must write the same bytes.
+        scales.copy_(torch.abs(x, out=work).sum(dim=1, dtype=torch.float64).div_(count))
         positive = torch.ge(x, 0.0).view(-1)
         words = positive.view(torch.uint8).view(torch.int64)
         # Each int64 holds eight 0/1 bytes; the multiply gathers them into the top byte.
