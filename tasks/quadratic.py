@@ -109,7 +109,7 @@ class QuadraticTask(Task):
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         x = _point(model)
-        a = self._curvature.to(x.dtype)
+        a = self._curvature.to(x.device, x.dtype)
         return 0.5 * torch.sum(a * (x - batch) ** 2)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
