@@ -6,10 +6,9 @@ Runs the README's command (paragraph "Peers of different speeds") through the `s
 CLI with `--json`, so that every simulate default is the user's: streaming-diloco on
 `charlm`, 4 peers, H 40, F 4, tau 1, int4, AdamW 3e-3, one peer 3x slower:
 
-    starling simulate --peer-speed 1,1,1,0.33 --opt sync_every_s=2 --opt quorum=3 \\
-        --duration 40 --steps 100000
+    starling simulate --peer-speed 1,1,1,0.33 --opt sync_every_s=2 --opt quorum=3 --duration 40
 
-`--steps` only lifts the 200-step cap so that the 40 s decide. The same command with
+(with `--duration` and no `--steps`, peers train until the time is up). The same command with
 `--opt overlap_window_share=0` is the baseline, run in turns with it: every round then
 merges tau = 1 step after its send, as time-based rounds did before the overlap followed
 the window. Each run's busy shares come from its summary (`busy_share`: per peer, the sum
@@ -40,11 +39,11 @@ def emit(row: dict[str, Any]) -> None:
     print(json.dumps(row), flush=True)
 
 
-def command(duration_s: float, steps: int, baseline: bool) -> list[str]:
+def command(duration_s: float, steps: int | None, baseline: bool) -> list[str]:
     """The README's command (the baseline's, with the overlap fixed at tau), with --json."""
-    extra = BASELINE_ARGS if baseline else []
-    return ["simulate", *README_ARGS, "--duration", f"{duration_s:g}", "--steps", str(steps), *extra,
-            "--baseline", "none", "--json", "--no-plot"]
+    extra = [*(BASELINE_ARGS if baseline else []), *(["--steps", str(steps)] if steps else [])]
+    return ["simulate", *README_ARGS, "--duration", f"{duration_s:g}", *extra, "--baseline", "none", "--json",
+            "--no-plot"]
 
 
 def simulate(argv: list[str]) -> tuple[dict[str, Any], dict[int, int]]:
@@ -85,7 +84,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=40.0, help="the README's --duration")
-    parser.add_argument("--steps", type=int, default=100_000, help="a cap the duration never reaches")
+    parser.add_argument("--steps", type=int, help="a step cap (default: none, as in the README)")
     parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, the README's and the baseline's")
     parser.add_argument("--quick", action="store_true", help="smoke run: 6 s each")
     args = parser.parse_args(argv)

@@ -26,6 +26,8 @@ from starling.common import option_name, parse_options
 # baseline on the same tokens, in about a minute on 2 cores (a run plus its baseline).
 DEFAULT_SIM_PROTOCOL = "streaming-diloco"
 DEFAULT_SIM_STEPS = 200
+# With --duration and no --steps, peers train until the time is up: this only bounds the loop.
+UNCAPPED_STEPS = 10**9
 # ... with a sync every 40 steps: 5 outer rounds in 200 steps (the protocol's own default,
 # H = 100, is for runs of thousands of steps). Applies when the protocol is the default one
 # and the user sets no --sync-every.
@@ -36,7 +38,26 @@ DEFAULT_SIM_OPTIONS = {"sync_every": 40}
 TUNED_ADAMW_LR = {"charlm": 3e-3}
 
 
-def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor: Optional[str],
+def _run_steps(steps: Optional[int], duration_s: float, protocol: str, options: dict[str, Any]) -> int:
+    """--steps, or its default: 200, or with --duration as many as fit in it. A protocol that
+    plans over the run's length (sketch-dp's privacy budget) needs the length said."""
+    from dataclasses import fields
+
+    from starling.runtime import resolve_protocol
+    from starling.runtime.trainer import RUN_LENGTH_OPTION
+
+    if steps is not None:
+        return steps
+    if not duration_s:
+        return DEFAULT_SIM_STEPS
+    plans = any(f.name == RUN_LENGTH_OPTION for f in fields(resolve_protocol(protocol).config_class))
+    if plans and not any(option_name(k) == RUN_LENGTH_OPTION for k in options):
+        raise ValueError(f"--duration with --protocol {protocol} needs --steps (or --opt {RUN_LENGTH_OPTION}=N): "
+                         "it plans over the run's length")
+    return UNCAPPED_STEPS
+
+
+def _sim_configs(*, peers: int, protocol: str, task: str, steps: Optional[int], compressor: Optional[str],
                  transport: Optional[str], processes: int, bandwidth: Optional[str], latency_ms: float,
                  loss: float, churn: Optional[str], seed: int, opt: List[str], lr: Optional[float],
                  task_opt: List[str], eval_every: int, baseline: str,
@@ -59,6 +80,7 @@ def _sim_configs(*, peers: int, protocol: str, task: str, steps: int, compressor
         for name, value in DEFAULT_SIM_OPTIONS.items():
             if not any(option_name(k) == name for k in options):
                 options[name] = value
+    steps = _run_steps(steps, float((extra or {}).get("duration_s") or 0.0), protocol, options)
     if lr is not None:
         options["lr"] = lr
     elif not any(option_name(k) == "lr" for k in options) and _optimizer_of(protocol, options) == "adamw" \
@@ -152,7 +174,8 @@ def _print_table(summary: dict[str, Any]) -> None:
     who = f"{summary['peers']} replicas of {ranks} ranks" if ranks > 1 else f"{summary['peers']} peers"
     tokens = "the same tokens for every run" if base is None or base.get("nproc_per_replica", 1) == ranks else \
         "the baseline's peers one rank each"
-    table = Table(title=f"starling simulate: {summary['task']}, {who}, {summary['steps']} steps each, {tokens}")
+    length = f"{summary['steps']} steps" if summary['steps'] < UNCAPPED_STEPS else f"{summary['duration_s']:g} s"
+    table = Table(title=f"starling simulate: {summary['task']}, {who}, {length} each, {tokens}")
     for column in ("protocol", "train loss", "eval loss", "sent/peer", "vs baseline", "wall s"):
         table.add_column(column, justify="left" if column == "protocol" else "right", no_wrap=column != "protocol")
     rows = [(_label(summary), summary)]
@@ -205,7 +228,9 @@ def simulate(
     peers: int = typer.Option(4, "--peers", help="Simulated peers at the start."),
     protocol: str = typer.Option(DEFAULT_SIM_PROTOCOL, "--protocol", help="Protocol name (or module:name)."),
     task: str = typer.Option("charlm", "--task", help="Built-in task name or module:callable."),
-    steps: int = typer.Option(DEFAULT_SIM_STEPS, "--steps", help="Training steps per peer."),
+    steps: Optional[int] = typer.Option(
+        None, "--steps", min=1, help=f"Training steps per peer (default {DEFAULT_SIM_STEPS}; with --duration, as many "
+                                     "as fit in it)."),
     compressor: Optional[str] = typer.Option(None, "--compressor", help="Compressor spec, e.g. topk:0.01+int8."),
     transport: Optional[str] = typer.Option(
         None, "--transport", help="inproc, ipc or tcp (default inproc; tcp with --processes)."),
@@ -240,7 +265,7 @@ def simulate(
     duration: float = typer.Option(
         0.0, "--duration", metavar="SECONDS",
         help="Wall-clock budget: every peer stops training this long after the start, leaves and evaluates "
-             "(--steps stays an upper bound; 0: run the steps). Compares protocols on the same time."),
+             "(--steps, if given, stays an upper bound; 0: run the steps). Compares protocols on the same time."),
     nproc_per_replica: int = typer.Option(
         1, "--nproc-per-replica", min=1, metavar="N",
         help="Every peer is a replica of N gloo ranks, each its own process: DDP inside a replica, the protocol "
@@ -287,7 +312,8 @@ def simulate(
 
             with Progress(console=Console(stderr=True), transient=True) as bar:
                 for label, cfg in runs:
-                    job = bar.add_task(f"{label}: {cfg.protocol}", total=cfg.steps)
+                    total = cfg.steps if cfg.steps < UNCAPPED_STEPS else None  # a --duration run: no end in steps
+                    job = bar.add_task(f"{label}: {cfg.protocol}", total=total)
                     results[label] = Simulation(cfg, lambda step, job=job: bar.update(job, completed=step)).run()
         else:
             for label, cfg in runs:

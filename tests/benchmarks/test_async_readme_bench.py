@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import load_benchmark
 
-from starling.cli.simulate import _sim_configs
+from starling.cli.simulate import DEFAULT_SIM_STEPS, UNCAPPED_STEPS, _sim_configs
 from starling.protocols import config_from_options
 from starling.runtime import resolve_protocol
 
@@ -16,15 +16,17 @@ def load_bench():
 
 def test_the_runs_are_the_readme_command_and_the_same_with_the_overlap_fixed_at_tau():
     bench = load_bench()
-    mine, base = bench.command(40, 100_000, False), bench.command(40, 100_000, True)
+    mine, base = bench.command(40, None, False), bench.command(40, None, True)
     assert mine[:mine.index("--baseline")] == ["simulate", "--peer-speed", "1,1,1,0.33", "--opt", "sync_every_s=2",
-                                                "--opt", "quorum=3", "--duration", "40", "--steps", "100000"]
+                                                "--opt", "quorum=3", "--duration", "40"]
     assert [a for a in base if a not in mine] == ["overlap_window_share=0"]
     # the README's command runs streaming-diloco, whose rounds follow the window
     opts = [mine[i + 1] for i, a in enumerate(mine) if a == "--opt"]
-    config, _ = _sim_configs(peers=4, protocol="streaming-diloco", task="charlm", steps=100_000, compressor=None,
+    config, _ = _sim_configs(peers=4, protocol="streaming-diloco", task="charlm", steps=None, compressor=None,
                              transport=None, processes=0, bandwidth=None, latency_ms=0.0, loss=0.0, churn=None,
-                             seed=0, opt=opts, lr=None, task_opt=[], eval_every=0, baseline="none")
+                             seed=0, opt=opts, lr=None, task_opt=[], eval_every=0, baseline="none",
+                             extra={"duration_s": 40.0})
+    assert config.steps == UNCAPPED_STEPS  # --duration without --steps: peers train until the time is up
     run = config_from_options(resolve_protocol(config.protocol).config_class, config.protocol_options())
     assert run.sync_every_s == 2 and run.quorum == 3 and run.overlap_window_share == 0.5 and run.overlap_steps == 1
 
@@ -41,3 +43,14 @@ def test_rows_take_the_fast_peers_lowest_busy_share_and_the_summary_the_ratio():
     assert row["fast_busy"] == 0.91 and row["baseline_fast_busy"] == 0.65
     assert row["ratio"] == pytest.approx(0.91 / 0.65) and row["target_met"]
     assert row["eval_loss"] == 1.8 and row["baseline_eval_loss"] == 1.9
+
+
+def test_steps_default_to_200_without_a_duration_and_sketch_dp_needs_them_with_one():
+    common = dict(task="teacher", compressor=None, transport=None, processes=0, bandwidth=None, latency_ms=0.0,
+                  loss=0.0, churn=None, seed=0, opt=[], lr=None, task_opt=[], eval_every=0, baseline="none")
+    config, _ = _sim_configs(peers=2, protocol="allreduce", steps=None, **common)
+    assert config.steps == DEFAULT_SIM_STEPS
+    with pytest.raises(ValueError, match="needs --steps"):
+        _sim_configs(peers=2, protocol="sketch-dp", steps=None, extra={"duration_s": 10.0}, **common)
+    config, _ = _sim_configs(peers=2, protocol="sketch-dp", steps=50, extra={"duration_s": 10.0}, **common)
+    assert config.steps == 50
