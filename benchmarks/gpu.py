@@ -56,6 +56,7 @@ from starling.collectives.staging import HostStaging, to_device
 from starling.compressors import Packet, decode, from_spec, registered_codecs
 from starling.node.membership import Liveness
 from starling.runtime import SimConfig, SimResult, Simulation
+from starling.runtime.summary import busy_share
 
 SECTIONS = ("device", "codecs", "staging", "simulate", "state_device")
 SEED = 1  # every codec's seed: stochastic rounding, random-k and the sketches draw the same on each device
@@ -383,8 +384,9 @@ def step_times(result: SimResult, warmup_steps: int) -> dict[str, Any]:
               [r for p in result.peers for r in p.records]
     walls = [r["step_wall_s"] for r in records]
     computes = [r["compute_s"] for r in records]
+    busy = busy_share(records)
     return {"step_s": sig(statistics.median(walls)), "compute_s": sig(statistics.median(computes)),
-            "compute_fraction": round(sum(computes) / max(sum(walls), 1e-12), 3), "timed_steps": len(records)}
+            "compute_fraction": None if busy is None else round(busy, 3), "timed_steps": len(records)}
 
 
 def describe_run(run: SwarmRun, result: SimResult, seconds: float, plan: Plan) -> dict[str, Any]:
