@@ -23,6 +23,7 @@ __all__ = [
     "is_loopback",
     "parse_address",
     "parse_bind",
+    "parse_record_endpoint",
 ]
 
 TRANSPORTS = ("tcp", "ipc", "inproc")
@@ -31,6 +32,9 @@ _ENCODED_KEY_CHARS = 43
 _KEY_ALPHABET = re.compile(r"^[A-Za-z0-9_-]+$")
 _HOSTNAME_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 _MAX_ENDPOINT_CHARS = 1024
+# A unix socket path holds at most 107 bytes (sockaddr_un's 108, with the NUL): ZeroMQ refuses a
+# longer ipc path when it binds or connects.
+_MAX_IPC_PATH_BYTES = 107
 
 
 class AddressError(ValueError):
@@ -91,6 +95,17 @@ def parse_address(text: str) -> PeerAddress:
     return PeerAddress(endpoint=_check_endpoint(endpoint, text, bind=False), curve_key=key)
 
 
+def parse_record_endpoint(text: str) -> str:
+    """An endpoint a peer record names, as it came from the wire: it must parse as a join
+    address without a key and already be in its canonical form (a record is signed as it is,
+    so nothing is rewritten). AddressError otherwise."""
+    address = parse_address(text)
+    if address.curve_key is not None or address.endpoint != text:
+        raise AddressError(f"record address {text!r} is not a canonical endpoint (it would read as "
+                           f"{address.endpoint!r})")
+    return address.endpoint
+
+
 def parse_bind(text: str) -> str:
     """Parse a listen endpoint; tcp host may be ``*`` and port ``*`` or 0 (ephemeral)."""
     if not isinstance(text, str):
@@ -148,6 +163,8 @@ def _check_endpoint(endpoint: str, original: str, *, bind: bool) -> str:
             raise AddressError(f"{kind} {original!r}: empty {scheme} path")
         if scheme == "ipc" and not bind and rest == "*":
             raise AddressError(f"{kind} {original!r}: wildcard ipc path is not a join address")
+        if scheme == "ipc" and len(rest.encode()) > _MAX_IPC_PATH_BYTES:
+            raise AddressError(f"{kind} {original!r}: an ipc path holds at most {_MAX_IPC_PATH_BYTES} bytes")
         return f"{scheme}://{rest}"
     host, port_text = _split_host_port(rest, original)
     _check_host(host, original, bind=bind)

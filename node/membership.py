@@ -18,6 +18,7 @@ from typing import Any
 
 import msgpack
 
+from starling.node.address import AddressError, parse_record_endpoint
 from starling.node.identity import Identity, peer_id_from_key, verify_signature
 from starling.node.wire import RejectReason, WireError
 
@@ -131,6 +132,11 @@ class PeerRecord:
         record = _RECORDS.get(key)
         if record is not None:
             return record  # this exact record, verified before
+        try:  # parsed now (once per record): an address nobody can dial must never reach a socket
+            for address in addrs:
+                parse_record_endpoint(address)
+        except AddressError as exc:
+            raise bad(str(exc)) from None
         record = cls(*key)
         return record.verified() if verify else record
 

@@ -182,11 +182,23 @@ class Swarm:
         exact record already (joins relay whole tables, so re-verifying would cost O(n^2) per
         join)."""
         record = PeerRecord.from_wire(raw, verify=False)
+        self._check_inproc(record)
         self._check_allowed(record)
         known = self.node._table.get(record.peer_id)
         if known is None or known.record != record:
             record = record.verified()
         return record
+
+    def _check_inproc(self, record: PeerRecord) -> None:
+        """An inproc endpoint names a socket inside one process: a record may carry one only to
+        a node that itself listens inproc (peers simulated in one process). From anyone else
+        it would make this node dial sockets of its own process."""
+        if not any(a.startswith("inproc://") for a in record.addresses):
+            return
+        transport = self.node._transport
+        if transport is None or not any(b.startswith("inproc://") for b in transport.bound):
+            raise WireError(RejectReason.BAD_FIELD, f"record of {record.peer_id}: an inproc address reaches only "
+                            "peers of one process, and this node listens on none", field="record")
 
     def _check_allowed(self, record: PeerRecord) -> None:
         """Refuse (WireError NOT_ALLOWED) a record whose key is not on this node's allowlist.

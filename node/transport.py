@@ -31,6 +31,11 @@ from starling.node.security import SecurityMode, ZapPolicy
 log = logging.getLogger(__name__)
 
 
+# What running out of this process's own resources looks like (descriptors, the context's
+# sockets, memory); any other error opening a DEALER is about the address it was given.
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, zmq.EMTHREAD})
+
+
 class SendError(ConnectionError):
     """A message could not be handed to ZeroMQ (peer unreachable, queue full, timeout)."""
 
@@ -132,6 +137,7 @@ class Transport:
         self.bound: list[str] = []
         self.dealers_opened = 0  # over the node's life: how much the socket cap churns
         self.dealers_refused = 0  # sends failed because every DEALER up to the ceiling was busy
+        self.connect_failures = 0  # DEALERs not opened: ZeroMQ refused the peer's endpoint
         self._closed = False
 
     def _common(self, sock: zmq.asyncio.Socket) -> None:
@@ -189,7 +195,10 @@ class Transport:
             raise ValueError(f"peer {key} has no CURVE key but this node uses CURVE")
         self._routes[key] = (tuple(endpoints), server_key_z85)
         if endpoints and len(self._dealers) < self.config.max_open_dealers:
-            self._open(key)
+            try:
+                self._open(key)
+            except SendError:  # counted (or fatal) in `_open`; sends to it will say why
+                pass
 
     def attach(self, key: str, route: bytes) -> None:
         """A client peer's message came in on our ROUTER with this routing id: send to it there."""
@@ -209,6 +218,11 @@ class Transport:
         try:
             return self._open_dealer(key)
         except zmq.ZMQError as exc:
+            if exc.errno not in _EXHAUSTED:
+                # The peer's address cannot be dialled (an endpoint ZeroMQ refuses): that peer's
+                # problem, never this node's. Its sends fail; nothing else changes.
+                self.connect_failures += 1
+                raise SendError(f"cannot connect to {key}: {exc}") from None
             # Out of descriptors (EMFILE) or of the context's sockets: this node can no longer
             # reach its peers, and going on would leave it a member that silently drops work.
             reason = f"cannot open a socket to {key} ({len(self._dealers)} open already): {exc}"
@@ -227,8 +241,12 @@ class Transport:
             dealer.curve_serverkey = server_key_z85
             dealer.curve_publickey = self._public
             dealer.curve_secretkey = self._secret
-        for ep in endpoints:
-            dealer.connect(ep)
+        try:
+            for ep in endpoints:
+                dealer.connect(ep)
+        except zmq.ZMQError:
+            dealer.close(0)
+            raise
         self._dealers[key] = dealer
         self.dealers_opened += 1
         self._tasks[key] = asyncio.ensure_future(self._read(dealer, key))

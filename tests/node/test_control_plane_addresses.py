@@ -1,0 +1,86 @@
+"""No address from the wire stops a node: records are parsed when they arrive, and an endpoint
+ZeroMQ refuses is that peer's problem, never the node's (real CURVE sockets on loopback)."""
+from __future__ import annotations
+
+import pytest
+from conftest import TEST_LIVENESS, wait_until
+from zmq.utils import z85
+
+from starling.node.address import AddressError, parse_record_endpoint
+from starling.node.client import ClientError, query
+from starling.node.identity import Identity
+from starling.node.membership import PeerRecord
+from starling.node.node import Node, NodeConfig
+from starling.node.swarm import ANNOUNCE, HELLO
+from starling.node.wire import WireError
+
+CONFIG = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0, reach_timeout_s=0.5)
+LONG_IPC = "ipc:///tmp/" + "a" * 200
+BAD = ["x", "tcp://host", "tcp://1.2.3.4:0", "tcp://0.0.0.0:7000", LONG_IPC, "tcp://10.0.0.1:7000#" + "A" * 43,
+       "tcp://[::1]:070"]
+
+
+@pytest.fixture
+def node():
+    made = Node(config=CONFIG).start("tcp://127.0.0.1:0")
+    yield made
+    made.close()
+
+
+@pytest.mark.parametrize("address", BAD)
+def test_a_record_endpoint_must_parse_and_be_canonical(address):
+    with pytest.raises(AddressError):
+        parse_record_endpoint(address)
+    with pytest.raises(WireError, match="peer record"):
+        PeerRecord.from_wire(PeerRecord.create(Identity.generate(), [address], 1).to_wire())
+    assert parse_record_endpoint("tcp://127.0.0.1:7000") == "tcp://127.0.0.1:7000"
+
+
+@pytest.mark.parametrize("address", ["x", LONG_IPC])
+def test_a_strangers_hello_with_a_signed_record_it_cannot_dial_leaves_the_node_up(node, address):
+    stranger = Identity.generate()
+    record = PeerRecord.create(stranger, [address], 1)
+    with pytest.raises(ClientError, match="record"):  # refused with a clear error, counted
+        query(node.address, HELLO, [record.to_wire(), None, True], identity=stranger, timeout_s=5)
+    assert node.fault is None and not node.closed
+    assert node.stats.snapshot()["rejected"].get("bad_field", 0) >= 1
+    assert query(node.address, identity=Identity.generate())["id"] == node.peer_id  # still answers
+
+
+def test_a_strangers_reach_naming_a_long_ipc_path_leaves_the_node_up(node):
+    from starling.node.bootstrap import REACH
+
+    with pytest.raises(ClientError, match="ipc path"):
+        query(node.address, REACH, [[LONG_IPC]], timeout_s=5)
+    assert node.fault is None and not node.closed
+
+
+def test_a_members_announce_of_a_record_it_cannot_dial_is_refused_and_the_node_goes_on():
+    a = Node(config=CONFIG).start("tcp://127.0.0.1:0")
+    b = Node(config=CONFIG).start("tcp://127.0.0.1:0", join=[a.address])
+    try:
+        assert wait_until(lambda: b.peer_id in a.live_peers())
+        forged = PeerRecord.create(Identity.generate(), ["x"], 1)
+
+        async def announce() -> None:
+            await b._asend_raw(a.peer_id, ANNOUNCE, [forged.to_wire()])
+
+        b._call(announce())
+        assert wait_until(lambda: a.stats.snapshot()["rejected"].get("bad_field", 0) >= 1)
+        assert forged.peer_id not in [p.id for p in a.peers]
+        assert a.fault is None and query(a.address, timeout_s=5)["id"] == a.peer_id
+    finally:
+        b.close()
+        a.close()
+
+
+def test_an_endpoint_zeromq_refuses_fails_that_peers_sends_and_never_the_node(node):
+    transport = node._transport
+
+    async def dial() -> None:
+        # past the parser: ZeroMQ itself refuses it
+        transport.connect("nowhere", [LONG_IPC], z85.encode(Identity.generate().curve_public))
+
+    node._call(dial())
+    assert transport.connect_failures == 1 and not transport.is_open("nowhere")
+    assert node.fault is None and not node.closed
