@@ -433,12 +433,13 @@ class Node:
 
     def _socket_counts(self) -> dict[str, int]:
         """Open DEALERs against the cap, how many the cap made us open over the node's life,
-        and how many sends found every socket up to the cap's ceiling busy."""
+        how many sends found every socket up to the cap's ceiling busy, and how many peers'
+        endpoints ZeroMQ refused to dial."""
         t = self._transport
         if t is None:
             return {}
         return {"open": t.open_dealers, "cap": t.config.max_open_dealers, "opened": t.dealers_opened,
-                "refused": t.dealers_refused}
+                "refused": t.dealers_refused, "connect_failures": t.connect_failures}
 
     @property
     def zap_denied(self) -> int:

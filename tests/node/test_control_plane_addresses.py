@@ -83,4 +83,5 @@ def test_an_endpoint_zeromq_refuses_fails_that_peers_sends_and_never_the_node(no
 
     node._call(dial())
     assert transport.connect_failures == 1 and not transport.is_open("nowhere")
+    assert node.status()["sockets"]["connect_failures"] == 1
     assert node.fault is None and not node.closed
