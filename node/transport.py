@@ -40,6 +40,10 @@ class SendError(ConnectionError):
     """A message could not be handed to ZeroMQ (peer unreachable, queue full, timeout)."""
 
 
+class EndpointRefused(SendError):
+    """ZeroMQ refused to dial a peer's endpoint: that peer cannot be reached, the node goes on."""
+
+
 @dataclass(frozen=True)
 class TransportConfig:
     max_message_bytes: int = 1 << 30  # ZMQ_MAXMSGSIZE: bigger frames are dropped unread
@@ -197,7 +201,7 @@ class Transport:
         if endpoints and len(self._dealers) < self.config.max_open_dealers:
             try:
                 self._open(key)
-            except SendError:  # counted (or fatal) in `_open`; sends to it will say why
+            except EndpointRefused:  # counted in `_open`; sends to it will say why
                 pass
 
     def attach(self, key: str, route: bytes) -> None:
@@ -222,7 +226,7 @@ class Transport:
                 # The peer's address cannot be dialled (an endpoint ZeroMQ refuses): that peer's
                 # problem, never this node's. Its sends fail; nothing else changes.
                 self.connect_failures += 1
-                raise SendError(f"cannot connect to {key}: {exc}") from None
+                raise EndpointRefused(f"cannot connect to {key}: {exc}") from None
             # Out of descriptors (EMFILE) or of the context's sockets: this node can no longer
             # reach its peers, and going on would leave it a member that silently drops work.
             reason = f"cannot open a socket to {key} ({len(self._dealers)} open already): {exc}"
