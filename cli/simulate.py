@@ -41,17 +41,13 @@ TUNED_ADAMW_LR = {"charlm": 3e-3}
 def _run_steps(steps: Optional[int], duration_s: float, protocol: str, options: dict[str, Any]) -> int:
     """--steps, or its default: 200, or with --duration as many as fit in it. A protocol that
     plans over the run's length (sketch-dp's privacy budget) needs the length said."""
-    from dataclasses import fields
-
-    from starling.runtime import resolve_protocol
-    from starling.runtime.trainer import RUN_LENGTH_OPTION
+    from starling.runtime.trainer import RUN_LENGTH_OPTION, plans_run_length
 
     if steps is not None:
         return steps
     if not duration_s:
         return DEFAULT_SIM_STEPS
-    plans = any(f.name == RUN_LENGTH_OPTION for f in fields(resolve_protocol(protocol).config_class))
-    if plans and not any(option_name(k) == RUN_LENGTH_OPTION for k in options):
+    if plans_run_length(protocol) and not any(option_name(k) == RUN_LENGTH_OPTION for k in options):
         raise ValueError(f"--duration with --protocol {protocol} needs --steps (or --opt {RUN_LENGTH_OPTION}=N): "
                          "it plans over the run's length")
     return UNCAPPED_STEPS

@@ -129,9 +129,14 @@ def with_run_length(protocol: str, options: Mapping[str, Any], steps: int | None
     out = dict(options)
     if steps is None or any(option_name(name) == RUN_LENGTH_OPTION for name in out):
         return out
-    if any(f.name == RUN_LENGTH_OPTION for f in dataclasses.fields(resolve_protocol(protocol).config_class)):
+    if plans_run_length(protocol):
         out[RUN_LENGTH_OPTION] = steps
     return out
+
+
+def plans_run_length(protocol: str) -> bool:
+    """Whether the protocol plans over the run's length (its config has `budget_steps`)."""
+    return any(f.name == RUN_LENGTH_OPTION for f in dataclasses.fields(resolve_protocol(protocol).config_class))
 
 
 @dataclass(frozen=True)
