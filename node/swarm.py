@@ -12,9 +12,9 @@ n * fanout pings, not n^2; an id in a digest that a node has no record of is ask
 (WANT), which also finds peers that joined elsewhere at the same time. A graceful leave is
 a signed broadcast.
 
-Records are signed by their owners; beats and heartbeat metadata are authenticated hop by
-hop only, so a member could claim another is alive for longer than it is (it cannot forge
-records, requests or protocol messages on its behalf).
+Records, beats and heartbeat metadata are signed by their owners and relayed verbatim, so a
+member can pass on what another peer said about itself (its liveness, its relays in `$via`)
+but cannot make it up: a forged beat is refused and counted.
 
 The table itself (records, statuses, the failure detector's arithmetic) is
 `node.membership`; this module is the messages that keep it current.
@@ -38,9 +38,9 @@ from starling.node.membership import (
     PeerRecord,
     PeerStatus,
     StatusChange,
-    finite_meta,
     leave_statement,
     parse_digest,
+    sign_beat,
 )
 from starling.node.security import SecurityMode
 from starling.node.transport import Inbound, SendError
@@ -99,6 +99,7 @@ class Swarm:
         self._acked: dict[str, float] = {}  # peer id -> when we last answered its probe
         self._probing: set[str] = set()  # peers whose dropped connection is being probed
         self._refused: dict[str, int] = {}  # peer id -> incarnation whose record the allowlist refused
+        self._signed_beat: list[Any] | None = None  # our current beat, signed (see `_digest`)
         self.bootstrap: Bootstrap | None = None  # joining from addresses (node.bootstrap), set by the node
 
     def register(self) -> None:
@@ -448,9 +449,16 @@ class Swarm:
         return out
 
     def _digest(self) -> list[Any]:
-        node = self.node
+        return [self._own_beat(), *self.node._table.digest()]
+
+    def _own_beat(self) -> list[Any]:
+        """Our beat, signed once per counter and meta (a node replaces its meta, never edits it)."""
+        node, signed = self.node, self._signed_beat
         assert node.record is not None
-        return [[node.peer_id, node.record.incarnation, self._beat, node._meta], *node._table.digest()]
+        if signed is None or signed[1] != node.record.incarnation or signed[2] != self._beat \
+                or signed[3] is not node._meta:
+            signed = self._signed_beat = sign_beat(node.identity, node.record.incarnation, self._beat, node._meta)
+        return signed
 
     async def _ping(self, peer_id: str, probe: bool, digest: list[Any] | None = None) -> None:
         node = self.node
@@ -472,7 +480,9 @@ class Swarm:
     def on_ping(self, msg: Message) -> None:
         """Apply the beats a ping carries; ask its sender for records we lack; answer a probe.
 
-        Everything is checked before anything is applied; the new beats are usually few.
+        The digest's shape is checked before anything is applied; each new beat's signature
+        and meta as it is applied (the new beats are usually few), and a forged one is
+        refused on its own.
         """
         node, body = self.node, msg.body
         if not isinstance(body, list) or len(body) != 2 or not isinstance(body[1], bool):
@@ -482,9 +492,12 @@ class Swarm:
         if unknown and self._refused:  # not the ones the allowlist refused (in that incarnation)
             refused = {e[0]: e[1] for e in body[0] if self._refused.get(e[0]) == e[1]}
             unknown = [peer_id for peer_id in unknown if peer_id not in refused]
-        news = [(peer_id, inc, beat, finite_meta(meta) if meta else meta) for peer_id, inc, beat, meta in news]
-        for peer_id, incarnation, beat, meta in news:
-            change = node._table.heartbeat(peer_id, incarnation, beat, meta, now)
+        for entry in news:
+            try:
+                change = node._table.heartbeat(entry, now)
+            except WireError as exc:  # a forged or malformed beat: that entry only
+                node._dispatch.reject(exc.reason, str(exc))
+                continue
             if change is not None:
                 self.notify(change)
         interval = node.config.liveness.heartbeat_interval_s

@@ -6,7 +6,15 @@ from dataclasses import replace
 import pytest
 
 from starling.node.identity import Identity
-from starling.node.membership import Liveness, PeerRecord, PeerStatus, PeerTable, finite_meta, parse_digest
+from starling.node.membership import (
+    Liveness,
+    PeerRecord,
+    PeerStatus,
+    PeerTable,
+    finite_meta,
+    parse_digest,
+    sign_beat,
+)
 from starling.node.wire import RejectReason, WireError
 
 
@@ -150,34 +158,61 @@ def test_relayed_beats_refresh_only_when_newer(ids):
     table = PeerTable(ids[0].peer_id, Liveness(1.0, 3.0, 10.0))
     rec = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 4)
     table.upsert(rec, now=0.0)
-    assert table.heartbeat(rec.peer_id, 4, beat=7, meta={"round": 2}, now=2.0) is None  # news, still alive
+    assert table.heartbeat(sign_beat(ids[1], 4, 7, {"round": 2}), now=2.0) is None  # news, still alive
     info = table.get(rec.peer_id)
     assert (info.beat, info.last_seen, info.meta) == (7, 2.0, {"round": 2})
     # a slow relay of an older beat, or one of another incarnation, refreshes nothing
-    assert table.heartbeat(rec.peer_id, 4, beat=7, meta={"round": 1}, now=2.5) is None
-    assert table.heartbeat(rec.peer_id, 3, beat=99, meta={}, now=2.5) is None
+    assert table.heartbeat(sign_beat(ids[1], 4, 7, {"round": 1}), now=2.5) is None
+    assert table.heartbeat(sign_beat(ids[1], 3, 99, {}), now=2.5) is None
     assert (info.last_seen, info.meta) == (2.0, {"round": 2})
     [change] = table.sweep(5.0)
     assert change.new is PeerStatus.SUSPECT
-    assert table.heartbeat(rec.peer_id, 4, beat=8, meta={}, now=5.5).new is PeerStatus.ALIVE
+    assert table.heartbeat(sign_beat(ids[1], 4, 8, {}), now=5.5).new is PeerStatus.ALIVE
+    assert table.digest() == [sign_beat(ids[1], 4, 8, {})]  # relayed exactly as signed
     # a restart (newer incarnation) counts its beats from zero again
     table.upsert(PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 5), now=6.0)
-    assert table.get(rec.peer_id).beat == -1
+    assert table.get(rec.peer_id).beat == -1 and table.digest() == []
     table.left(rec.peer_id, 5)
-    assert table.heartbeat(rec.peer_id, 5, beat=1, meta={}, now=7.0) is None  # gone is gone
+    assert table.heartbeat(sign_beat(ids[1], 5, 1, {}), now=7.0) is None  # gone is gone
+
+
+@pytest.mark.parametrize("forge", ["other key", "counter", "meta", "incarnation"])
+def test_a_beat_not_signed_by_its_peer_is_refused_and_changes_nothing(ids, forge):
+    table = PeerTable(ids[0].peer_id, Liveness(1.0, 3.0, 10.0))
+    table.upsert(PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 4), now=0.0)
+    table.heartbeat(sign_beat(ids[1], 4, 7, {"$via": "honest"}), now=1.0)
+    [change] = table.sweep(5.0)  # silent: suspect
+    if forge == "other key":  # a member signs a beat for another peer with its own key
+        entry = sign_beat(ids[2], 4, 10**12, {"$via": "attacker"})
+        entry[0] = ids[1].peer_id
+    else:
+        entry = sign_beat(ids[1], 4, 8, {"$via": "honest"})
+        if forge == "counter":
+            entry[2] = 10**12
+        elif forge == "meta":
+            entry[3] = {"$via": "attacker"}
+        else:
+            entry[1], entry[2] = 4, 9  # a signature of another beat
+            entry[4] = sign_beat(ids[1], 5, 9, {"$via": "honest"})[4]
+    with pytest.raises(WireError) as err:
+        table.heartbeat(parse_digest([entry])[0], now=5.5)
+    assert err.value.reason is RejectReason.BAD_SIGNATURE
+    info = table.get(ids[1].peer_id)
+    assert (info.status, info.beat, info.meta, info.last_seen) == (PeerStatus.SUSPECT, 7, {"$via": "honest"}, 1.0)
+    assert table.digest() == []  # only alive peers' beats are relayed, and this one is not revived
 
 
 def test_sort_digest_splits_news_from_unknown_peers(ids):
     table = PeerTable(ids[0].peer_id, Liveness())
     known = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 4)
     table.upsert(known, now=0.0)
-    table.heartbeat(known.peer_id, 4, 10, {}, now=0.0)
-    stranger = Identity.generate().peer_id
-    entries = parse_digest([[ids[0].peer_id, 1, 5, {}], [known.peer_id, 4, 10, {}], [known.peer_id, 4, 11, {}],
-                            [stranger, 1, 0, {}], [known.peer_id, 9, 0, {}]])
+    table.heartbeat(sign_beat(ids[1], 4, 10, {}), now=0.0)
+    stranger = Identity.generate()
+    entries = parse_digest([sign_beat(ids[0], 1, 5, {}), sign_beat(ids[1], 4, 10, {}), sign_beat(ids[1], 4, 11, {}),
+                            sign_beat(stranger, 1, 0, {}), sign_beat(ids[1], 9, 0, {})])
     news, unknown = table.sort_digest(entries)
-    assert news == [[known.peer_id, 4, 11, {}]]
-    assert unknown == [stranger, known.peer_id]  # never heard of, and a newer incarnation
+    assert news == [sign_beat(ids[1], 4, 11, {})]
+    assert unknown == [stranger.peer_id, known.peer_id]  # never heard of, and a newer incarnation
     assert table.get(known.peer_id).beat == 10  # sorting applies nothing
 
 
@@ -188,10 +223,13 @@ def test_relay_delay_extends_the_failure_detector(ids):
     assert table.sweep(5.0, relay_delay_s=2.0)[0].new is PeerStatus.SUSPECT
 
 
+SIG = bytes(64)
+
+
 @pytest.mark.parametrize("body", [
-    None, [], "digest", [["id", 1, 2]], [["", 1, 2, {}]], [["x" * 65, 1, 2, {}]], [["id", -1, 2, {}]],
-    [["id", 1, 2**63, {}]], [["id", True, 2, {}]], [["id", 1, 2.0, {}]], [["id", 1, 2, []]],
-    [["id", 1, 2, {}]] * 4097,
+    None, [], "digest", [["id", 1, 2, {}]], [["", 1, 2, {}, SIG]], [["x" * 65, 1, 2, {}, SIG]],
+    [["id", -1, 2, {}, SIG]], [["id", 1, 2**63, {}, SIG]], [["id", True, 2, {}, SIG]], [["id", 1, 2.0, {}, SIG]],
+    [["id", 1, 2, [], SIG]], [["id", 1, 2, {}, b"short"]], [["id", 1, 2, {}, "sig"]], [["id", 1, 2, {}, SIG]] * 4097,
 ])
 def test_malformed_digests_raise_typed_errors(body):
     with pytest.raises(WireError) as err:

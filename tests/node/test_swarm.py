@@ -180,6 +180,33 @@ def test_malformed_ping_is_counted_and_changes_nothing(make_node, body):
     assert statuses(a) == {b.peer_id: "alive"}
 
 
+def test_a_member_cannot_forge_another_peers_beat_or_route(make_node):
+    """A member relays a beat for another peer with a huge counter and `$via` naming itself,
+    signed with its own key: refused and counted, and the victim's beat and route stay as its
+    own signed beats say."""
+    from starling.node.membership import sign_beat
+
+    a = make_node("inproc")
+    victim = make_node("inproc", join=[a.address])
+    attacker = make_node("inproc", join=[a.address])
+    assert wait_until(lambda: {victim.peer_id, attacker.peer_id} <= set(a.live_peers()))
+    victim.set_meta(**{"$via": "honest-relay"})
+    held = a.run(_table_entry(a, victim.peer_id))
+    assert wait_until(lambda: held.meta.get("$via") == "honest-relay")
+    before = a.stats.snapshot()["rejected"].get("bad_signature", 0)
+    forged = sign_beat(attacker.identity, victim.record.incarnation, 10**12, {"$via": attacker.peer_id})
+    forged[0] = victim.peer_id
+    attacker.run(attacker._asend_raw(a.peer_id, "$ping", [[attacker._swarm._own_beat(), forged], False]))
+    assert wait_until(lambda: a.stats.snapshot()["rejected"].get("bad_signature", 0) == before + 1)
+    assert held.beat < 10**12 and held.meta.get("$via") == "honest-relay"
+    assert wait_until(lambda: held.beat > 0)  # the victim's own beats still count
+    assert statuses(a) == {victim.peer_id: "alive", attacker.peer_id: "alive"}
+
+
+async def _table_entry(node, peer_id):
+    return node._table.get(peer_id)
+
+
 def test_open_dealers_are_capped_without_losing_a_reply_in_flight(make_node):
     others = [make_node("inproc")]
     others += [make_node("inproc", join=[others[0].address]) for _ in range(4)]
