@@ -57,6 +57,14 @@ class AdmissionConfig:
     strangers_rate_per_s: float = 200.0
     strangers_burst: float = 1000.0
     tracked_connections: int = 4096  # stranger buckets kept, least recently used dropped
+    # What a pull of the peer table may cost: a stranger's hello is answered with at most this
+    # many times its own bytes (the rest of the table is paged with `$sync` once it is a
+    # member), and each member's pulls (`$sync` pages, records sent for `$want`) share a
+    # budget of bytes per second.
+    stranger_reply_factor: int = 10
+    table_page_bytes: int = 64 * 1024
+    member_pull_bytes_per_s: float = 1e6
+    member_pull_burst_bytes: float = 1e6
     waste_batch: int = 64  # dropped or refused messages between two pauses of the reader
     waste_pause_s: float = 0.002
 
@@ -64,11 +72,14 @@ class AdmissionConfig:
         counts = (self.requests_per_connection, self.stranger_requests_per_connection,
                   self.stranger_requests_per_process, self.requests_per_process, self.tracked_connections,
                   self.waste_batch)
+        counts += (self.stranger_reply_factor, self.table_page_bytes)
         if min(counts) < 1:
             raise ValueError(f"admission caps must be >= 1: {self}")
         if min(self.stranger_rate_per_s, self.strangers_rate_per_s) <= 0 or \
                 min(self.stranger_burst, self.strangers_burst) < 1 or self.waste_pause_s < 0:
             raise ValueError(f"admission rates must be > 0, bursts >= 1 and the pause >= 0: {self}")
+        if self.member_pull_bytes_per_s <= 0 or self.member_pull_burst_bytes < self.table_page_bytes:
+            raise ValueError(f"member pulls need a rate > 0 and a burst of at least one table page: {self}")
 
 
 class TokenBucket:
@@ -89,11 +100,19 @@ class TokenBucket:
 
     def take(self, now: float) -> bool:
         """Spend one token if there is one; False if the bucket is empty."""
+        return self.spend(1.0, now)
+
+    def spend(self, amount: float, now: float) -> bool:
+        """Spend `amount` tokens if there are that many; False (and nothing spent) if not."""
         self._refill(now)
-        if self.tokens < 1:
+        if self.tokens < amount:
             return False
-        self.tokens -= 1
+        self.tokens -= amount
         return True
+
+    def available(self, now: float) -> float:
+        self._refill(now)
+        return self.tokens
 
 
 @dataclass

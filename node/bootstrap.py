@@ -121,7 +121,7 @@ class Bootstrap:
                 return reply.body["reachable"]
         return None
 
-    async def on_reach(self, inbound: Inbound, body: Any) -> dict[str, Any]:
+    async def on_reach(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
         """Dial a would-be joiner back on the addresses it gives (bounded: few at a time)."""
         if (not isinstance(body, list) or len(body) != 1 or not isinstance(body[0], list)
                 or not 0 < len(body[0]) <= MAX_ADDRESSES):
@@ -149,7 +149,7 @@ class Bootstrap:
         finally:
             self._dialing -= 1
 
-    def on_echo(self, inbound: Inbound, body: Any) -> bytes:
+    def on_echo(self, inbound: Inbound, member: str | None, body: Any) -> bytes:
         if not isinstance(body, bytes) or len(body) > MAX_NONCE:
             raise WireError(RejectReason.BAD_FIELD, f"echo body must be at most {MAX_NONCE} bytes", field="body")
         return body
@@ -171,6 +171,12 @@ class Bootstrap:
         responder = self._accept_hello_reply(reply.body)
         if curve_key is not None and responder.curve_key != curve_key:
             raise JoinError(f"{endpoint} answered with a record for a different key")
+        following = reply.body.get("next")
+        if isinstance(following, str):  # the table goes on past what a hello's answer may carry
+            try:
+                await self.swarm.sync(responder.peer_id, after=following)
+            except Exception as exc:  # the digests' WANTs find the rest, only slower
+                log.info("%s: could not page the table of %s: %s", self.node.peer_id, responder.peer_id, exc)
 
     def _accept_hello_reply(self, body: Any) -> PeerRecord:
         if not isinstance(body, dict) or not isinstance(body.get("peers"), list):

@@ -61,8 +61,11 @@ class Dispatcher:
         """Handle one of the node's own one-way "$" topics (membership gossip)."""
         self.internal_messages[topic] = handler
 
-    def on_internal_request(self, topic: str, handler: Callable[[Inbound, Any], Any], *, public: bool = False) -> None:
-        """Answer one of the node's own "$" request topics; `public` lets non-members call it."""
+    def on_internal_request(self, topic: str, handler: Callable[[Inbound, str | None, Any], Any], *,
+                            public: bool = False) -> None:
+        """Answer one of the node's own "$" request topics: `handler(inbound, member, body)`, where
+        `member` is the asking member's id, or None for a sender outside the swarm (only a
+        `public` topic is answered to one)."""
         self.internal_requests[topic] = handler
         if public:
             self.public_internal.add(topic)
@@ -238,7 +241,7 @@ class Dispatcher:
         node = self.node
         payload: tuple[Any, ...] = ()
         try:
-            result = await self._answer(inbound, msg, topic, body)
+            result = await self._answer(inbound, msg, topic, body, member)
             if isinstance(result, rpc.Reply):
                 result, payload = result.body, result.payload
             ok = True
@@ -279,10 +282,10 @@ class Dispatcher:
         assert node._transport is not None
         await node._transport.reply(route, frames, wait=wait)
 
-    async def _answer(self, inbound: Inbound, msg: Message, topic: str, body: Any) -> Any:
+    async def _answer(self, inbound: Inbound, msg: Message, topic: str, body: Any, member: bool) -> Any:
         internal = self.internal_requests.get(topic)
         if internal is not None:
-            result = internal(inbound, body)
+            result = internal(inbound, msg.sender if member else None, body)
             return await result if inspect.isawaitable(result) else result
         entry = self.handlers.get(topic)
         if entry is None:

@@ -114,7 +114,7 @@ class Node:
         self._bootstrap.register()
         self._relay = Relay(self, self.config.relay)
         self._relay.register()
-        self._dispatch.on_internal_request(STATUS, lambda inbound, body: self.status(), public=True)
+        self._dispatch.on_internal_request(STATUS, lambda inbound, member, body: self.status(), public=True)
         self._seq = itertools.count()
         self._meta: dict[str, Any] = {}
         self._info: dict[str, Any] = {}  # what `status` reports beside the table (`set_status_info`)

@@ -22,6 +22,7 @@ The table itself (records, statuses, the failure detector's arithmetic) is
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -29,9 +30,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 from zmq.utils import z85
 
 from starling.node import rpc
+from starling.node.admission import TokenBucket
 from starling.node.identity import verify_signature
 from starling.node.loop import AwakeDeadline
 from starling.node.membership import (
@@ -44,7 +47,7 @@ from starling.node.membership import (
 )
 from starling.node.security import SecurityMode
 from starling.node.transport import Inbound, SendError
-from starling.node.wire import Message, RejectReason, WireError
+from starling.node.wire import Message, RejectReason, WireError, frame_nbytes
 
 if TYPE_CHECKING:
     from starling.node.bootstrap import Bootstrap
@@ -62,6 +65,9 @@ MAX_WANT = 256
 MAX_WANTED = 4096  # ids asked for and not yet forgotten (see `want_from`)
 MAX_ANNOUNCE = 256
 MAX_REFUSED = 1024  # refused records remembered, so that beats naming them are not asked about
+REPLY_ENVELOPE_BYTES = 160  # a reply's frames around its body (topic, sender, request id, ...)
+MAX_SYNC_PAGES = 4096  # pages one `sync` reads before it stops (a table past that is not honest)
+SYNC_BUSY_RETRIES = 5  # pulls a peer turned down over its budget, waited out and sent again
 
 
 class JoinError(Exception):
@@ -100,6 +106,7 @@ class Swarm:
         self._probing: set[str] = set()  # peers whose dropped connection is being probed
         self._refused: dict[str, int] = {}  # peer id -> incarnation whose record the allowlist refused
         self._signed_beat: list[Any] | None = None  # our current beat, signed (see `_digest`)
+        self._pulls: dict[str, TokenBucket] = {}  # member id -> the bytes its table pulls may still take
         self.bootstrap: Bootstrap | None = None  # joining from addresses (node.bootstrap), set by the node
 
     def register(self) -> None:
@@ -111,9 +118,13 @@ class Swarm:
                                (ANNOUNCE, self.on_announce)):
             dispatch.on_internal_message(topic, handler)
 
-    def on_hello(self, inbound: Inbound, body: Any) -> dict[str, Any]:
+    def on_hello(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
         """A joiner's hello (or a member's re-announce): check its record and config, learn it,
-        and answer with our record, the swarm config and (if asked) the table."""
+        and answer with our record, the swarm config and (if asked) the first page of the table.
+
+        Whoever says hello is not a member yet, so the answer is at most
+        `stranger_reply_factor` times the hello's own bytes: a table page that fits, and
+        `next`, where the joiner's `$sync` pages go on from once it is a member."""
         node = self.node
         if not isinstance(body, list) or len(body) != 3 or not isinstance(body[2], bool):
             raise WireError(RejectReason.BAD_FIELD, "hello body must be [record, config, want_table]", field="body")
@@ -145,28 +156,87 @@ class Swarm:
                 if p.peer_id != record.peer_id and (transport.is_open(p.peer_id)
                                                     or (not p.record.reachable and transport.can_send(p.peer_id))):
                     node._spawn(node._asend_raw(p.peer_id, ANNOUNCE, [record.to_wire()]))
-        # A joiner's hello gets the whole table; one that asks for none (a re-announce) does not.
-        peers = [p.record.to_wire() for p in node._table.live() if p.peer_id != record.peer_id] if body[2] else []
-        return {"record": node.record.to_wire(), "config": node.swarm_config, "peers": peers}
+        reply: dict[str, Any] = {"record": node.record.to_wire(), "config": node.swarm_config, "peers": [],
+                                 "next": None}
+        if body[2]:  # a re-announce asks for no table
+            budget = (node.config.admission.stranger_reply_factor * frame_nbytes(inbound.frames)
+                      - len(msgpack.packb(reply, use_bin_type=True)) - REPLY_ENVELOPE_BYTES)
+            reply["peers"], reply["next"], _ = self._page(None, budget, but=record.peer_id)
+        return reply
 
-    def on_sync(self, inbound: Inbound, body: Any) -> dict[str, Any]:
-        """A member asks for our table: the records of every peer alive to us."""
-        if body is not None:
-            raise WireError(RejectReason.BAD_FIELD, "sync body must be empty", field="body")
-        return {"peers": [p.record.to_wire() for p in self.node._table.live()]}
+    def on_sync(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
+        """A member asks for a page of our table: the records of peers alive to us, in id order
+        from after `after`, at most `table_page_bytes` of them, and `next` to go on from (None
+        at the end). Each member's pulls share `member_pull_bytes_per_s`; past it the pull is
+        turned down (busy) and may be sent again later."""
+        if body is None:
+            after = None
+        elif isinstance(body, dict) and set(body) == {"after"} and isinstance(body["after"], str) \
+                and len(body["after"]) <= 64:
+            after = body["after"]
+        else:
+            raise WireError(RejectReason.BAD_FIELD, "sync body must be empty or {after: peer id}", field="body")
+        assert member is not None  # `$sync` is answered to members only
+        admission, now = self.node.config.admission, time.monotonic()
+        bucket = self._pull_bucket(member, now)
+        budget = min(admission.table_page_bytes, bucket.available(now))
+        peers, following, nbytes = self._page(after, budget)
+        if not peers and following is not None:
+            raise rpc.BusyError(f"table pulls over {admission.member_pull_bytes_per_s:.0f} bytes/s; try again later")
+        bucket.spend(nbytes, now)
+        return {"peers": peers, "next": following}
 
-    async def sync(self, peer_id: str) -> int:
-        """Learn the table of `peer_id` (a member): the number of records that were news."""
-        reply = await self.node.arequest(peer_id, SYNC)
-        body = reply.body
-        if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
-            raise WireError(RejectReason.BAD_FIELD, "malformed sync reply", field="body")
-        learned = 0
-        for raw in body["peers"]:
+    def _pull_bucket(self, member: str, now: float) -> TokenBucket:
+        bucket = self._pulls.get(member)
+        if bucket is None:
+            admission = self.node.config.admission
+            bucket = self._pulls[member] = TokenBucket(admission.member_pull_bytes_per_s,
+                                                       admission.member_pull_burst_bytes, now)
+        return bucket
+
+    def _page(self, after: str | None, budget: float, but: str | None = None) -> tuple[list[Any], str | None, int]:
+        """Records of live peers with ids above `after` (all, for None), in id order, that fit in
+        `budget` bytes; the id to go on from (None if none are left); and their bytes."""
+        live = sorted((p for p in self.node._table.live() if p.peer_id != but and (after is None or p.peer_id > after)),
+                      key=lambda p: p.peer_id)
+        page: list[Any] = []
+        nbytes = 0
+        for p in live:
+            size = _record_bytes(p.record)
+            if nbytes + size > budget:
+                return page, (page[-1][0] if page else after or ""), nbytes
+            page.append(p.record.to_wire())
+            nbytes += size
+        return page, None, nbytes
+
+    async def sync(self, peer_id: str, after: str | None = None) -> int:
+        """Learn the table of `peer_id` (a member), page by page from after `after`: the number
+        of records that were news. A page turned down as over our pull budget is waited for."""
+        learned, busy = 0, 0
+        for _ in range(MAX_SYNC_PAGES):
             try:
-                learned += self.learn(self.record_from(raw))
-            except WireError as exc:
-                self.node.stats.count_rejected(exc.reason.value)
+                reply = await self.node.arequest(peer_id, SYNC, None if after is None else {"after": after})
+            except rpc.BusyError:
+                busy += 1
+                if busy > SYNC_BUSY_RETRIES:
+                    raise
+                await asyncio.sleep(1.0)
+                continue
+            body = reply.body
+            if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
+                raise WireError(RejectReason.BAD_FIELD, "malformed sync reply", field="body")
+            for raw in body["peers"]:
+                try:
+                    learned += self.learn(self.record_from(raw))
+                except WireError as exc:
+                    self.node.stats.count_rejected(exc.reason.value)
+            following = body.get("next")
+            if following is None:
+                return learned
+            if not isinstance(following, str) or (after is not None and following <= after):
+                raise WireError(RejectReason.BAD_FIELD, "sync reply: next must come after the page asked for",
+                                field="body")
+            after = following
         return learned
 
     def on_announce(self, msg: Message) -> None:
@@ -373,6 +443,7 @@ class Swarm:
             if node.record is not None and not node.record.reachable:
                 node._set_via()
             for gone in table.forget(node.config.forget_after_s, now):
+                self._pulls.pop(gone, None)
                 if node._transport is not None:
                     node._transport.disconnect(gone)
             wake_at = time.monotonic() + period
@@ -522,14 +593,27 @@ class Swarm:
         self.node._spawn(self.node._asend_raw(peer_id, WANT, [unknown]))
 
     def on_want(self, msg: Message) -> None:
+        """Send a member the records it asked for, out of the same budget as its `$sync` pulls:
+        what does not fit now is left out (it asks again when beats name those ids)."""
         body = msg.body
         if not isinstance(body, list) or len(body) > MAX_WANT or not all(isinstance(x, str) for x in body):
             raise WireError(RejectReason.BAD_FIELD, f"want body must be a list of at most {MAX_WANT} ids",
                             field="body")
+        now = time.monotonic()
+        bucket = self._pull_bucket(msg.sender, now)
         records = []
-        for peer_id in body:
+        for peer_id in dict.fromkeys(body):
             info = self.node._table.get(peer_id)
             if info is not None and info.status in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
+                if not bucket.spend(_record_bytes(info.record), now):
+                    self.node._dispatch.reject(RejectReason.RATE_LIMITED, f"want from {msg.sender}: over its budget")
+                    break
                 records.append(info.record.to_wire())
         if records:
             self.node._spawn(self.node._asend_raw(msg.sender, ANNOUNCE, records))
+
+
+@functools.lru_cache(maxsize=16384)
+def _record_bytes(record: PeerRecord) -> int:
+    """Bytes of a record on the wire (records are immutable and shared: sized once each)."""
+    return len(msgpack.packb(record.to_wire(), use_bin_type=True))

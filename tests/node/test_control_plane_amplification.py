@@ -1,0 +1,150 @@
+"""What a pull of the peer table costs the node that answers it: a stranger's hello gets at most
+ten times its own bytes back, a member's pulls share a budget of bytes per second, and a
+joiner still learns a big table, page by page (real CURVE sockets on loopback)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+import zmq
+from conftest import wait_until
+from zmq.utils import z85
+
+from starling.node import rpc
+from starling.node.address import parse_address
+from starling.node.admission import AdmissionConfig
+from starling.node.identity import Identity
+from starling.node.loop import NetworkThread
+from starling.node.membership import Liveness, PeerRecord
+from starling.node.node import Node, NodeConfig
+from starling.node.swarm import ANNOUNCE, HELLO, SYNC, WANT
+from starling.node.wire import decode, encode, frame_nbytes
+
+# slow beats: the made-up peers below answer nothing, and must stay in the table for the test
+SLOW = Liveness(heartbeat_interval_s=1.0, suspect_timeout_s=60.0, dead_timeout_s=120.0)
+
+
+def config(**admission) -> NodeConfig:
+    return NodeConfig(liveness=SLOW, request_timeout_s=5.0, admission=AdmissionConfig(**admission))
+
+
+def fat_records(n: int) -> list[PeerRecord]:
+    """Signed records of made-up peers, each with eight addresses (nothing listens there)."""
+    return [PeerRecord.create(Identity.generate(), [f"tcp://127.0.{i % 250}.{j + 1}:{40000 + i}" for j in range(8)], 1)
+            for i in range(n)]
+
+
+def announce(member: Node, to: Node, records: list[PeerRecord]) -> None:
+    for start in range(0, len(records), 200):
+        member.run(member._asend_raw(to.peer_id, ANNOUNCE, [r.to_wire() for r in records[start:start + 200]]))
+
+
+async def _raw_request(address: str, identity: Identity, topic: str, body) -> tuple[int, int, object]:
+    """(request bytes, reply bytes, reply body) of one request from a stranger's DEALER."""
+    target = parse_address(address)
+    sock = NetworkThread.get().context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.curve_serverkey = z85.encode(target.curve_key)
+        sock.curve_publickey, sock.curve_secretkey = identity.curve_public_z85, identity.curve_secret_z85
+        sock.connect(target.endpoint)
+        frames = encode(rpc.REQUEST_TOPIC, identity.peer_id, 0, rpc.request_body(topic, 1, body))
+        await sock.send_multipart(frames)
+        answer = await asyncio.wait_for(sock.recv_multipart(copy=False), 10)
+        _, ok, result = rpc.parse_reply(decode(answer))
+        assert ok, result
+        return frame_nbytes(frames), frame_nbytes(answer), result
+    finally:
+        sock.close(0)
+
+
+@pytest.fixture
+def seeded():
+    """A seed whose table (300 fat records, announced by a member: ~120 KB) is more than one
+    page, and whose members may pull a page and then 100 KB/s."""
+    seed = Node(config=config(member_pull_bytes_per_s=1e5, member_pull_burst_bytes=64 * 1024)).start("tcp://127.0.0.1:0")
+    member = Node(config=config()).start("tcp://127.0.0.1:0", join=[seed.address])
+    records = fat_records(300)
+    announce(member, seed, records)
+    assert wait_until(lambda: len(seed.live_peers()) == 301, timeout_s=30)
+    yield seed, member, records
+    member.close()
+    seed.close()
+
+
+def test_a_strangers_hello_gets_at_most_ten_times_its_bytes_and_a_joiner_pages_the_rest(seeded):
+    seed, _, records = seeded
+    stranger = Identity.generate()
+    hello = [PeerRecord.create(stranger, ["tcp://127.0.0.1:9"], 1).to_wire(), None, True]
+    sent, got, body = NetworkThread.get().run(_raw_request(seed.address, stranger, HELLO, hello))
+    assert got <= 10 * sent, (sent, got)
+    assert isinstance(body["next"], str) and len(body["peers"]) < 301  # a first page only
+    # a real joiner learns the whole table: the hello's page, then `$sync` pages as a member,
+    # waiting out its pull budget between them
+    joiner = Node(config=config()).start("tcp://127.0.0.1:0", join=[seed.address])
+    try:
+        assert {r.peer_id for r in records} <= set(joiner.live_peers())
+    finally:
+        joiner.close()
+
+
+def test_a_members_table_pulls_are_held_to_its_byte_rate(seeded):
+    seed, member, _ = seeded
+    rate = seed.config.admission.member_pull_bytes_per_s
+    burst = seed.config.admission.member_pull_burst_bytes
+    start, busy, pages = time.monotonic(), 0, 0
+    while time.monotonic() - start < 2.0:  # pulls as fast as answers come
+        try:
+            member.request(seed.peer_id, SYNC, None)
+            pages += 1
+        except rpc.BusyError:
+            busy += 1
+    elapsed = time.monotonic() - start
+    sent = _bytes_sent_to(seed, member.peer_id, SYNC)
+    asked = seed.stats.snapshot()["bytes_received"][member.peer_id][SYNC]
+    assert busy > 0 and pages > 0  # answered while its budget lasts, then turned down
+    # the pages it was given fit its budget; a turned-down pull costs a short answer, the size of the ask
+    assert sent <= burst + rate * elapsed + seed.config.admission.table_page_bytes + 2 * asked, (sent, asked, elapsed)
+
+
+def test_wants_share_the_pull_budget(seeded):
+    seed, member, records = seeded
+    ids = [r.peer_id for r in records[:256]]
+    for _ in range(40):  # 40 x 256 fat records wanted: ~4 MB if all were answered
+        member.run(member._asend_raw(seed.peer_id, WANT, ids))
+    assert wait_until(lambda: seed.stats.snapshot()["rejected"].get("rate_limited", 0) > 0, timeout_s=20)
+    time.sleep(0.5)  # the announces already spawned finish
+    assert _bytes_sent_to(seed, member.peer_id, ANNOUNCE) <= 1.5 * seed.config.admission.member_pull_burst_bytes
+
+
+def test_a_sync_page_is_held_to_its_size_and_goes_on_from_its_cursor(seeded):
+    seed, member, records = seeded
+    seen: list[str] = []
+    after = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            reply = member.request(seed.peer_id, SYNC, None if after is None else {"after": after}).body
+        except rpc.BusyError:  # the next page waits for the member's budget to refill
+            time.sleep(0.1)
+            continue
+        assert len(msgpack.packb(reply["peers"])) <= seed.config.admission.table_page_bytes
+        seen += [r[0] for r in reply["peers"]]
+        if reply["next"] is None:
+            break
+        after = reply["next"]
+    assert seen == sorted(seen) and len(seen) == len(set(seen))
+    assert {r.peer_id for r in records} <= set(seen)
+
+
+@pytest.mark.parametrize("body", [{"after": 5}, {"from": "x"}, ["x"], {"after": "x" * 65}])
+def test_a_malformed_sync_is_refused(seeded, body):
+    seed, member, _ = seeded
+    with pytest.raises(rpc.BadRequestError):
+        member.request(seed.peer_id, SYNC, body)
+
+
+def _bytes_sent_to(node: Node, peer: str, topic: str) -> int:
+    return node.stats.snapshot()["bytes_sent"].get(peer, {}).get(topic, 0)
