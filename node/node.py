@@ -429,6 +429,7 @@ class Node:
             "stats": self.stats.snapshot(),
             "zap_denied": self.zap_denied,
             "sockets": self._socket_counts(),
+            "relaying": self._relay.status(),
         }
 
     def _socket_counts(self) -> dict[str, int]:

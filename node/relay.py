@@ -17,15 +17,39 @@ Which relay: a client names the relays it holds connections to in its heartbeat 
 tries the next, so a relay that dies costs the messages in flight through it (their
 requests time out and are retried as any lost message) and nothing more.
 
-Work a member can cause at a relay is bounded: forwards in flight are capped
-(`max_forwarding`); past the cap a `$relay` is dropped and counted (`busy`).
+What a member can make a relay do is bounded:
+
+- **Where.** A relay forwards only to a client (a record with no addresses) that holds a
+  connection to it and has spoken on it, down that connection. A reachable member, a peer
+  that is not live, or a client attached elsewhere is refused at once (`no_route`); the
+  relay never dials anyone to forward. So a forward never waits: it is handed to ZeroMQ
+  without blocking, or dropped.
+- **How many at once.** Forwards in flight are capped (`max_forwarding`), and each source
+  may hold at most `max_forwarding / (sources in flight + 1)` of them (at least one), so
+  there is always room for one more source. Past either, `busy`.
+- **How many bytes per client.** ZeroMQ does not say when a message has left its queue, so
+  the relay counts the bytes it has handed out for each client and not yet seen read:
+  `max_queued_bytes` and `max_queued_messages` per client (`busy` past them; a message bigger
+  than the bound is refused whole). Bytes count as read once the client answers a probe the
+  relay sent after them: `$relay_probe` carries a random token down the same connection, in
+  order behind the forwarded messages, and only a client that has read up to it can echo it
+  (`$relay_read`). A client that never reads pins at most the bound; a slow one is forwarded
+  as fast as it proves it reads. Within one client's bound, a source that already holds some
+  of it may hold at most `1 / (sources holding + 1)` of the bytes and of the messages, so one
+  sender cannot take a client's whole queue from the others.
+
+Every refusal is counted twice: by its wire reason in the node's stats (`no_route`, `busy`,
+`replayed`, ...) and by its cause in `Relay.refused`, which `node status` shows under
+`relaying`.
 """
 from __future__ import annotations
 
+import math
 import os
 import struct
-from collections import OrderedDict
-from dataclasses import dataclass
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cryptography.exceptions import InvalidTag
@@ -43,19 +67,44 @@ if TYPE_CHECKING:
     from starling.node.node import Node
 
 RELAY, RELAYED = "$relay", "$relayed"
+PROBE, READ = "$relay_probe", "$relay_read"  # relay -> client: read up to here?  client -> relay: yes
 VIA = "$via"  # heartbeat meta of a client: the relays it is attached to, comma-separated
 NONCE_BYTES = 12  # 4 random bytes per sender session, then a 64-bit counter
+TOKEN_BYTES = 8  # a probe's token
 TAG_BYTES = 16
 _LEN = struct.Struct("<I")
 _KDF_INFO = b"starling relay v1"
 
+# Causes of a relay's refusals, the keys of `Relay.refused`.
+NOT_A_RELAY = "not_a_relay"  # this node offers no relaying
+NOT_LIVE = "not_live"  # the destination is no live member (or is the sender)
+NOT_A_CLIENT = "not_a_client"  # the destination can be dialled: a relay forwards only to clients
+NOT_ATTACHED = "not_attached"  # the destination holds no connection to this relay
+FORWARDS = "forwards"  # forwards in flight: all of them, or the source's share
+QUEUE_FULL = "queue_full"  # the destination's queued bytes or messages: all of them, or the source's share
+TOO_LARGE = "too_large"  # a message bigger than a client's whole queue
+REFUSALS = (NOT_A_RELAY, NOT_LIVE, NOT_A_CLIENT, NOT_ATTACHED, FORWARDS, QUEUE_FULL, TOO_LARGE)
+
 
 @dataclass(frozen=True)
 class RelayConfig:
-    max_forwarding: int = 64  # forwards in flight at a relay; past it `$relay` is dropped
+    max_forwarding: int = 256  # forwards in flight at a relay; past it `$relay` is dropped
     max_relays: int = 3  # relays a client names in `$via`
     max_keys: int = 4096  # pair keys kept (derivation is an X25519 agreement plus HKDF)
     replay_window: int = 4096  # counters this far below the highest seen are refused
+    max_queued_bytes: int = 16 << 20  # sealed bytes a relay has handed out for one client, not yet seen read
+    max_queued_messages: int = 256  # messages of those (below ZeroMQ's 1000 a connection, so none is dropped)
+    probe_interval_s: float = 0.25  # a probe unanswered this long is followed by another
+    max_probes: int = 8  # probes awaiting an answer, per client
+
+    def __post_init__(self) -> None:
+        for name in ("max_forwarding", "max_relays", "max_keys", "replay_window", "max_queued_bytes",
+                     "max_queued_messages", "max_probes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"RelayConfig.{name} must be an int >= 1, got {value!r}")
+        if not self.probe_interval_s > 0:
+            raise ValueError(f"RelayConfig.probe_interval_s must be > 0, got {self.probe_interval_s!r}")
 
 
 def pack_frames(frames: list[Any]) -> bytes:
@@ -91,7 +140,18 @@ def _envelope(msg: Message, who: str) -> tuple[str, bytes, memoryview]:
             or not isinstance(body[1], bytes) or len(payload) != 1 or not isinstance(payload[0], memoryview)):
         raise WireError(RejectReason.BAD_FIELD, f"{msg.topic} body must be [{who}, nonce] and one bytes frame",
                         field="body")
+    if len(body[1]) != NONCE_BYTES:
+        raise WireError(RejectReason.BAD_FIELD, f"relay nonce must be {NONCE_BYTES} bytes", field="body")
     return body[0], body[1], payload[0]
+
+
+def _token(msg: Message) -> bytes:
+    body = msg.body
+    if not isinstance(body, list) or len(body) != 1 or not isinstance(body[0], bytes) \
+            or len(body[0]) != TOKEN_BYTES or msg.payload:
+        raise WireError(RejectReason.BAD_FIELD, f"{msg.topic} body must be [token of {TOKEN_BYTES} bytes]",
+                        field="body")
+    return body[0]
 
 
 def _aad(src: str, dest: str) -> bytes:
@@ -161,6 +221,72 @@ class Sealer:
             self._seen.popitem(last=False)
 
 
+@dataclass
+class _Held:
+    """What one source holds of a client's queue at a relay."""
+
+    nbytes: int = 0
+    messages: int = 0
+
+
+@dataclass
+class _Lane:
+    """What a relay has handed ZeroMQ for one client and not yet seen it read, in order."""
+
+    queue: deque[tuple[int, str, int]] = field(default_factory=deque)  # (sequence number, source, bytes)
+    handed: int = 0  # sequence number of the last message reserved
+    sent: int = 0  # of those, how many forwards have run (they run in the order they were reserved)
+    nbytes: int = 0
+    by_source: dict[str, _Held] = field(default_factory=dict)
+    probes: OrderedDict[bytes, int] = field(default_factory=OrderedDict)  # token -> messages sent before it
+    probed_at: float = -math.inf
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.probes and self.sent == self.handed
+
+    def refusal(self, src: str, nbytes: int, config: RelayConfig) -> tuple[str, str] | None:
+        """(cause, detail) if `src` may not add a message of `nbytes` now, else None."""
+        if nbytes > config.max_queued_bytes:
+            return TOO_LARGE, f"{nbytes} bytes, more than a client's queue at this relay ({config.max_queued_bytes})"
+        if self.nbytes + nbytes > config.max_queued_bytes or len(self.queue) >= config.max_queued_messages:
+            return QUEUE_FULL, f"{self.nbytes} bytes in {len(self.queue)} messages not yet read"
+        mine = self.by_source.get(src)
+        if mine is not None:  # a source holding nothing may always add one message that fits
+            holders = len(self.by_source) + 1
+            if (mine.nbytes + nbytes > config.max_queued_bytes // holders
+                    or mine.messages + 1 > max(1, config.max_queued_messages // holders)):
+                return QUEUE_FULL, f"its sender holds {mine.nbytes} bytes in {mine.messages} messages, its share"
+        return None
+
+    def reserve(self, src: str, nbytes: int) -> None:
+        self.handed += 1
+        self.queue.append((self.handed, src, nbytes))
+        self.nbytes += nbytes
+        held = self.by_source.setdefault(src, _Held())
+        held.nbytes += nbytes
+        held.messages += 1
+
+    def read_up_to(self, sent: int) -> None:
+        """The client has read the first `sent` messages: they no longer count."""
+        while self.queue and self.queue[0][0] <= sent:
+            _, src, nbytes = self.queue.popleft()
+            self.nbytes -= nbytes
+            held = self.by_source[src]
+            held.nbytes -= nbytes
+            held.messages -= 1
+            if not held.messages:
+                del self.by_source[src]
+
+    def probe_due(self, now: float, config: RelayConfig) -> bool:
+        """Whether to ask the client to prove it read: once it holds an eighth of its bound,
+        and no probe is awaited, or the last went unanswered for `probe_interval_s`."""
+        if not self.queue or (self.probes and now - self.probed_at < config.probe_interval_s):
+            return False
+        return (self.nbytes >= config.max_queued_bytes // 8
+                or len(self.queue) >= max(1, config.max_queued_messages // 8))
+
+
 class Relay:
     """One node's relay side: forward for others (if it offers to), seal and open its own."""
 
@@ -169,6 +295,10 @@ class Relay:
         self.config = config
         self.sealer = Sealer(node.identity.curve_secret, node.peer_id, config)
         self.forwarding = 0
+        self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
+        self._in_flight: dict[str, int] = {}  # source -> its forwards in flight
+        self._lanes: dict[str, _Lane] = {}  # client -> what this relay queued for it
+        self._lanes_checked_at = 64  # lanes kept before the idle and unknown ones are dropped
 
     def use_identity(self, identity: Identity) -> None:
         """Seal and open with this identity's keys from now on."""
@@ -178,6 +308,20 @@ class Relay:
         dispatch = self.node._dispatch
         dispatch.on_internal_message(RELAY, self.on_relay)
         dispatch.on_internal_message(RELAYED, self.on_relayed)
+        dispatch.on_internal_message(PROBE, self.on_probe)
+        dispatch.on_internal_message(READ, self.on_read)
+
+    def status(self) -> dict[str, Any]:
+        """Forwards in flight, clients with bytes queued here, those bytes, refusals by cause."""
+        lanes = list(self._lanes.values())  # one copy: callable from any thread
+        return {"forwarding": self.forwarding, "clients": sum(1 for lane in lanes if lane.queue),
+                "queued_bytes": sum(lane.nbytes for lane in lanes),
+                "queued_messages": sum(len(lane.queue) for lane in lanes), "refused": dict(self.refused)}
+
+    def queued(self, client: str) -> tuple[int, int]:
+        """(bytes, messages) handed out for `client` and not yet proven read."""
+        lane = self._lanes.get(client)
+        return (0, 0) if lane is None else (lane.nbytes, len(lane.queue))
 
     # ---------------------------------------------------------------- as a client
     def relays_for(self, dest: str) -> list[str]:
@@ -202,45 +346,146 @@ class Relay:
 
     async def send(self, dest: str, frames: list[Any], *, wait: bool, timeout_s: float | None) -> None:
         """Seal `frames` for `dest` and hand them to the first relay that takes them."""
-        info = self.node._table.get(dest)
-        if info is None:
+        node = self.node
+        info = node._table.get(dest)
+        if info is None or node.record is None:
             raise SendError(f"no relay route to unknown peer {dest}")
         nonce, sealed = self.sealer.seal(dest, info.record.curve_key, frames)
+        if len(sealed) > self.config.max_queued_bytes:
+            raise SendError(f"a message of {len(sealed)} sealed bytes for {dest} is more than a relay queues for "
+                            f"a client (RelayConfig.max_queued_bytes, {self.config.max_queued_bytes})")
         errors = []
         for relay in self.relays_for(dest):
             try:
-                await self.node._asend_raw(relay, RELAY, [dest, nonce], [sealed], wait=wait, timeout_s=timeout_s)
+                await node._asend_raw(relay, RELAY, [dest, nonce], [sealed], wait=wait, timeout_s=timeout_s)
                 return
             except SendError as exc:
                 errors.append(f"{relay}: {exc}")
         raise SendError(f"no relay took a message for {dest}: " + ("; ".join(errors) or "no relay is alive"))
 
     # ---------------------------------------------------------------- as the relay
+    def _refuse(self, cause: str, reason: RejectReason, detail: str) -> WireError:
+        self.refused[cause] += 1
+        return WireError(reason, detail)
+
     def on_relay(self, msg: Message) -> None:
+        """Forward a sealed message to a client attached here, or refuse it (see the module's bounds)."""
         node = self.node
         dest, nonce, sealed = _envelope(msg, "dest")
+        src = msg.sender
         if node.record is None or not node.record.relay:
-            raise WireError(RejectReason.NO_ROUTE, f"{msg.sender} asked to relay, and this node is no relay")
+            raise self._refuse(NOT_A_RELAY, RejectReason.NO_ROUTE, f"{src} asked to relay, and this node is no relay")
         info = node._table.get(dest)
-        if info is None or info.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT) or dest == msg.sender:
-            raise WireError(RejectReason.NO_ROUTE, f"relay to {dest}: not a live member")
+        if info is None or info.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT) or dest == src:
+            raise self._refuse(NOT_LIVE, RejectReason.NO_ROUTE, f"relay to {dest}: not a live member")
+        if info.record.reachable:
+            raise self._refuse(NOT_A_CLIENT, RejectReason.NO_ROUTE,
+                               f"relay to {dest}: it can be dialled, and a relay forwards only to clients")
         if node._transport is None or not node._transport.can_send(dest):
-            # never relayed onwards: a relay forwards only down a connection `dest` holds to it
-            raise WireError(RejectReason.NO_ROUTE, f"relay to {dest}: it holds no connection to this relay")
-        if self.forwarding >= self.config.max_forwarding:
-            raise WireError(RejectReason.BUSY, f"relay: {self.forwarding} forwards in flight")
+            # a client we can send to holds a connection to us: never relayed onwards
+            raise self._refuse(NOT_ATTACHED, RejectReason.NO_ROUTE,
+                               f"relay to {dest}: it holds no connection to this relay")
+        busy = self._no_slot(src)
+        if busy is not None:
+            raise self._refuse(FORWARDS, RejectReason.BUSY, f"relay to {dest}: {busy}")
+        lane = self._lanes.get(dest)
+        if lane is None:
+            lane = self._new_lane(dest)
+        refusal = lane.refusal(src, sealed.nbytes, self.config)
+        if refusal is not None:
+            self._probe_if_due(dest, lane)  # the client may have read it all: ask, so the queue refills
+            raise self._refuse(refusal[0], RejectReason.BUSY, f"relay to {dest}: {refusal[1]}")
+        lane.reserve(src, sealed.nbytes)
         self.forwarding += 1
-        node._spawn(self._forward(dest, [msg.sender, nonce], sealed))
+        self._in_flight[src] = self._in_flight.get(src, 0) + 1
+        node._spawn(self._forward(dest, [src, nonce], sealed))
+
+    def _no_slot(self, src: str) -> str | None:
+        """Why `src` may not start another forward now, or None."""
+        if self.forwarding >= self.config.max_forwarding:
+            return f"{self.forwarding} forwards in flight"
+        mine = self._in_flight.get(src, 0)
+        sources = len(self._in_flight) + (0 if mine else 1)
+        share = max(1, self.config.max_forwarding // (sources + 1))
+        if mine >= share:
+            return f"{src} has {mine} forwards in flight, its share of {self.config.max_forwarding}"
+        return None
+
+    def _new_lane(self, dest: str) -> _Lane:
+        if len(self._lanes) >= self._lanes_checked_at:
+            table = self.node._table
+            for client in [c for c, lane in self._lanes.items() if lane.idle or c not in table]:
+                del self._lanes[client]
+            self._lanes_checked_at = max(64, 2 * len(self._lanes))
+        lane = self._lanes[dest] = _Lane()
+        return lane
 
     async def _forward(self, dest: str, body: list[Any], sealed: memoryview) -> None:
+        """Hand one message to ZeroMQ for `dest`, without waiting: to a client attached here
+        that means its connection's queue, which ZeroMQ fills or drops but never blocks on."""
         try:
-            await self.node._asend_raw(dest, RELAYED, body, [sealed])
+            await self.node._asend_raw(dest, RELAYED, body, [sealed], wait=False)
         except (SendError, ValueError) as exc:
             self.node._dispatch.reject(RejectReason.NO_ROUTE, f"relay to {dest} failed: {exc}")
         finally:
             self.forwarding -= 1
+            src = body[0]
+            left = self._in_flight.pop(src, 0) - 1
+            if left > 0:
+                self._in_flight[src] = left
+            lane = self._lanes.get(dest)
+            if lane is not None:
+                lane.sent = min(lane.sent + 1, lane.handed)
+                self._probe_if_due(dest, lane)
+
+    def _probe_if_due(self, dest: str, lane: _Lane) -> None:
+        """Send `dest` a probe behind the messages forwarded so far (see `_Lane.probe_due`)."""
+        now = time.monotonic()
+        if not lane.probe_due(now, self.config):
+            return
+        token = os.urandom(TOKEN_BYTES)
+        lane.probes[token] = lane.sent
+        lane.probed_at = now
+        while len(lane.probes) > self.config.max_probes:
+            lane.probes.popitem(last=False)
+        self.node._spawn(self._send_probe(dest, token))
+
+    async def _send_probe(self, dest: str, token: bytes) -> None:
+        try:
+            await self.node._asend_raw(dest, PROBE, [token], wait=False)
+        except (SendError, ValueError):
+            pass  # unanswered: the next forward or refusal after `probe_interval_s` asks again
+
+    def on_read(self, msg: Message) -> None:
+        """A client echoed a probe's token: it has read every message forwarded before it."""
+        token = _token(msg)
+        lane = self._lanes.get(msg.sender)
+        if lane is None or token not in lane.probes:
+            raise WireError(RejectReason.BAD_FIELD, f"{READ} from {msg.sender} matches no probe", field="body")
+        while True:  # probes went out in order, so this answers every earlier one too
+            earlier, sent = lane.probes.popitem(last=False)
+            if earlier == token:
+                break
+        lane.read_up_to(sent)
 
     # ---------------------------------------------------------------- as the destination
+    def on_probe(self, msg: Message) -> None:
+        """A relay asks whether we have read what it forwarded: echo its token."""
+        token = _token(msg)
+        node = self.node
+        info = node._table.get(msg.sender)
+        if info is None or not (info.record.relay and info.record.reachable) or node._transport is None \
+                or not node._transport.can_send(msg.sender):
+            raise WireError(RejectReason.NO_ROUTE, f"{PROBE} from {msg.sender}, which is no relay we hold a "
+                            "connection to")
+        node._spawn(self._answer_probe(msg.sender, token))
+
+    async def _answer_probe(self, relay: str, token: bytes) -> None:
+        try:
+            await self.node._asend_raw(relay, READ, [token], wait=False)
+        except (SendError, ValueError):
+            pass  # the relay asks again
+
     def on_relayed(self, msg: Message) -> None:
         node = self.node
         src, nonce, sealed = _envelope(msg, "src")

@@ -1,0 +1,188 @@
+"""A relay and its clients against a hostile member, over real CURVE sockets on loopback:
+forwards only to clients attached to the relay, a flood toward dead destinations, and a client
+that never reads."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Iterator
+
+import pytest
+from conftest import TEST_LIVENESS, wait_until
+
+from starling.node.node import Node, NodeConfig
+from starling.node.relay import (
+    FORWARDS,
+    NOT_A_CLIENT,
+    QUEUE_FULL,
+    RELAY,
+    RELAYED,
+    TOO_LARGE,
+    VIA,
+    RelayConfig,
+)
+
+CONFIG = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0, reach_timeout_s=0.5)
+NO_RELAY = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0, reach_timeout_s=0.5, offer_relay=False)
+
+
+@pytest.fixture
+def nodes() -> Iterator:
+    made: list[Node] = []
+
+    def make(listen: str | None = "tcp://127.0.0.1:0", join: list[str] | None = None,
+             config: NodeConfig = CONFIG, **kwargs) -> Node:
+        node = Node(config=config)
+        made.append(node)
+        node.start(listen, join or [], **kwargs)
+        node.on("echo", lambda msg: {"from": node.peer_id, "got": msg.body})
+        return node
+
+    yield make
+    for node in made:
+        node.close()
+
+
+def _all_live(*everyone: Node) -> None:
+    for node in everyone:
+        assert wait_until(lambda node=node: len(node.live_peers()) == len(everyone) - 1)
+
+
+def _attached(client: Node, relay: Node) -> None:
+    """Wait until `client` names `relay` in `$via`: the relay can forward to it."""
+    assert wait_until(lambda: relay.peer_id in client.status()["meta"].get(VIA, ""))
+
+
+def _rejected(node: Node, reason: str) -> int:
+    return node.stats.snapshot()["rejected"].get(reason, 0)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_relay_forwards_only_to_clients_attached_to_it(nodes):
+    s = nodes()
+    m = nodes(join=[s.address], config=NO_RELAY)  # a member anyone can dial
+    c = nodes(listen=None, join=[s.address])
+    _all_live(s, m, c)
+    got: list[object] = []
+    m.on("note", lambda msg: got.append(msg.body))
+    nonce, sealed = c._relay.sealer.seal(m.peer_id, m.identity.curve_public,
+                                         c._frames("note", "through the relay", ()))
+    c.run(c._asend_raw(s.peer_id, RELAY, [m.peer_id, nonce], [sealed]))
+    assert wait_until(lambda: _rejected(s, "no_route") >= 1 or got)
+    assert got == []
+    assert s.status()["relaying"]["refused"][NOT_A_CLIENT] == 1
+    assert RELAYED not in s.stats.snapshot()["bytes_sent"].get(m.peer_id, {})
+
+
+def test_a_flood_toward_dead_destinations_leaves_honest_clients_their_relay(nodes):
+    queue = 32  # messages a client may have queued at the relay, small so that the flood fills one
+    s = nodes(config=NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0,
+                                relay=RelayConfig(max_queued_messages=queue)))
+    # a member whose record names a port nobody listens on: the relay can never dial it
+    x = nodes(join=[s.address], config=NO_RELAY, advertise=f"tcp://127.0.0.1:{_closed_port()}")
+    a = nodes(join=[s.address], config=NO_RELAY)  # the flooder
+    c1, c2, gone = (nodes(listen=None, join=[s.address]) for _ in range(3))
+    assert wait_until(lambda: len(s.live_peers()) == 5)  # x is alive to it: x's pings come in
+    for c, other in ((c1, c2), (c2, c1)):  # (others cannot ping x: they see it only in digests)
+        assert wait_until(lambda c=c, other=other: {s.peer_id, other.peer_id} <= set(c.live_peers()))
+    for c in (c1, c2, gone):
+        _attached(c, s)
+    gone.close()  # a client that is gone, though the relay still holds its route
+    junk = os.urandom(1024)
+    stop = asyncio.Event()
+
+    async def flood() -> int:
+        sent = 0
+        while not stop.is_set():
+            for dest in (x.peer_id, gone.peer_id, c2.peer_id):
+                await a._asend_raw(s.peer_id, RELAY, [dest, os.urandom(12)], [junk], wait=False)
+                sent += 1
+            await asyncio.sleep(0.003)
+        return sent
+
+    flooding = a.submit(flood())
+    try:
+        assert wait_until(lambda: s.status()["relaying"]["refused"][NOT_A_CLIENT] >= 100)
+        answered = 0
+        for i in range(40):
+            try:
+                answered += c1.request(c2.peer_id, "echo", i, timeout_s=2.0).body["got"] == i
+            except Exception:
+                pass
+    finally:
+        a.run(_set(stop))
+    assert flooding.result(5) > 300
+    assert answered >= 38, f"{answered}/40 honest requests answered under the flood"
+    relaying = s.status()["relaying"]
+    assert relaying["refused"][NOT_A_CLIENT] >= 100  # refused at once, never waited on
+    assert relaying["forwarding"] == 0
+    # the gone client's queue filled to the flooder's share of its bound, and no further
+    assert relaying["refused"][QUEUE_FULL] > 0
+    assert 0 < s._relay.queued(gone.peer_id)[1] <= queue // 2
+
+
+async def _set(event: asyncio.Event) -> None:
+    event.set()
+
+
+def test_one_source_cannot_take_every_forward_slot(nodes):
+    s = nodes()
+    c1, c2 = (nodes(listen=None, join=[s.address]) for _ in range(2))
+    _all_live(s, c1, c2)
+    _attached(c2, s)
+    relay = s._relay
+    half = relay.config.max_forwarding // 2
+
+    async def hold(n: int) -> None:  # a member with forwards in flight (as when forwards could wait)
+        relay._in_flight["hog"] = relay._in_flight.get("hog", 0) + n
+        relay.forwarding += n
+
+    s.run(hold(half))
+    try:
+        assert relay._no_slot("hog") is not None  # alone, it may hold max_forwarding / 2
+        assert c1.request(c2.peer_id, "echo", 1).body["got"] == 1  # another source still gets a slot
+        assert relay.refused[FORWARDS] == 0
+    finally:
+        s.run(hold(-half))
+
+
+def test_a_client_that_never_reads_holds_no_more_than_its_bound_at_the_relay(nodes):
+    bound = 1 << 20
+    s = nodes(config=NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0,
+                                relay=RelayConfig(max_queued_bytes=bound)))
+    c, d = (nodes(listen=None, join=[s.address]) for _ in range(2))
+    _all_live(s, c, d)
+    _attached(d, s)
+    got: list[int] = []
+    d.on("note", lambda msg: got.append(msg.body))
+    transport = d._transport
+
+    async def stop_reading() -> None:
+        transport._tasks.pop(s.peer_id).cancel()
+
+    async def read_again() -> None:
+        transport._tasks[s.peer_id] = asyncio.ensure_future(transport._read(transport._dealers[s.peer_id], s.peer_id))
+
+    c.send(d.peer_id, "note", "big", payload=[os.urandom(bound)]).result(5)  # more than the bound, sealed
+    assert wait_until(lambda: s.status()["relaying"]["refused"][TOO_LARGE] == 1)
+    d.run(stop_reading())
+    chunk = os.urandom(64 << 10)
+    for i in range(100):  # 6.4 MiB for a client that reads none of it
+        c.send(d.peer_id, "note", i, payload=[chunk]).result(5)
+    assert wait_until(lambda: s.status()["relaying"]["refused"][QUEUE_FULL] >= 80)
+    held, messages = s._relay.queued(d.peer_id)
+    assert 0 < held <= bound
+    handed = s.stats.snapshot()["bytes_sent"][d.peer_id][RELAYED]
+    assert handed <= bound + messages * 256  # the forwarded messages' headers
+    assert _rejected(s, "busy") >= 80
+    # reading again, the client answers the relay's probe, and what it is sent arrives again
+    d.run(read_again())
+    assert wait_until(lambda: len(got) == messages)
+    assert wait_until(lambda: c.send(d.peer_id, "note", -1, payload=[chunk]).result(5) or -1 in got, interval_s=0.1)
+    assert wait_until(lambda: s._relay.queued(d.peer_id)[0] < bound // 2)
