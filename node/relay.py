@@ -6,11 +6,21 @@ them to a relay R (a reachable peer whose record offers to relay) as `$relay`
 down the connection D opened to it. R learns nothing but the two ids and the size.
 
 Sealing is AES-256-GCM under a key only C and D hold: HKDF-SHA256 over the X25519 agreement
-of their curve keys (the same keys their records carry, signed). The associated data binds
-the source and the destination, so a relay that flips a byte, swaps the claimed source, or
-sends a sealed message to someone else gets a message that fails to open: it is rejected,
-counted (`relay_tampered`), and nothing reaches a handler. A relay that replays a message
-is caught by the nonce's counter (`replayed`).
+of their curve keys (the same keys their records carry, signed), one key for each direction.
+The associated data binds the source and the destination, so a relay that flips a byte,
+swaps the claimed source, or sends a sealed message to someone else gets a message that
+fails to open: it is rejected, counted (`relay_tampered`), and nothing reaches a handler.
+
+Replays. A nonce is one 96-bit number that grows with every message a node seals: its
+record's incarnation (the wall-clock nanosecond it started) shifted up 32 bits, plus a
+counter. The destination keeps, per source peer, the highest nonce it opened and a bitmask of
+the `replay_window` below it; a nonce seen before, or too far behind, is refused
+(`replayed`). A nonce at or below the source's current incarnation (as its signed record in
+the table says) was sealed by an earlier run of that peer and is refused too, whatever
+state the destination kept. Windows are kept per source, so no other sender can push one
+out. They are as many as the sources in the peer table: a source the table forgets leaves
+only its highest nonce behind (the last `max_keys` of those are kept), below which nothing
+from it is taken again.
 
 Which relay: a client names the relays it holds connections to in its heartbeat meta
 (`$via`). A sender picks the first of D's relays that is alive; if the send to it fails it
@@ -49,6 +59,7 @@ import os
 import struct
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,11 +80,12 @@ if TYPE_CHECKING:
 RELAY, RELAYED = "$relay", "$relayed"
 PROBE, READ = "$relay_probe", "$relay_read"  # relay -> client: read up to here?  client -> relay: yes
 VIA = "$via"  # heartbeat meta of a client: the relays it is attached to, comma-separated
-NONCE_BYTES = 12  # 4 random bytes per sender session, then a 64-bit counter
+NONCE_BYTES = 12  # one big-endian number: the sealer's incarnation << COUNTER_BITS, plus a counter
+COUNTER_BITS = 32
 TOKEN_BYTES = 8  # a probe's token
 TAG_BYTES = 16
 _LEN = struct.Struct("<I")
-_KDF_INFO = b"starling relay v1"
+_KDF_INFO = b"starling relay v2"
 
 # Causes of a relay's refusals, the keys of `Relay.refused`.
 NOT_A_RELAY = "not_a_relay"  # this node offers no relaying
@@ -90,8 +102,8 @@ REFUSALS = (NOT_A_RELAY, NOT_LIVE, NOT_A_CLIENT, NOT_ATTACHED, FORWARDS, QUEUE_F
 class RelayConfig:
     max_forwarding: int = 256  # forwards in flight at a relay; past it `$relay` is dropped
     max_relays: int = 3  # relays a client names in `$via`
-    max_keys: int = 4096  # pair keys kept (derivation is an X25519 agreement plus HKDF)
-    replay_window: int = 4096  # counters this far below the highest seen are refused
+    max_keys: int = 4096  # pair keys kept (derivation is an X25519 agreement plus HKDF); forgotten sources' marks
+    replay_window: int = 4096  # nonces this far below a source's highest are refused
     max_queued_bytes: int = 16 << 20  # sealed bytes a relay has handed out for one client, not yet seen read
     max_queued_messages: int = 256  # messages of those (below ZeroMQ's 1000 a connection, so none is dropped)
     probe_interval_s: float = 0.25  # a probe unanswered this long is followed by another
@@ -155,7 +167,58 @@ def _token(msg: Message) -> bytes:
 
 
 def _aad(src: str, dest: str) -> bytes:
-    return f"starling-relay-v1\0{src}\0{dest}".encode()
+    return f"starling-relay-v2\0{src}\0{dest}".encode()
+
+
+class ReplayGuard:
+    """Which nonces each source has had opened here (see the module's "Replays")."""
+
+    def __init__(self, window: int, max_retired: int) -> None:
+        self.window = window
+        self._max_retired = max_retired
+        self._windows: dict[str, tuple[int, int]] = {}  # source -> (highest nonce, bitmask of the window below)
+        self._retired: OrderedDict[str, int] = OrderedDict()  # forgotten source -> its highest nonce
+
+    def __len__(self) -> int:
+        return len(self._windows)
+
+    def check(self, src: str, incarnation: int, nonce: int) -> None:
+        """Raise WireError (REPLAYED) unless `nonce` from `src` is new; changes nothing."""
+        if nonce <= incarnation << COUNTER_BITS:
+            raise WireError(RejectReason.REPLAYED, f"a message relayed from {src} was sealed by an earlier run of it")
+        highest, seen = self._state(src)
+        if nonce > highest:
+            return
+        behind = highest - nonce
+        if behind >= self.window or (seen >> behind) & 1:
+            raise WireError(RejectReason.REPLAYED, f"a message relayed from {src} was delivered before")
+
+    def accept(self, src: str, nonce: int) -> None:
+        """Mark `nonce` (which passed `check`) as seen."""
+        highest, seen = self._state(src)
+        if nonce > highest:
+            ahead = nonce - highest
+            # a jump past the window (a new incarnation) clears it: no shift by a huge count
+            seen = 1 if ahead >= self.window else ((seen << ahead) | 1) & ((1 << self.window) - 1)
+            highest = nonce
+        else:
+            seen |= 1 << (highest - nonce)
+        self._windows[src] = (highest, seen)
+
+    def _state(self, src: str) -> tuple[int, int]:
+        state = self._windows.get(src)
+        if state is not None:
+            return state
+        # a source forgotten before: everything up to its highest counts as seen
+        return self._retired.get(src, 0), (1 << self.window) - 1
+
+    def forget(self, keep: Callable[[str], bool]) -> None:
+        """Drop the windows of sources `keep` says no; remember their highest nonce."""
+        for src in [s for s in self._windows if not keep(s)]:
+            self._retired[src] = self._windows.pop(src)[0]
+            self._retired.move_to_end(src)
+        while len(self._retired) > self._max_retired:
+            self._retired.popitem(last=False)
 
 
 class Sealer:
@@ -165,60 +228,49 @@ class Sealer:
         self._secret = X25519PrivateKey.from_private_bytes(curve_secret)
         self._self = self_id
         self._config = config
-        self._keys: OrderedDict[tuple[str, bytes], AESGCM] = OrderedDict()
-        self._session = os.urandom(4)
-        self._counter = 0
-        self._seen: OrderedDict[tuple[str, bytes], tuple[int, int]] = OrderedDict()  # replay guard
+        self._keys: OrderedDict[tuple[str, bytes, bool], AESGCM] = OrderedDict()
+        self._last = 0  # the last nonce sealed, as a number
+        self.guard = ReplayGuard(config.replay_window, config.max_keys)
 
-    def _key(self, peer: str, curve_key: bytes) -> AESGCM:
-        cached = self._keys.get((peer, curve_key))
+    def _key(self, peer: str, curve_key: bytes, outbound: bool) -> AESGCM:
+        """The key of messages from us to `peer` (outbound) or from `peer` to us. Each
+        direction has its own, so the two never seal under the same key and nonce."""
+        slot = (peer, curve_key, outbound)
+        cached = self._keys.get(slot)
         if cached is not None:
-            self._keys.move_to_end((peer, curve_key))
+            self._keys.move_to_end(slot)
             return cached
         shared = self._secret.exchange(X25519PublicKey.from_public_bytes(curve_key))
-        pair = "\0".join(sorted((self._self, peer))).encode()
-        key = HKDF(hashes.SHA256(), 32, salt=None, info=_KDF_INFO + b"\0" + pair).derive(shared)
-        aead = AESGCM(key)
-        self._keys[(peer, curve_key)] = aead
+        src, dest = (self._self, peer) if outbound else (peer, self._self)
+        info = b"\0".join([_KDF_INFO, src.encode(), dest.encode()])
+        aead = AESGCM(HKDF(hashes.SHA256(), 32, salt=None, info=info).derive(shared))
+        self._keys[slot] = aead
         if len(self._keys) > self._config.max_keys:
             self._keys.popitem(last=False)
         return aead
 
-    def seal(self, dest: str, curve_key: bytes, frames: list[Any]) -> tuple[bytes, bytes]:
-        self._counter += 1
-        nonce = self._session + self._counter.to_bytes(8, "big")
-        return nonce, self._key(dest, curve_key).encrypt(nonce, pack_frames(frames), _aad(self._self, dest))
+    def seal(self, dest: str, curve_key: bytes, frames: list[Any], incarnation: int = 0) -> tuple[bytes, bytes]:
+        """(nonce, ciphertext) of `frames` for `dest`; `incarnation` is this node's record's."""
+        self._last = max(self._last, incarnation << COUNTER_BITS) + 1
+        nonce = self._last.to_bytes(NONCE_BYTES, "big")
+        return nonce, self._key(dest, curve_key, True).encrypt(nonce, pack_frames(frames), _aad(self._self, dest))
 
     def open(self, src: str, curve_key: bytes, nonce: bytes, sealed: bytes | memoryview,
-             max_frames: int) -> list[memoryview]:
+             max_frames: int, incarnation: int = 0) -> list[memoryview]:
+        """The frames `src` sealed for us; `incarnation` is that of `src`'s record as we know it.
+        WireError if it does not open, was opened before, or is from an earlier run of `src`."""
         if len(nonce) != NONCE_BYTES:
             raise WireError(RejectReason.BAD_FIELD, f"relay nonce must be {NONCE_BYTES} bytes", field="body")
         try:
-            plain = self._key(src, curve_key).decrypt(nonce, bytes(sealed), _aad(src, self._self))
+            plain = self._key(src, curve_key, False).decrypt(nonce, bytes(sealed), _aad(src, self._self))
         except InvalidTag:
             raise WireError(RejectReason.RELAY_TAMPERED,
                             f"a message relayed from {src} does not open: altered, or not sealed by it") from None
-        self._check_fresh(src, nonce)
-        return unpack_frames(plain, max_frames)
-
-    def _check_fresh(self, src: str, nonce: bytes) -> None:
-        """Refuse a counter seen before, or one too far behind (a relay replaying old messages).
-        Per sender session: the highest counter and a bitmask of the `replay_window` below it."""
-        session, counter = nonce[:4], int.from_bytes(nonce[4:], "big")
-        highest, seen = self._seen.get((src, session), (0, 0))
-        window = self._config.replay_window
-        if counter > highest:
-            seen = ((seen << (counter - highest)) | 1) & ((1 << window) - 1)
-            highest = counter
-        else:
-            behind = highest - counter
-            if behind >= window or (seen >> behind) & 1:
-                raise WireError(RejectReason.REPLAYED, f"a message relayed from {src} was delivered before")
-            seen |= 1 << behind
-        self._seen[(src, session)] = (highest, seen)
-        self._seen.move_to_end((src, session))
-        if len(self._seen) > self._config.max_keys:
-            self._seen.popitem(last=False)
+        number = int.from_bytes(nonce, "big")
+        self.guard.check(src, incarnation, number)
+        frames = unpack_frames(plain, max_frames)
+        self.guard.accept(src, number)
+        return frames
 
 
 @dataclass
@@ -299,6 +351,7 @@ class Relay:
         self._in_flight: dict[str, int] = {}  # source -> its forwards in flight
         self._lanes: dict[str, _Lane] = {}  # client -> what this relay queued for it
         self._lanes_checked_at = 64  # lanes kept before the idle and unknown ones are dropped
+        self._guard_checked_at = 64  # likewise, replay windows before those of forgotten sources
 
     def use_identity(self, identity: Identity) -> None:
         """Seal and open with this identity's keys from now on."""
@@ -350,7 +403,7 @@ class Relay:
         info = node._table.get(dest)
         if info is None or node.record is None:
             raise SendError(f"no relay route to unknown peer {dest}")
-        nonce, sealed = self.sealer.seal(dest, info.record.curve_key, frames)
+        nonce, sealed = self.sealer.seal(dest, info.record.curve_key, frames, node.record.incarnation)
         if len(sealed) > self.config.max_queued_bytes:
             raise SendError(f"a message of {len(sealed)} sealed bytes for {dest} is more than a relay queues for "
                             f"a client (RelayConfig.max_queued_bytes, {self.config.max_queued_bytes})")
@@ -494,5 +547,10 @@ class Relay:
             if info is None:  # a peer that joined a moment ago: the relay has its record
                 node._swarm.want_from(msg.sender, src)
             raise WireError(RejectReason.UNKNOWN_PEER, f"relayed message from unknown peer {src}")
-        frames = self.sealer.open(src, info.record.curve_key, nonce, sealed, node.config.limits.max_frames)
+        frames = self.sealer.open(src, info.record.curve_key, nonce, sealed, node.config.limits.max_frames,
+                                  info.record.incarnation)
+        guard = self.sealer.guard
+        if len(guard) >= self._guard_checked_at:
+            guard.forget(node._table.__contains__)
+            self._guard_checked_at = max(64, 2 * len(guard))
         node._spawn(node._dispatch.on_opened(src, frames))

@@ -1,6 +1,6 @@
 """A relay and its clients against a hostile member, over real CURVE sockets on loopback:
-forwards only to clients attached to the relay, a flood toward dead destinations, and a client
-that never reads."""
+forwards only to clients attached to the relay, a flood toward dead destinations, a client
+that never reads, and replays after a flood of fresh nonces from another source."""
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +11,10 @@ from collections.abc import Iterator
 import pytest
 from conftest import TEST_LIVENESS, wait_until
 
+from starling.node.identity import Identity
 from starling.node.node import Node, NodeConfig
 from starling.node.relay import (
+    COUNTER_BITS,
     FORWARDS,
     NOT_A_CLIENT,
     QUEUE_FULL,
@@ -21,7 +23,9 @@ from starling.node.relay import (
     TOO_LARGE,
     VIA,
     RelayConfig,
+    Sealer,
 )
+from starling.node.wire import WireError, encode
 
 CONFIG = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0, reach_timeout_s=0.5)
 NO_RELAY = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0, reach_timeout_s=0.5, offer_relay=False)
@@ -72,7 +76,7 @@ def test_a_relay_forwards_only_to_clients_attached_to_it(nodes):
     got: list[object] = []
     m.on("note", lambda msg: got.append(msg.body))
     nonce, sealed = c._relay.sealer.seal(m.peer_id, m.identity.curve_public,
-                                         c._frames("note", "through the relay", ()))
+                                         c._frames("note", "through the relay", ()), c.record.incarnation)
     c.run(c._asend_raw(s.peer_id, RELAY, [m.peer_id, nonce], [sealed]))
     assert wait_until(lambda: _rejected(s, "no_route") >= 1 or got)
     assert got == []
@@ -186,3 +190,75 @@ def test_a_client_that_never_reads_holds_no_more_than_its_bound_at_the_relay(nod
     assert wait_until(lambda: len(got) == messages)
     assert wait_until(lambda: c.send(d.peer_id, "note", -1, payload=[chunk]).result(5) or -1 in got, interval_s=0.1)
     assert wait_until(lambda: s._relay.queued(d.peer_id)[0] < bound // 2)
+
+
+def test_a_replay_is_refused_after_a_flood_of_fresh_nonces_from_another_source(nodes):
+    s = nodes()  # the relay, hostile: it keeps what it forwards, and is a member who can seal as itself
+    c, d = (nodes(listen=None, join=[s.address]) for _ in range(2))
+    _all_live(s, c, d)
+    _attached(d, s)
+    notes: list[object] = []
+    d.on("note", lambda msg: notes.append(msg.body))
+    captured: list[tuple[str, list, bytes]] = []
+    original = s._relay._forward
+
+    async def keep(dest, body, sealed):
+        captured.append((dest, list(body), bytes(sealed)))
+        await original(dest, body, sealed)
+
+    s._relay._forward = keep
+    c.send(d.peer_id, "note", "pay once").result(5)
+    assert wait_until(lambda: notes == ["pay once"])
+    dest, body, sealed = captured[0]
+    # 5000 messages sealed by s for d, each under a nonce of its own later "run": more than
+    # the window, and more than any bound on sources a shared table could hold
+    sealer = Sealer(s.identity.curve_secret, s.peer_id, RelayConfig())
+    frames = encode("junk", s.peer_id, 0, None)
+    base = s.record.incarnation
+    for start in range(0, 5000, 500):
+        async def burst(start: int = start) -> None:
+            for i in range(start, start + 500):
+                nonce, junk = sealer.seal(d.peer_id, d.identity.curve_public, frames, base + i)
+                await s._asend_raw(d.peer_id, RELAYED, [s.peer_id, nonce], [junk])
+
+        s.run(burst())
+        assert wait_until(lambda start=start: _rejected(d, "unknown_topic") == start + 500)
+    s.run(s._asend_raw(dest, RELAYED, body, [sealed]))  # the captured message, again
+    assert wait_until(lambda: _rejected(d, "replayed") == 1)
+    assert notes == ["pay once"]
+
+
+def test_a_message_from_an_earlier_run_of_its_source_is_refused_whatever_was_forgotten():
+    a, b = Identity.generate(), Identity.generate()
+    frames = encode("note", a.peer_id, 1, {"x": 1})
+    first_run, second_run = 1_000, 2_000
+    old = Sealer(a.curve_secret, a.peer_id, RelayConfig()).seal(b.peer_id, b.curve_public, frames, first_run)
+    receiver = Sealer(b.curve_secret, b.peer_id, RelayConfig())
+    receiver.open(a.peer_id, a.curve_public, *old, 16, first_run)
+    # the table forgot a (its window goes): its highest nonce is kept, so the message is still refused
+    receiver.guard.forget(lambda peer: False)
+    assert len(receiver.guard) == 0
+    with pytest.raises(WireError, match="delivered before"):
+        receiver.open(a.peer_id, a.curve_public, *old, 16, first_run)
+    # a restarted: its record's incarnation alone refuses what the first run sealed, even to a
+    # receiver that remembers nothing of a
+    for fresh in (receiver, Sealer(b.curve_secret, b.peer_id, RelayConfig())):
+        with pytest.raises(WireError, match="earlier run"):
+            fresh.open(a.peer_id, a.curve_public, *old, 16, second_run)
+    new = Sealer(a.curve_secret, a.peer_id, RelayConfig()).seal(b.peer_id, b.curve_public, frames, second_run)
+    assert int.from_bytes(new[0], "big") >> COUNTER_BITS == second_run
+    assert [bytes(f) for f in receiver.open(a.peer_id, a.curve_public, *new, 16, second_run)] == \
+        [bytes(f) for f in frames]
+
+
+def test_each_direction_of_a_pair_seals_under_its_own_key():
+    """Both peers of a pair start their nonces from their incarnations; were the key shared,
+    two runs started in the same nanosecond would seal under one key and nonce."""
+    a, b = Identity.generate(), Identity.generate()
+    sa = Sealer(a.curve_secret, a.peer_id, RelayConfig())
+    sb = Sealer(b.curve_secret, b.peer_id, RelayConfig())
+    frames = encode("note", a.peer_id, 1, None)
+    nonce_ab, sealed_ab = sa.seal(b.peer_id, b.curve_public, frames, 7)
+    nonce_ba, sealed_ba = sb.seal(a.peer_id, a.curve_public, frames, 7)
+    assert nonce_ab == nonce_ba
+    assert sealed_ab[:-16] != sealed_ba[:-16]  # the ciphertexts, tags aside: different keystreams
