@@ -138,6 +138,17 @@ def is_loopback(endpoint: str) -> bool:
         return False
 
 
+def tcp_host(endpoint: str) -> str | None:
+    """The host of a tcp endpoint (without IPv6 brackets); None for ipc, inproc or a malformed one."""
+    scheme, sep, rest = endpoint.split("#", 1)[0].partition("://")
+    if scheme != "tcp" or not sep:
+        return None
+    try:
+        return _split_host_port(rest, endpoint)[0]
+    except AddressError:
+        return None
+
+
 # -- helpers ----------------------------------------------------------------------------
 
 

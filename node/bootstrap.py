@@ -7,7 +7,10 @@ turn, in rounds with backoff. Before its hello, a node that listens on TCP off l
 the peer it joins through to dial it back (REACH): that peer opens a fresh connection to the
 joiner's advertised addresses and asks for an ECHO of a nonce. An answer proves someone holding
 the joiner's key listens there (under CURVE the dial-back authenticates the joiner's key);
-silence means the joiner is behind a NAT or a firewall, and it joins as a client. Every
+silence means the joiner is behind a NAT or a firewall, and it joins as a client. As libp2p's
+AutoNAT, the dial-back goes only to the IP the request came from (tcp, as ZeroMQ reports the
+connection's peer): a stranger cannot make a node dial a third party, or probe whether
+something listens there. The joiner asks from the IP it advertises, where that IP is its own. Every
 `rejoin_interval_s`, join addresses whose peer is not alive to us are hello'd again: a seed that
 restarted with an empty table, or the other half of a partition, learns our table and we learn
 its own.
@@ -15,16 +18,19 @@ its own.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
 import logging
 import os
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 
+import zmq
 from zmq.utils import z85
 
 from starling.node import rpc
-from starling.node.address import AddressError, PeerAddress, parse_address
+from starling.node.address import AddressError, PeerAddress, parse_address, tcp_host
 from starling.node.membership import MAX_ADDRESSES, PeerRecord
 from starling.node.swarm import HELLO, JoinError, Swarm, SwarmConfigError, config_conflict_text, config_conflicts
 from starling.node.transport import Inbound
@@ -110,9 +116,13 @@ class Bootstrap:
     async def reachable_via(self, joins: list[PeerAddress], endpoints: list[str]) -> bool | None:
         """Ask the first join address that answers whether it can dial us on `endpoints`;
         None if none answered (the join that follows fails and says why)."""
+        source = _own_ip(endpoints)
         for address in joins:
+            endpoint = address.endpoint
+            if source is not None and tcp_host(endpoint) is not None:  # asked from the IP we advertise
+                endpoint = f"tcp://{_bracketed(source)}:0;{endpoint.removeprefix('tcp://')}"
             try:
-                reply = await self._bootstrap_request(address.endpoint, address.curve_key, REACH, [endpoints],
+                reply = await self._bootstrap_request(endpoint, address.curve_key, REACH, [endpoints],
                                                       self.node.config.join_timeout_s)
             except Exception as exc:
                 log.info("%s: reachability check via %s failed: %s", self.node.peer_id, address, exc)
@@ -122,7 +132,8 @@ class Bootstrap:
         return None
 
     async def on_reach(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
-        """Dial a would-be joiner back on the addresses it gives (bounded: few at a time)."""
+        """Dial a would-be joiner back on the addresses it gives that are at the IP its request
+        came from (bounded: few at a time); any other address is not dialled."""
         if (not isinstance(body, list) or len(body) != 1 or not isinstance(body[0], list)
                 or not 0 < len(body[0]) <= MAX_ADDRESSES):
             raise WireError(RejectReason.BAD_FIELD, f"reach body must be [[1 to {MAX_ADDRESSES} addresses]]",
@@ -136,6 +147,10 @@ class Bootstrap:
         key = inbound.user_id.encode() if inbound.user_id else None
         self._dialing += 1
         try:
+            endpoints = await self._at_requester(inbound, endpoints)
+            if not endpoints:
+                self.node.stats.count_rejected(RejectReason.REACH_ELSEWHERE.value)
+                return {"reachable": False, "reason": "no tcp address at the IP this request came from"}
             for endpoint in endpoints:
                 nonce = os.urandom(16)
                 try:
@@ -148,6 +163,33 @@ class Bootstrap:
             return {"reachable": False}
         finally:
             self._dialing -= 1
+
+    async def _at_requester(self, inbound: Inbound, endpoints: list[str]) -> list[str]:
+        """The tcp endpoints among `endpoints` whose host is the IP `inbound` came from (a name
+        counts if it resolves to it, within the dial-back's timeout)."""
+        try:
+            requester = _ip(inbound.frames[0].get("Peer-Address"))
+        except (zmq.ZMQError, AttributeError):  # no such property (ipc, inproc)
+            requester = None
+        if requester is None:
+            return []
+        out = []
+        for endpoint in endpoints:
+            host = tcp_host(endpoint)
+            if host is None:
+                continue
+            ip = _ip(host)
+            if ip is None:
+                try:
+                    infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(
+                        host, None, type=socket.SOCK_STREAM), self.node.config.reach_timeout_s)
+                except (OSError, asyncio.TimeoutError):
+                    continue
+                if requester in {_ip(info[4][0]) for info in infos}:
+                    out.append(endpoint)
+            elif ip == requester:
+                out.append(endpoint)
+        return out
 
     def on_echo(self, inbound: Inbound, member: str | None, body: Any) -> bytes:
         if not isinstance(body, bytes) or len(body) > MAX_NONCE:
@@ -200,7 +242,7 @@ class Bootstrap:
         self.swarm._rng.shuffle(peers)
         for raw in peers:
             try:
-                self.swarm.learn(self.swarm.record_from(raw))
+                self.swarm.learn(self.swarm.record_from(raw), told_by=responder.peer_id)
             except WireError as exc:
                 node.stats.count_rejected(exc.reason.value)
         return responder
@@ -222,3 +264,36 @@ class Bootstrap:
                 log.info("%s: rejoined through %s", self.node.peer_id, address)
             except Exception as exc:
                 log.debug("%s: rejoin through %s failed: %s", self.node.peer_id, address, exc)
+
+
+def _ip(text: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """An IP from text, IPv4-mapped IPv6 as IPv4; None if it is no IP literal."""
+    try:
+        ip = ipaddress.ip_address(str(text).split("%", 1)[0])
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return mapped if mapped is not None else ip
+
+
+def _bracketed(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip
+
+
+def _own_ip(endpoints: list[str]) -> str | None:
+    """The first IP among our advertised tcp endpoints that is one of this machine's own (it can
+    be bound): the source our dial-back request is sent from, so that the peer dialling us back
+    sees the IP we advertise. None if we advertise none of ours (a name, a forwarded port)."""
+    for endpoint in endpoints:
+        host = tcp_host(endpoint)
+        ip = _ip(host) if host is not None else None
+        if ip is None or ip.is_unspecified:
+            continue
+        family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((str(ip), 0))
+        except OSError:
+            continue
+        return str(ip)
+    return None

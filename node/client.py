@@ -22,7 +22,20 @@ class ClientError(Exception):
     """The node could not be reached or answered with an error."""
 
 
+MAX_PAD = 16 << 20  # the most a status request pads itself to (a node answers at most 10x what it is sent)
+
+
 async def _aquery(address: str, topic: str, body: Any, identity: Identity, timeout_s: float) -> Any:
+    """One request; a `$status` answered with `{"pad_to": n}` (the node answers someone outside
+    its swarm with at most ten times the bytes it was sent) is asked again, padded to n."""
+    result = await _aquery_once(address, topic, body, identity, timeout_s)
+    if topic == "$status" and body is None and isinstance(result, dict) and set(result) == {"pad_to"} \
+            and isinstance(result["pad_to"], int) and 0 < result["pad_to"] <= MAX_PAD:
+        result = await _aquery_once(address, topic, {"pad": bytes(result["pad_to"])}, identity, timeout_s)
+    return result
+
+
+async def _aquery_once(address: str, topic: str, body: Any, identity: Identity, timeout_s: float) -> Any:
     target = parse_address(address)
     net = NetworkThread.get()
     sock = net.context.socket(zmq.DEALER)

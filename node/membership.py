@@ -190,6 +190,7 @@ class PeerInfo:
     meta: dict[str, Any] = field(default_factory=lambda: _NO_META)  # the meta of its last signed beat
     beat: int = -1  # the highest heartbeat counter heard from this incarnation
     signed_beat: list[Any] | None = None  # that beat as its peer signed it: what we relay
+    told_by: str | None = None  # the member that relayed its record, until the peer itself is heard
 
     @property
     def peer_id(self) -> str:
@@ -224,6 +225,28 @@ class PeerView:
 
 
 @dataclass(frozen=True)
+class TableLimits:
+    """How many peers a table holds. A record relayed by a member (in a join's table, an
+    announce, a `$sync` page) counts against that member's share until the peer itself is
+    heard from directly (a message on its own connection); a full table makes room by dropping
+    dead entries, then unconfirmed records of the member holding the most, and refuses a
+    relayed record once its relayer holds the most. So one member cannot fill the table with
+    made-up peers, and the records of peers heard first-hand are kept."""
+
+    max_peers: int = 8192
+    max_unconfirmed_per_member: int = 4096  # a joiner takes a swarm of this many from the member it joins through
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_unconfirmed_per_member <= self.max_peers:
+            raise ValueError(f"need 1 <= max_unconfirmed_per_member <= max_peers: {self}")
+
+
+class TableFull(WireError):
+    def __init__(self, message: str) -> None:
+        super().__init__(RejectReason.TABLE_FULL, message, field="record")
+
+
+@dataclass(frozen=True)
 class StatusChange:
     peer_id: str
     old: PeerStatus | None
@@ -234,10 +257,13 @@ class PeerTable:
     """Known peers (never including ourselves) and their liveness. Not thread-safe:
     it lives on the network thread; other threads read snapshots."""
 
-    def __init__(self, self_id: str, liveness: Liveness) -> None:
+    def __init__(self, self_id: str, liveness: Liveness, limits: TableLimits | None = None) -> None:
         self.self_id = self_id
         self.liveness = liveness
+        self.limits = limits or TableLimits()
         self._peers: dict[str, PeerInfo] = {}
+        self._unconfirmed: dict[str, dict[str, None]] = {}  # member -> ids it relayed not heard yet, oldest first
+        self.evicted: list[str] = []  # dropped to make room; the owner of the table closes their sockets
 
     def __contains__(self, peer_id: str) -> bool:
         return peer_id in self._peers
@@ -255,8 +281,10 @@ class PeerTable:
     def live(self) -> list[PeerInfo]:
         return [p for p in self._peers.values() if p.status in (PeerStatus.ALIVE, PeerStatus.SUSPECT)]
 
-    def upsert(self, record: PeerRecord, now: float) -> StatusChange | None:
+    def upsert(self, record: PeerRecord, now: float, told_by: str | None = None) -> StatusChange | None:
         """Add a verified record, or replace an older incarnation. Returns the change, if any.
+        `told_by` is the member that relayed it (None: the peer itself gave it); a new record
+        past `limits` raises TableFull, and nothing changes.
 
         A peer that left comes back only with a newer incarnation.
         """
@@ -273,8 +301,49 @@ class PeerTable:
                     return None
                 return None if record == known.record else self._replace(known, record, now)
             return self._replace(known, record, now)
-        self._peers[record.peer_id] = PeerInfo(record, PeerStatus.ALIVE, now)
+        if told_by == record.peer_id:
+            told_by = None
+        self._make_room(record.peer_id, told_by)
+        self._peers[record.peer_id] = PeerInfo(record, PeerStatus.ALIVE, now, told_by=told_by)
+        if told_by is not None:
+            self._unconfirmed.setdefault(told_by, {})[record.peer_id] = None
         return StatusChange(record.peer_id, None, PeerStatus.ALIVE)
+
+    def _make_room(self, peer_id: str, told_by: str | None) -> None:
+        limits = self.limits
+        if told_by is not None and len(self._unconfirmed.get(told_by, ())) >= limits.max_unconfirmed_per_member:
+            raise TableFull(f"record of {peer_id}: {told_by} already relayed {limits.max_unconfirmed_per_member} "
+                            "records of peers not heard from yet")
+        if len(self._peers) < limits.max_peers:
+            return
+        gone = next((p for p in self._peers.values() if p.status in (PeerStatus.DEAD, PeerStatus.LEFT)), None)
+        if gone is None:
+            top = max(self._unconfirmed, key=lambda m: len(self._unconfirmed[m]), default=None)
+            most = len(self._unconfirmed[top]) if top is not None else 0
+            mine = len(self._unconfirmed.get(told_by, ())) if told_by is not None else -1
+            if top is None or most == 0 or mine + 1 >= most:
+                raise TableFull(f"record of {peer_id}: the peer table holds {limits.max_peers} peers")
+            gone = self._peers[next(iter(self._unconfirmed[top]))]
+        self._drop(gone.peer_id)
+        self.evicted.append(gone.peer_id)
+
+    def _drop(self, peer_id: str) -> None:
+        info = self._peers.pop(peer_id)
+        self._confirm(info)
+
+    def _confirm(self, info: PeerInfo) -> None:
+        """The peer itself was heard (or its entry goes): it no longer counts against its relayer."""
+        if info.told_by is not None:
+            held = self._unconfirmed.get(info.told_by)
+            if held is not None:
+                held.pop(info.peer_id, None)
+                if not held:
+                    del self._unconfirmed[info.told_by]
+            info.told_by = None
+
+    def unconfirmed(self, member: str) -> int:
+        """Records `member` relayed whose peers this table has not heard from yet."""
+        return len(self._unconfirmed.get(member, ()))
 
     def _replace(self, known: PeerInfo, record: PeerRecord, now: float) -> StatusChange | None:
         old = known.status
@@ -283,13 +352,17 @@ class PeerTable:
         known.record, known.last_seen, known.status = record, now, PeerStatus.ALIVE
         return None if old is PeerStatus.ALIVE else StatusChange(record.peer_id, old, PeerStatus.ALIVE)
 
-    def seen(self, peer_id: str, now: float) -> StatusChange | None:
+    def seen(self, peer_id: str, now: float, *, first_hand: bool = True) -> StatusChange | None:
         """Any authenticated message from a peer proves it alive (a dead peer revives;
-        one that left stays gone until it rejoins with a new incarnation)."""
+        one that left stays gone until it rejoins with a new incarnation). Heard first-hand
+        (not in a relayed beat: whoever made up a peer can sign its beats too), its record no
+        longer counts against the member that relayed it."""
         info = self._peers.get(peer_id)
         if info is None or info.status is PeerStatus.LEFT:
             return None
         info.last_seen = max(info.last_seen, now)
+        if first_hand and info.told_by is not None:
+            self._confirm(info)
         if info.status is not PeerStatus.ALIVE:
             old, info.status = info.status, PeerStatus.ALIVE
             return StatusChange(peer_id, old, PeerStatus.ALIVE)
@@ -328,7 +401,7 @@ class PeerTable:
         entry = verified_beat(entry, info.record.verify_key)
         info.beat, info.signed_beat = entry[2], entry
         info.meta = entry[3] or _NO_META
-        return self.seen(info.peer_id, now)
+        return self.seen(info.peer_id, now, first_hand=False)
 
     def digest(self) -> list[list[Any]]:
         """The beats to relay, exactly as their peers signed them: the last beat of every peer
@@ -395,7 +468,7 @@ class PeerTable:
         gone = [p.peer_id for p in self._peers.values()
                 if p.status in (PeerStatus.DEAD, PeerStatus.LEFT) and now - p.last_seen > older_than_s]
         for pid in gone:
-            del self._peers[pid]
+            self._drop(pid)
         return gone
 
 

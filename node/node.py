@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
 from starling.node import rpc
 from starling.node.address import PeerAddress, is_loopback, parse_address, parse_bind
 from starling.node.admission import AdmissionConfig
@@ -41,6 +43,7 @@ from starling.node.membership import (
     PeerTable,
     PeerView,
     StatusChange,
+    TableLimits,
     finite_meta,
 )
 from starling.node.relay import VIA, Relay, RelayConfig
@@ -48,12 +51,13 @@ from starling.node.security import SecurityMode, ZapPolicy, choose_security
 from starling.node.stats import NodeStats
 from starling.node.swarm import JoinError, Swarm, SwarmConfigError, UnknownPeerError, config_conflicts
 from starling.node.transfer import BlobServer, TransferConfig, afetch_patiently
-from starling.node.transport import SendError, Transport, TransportConfig
-from starling.node.wire import Limits, Message, encode, frame_nbytes
+from starling.node.transport import Inbound, SendError, Transport, TransportConfig
+from starling.node.wire import Limits, Message, RejectReason, WireError, encode, frame_nbytes
 
 log = logging.getLogger(__name__)
 
 STATUS = "$status"
+STATUS_ENVELOPE_BYTES = 160  # a request's or an answer's frames around its body
 
 # Importable from here as they always were: their homes are now the membership modules.
 __all__ = ["JoinError", "LinkShaper", "Node", "NodeConfig", "NodeFault", "PeerView", "SwarmConfigError",
@@ -81,6 +85,7 @@ class NodeConfig:
     rejoin_interval_s: float = 10.0  # how often join addresses whose peers are gone are tried again
     leave_timeout_s: float = 1.0
     forget_after_s: float = 60.0  # dead/left peers are dropped from the table after this
+    table: TableLimits = field(default_factory=TableLimits)  # how many peers the table holds, and per relayer
 
 
 class LinkShaper(typing.Protocol):
@@ -104,7 +109,7 @@ class Node:
         self.record: PeerRecord | None = None
         self.shaper: LinkShaper | None = None  # set by the simulator to emulate slow links
         self._net = NetworkThread.get()
-        self._table = PeerTable(self.identity.peer_id, self.config.liveness)
+        self._table = PeerTable(self.identity.peer_id, self.config.liveness, self.config.table)
         self._pending = rpc.PendingRequests()
         self._dispatch = Dispatcher(self)
         self._handlers = self._dispatch.handlers  # topic -> (handler, public)
@@ -114,7 +119,7 @@ class Node:
         self._bootstrap.register()
         self._relay = Relay(self, self.config.relay)
         self._relay.register()
-        self._dispatch.on_internal_request(STATUS, lambda inbound, member, body: self.status(), public=True)
+        self._dispatch.on_internal_request(STATUS, self._answer_status, public=True)
         self._seq = itertools.count()
         self._meta: dict[str, Any] = {}
         self._info: dict[str, Any] = {}  # what `status` reports beside the table (`set_status_info`)
@@ -132,7 +137,7 @@ class Node:
         holds its keys or its id takes the new one here (the peer table's own id, the relay's
         sealing keys), or relayed messages would be sealed and opened under the old keys."""
         self.identity = identity
-        self._table = PeerTable(identity.peer_id, self.config.liveness)
+        self._table = PeerTable(identity.peer_id, self.config.liveness, self.config.table)
         self._relay.use_identity(identity)
 
     # ---------------------------------------------------------------- lifecycle
@@ -416,6 +421,23 @@ class Node:
 
     def _call(self, coro: Any, timeout_s: float | None = None) -> Any:
         return self._net.run(coro, timeout_s)
+
+    def _answer_status(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
+        """`status()` for `$status`. Asked from outside the swarm (`starling node status`), the
+        answer is at most `stranger_reply_factor` times the request's bytes: a bigger status is
+        answered with `{"pad_to": n}`, and the asker sends the request again padded to n bytes
+        (`{"pad": bytes}`; `node.client.query` does), paying for its answer with its own upload."""
+        padded = isinstance(body, dict) and set(body) == {"pad"} and isinstance(body["pad"], bytes)
+        if body is not None and not padded:
+            raise WireError(RejectReason.BAD_FIELD, "status body must be empty or {pad: bytes}", field="body")
+        status = self.status()
+        if member is not None:
+            return status
+        factor = self.config.admission.stranger_reply_factor
+        size = len(msgpack.packb(status, use_bin_type=True, default=str)) + STATUS_ENVELOPE_BYTES
+        if size <= factor * frame_nbytes(inbound.frames):
+            return status
+        return {"pad_to": size // factor + size // (4 * factor) + STATUS_ENVELOPE_BYTES}  # a quarter to spare
 
     def status(self) -> dict[str, Any]:
         """Peer table and counters as plain data (what `starling node status` prints)."""

@@ -227,7 +227,7 @@ class Swarm:
                 raise WireError(RejectReason.BAD_FIELD, "malformed sync reply", field="body")
             for raw in body["peers"]:
                 try:
-                    learned += self.learn(self.record_from(raw))
+                    learned += self.learn(self.record_from(raw), told_by=peer_id)
                 except WireError as exc:
                     self.node.stats.count_rejected(exc.reason.value)
             following = body.get("next")
@@ -244,7 +244,7 @@ class Swarm:
             raise WireError(RejectReason.BAD_FIELD, "announce body must be a list of records", field="body")
         for raw in msg.body:
             try:
-                self.learn(self.record_from(raw))
+                self.learn(self.record_from(raw), told_by=msg.sender)
             except WireError as exc:
                 self.node._dispatch.reject(exc.reason, str(exc))
 
@@ -291,19 +291,26 @@ class Swarm:
         raise WireError(RejectReason.NOT_ALLOWED,
                         f"peer record for {record.peer_id}: its key is not on this node's allowlist", field="record")
 
-    def learn(self, record: PeerRecord) -> bool:
+    def learn(self, record: PeerRecord, told_by: str | None = None) -> bool:
         """Add or refresh a verified record; connect to a new peer. True if it was news.
+        `told_by` is the member that relayed it (None if the peer gave it itself); a table
+        that is full, or full of that member's records, refuses it (TableFull, a WireError).
         The one way into the peer table: a record the allowlist refuses never gets there."""
         self._check_allowed(record)
         node = self.node
         before = node._table.get(record.peer_id)
         held = None if before is None else before.record
-        change = node._table.upsert(record, time.monotonic())
+        change = node._table.upsert(record, time.monotonic(), told_by)
+        transport = node._transport
+        assert transport is not None
+        if node._table.evicted:  # made room: their sockets go too
+            for gone in node._table.evicted:
+                transport.disconnect(gone)
+                self._pulls.pop(gone, None)
+            node._table.evicted.clear()
         known = node._table.get(record.peer_id)
         if known is None or known.record is not record or held is record:
             return False  # refused, older, or the record we hold already (its socket stays)
-        transport = node._transport
-        assert transport is not None
         if transport.has(record.peer_id):
             transport.disconnect(record.peer_id)  # addresses may have changed
         server_key = z85.encode(record.curve_key) if node.mode is SecurityMode.CURVE else None

@@ -75,6 +75,8 @@ class RejectReason(str, Enum):
     NO_ROUTE = "no_route"  # a relay asked to forward to a peer it cannot reach, or by a node that is no relay
     RELAY_TAMPERED = "relay_tampered"  # a relayed message whose seal does not open (altered on the way)
     REPLAYED = "replayed"  # a relayed message delivered before
+    TABLE_FULL = "table_full"  # a relayed record refused: the peer table, or its relayer's share of it, is full
+    REACH_ELSEWHERE = "reach_elsewhere"  # a dial-back asked for addresses not at the asker's own IP
 
 
 class WireError(ValueError):

@@ -2,11 +2,14 @@
 ZeroMQ refuses is that peer's problem, never the node's (real CURVE sockets on loopback)."""
 from __future__ import annotations
 
+import socket
+import threading
+
 import pytest
 from conftest import TEST_LIVENESS, wait_until
 from zmq.utils import z85
 
-from starling.node.address import AddressError, parse_record_endpoint
+from starling.node.address import AddressError, parse_address, parse_record_endpoint
 from starling.node.client import ClientError, query
 from starling.node.identity import Identity
 from starling.node.membership import PeerRecord
@@ -85,3 +88,59 @@ def test_an_endpoint_zeromq_refuses_fails_that_peers_sends_and_never_the_node(no
     assert transport.connect_failures == 1 and not transport.is_open("nowhere")
     assert node.status()["sockets"]["connect_failures"] == 1
     assert node.fault is None and not node.closed
+
+
+def _listener(host: str) -> tuple[socket.socket, list]:
+    """A plain TCP listener that counts the connections it accepts (a third party's port)."""
+    server = socket.socket()
+    server.bind((host, 0))
+    server.listen(64)
+    server.settimeout(0.05)
+    accepted: list = []
+
+    def accept() -> None:
+        while server.fileno() >= 0:
+            try:
+                conn, _ = server.accept()
+                accepted.append(conn)
+            except (TimeoutError, OSError):
+                continue
+
+    threading.Thread(target=accept, daemon=True).start()
+    return server, accepted
+
+
+def test_the_dial_back_dials_only_the_ip_the_request_came_from(node):
+    """A stranger on 127.0.0.1 names a third party on 127.0.0.2 (and a unix socket): the node
+    opens no connection to either, answers at once, and counts it."""
+    from starling.node.bootstrap import REACH
+
+    server, accepted = _listener("127.0.0.2")
+    try:
+        third_party = f"tcp://127.0.0.2:{server.getsockname()[1]}"
+        before = node.stats.snapshot()["rejected"].get("reach_elsewhere", 0)
+        for _ in range(4):
+            answer = query(node.address, REACH, [[third_party, "ipc:///tmp/starling-third-party.sock"]], timeout_s=5)
+            assert answer["reachable"] is False and "came from" in answer["reason"]
+        assert node.stats.snapshot()["rejected"]["reach_elsewhere"] == before + 4
+        assert accepted == []  # a dial-back connects before its answer is sent
+    finally:
+        server.close()
+
+
+def test_a_joiner_that_listens_off_its_default_source_ip_is_dialled_back():
+    """A joiner advertising 127.0.0.3 asks from 127.0.0.3 (its request's source is the IP it
+    advertises), so the seed's dial-back finds it, and it joins as a reachable member."""
+    from starling.node.bootstrap import Bootstrap
+
+    seed = Node(config=CONFIG).start("tcp://127.0.0.1:0")
+    joiner = Node(config=CONFIG)
+    try:
+        joiner.start("tcp://127.0.0.3:0", [seed.address])
+        endpoint = joiner.address.split("#")[0]
+        # loopback joiners skip the dial-back; ask it as a joiner off loopback would
+        assert joiner.run(Bootstrap.reachable_via(joiner._bootstrap, [parse_address(seed.address)], [endpoint])) is True
+        assert wait_until(lambda: joiner.peer_id in seed.live_peers())
+    finally:
+        joiner.close()
+        seed.close()

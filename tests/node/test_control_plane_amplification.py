@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -15,11 +16,12 @@ from zmq.utils import z85
 from starling.node import rpc
 from starling.node.address import parse_address
 from starling.node.admission import AdmissionConfig
+from starling.node.client import query
 from starling.node.identity import Identity
 from starling.node.loop import NetworkThread
-from starling.node.membership import Liveness, PeerRecord
+from starling.node.membership import Liveness, PeerRecord, TableLimits
 from starling.node.node import Node, NodeConfig
-from starling.node.swarm import ANNOUNCE, HELLO, SYNC, WANT
+from starling.node.swarm import ANNOUNCE, HELLO, REPLY_ENVELOPE_BYTES, SYNC, WANT
 from starling.node.wire import decode, encode, frame_nbytes
 
 # slow beats: the made-up peers below answer nothing, and must stay in the table for the test
@@ -111,12 +113,15 @@ def test_a_members_table_pulls_are_held_to_its_byte_rate(seeded):
 
 def test_wants_share_the_pull_budget(seeded):
     seed, member, records = seeded
+    admission = seed.config.admission
     ids = [r.peer_id for r in records[:256]]
+    start = time.monotonic()
     for _ in range(40):  # 40 x 256 fat records wanted: ~4 MB if all were answered
         member.run(member._asend_raw(seed.peer_id, WANT, ids))
     assert wait_until(lambda: seed.stats.snapshot()["rejected"].get("rate_limited", 0) > 0, timeout_s=20)
     time.sleep(0.5)  # the announces already spawned finish
-    assert _bytes_sent_to(seed, member.peer_id, ANNOUNCE) <= 1.5 * seed.config.admission.member_pull_burst_bytes
+    allowed = admission.member_pull_burst_bytes + admission.member_pull_bytes_per_s * (time.monotonic() - start)
+    assert _bytes_sent_to(seed, member.peer_id, ANNOUNCE) <= allowed + 40 * REPLY_ENVELOPE_BYTES
 
 
 def test_a_sync_page_is_held_to_its_size_and_goes_on_from_its_cursor(seeded):
@@ -148,3 +153,36 @@ def test_a_malformed_sync_is_refused(seeded, body):
 
 def _bytes_sent_to(node: Node, peer: str, topic: str) -> int:
     return node.stats.snapshot()["bytes_sent"].get(peer, {}).get(topic, 0)
+
+
+def test_a_strangers_status_costs_at_most_ten_times_its_bytes_and_the_client_pads_for_more(seeded):
+    seed, _, records = seeded
+    stranger = Identity.generate()
+    sent, got, body = NetworkThread.get().run(_raw_request(seed.address, stranger, "$status", None))
+    assert got <= 10 * sent and set(body) == {"pad_to"}  # 301 peers do not fit in 10x a bare request
+    sent, got, body = NetworkThread.get().run(_raw_request(seed.address, stranger, "$status",
+                                                           {"pad": bytes(body["pad_to"])}))
+    assert got <= 10 * sent and len(body["peers"]) == 301
+    assert len(query(seed.address, timeout_s=10)["peers"]) == 301  # what `starling node status` does
+
+
+def test_a_member_cannot_fill_the_table_with_made_up_peers_and_joiners_still_join():
+    limits = TableLimits(max_peers=64, max_unconfirmed_per_member=32)
+    seed = Node(config=replace(config(), table=limits)).start("tcp://127.0.0.1:0")
+    flooder = Node(config=config()).start("tcp://127.0.0.1:0", join=[seed.address])
+    try:
+        announce(flooder, seed, fat_records(100))
+        assert wait_until(lambda: seed.stats.snapshot()["rejected"].get("table_full", 0) >= 100 - 32)
+        assert len(seed.live_peers()) == 1 + 32  # the flooder, and its share of made-up peers
+        joiners = [Node(config=config()).start("tcp://127.0.0.1:0", join=[seed.address]) for _ in range(3)]
+        try:
+            for joiner in joiners:
+                assert wait_until(lambda j=joiner: j.peer_id in seed.live_peers())
+                assert seed.peer_id in joiner.live_peers()
+            assert seed.fault is None and not seed.closed
+        finally:
+            for joiner in joiners:
+                joiner.close()
+    finally:
+        flooder.close()
+        seed.close()

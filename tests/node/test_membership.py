@@ -11,6 +11,8 @@ from starling.node.membership import (
     PeerRecord,
     PeerStatus,
     PeerTable,
+    TableFull,
+    TableLimits,
     finite_meta,
     parse_digest,
     sign_beat,
@@ -241,3 +243,46 @@ def test_malformed_digests_raise_typed_errors(body):
 def test_bad_heartbeat_meta_is_refused(meta):
     with pytest.raises(WireError):
         finite_meta(meta)
+
+
+def test_a_member_relays_at_most_its_share_of_records_not_heard_first_hand(ids):
+    member = ids[1].peer_id
+    table = PeerTable(ids[0].peer_id, Liveness(), TableLimits(max_peers=100, max_unconfirmed_per_member=3))
+    keys = [Identity.generate() for _ in range(4)]
+    made_up = [PeerRecord.create(key, ["tcp://127.0.0.1:1"], 1) for key in keys]
+    for record in made_up[:3]:
+        table.upsert(record, now=0.0, told_by=member)
+    with pytest.raises(TableFull):
+        table.upsert(made_up[3], now=0.0, told_by=member)
+    assert made_up[3].peer_id not in table and table.unconfirmed(member) == 3
+    table.heartbeat(sign_beat(keys[0], 1, 1, {}), now=1.0)  # a relayed beat is no proof: its relayer can sign it
+    assert table.unconfirmed(member) == 3
+    table.seen(made_up[0].peer_id, now=1.0)  # heard on its own connection: no longer the member's
+    assert table.unconfirmed(member) == 2
+    table.upsert(made_up[3], now=1.0, told_by=member)
+    assert made_up[3].peer_id in table
+
+
+def test_a_full_table_drops_the_dead_then_the_biggest_relayers_unconfirmed_records(ids):
+    table = PeerTable(ids[0].peer_id, Liveness(1.0, 2.0, 3.0), TableLimits(max_peers=4, max_unconfirmed_per_member=4))
+    flooder, honest = ids[1].peer_id, ids[2].peer_id
+    heard = PeerRecord.create(Identity.generate(), ["tcp://127.0.0.1:1"], 1)
+    table.upsert(heard, now=0.0)  # first-hand
+    fakes = [PeerRecord.create(Identity.generate(), ["tcp://127.0.0.1:1"], 1) for _ in range(3)]
+    for record in fakes:
+        table.upsert(record, now=0.0, told_by=flooder)
+    # full: a record the flooder relays is refused, one another member relays takes a flooder's place
+    with pytest.raises(TableFull):
+        table.upsert(PeerRecord.create(Identity.generate(), ["tcp://127.0.0.1:1"], 1), now=0.0, told_by=flooder)
+    other = PeerRecord.create(Identity.generate(), ["tcp://127.0.0.1:1"], 1)
+    table.upsert(other, now=0.0, told_by=honest)
+    assert other.peer_id in table and heard.peer_id in table and table.unconfirmed(flooder) == 2
+    assert table.evicted == [fakes[0].peer_id]
+    # a dead entry goes before anyone's record
+    table.seen(heard.peer_id, now=0.0)
+    table.sweep(10.0)  # all silent: dead
+    table.seen(other.peer_id, now=10.0)
+    newcomer = PeerRecord.create(Identity.generate(), ["tcp://127.0.0.1:1"], 1)
+    table.upsert(newcomer, now=10.0)
+    assert newcomer.peer_id in table and other.peer_id in table and len(table.all()) == 4
+
