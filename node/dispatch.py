@@ -182,9 +182,9 @@ class Dispatcher:
             if change is not None:
                 node._notify(change)
         internal = self.internal_messages.get(topic)
-        if internal is not None:
+        if internal is not None and rid is None:
             internal(msg)
-        elif rid is not None:
+        elif rid is not None:  # a one-way topic asked as a request is answered no_handler, never run
             cap = self.admission.admit(route, member)
             if cap is not None:
                 await self._busy(route, topic, rid, cap, peer)
