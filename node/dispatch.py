@@ -202,6 +202,10 @@ class Dispatcher:
             raise WireError(RejectReason.BUSY, f"{topic!r}: too many messages in flight on this connection")
         try:
             result = handler[0](msg)
+        except rpc.RemoteError as exc:  # a typed refusal (a request topic sent one-way): the sender's error
+            self.admission.release(route, True)
+            self.reject(RejectReason.HANDLER_ERROR, f"handler for {topic!r} refused: {exc}")
+            return
         except Exception:
             self.admission.release(route, True)
             self.reject(RejectReason.HANDLER_ERROR, f"handler for {topic!r} raised")
