@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starling.node.transport import SendError
-from starling.node.wire import Message, RejectReason, WireError
+from starling.node.wire import MAX_TOPIC_CHARS, Message, RejectReason, WireError
 
 REQUEST_TOPIC = "$req"
 REPLY_TOPIC = "$rep"
@@ -207,10 +207,13 @@ def request_body(topic: str, request_id: int, body: Any) -> list[Any]:
 
 
 def parse_request(msg: Message) -> tuple[str, int, Any]:
+    """[topic, id, body]. The topic is held to the bound a message's own topic has: a node keeps
+    it as a key of its byte counters, which a status answer carries."""
     b = msg.body
-    if (not isinstance(b, list) or len(b) != 3 or not isinstance(b[0], str) or not b[0]
+    if (not isinstance(b, list) or len(b) != 3 or not isinstance(b[0], str) or not 0 < len(b[0]) <= MAX_TOPIC_CHARS
             or not isinstance(b[1], int) or isinstance(b[1], bool)):
-        raise WireError(RejectReason.BAD_FIELD, "request body must be [topic, id, body]", field="body")
+        raise WireError(RejectReason.BAD_FIELD, f"request body must be [topic (1 to {MAX_TOPIC_CHARS} chars), id, "
+                        "body]", field="body")
     return b[0], b[1], b[2]
 
 
