@@ -185,6 +185,9 @@ def _check_endpoint(endpoint: str, original: str, *, bind: bool) -> str:
     return f"tcp://{host}:{port}"
 
 
+_ZONE = re.compile(r"[A-Za-z0-9._-]{1,15}")  # a network interface name (IFNAMSIZ - 1) or index
+
+
 def _split_host_port(rest: str, original: str) -> tuple[str, str]:
     if rest.startswith("["):
         close = rest.find("]")
@@ -197,6 +200,9 @@ def _split_host_port(rest: str, original: str) -> tuple[str, str]:
             ipaddress.IPv6Address(host)
         except ValueError:
             raise AddressError(f"address {original!r}: {host!r} is not an IPv6 address") from None
+        zone = host.partition("%")[2]
+        if "%" in host and not _ZONE.fullmatch(zone):
+            raise AddressError(f"address {original!r}: an IPv6 zone is an interface name of 1 to 15 characters")
         return host, after[1:]
     host, sep, port = rest.rpartition(":")
     if not sep:

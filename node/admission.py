@@ -110,6 +110,11 @@ class TokenBucket:
         self.tokens -= amount
         return True
 
+    def charge(self, amount: float, now: float) -> None:
+        """Spend `amount` tokens even past empty: the debt is paid from the refill first."""
+        self._refill(now)
+        self.tokens -= amount
+
     def available(self, now: float) -> float:
         self._refill(now)
         return self.tokens

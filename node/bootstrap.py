@@ -165,8 +165,9 @@ class Bootstrap:
             self._dialing -= 1
 
     async def _at_requester(self, inbound: Inbound, endpoints: list[str]) -> list[str]:
-        """The tcp endpoints among `endpoints` whose host is the IP `inbound` came from (a name
-        counts if it resolves to it, within the dial-back's timeout)."""
+        """The tcp endpoints among `endpoints` at the IP `inbound` came from, written with that IP
+        (a name counts if it resolves to it, within the dial-back's timeout, and is dialled at
+        that IP: ZeroMQ resolving the name again could get another answer)."""
         try:
             requester = _ip(inbound.frames[0].get("Peer-Address"))
         except (zmq.ZMQError, AttributeError):  # no such property (ipc, inproc)
@@ -185,10 +186,11 @@ class Bootstrap:
                         host, None, type=socket.SOCK_STREAM), self.node.config.reach_timeout_s)
                 except (OSError, asyncio.TimeoutError):
                     continue
-                if requester in {_ip(info[4][0]) for info in infos}:
-                    out.append(endpoint)
-            elif ip == requester:
-                out.append(endpoint)
+                if requester not in {_ip(info[4][0]) for info in infos}:
+                    continue
+            elif ip != requester:
+                continue
+            out.append(f"tcp://{_bracketed(str(requester))}:{endpoint.rsplit(':', 1)[1]}")
         return out
 
     def on_echo(self, inbound: Inbound, member: str | None, body: Any) -> bytes:

@@ -15,13 +15,14 @@ from starling.node import rpc
 from starling.node.address import parse_address
 from starling.node.identity import Identity
 from starling.node.loop import NetworkThread
-from starling.node.wire import WireError, decode, encode
+from starling.node.wire import Limits, WireError, decode, encode
 
 
 class ClientError(Exception):
     """The node could not be reached or answered with an error."""
 
 
+ANSWER_LIMITS = Limits(max_header_bytes=64 << 20)  # a status may be big: the asker chose to read it
 MAX_PAD = 16 << 20  # the most a status request pads itself to (a node answers at most 10x what it is sent)
 
 
@@ -54,7 +55,7 @@ async def _aquery_once(address: str, topic: str, body: Any, identity: Identity, 
             raise ClientError(f"no answer from {target.endpoint} within {timeout_s} s "
                               "(not running, wrong key, or not allowed)") from None
         try:
-            msg = decode(frames)
+            msg = decode(frames, ANSWER_LIMITS)
             _, ok, result = rpc.parse_reply(msg)
         except WireError as exc:
             raise ClientError(f"malformed answer from {target.endpoint}: {exc}") from None

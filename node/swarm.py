@@ -182,6 +182,8 @@ class Swarm:
         budget = min(admission.table_page_bytes, bucket.available(now))
         peers, following, nbytes = self._page(after, budget)
         if not peers and following is not None:
+            # the refusal is charged too, so pulling faster only puts the next page further off
+            bucket.charge(REPLY_ENVELOPE_BYTES, now)
             raise rpc.BusyError(f"table pulls over {admission.member_pull_bytes_per_s:.0f} bytes/s; try again later")
         bucket.spend(nbytes, now)
         return {"peers": peers, "next": following}

@@ -144,3 +144,24 @@ def test_a_joiner_that_listens_off_its_default_source_ip_is_dialled_back():
     finally:
         joiner.close()
         seed.close()
+
+
+def test_a_name_is_dialled_back_at_the_askers_ip_not_resolved_again(node):
+    """`localhost` resolves to the asker's 127.0.0.1: the dial-back goes to that IP, written as
+    such (ZeroMQ resolving the name itself could reach another host)."""
+    from starling.node.bootstrap import REACH
+
+    b = Node(config=CONFIG).start("tcp://127.0.0.1:0")
+    try:
+        port = b.address.split("#")[0].rsplit(":", 1)[1]
+        answer = query(node.address, REACH, [[f"tcp://localhost:{port}"]], identity=b.identity, timeout_s=5)
+        assert answer == {"reachable": True, "endpoint": f"tcp://127.0.0.1:{port}"}
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("zone", ["z" * 16, "z" * 490, "a:b"])
+def test_an_ipv6_zone_must_be_an_interface_name(zone):
+    with pytest.raises(AddressError, match="zone"):
+        parse_record_endpoint(f"tcp://[fe80::1%{zone}]:7000")
+    assert parse_record_endpoint("tcp://[fe80::1%eth0]:7000") == "tcp://[fe80::1%eth0]:7000"
