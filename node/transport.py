@@ -142,6 +142,7 @@ class Transport:
         self.dealers_opened = 0  # over the node's life: how much the socket cap churns
         self.dealers_refused = 0  # sends failed because every DEALER up to the ceiling was busy
         self.connect_failures = 0  # DEALERs not opened: ZeroMQ refused the peer's endpoint
+        self.dealers_shed = 0  # idle DEALERs closed because the process ran out of descriptors
         self._closed = False
 
     def _common(self, sock: zmq.asyncio.Socket) -> None:
@@ -227,11 +228,28 @@ class Transport:
                 # problem, never this node's. Its sends fail; nothing else changes.
                 self.connect_failures += 1
                 raise EndpointRefused(f"cannot connect to {key}: {exc}") from None
-            # Out of descriptors (EMFILE) or of the context's sockets: this node can no longer
-            # reach its peers, and going on would leave it a member that silently drops work.
+            # Out of descriptors (EMFILE) or of the context's sockets. First shed: close the idle
+            # half of the open DEALERs (least recently used first), fail this send, and say so;
+            # the next open finds their descriptors free. Only when nothing is idle to shed can
+            # this node no longer reach its peers, and going on would leave it a member that
+            # silently drops work.
             reason = f"cannot open a socket to {key} ({len(self._dealers)} open already): {exc}"
+            shed = self._shed_idle()
+            if shed:
+                log.warning("%s; closed %d idle connections to make room", reason, shed)
+                raise SendError(f"{reason}; closed {shed} idle connections to make room") from None
             self._fatal(reason)
             raise SendError(reason) from None
+
+    def _shed_idle(self) -> int:
+        """Close the least recently used half of the idle DEALERs (none with a send or a request
+        in flight); their peers stay known and are dialled again when next needed."""
+        idle = [k for k in self._dealers if not self._sending.get(k) and not self._busy(k)]
+        victims = idle[: max(1, len(idle) // 2)] if idle else []
+        for victim in victims:
+            self._close(victim, 0)
+        self.dealers_shed += len(victims)
+        return len(victims)
 
     def _open_dealer(self, key: str) -> zmq.asyncio.Socket:
         endpoints, server_key_z85 = self._routes[key]
@@ -245,17 +263,21 @@ class Transport:
             dealer.curve_serverkey = server_key_z85
             dealer.curve_publickey = self._public
             dealer.curve_secretkey = self._secret
+        monitor = None
         try:
             for ep in endpoints:
                 dealer.connect(ep)
+            if self.config.monitor_connections:
+                monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         except zmq.ZMQError:
+            if monitor is not None:
+                monitor.close(0)
             dealer.close(0)
             raise
         self._dealers[key] = dealer
         self.dealers_opened += 1
         self._tasks[key] = asyncio.ensure_future(self._read(dealer, key))
-        if self.config.monitor_connections:
-            monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if monitor is not None:
             self._monitors[key] = monitor
             self._tasks[f"monitor:{key}"] = asyncio.ensure_future(self._watch(monitor, key))
         return dealer

@@ -1,0 +1,70 @@
+"""A node that runs out of file descriptors sheds idle connections and goes on: a real process
+whose descriptor limit is lowered after it starts, fed records by a member until its sockets
+no longer fit."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from conftest import wait_until
+
+from starling.node.client import ClientError, query
+from starling.node.identity import Identity
+from starling.node.membership import Liveness, PeerRecord
+from starling.node.node import Node, NodeConfig
+from starling.node.swarm import ANNOUNCE
+
+CHILD = textwrap.dedent("""
+    import json, os, resource, sys
+    from starling.node.membership import Liveness
+    from starling.node.node import Node, NodeConfig
+    from starling.node.transport import TransportConfig
+
+    node = Node(config=NodeConfig(liveness=Liveness(1.0, 60.0, 120.0),
+                                  transport=TransportConfig(max_open_dealers=512))).start("tcp://127.0.0.1:0")
+    used = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used + 40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    print(json.dumps({"address": node.address}), flush=True)
+    for _ in sys.stdin:
+        print(json.dumps({"fault": None if node.fault is None else str(node.fault), "closed": node.closed,
+                          "sockets": node.status()["sockets"]}), flush=True)
+""")
+
+
+def test_a_node_out_of_descriptors_sheds_idle_connections_and_stays_up():
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    member = None
+    try:
+        address = json.loads(child.stdout.readline())["address"]
+
+        def report() -> dict:
+            child.stdin.write("\n")
+            child.stdin.flush()
+            return json.loads(child.stdout.readline())
+
+        member = Node(config=NodeConfig(liveness=Liveness(1.0, 60.0, 120.0))).start("tcp://127.0.0.1:0",
+                                                                                     join=[address])
+        endpoint = member.address.split("#")[0]  # something listens there: each DEALER holds a connection
+        records = [PeerRecord.create(Identity.generate(), [endpoint], 1) for _ in range(120)]
+        for start in range(0, len(records), 10):
+            member.run(member._asend_raw(member.live_peers()[0], ANNOUNCE,
+                                         [r.to_wire() for r in records[start:start + 10]]))
+        assert wait_until(lambda: report()["sockets"]["shed"] > 0, timeout_s=30)
+        status = report()
+        assert status["fault"] is None and not status["closed"], status
+
+        def answers() -> bool:
+            try:
+                return query(address, timeout_s=2)["id"] is not None
+            except ClientError:
+                return False
+
+        assert wait_until(answers, timeout_s=30)  # still serves, once shed descriptors are back
+    finally:
+        if member is not None:
+            member.close()
+        child.kill()
+        child.wait(30)
