@@ -583,8 +583,8 @@ class Swarm:
         interval = node.config.liveness.heartbeat_interval_s
         want = [peer_id for peer_id in dict.fromkeys(unknown)
                 if now - self._wanted.get(peer_id, -math.inf) >= interval]
+        want = want[:max(0, min(MAX_WANT, MAX_WANTED - len(self._wanted)))]  # made-up ids must not grow it
         if want:
-            want = want[:MAX_WANT]
             self._wanted.update((peer_id, now) for peer_id in want)
             node._spawn(node._asend_raw(msg.sender, WANT, want))
         if body[1] and now - self._acked.get(msg.sender, -math.inf) >= interval / 2:

@@ -754,9 +754,7 @@ def test_a_relay_forwards_only_to_clients_attached_to_it(swarm, speakers):
     assert relayed() == start
 
 
-# ---------------------------------------------------------------------------- known gaps
-@pytest.mark.xfail(strict=True, reason="swarm.on_ping records every unknown id it asks for in _wanted without "
-                                       "the MAX_WANTED bound that want_from keeps (fix in node/swarm.py)")
+# ---------------------------------------------------------------------------- bounded memory
 def test_pings_naming_made_up_peers_keep_the_ids_asked_for_within_their_bound(fresh_swarm):
     s = fresh_swarm
     member = Speaker(s.target.address, s.member.identity)
