@@ -105,7 +105,7 @@ class RelayConfig:
     max_keys: int = 4096  # pair keys kept (derivation is an X25519 agreement plus HKDF); forgotten sources' marks
     replay_window: int = 4096  # nonces this far below a source's highest are refused
     max_queued_bytes: int = 16 << 20  # sealed bytes a relay has handed out for one client, not yet seen read
-    max_queued_messages: int = 256  # messages of those (below ZeroMQ's 1000 a connection, so none is dropped)
+    max_queued_messages: int = 256  # messages of those (below ZeroMQ's 1000 a connection: a reader loses none)
     probe_interval_s: float = 0.25  # a probe unanswered this long is followed by another
     max_probes: int = 8  # probes awaiting an answer, per client
 
