@@ -520,6 +520,7 @@ class Relay:
             if earlier == token:
                 break
         lane.read_up_to(sent)
+        self._probe_if_due(msg.sender, lane)  # still an eighth held: ask again now, not at the next refusal
 
     # ---------------------------------------------------------------- as the destination
     def on_probe(self, msg: Message) -> None:
