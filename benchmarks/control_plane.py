@@ -297,17 +297,14 @@ def record_wire(identity: Any, addresses: list[Any], incarnation: int | None = N
 
 
 def largest_address(i: int) -> str:
-    """The longest record address the parser takes (each distinct), with no DNS behind it:
-    an IPv6 literal whose zone id fills the record's address limit, else a hostname of 253
-    characters, else an ipc path of 107 bytes."""
+    """The longest record address the parser takes (each distinct), with nothing behind it: an
+    IPv6 literal with a zone of an interface name's full length (records name IPs, not host
+    names), else an ipc path of 107 bytes."""
     from starling.node.address import parse_record_endpoint
-    from starling.node.membership import MAX_ADDRESS_LEN
 
     tag = f"{i:x}"
-    head, tail = "tcp://[fe80::1%", "]:65535"
-    host = ".".join([("h" + tag).ljust(63, "a")] * 3 + ["b" * 61])
-    candidates = [head + ("z" + tag).ljust(MAX_ADDRESS_LEN - len(head) - len(tail), "z") + tail,
-                  f"tcp://{host}:65535", "ipc:///tmp/" + ("s" + tag).ljust(96, "s")]
+    candidates = [f"tcp://[fe80:ffff:ffff:ffff:ffff:ffff:ffff:{i % 0xFFFF:x}%{('z' + tag).ljust(15, 'z')}]:65535",
+                  "ipc:///tmp/" + ("s" + tag).ljust(96, "s")]
     for address in candidates:
         try:
             if parse_record_endpoint(address) == address:

@@ -12,6 +12,7 @@ import base64
 import binascii
 import ipaddress
 import re
+import socket
 from dataclasses import dataclass
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "parse_address",
     "parse_bind",
     "parse_record_endpoint",
+    "resolve_endpoint",
 ]
 
 TRANSPORTS = ("tcp", "ipc", "inproc")
@@ -103,6 +105,12 @@ def parse_record_endpoint(text: str) -> str:
     if address.curve_key is not None or address.endpoint != text:
         raise AddressError(f"record address {text!r} is not a canonical endpoint (it would read as "
                            f"{address.endpoint!r})")
+    host = tcp_host(address.endpoint)
+    if host is not None and not _is_ip(host):
+        # every node that reads the record would look the name up, through ZeroMQ's I/O thread,
+        # again on every reconnect: whoever signed it would choose what all of them wait on
+        raise AddressError(f"record address {text!r}: a record names IP addresses, not host names "
+                           "(a node resolves the name it advertises before it signs its record)")
     return address.endpoint
 
 
@@ -136,6 +144,31 @@ def is_loopback(endpoint: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def resolve_endpoint(endpoint: str) -> str:
+    """A tcp endpoint with a host name, written with the first address the name resolves to
+    (IPv4 first); any other endpoint as it is. AddressError if the name does not resolve."""
+    host = tcp_host(endpoint)
+    if host is None or _is_ip(host):
+        return endpoint
+    port = endpoint.rsplit(":", 1)[1]
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise AddressError(f"address {endpoint!r}: cannot resolve {host!r}: {exc}") from None
+    ips = sorted({info[4][0] for info in infos}, key=lambda ip: (":" in ip, ip))
+    if not ips:
+        raise AddressError(f"address {endpoint!r}: {host!r} resolves to no address")
+    return f"tcp://[{ips[0]}]:{port}" if ":" in ips[0] else f"tcp://{ips[0]}:{port}"
 
 
 def tcp_host(endpoint: str) -> str | None:

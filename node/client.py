@@ -23,15 +23,17 @@ class ClientError(Exception):
 
 
 ANSWER_LIMITS = Limits(max_header_bytes=64 << 20)  # a status may be big: the asker chose to read it
+STATUS_PAD = 1024  # a first status request pays for a 10 KiB answer: a small swarm's status in one round trip
 MAX_PAD = 16 << 20  # the most a status request pads itself to (a node answers at most 10x what it is sent)
 
 
 async def _aquery(address: str, topic: str, body: Any, identity: Identity, timeout_s: float) -> Any:
     """One request; a `$status` answered with `{"pad_to": n}` (the node answers someone outside
     its swarm with at most ten times the bytes it was sent) is asked again, padded to n."""
-    result = await _aquery_once(address, topic, body, identity, timeout_s)
-    if topic == "$status" and body is None and isinstance(result, dict) and set(result) == {"pad_to"} \
-            and isinstance(result["pad_to"], int) and 0 < result["pad_to"] <= MAX_PAD:
+    status = topic == "$status" and body is None
+    result = await _aquery_once(address, topic, {"pad": bytes(STATUS_PAD)} if status else body, identity, timeout_s)
+    if status and isinstance(result, dict) and set(result) == {"pad_to"} \
+            and isinstance(result["pad_to"], int) and STATUS_PAD < result["pad_to"] <= MAX_PAD:
         result = await _aquery_once(address, topic, {"pad": bytes(result["pad_to"])}, identity, timeout_s)
     return result
 

@@ -30,7 +30,7 @@ from typing import Any
 import msgpack
 
 from starling.node import rpc
-from starling.node.address import PeerAddress, is_loopback, parse_address, parse_bind
+from starling.node.address import PeerAddress, is_loopback, parse_address, parse_bind, resolve_endpoint
 from starling.node.admission import AdmissionConfig
 from starling.node.bootstrap import Bootstrap
 from starling.node.dispatch import Dispatcher, Handler
@@ -200,7 +200,8 @@ class Node:
         if not listens and not join:
             raise ValueError("a node that listens nowhere must join a swarm (give a join address)")
         adverts = [] if advertise is None else [advertise] if isinstance(advertise, str) else list(advertise)
-        adverts = [parse_address(a).endpoint for a in adverts]
+        # a record names IPs (`parse_record_endpoint`): an advertised name is resolved here, once
+        adverts = [resolve_endpoint(parse_address(a).endpoint) for a in adverts]
         joins = [parse_address(a) for a in join]
         self.mode, allowed = choose_security(listens, adverts, joins, security, insecure, authorized_keys)
         if swarm_config is not None:

@@ -263,15 +263,17 @@ class Swarm:
         return record
 
     def _check_inproc(self, record: PeerRecord) -> None:
-        """An inproc endpoint names a socket inside one process: a record may carry one only to
-        a node that itself listens inproc (peers simulated in one process). From anyone else
-        it would make this node dial sockets of its own process."""
-        if not any(a.startswith("inproc://") for a in record.addresses):
-            return
+        """An inproc endpoint names a socket inside one process, an ipc endpoint a unix socket on
+        this machine: a record may carry one only to a node that itself listens on that
+        transport (peers simulated in one process, or on one box). From anyone else it would
+        make this node dial sockets of its own process, or any local unix socket."""
         transport = self.node._transport
-        if transport is None or not any(b.startswith("inproc://") for b in transport.bound):
-            raise WireError(RejectReason.BAD_FIELD, f"record of {record.peer_id}: an inproc address reaches only "
-                            "peers of one process, and this node listens on none", field="record")
+        for scheme in ("inproc://", "ipc://"):
+            if any(a.startswith(scheme) for a in record.addresses) and (
+                    transport is None or not any(b.startswith(scheme) for b in transport.bound)):
+                raise WireError(RejectReason.BAD_FIELD, f"record of {record.peer_id}: an {scheme[:-3]} address "
+                                f"reaches only local peers, and this node listens on no {scheme[:-3]} endpoint",
+                                field="record")
 
     def _check_allowed(self, record: PeerRecord) -> None:
         """Refuse (WireError NOT_ALLOWED) a record whose key is not on this node's allowlist.

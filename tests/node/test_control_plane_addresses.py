@@ -20,7 +20,7 @@ from starling.node.wire import WireError
 CONFIG = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0, reach_timeout_s=0.5)
 LONG_IPC = "ipc:///tmp/" + "a" * 200
 BAD = ["x", "tcp://host", "tcp://1.2.3.4:0", "tcp://0.0.0.0:7000", LONG_IPC, "tcp://10.0.0.1:7000#" + "A" * 43,
-       "tcp://[::1]:070"]
+       "tcp://[::1]:070", "tcp://localhost:7000", "tcp://example.com:7000"]
 
 
 @pytest.fixture
@@ -165,3 +165,24 @@ def test_an_ipv6_zone_must_be_an_interface_name(zone):
     with pytest.raises(AddressError, match="zone"):
         parse_record_endpoint(f"tcp://[fe80::1%{zone}]:7000")
     assert parse_record_endpoint("tcp://[fe80::1%eth0]:7000") == "tcp://[fe80::1%eth0]:7000"
+
+
+def test_a_member_cannot_make_a_tcp_node_dial_a_local_unix_socket():
+    a = Node(config=CONFIG).start("tcp://127.0.0.1:0")
+    b = Node(config=CONFIG).start("tcp://127.0.0.1:0", join=[a.address])
+    try:
+        record = PeerRecord.create(Identity.generate(), ["ipc:///tmp/starling-someone-elses.sock"], 1)
+        b.run(b._asend_raw(a.peer_id, ANNOUNCE, [record.to_wire()]))
+        assert wait_until(lambda: a.stats.snapshot()["rejected"].get("bad_field", 0) >= 1)
+        assert record.peer_id not in a.live_peers()
+    finally:
+        b.close()
+        a.close()
+
+
+def test_an_advertised_name_is_signed_as_the_address_it_resolves_to():
+    node = Node(config=CONFIG).start("tcp://127.0.0.1:0", advertise="tcp://localhost:7123")
+    try:
+        assert node.record.addresses in (("tcp://127.0.0.1:7123",), ("tcp://[::1]:7123",))
+    finally:
+        node.close()
