@@ -252,6 +252,9 @@ class Dispatcher:
         except WireError as exc:  # the request failed this node's own checks: counted as such
             self.reject(exc.reason, str(exc))
             ok, result = False, rpc.ErrorBody(rpc.ErrorCode.BAD_REQUEST, str(exc))
+        except rpc.Unanswered as exc:
+            self.reject(RejectReason.RATE_LIMITED, f"{topic}: {exc}")
+            return
         except Exception as exc:
             ok, result = False, rpc.ErrorBody.of(exc)
             # a refusal, a config conflict or a missing handler is an answer, not a fault

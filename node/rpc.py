@@ -98,6 +98,11 @@ class BadRequestError(RemoteError):
     code = ErrorCode.BAD_REQUEST
 
 
+class Unanswered(Exception):
+    """Raised by a handler: drop the request without an answer (counted `rate_limited`). For a
+    requester that kept asking past the answers that told it to wait: even those cost bytes."""
+
+
 class BusyError(RemoteError):
     """The node had too many requests in flight (from this connection, from peers outside the
     swarm, or in its process) and did not run the handler; the request may be sent again later."""

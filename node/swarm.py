@@ -179,13 +179,16 @@ class Swarm:
         assert member is not None  # `$sync` is answered to members only
         admission, now = self.node.config.admission, time.monotonic()
         bucket = self._pull_bucket(member, now)
-        budget = min(admission.table_page_bytes, bucket.available(now))
+        if bucket.available(now) < -admission.table_page_bytes:
+            raise rpc.Unanswered(f"{member} pulls on past its budget's refusals")
+        budget = min(admission.table_page_bytes, bucket.available(now) - REPLY_ENVELOPE_BYTES)
         peers, following, nbytes = self._page(after, budget)
-        if not peers and following is not None:
-            # the refusal is charged too, so pulling faster only puts the next page further off
+        if not peers and (following is not None or budget < 0):
+            # the refusal is charged too, so pulling faster only puts the next page further off;
+            # a member deep in that debt is not answered at all
             bucket.charge(REPLY_ENVELOPE_BYTES, now)
             raise rpc.BusyError(f"table pulls over {admission.member_pull_bytes_per_s:.0f} bytes/s; try again later")
-        bucket.spend(nbytes, now)
+        bucket.charge(nbytes + REPLY_ENVELOPE_BYTES, now)  # an empty page costs its envelope too
         return {"peers": peers, "next": following}
 
     def _pull_bucket(self, member: str, now: float) -> TokenBucket:
@@ -621,6 +624,7 @@ class Swarm:
                     break
                 records.append(info.record.to_wire())
         if records:
+            bucket.charge(REPLY_ENVELOPE_BYTES, now)
             self.node._spawn(self.node._asend_raw(msg.sender, ANNOUNCE, records))
 
 

@@ -97,12 +97,14 @@ def test_a_members_table_pulls_are_held_to_its_byte_rate(seeded):
     rate = seed.config.admission.member_pull_bytes_per_s
     burst = seed.config.admission.member_pull_burst_bytes
     start, busy, pages = time.monotonic(), 0, 0
-    while time.monotonic() - start < 2.0:  # pulls as fast as answers come
+    while time.monotonic() - start < 2.0:  # pulls as fast as answers come, past every refusal
         try:
-            member.request(seed.peer_id, SYNC, None)
+            member.request(seed.peer_id, SYNC, None, timeout_s=0.2)
             pages += 1
         except rpc.BusyError:
             busy += 1
+        except rpc.RequestTimeout:  # deep in debt: no longer answered at all
+            pass
     elapsed = time.monotonic() - start
     sent = _bytes_sent_to(seed, member.peer_id, SYNC)
     asked = seed.stats.snapshot()["bytes_received"][member.peer_id][SYNC]
