@@ -52,12 +52,11 @@ from starling.node.stats import NodeStats
 from starling.node.swarm import JoinError, Swarm, SwarmConfigError, UnknownPeerError, config_conflicts
 from starling.node.transfer import BlobServer, TransferConfig, afetch_patiently
 from starling.node.transport import Inbound, SendError, Transport, TransportConfig
-from starling.node.wire import Limits, Message, RejectReason, WireError, encode, frame_nbytes
+from starling.node.wire import ENVELOPE_BYTES, Limits, Message, RejectReason, WireError, encode, frame_nbytes
 
 log = logging.getLogger(__name__)
 
 STATUS = "$status"
-STATUS_ENVELOPE_BYTES = 160  # a request's or an answer's frames around its body
 
 # Importable from here as they always were: their homes are now the membership modules.
 __all__ = ["JoinError", "LinkShaper", "Node", "NodeConfig", "NodeFault", "PeerView", "SwarmConfigError",
@@ -435,10 +434,10 @@ class Node:
         if member is not None:
             return status
         factor = self.config.admission.stranger_reply_factor
-        size = len(msgpack.packb(status, use_bin_type=True, default=str)) + STATUS_ENVELOPE_BYTES
+        size = len(msgpack.packb(status, use_bin_type=True, default=str)) + ENVELOPE_BYTES
         if size <= factor * frame_nbytes(inbound.frames):
             return status
-        return {"pad_to": size // factor + size // (4 * factor) + STATUS_ENVELOPE_BYTES}  # a quarter to spare
+        return {"pad_to": size // factor + size // (4 * factor) + ENVELOPE_BYTES}  # a quarter to spare
 
     def status(self) -> dict[str, Any]:
         """Peer table and counters as plain data (what `starling node status` prints)."""

@@ -47,7 +47,7 @@ from starling.node.membership import (
 )
 from starling.node.security import SecurityMode
 from starling.node.transport import Inbound, SendError
-from starling.node.wire import Message, RejectReason, WireError, frame_nbytes
+from starling.node.wire import ENVELOPE_BYTES, Message, RejectReason, WireError, frame_nbytes
 
 if TYPE_CHECKING:
     from starling.node.bootstrap import Bootstrap
@@ -65,7 +65,6 @@ MAX_WANT = 256
 MAX_WANTED = 4096  # ids asked for and not yet forgotten (see `want_from`)
 MAX_ANNOUNCE = 256
 MAX_REFUSED = 1024  # refused records remembered, so that beats naming them are not asked about
-REPLY_ENVELOPE_BYTES = 160  # a reply's frames around its body (topic, sender, request id, ...)
 MAX_SYNC_PAGES = 4096  # pages one `sync` reads before it stops (a table past that is not honest)
 SYNC_BUSY_RETRIES = 5  # pulls a peer turned down over its budget, waited out and sent again
 
@@ -160,7 +159,7 @@ class Swarm:
                                  "next": None}
         if body[2]:  # a re-announce asks for no table
             budget = (node.config.admission.stranger_reply_factor * frame_nbytes(inbound.frames)
-                      - len(msgpack.packb(reply, use_bin_type=True)) - REPLY_ENVELOPE_BYTES)
+                      - len(msgpack.packb(reply, use_bin_type=True)) - ENVELOPE_BYTES)
             reply["peers"], reply["next"], _ = self._page(None, budget, but=record.peer_id)
         return reply
 
@@ -181,14 +180,14 @@ class Swarm:
         bucket = self._pull_bucket(member, now)
         if bucket.available(now) < -admission.table_page_bytes:
             raise rpc.Unanswered(f"{member} pulls on past its budget's refusals")
-        budget = min(admission.table_page_bytes, bucket.available(now) - REPLY_ENVELOPE_BYTES)
+        budget = min(admission.table_page_bytes, bucket.available(now) - ENVELOPE_BYTES)
         peers, following, nbytes = self._page(after, budget)
         if not peers and (following is not None or budget < 0):
             # the refusal is charged too, so pulling faster only puts the next page further off;
             # a member deep in that debt is not answered at all
-            bucket.charge(REPLY_ENVELOPE_BYTES, now)
+            bucket.charge(ENVELOPE_BYTES, now)
             raise rpc.BusyError(f"table pulls over {admission.member_pull_bytes_per_s:.0f} bytes/s; try again later")
-        bucket.charge(nbytes + REPLY_ENVELOPE_BYTES, now)  # an empty page costs its envelope too
+        bucket.charge(nbytes + ENVELOPE_BYTES, now)  # an empty page costs its envelope too
         return {"peers": peers, "next": following}
 
     def _pull_bucket(self, member: str, now: float) -> TokenBucket:
@@ -624,7 +623,7 @@ class Swarm:
                     break
                 records.append(info.record.to_wire())
         if records:
-            bucket.charge(REPLY_ENVELOPE_BYTES, now)
+            bucket.charge(ENVELOPE_BYTES, now)
             self.node._spawn(self.node._asend_raw(msg.sender, ANNOUNCE, records))
 
 

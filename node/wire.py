@@ -30,6 +30,7 @@ import zmq
 
 __all__ = [
     "ALLOWED_DTYPES",
+    "ENVELOPE_BYTES",
     "HEADER_KEYS",
     "MAX_SENDER_CHARS",
     "MAX_TOPIC_CHARS",
@@ -77,6 +78,11 @@ class RejectReason(str, Enum):
     REPLAYED = "replayed"  # a relayed message delivered before
     TABLE_FULL = "table_full"  # a relayed record refused: the peer table, or its relayer's share of it, is full
     REACH_ELSEWHERE = "reach_elsewhere"  # a dial-back asked for addresses not at the asker's own IP
+
+
+# The bytes of a message around its body (version, topic, sender, sequence, request id, frame
+# descriptors): what an answer costs before its body, when a node holds answers to a budget.
+ENVELOPE_BYTES = 160
 
 
 class WireError(ValueError):

@@ -21,8 +21,8 @@ from starling.node.identity import Identity
 from starling.node.loop import NetworkThread
 from starling.node.membership import Liveness, PeerRecord, TableLimits
 from starling.node.node import Node, NodeConfig
-from starling.node.swarm import ANNOUNCE, HELLO, REPLY_ENVELOPE_BYTES, SYNC, WANT
-from starling.node.wire import decode, encode, frame_nbytes
+from starling.node.swarm import ANNOUNCE, HELLO, SYNC, WANT
+from starling.node.wire import ENVELOPE_BYTES, decode, encode, frame_nbytes
 
 # slow beats: the made-up peers below answer nothing, and must stay in the table for the test
 SLOW = Liveness(heartbeat_interval_s=1.0, suspect_timeout_s=60.0, dead_timeout_s=120.0)
@@ -123,7 +123,7 @@ def test_wants_share_the_pull_budget(seeded):
     assert wait_until(lambda: seed.stats.snapshot()["rejected"].get("rate_limited", 0) > 0, timeout_s=20)
     time.sleep(0.5)  # the announces already spawned finish
     allowed = admission.member_pull_burst_bytes + admission.member_pull_bytes_per_s * (time.monotonic() - start)
-    assert _bytes_sent_to(seed, member.peer_id, ANNOUNCE) <= allowed + 40 * REPLY_ENVELOPE_BYTES
+    assert _bytes_sent_to(seed, member.peer_id, ANNOUNCE) <= allowed + 40 * ENVELOPE_BYTES
 
 
 def test_a_sync_page_is_held_to_its_size_and_goes_on_from_its_cursor(seeded):
