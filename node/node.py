@@ -457,13 +457,14 @@ class Node:
     def _socket_counts(self) -> dict[str, int]:
         """Open DEALERs against the cap, how many the cap made us open over the node's life,
         how many sends found every socket up to the cap's ceiling busy, how many peers'
-        endpoints ZeroMQ refused to dial, and how many idle ones were closed when the process
-        ran out of descriptors."""
+        endpoints ZeroMQ refused to dial, how many could not open for lack of descriptors, and
+        how many idle ones were closed to make room."""
         t = self._transport
         if t is None:
             return {}
-        return {"open": t.open_dealers, "cap": t.config.max_open_dealers, "opened": t.dealers_opened,
-                "refused": t.dealers_refused, "connect_failures": t.connect_failures, "shed": t.dealers_shed}
+        return {"open": t.open_dealers, "cap": t.dealer_cap, "opened": t.dealers_opened,
+                "refused": t.dealers_refused, "connect_failures": t.connect_failures,
+                "exhausted": t.exhausted, "shed": t.dealers_shed}
 
     @property
     def zap_denied(self) -> int:

@@ -320,7 +320,13 @@ class Swarm:
         if transport.has(record.peer_id):
             transport.disconnect(record.peer_id)  # addresses may have changed
         server_key = z85.encode(record.curve_key) if node.mode is SecurityMode.CURVE else None
-        transport.connect(record.peer_id, record.addresses, server_key)
+        try:
+            transport.connect(record.peer_id, record.addresses, server_key)
+        except SendError:
+            if told_by is None:
+                raise  # the peer itself is asking (its hello): it hears why
+            # out of descriptors: the route is kept, and its socket opens when it is next needed
+            log.debug("%s: no socket for %s yet (a relayed record)", node.peer_id, record.peer_id)
         if node.record is not None and not node.record.reachable and record.reachable:
             node._spawn(self._ping(record.peer_id, False))  # so it learns our connection at once
         if change is not None:
@@ -501,7 +507,7 @@ class Swarm:
         # another: most intervals ping peers we hold a socket to (every beat we heard rides
         # along, so whom we ping matters little to how fast beats spread), one in four any peer.
         pool = live
-        if transport is not None and len(live) > transport.config.max_open_dealers and self._rng.random() < 0.75:
+        if transport is not None and len(live) > transport.dealer_cap and self._rng.random() < 0.75:
             held = [p for p in live if transport.is_open(p.peer_id)]
             pool = held if len(held) >= lv.fanout else live
         chosen = self._rng.sample(pool, lv.fanout)

@@ -19,6 +19,7 @@ import asyncio
 import errno
 import logging
 import socket as pysocket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -62,6 +63,9 @@ class TransportConfig:
     # when a peer's process dies its kernel closes the connection at once, and the node hears
     # of it in milliseconds instead of after the heartbeats' dead timeout.
     monitor_connections: bool = True
+    # Out of descriptors with no idle DEALER to close, a node gives up (stops, with the reason)
+    # once that has lasted this long: libzmq frees a closed socket's descriptor a moment late.
+    exhausted_grace_s: float = 5.0
 
 
 def dealer_ceiling(max_open_dealers: int) -> int:
@@ -143,6 +147,10 @@ class Transport:
         self.dealers_refused = 0  # sends failed because every DEALER up to the ceiling was busy
         self.connect_failures = 0  # DEALERs not opened: ZeroMQ refused the peer's endpoint
         self.dealers_shed = 0  # idle DEALERs closed because the process ran out of descriptors
+        self.exhausted = 0  # DEALERs not opened because the process had no descriptor or socket left
+        # open DEALERs allowed: the configured cap, lowered to what fit when descriptors ran out
+        self.dealer_cap = config.max_open_dealers
+        self._exhausted_since: float | None = None  # out of descriptors with nothing idle to close, since
         self._closed = False
 
     def _common(self, sock: zmq.asyncio.Socket) -> None:
@@ -199,9 +207,9 @@ class Transport:
         if self.mode is SecurityMode.CURVE and server_key_z85 is None:
             raise ValueError(f"peer {key} has no CURVE key but this node uses CURVE")
         self._routes[key] = (tuple(endpoints), server_key_z85)
-        if endpoints and len(self._dealers) < self.config.max_open_dealers:
+        if endpoints and len(self._dealers) < self.dealer_cap:
             try:
-                self._open(key)
+                self._open(key, eager=True)
             except EndpointRefused:  # counted in `_open`; sends to it will say why
                 pass
 
@@ -219,27 +227,45 @@ class Transport:
     def listening(self) -> bool:
         return self._router is not None
 
-    def _open(self, key: str) -> zmq.asyncio.Socket:
+    def _open(self, key: str, eager: bool = False) -> zmq.asyncio.Socket:
+        """Open `key`'s DEALER. `eager`: opened ahead of any send (`connect`), which running out
+        of descriptors only stops: the socket opens when a send needs it."""
         try:
-            return self._open_dealer(key)
+            dealer = self._open_dealer(key)
         except zmq.ZMQError as exc:
             if exc.errno not in _EXHAUSTED:
                 # The peer's address cannot be dialled (an endpoint ZeroMQ refuses): that peer's
                 # problem, never this node's. Its sends fail; nothing else changes.
                 self.connect_failures += 1
                 raise EndpointRefused(f"cannot connect to {key}: {exc}") from None
-            # Out of descriptors (EMFILE) or of the context's sockets. First shed: close the idle
-            # half of the open DEALERs (least recently used first), fail this send, and say so;
-            # the next open finds their descriptors free. Only when nothing is idle to shed can
-            # this node no longer reach its peers, and going on would leave it a member that
-            # silently drops work.
             reason = f"cannot open a socket to {key} ({len(self._dealers)} open already): {exc}"
+            self.exhausted += 1
+            # Out of descriptors (EMFILE) or of the context's sockets. From now on hold no more
+            # DEALERs than are open, so that what is freed stays free for what others open to
+            # us (their connections to our ROUTER).
+            self.dealer_cap = max(1, min(self.dealer_cap, len(self._dealers)))
+            if eager:
+                raise EndpointRefused(reason) from None
+            # A send needs one: close the idle half of the open DEALERs (least recently used
+            # first), fail this send and say so; the next open finds their descriptors free
+            # (libzmq frees a closed socket's a moment later). Only when the node has had
+            # nothing to shed for `exhausted_grace_s` can it no longer reach its peers, and going
+            # on would leave it a member that silently drops work.
             shed = self._shed_idle()
             if shed:
-                log.warning("%s; closed %d idle connections to make room", reason, shed)
+                self.dealer_cap = max(1, min(self.dealer_cap, len(self._dealers)))
+                log.warning("%s; closed %d idle connections to make room, and holds at most %d from now on",
+                            reason, shed, self.dealer_cap)
                 raise SendError(f"{reason}; closed {shed} idle connections to make room") from None
+            now = time.monotonic()
+            if self._exhausted_since is None:
+                self._exhausted_since = now
+            if now - self._exhausted_since < self.config.exhausted_grace_s:
+                raise SendError(f"{reason}; nothing idle to close") from None
             self._fatal(reason)
             raise SendError(reason) from None
+        self._exhausted_since = None
+        return dealer
 
     def _shed_idle(self) -> int:
         """Close the least recently used half of the idle DEALERs (none with a send or a request
@@ -310,15 +336,15 @@ class Transport:
             raise SendError(f"no connection to peer {key}")
         if not self._routes[key][0]:
             raise SendError(f"peer {key} is a client with no connection to us")
-        excess = len(self._dealers) + 1 - self.config.max_open_dealers
+        excess = len(self._dealers) + 1 - self.dealer_cap
         if excess > 0:
             idle = [k for k in self._dealers if not self._sending.get(k) and not self._busy(k)]
             for victim in idle[:excess]:
                 self._close(victim, self.config.linger_ms)  # queued messages still go out
-            if len(self._dealers) >= dealer_ceiling(self.config.max_open_dealers):
+            if len(self._dealers) >= dealer_ceiling(self.dealer_cap):
                 self.dealers_refused += 1
                 raise SendError(f"no socket for {key}: all {len(self._dealers)} open DEALERs are busy "
-                                f"(cap {self.config.max_open_dealers})")
+                                f"(cap {self.dealer_cap})")
         return self._open(key)
 
     @property

@@ -56,13 +56,16 @@ def test_a_node_out_of_descriptors_sheds_idle_connections_and_stays_up():
         status = report()
         assert status["fault"] is None and not status["closed"], status
 
+        errors: list[str] = []
+
         def answers() -> bool:
             try:
                 return query(address, timeout_s=2)["id"] is not None
-            except ClientError:
+            except ClientError as exc:
+                errors.append(str(exc))
                 return False
 
-        assert wait_until(answers, timeout_s=30)  # still serves, once shed descriptors are back
+        assert wait_until(answers, timeout_s=30), (errors[-3:], report())  # still serves, with descriptors to spare
     finally:
         if member is not None:
             member.close()
