@@ -224,7 +224,15 @@ def _worker(argv: list[str]) -> None:
         time.sleep(0.05)
     for peer in a.ask:
         nonce = os.urandom(8).hex()
-        reply = node.request(peer, ECHO, nonce, timeout_s=30).body
+        # asked again after a loss, as an application would: a client that has only just joined
+        # may not have reached its relay yet, and a relay drops what it cannot deliver at once
+        for attempt in range(3):
+            try:
+                reply = node.request(peer, ECHO, nonce, timeout_s=10).body
+                break
+            except Exception:
+                if attempt == 2:
+                    raise
         print(json.dumps({"asked": peer, "answered": reply["from"], "echoed": reply["echo"] == nonce}), flush=True)
     for peer in a.fetch:
         for _ in range(a.repeats):
