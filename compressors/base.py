@@ -28,6 +28,8 @@ from typing import Any, ClassVar
 import msgpack
 import torch
 
+from starling.common.hashing import check_seed
+
 from . import rng
 
 FLOAT_DTYPES: dict[str, torch.dtype] = {
@@ -205,12 +207,6 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-def check_seed(seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < (1 << 64):
-        raise ValueError(f"seed must be an int that fits in 64 bits, got {seed!r}")
-    return seed
-
-
 def fresh_seed() -> int:
     """A seed from torch's default generator, so ``torch.manual_seed`` makes runs repeatable."""
     return int(torch.randint(0, 1 << 62, (1,)).item())
@@ -338,7 +334,7 @@ class Compressor(ABC):
         if tensor.dtype not in DTYPE_NAMES:
             raise TypeError(f"{self.codec}: expected a floating-point tensor, got {tensor.dtype}")
         if seed is not None:
-            check_seed(seed)
+            check_seed(seed)  # the one seed check (common.hashing): TypeError, or ValueError past 64 bits
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         flat = tensor.detach().reshape(-1)
