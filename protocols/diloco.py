@@ -62,7 +62,14 @@ from starling.protocols.base import LossFn, ProtocolError, StepClock, StepReport
 from starling.protocols.diloco_config import DiLoCoConfig, StreamingDiLoCoConfig
 from starling.protocols.fragments import FragmentSchedule, FragmentView, SyncClock, count_layers, split_fragments
 from starling.protocols.optim import make_optimizer, reduce_timeouts
-from starling.protocols.outer_sync import Exchange, OuterSyncRounds, Published, TokenLedger, read_sync_reply
+from starling.protocols.outer_sync import (
+    Exchange,
+    OuterSyncRounds,
+    Published,
+    TokenLedger,
+    alpha_merge,
+    read_sync_reply,
+)
 
 log = logging.getLogger(__name__)
 
@@ -307,10 +314,10 @@ class DiLoCo(OuterSyncRounds, BackpropProtocol, name="diloco", config_class=DiLo
         if provisional is not None:
             correction = self._here(self.outer[f]) - self._here(provisional)
             self.views[f].write(self.views[f].read().add_(correction, alpha=1.0 - alpha))
-        elif alpha == 0.0:
+        elif alpha == 0.0:  # the outer fragment as it is, without reading the local one
             self.views[f].write(self.outer[f])
         else:
-            self.views[f].write(alpha * self.views[f].read() + (1.0 - alpha) * self._here(self.outer[f]))
+            self.views[f].write(alpha_merge(alpha, self.views[f].read(), self._here(self.outer[f])))
 
     # ------------------------------------------------------------------ catching up
     def _fetch_merged(self, f: int, version: int, sources: Sequence[str]) -> None:
