@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from starling.collectives.codec import check_compressor_spec
 from starling.protocols.base import ProtocolConfig
 from starling.protocols.fragments import ASSIGNMENTS
+from starling.protocols.optim import check_optimizer, check_round_timeouts
 
 
 @dataclass(frozen=True)
@@ -98,18 +99,11 @@ class DiLoCoConfig(ProtocolConfig):
                              "when its next one starts")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
-        if not self.lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        check_optimizer(self, "inner_optimizer", "inner_momentum")
         if not self.outer_lr > 0.0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.inner_optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"inner_optimizer must be 'adamw' or 'sgd', got {self.inner_optimizer!r}")
-        if not 0.0 <= self.inner_momentum < 1.0:
-            raise ValueError(f"inner_momentum must be in [0, 1), got {self.inner_momentum}")
-        if self.weight_decay < 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.fragment_assignment not in ASSIGNMENTS:
             raise ValueError(f"fragment_assignment must be one of {', '.join(ASSIGNMENTS)}, "
                              f"got {self.fragment_assignment!r}")
@@ -129,9 +123,7 @@ class DiLoCoConfig(ProtocolConfig):
             raise ValueError(f"staleness_weight must be in [0, 1], got {self.staleness_weight}")
         if self.eager_updates and self.overlap_steps < 1:
             raise ValueError("eager_updates needs overlap_steps >= 1: without overlap the average is there at once")
-        for name in ("round_timeout_s", "reply_grace_s", "retry_interval_s"):
-            if not getattr(self, name) > 0.0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_round_timeouts(self)
         check_compressor_spec(self.compressor)
         if self.average_compressor:
             check_compressor_spec(self.average_compressor)

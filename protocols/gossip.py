@@ -64,6 +64,7 @@ from starling.node.rpc import NoHandlerError, Refusal, RemoteError, Reply, refus
 from starling.node.wire import Message
 from starling.protocols.backprop import BackpropProtocol
 from starling.protocols.base import LossFn, ProtocolConfig, ProtocolError, StepReport, register
+from starling.protocols.optim import check_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +96,7 @@ class GossipConfig(ProtocolConfig):
             raise ValueError(f"fanout must be >= 1, got {self.fanout}")
         if not 0.0 < self.mixing <= 1.0:
             raise ValueError(f"mixing must be in (0, 1], got {self.mixing}")
-        if self.optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
-        if not self.lr >= 0.0 or not 0.0 <= self.momentum < 1.0 or self.weight_decay < 0.0:
-            raise ValueError("need lr >= 0, 0 <= momentum < 1, weight_decay >= 0")
+        check_optimizer(self, "optimizer", "momentum")
         if not self.pull_timeout_s > 0.0:
             raise ValueError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
         if self.max_undo_entries < 1:

@@ -16,18 +16,29 @@ from starling.protocols.base import ProtocolError
 def check_reduce_config(config: Any) -> None:
     """For `__post_init__` of configs that train with an optimizer over a ShardedReducer
     (allreduce, sketch-dp): raises ValueError naming the bad field."""
-    if config.optimizer not in ("sgd", "adamw"):
-        raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {config.optimizer!r}")
+    check_optimizer(config, "optimizer", "momentum")
+    check_round_timeouts(config)
+    check_compressor_spec(config.compressor)
+
+
+def check_optimizer(config: Any, optimizer: str, momentum: str) -> None:
+    """The optimizer fields of a config (`lr`, `weight_decay`, and the optimizer and momentum
+    under the config's own names): raises ValueError naming the bad field."""
+    if getattr(config, optimizer) not in ("sgd", "adamw"):
+        raise ValueError(f"{optimizer} must be 'sgd' or 'adamw', got {getattr(config, optimizer)!r}")
     if not config.lr >= 0.0:
         raise ValueError(f"lr must be >= 0, got {config.lr}")
-    if not 0.0 <= config.momentum < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {config.momentum}")
+    if not 0.0 <= getattr(config, momentum) < 1.0:
+        raise ValueError(f"{momentum} must be in [0, 1), got {getattr(config, momentum)}")
     if config.weight_decay < 0.0:
         raise ValueError(f"weight_decay must be >= 0, got {config.weight_decay}")
+
+
+def check_round_timeouts(config: Any) -> None:
+    """A config's round timeouts (see `reduce_timeouts`) must be > 0."""
     for name in ("round_timeout_s", "reply_grace_s", "retry_interval_s"):
         if not getattr(config, name) > 0.0:
             raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
-    check_compressor_spec(config.compressor)
 
 
 def reduce_timeouts(config: Any) -> ReduceTimeouts:
