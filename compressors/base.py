@@ -30,7 +30,7 @@ import torch
 
 from starling.common.hashing import check_seed
 
-from . import rng
+from . import registry, rng
 
 FLOAT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -212,27 +212,12 @@ def fresh_seed() -> int:
     return int(torch.randint(0, 1 << 62, (1,)).item())
 
 
-_CODECS: dict[str, type[Compressor]] = {}
-
-
-def register(cls: type[Compressor]) -> type[Compressor]:
-    """Class decorator: make a codec known to specs and to header-driven decoding."""
-    if cls.codec in _CODECS:
-        raise ValueError(f"codec {cls.codec!r} registered twice")
-    for flag in ("stage_lossless", "stage_zero_copy"):
-        if not isinstance(getattr(cls, flag, None), bool):
-            raise TypeError(f"codec {cls.codec!r} must state {flag} (True or False)")
-    if cls.stage_zero_copy and not (cls.stage_lossless and not cls.takes_inner):
-        # sending the input's own bytes is lossless, and leaves no payload for a next stage
-        raise TypeError(f"codec {cls.codec!r}: a zero-copy stage must be lossless and take no next stage")
-    _CODECS[cls.codec] = cls
-    return cls
-
-
 def codec_class(name: Any, field: str = "codec") -> type[Compressor]:
-    if not isinstance(name, str) or name not in _CODECS:
+    """The codec a header names (PacketError if none of that name is registered)."""
+    cls = registry.lookup(name)
+    if cls is None:
         raise PacketError(field, f"unknown codec {name!r}")
-    return _CODECS[name]
+    return cls
 
 
 class Compressor(ABC):
@@ -300,7 +285,7 @@ class Compressor(ABC):
                 raise ValueError(f"{cls.codec} needs a {p.name}, e.g. {cls.codec}:{p.fmt(p.default)}")
         if inner is not None and not cls.takes_inner:
             raise ValueError(f"{cls.codec} cannot be followed by another stage ('+'); only "
-                             f"{', '.join(sorted(n for n, c in _CODECS.items() if c.takes_inner))} can")
+                             f"{', '.join(registry.stage_takers())} can")
         return cls(**kwargs, inner=inner)
 
     def __repr__(self) -> str:
@@ -411,7 +396,7 @@ class Compressor(ABC):
         if self.takes_inner:
             assert enc.payload is not None, f"{self.codec} produced no payload"
             payload = enc.payload.reshape(-1)
-            inner = self.inner if self.inner is not None else _CODECS["none"]()
+            inner = self.inner if self.inner is not None else codec_class("none")()
             inner_seed = None if seed is None else rng.derive_seed(seed, 1)
             inner_header, inner_buffers = inner._encode_stage(payload, (payload.numel(),), inner_seed, name)
             header["inner"] = inner_header

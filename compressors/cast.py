@@ -10,7 +10,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import Compressor, Encoded, Header, as_bytes, register, view_as
+from .base import Compressor, Encoded, Header, as_bytes, view_as
+from .registry import register
 
 
 @register

@@ -26,8 +26,9 @@ import math
 
 import torch
 
-from .base import Compressor, Encoded, Header, NonFiniteError, PacketError, Param, as_bytes, register, view_as
+from .base import Compressor, Encoded, Header, NonFiniteError, PacketError, Param, as_bytes, view_as
 from .packing import pack_uints, unpack_uints
+from .registry import register
 from .sparse import index_width
 
 _MAX_CHUNK = 1 << 24

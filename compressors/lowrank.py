@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from . import rng
-from .base import Compressor, Encoded, Header, NonFiniteError, PacketError, Param, register
+from .base import Compressor, Encoded, Header, NonFiniteError, PacketError, Param
+from .registry import register
 
 
 def _parse_rank(text: str) -> int:

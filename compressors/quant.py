@@ -35,9 +35,9 @@ from .base import (
     as_bytes,
     chunk_elems,
     fresh_seed,
-    register,
     view_as,
 )
+from .registry import register
 
 _CHUNK_ELEMS = 1 << 20  # 4 MiB of float32 per chunk: few ops, temporaries near the caches
 _F32_MAX = torch.finfo(torch.float32).max

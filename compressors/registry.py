@@ -1,4 +1,5 @@
-"""Spec strings: how the CLI and configs name a compressor.
+"""The codecs there are, and the spec strings that name them (how the CLI and configs name a
+compressor).
 
     spec   := stage ("+" stage)*          e.g. "topk:0.01+int8", "fp4:e3m0,block=32"
     stage  := NAME [":" arg ("," arg)*]
@@ -9,7 +10,36 @@ sketches). ``from_spec(c.spec)`` rebuilds an equivalent compressor.
 """
 from __future__ import annotations
 
-from .base import _CODECS, Compressor
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base import Compressor
+
+_CODECS: dict[str, type[Compressor]] = {}
+
+
+def register(cls: type[Compressor]) -> type[Compressor]:
+    """Class decorator: make a codec known to specs and to header-driven decoding."""
+    if cls.codec in _CODECS:
+        raise ValueError(f"codec {cls.codec!r} registered twice")
+    for flag in ("stage_lossless", "stage_zero_copy"):
+        if not isinstance(getattr(cls, flag, None), bool):
+            raise TypeError(f"codec {cls.codec!r} must state {flag} (True or False)")
+    if cls.stage_zero_copy and not (cls.stage_lossless and not cls.takes_inner):
+        # sending the input's own bytes is lossless, and leaves no payload for a next stage
+        raise TypeError(f"codec {cls.codec!r}: a zero-copy stage must be lossless and take no next stage")
+    _CODECS[cls.codec] = cls
+    return cls
+
+
+def lookup(name: Any) -> type[Compressor] | None:
+    """The codec registered as `name`, or None."""
+    return _CODECS.get(name) if isinstance(name, str) else None
+
+
+def stage_takers() -> list[str]:
+    """Names of the codecs that hand a payload on to a next stage, sorted."""
+    return sorted(n for n, c in _CODECS.items() if c.takes_inner)
 
 
 def _parse_stage(text: str, spec: str) -> tuple[str, list[str], dict[str, str]]:

@@ -29,7 +29,8 @@ import math
 import torch
 
 from . import rng
-from .base import Compressor, Encoded, Header, NonFiniteError, PacketError, Param, fresh_seed, register
+from .base import Compressor, Encoded, Header, NonFiniteError, PacketError, Param, fresh_seed
+from .registry import register
 
 _CHUNK = 1 << 20  # values hashed (count sketch) or matrix entries generated (gsketch) at once
 

@@ -24,8 +24,9 @@ import math
 import torch
 
 from . import rng
-from .base import Compressor, Encoded, Header, NonFiniteError, PacketError, Param, chunk_elems, fresh_seed, register
+from .base import Compressor, Encoded, Header, NonFiniteError, PacketError, Param, chunk_elems, fresh_seed
 from .packing import pack_bits, pack_uints, unpack_bits, unpack_uints
+from .registry import register
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ import torch
 from _compressors_support import ALL_SPECS, over_the_wire
 
 from starling.compressors import Compressor, Packet, PacketError, decode, from_spec, registered_codecs
-from starling.compressors.base import _CODECS, Encoded, register
+from starling.compressors.base import Encoded
+from starling.compressors.registry import _CODECS, register
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
