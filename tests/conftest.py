@@ -74,6 +74,38 @@ def make_node(tmp_path) -> Iterator[Callable[..., Node]]:
         n.close()
 
 
+ECHO_CONFIG = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0, reach_timeout_s=0.5)
+
+
+@pytest.fixture
+def echo_nodes() -> Iterator[Callable[..., Node]]:
+    """echo_nodes(listen="tcp://127.0.0.1:0", join=[...], config=ECHO_CONFIG, **start_kwargs) -> a
+    started Node that answers "echo" with {"from": its id, "got": the body}; closed after the test.
+    listen=None makes a client (it listens nowhere)."""
+    made: list[Node] = []
+
+    def make(listen: str | None = "tcp://127.0.0.1:0", join: list[str] | None = None,
+             config: NodeConfig = ECHO_CONFIG, **kwargs) -> Node:
+        node = Node(config=config)
+        made.append(node)
+        node.start(listen, join or [], **kwargs)
+        node.on("echo", lambda msg: {"from": node.peer_id, "got": msg.body})
+        return node
+
+    yield make
+    for node in made:
+        node.close()
+
+
+def rss_mb() -> float:
+    """This process's resident memory, in MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
 def swarm(make_node: Callable[..., Node], n: int) -> list[Node]:
     """n inproc nodes that all joined through the first and see each other alive."""
     nodes = [make_node("inproc")]

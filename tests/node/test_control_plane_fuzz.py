@@ -26,7 +26,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from conftest import TEST_LIVENESS, raw_dealer, wait_until
+from conftest import TEST_LIVENESS, raw_dealer, rss_mb, wait_until
 from hypothesis import HealthCheck, given, reject, seed, settings
 from hypothesis import strategies as st
 
@@ -234,14 +234,6 @@ def speakers(swarm):
 
 
 # ---------------------------------------------------------------------------- what must hold
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 @dataclass
 class Baseline:
     rejected: dict[str, int]
@@ -250,7 +242,7 @@ class Baseline:
 
 
 def baseline(s: Swarm) -> Baseline:
-    return Baseline(dict(s.target.stats.snapshot()["rejected"]), _rss_mb(), {p.id for p in s.target.peers})
+    return Baseline(dict(s.target.stats.snapshot()["rejected"]), rss_mb(), {p.id for p in s.target.peers})
 
 
 def _uncaught(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -287,7 +279,7 @@ def assert_sound(s: Swarm, before: Baseline, caplog: pytest.LogCaptureFixture) -
                                         for n in a._blobs.open_transfers().values())
     stats = a.stats.snapshot()
     assert set(stats["bytes_received"]) <= before.peers | {STRANGERS}
-    assert _rss_mb() - before.rss_mb < RSS_GROWTH_LIMIT_MB
+    assert rss_mb() - before.rss_mb < RSS_GROWTH_LIMIT_MB
     return {k: v - before.rejected.get(k, 0) for k, v in stats["rejected"].items() if v > before.rejected.get(k, 0)}
 
 

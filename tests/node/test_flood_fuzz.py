@@ -19,7 +19,7 @@ import time
 
 import msgpack
 import pytest
-from conftest import wait_until
+from conftest import rss_mb, wait_until
 from zmq.utils import z85
 
 from starling.node.address import parse_address
@@ -91,14 +91,6 @@ print(json.dumps(counts), flush=True)
 """
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 def _header(**fields) -> bytes:
     base = {"v": WIRE_VERSION, "t": "$req", "s": "fuzz", "n": 1, "ts": 1.0, "b": None, "f": []}
     return msgpack.packb({**base, **fields}, use_bin_type=True)
@@ -168,7 +160,7 @@ def test_a_fuzzed_and_flooded_node_stays_bounded_and_answers_a_member(make_node)
     job = {"endpoint": target.endpoint, "server_key": z85.encode(target.curve_key), "seconds": FUZZ_S,
            "connections": 3, "status": status, "corpus": _corpus(random.Random(18), b.peer_id)}
     query(a.address, identity=b.identity, timeout_s=10)  # warm: the first query sets up the client path
-    rss_before = _rss_mb()
+    rss_before = rss_mb()
     attacker = subprocess.Popen([sys.executable, "-c", ATTACKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         attacker.stdin.write(msgpack.packb(job, use_bin_type=True))
@@ -179,7 +171,7 @@ def test_a_fuzzed_and_flooded_node_stays_bounded_and_answers_a_member(make_node)
             answer = query(a.address, identity=b.identity, timeout_s=STATUS_WITHIN_S)
             latencies.append(time.monotonic() - t0)
             assert answer["id"] == a.peer_id
-            rss_peak = max(rss_peak, _rss_mb())
+            rss_peak = max(rss_peak, rss_mb())
             time.sleep(0.1)
         counts = json.loads(attacker.stdout.read())
     finally:

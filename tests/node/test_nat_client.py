@@ -3,32 +3,19 @@ loopback. The same paths across real NAT routers are in tests/node/test_netns_na
 from __future__ import annotations
 
 import pytest
-from conftest import TEST_LIVENESS, wait_until
+from conftest import ECHO_CONFIG, wait_until
 
 from starling.node import rpc
 from starling.node.client import query
 from starling.node.identity import Identity
-from starling.node.node import Node, NodeConfig
+from starling.node.node import Node
 from starling.node.relay import RELAYED, VIA, Relay, RelayConfig, Sealer, pack_frames, unpack_frames
 from starling.node.wire import WireError, encode
 
-CONFIG = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0, reach_timeout_s=0.5)
-
 
 @pytest.fixture
-def nodes():
-    made: list[Node] = []
-
-    def make(listen: str | None = "tcp://127.0.0.1:0", join: list[str] | None = None, **kwargs) -> Node:
-        node = Node(config=CONFIG)
-        made.append(node)
-        node.start(listen, join or [], **kwargs)
-        node.on("echo", lambda msg: {"from": node.peer_id, "got": msg.body})
-        return node
-
-    yield make
-    for node in made:
-        node.close()
+def nodes(echo_nodes):
+    return echo_nodes
 
 
 def _public_and_clients(make, clients: int = 2) -> tuple[list[Node], list[Node]]:
@@ -55,7 +42,7 @@ def test_a_client_has_no_address_and_says_so(nodes):
 
 def test_a_node_that_listens_nowhere_must_join():
     with pytest.raises(ValueError, match="must join"):
-        Node(config=CONFIG).start(None, [])
+        Node(config=ECHO_CONFIG).start(None, [])
 
 
 def test_requests_both_ways_between_a_client_and_a_public_peer(nodes):

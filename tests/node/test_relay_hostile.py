@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
-from conftest import TEST_LIVENESS, wait_until
+from conftest import ECHO_CONFIG, TEST_LIVENESS, wait_until
 
 from starling.node.identity import Identity
 from starling.node.node import Node, NodeConfig
@@ -27,25 +27,12 @@ from starling.node.relay import (
 )
 from starling.node.wire import WireError, encode
 
-CONFIG = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0, reach_timeout_s=0.5)
-NO_RELAY = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0, reach_timeout_s=0.5, offer_relay=False)
+NO_RELAY = replace(ECHO_CONFIG, offer_relay=False)
 
 
 @pytest.fixture
-def nodes() -> Iterator:
-    made: list[Node] = []
-
-    def make(listen: str | None = "tcp://127.0.0.1:0", join: list[str] | None = None,
-             config: NodeConfig = CONFIG, **kwargs) -> Node:
-        node = Node(config=config)
-        made.append(node)
-        node.start(listen, join or [], **kwargs)
-        node.on("echo", lambda msg: {"from": node.peer_id, "got": msg.body})
-        return node
-
-    yield make
-    for node in made:
-        node.close()
+def nodes(echo_nodes):
+    return echo_nodes
 
 
 def _all_live(*everyone: Node) -> None:
