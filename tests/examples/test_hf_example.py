@@ -17,7 +17,7 @@ from starling.runtime import CheckpointStore
 # The `hf` extra (also in `test`, so CI has it): skip only where someone installed neither.
 pytest.importorskip("transformers")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_causal_lm.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_causal_lm.py"
 _spec = importlib.util.spec_from_file_location("hf_causal_lm", EXAMPLE)
 hf_causal_lm = sys.modules["hf_causal_lm"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hf_causal_lm)  # its checks, called on tampered checkpoints below
