@@ -4,7 +4,7 @@
                                    [--security plaintext|curve] [--backends starling,gloo]
                                    [--chunk-mb MiB] [--timeout-s 300] [--profile-rank R]
 
-Target checked (issue #4): averaging a ``--size-mb`` MiB float32 tensor across 2 and 4 peers on
+Target checked: averaging a ``--size-mb`` MiB float32 tensor across 2 and 4 peers on
 tcp loopback takes at most 1.5x the time of gloo's ``all_reduce`` of the same tensor.
 
 For each peer count, N worker processes (spawned, ``torch.set_num_threads(1)``) each start a

@@ -4,7 +4,7 @@ and a new one joins every `--kill-every-s`, against the same swarm without failu
     python benchmarks/chaos.py [--peers 16] [--duration-s 600] [--kill-every-s 30]
                                [--protocols allreduce,streaming-diloco] [--seed 0] [--quick]
 
-Target (issue #18): 16 peers, one SIGKILLed and one joining every 30 s for 10 minutes, for
+Target: 16 peers, one SIGKILLed and one joining every 30 s for 10 minutes, for
 `allreduce` and `streaming-diloco`: 0 deadlocks; the share of steps committed within 5 points
 of the analytic bound; eval loss within 5% of a run without failures. (torchft reports 82.3%
 committed against 83.3% expected at one failure a minute.)

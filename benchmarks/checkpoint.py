@@ -2,7 +2,7 @@
 
     python benchmarks/checkpoint.py [--params-m 100] [--repeats 3] [--dir DIR] [--quick]
 
-Prints one JSON row per repeat and a summary row. Targets checked (issue #17):
+Prints one JSON row per repeat and a summary row. Targets checked:
 - ``pause``: the training thread's pause for a checkpoint of a 100M-parameter state (a
   float32 model of ``--params-m`` million values: what `Protocol.state_dict()` copies, then the
   hand-off to the writer thread) is at most 1.5x the time of one ``clone()`` of every tensor

@@ -1094,7 +1094,7 @@ def replays_after_sessions(quick: bool) -> dict[str, Any]:
     from starling.node.relay import RelayConfig, Sealer
     from starling.node.wire import WireError, encode
 
-    sessions = 5_000 if quick else 100_000  # the quick run's is still past the 4096 sessions a guard once kept
+    sessions = 5_000 if quick else 100_000  # both past 4096: more sessions than a guard bounded by count would keep
     a, e, d = Identity.generate(), Identity.generate(), Identity.generate()
     config = RelayConfig()
     guard = Sealer(d.curve_secret, d.peer_id, config)

@@ -3,8 +3,8 @@ dropped connection against heartbeats alone, in the same run.
 
     python benchmarks/crash.py [--peers 4] [--protocols allreduce,streaming-diloco] [--quick]
 
-Target (issue #18): a SIGKILLed peer process stalls the survivors by at most 1.5 s, for
-`allreduce` and `streaming-diloco` (10 s before: the heartbeats' dead timeout).
+Target: a SIGKILLed peer process stalls the survivors by at most 1.5 s, for `allreduce` and
+`streaming-diloco` (heartbeats alone take their dead timeout, 10 s).
 
 Each case starts `--peers` real `starling node start` processes on loopback tcp with the
 CLI's default liveness (heartbeat 1 s, suspect 3 s, dead 10 s, probe 1 s), training the

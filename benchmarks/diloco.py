@@ -26,7 +26,7 @@ then a summary row. Targets checked:
   links is mostly waiting (< 50%).
 - ``sweep``: the paper's qualitative findings on the small model: 4-bit vs 8-bit vs fp32
   exchange, overlap 0..5, alpha 0 vs 0.5 (with overlap), peers 1/2/4 at equal steps.
-- ``sparse`` (issue 23): the headline's run with SparseLoCo-style pseudo-gradients
+- ``sparse``: the headline's run with SparseLoCo-style pseudo-gradients
   (``--sparse-spec``, ``chunktopk:64/4096+q2``: top 64 of every 4096 values, 2 bits each, error
   feedback in the outer loop that decays by ``--sparse-ef-decay``, 0.9) against ``allreduce``
   and the int4 streaming run, all in one invocation. Targets: at most 0.3 bits per parameter
@@ -405,7 +405,7 @@ def streaming(args: argparse.Namespace, steps: int, **overrides: Any) -> dict[st
 
 
 def sparse(args: argparse.Namespace) -> dict[str, Any]:
-    """Issue 23's headline: allreduce, int4 and sparse streaming-diloco, same run, same seed."""
+    """The sparse headline: allreduce, int4 and sparse streaming-diloco, same run, same seed."""
     steps = args.steps
     if args.allreduce_loss is not None:  # reuse measured baselines (same steps, peers, seed)
         base = {"eval_loss": args.allreduce_loss, "bytes_per_peer": args.allreduce_bytes}
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in FULL:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--only", default="headline,horizon,peak,util,sweep", help="comma-separated benches "
-                        "(also sparse, sparse-sweep: issue 23's rows, not run by default)")
+                        "(also sparse, sparse-sweep: the sparse pseudo-gradient rows, not run by default)")
     parser.add_argument("--sparse-spec", default=SPARSE_SPEC, help=f"sparse: the compressor ({SPARSE_SPEC})")
     parser.add_argument("--sparse-average-spec", default="",
                         help="sparse: the owners' codec for averages (default: the same as --sparse-spec)")

@@ -12,7 +12,7 @@ model, AdamW inside, every H steps fragment f's pseudo-gradients averaged exactl
 applied by outer Nesterov SGD on a staggered schedule (fragment f at steps = (f + 1) H / F
 mod H), the local fragment then set to alpha * local + (1 - alpha) * outer. `dp` is AdamW on
 the exact mean of the P peers' gradients each step, as `allreduce` computes it. It is for
-screening hyper-parameters in minutes; figures for the issue's targets come from
+screening hyper-parameters in minutes; figures for the targets come from
 `benchmarks/diloco.py`.
 
 `--shards shuffled` gives every peer random windows of the whole training split (IID

@@ -1,4 +1,4 @@
-"""Peers of different speeds (issue 20): asynchronous Streaming DiLoCo against the protocols
+"""Peers of different speeds: asynchronous Streaming DiLoCo against the protocols
 that wait for the slowest peer, on the same wall-clock budget.
 
     python benchmarks/heterogeneous.py [--budget-s S] [--speeds 1,1,1,0.33] [--sync-every H]
@@ -18,7 +18,7 @@ parameters, the same on every peer). Prints one JSON row per run, then a summary
   slow peer's part.
 - ``allreduce``: data-parallel AdamW, every step waits for the slow peer.
 
-Targets (issue 20): async ends with a lower eval loss than both others; the fast peers'
+Targets: async ends with a lower eval loss than both others; the fast peers'
 training threads are busy >= 90% of their steps' wall time (sum of `compute_s` over sum of
 `wall_s`); with equal speeds, async is within 1% of sync streaming-diloco's eval loss at equal
 steps (`equal` row, `--equal-steps` each). Reported too: the slow peer's share of the tokens

@@ -191,7 +191,7 @@ def flood(requests: int) -> dict[str, Any]:
             return sent
 
         flooding = a.submit(run_flood())
-        time.sleep(1.0)  # past the old 64 slots, each held 10 s
+        time.sleep(1.0)  # long enough for the dead destinations to hold all 64 forward slots, were sends to wait
         answered = 0
         t0 = time.monotonic()
         for i in range(requests):

@@ -1,4 +1,4 @@
-"""Replicas of many ranks (issue 22): what Starling adds inside a replica, and what a replica
+"""Replicas of many ranks: what Starling adds inside a replica, and what a replica
 sends to the swarm.
 
     python benchmarks/replicas.py [--ranks 2] [--steps 60] [--warmup 6] [--sync-steps 24]

@@ -3,7 +3,7 @@ run ends.
 
     python benchmarks/restart.py [--steps 600] [--stop-at 300] [--peers 4] [--quick]
 
-Target (issue #17): 4 peers on `charlm` with `streaming-diloco`, all stopped at step 300,
+Target: 4 peers on `charlm` with `streaming-diloco`, all stopped at step 300,
 restarted from their checkpoints and run to step 600, end with the same eval loss as an
 uninterrupted 600-step run; bit for bit where the run is deterministic, and reported either
 way. Every run is a simulated swarm of real nodes over inproc sockets with seeded keys (the

@@ -1,4 +1,4 @@
-"""A thousand peers on one box (issue 24): start-up time and memory of simulated swarms.
+"""A thousand peers on one box: start-up time and memory of simulated swarms.
 
     python benchmarks/scale.py [--sizes 128,256,512,1024] [--processes 0,4] [--steps 5]
                                [--protocol gossip] [--task quadratic] [--timeout-s 900]
