@@ -71,7 +71,7 @@ def test_a_seeded_run_repeats_bit_for_bit():
 
 
 def test_sparse_bits_per_parameter_and_its_sweep_grid():
-    """Issue 23's arithmetic: socket bits per parameter per sync and per step, the codec's
+    """The sparse rows' arithmetic: socket bits per parameter per sync and per step, the codec's
     message for SparseLoCo's config, and a sweep that spans 0.5%-5% density and 1, 2, 4 bits."""
     bench = load_bench()
     params = bench.charlm_parameters()

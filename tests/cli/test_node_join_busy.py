@@ -1,5 +1,5 @@
-"""`starling node start --join` against a first node whose transfer slots other members hold
-(issue 18): the joiner retries with backoff, says so, stops when told to, and gives up only at
+"""`starling node start --join` against a first node whose transfer slots other members hold:
+the joiner retries with backoff, says so, stops when told to, and gives up only at
 its deadline."""
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from starling.cli.main import app
 from starling.node.client import query
 
-EXPECTED = {  # the list: steps, loss, bytes per topic and peer, peers by status, rounds completed and
+EXPECTED = {  # what an operator watches: steps, loss, bytes per topic and peer, peers by status, rounds completed and
     # closed without someone, stall seconds, rejected frames by reason, checkpoint age
     "starling_steps", "starling_step", "starling_loss", "starling_bytes_sent", "starling_bytes_received",
     "starling_peers", "starling_rounds", "starling_rounds_incomplete", "starling_stall_seconds",

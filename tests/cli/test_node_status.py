@@ -1,5 +1,5 @@
 """`starling node status` survives any answer: every output is JSON or one clear error line,
-never a traceback (issue 18: a config nested 990 deep killed `--json` with a RecursionError)."""
+never a traceback (a config nested 990 deep must not kill `--json` with a RecursionError)."""
 from __future__ import annotations
 
 import json

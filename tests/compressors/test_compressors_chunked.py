@@ -1,4 +1,4 @@
-"""Chunked top-k and 2-bit values (issue 23): packing round-trips at chunk edges and odd sizes,
+"""Chunked top-k and 2-bit values: packing round-trips at chunk edges and odd sizes,
 the bits a message costs, error feedback that conserves mass, and malformed messages refused."""
 from __future__ import annotations
 

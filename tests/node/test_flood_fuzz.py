@@ -1,4 +1,4 @@
-"""A socket-level fuzzer against a live node (issue 18).
+"""A socket-level fuzzer against a live node.
 
 For a few seconds, another process sends over tcp (CurveZMQ, as any key may in open mode):
 a pipelined `$status` flood on one connection, and malformed, spoofed, deep, oversized and
@@ -29,12 +29,12 @@ from starling.node.stats import STRANGERS
 from starling.node.wire import WIRE_VERSION, encode
 
 FUZZ_S = 4.0
-# The issue's target for a flood. The network thread keeps up to 256 MiB of freed memory for
+# A bound on a flood's memory. The network thread keeps up to 256 MiB of freed memory for
 # reuse (node/allocator.py), and large bodies leave some of it behind: with bodies of 50-200 KB
 # this test grew 20-150 MB, with 16-64 KB 8-33 MB (quiet box), and 103 MB once in CI beside a
-# 16-process soak (a starved reader leaves libzmq's queues fuller). The unbounded flood of issue
-# 18 grew ~100 MB/s, 400 MB in this test's 4 s: the bound sits between the two. The issue's
-# 100 MB target is measured by benchmarks/flood.py over 30 s.
+# 16-process soak (a starved reader leaves libzmq's queues fuller). A node that never yielded
+# to its request tasks grew ~100 MB/s, 400 MB in this test's 4 s: the bound sits between the
+# two. The 100 MB target is measured by benchmarks/flood.py over 30 s.
 RSS_GROWTH_LIMIT_MB = 250.0
 # A hang detector on a loaded 2-core CI box; benchmarks/flood.py measures the real figure.
 STATUS_WITHIN_S = 5.0

@@ -109,7 +109,7 @@ def test_a_malformed_hello_is_a_bad_request_counted_by_its_reason(make_node):
 
 
 @pytest.mark.parametrize("body", [
-    "just text",  # the old form
+    "just text",  # a bare string, not a typed error body
     {"message": "x"},
     {"code": "gone_fishing", "message": "x", "reason": None},
     {"code": "refused", "message": "x", "reason": None},  # a refusal names its reason

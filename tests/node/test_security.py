@@ -132,8 +132,8 @@ def _allowlist(tmp_path, *identities: Identity):
 
 
 def test_a_relayed_record_for_a_key_off_the_allowlist_is_never_added_or_dialed(make_node, tmp_path):
-    """Issue 18: an allowed member announced a record for a key not on the list, and the
-    node added it as alive and opened a socket to it."""
+    """An allowed member announces a record for a key not on the list: the node must neither
+    add it as alive nor open a socket to it."""
     a_id, b_id, c_id = Identity.generate(), Identity.generate(), Identity.generate()
     a = make_node("tcp", key=a_id, authorized_keys=_allowlist(tmp_path, b_id))
     b = make_node("tcp", key=b_id, join=[a.address])  # open: it lets c in

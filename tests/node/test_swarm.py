@@ -385,8 +385,8 @@ def test_swarm_config_fixed_by_first_node(make_node):
 
 
 def test_a_hello_never_sets_the_config_of_a_node_started_without_one(make_node):
-    """Issue 18: the first inbound hello's config was adopted, so a stranger picked what a
-    node started without --protocol would train (and what its later joiners learned)."""
+    """Were the first inbound hello's config adopted, a stranger would pick what a node started
+    without --protocol trains (and what its later joiners learn)."""
     a = make_node("tcp")
     stranger = make_node("tcp", join=[a.address], swarm_config={"protocol": "diloco", "task": "evil:task"})
     assert a.swarm_config is None and stranger.swarm_config == {"protocol": "diloco", "task": "evil:task"}

@@ -76,7 +76,7 @@ def test_corrupted_chunk_is_detected(make_node):
         b.fetch_blob("state", peers=[a.peer_id], config=SMALL_CHUNKS)
 
 
-# ---------------------------------------------------------------- hostile requesters (issue 18)
+# ---------------------------------------------------------------- hostile requesters
 def _serving(make_node, blob: bytes, **transfer) -> Node:
     """A tcp node serving `blob` as "state", with its own transfer limits."""
     config = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0,
@@ -98,8 +98,8 @@ def _open_many(requester: Node, server: Node, count: int) -> tuple[int, list[Ref
 
 
 def test_a_member_that_opens_every_transfer_and_leaves_blocks_no_joiner(make_node):
-    """The attack of issue 18: a member opened 8 transfers and left; a joiner then found the
-    source "too busy" for 300 s. Now one peer holds at most its share, and leaving frees it."""
+    """A member opens 8 transfers and leaves: a joiner must not find the source "too busy"
+    (for 300 s, were the slots held). One peer holds at most its share, and leaving frees it."""
     blob = os.urandom(1 << 20)
     a = _serving(make_node, blob)
     mallory = make_node("tcp", join=[a.address])

@@ -432,7 +432,7 @@ def test_a_body_nested_deeper_than_the_limit_is_rejected_without_recursion():
     limit = Limits().max_depth
     assert decode(_header_with_body(_nested(limit - 1))).body == _nested(limit - 1)  # the header map is 1
     assert _reason(_header_with_body(_nested(limit))) == RejectReason.TOO_DEEP
-    assert _reason(_header_with_body(_nested(990))) == RejectReason.TOO_DEEP  # the config of issue 18
+    assert _reason(_header_with_body(_nested(990))) == RejectReason.TOO_DEEP  # a config nested 990 deep
     assert _reason(_header_with_body(_nested(5)), Limits(max_depth=4)) == RejectReason.TOO_DEEP
 
 

@@ -1,4 +1,4 @@
-"""Peers of different speeds (issue 20): token-weighted averages, the quorum close, late
+"""Peers of different speeds: token-weighted averages, the quorum close, late
 contributions carried into the next round once, time-based inner rounds, and bad input."""
 from __future__ import annotations
 

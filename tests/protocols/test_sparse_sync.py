@@ -1,4 +1,4 @@
-"""Sparse, 2-bit, error-fed pseudo-gradients (issue 23) through the sharded all-reduce and
+"""Sparse, 2-bit, error-fed pseudo-gradients through the sharded all-reduce and
 streaming-diloco: bit-identical averages on every peer, residuals that conserve mass and
 travel in checkpoints, joiners, and a malformed sparse part refused, counted, and harmless."""
 from __future__ import annotations

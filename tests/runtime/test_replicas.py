@@ -1,4 +1,4 @@
-"""Replicas of many ranks (issue 22): torch.distributed (gloo) inside a replica, Starling between.
+"""Replicas of many ranks: torch.distributed (gloo) inside a replica, Starling between.
 
 Each multi-process test runs `Simulation(nproc_per_replica=2)`: every rank a process of its own,
 rank 0 of each replica its Starling peer. Every rank reports digests of its model and of the
