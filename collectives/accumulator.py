@@ -1,10 +1,10 @@
 """An owner's accumulator: the parts of one chunk of one shard of one round, summed in
 member order, with non-finite parts left out, and averaged by the contributors' weights.
 
-Weights (the tokens each part was computed on, issue 20): the average is sum_i s_i part_i
+Weights (the tokens each part was computed on): the average is sum_i s_i part_i
 with shares s_i = w_i / sum_j w_j, which sum to one. Equal weights (every part without one
-counts 1) take the plain path, sum / count, so that the average is bit for bit what it was
-before parts carried weights.
+counts 1) take the plain path, sum / count, so that their average is bit for bit the plain
+one.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class ShardGroup:
     total: torch.Tensor | None = None  # the sum of two or more parts, in a buffer of its own
     bad: set[str] = field(default_factory=set)  # contributors whose part was not finite
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    reply: tuple[dict[str, Any], tuple[torch.Tensor, ...]] | None = None
+    reply: tuple[dict[str, Any], tuple[torch.Tensor, ...]] | None = None  # every contributor's answer, as it goes out
     timer: asyncio.Future[None] | None = None  # closes the group when its time is up
     weights: dict[str, float] = field(default_factory=dict)  # each contributor's weight (1 if it named none)
 

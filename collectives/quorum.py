@@ -1,5 +1,5 @@
 """A quorum close: which members' contributions a round takes, decided by one peer and
-announced, so that every member applies the same set (issue 20: peers of different speeds).
+announced, so that every member applies the same set, however different the members' speeds.
 
     leader(t) = members[(t + salt) % |members|]              # the member list a peer sent with
     member, when its contribution for round t is ready:
@@ -33,10 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from starling.collectives.bodies import Ask, BodyError, Closing
 from starling.collectives.reduce import ReduceTimeouts
 from starling.collectives.requests import request_patiently
 from starling.node.loop import AwakeDeadline
-from starling.node.rpc import Refusal, refusal
+from starling.node.rpc import Refusal, Refuser, refusal
 
 if TYPE_CHECKING:
     from starling.node import Node
@@ -44,22 +45,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+__all__ = ["Closing", "QuorumClose"]
+
 _KEEP_CLOSED_ROUNDS = 64  # closed rounds a leader remembers, to answer late asks with their set
-
-
-@dataclass(frozen=True)
-class Closing:
-    """The contributions round `round` takes: (peer, weight), sorted by peer."""
-
-    round: int
-    contributions: tuple[tuple[str, float], ...]
-
-    @property
-    def members(self) -> tuple[str, ...]:
-        return tuple(peer for peer, _ in self.contributions)
-
-    def weight_of(self, peer: str) -> float | None:
-        return next((w for p, w in self.contributions if p == peer), None)
 
 
 @dataclass
@@ -90,6 +78,7 @@ class QuorumClose:
         self._open: dict[int, _Gathering] = {}
         self._closed: dict[int, Closing] = {}
         self._gone: set[str] = set()
+        self._refuse = Refuser(node.stats, topic, node.peer_id)
         node.on(topic, self._on_ask)
 
     def leader(self, t: int, members: tuple[str, ...]) -> str:
@@ -108,39 +97,31 @@ class QuorumClose:
         if leader == me:
             return await self._gather(t, members, me, weight)
         deadline = AwakeDeadline(self.timeouts.round_timeout_s + self.timeouts.reply_grace_s)
-        body = {"round": t, "members": list(members), "weight": weight}
         try:
-            msg = await request_patiently(self.node, leader, self.topic, body, (), deadline,
-                                          self.timeouts.retry_interval_s)
+            msg = await request_patiently(self.node, leader, self.topic, Ask(t, members, weight).to_wire(), (),
+                                          deadline, self.timeouts.retry_interval_s)
         except Exception as exc:  # dead or silent leader, or it refused: out of this round
             log.info("%s: %s round %d: no closing set from %s: %s", me, self.topic, t, leader, exc)
             return None
         try:
-            return read_closing(msg.body, t)
-        except ValueError as exc:
-            self.node.stats.count_rejected(f"{self.topic}.malformed_close")
-            log.warning("%s: %s round %d: refused the closing set from %s: %s", me, self.topic, t, leader, exc)
+            return Closing.from_wire(msg.body, t)
+        except BodyError as exc:
+            self._refuse.count("malformed_close", f"round {t}: the closing set from {leader}: {exc}")
             return None
 
     async def _on_ask(self, msg: Message) -> dict[str, Any]:
         if not self._is_open():
             return refusal(Refusal.CLOSED, "protocol closed")
-        body = msg.body
         try:
-            t, weight = body["round"], body["weight"]
-            members = tuple(str(m) for m in body["members"])
-        except (TypeError, KeyError, ValueError, AttributeError):
-            return self._reject(Refusal.MALFORMED, "body must be {round, members, weight}")
-        if type(t) is not int or t < 0:
-            return self._reject(Refusal.MALFORMED, f"round must be a whole number >= 0, got {t!r}")
-        if type(weight) not in (int, float) or not (math.isfinite(weight) and weight >= 0.0):
-            return self._reject(Refusal.MALFORMED, f"weight must be a finite number >= 0, got {weight!r}")
-        if list(members) != sorted(set(members)) or msg.sender not in members:
-            return self._reject(Refusal.MALFORMED, "members must be sorted, unique, and include the sender")
-        if self.leader(t, members) != self.node.peer_id:
-            return self._reject(Refusal.NOT_OWNER, f"this peer does not lead round {t} of that member list")
-        closing = await self._gather(t, members, msg.sender, float(weight))
-        return closing_body(closing)
+            ask = Ask.from_wire(msg.body)
+        except BodyError as exc:
+            return self._refuse(Refusal.MALFORMED, str(exc))
+        if msg.sender not in ask.members:
+            return self._refuse(Refusal.MALFORMED, "members must include the sender")
+        if self.leader(ask.round, ask.members) != self.node.peer_id:
+            return self._refuse(Refusal.NOT_OWNER, f"this peer does not lead round {ask.round} of that member list")
+        closing = await self._gather(ask.round, ask.members, msg.sender, ask.weight)
+        return closing.to_wire()
 
     async def _gather(self, t: int, members: tuple[str, ...], sender: str, weight: float) -> Closing:
         if t in self._closed:
@@ -185,10 +166,6 @@ class QuorumClose:
             del self._closed[min(self._closed)]
         gathering.done.set()
 
-    def _reject(self, reason: Refusal, detail: str) -> dict[str, Any]:
-        self.node.stats.count_rejected(f"{self.topic}.{reason.value}")
-        return refusal(reason, detail)
-
     # ------------------------------------------------------------------ membership hooks
     def peer_left(self, peer_id: str) -> None:
         """Network thread: open rounds stop waiting for a member that left or died."""
@@ -200,28 +177,3 @@ class QuorumClose:
     def peer_joined(self, peer_id: str) -> None:
         self._gone.discard(peer_id)
 
-
-def closing_body(closing: Closing) -> dict[str, Any]:
-    return {"ok": True, "round": closing.round, "closed": [[p, w] for p, w in closing.contributions]}
-
-
-def read_closing(body: Any, t: int) -> Closing:
-    """A leader's reply for round t as a `Closing`; ValueError naming what is wrong with it."""
-    if not isinstance(body, dict) or body.get("ok") is not True:
-        reason = body.get("reason") if isinstance(body, dict) else None
-        raise ValueError(f"not a closing set: {reason or type(body).__name__}")
-    if body.get("round") != t:
-        raise ValueError(f"a set for round {body.get('round')!r}, not {t}")
-    closed = body.get("closed")
-    if not isinstance(closed, list) or not closed:
-        raise ValueError("closed must be a non-empty list of [peer, weight]")
-    pairs = []
-    for entry in closed:
-        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)
-                and type(entry[1]) in (int, float) and math.isfinite(entry[1]) and entry[1] >= 0.0):
-            raise ValueError(f"bad entry {entry!r}: expected [peer, weight >= 0]")
-        pairs.append((entry[0], float(entry[1])))
-    peers = [p for p, _ in pairs]
-    if peers != sorted(set(peers)):
-        raise ValueError("peers must be sorted and unique")
-    return Closing(t, tuple(pairs))

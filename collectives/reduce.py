@@ -62,15 +62,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from starling.collectives.accumulator import ShardGroup
+from starling.collectives.bodies import Average, BodyError, Part, Refused, Skip
 from starling.collectives.codec import encode, make_codec, packet_from_wire
-from starling.collectives.compact import HeaderTemplates, KnownViews, contributor_mask, contributors_of
+from starling.collectives.compact import HeaderTemplates, KnownViews
 from starling.collectives.layout import DEFAULT_CHUNK_NUMEL, chunk_layout
-from starling.collectives.outcome import ReduceResult, ReduceTimeouts, shares_in
+from starling.collectives.outcome import ReduceResult, ReduceTimeouts
 from starling.collectives.requests import request_patiently
 from starling.collectives.staging import HostStaging, to_device
 from starling.compressors import Packet, decode
 from starling.node.loop import AwakeDeadline, close_in_time
-from starling.node.rpc import Refusal, RemoteError, Reply, refusal, refusal_of
+from starling.node.rpc import Refusal, Refuser, RemoteError, Reply, refusal, refusal_of
 from starling.node.wire import Message
 
 if TYPE_CHECKING:
@@ -170,6 +171,7 @@ class ShardedReducer:
         self._latest_round = -1  # the latest round this peer has started
         # round -> members that said they send nothing in it (frozen: the caller's thread reads it)
         self._skipped: dict[int, frozenset[str]] = {}
+        self._refuse = Refuser(node.stats, topic, node.peer_id)
         node.on(topic, self._on_part)
 
     # ------------------------------------------------------------------ caller's thread
@@ -260,7 +262,7 @@ class ShardedReducer:
         tells every live peer, whose groups stop waiting too. Call from the caller's thread."""
         self.node.run(self._skip_here(t))
         for peer in self.node.live_peers():
-            self.node.send(peer, self.topic, {"skip": t})  # one way: a peer that died meanwhile misses it
+            self.node.send(peer, self.topic, Skip(t).to_wire())  # one way: a peer that died meanwhile misses it
 
     async def _skip_here(self, t: int) -> None:
         self._saw_skip(t, self.node.peer_id)
@@ -322,107 +324,93 @@ class ShardedReducer:
         # vector, which the group reads and never writes
         reply, buffers = await self._reduce((t, members, i, c), me, part, owned=private,
                                             weight=1.0 if weight is None else weight)
-        if not reply["ok"]:
-            return _ShardResult(i, c, me, None, reason=reply["reason"])
-        header = self._avg_headers.incoming(reply["packet"], part.numel())
-        return _ShardResult(i, c, me, Packet(header, buffers), contributors_of(members, reply["cm"]),
-                            shares=shares_in(reply))
+        refused = Refused.from_wire(reply)
+        if refused is not None:
+            return _ShardResult(i, c, me, None, reason=refused.reason)
+        average = Average.from_wire(reply, members)  # my own group's answer: well formed
+        header = self._avg_headers.incoming(average.header, part.numel())
+        return _ShardResult(i, c, me, Packet(header, buffers), average.contributors, shares=average.shares)
 
     async def _send_part(self, t: int, members: tuple[str, ...], view: bytes, i: int, c: int, numel: int,
                          owner: str, packet: Packet, weight: float | None = None) -> _ShardResult:
         # Counted in awake time: an average that came while this loop was stalled is read, not dropped.
         deadline = AwakeDeadline(self.timeouts.round_timeout_s + self.timeouts.reply_grace_s)
-        body: dict[str, Any] = {"step": t, "shard": i, "chunk": c, "view": view,
-                                "packet": self._part_headers.outgoing(packet.header, numel)}
-        if weight is not None:
-            body["weight"] = weight
+        part = Part(t, i, c, self._part_headers.outgoing(packet.header, numel), view=view, weight=weight)
         try:
-            msg = await request_patiently(self.node, owner, self.topic, body, packet.buffers, deadline,
+            msg = await request_patiently(self.node, owner, self.topic, part.to_wire(), packet.buffers, deadline,
                                           self.timeouts.retry_interval_s)
             if refusal_of(msg.body) is Refusal.UNKNOWN_VIEW:  # the owner never saw my list: send it whole
-                body = {**{k: v for k, v in body.items() if k != "view"}, "members": list(members)}
-                msg = await request_patiently(self.node, owner, self.topic, body, packet.buffers, deadline,
-                                              self.timeouts.retry_interval_s)
+                msg = await request_patiently(self.node, owner, self.topic, part.with_members(members).to_wire(),
+                                              packet.buffers, deadline, self.timeouts.retry_interval_s)
         except RemoteError as exc:
             return _ShardResult(i, c, owner, None, reason=str(exc))
         except Exception as exc:  # timeout, dead or unknown owner
             return _ShardResult(i, c, owner, None, reason=f"{type(exc).__name__}: {exc}")
-        reply = msg.body
-        if not isinstance(reply, dict) or not reply.get("ok"):
-            reason = reply.get("reason") if isinstance(reply, dict) else "malformed reply"
-            step = reply.get("step") if isinstance(reply, dict) else None
-            step = step if isinstance(step, int) else -1
-            if step > t:  # the owner has moved past this round: my groups stop waiting for it
-                self._saw_ahead(owner, step)
-            return _ShardResult(i, c, owner, None, reason=f"owner refused: {reason}", owner_round=step)
+        refused = Refused.from_wire(msg.body)
+        if refused is not None:
+            if refused.owner_round > t:  # the owner has moved past this round: my groups stop waiting for it
+                self._saw_ahead(owner, refused.owner_round)
+            return _ShardResult(i, c, owner, None, reason=f"owner refused: {refused.reason}",
+                                owner_round=refused.owner_round)
         try:
-            result = packet_from_wire(self._avg_headers.incoming(reply.get("packet"), numel), msg.payload)
-            contributors = contributors_of(members, reply.get("cm"))
-            shares = shares_in(reply)
+            average = Average.from_wire(msg.body, members)
+            result = packet_from_wire(self._avg_headers.incoming(average.header, numel), msg.payload)
         except Exception as exc:
             return _ShardResult(i, c, owner, None, reason=f"malformed average: {exc}")
+        contributors = average.contributors
         if owner not in contributors:
             # An owner's group waits for the owner's own part unless it saw the owner take part
             # in round t under another view (or move past it): my groups of round t stop waiting
             # for it too. A joiner that counts everyone in round t, which the others began before
             # they knew it, gets no part from them and would wait out the round timeout.
             self._saw_view(t, owner, ())
-        return _ShardResult(i, c, owner, result, contributors, shares=shares)
+        return _ShardResult(i, c, owner, result, contributors, shares=average.shares)
 
     async def _on_part(self, msg: Message) -> Reply | dict[str, Any]:
         """An owner receives one member's part; its answer is the shard's average."""
-        me, body = self.node.peer_id, msg.body
+        me = self.node.peer_id
         if not self._is_open():
             return refusal(Refusal.CLOSED, "protocol closed")
-        if isinstance(body, dict) and "skip" in body:  # the sender sends nothing in that round
-            if type(body["skip"]) is not int or body["skip"] < 0:
-                return self._reject(Refusal.MALFORMED, "skip must be a round number")
-            self._saw_skip(body["skip"], msg.sender)
-            return {"ok": True}
         try:
-            t, i, c = int(body["step"]), int(body["shard"]), int(body["chunk"])
-            named = "members" not in body  # by digest: a list I know, or none
-            members = (self._known_views.resolve(body["view"], self._current_view) if named
-                       else tuple(str(m) for m in body["members"]))
-            weight = body.get("weight", 1.0)
-        except (TypeError, KeyError, ValueError, AttributeError):
-            return self._reject(Refusal.MALFORMED, "body must be {step, shard, chunk, members or view, packet}")
+            if Skip.is_one(msg.body):  # the sender sends nothing in that round
+                self._saw_skip(Skip.from_wire(msg.body).round, msg.sender)
+                return {"ok": True}
+            body = Part.from_wire(msg.body)
+        except BodyError as exc:
+            return self._refuse(Refusal.MALFORMED, str(exc))
+        members = body.members
+        if members is None:  # named by digest: a list I know, or none
+            members = self._known_views.resolve(body.view, self._current_view)
         if members is None:  # not bad input: my view changed, or the sender's; it sends the list
             return refusal(Refusal.UNKNOWN_VIEW, "no member list of that digest here: send it whole")
-        if type(weight) not in (int, float) or not (math.isfinite(weight) and weight >= 0.0):
-            return self._reject(Refusal.MALFORMED, f"weight must be a finite number >= 0, got {weight!r}")
-        if list(members) != sorted(set(members)) or msg.sender not in members:
-            return self._reject(Refusal.MALFORMED, "members must be sorted, unique, and include the sender")
+        if msg.sender not in members:
+            return self._refuse(Refusal.MALFORMED, "members must include the sender")
+        t, i, c = body.step, body.shard, body.chunk
         shards = self._shards(members)
-        if not 0 <= i < len(shards) or shards[i][1] != me:
-            return self._reject(Refusal.NOT_OWNER, f"this peer does not own shard {i} of that member list")
+        if i >= len(shards) or shards[i][1] != me:
+            return self._refuse(Refusal.NOT_OWNER, f"this peer does not own shard {i} of that member list")
         chunks = shards[i][0]
-        if not 0 <= c < len(chunks):
-            return self._reject(Refusal.BAD_CHUNK, f"shard {i} has {len(chunks)} chunks, not a chunk {c}")
-        if not named:
+        if c >= len(chunks):
+            return self._refuse(Refusal.BAD_CHUNK, f"shard {i} has {len(chunks)} chunks, not a chunk {c}")
+        if body.members is not None:
             self._known_views.add(members)
         key = (t, members, i, c)
         if key in self._closed or t < self._latest_round:
             return refusal(Refusal.LATE, "the round already closed", step=self._latest_round)
         lo, hi = chunks[c]
         try:
-            packet = packet_from_wire(self._part_headers.incoming(body["packet"], hi - lo), msg.payload)
+            packet = packet_from_wire(self._part_headers.incoming(body.header, hi - lo), msg.payload)
             part = _decode_flat(packet)
             if part.numel() != hi - lo:
                 raise ValueError(f"{part.numel()} values for a chunk of {hi - lo}")
         except Exception as exc:
-            return self._reject(Refusal.BAD_PART, f"bad part: {exc}")
+            return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
         reply, buffers = await self._reduce(key, msg.sender, part, owned=not _shares_memory(part, packet),
-                                            weight=float(weight))
+                                            weight=1.0 if body.weight is None else body.weight)
         return Reply(reply, buffers)
 
     def _current_view(self) -> tuple[str, ...]:
         return tuple(sorted({*self.node.live_peers_here(), self.node.peer_id}))
-
-    def _reject(self, reason: Refusal, detail: str) -> dict[str, Any]:
-        """Refuse bad input from a peer, counted in the node's stats as `<topic>.<reason>`."""
-        self.node.stats.count_rejected(f"{self.topic}.{reason.value}")
-        return refusal(reason, detail)
 
     async def _reduce(self, key: GroupKey, sender: str, part: torch.Tensor,
                       owned: bool = False, weight: float = 1.0) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
@@ -441,7 +429,7 @@ class ShardedReducer:
             group.timer = asyncio.ensure_future(close_in_time(self.timeouts.round_timeout_s, group.done,
                                                               lambda: self._finish(key, group)))
         if sender in group.contributors:
-            return self._reject(Refusal.DUPLICATE, "duplicate part"), ()
+            return self._refuse(Refusal.DUPLICATE, "duplicate part"), ()
         group.add(sender, part, owned, weight)
         self._saw_view(t, sender, members)
         if group.complete():
@@ -450,7 +438,7 @@ class ShardedReducer:
             await group.done.wait()  # set by _finish: all parts in, or the group's timer
         assert group.reply is not None
         if sender in group.bad:
-            return self._reject(Refusal.NOT_FINITE, "bad part: values that are not finite (NaN or Inf)"), ()
+            return self._refuse(Refusal.NOT_FINITE, "bad part: values that are not finite (NaN or Inf)"), ()
         return group.reply
 
     def _finish(self, key: GroupKey, group: ShardGroup) -> None:
@@ -466,11 +454,11 @@ class ShardedReducer:
                     packet = self.average_codec.encode(avg, copy=False)
                 else:
                     packet = encode(self.average_codec, self._avg_feedback, avg, f"avg{i}.{c}/{len(members)}")
-                reply = {"ok": True, "packet": self._avg_headers.outgoing(packet.header, avg.numel()),
-                         "cm": contributor_mask(members, group.contributors)}
-                if shares is not None:  # only when weights differed: equal ones send what they always did
-                    reply["shares"] = [[s, shares[s]] for s in group.contributors]
-                group.reply = (reply, packet.buffers)
+                # shares only when weights differed: equal ones send what they always did
+                average = Average(self._avg_headers.outgoing(packet.header, avg.numel()),
+                                  tuple(sorted(group.contributors)),
+                                  tuple(sorted(shares.items())) if shares is not None else ())
+                group.reply = (average.to_wire(members), packet.buffers)
         except Exception as exc:  # every contributor gets an answer, never a group that stays open
             log.exception("%s: %s shard %d chunk %d of round %d: averaging failed", self.node.peer_id,
                           self.topic, i, c, t)

@@ -12,22 +12,28 @@ A handler refuses work in one of two ways:
 - or, when the refusal is part of a protocol's answer and carries fields of its own (the
   reducer's `step`, SPSA's `upto`), it returns `refusal(reason, detail, **extra)`, a body
   {"ok": False, "code": reason, "reason": text, ...}, which `refusal_of` reads back.
+Bad input from a peer is refused through a `Refuser`, which counts it in the node's stats too.
 """
 from __future__ import annotations
 
 import asyncio
 import enum
 import itertools
+import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from starling.node.stats import NodeStats
 from starling.node.transport import SendError
 from starling.node.wire import MAX_TOPIC_CHARS, Message, RejectReason, WireError
 
 REQUEST_TOPIC = "$req"
 REPLY_TOPIC = "$rep"
 MAX_ERROR_TEXT = 2000
+
+log = logging.getLogger(__name__)
 
 
 class ErrorCode(str, enum.Enum):
@@ -194,6 +200,32 @@ def refusal(reason: Refusal, detail: str = "", **extra: Any) -> dict[str, Any]:
     if {"ok", "code", "reason"} & extra.keys():
         raise ValueError(f"extra fields may not replace ok, code or reason: {sorted(extra)}")
     return {"ok": False, "code": reason.value, "reason": refusal_text(reason, detail), **extra}
+
+
+class Refuser:
+    """How a handler turns down bad input from a peer, for one topic: counted in the node's
+    stats as `<topic>.<reason>`, logged, and answered with a `refusal` body.
+
+    `counters`, if given, counts each one again as `rejected.<reason>`, for a protocol that
+    reports counters of its own. Refusals that are not bad input (a closed protocol, a view
+    this peer has not seen) are no one's fault: they go out as plain `refusal` bodies, uncounted.
+    """
+
+    def __init__(self, stats: NodeStats, topic: str, me: str, counters: Counter[str] | None = None) -> None:
+        self.stats, self.topic, self.me, self.counters = stats, topic, me, counters
+
+    def __call__(self, reason: Refusal, detail: str = "", **extra: Any) -> dict[str, Any]:
+        """Count and log a refusal, and return its body (`extra` rides along, as in `refusal`)."""
+        self.count(reason.value, detail)
+        return refusal(reason, detail, **extra)
+
+    def count(self, reason: str, detail: str) -> None:
+        """Count and log bad input that gets no refusal of its own: a malformed answer to a
+        request of this peer's, named by a `reason` of the topic's own."""
+        self.stats.count_rejected(f"{self.topic}.{reason}")
+        if self.counters is not None:
+            self.counters[f"rejected.{reason}"] += 1
+        log.info("%s: %s rejected (%s): %s", self.me, self.topic, reason, detail)
 
 
 def refusal_of(body: Any) -> Refusal | None:

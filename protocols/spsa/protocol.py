@@ -44,7 +44,7 @@ from starling.collectives import request_patiently
 from starling.compressors import from_spec
 from starling.node.loop import AwakeDeadline
 from starling.node.node import Node
-from starling.node.rpc import Refusal, Reply, RequestTimeout, refusal
+from starling.node.rpc import Refusal, Refuser, Reply, RequestTimeout, refusal
 from starling.node.wire import Message
 from starling.protocols.base import LossFn, Protocol, ProtocolConfig, ProtocolError, StepReport, register
 from starling.protocols.spsa.arith import (
@@ -149,6 +149,7 @@ class Spsa(Protocol, name="spsa", config_class=SpsaConfig, topic_prefix="spsa.")
         self.scale = ScaleTracker.start(config.g_scale)
         self.log = RecordLog(config.log_steps)
         self.counters: Counter[str] = Counter()  # late, repairs, replayed, rejected.<reason>
+        self._refuse = Refuser(node.stats, "spsa", self.me, self.counters)
         # Parameters and step state: the training thread holds this while the parameters are
         # perturbed or updated; a state request reads them only in between.
         self._lock = threading.RLock()
@@ -406,7 +407,7 @@ class Spsa(Protocol, name="spsa", config_class=SpsaConfig, topic_prefix="spsa.")
             if record.step != t:
                 raise ValueError(f"record of step {record.step} for step {t}")
         except ValueError as exc:
-            self._count_rejected("bad_record", f"from {leader}: {exc}")
+            self._refuse.count("bad_record", f"from {leader}: {exc}")
             return None
         if reply.get("late"):
             self.counters["late"] += 1
@@ -461,15 +462,6 @@ class Spsa(Protocol, name="spsa", config_class=SpsaConfig, topic_prefix="spsa.")
         finally:
             self._lock.release()
         return Reply(body, (flat,))
-
-    def _refuse(self, reason: Refusal, detail: str, **extra: Any) -> dict[str, Any]:
-        self._count_rejected(reason.value, detail)
-        return refusal(reason, detail, **extra)
-
-    def _count_rejected(self, reason: str, detail: str) -> None:
-        self.node.stats.count_rejected(f"spsa.{reason}")
-        self.counters[f"rejected.{reason}"] += 1
-        log.info("%s: spsa rejected (%s): %s", self.me, reason, detail)
 
     # ------------------------------------------------------------------ hooks and state
     def on_peer_joined(self, peer_id: str) -> None:

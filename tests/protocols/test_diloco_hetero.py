@@ -12,7 +12,8 @@ from conftest import in_parallel, join_with_state, swarm, wait_until
 from torch import nn
 
 from starling.collectives import ReduceTimeouts, ShardedReducer
-from starling.collectives.quorum import QuorumClose, read_closing
+from starling.collectives.bodies import Closing
+from starling.collectives.quorum import QuorumClose
 from starling.node import Refusal, refusal_of
 from starling.protocols import ProtocolError, get_protocol
 from starling.protocols.fragments import SyncClock
@@ -233,7 +234,7 @@ def test_a_bad_ask_is_refused_and_a_malformed_closing_set_is_read_as_none(make_n
         asker = QuorumClose(asker_node, "test.fake", 1, 0.0, ReduceTimeouts(round_timeout_s=5.0))
         assert asker.ask(0, members, 1.0).result(timeout=30) is None
         with pytest.raises(ValueError):
-            read_closing(bad, 0)
+            Closing.from_wire(bad, 0)
     assert asker_node.stats.rejected["test.fake.malformed_close"] == 5
     with pytest.raises(ValueError, match="weight"):
         quorum.ask(0, members, float("nan"))

@@ -1,0 +1,255 @@
+"""The message bodies of the collectives, typed: what a sharded all-reduce's members and owners,
+and a quorum's members and leader, send each other.
+
+Each body is a small frozen dataclass: `to_wire()` gives the msgpack map that travels, and
+`from_wire(obj)` checks one that came in and raises `BodyError` naming what is wrong. Only
+what a body says by itself is checked here; what needs the receiver's state (does it own that
+shard, is the sender in the member list, does it know that view) is the handler's to check.
+
+On the wire (keys kept short where a body rides on every chunk of every round):
+
+    Part      member -> owner   {"step", "shard", "chunk", "packet": header or None,
+                                 "view": digest | "members": [peer ids], "weight"?}
+    Skip      member -> peers   {"skip": round}                     one way, no answer
+    Average   owner -> member   {"ok": True, "packet": header or None, "cm": contributor mask,
+                                 "shares"?: [[peer, share], ...]}
+    Ask       member -> leader  {"round", "members": [peer ids], "weight"}
+    Closing   leader -> member  {"ok": True, "round", "closed": [[peer, weight], ...]}
+
+An owner or a leader that turns a body down answers `node.rpc.refusal(...)` instead, a map
+with "ok": False (`Refused` reads one on the member's side).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starling.collectives.compact import VIEW_DIGEST_BYTES, contributor_mask, contributors_of
+
+
+class BodyError(ValueError):
+    """A body that is not what its topic takes; the message names what is wrong."""
+
+
+def _map(obj: Any, what: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise BodyError(f"{what} must be a map, got {type(obj).__name__}")
+    return obj
+
+
+def _whole(obj: dict[str, Any], key: str) -> int:
+    value = obj.get(key)
+    if type(value) is not int or value < 0:
+        raise BodyError(f"{key} must be a whole number >= 0, got {value!r}")
+    return value
+
+
+def _weight(value: Any) -> float:
+    if type(value) not in (int, float) or not (math.isfinite(value) and value >= 0.0):
+        raise BodyError(f"weight must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _members(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+        raise BodyError("members must be a list of peer ids")
+    if value != sorted(set(value)):
+        raise BodyError("members must be sorted and unique")
+    return tuple(value)
+
+
+def _header(obj: dict[str, Any]) -> dict[str, Any] | None:
+    if "packet" not in obj:
+        raise BodyError("packet header missing (None where the receiver rebuilds it)")
+    header = obj["packet"]
+    if header is not None and not isinstance(header, dict):
+        raise BodyError(f"packet header must be a map or None, got {type(header).__name__}")
+    return header
+
+
+def _pairs(value: Any, what: str) -> tuple[tuple[str, float], ...]:
+    if not isinstance(value, list):
+        raise BodyError(f"{what} must be a list of [peer, number]")
+    pairs = []
+    for entry in value:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)
+                and type(entry[1]) in (int, float) and math.isfinite(entry[1]) and entry[1] >= 0.0):
+            raise BodyError(f"{what}: bad entry {entry!r}, expected [peer, number >= 0]")
+        pairs.append((entry[0], float(entry[1])))
+    return tuple(pairs)
+
+
+# ---------------------------------------------------------------------- the sharded all-reduce
+@dataclass(frozen=True)
+class Part:
+    """A member's part of chunk `chunk` of shard `shard` of round `step`, for the shard's owner;
+    its values travel as the message's frames. The member list is named by its digest
+    (`view`) once the owner has seen it, else sent whole (`members`)."""
+
+    step: int
+    shard: int
+    chunk: int
+    header: dict[str, Any] | None  # the packet header; None where the owner rebuilds it from a template
+    view: bytes | None = None
+    members: tuple[str, ...] | None = None
+    weight: float | None = None  # what the part counts for in the average; None counts 1
+
+    def __post_init__(self) -> None:
+        if (self.view is None) == (self.members is None):
+            raise ValueError("a part names its member list by view or by members, one of the two")
+
+    def with_members(self, members: tuple[str, ...]) -> Part:
+        """The same part with its member list sent whole (for an owner that did not know the view)."""
+        return Part(self.step, self.shard, self.chunk, self.header, members=members, weight=self.weight)
+
+    def to_wire(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"step": self.step, "shard": self.shard, "chunk": self.chunk}
+        if self.members is not None:
+            body["members"] = list(self.members)
+        else:
+            body["view"] = self.view
+        body["packet"] = self.header
+        if self.weight is not None:
+            body["weight"] = self.weight
+        return body
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Part:
+        body = _map(obj, "a part")
+        step, shard, chunk = _whole(body, "step"), _whole(body, "shard"), _whole(body, "chunk")
+        if "members" in body:
+            view, members = None, _members(body["members"])
+        else:
+            view, members = body.get("view"), None
+            if not isinstance(view, bytes) or len(view) != VIEW_DIGEST_BYTES:
+                raise BodyError(f"view must be a {VIEW_DIGEST_BYTES}-byte digest (or send members)")
+        weight = _weight(body["weight"]) if "weight" in body else None
+        return cls(step, shard, chunk, _header(body), view, members, weight)
+
+
+@dataclass(frozen=True)
+class Skip:
+    """The sender sends nothing in round `round`: no group of that round waits for it."""
+
+    round: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"skip": self.round}
+
+    @staticmethod
+    def is_one(obj: Any) -> bool:
+        """Whether a body on a reducer's topic is a skip (else it is a part)."""
+        return isinstance(obj, dict) and "skip" in obj
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Skip:
+        body = _map(obj, "a skip")
+        if type(body.get("skip")) is not int or body["skip"] < 0:
+            raise BodyError(f"skip must be a round number, got {body.get('skip')!r}")
+        return cls(body["skip"])
+
+
+@dataclass(frozen=True)
+class Average:
+    """An owner's answer to a part: the chunk's average (its values travel as the message's
+    frames), the members whose parts are in it, and each one's share when weights differed."""
+
+    header: dict[str, Any] | None  # None where the member rebuilds it from a template
+    contributors: tuple[str, ...]  # in member order
+    shares: tuple[tuple[str, float], ...] = ()  # sorted by peer; () for equal weights
+
+    def to_wire(self, members: Sequence[str]) -> dict[str, Any]:
+        # "cm": a bit per member, not a list of ids, since it rides on every chunk's answer
+        body: dict[str, Any] = {"ok": True, "packet": self.header, "cm": contributor_mask(members, self.contributors)}
+        if self.shares:
+            body["shares"] = [[peer, share] for peer, share in self.shares]
+        return body
+
+    @classmethod
+    def from_wire(cls, obj: Any, members: Sequence[str]) -> Average:
+        """An answer to a part sent under `members`."""
+        body = _map(obj, "an average")
+        if body.get("ok") is not True:
+            raise BodyError("an average must say ok")
+        try:
+            contributors = contributors_of(members, body.get("cm"))
+        except ValueError as exc:
+            raise BodyError(str(exc)) from None
+        shares = tuple(sorted(_pairs(body.get("shares") or [], "shares")))
+        return cls(_header(body), contributors, shares)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A refusal as the member who sent the part reads it: the reason text, and the owner's
+    latest round where it refused the part as late (-1 where it did not say)."""
+
+    reason: str
+    owner_round: int = -1
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Refused | None:
+        """None for an answer that is no refusal; any other answer, however bad, is one."""
+        if isinstance(obj, dict) and obj.get("ok") is True:
+            return None
+        if not isinstance(obj, dict):
+            return cls(f"malformed reply: {type(obj).__name__}")
+        step = obj.get("step")
+        return cls(str(obj.get("reason")), step if type(step) is int else -1)
+
+
+# ---------------------------------------------------------------------- the quorum close
+@dataclass(frozen=True)
+class Ask:
+    """A member asks round `round`'s leader for the closing set: its member list and weight."""
+
+    round: int
+    members: tuple[str, ...]
+    weight: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"round": self.round, "members": list(self.members), "weight": self.weight}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Ask:
+        body = _map(obj, "an ask")
+        if not {"round", "members", "weight"} <= body.keys():
+            raise BodyError("an ask must be {round, members, weight}")
+        return cls(_whole(body, "round"), _members(body["members"]), _weight(body["weight"]))
+
+
+@dataclass(frozen=True)
+class Closing:
+    """The contributions round `round` takes: (peer, weight), sorted by peer."""
+
+    round: int
+    contributions: tuple[tuple[str, float], ...]
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return tuple(peer for peer, _ in self.contributions)
+
+    def weight_of(self, peer: str) -> float | None:
+        return next((w for p, w in self.contributions if p == peer), None)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"ok": True, "round": self.round, "closed": [[p, w] for p, w in self.contributions]}
+
+    @classmethod
+    def from_wire(cls, obj: Any, t: int) -> Closing:
+        """A leader's answer for round t."""
+        if not isinstance(obj, dict) or obj.get("ok") is not True:
+            reason = obj.get("reason") if isinstance(obj, dict) else None
+            raise BodyError(f"not a closing set: {reason or type(obj).__name__}")
+        if obj.get("round") != t:
+            raise BodyError(f"a set for round {obj.get('round')!r}, not {t}")
+        closed = obj.get("closed")
+        if not isinstance(closed, list) or not closed:
+            raise BodyError("closed must be a non-empty list of [peer, weight]")
+        pairs = _pairs(closed, "closed")
+        peers = [p for p, _ in pairs]
+        if peers != sorted(set(peers)):
+            raise BodyError("peers must be sorted and unique")
+        return cls(t, pairs)

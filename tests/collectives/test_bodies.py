@@ -1,0 +1,96 @@
+"""The collectives' wire bodies: each goes out and comes back the same, and a bad one raises
+BodyError naming what is wrong."""
+from __future__ import annotations
+
+import pytest
+
+from starling.collectives.bodies import Ask, Average, BodyError, Closing, Part, Refused, Skip
+from starling.collectives.compact import view_digest
+from starling.node.rpc import Refusal, refusal
+
+MEMBERS = ("a", "b", "c")
+
+
+@pytest.mark.parametrize("body", [
+    Part(3, 1, 0, {"codec": "none"}, members=MEMBERS),
+    Part(3, 1, 2, None, view=view_digest(MEMBERS), weight=2.5),
+    Skip(7),
+    Ask(4, MEMBERS, 0.0),
+])
+def test_a_body_comes_back_as_it_went(body) -> None:
+    assert type(body).from_wire(body.to_wire()) == body
+
+
+def test_answers_come_back_as_they_went() -> None:
+    average = Average(None, ("a", "c"), (("a", 0.25), ("c", 0.75)))
+    assert Average.from_wire(average.to_wire(MEMBERS), MEMBERS) == average
+    closing = Closing(2, (("a", 1.0), ("b", 3.0)))
+    assert Closing.from_wire(closing.to_wire(), 2) == closing
+
+
+def test_a_part_keeps_the_wire_keys_the_reducer_always_sent() -> None:
+    part = Part(0, 0, 0, None, view=view_digest(MEMBERS))
+    assert part.to_wire() == {"step": 0, "shard": 0, "chunk": 0, "view": view_digest(MEMBERS), "packet": None}
+    assert part.with_members(MEMBERS).to_wire() == {"step": 0, "shard": 0, "chunk": 0, "members": list(MEMBERS),
+                                                    "packet": None}
+    assert set(Average(None, MEMBERS).to_wire(MEMBERS)) == {"ok", "packet", "cm"}
+
+
+def test_a_part_names_its_members_one_way() -> None:
+    with pytest.raises(ValueError, match="one of the two"):
+        Part(0, 0, 0, None)
+
+
+@pytest.mark.parametrize(("obj", "what"), [
+    (["step", 0], "map"),
+    ({"step": "x", "shard": 0, "chunk": 0, "members": ["a"], "packet": None}, "step"),
+    ({"step": 0, "shard": -1, "chunk": 0, "members": ["a"], "packet": None}, "shard"),
+    ({"step": 0, "shard": 0, "chunk": True, "members": ["a"], "packet": None}, "chunk"),
+    ({"step": 0, "shard": 0, "chunk": 0, "members": ["b", "a"], "packet": None}, "sorted"),
+    ({"step": 0, "shard": 0, "chunk": 0, "members": ["a", 1], "packet": None}, "peer ids"),
+    ({"step": 0, "shard": 0, "chunk": 0, "view": b"short", "packet": None}, "digest"),
+    ({"step": 0, "shard": 0, "chunk": 0, "members": ["a"]}, "packet"),
+    ({"step": 0, "shard": 0, "chunk": 0, "members": ["a"], "packet": [1]}, "packet"),
+    ({"step": 0, "shard": 0, "chunk": 0, "members": ["a"], "packet": None, "weight": float("nan")}, "weight"),
+    ({"step": 0, "shard": 0, "chunk": 0, "members": ["a"], "packet": None, "weight": -1}, "weight"),
+])
+def test_a_bad_part_is_named(obj, what) -> None:
+    with pytest.raises(BodyError, match=what):
+        Part.from_wire(obj)
+
+
+@pytest.mark.parametrize("obj", [{"skip": -1}, {"skip": "1"}, {"skip": True}])
+def test_a_bad_skip_is_refused(obj) -> None:
+    assert Skip.is_one(obj)
+    with pytest.raises(BodyError, match="skip"):
+        Skip.from_wire(obj)
+
+
+@pytest.mark.parametrize(("obj", "what"), [
+    ({"members": ["a"]}, "round, members, weight"),
+    ({"round": -1, "members": ["a"], "weight": 1.0}, "round"),
+    ({"round": 0, "members": ["a", "a"], "weight": 1.0}, "unique"),
+    ({"round": 0, "members": ["a"], "weight": float("inf")}, "weight"),
+])
+def test_a_bad_ask_is_named(obj, what) -> None:
+    with pytest.raises(BodyError, match=what):
+        Ask.from_wire(obj)
+
+
+@pytest.mark.parametrize(("obj", "what"), [
+    ({"ok": True, "packet": None, "cm": b"\x00\x00"}, "mask"),
+    ({"ok": True, "packet": None, "cm": b"\x08"}, "past the last"),
+    ({"ok": True, "packet": None, "cm": b"\x01", "shares": [["a", -0.5]]}, "shares"),
+    ({"ok": True, "cm": b"\x01"}, "packet"),
+])
+def test_a_bad_average_is_named(obj, what) -> None:
+    with pytest.raises(BodyError, match=what):
+        Average.from_wire(obj, MEMBERS)
+
+
+def test_a_refusal_reads_as_refused_with_the_owners_round() -> None:
+    assert Refused.from_wire(refusal(Refusal.LATE, "the round already closed", step=9)) == \
+        Refused("late: the round already closed", 9)
+    assert Refused.from_wire(refusal(Refusal.BUSY)).owner_round == -1
+    assert Refused.from_wire(["nope"]) == Refused("malformed reply: list")
+    assert Refused.from_wire(Average(None, MEMBERS).to_wire(MEMBERS)) is None
