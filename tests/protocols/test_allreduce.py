@@ -1,7 +1,6 @@
 """allreduce: the exact mean of gradients, bytes, failures, membership disagreement."""
 from __future__ import annotations
 
-import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,14 +9,10 @@ import torch
 from conftest import in_parallel, swarm, wait_until
 from torch import nn
 
-from starling.collectives import ReduceTimeouts, ShardedReducer, chunk_layout, shard_bounds
-from starling.collectives.accumulator import ShardGroup as _ShardGroup
 from starling.node.loop import AwakeDeadline
 from starling.protocols import get_protocol
 
 LR = 0.1
-
-
 
 
 def linear() -> nn.Linear:
@@ -44,177 +39,6 @@ def expected_after_one_step(world: int) -> list[torch.Tensor]:
         grads.append([p.grad.clone() for p in model.parameters()])
     model = linear()
     return [p.detach() - LR * torch.stack(gs).mean(0) for p, gs in zip(model.parameters(), zip(*grads))]
-
-
-def test_an_owner_sums_parts_without_copying_or_writing_them():
-    """A first part is kept as it is (a view of a wire buffer or of the caller's vector); the
-    second makes the sum in a buffer of its own; no part is ever written."""
-    mine, theirs, third = torch.arange(4.0), torch.ones(4), torch.full((4,), 2.0)
-    before = mine.clone(), theirs.clone()
-    group = _ShardGroup(("a", "b", "c"), {"a", "b", "c"})
-    group.add("a", mine)
-    assert group.total is None and group.received["a"] is mine  # kept, not copied
-    group.add("b", theirs)
-    group.add("c", third)
-    total = group.sum()
-    assert total.data_ptr() not in (mine.data_ptr(), theirs.data_ptr(), third.data_ptr())
-    assert torch.equal(total, before[0] + before[1] + third)
-    total.div_(3)  # what the owner does to its sum: the parts stay as they were
-    assert torch.equal(mine, before[0]) and torch.equal(theirs, before[1])
-
-    lone = _ShardGroup(("a", "b"), {"a", "b"})
-    lone.add("a", mine)
-    alone = lone.sum()  # closed without the others: a copy, never the caller's memory
-    assert alone.data_ptr() != mine.data_ptr() and torch.equal(alone, mine)
-
-    copied = mine.clone()
-    owned = _ShardGroup(("a", "b"), {"a", "b"})
-    owned.add("a", copied, owned=True)  # a private copy becomes a lone sum as it is
-    assert owned.sum() is copied
-
-
-def test_an_owner_sums_in_member_order_whatever_order_the_parts_come_in():
-    """Float addition is not associative: (1e8 + 1) - 1e8 is 0 in float32, (1e8 - 1e8) + 1 is
-    1. Every arrival order gives the member-order sum, bit for bit, so two runs of a swarm
-    average alike; a part that came ahead of its turn waits for the ones before it."""
-    parts = {"a": torch.tensor([1e8, 0.5]), "b": torch.tensor([1.0, 0.25]), "c": torch.tensor([-1e8, 0.125])}
-    expected = (parts["a"] + parts["b"]) + parts["c"]
-    assert expected[0] == 0.0  # the member-order sum of the first values; arrival order c, b, a would give 1
-    for order in itertools.permutations("abc"):
-        group = _ShardGroup(("a", "b", "c"), {"a", "b", "c"})
-        for sender in order:
-            group.add(sender, parts[sender])
-        assert group.contributors == list(order)
-        assert torch.equal(group.sum(), expected), order
-
-    early = _ShardGroup(("a", "b", "c"), {"a", "b", "c"})
-    early.add("c", parts["c"])
-    early.add("b", parts["b"])
-    assert early.first is None and early.total is None  # nothing is summed before a's part
-    early.add("a", parts["a"])
-    assert torch.equal(early.total, expected)
-
-    missing = _ShardGroup(("a", "b", "c"), {"a", "b", "c"})  # closed without b: a + c, in order
-    missing.add("c", parts["c"])
-    missing.add("a", parts["a"])
-    assert missing.total is None and torch.equal(missing.sum(), parts["a"] + parts["c"])
-
-
-def test_an_owner_leaves_out_parts_that_are_not_finite_and_only_those():
-    group = _ShardGroup(("a", "b", "c"), {"a", "b", "c"})
-    group.add("a", torch.ones(4))
-    group.add("b", torch.tensor([1.0, float("nan"), 1.0, 1.0]))
-    group.add("c", torch.full((4,), 3.0))
-    assert torch.equal(group.sum(), torch.full((4,), 4.0))
-    assert group.bad == {"b"} and group.contributors == ["a", "c"]
-
-    poisoned = _ShardGroup(("a", "b"), {"a", "b"})
-    poisoned.add("a", torch.tensor([float("inf")]), owned=True)  # one's own part is checked too
-    poisoned.add("b", torch.tensor([float("-inf")]))
-    assert poisoned.sum().numel() == 0 and poisoned.bad == {"a", "b"} and poisoned.contributors == []
-
-    huge = _ShardGroup(("a", "b"), {"a", "b"})  # finite parts whose sum overflows: that is the sum
-    huge.add("a", torch.tensor([3e38, 1.0]))
-    huge.add("b", torch.tensor([3e38, 1.0]))
-    assert huge.sum()[0] == float("inf") and not huge.bad and huge.contributors == ["a", "b"]
-
-
-def test_a_peer_with_non_finite_values_is_left_out_and_counted(make_node):
-    nodes = swarm(make_node, 3)
-    members = tuple(sorted(n.peer_id for n in nodes))
-    reducers = [ShardedReducer(n, "test.nan", 9, chunk_numel=2) for n in nodes]
-    vectors = [torch.full((9,), 1.0), torch.full((9,), 3.0), torch.full((9,), 5.0)]
-    vectors[2][1:] = float("nan")  # a NaN in every chunk of the third peer (chunks of 1 or 2 values)
-    results = in_parallel([lambda r=r: reducers[r].reduce(1, members, vectors[r]) for r in range(3)])
-    assert torch.equal(vectors[0], torch.full((9,), 2.0)) and torch.equal(vectors[1], vectors[0])
-    assert results[0].lost == results[1].lost == (nodes[2].peer_id,)
-    # the third peer's chunks were refused everywhere, by itself as owner too: it keeps its values
-    assert not results[2].synced and torch.isnan(vectors[2][1:]).all()
-    rejected = sum(n.stats.rejected.get("test.nan.not_finite", 0) for n in nodes)
-    assert rejected >= 3  # each owner refused the NaN peer's chunks, and counted them
-
-
-def test_shard_bounds_cover_the_vector():
-    assert shard_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
-    assert shard_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
-
-
-def test_chunk_layout_splits_each_shard_into_near_equal_runs():
-    assert chunk_layout(10, 2, 2) == (((0, 2), (2, 4), (4, 5)), ((5, 7), (7, 9), (9, 10)))
-    assert chunk_layout(3, 4, 7) == (((0, 1),), ((1, 2),), ((2, 3),), ((3, 3),))  # an empty shard: one empty chunk
-
-
-@pytest.mark.parametrize("compressor", ["none", "fp16"])
-def test_chunked_rounds_give_the_exact_mean_and_identical_replicas(make_node, compressor):
-    world, numel = 3, 50
-    nodes = swarm(make_node, world)
-    members = tuple(sorted(n.peer_id for n in nodes))
-    reducers = [ShardedReducer(n, "test.reduce", numel, compressor, chunk_numel=7) for n in nodes]
-    vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-    mean = torch.stack(vectors).mean(0)
-    results = in_parallel([lambda r=r: reducers[r].reduce(1, members, vectors[r]) for r in range(world)])
-    assert all(res.synced and res.peers == world and not res.lost for res in results)
-    tol = 0 if compressor == "none" else 2e-3
-    torch.testing.assert_close(vectors[0], mean, rtol=tol, atol=tol + 1e-6)
-    assert all(torch.equal(v, vectors[0]) for v in vectors[1:])
-
-
-def test_a_blocking_reduce_sends_the_vector_in_place_and_start_sends_copies(make_node, monkeypatch):
-    """reduce() lends its vector to the round (no copy of the parts with the lossless codec);
-    start() copies, so that the caller may write the vector while the round runs."""
-    import starling.collectives.reduce as reduce_module
-
-    encoded = []
-    real_encode = reduce_module.encode
-    monkeypatch.setattr(reduce_module, "encode", lambda *a, **k: encoded.append(a[3]) or real_encode(*a, **k))
-    a, b = swarm(make_node, 2)
-    members = tuple(sorted(n.peer_id for n in (a, b)))
-    ra, rb = (ShardedReducer(n, "test.lend", 20, chunk_numel=4) for n in (a, b))
-    va, vb = torch.arange(20.0), torch.arange(20.0) * 3
-    mean = (va + vb) / 2
-    in_parallel([lambda: ra.reduce(1, members, va), lambda: rb.reduce(1, members, vb)])
-    assert encoded == [] and torch.equal(va, mean) and torch.equal(vb, mean)
-
-    va, vb = torch.arange(20.0), torch.arange(20.0) * 3
-    pending = [ra.start(2, members, va), rb.start(2, members, vb)]
-    assert len(encoded) == 2 * 3  # each peer's 3 chunks of the shard it does not own
-    va.fill_(float("nan")), vb.fill_(float("nan"))  # the round has its own copies
-    results = [p.wait() for p in pending]
-    assert all(r.synced and r.peers == 2 for r in results)
-    assert torch.equal(va, mean) and torch.equal(vb, mean)
-
-
-def test_a_strided_vector_is_averaged_and_a_wrong_shape_is_refused(make_node):
-    a, b = swarm(make_node, 2)
-    members = tuple(sorted(n.peer_id for n in (a, b)))
-    ra, rb = (ShardedReducer(n, "test.shape", 6, chunk_numel=2) for n in (a, b))
-    with pytest.raises(ValueError, match="1-D float32 vector of 6 values"):
-        ra.reduce(1, members, torch.zeros(2, 3))
-    with pytest.raises(ValueError, match="1-D float32 vector of 6 values"):
-        ra.reduce(1, members, torch.zeros(6, dtype=torch.float64))
-    base_a, base_b = torch.arange(12.0), torch.arange(12.0) * 3
-    va, vb = base_a[::2], base_b[::2]  # every other value: not contiguous, so not lent
-    in_parallel([lambda: ra.reduce(1, members, va), lambda: rb.reduce(1, members, vb)])
-    assert torch.equal(va, torch.arange(0.0, 12.0, 2) * 2) and torch.equal(vb, va)
-    assert torch.equal(base_a[1::2], torch.arange(1.0, 12.0, 2))  # the values between are untouched
-
-
-def test_an_owner_that_fails_to_average_answers_at_once(make_node, monkeypatch):
-    """A failure while averaging a chunk refuses that chunk to every contributor; nothing
-    waits for the round timeout (30 s here)."""
-    def broken(self):
-        raise RuntimeError("no memory for the sum")
-
-    monkeypatch.setattr(_ShardGroup, "sum", broken)
-    a, b = swarm(make_node, 2)
-    members = tuple(sorted(n.peer_id for n in (a, b)))
-    ra, rb = (ShardedReducer(n, "test.broken", 8) for n in (a, b))
-    va, vb = torch.ones(8), torch.full((8,), 3.0)
-    start = time.monotonic()
-    results = in_parallel([lambda: ra.reduce(1, members, va), lambda: rb.reduce(1, members, vb)])
-    assert time.monotonic() - start < 10
-    assert all(not r.synced and r.lost for r in results)
-    assert torch.equal(va, torch.ones(8)) and torch.equal(vb, torch.full((8,), 3.0))  # local values kept
 
 
 def test_one_step_equals_sgd_on_the_exact_mean_gradient(make_node):
@@ -304,32 +128,6 @@ def test_peer_killed_mid_round_does_not_hang_the_others(make_node):
     for report in reports:
         assert report.lost_peers == (victim.peer_id,)
         assert report.synced and report.peers == 2
-
-
-@pytest.mark.timeout(60)
-def test_a_stall_of_the_network_thread_does_not_close_a_round_without_its_parts(make_node):
-    """The round's timers count the loop's awake time: when the process stalls past the round
-    timeout, the parts that arrived meanwhile are read before anyone gives up on them."""
-    timeout_s, stall_s = 2.0, 4.0  # the stall is twice the timeout, within its wall bound (3x)
-    a, b = swarm(make_node, 2)
-    members = tuple(sorted(n.peer_id for n in (a, b)))
-    timeouts = ReduceTimeouts(round_timeout_s=timeout_s, reply_grace_s=1.0)
-    ra, rb = (ShardedReducer(n, "test.stall", 10, timeouts=timeouts) for n in (a, b))
-    va, vb = torch.arange(10.0), torch.arange(10.0) * 3
-    mean = (va + vb) / 2
-    pending_a = ra.start(1, members, va)
-    # a's own shard is open, and so is b's (a's part reached it): both timers run
-    assert wait_until(lambda: len(ra._groups) == 1 and len(rb._groups) == 1)
-
-    async def stall() -> None:
-        time.sleep(stall_s)  # blocks the network thread that both nodes share
-
-    stalled = a.submit(stall())
-    pending_b = rb.start(1, members, vb)  # b's round is queued behind the stall
-    results = [pending_a.wait(), pending_b.wait()]
-    stalled.result(timeout=1)
-    assert all(r.synced and r.peers == 2 and not r.lost for r in results), results
-    assert torch.equal(va, mean) and torch.equal(vb, mean)
 
 
 def test_disagreeing_views_do_not_mix_shards(make_node, monkeypatch):

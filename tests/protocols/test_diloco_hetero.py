@@ -11,10 +11,6 @@ import torch
 from conftest import in_parallel, join_with_state, swarm, wait_until
 from torch import nn
 
-from starling.collectives import ReduceTimeouts, ShardedReducer
-from starling.collectives.bodies import Closing
-from starling.collectives.quorum import QuorumClose
-from starling.node import Refusal, refusal_of
 from starling.protocols import ProtocolError, get_protocol
 from starling.protocols.fragments import SyncClock
 from starling.protocols.outer_sync import TokenLedger
@@ -42,34 +38,6 @@ def outer(proto) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- weights
-def test_weights_follow_tokens_and_shares_sum_to_one(make_node):
-    nodes = swarm(make_node, 3)
-    members = tuple(sorted(n.peer_id for n in nodes))
-    reducers = [ShardedReducer(n, "test.w", 6) for n in nodes]
-    vectors = [torch.full((6,), float(r + 1)) for r in range(3)]
-    tokens = [10.0, 30.0, 60.0]
-    results = in_parallel([lambda r=r: _reduce_weighted(reducers[r], members, vectors[r], tokens[r])
-                           for r in range(3)])
-    expected = sum(v * w for v, w in zip(vectors, tokens)) / sum(tokens)
-    ids = [n.peer_id for n in nodes]
-    for average, result in results:
-        torch.testing.assert_close(average, expected)
-        shares = dict(result.shares)
-        assert math.isclose(sum(shares.values()), 1.0, rel_tol=0, abs_tol=1e-12)
-        assert [round(shares[i], 12) for i in ids] == [round(w / sum(tokens), 12) for w in tokens]
-    assert all(torch.equal(results[0][0], a) for a, _ in results)  # one average for everyone
-
-    # equal weights: the plain average, bit for bit, and no shares on the wire
-    plain = in_parallel([lambda r=r: _reduce_weighted(reducers[r], members, vectors[r], None, t=1) for r in range(3)])
-    equal = in_parallel([lambda r=r: _reduce_weighted(reducers[r], members, vectors[r], 7.0, t=2) for r in range(3)])
-    for (p, _), (e, result) in zip(plain, equal):
-        assert torch.equal(p, e) and result.shares == ()
-
-
-def _reduce_weighted(reducer, members, vector, weight, t=0):
-    average = vector.clone()
-    result = reducer.start(t, members, average, weight=weight).wait()
-    return average, result
 
 
 def test_the_ledger_counts_steps_per_fragment_and_folds_a_late_part_once():
@@ -198,46 +166,6 @@ def test_eager_updates_merge_a_stand_in_at_the_send_and_leave_the_outer_step_as_
 
 
 # ---------------------------------------------------------------- bad input
-def test_a_part_with_a_nan_or_negative_weight_is_refused_counted_and_changes_nothing(make_node):
-    a, b = swarm(make_node, 2)
-    members = tuple(sorted((a.peer_id, b.peer_id)))
-    owner, other = (a, b) if members[0] == a.peer_id else (b, a)
-    reducer = ShardedReducer(owner, "test.bad", 4)
-    for weight in (float("nan"), -1.0, "heavy"):
-        body = {"step": 0, "shard": 0, "chunk": 0, "members": list(members), "packet": {}, "weight": weight}
-        reply = other.request(owner.peer_id, "test.bad", body).body
-        assert refusal_of(reply) is Refusal.MALFORMED and "weight" in reply["reason"]
-    assert owner.stats.rejected["test.bad.malformed"] == 3
-    assert not reducer._groups and not reducer._closed
-    with pytest.raises(ValueError, match="weight"):
-        ShardedReducer(other, "test.bad", 4).start(0, members, torch.ones(4), weight=float("inf"))
-
-
-def test_a_bad_ask_is_refused_and_a_malformed_closing_set_is_read_as_none(make_node):
-    a, b = swarm(make_node, 2)
-    members = tuple(sorted((a.peer_id, b.peer_id)))
-    leader_node, asker_node = (a, b) if members[0] == a.peer_id else (b, a)
-    quorum = QuorumClose(leader_node, "test.q", 1, 0.0, ReduceTimeouts(round_timeout_s=5.0))
-    for body in ({"round": 0, "members": list(members), "weight": float("nan")},
-                 {"round": 0, "members": list(members), "weight": -2},
-                 {"round": -1, "members": list(members), "weight": 1.0},
-                 {"members": list(members)}):
-        reply = asker_node.request(leader_node.peer_id, "test.q", body).body
-        assert refusal_of(reply) is Refusal.MALFORMED
-    assert leader_node.stats.rejected["test.q.malformed"] == 4
-    assert not quorum._open and not quorum._closed
-
-    # a leader whose answer is not a closing set: the asker counts it and is in no set
-    for bad in ({"ok": True, "round": 0, "closed": [["x", -1.0]]}, {"ok": True, "round": 3, "closed": [["x", 1]]},
-                {"ok": True, "round": 0, "closed": [["y", 1], ["x", 1]]}, {"ok": True, "round": 0}, ["nope"]):
-        leader_node.on("test.fake", lambda msg, bad=bad: bad)
-        asker = QuorumClose(asker_node, "test.fake", 1, 0.0, ReduceTimeouts(round_timeout_s=5.0))
-        assert asker.ask(0, members, 1.0).result(timeout=30) is None
-        with pytest.raises(ValueError):
-            Closing.from_wire(bad, 0)
-    assert asker_node.stats.rejected["test.fake.malformed_close"] == 5
-    with pytest.raises(ValueError, match="weight"):
-        quorum.ask(0, members, float("nan"))
 
 
 @pytest.mark.parametrize("options, message", [
