@@ -48,6 +48,9 @@ round_timeout_s. A member that skipped a round is reported as `skipped`, not `lo
 A reducer serves one vector of a fixed length under one topic; a protocol that averages
 several vectors (DiLoCo's fragments) makes one reducer per vector, each with its own topic,
 so that their rounds are independent and several may be in flight at once.
+
+What members and owners send each other (parts, skips, averages) is typed in
+`collectives/bodies.py`; bad input is refused through `node.rpc.Refuser`, which counts it.
 """
 from __future__ import annotations
 
