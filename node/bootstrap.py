@@ -22,22 +22,24 @@ import ipaddress
 import itertools
 import logging
 import os
+import random
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 from zmq.utils import z85
 
 from starling.node import rpc
 from starling.node.address import AddressError, PeerAddress, parse_address, tcp_host
-from starling.node.membership import MAX_ADDRESSES, PeerRecord
+from starling.node.dispatch import Dispatcher
+from starling.node.local import LocalPeer
+from starling.node.membership import MAX_ADDRESSES, PeerRecord, PeerTable
+from starling.node.outbox import Outbox, Spawn
+from starling.node.stats import NodeStats
 from starling.node.swarm import HELLO, JoinError, Swarm, SwarmConfigError, config_conflict_text, config_conflicts
 from starling.node.transport import Inbound
 from starling.node.wire import Message, RejectReason, WireError
-
-if TYPE_CHECKING:
-    from starling.node.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -49,27 +51,37 @@ MAX_NONCE = 64
 class Bootstrap:
     """One node's way into a swarm from addresses. Lives on the network thread."""
 
-    def __init__(self, node: Node, swarm: Swarm) -> None:
-        self.node = node
+    def __init__(self, local: LocalPeer, table: PeerTable, outbox: Outbox, swarm: Swarm, stats: NodeStats,
+                 spawn: Spawn, *, join_attempts: int, join_backoff_s: float, join_timeout_s: float,
+                 reach_timeout_s: float, rejoin_interval_s: float) -> None:
+        self.local = local
+        self.table = table
+        self.outbox = outbox
         self.swarm = swarm
+        self.stats = stats
+        self.join_attempts = join_attempts
+        self.join_backoff_s = join_backoff_s
+        self.join_timeout_s = join_timeout_s
+        self.reach_timeout_s = reach_timeout_s
+        self.rejoin_interval_s = rejoin_interval_s
+        self._spawn = spawn
+        self._rng = random.Random()
         self.seeds: list[PeerAddress] = []  # the join addresses, tried again while their peers are gone
         self._bootstraps = itertools.count()
         self._dialing = 0
         self._last_rejoin = time.monotonic()
-        swarm.bootstrap = self
 
-    def register(self) -> None:
-        dispatch = self.node._dispatch
+    def register(self, dispatch: Dispatcher) -> None:
         dispatch.on_internal_request(REACH, self.on_reach, public=True)
         dispatch.on_internal_request(ECHO, self.on_echo, public=True)
 
     def tick(self, now: float) -> None:
         """From the heartbeat loop: hello again to join addresses whose peers are gone."""
-        if self.seeds and now - self._last_rejoin >= self.node.config.rejoin_interval_s:
+        if self.seeds and now - self._last_rejoin >= self.rejoin_interval_s:
             self._last_rejoin = now
             lost = [a for a in self.seeds if not self.seed_alive(a)]
             if lost:
-                self.node._spawn(self._rejoin(lost))
+                self._spawn(self._rejoin(lost))
 
     async def join(self, joins: list[PeerAddress]) -> None:
         """Join through the first address in `joins` that answers, trying them in turn, in
@@ -77,7 +89,7 @@ class Bootstrap:
         restarting or a DNS name that is not yet up does not fail the join at once."""
         self.seeds = list(joins)
         errors: list[str] = []
-        attempts = self.node.config.join_attempts
+        attempts = self.join_attempts
         for attempt in range(attempts):
             errors = []
             for address in joins:
@@ -89,28 +101,24 @@ class Bootstrap:
                 except Exception as exc:  # try the next address
                     errors.append(f"{address}: {exc}")
             if attempt + 1 < attempts:
-                delay = min(self.node.config.join_backoff_s * 2 ** attempt, 30.0)
-                log.info("%s: no join address answered; trying again in %.1f s", self.node.peer_id, delay)
-                await asyncio.sleep(delay * (0.5 + self.swarm._rng.random()))
+                delay = min(self.join_backoff_s * 2 ** attempt, 30.0)
+                log.info("%s: no join address answered; trying again in %.1f s", self.local.peer_id, delay)
+                await asyncio.sleep(delay * (0.5 + self._rng.random()))
         raise JoinError(f"could not join the swarm ({attempts} rounds): " + "; ".join(errors))
 
     async def _bootstrap_request(self, endpoint: str, curve_key: bytes | None, topic: str, body: Any,
                                  timeout_s: float) -> Message:
         """A request to an address, not to a peer of our table (a join, a dial-back), on a
         connection of its own that is closed after the answer."""
-        node, transport = self.node, self.node._transport
+        transport = self.outbox.transport
         assert transport is not None
         handle = f"bootstrap-{next(self._bootstraps)}"
         transport.connect(handle, [endpoint], z85.encode(curve_key) if curve_key else None)
-        rid, fut = node._pending.open(handle)
         try:
-            frames = node._frames(rpc.REQUEST_TOPIC, rpc.request_body(topic, rid, body), ())
-            await transport.send(handle, frames, timeout_s=timeout_s)
-            return await asyncio.wait_for(fut, timeout_s)
+            return await self.outbox.request_on(handle, topic, body, timeout_s)
         except asyncio.TimeoutError:
             raise JoinError(f"no answer from {endpoint} within {timeout_s} s") from None
         finally:
-            node._pending.drop(rid)
             transport.disconnect(handle)
 
     async def reachable_via(self, joins: list[PeerAddress], endpoints: list[str]) -> bool | None:
@@ -123,9 +131,9 @@ class Bootstrap:
                 endpoint = f"tcp://{_bracketed(source)}:0;{endpoint.removeprefix('tcp://')}"
             try:
                 reply = await self._bootstrap_request(endpoint, address.curve_key, REACH, [endpoints],
-                                                      self.node.config.join_timeout_s)
+                                                      self.join_timeout_s)
             except Exception as exc:
-                log.info("%s: reachability check via %s failed: %s", self.node.peer_id, address, exc)
+                log.info("%s: reachability check via %s failed: %s", self.local.peer_id, address, exc)
                 continue
             if isinstance(reply.body, dict) and isinstance(reply.body.get("reachable"), bool):
                 return reply.body["reachable"]
@@ -149,13 +157,13 @@ class Bootstrap:
         try:
             endpoints = await self._at_requester(inbound, endpoints)
             if not endpoints:
-                self.node.stats.count_rejected(RejectReason.REACH_ELSEWHERE.value)
+                self.stats.count_rejected(RejectReason.REACH_ELSEWHERE.value)
                 return {"reachable": False, "reason": "no tcp address at the IP this request came from"}
             for endpoint in endpoints:
                 nonce = os.urandom(16)
                 try:
                     reply = await self._bootstrap_request(endpoint, z85.decode(key) if key else None, ECHO, nonce,
-                                                          self.node.config.reach_timeout_s)
+                                                          self.reach_timeout_s)
                 except Exception:
                     continue
                 if reply.body == nonce:
@@ -183,7 +191,7 @@ class Bootstrap:
             if ip is None:
                 try:
                     infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(
-                        host, None, type=socket.SOCK_STREAM), self.node.config.reach_timeout_s)
+                        host, None, type=socket.SOCK_STREAM), self.reach_timeout_s)
                 except (OSError, asyncio.TimeoutError):
                     continue
                 if requester not in {_ip(info[4][0]) for info in infos}:
@@ -199,15 +207,15 @@ class Bootstrap:
         return body
 
     def _hello_body(self, want_table: bool = True) -> list[Any]:
-        assert self.node.record is not None
-        return [self.node.record.to_wire(), self.node.swarm_config, want_table]
+        assert self.local.record is not None
+        return [self.local.record.to_wire(), self.local.swarm_config, want_table]
 
     async def _join_via(self, endpoint: str, curve_key: bytes | None) -> None:
         """Hello to one known address; learn its table and config. The peer we joined
         announces us to the others; any it missed find us in the beats pings carry."""
         try:
             reply = await self._bootstrap_request(endpoint, curve_key, HELLO, self._hello_body(),
-                                                  self.node.config.join_timeout_s)
+                                                  self.join_timeout_s)
         except rpc.ConfigConflictError as exc:
             raise SwarmConfigError(f"{endpoint}: {exc.detail}") from None
         except rpc.RemoteError as exc:
@@ -220,42 +228,42 @@ class Bootstrap:
             try:
                 await self.swarm.sync(responder.peer_id, after=following)
             except Exception as exc:  # the digests' WANTs find the rest, only slower
-                log.info("%s: could not page the table of %s: %s", self.node.peer_id, responder.peer_id, exc)
+                log.info("%s: could not page the table of %s: %s", self.local.peer_id, responder.peer_id, exc)
 
     def _accept_hello_reply(self, body: Any) -> PeerRecord:
         if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
             raise JoinError("malformed hello reply")
-        node = self.node
+        local = self.local
         config = body.get("config")
         if config is not None:
             if not isinstance(config, dict):
                 raise JoinError("malformed swarm config in hello reply")
-            if node.swarm_config is not None:
-                conflicts = config_conflicts(config, node.swarm_config)
+            if local.swarm_config is not None:
+                conflicts = config_conflicts(config, local.swarm_config)
                 if conflicts:
                     raise SwarmConfigError(config_conflict_text(conflicts))
-            node.swarm_config = {**(node.swarm_config or {}), **config}
+            local.swarm_config = {**(local.swarm_config or {}), **config}
         responder = self.swarm.record_from(body.get("record"))
         self.swarm.learn(responder)
         # In a random order: a node opens sockets to the first peers it learns (up to its
         # cap), and in the table's order every joiner of a big swarm connected to the same
         # oldest peers, whose processes then held a connection from every peer.
         peers = list(body["peers"])
-        self.swarm._rng.shuffle(peers)
+        self._rng.shuffle(peers)
         for raw in peers:
             try:
                 self.swarm.learn(self.swarm.record_from(raw), told_by=responder.peer_id)
             except WireError as exc:
-                node.stats.count_rejected(exc.reason.value)
+                self.stats.count_rejected(exc.reason.value)
         return responder
 
     def seed_alive(self, address: PeerAddress) -> bool:
         """Whether a join address belongs to us or to a peer alive to us."""
-        node = self.node
-        mine = node.record is not None and (address.endpoint in node.record.addresses
-                                            or address.curve_key == node.identity.curve_public)
+        local = self.local
+        mine = local.record is not None and (address.endpoint in local.record.addresses
+                                             or address.curve_key == local.identity.curve_public)
         return mine or any(address.curve_key == p.record.curve_key if address.curve_key is not None
-                           else address.endpoint in p.record.addresses for p in node._table.live())
+                           else address.endpoint in p.record.addresses for p in self.table.live())
 
     async def _rejoin(self, lost: list[PeerAddress]) -> None:
         """Hello again to join addresses whose peers we lost (a partition, a seed that
@@ -263,9 +271,9 @@ class Bootstrap:
         for address in lost:
             try:
                 await self._join_via(address.endpoint, address.curve_key)
-                log.info("%s: rejoined through %s", self.node.peer_id, address)
+                log.info("%s: rejoined through %s", self.local.peer_id, address)
             except Exception as exc:
-                log.debug("%s: rejoin through %s failed: %s", self.node.peer_id, address, exc)
+                log.debug("%s: rejoin through %s failed: %s", self.local.peer_id, address, exc)
 
 
 def _ip(text: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

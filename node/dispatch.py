@@ -1,13 +1,15 @@
 """The inbound path of a node: decode, authenticate, and hand each message to its handler.
 
-Replies resolve pending requests. Everything else comes in on the node's ROUTER: membership
-messages go to the membership protocol, requests to their handler, whose answer (or typed
-error, see `node.rpc`) goes back on the same connection. A client (a node nobody can dial)
-reads the same messages on the DEALERs it opened, and a message relayed between clients
-arrives sealed (`node.relay`); both come from an authenticated member, and their answers go
-back by the node's send path. Their origin ("route") is the peer id, a str, where a ROUTER
-connection's is its routing id, bytes. A message that fails a check is dropped and counted by its `RejectReason`, and
-changes no state.
+Replies resolve the requests the outbox holds in flight (`node.outbox`). Everything else comes
+in on the node's ROUTER: the node's own "$" topics go to the part that serves them
+(membership, bootstrap, relay), requests to their handler, whose answer (or typed error, see
+`node.rpc`) goes back through the outbox on the same connection. A client (a node nobody can
+dial) reads the same messages on the DEALERs it opened, and a message relayed between clients
+arrives sealed, is opened by `node.relay` and comes back here (`on_opened`); both come from an
+authenticated member, and their answers go back by the outbox's path to that peer. Their
+origin ("route") is the peer id, a str, where a ROUTER connection's is its routing id, bytes.
+A message that fails a check is dropped and counted by its `RejectReason`, and changes no
+state.
 
 Work that other processes cause is bounded by `node.admission`. Before a ROUTER message is
 decoded, a stranger's connection that is over its rate is dropped. A request past a cap on
@@ -24,34 +26,43 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zmq.utils import z85
 
 from starling.node import rpc
-from starling.node.admission import BUSY_DETAIL, Admission
-from starling.node.membership import PeerInfo, PeerStatus
+from starling.node.admission import BUSY_DETAIL, Admission, AdmissionConfig
+from starling.node.local import LocalPeer
+from starling.node.membership import PeerInfo, PeerStatus, PeerTable, StatusChange
+from starling.node.outbox import Outbox, Route, Spawn
 from starling.node.security import SecurityMode
-from starling.node.stats import STRANGERS
+from starling.node.stats import STRANGERS, NodeStats
 from starling.node.transport import Inbound, SendError
-from starling.node.wire import Message, RejectReason, WireError, decode, frame_nbytes
-
-if TYPE_CHECKING:
-    from starling.node.node import Node
+from starling.node.wire import Limits, Message, RejectReason, WireError, decode, frame_nbytes
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Message], Any]
-Route = bytes | str  # a ROUTER connection's routing id, or the id of the member a message came from
 
 
 class Dispatcher:
     """Routes a node's inbound messages. Lives on the network thread."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.admission = Admission(node.config.admission, node._net.load)
-        self.handlers: dict[str, tuple[Handler, bool]] = {}  # topic -> (handler, public)
+    def __init__(self, local: LocalPeer, table: PeerTable, outbox: Outbox, stats: NodeStats, spawn: Spawn, *,
+                 limits: Limits, admission: AdmissionConfig, load: Callable[[], float],
+                 closed: Callable[[], bool], handlers: dict[str, tuple[Handler, bool]]) -> None:
+        self.local = local
+        self.table = table
+        self.outbox = outbox
+        self.stats = stats
+        self.limits = limits
+        self.admission = Admission(admission, load)
+        self._spawn = spawn
+        self._closed = closed
+        self.handlers = handlers  # topic -> (handler, public): the node's `on`
+        # a peer's status changed on a message from it: the membership protocol's `notify`,
+        # wired by the node (that protocol is built after, and serves its topics here)
+        self.notify: Callable[[StatusChange], None] = lambda change: None
         # the node's own "$" topics: one-way messages, and requests answered with a body
         self.internal_messages: dict[str, Callable[[Message], None]] = {}
         self.internal_requests: dict[str, Callable[[Inbound, Any], Any]] = {}
@@ -71,21 +82,21 @@ class Dispatcher:
             self.public_internal.add(topic)
 
     def reject(self, reason: RejectReason, detail: str) -> None:
-        self.node.stats.count_rejected(reason.value)
-        log.debug("%s: rejected message (%s): %s", self.node.peer_id, reason.value, detail)
+        self.stats.count_rejected(reason.value)
+        log.debug("%s: rejected message (%s): %s", self.local.peer_id, reason.value, detail)
 
     async def on_inbound(self, inbound: Inbound) -> None:
-        if self.node.closed:
+        if self._closed():
             return
         route = inbound.route
         if route is not None and not self.admission.readable(route):
-            self.node.stats.count_rejected(RejectReason.RATE_LIMITED.value)
+            self.stats.count_rejected(RejectReason.RATE_LIMITED.value)
             await self._wasted()
             return
         nbytes = frame_nbytes(inbound.frames)
         info: PeerInfo | None = None
         try:
-            msg = decode(inbound.frames, self.node.config.limits)
+            msg = decode(inbound.frames, self.limits)
             if route is None:
                 via = inbound.via_peer or ""
                 if msg.topic == rpc.REPLY_TOPIC:
@@ -95,8 +106,8 @@ class Dispatcher:
                 return
             info = self._authenticate(inbound, msg)
             if info is not None and not info.record.reachable:
-                assert self.node._transport is not None
-                self.node._transport.attach(msg.sender, route)
+                assert self.outbox.transport is not None
+                self.outbox.transport.attach(msg.sender, route)
             if msg.topic == rpc.REPLY_TOPIC and info is not None:  # a client answers on its DEALER
                 self._on_reply(msg.sender, msg, nbytes)
                 return
@@ -115,10 +126,10 @@ class Dispatcher:
 
     async def on_opened(self, src: str, frames: list[Any]) -> None:
         """A message `src` sealed for us and a relay delivered (opened by `node.relay`)."""
-        if self.node.closed:
+        if self._closed():
             return
         try:
-            msg = decode(frames, self.node.config.limits)
+            msg = decode(frames, self.limits)
             nbytes = frame_nbytes(frames)
             if msg.topic == rpc.REPLY_TOPIC:
                 self._on_reply(src, msg, nbytes)
@@ -129,7 +140,7 @@ class Dispatcher:
 
     def _member(self, via: str, msg: Message) -> PeerInfo:
         """The member a DEALER of ours (or a seal) proves a message came from."""
-        info = self.node._table.get(via)
+        info = self.table.get(via)
         if via.startswith("bootstrap-") or info is None or info.status is PeerStatus.LEFT:
             raise WireError(RejectReason.UNKNOWN_PEER, f"{msg.topic!r} from {via or 'nowhere'}, not a member",
                             field="sender")
@@ -139,31 +150,29 @@ class Dispatcher:
         return info
 
     def _on_reply(self, via: str, msg: Message, nbytes: int) -> None:
-        node = self.node
         if msg.topic != rpc.REPLY_TOPIC:
             raise WireError(RejectReason.BAD_FIELD, f"expected a reply, got {msg.topic!r}", field="topic")
         rid, ok, body = rpc.parse_reply(msg)
-        if not node._pending.expects(rid, via):
+        if not self.outbox.pending.expects(rid, via):
             raise WireError(RejectReason.BAD_FIELD, f"reply {rid} from {via} matches no request", field="body")
         if not via.startswith("bootstrap-") and msg.sender != via:
             raise WireError(RejectReason.SPOOFED_SENDER, f"reply claims {msg.sender}, came from {via}", field="sender")
-        node.stats.count_received(via, rpc.REPLY_TOPIC, nbytes)
-        node._table.seen(via, time.monotonic())
-        node._pending.resolve(rid, msg, ok, body)
+        self.stats.count_received(via, rpc.REPLY_TOPIC, nbytes)
+        self.table.seen(via, time.monotonic())
+        self.outbox.pending.resolve(rid, msg, ok, body)
 
     def _authenticate(self, inbound: Inbound, msg: Message) -> PeerInfo | None:
         """The sender's table entry if the message provably comes from it; None for a
         sender outside the swarm (allowed only for public requests)."""
-        info = self.node._table.get(msg.sender)
+        info = self.table.get(msg.sender)
         if info is None or info.status is PeerStatus.LEFT:
             return None
-        if self.node.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(info.record.curve_key).decode():
+        if self.local.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(info.record.curve_key).decode():
             raise WireError(RejectReason.SPOOFED_SENDER, f"{msg.sender} does not own this connection", field="sender")
         return info
 
     async def _on_router(self, inbound: Inbound, route: Route, msg: Message, nbytes: int,
                          info: PeerInfo | None) -> None:
-        node = self.node
         topic, rid, body = msg.topic, None, msg.body
         if topic == rpc.REQUEST_TOPIC:
             topic, rid, body = rpc.parse_request(msg)
@@ -176,11 +185,11 @@ class Dispatcher:
                 await self._busy(route, topic, rid, "rate")
                 return
         peer = msg.sender if member else STRANGERS
-        node.stats.count_received(peer, topic, nbytes)
+        self.stats.count_received(peer, topic, nbytes)
         if member:
-            change = node._table.seen(msg.sender, time.monotonic())
+            change = self.table.seen(msg.sender, time.monotonic())
             if change is not None:
-                node._notify(change)
+                self.notify(change)
         internal = self.internal_messages.get(topic)
         if internal is not None and rid is None:
             internal(msg)
@@ -218,19 +227,17 @@ class Dispatcher:
 
     def _counted(self, route: Route, member: bool, work: Any) -> None:
         """Run admitted work as a task, released when it ends (also if cancelled unstarted)."""
-        self.node._spawn(work).add_done_callback(lambda _: self.admission.release(route, member))
+        self._spawn(work).add_done_callback(lambda _: self.admission.release(route, member))
 
     async def _busy(self, route: Route, topic: str, rid: int, cap: str, peer: str = STRANGERS) -> None:
         """Answer a request with a busy error without running it, counted; never waits."""
-        node = self.node
         self.reject(RejectReason.BUSY, f"{topic}: {BUSY_DETAIL[cap]}")
-        frames = node._frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, False, rpc.ErrorBody(
-            rpc.ErrorCode.BUSY, BUSY_DETAIL[cap])), ())
+        frames = self.outbox.frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, False, rpc.ErrorBody(
+            rpc.ErrorCode.BUSY, BUSY_DETAIL[cap])))
         try:
-            await self._answer_on(route, frames, wait=False)
-            node.stats.count_sent(peer, topic, frame_nbytes(frames))
+            await self.outbox.answer(route, frames, peer, topic, wait=False)
         except SendError:
-            node.stats.count_send_failure()
+            pass  # counted by the outbox
         await self._wasted()
 
     def _is_public(self, topic: str) -> bool:
@@ -242,7 +249,7 @@ class Dispatcher:
     async def _serve(self, inbound: Inbound, route: Route, msg: Message, topic: str, rid: int, body: Any,
                      member: bool) -> None:
         """Run a request's handler and answer with its result, or with a typed error."""
-        node = self.node
+        outbox = self.outbox
         payload: tuple[Any, ...] = ()
         try:
             result = await self._answer(inbound, msg, topic, body, member)
@@ -261,33 +268,19 @@ class Dispatcher:
             if result.code is rpc.ErrorCode.HANDLER_ERROR:
                 self.reject(RejectReason.HANDLER_ERROR, f"{topic}: {exc}")
                 log.warning("handler for %r failed: %s", topic, exc)
-        assert node._transport is not None
         try:
-            frames = node._frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, ok, result), payload)
+            frames = outbox.frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, ok, result), payload)
         except (TypeError, ValueError) as exc:  # an answer the wire cannot carry (too deep, not msgpack)
             self.reject(RejectReason.HANDLER_ERROR, f"{topic}: answer cannot be sent: {exc}")
             error = rpc.ErrorBody(rpc.ErrorCode.HANDLER_ERROR, f"the answer cannot be sent: {exc}")
-            frames = node._frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, False, error), ())
+            frames = outbox.frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, False, error))
         peer = msg.sender if member else STRANGERS
-        if node.shaper is not None and member and not topic.startswith("$"):
-            if not await node.shaper.admit(msg.sender, frame_nbytes(frames)):
-                return
+        if member and not topic.startswith("$") and not await outbox.admitted(msg.sender, frames):
+            return  # lost on the emulated link
         try:
-            await self._answer_on(route, frames)
-            node.stats.count_sent(peer, topic, frame_nbytes(frames))
-        except SendError as exc:
-            node.stats.count_send_failure()
+            await outbox.answer(route, frames, peer, topic)
+        except SendError as exc:  # counted by the outbox
             log.debug("reply to %s failed: %s", msg.sender, exc)
-
-    async def _answer_on(self, route: Route, frames: list[Any], wait: bool = True) -> None:
-        """Send an answer back the way its request came: the ROUTER connection, or (for a
-        request a client read on its DEALER, or one relayed) the node's path to that peer."""
-        node = self.node
-        if isinstance(route, str):
-            await node._send_frames(route, frames, wait=wait)
-            return
-        assert node._transport is not None
-        await node._transport.reply(route, frames, wait=wait)
 
     async def _answer(self, inbound: Inbound, msg: Message, topic: str, body: Any, member: bool) -> Any:
         internal = self.internal_requests.get(topic)

@@ -6,24 +6,26 @@
     reply = node.request(peer_id, "state", {"name": "model"}, timeout_s=5)
     node.leave()
 
-A node is built from parts, each in its own module: the transport (sockets), the
-dispatcher (the inbound path, `node.dispatch`), requests and their typed errors
-(`node.rpc`), the membership protocol (joining, heartbeats, leaving: `node.swarm`) over
-the peer table (`node.membership`), and blob transfer (`node.transfer`). This class
-holds them together and is the one surface training code uses.
+A node is built from parts, each in its own module: the transport (sockets), the outbox
+(the way out: framing, sends, answers, requests in flight, `node.outbox`), the dispatcher
+(the way in, `node.dispatch`), requests and their typed errors (`node.rpc`), the membership
+protocol (`node.swarm`) over the peer table (`node.membership`), joining from addresses
+(`node.bootstrap`), relays between clients (`node.relay`), and blob transfer
+(`node.transfer`). This class builds the parts, hands each the shared pieces it needs (the
+peer table, the outbox, what the node says about itself in `node.local`, a task spawner),
+wires the few that call one another, and is the one surface training code uses. The parts
+never reach back into it.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import random
 import threading
 import time
-import typing
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ from starling.node.admission import AdmissionConfig
 from starling.node.bootstrap import Bootstrap
 from starling.node.dispatch import Dispatcher, Handler
 from starling.node.identity import Identity
+from starling.node.local import LocalPeer
 from starling.node.loop import NetworkThread
 from starling.node.membership import (
     Liveness,
@@ -46,19 +49,20 @@ from starling.node.membership import (
     TableLimits,
     finite_meta,
 )
-from starling.node.relay import VIA, Relay, RelayConfig
+from starling.node.outbox import LinkShaper, Outbox, UnknownPeerError
+from starling.node.relay import Relay, RelayConfig
 from starling.node.security import SecurityMode, ZapPolicy, choose_security
 from starling.node.stats import NodeStats
-from starling.node.swarm import JoinError, Swarm, SwarmConfigError, UnknownPeerError, config_conflicts
+from starling.node.swarm import JoinError, Swarm, SwarmConfigError, config_conflicts
 from starling.node.transfer import BlobServer, TransferConfig, afetch_patiently
-from starling.node.transport import Inbound, SendError, Transport, TransportConfig
-from starling.node.wire import ENVELOPE_BYTES, Limits, Message, RejectReason, WireError, encode, frame_nbytes
+from starling.node.transport import Inbound, Transport, TransportConfig
+from starling.node.wire import ENVELOPE_BYTES, Limits, Message, RejectReason, WireError, frame_nbytes
 
 log = logging.getLogger(__name__)
 
 STATUS = "$status"
 
-# Importable from here as they always were: their homes are now the membership modules.
+# Importable from here as they always were: their homes are the membership and outbox modules.
 __all__ = ["JoinError", "LinkShaper", "Node", "NodeConfig", "NodeFault", "PeerView", "SwarmConfigError",
            "UnknownPeerError", "config_conflicts"]
 
@@ -87,57 +91,97 @@ class NodeConfig:
     table: TableLimits = field(default_factory=TableLimits)  # how many peers the table holds, and per relayer
 
 
-class LinkShaper(typing.Protocol):
-    """Emulates a slow link on the way out (the simulator's bandwidth, latency, loss)."""
-
-    async def admit(self, peer: str, nbytes: int) -> bool:
-        """Wait until a message of `nbytes` to `peer` may leave; False drops it."""
-        ...
-
-
 class Node:
     """A peer: its identity, sockets, peer table and handlers, behind one thread-safe API."""
 
     def __init__(self, identity: Identity | None = None, config: NodeConfig | None = None) -> None:
-        self.identity = identity or Identity.generate()
         self.config = config or NodeConfig()
         self.stats = NodeStats()
-        self.swarm_config: dict[str, Any] | None = None
-        self.mode = SecurityMode.PLAINTEXT
         self.address = ""  # the join address others use: endpoint#KEY
-        self.record: PeerRecord | None = None
-        self.shaper: LinkShaper | None = None  # set by the simulator to emulate slow links
         self._net = NetworkThread.get()
-        self._table = PeerTable(self.identity.peer_id, self.config.liveness, self.config.table)
-        self._pending = rpc.PendingRequests()
-        self._dispatch = Dispatcher(self)
-        self._handlers = self._dispatch.handlers  # topic -> (handler, public)
-        self._swarm = Swarm(self)
-        self._swarm.register()
-        self._bootstrap = Bootstrap(self, self._swarm)
-        self._bootstrap.register()
-        self._relay = Relay(self, self.config.relay)
-        self._relay.register()
-        self._dispatch.on_internal_request(STATUS, self._answer_status, public=True)
-        self._seq = itertools.count()
-        self._meta: dict[str, Any] = {}
+        # Kept by the node, not by its parts, so that rebuilding the parts keeps them.
+        self._handlers: dict[str, tuple[Handler, bool]] = {}  # topic -> (handler, public), from `on`
+        self._listeners: list[Callable[[StatusChange], None]] = []  # from `on_peer_change`
         self._info: dict[str, Any] = {}  # what `status` reports beside the table (`set_status_info`)
-        self._transport: Transport | None = None
-        self._policy: ZapPolicy | None = None
         self._zap_domain = ""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._blobs: BlobServer | None = None
         self._state = "new"
         self._fault: str | None = None
         self._closing: asyncio.Future[None] | None = None
+        self._build(LocalPeer(identity or Identity.generate()))
+
+    def _build(self, local: LocalPeer) -> None:
+        """Build the parts around `local` and wire them. Each part is given what it uses;
+        the two loops among them (a relayed send goes out through the outbox, which routes
+        a client's messages through the relay; the dispatcher tells the membership protocol
+        of a status change it saw, and serves that protocol's topics) are closed here."""
+        config, stats, spawn = self.config, self.stats, self._spawn
+        self._local = local
+        self._table = PeerTable(local.peer_id, config.liveness, config.table)
+        self._pending = rpc.PendingRequests()
+        self._outbox = Outbox(local.peer_id, self._table, stats, self._pending,
+                              request_timeout_s=config.request_timeout_s)
+        self._dispatch = Dispatcher(local, self._table, self._outbox, stats, spawn, limits=config.limits,
+                                    admission=config.admission, load=self._net.load, closed=lambda: self.closed,
+                                    handlers=self._handlers)
+        self._swarm = Swarm(local, self._table, self._outbox, stats, spawn, liveness=config.liveness,
+                            admission=config.admission, forget_after_s=config.forget_after_s,
+                            leave_timeout_s=config.leave_timeout_s, reject=self._dispatch.reject,
+                            closed=lambda: self.closed, listeners=self._listeners)
+        self._bootstrap = Bootstrap(local, self._table, self._outbox, self._swarm, stats, spawn,
+                                    join_attempts=config.join_attempts, join_backoff_s=config.join_backoff_s,
+                                    join_timeout_s=config.join_timeout_s, reach_timeout_s=config.reach_timeout_s,
+                                    rejoin_interval_s=config.rejoin_interval_s)
+        self._relay = Relay(local, self._table, self._outbox, spawn, config.relay, max_frames=config.limits.max_frames,
+                            reject=self._dispatch.reject, deliver=self._dispatch.on_opened,
+                            want_from=self._swarm.want_from)
+        self._outbox.route_through_relays(self._relay.send)
+        self._dispatch.notify = self._swarm.notify
+        self._swarm.ticks[:] = [self._bootstrap.tick, self._relay.tick]
+        for part in (self._swarm, self._bootstrap, self._relay):
+            part.register(self._dispatch)
+        self._dispatch.on_internal_request(STATUS, self._answer_status, public=True)
 
     def _use_identity(self, identity: Identity) -> None:
-        """`start(key=...)` replaces the identity the node was built with: everything that
-        holds its keys or its id takes the new one here (the peer table's own id, the relay's
-        sealing keys), or relayed messages would be sealed and opened under the old keys."""
-        self.identity = identity
-        self._table = PeerTable(identity.peer_id, self.config.liveness, self.config.table)
-        self._relay.use_identity(identity)
+        """`start(key=...)` replaces the identity the node was built with: every part that
+        holds its keys or its id (the peer table's own id, the relay's sealing keys, the
+        outbox's sender id) is built again around the new one, or relayed messages would be
+        sealed and opened under the old keys. Nothing has run yet; what was set before
+        `start` (handlers, listeners, the swarm config, meta, a link shaper) is kept."""
+        shaper = self.shaper
+        self._build(replace(self._local, identity=identity))
+        self._outbox.shaper = shaper
+
+    # What the node says about itself lives in `LocalPeer`, which its parts read.
+    @property
+    def identity(self) -> Identity:
+        return self._local.identity
+
+    @property
+    def mode(self) -> SecurityMode:
+        return self._local.mode
+
+    @property
+    def record(self) -> PeerRecord | None:
+        return self._local.record
+
+    @property
+    def swarm_config(self) -> dict[str, Any] | None:
+        return self._local.swarm_config
+
+    @swarm_config.setter
+    def swarm_config(self, config: dict[str, Any] | None) -> None:
+        self._local.swarm_config = config
+
+    @property
+    def shaper(self) -> LinkShaper | None:
+        """Emulates slow links on the way out (set by the simulator)."""
+        return self._outbox.shaper
+
+    @shaper.setter
+    def shaper(self, shaper: LinkShaper | None) -> None:
+        self._outbox.shaper = shaper
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -202,9 +246,9 @@ class Node:
         # a record names IPs (`parse_record_endpoint`): an advertised name is resolved here, once
         adverts = [resolve_endpoint(parse_address(a).endpoint) for a in adverts]
         joins = [parse_address(a) for a in join]
-        self.mode, allowed = choose_security(listens, adverts, joins, security, insecure, authorized_keys)
+        self._local.mode, allowed = choose_security(listens, adverts, joins, security, insecure, authorized_keys)
         if swarm_config is not None:
-            self.swarm_config = dict(swarm_config)
+            self._local.swarm_config = dict(swarm_config)
         self._state = "starting"
         try:
             self._net.run(self._astart(listens, adverts, joins, allowed))
@@ -217,26 +261,27 @@ class Node:
     async def _astart(self, listens: list[str], adverts: list[str], joins: list[PeerAddress],
                       allowed: frozenset[bytes] | None) -> None:
         self._zap_domain = f"starling.{self.peer_id}.{id(self):x}"
-        self._transport = Transport(
-            self._net.context, mode=self.mode, curve_public_z85=self.identity.curve_public_z85,
-            curve_secret_z85=self.identity.curve_secret_z85, zap_domain=self._zap_domain,
+        local = self._local
+        transport = self._outbox.transport = Transport(
+            self._net.context, mode=local.mode, curve_public_z85=local.identity.curve_public_z85,
+            curve_secret_z85=local.identity.curve_secret_z85, zap_domain=self._zap_domain,
             config=self.config.transport, receiver=self._dispatch.on_inbound, busy=self._pending.waiting_on,
             dropped=self._swarm.connection_lost, fatal=self._fail,
         )
-        if self.mode is SecurityMode.CURVE:
-            self._policy = ZapPolicy(allowed)
-            self._net.zap.register(self._zap_domain, self._policy)
+        if local.mode is SecurityMode.CURVE:
+            local.policy = ZapPolicy(allowed)
+            self._net.zap.register(self._zap_domain, local.policy)
         endpoints: list[str] = []
         if listens:
-            await self._transport.bind(listens, self._policy)
-            endpoints = adverts or self._transport.advertised()
+            await transport.bind(listens, local.policy)
+            endpoints = adverts or transport.advertised()
         if endpoints and joins and self._needs_dial_back(endpoints):
             if await self._bootstrap.reachable_via(joins, endpoints) is False:
                 log.warning("%s: the peer we join through cannot dial %s; joining as a client (reached over the "
                             "connections this node opens, and through relays)", self.peer_id, ", ".join(endpoints))
                 endpoints = []
-        self.record = PeerRecord.create(self.identity, endpoints, time.time_ns(),
-                                        relay=bool(endpoints) and self.config.offer_relay)
+        local.record = PeerRecord.create(local.identity, endpoints, time.time_ns(),
+                                         relay=bool(endpoints) and self.config.offer_relay)
         key = self.identity.curve_public if self.mode is SecurityMode.CURVE else None
         self.address = str(PeerAddress(endpoints[0], key)) if endpoints else ""
         self._spawn(self._swarm.heartbeat_loop())
@@ -260,12 +305,6 @@ class Node:
             return self.reachable
         info = self._table.get(peer_id)
         return info is None or info.record.reachable
-
-    def _set_via(self) -> None:
-        """A client names the relays it holds connections to, in its heartbeats."""
-        via = self._relay.via()
-        if self._meta.get(VIA) != via:
-            self._meta = {**self._meta, VIA: via}
 
     def leave(self) -> None:
         """Announce a graceful leave to every live peer, then close."""
@@ -291,7 +330,7 @@ class Node:
         self._pending.fail_all(rpc.RpcError("node closed"))
         if self._transport is not None:
             await self._transport.close()
-        if self._policy is not None:
+        if self._local.policy is not None:
             self._net.zap.unregister(self._zap_domain)
 
     def __enter__(self) -> Node:
@@ -313,7 +352,7 @@ class Node:
 
     def on_peer_change(self, callback: Callable[[StatusChange], None]) -> None:
         """`callback(change)` runs on the network thread whenever a peer's status changes."""
-        self._swarm.listeners.append(callback)
+        self._listeners.append(callback)
 
     def sync_peers(self, peer: str) -> concurrent.futures.Future[int]:
         """Learn the peer table of `peer`, a member (anti-entropy: the peers that joined
@@ -324,7 +363,7 @@ class Node:
     def set_meta(self, **meta: Any) -> None:
         """Metadata (e.g. the protocol round) carried to every peer in heartbeats."""
         # A new dict, swapped in whole: the network thread may be packing the old one into a ping.
-        self._meta = finite_meta({**self._meta, **meta})
+        self._local.meta = finite_meta({**self._local.meta, **meta})
 
     def set_status_info(self, **info: Any) -> None:
         """Facts about this node that its `status` answer carries (and heartbeats do not):
@@ -367,7 +406,7 @@ class Node:
     async def asend(self, peer: str, topic: str, body: Any = None, payload: Sequence[Any] = ()) -> None:
         if topic.startswith("$"):
             raise ValueError(f"topic {topic!r} is reserved")
-        await self._asend_raw(peer, topic, body, payload)
+        await self._outbox.send(peer, topic, body, payload)
 
     def request(self, peer: str, topic: str, body: Any = None, payload: Sequence[Any] = (),
                 timeout_s: float | None = None) -> Message:
@@ -377,13 +416,7 @@ class Node:
 
     async def arequest(self, peer: str, topic: str, body: Any = None, payload: Sequence[Any] = (),
                        timeout_s: float | None = None) -> Message:
-        timeout = self.config.request_timeout_s if timeout_s is None else timeout_s
-
-        def send(rid: int) -> Any:
-            return self._asend_raw(peer, rpc.REQUEST_TOPIC, rpc.request_body(topic, rid, body), payload,
-                                   stats_topic=topic, timeout_s=timeout)
-
-        return await self._pending.call(peer, topic, send, timeout)
+        return await self._outbox.request(peer, topic, body, payload, timeout_s)
 
     def serve_blob(self, name: str, provider: Callable[[], bytes]) -> None:
         """Let peers fetch `provider()` (a snapshot taken when a transfer opens) by name."""
@@ -446,7 +479,7 @@ class Node:
             "id": self.peer_id, "address": self.address, "security": self.mode.value,
             "reachable": self.reachable, "relay": bool(self.record and self.record.relay),
             "listening": self._transport is not None and self._transport.listening,
-            "config": self.swarm_config, "meta": dict(self._meta), "info": dict(self._info),
+            "config": self.swarm_config, "meta": dict(self._local.meta), "info": dict(self._info),
             "peers": [{**p.summary(), "last_seen_s": round(now - p.last_seen, 3)} for p in self._table.all()],
             "stats": self.stats.snapshot(),
             "zap_denied": self.zap_denied,
@@ -469,41 +502,21 @@ class Node:
     @property
     def zap_denied(self) -> int:
         """Connections the allowlist refused (in the ZAP handler, before any message)."""
-        return self._policy.denied_count if self._policy else 0
+        policy = self._local.policy
+        return policy.denied_count if policy else 0
 
     # ---------------------------------------------------------------- network thread
-    def _frames(self, topic: str, body: Any, payload: Sequence[Any], check_body: bool = True) -> list[Any]:
-        return encode(topic, self.peer_id, next(self._seq), body, payload, check_body=check_body)
+    @property
+    def _transport(self) -> Transport | None:
+        """The node's sockets, once started (the outbox holds them)."""
+        return self._outbox.transport
 
     async def _asend_raw(self, peer: str, topic: str, body: Any, payload: Sequence[Any] = (), *,
                          wait: bool = True, stats_topic: str | None = None,
                          timeout_s: float | None = None, check_body: bool = True) -> None:
-        """Send any message, "$" topics included, to a known peer (membership and requests use it).
-        `check_body=False` skips re-reading the body as the receiver will (see `wire.encode`)."""
-        info = self._table.get(peer)
-        if info is None or info.status is PeerStatus.LEFT or self._transport is None:
-            raise UnknownPeerError(f"unknown peer {peer!r}")
-        frames = self._frames(topic, body, payload, check_body)
-        # Emulated links shape protocol traffic only; membership keeps its own timing.
-        if self.shaper is not None and not (stats_topic or topic).startswith("$"):
-            if not await self.shaper.admit(peer, frame_nbytes(frames)):
-                return  # lost on the emulated link
-        try:
-            await self._send_frames(peer, frames, wait=wait, timeout_s=timeout_s)
-        except SendError:
-            self.stats.count_send_failure()
-            raise
-        self.stats.count_sent(peer, stats_topic or topic, frame_nbytes(frames))
-
-    async def _send_frames(self, peer: str, frames: list[Any], *, wait: bool = True,
-                           timeout_s: float | None = None) -> None:
-        """Frames to a peer: on our DEALER to it, down the connection a client opened to us,
-        or, for a client neither can reach, sealed through a relay."""
-        assert self._transport is not None
-        if self._transport.can_send(peer):
-            await self._transport.send(peer, frames, wait=wait, timeout_s=timeout_s)
-        else:
-            await self._relay.send(peer, frames, wait=wait, timeout_s=timeout_s)
+        """Send any message, "$" topics included (tests and benchmarks that play a hostile peer)."""
+        await self._outbox.send(peer, topic, body, payload, wait=wait, stats_topic=stats_topic,
+                                timeout_s=timeout_s, check_body=check_body)
 
     def _notify(self, change: StatusChange) -> None:
         self._swarm.notify(change)

@@ -59,9 +59,9 @@ import os
 import struct
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -69,13 +69,12 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from starling.node.identity import Identity
-from starling.node.membership import PeerStatus
+from starling.node.dispatch import Dispatcher
+from starling.node.local import LocalPeer
+from starling.node.membership import PeerStatus, PeerTable
+from starling.node.outbox import Outbox, Spawn
 from starling.node.transport import SendError
 from starling.node.wire import Message, RejectReason, WireError
-
-if TYPE_CHECKING:
-    from starling.node.node import Node
 
 RELAY, RELAYED = "$relay", "$relayed"
 PROBE, READ = "$relay_probe", "$relay_read"  # relay -> client: read up to here?  client -> relay: yes
@@ -145,25 +144,54 @@ def unpack_frames(data: bytes | memoryview, max_frames: int) -> list[memoryview]
     return frames
 
 
-def _envelope(msg: Message, who: str) -> tuple[str, bytes, memoryview]:
-    """(peer id, nonce, sealed bytes) of a `$relay` or `$relayed` message; WireError if malformed."""
-    body, payload = msg.body, msg.payload
-    if (not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], str)
-            or not isinstance(body[1], bytes) or len(payload) != 1 or not isinstance(payload[0], memoryview)):
-        raise WireError(RejectReason.BAD_FIELD, f"{msg.topic} body must be [{who}, nonce] and one bytes frame",
-                        field="body")
-    if len(body[1]) != NONCE_BYTES:
-        raise WireError(RejectReason.BAD_FIELD, f"relay nonce must be {NONCE_BYTES} bytes", field="body")
-    return body[0], body[1], payload[0]
+@dataclass(frozen=True)
+class Sealed:
+    """A sealed message on its way through a relay: `$relay` [dest, nonce] from the source to
+    the relay (`peer` is the destination), `$relayed` [src, nonce] from the relay to the
+    destination (`peer` is the source); the ciphertext rides as the one payload frame, so the
+    relay forwards it without a copy."""
+
+    peer: str
+    nonce: bytes
+    sealed: bytes | memoryview
+
+    def to_wire(self) -> tuple[list[Any], list[bytes | memoryview]]:
+        """(body, payload) of the message."""
+        return [self.peer, self.nonce], [self.sealed]
+
+    @classmethod
+    def from_wire(cls, msg: Message) -> Sealed:
+        """Read a `$relay` or `$relayed` message; WireError (bad_field) if malformed."""
+        body, payload = msg.body, msg.payload
+        if (not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], str)
+                or not isinstance(body[1], bytes) or len(payload) != 1 or not isinstance(payload[0], memoryview)):
+            who = "dest" if msg.topic == RELAY else "src"
+            raise WireError(RejectReason.BAD_FIELD, f"{msg.topic} body must be [{who}, nonce] and one bytes frame",
+                            field="body")
+        if len(body[1]) != NONCE_BYTES:
+            raise WireError(RejectReason.BAD_FIELD, f"relay nonce must be {NONCE_BYTES} bytes", field="body")
+        return cls(body[0], body[1], payload[0])
 
 
-def _token(msg: Message) -> bytes:
-    body = msg.body
-    if not isinstance(body, list) or len(body) != 1 or not isinstance(body[0], bytes) \
-            or len(body[0]) != TOKEN_BYTES or msg.payload:
-        raise WireError(RejectReason.BAD_FIELD, f"{msg.topic} body must be [token of {TOKEN_BYTES} bytes]",
-                        field="body")
-    return body[0]
+@dataclass(frozen=True)
+class ProbeToken:
+    """`$relay_probe` [token] from a relay to a client, and the client's `$relay_read` [token]
+    echoing it once it has read everything forwarded before it."""
+
+    token: bytes
+
+    def to_wire(self) -> list[bytes]:
+        return [self.token]
+
+    @classmethod
+    def from_wire(cls, msg: Message) -> ProbeToken:
+        """Read a probe or its echo; WireError (bad_field) if malformed."""
+        body = msg.body
+        if not isinstance(body, list) or len(body) != 1 or not isinstance(body[0], bytes) \
+                or len(body[0]) != TOKEN_BYTES or msg.payload:
+            raise WireError(RejectReason.BAD_FIELD, f"{msg.topic} body must be [token of {TOKEN_BYTES} bytes]",
+                            field="body")
+        return cls(body[0])
 
 
 def _aad(src: str, dest: str) -> bytes:
@@ -342,10 +370,20 @@ class _Lane:
 class Relay:
     """One node's relay side: forward for others (if it offers to), seal and open its own."""
 
-    def __init__(self, node: Node, config: RelayConfig) -> None:
-        self.node = node
+    def __init__(self, local: LocalPeer, table: PeerTable, outbox: Outbox, spawn: Spawn, config: RelayConfig, *,
+                 max_frames: int, reject: Callable[[RejectReason, str], None],
+                 deliver: Callable[[str, list[Any]], Awaitable[None]],
+                 want_from: Callable[[str, str], None]) -> None:
+        self.local = local
+        self.table = table
+        self.outbox = outbox
         self.config = config
-        self.sealer = Sealer(node.identity.curve_secret, node.peer_id, config)
+        self.max_frames = max_frames
+        self.sealer = Sealer(local.identity.curve_secret, local.peer_id, config)
+        self._spawn = spawn
+        self._reject = reject
+        self._deliver = deliver  # an opened message, to the dispatcher (`Dispatcher.on_opened`)
+        self._want_from = want_from  # a source we have no record of (`Swarm.want_from`)
         self.forwarding = 0
         self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
         self._in_flight: dict[str, int] = {}  # source -> its forwards in flight
@@ -353,12 +391,8 @@ class Relay:
         self._lanes_checked_at = 64  # lanes kept before the idle and unknown ones are dropped
         self._guard_checked_at = 64  # likewise, replay windows before those of forgotten sources
 
-    def use_identity(self, identity: Identity) -> None:
-        """Seal and open with this identity's keys from now on."""
-        self.sealer = Sealer(identity.curve_secret, identity.peer_id, self.config)
-
-    def register(self) -> None:
-        dispatch = self.node._dispatch
+    def register(self, dispatch: Dispatcher) -> None:
+        """Serve the relay topics on the node's dispatcher."""
         dispatch.on_internal_message(RELAY, self.on_relay)
         dispatch.on_internal_message(RELAYED, self.on_relayed)
         dispatch.on_internal_message(PROBE, self.on_probe)
@@ -377,9 +411,19 @@ class Relay:
         return (0, 0) if lane is None else (lane.nbytes, len(lane.queue))
 
     # ---------------------------------------------------------------- as a client
+    def tick(self, now: float) -> None:
+        """From the heartbeat loop: a client names the relays it holds connections to, in the
+        meta its heartbeats carry."""
+        record = self.local.record
+        if record is None or record.reachable:
+            return
+        via = self.via()
+        if self.local.meta.get(VIA) != via:
+            self.local.meta = {**self.local.meta, VIA: via}
+
     def relays_for(self, dest: str) -> list[str]:
         """The live relays `dest` named in its heartbeats, then any other live relay."""
-        table = self.node._table
+        table = self.table
         info = table.get(dest)
         named = str(info.meta.get(VIA, "")).split(",") if info is not None else []
         live = {p.peer_id: p for p in table.live() if p.record.relay and p.record.reachable}
@@ -390,27 +434,28 @@ class Relay:
         down the DEALER it holds to them, which proves they hold its connection's routing id.
         An open DEALER is not enough: a relay that has not yet read a message of ours on it
         cannot forward to us, and refused the messages that named it (`no_route`)."""
-        transport = self.node._transport
+        transport = self.outbox.transport
         if transport is None:
             return ""
-        held = sorted(p.peer_id for p in self.node._table.live()
+        held = sorted(p.peer_id for p in self.table.live()
                       if p.record.relay and p.record.reachable and transport.heard(p.peer_id))
         return ",".join(held[: self.config.max_relays])
 
     async def send(self, dest: str, frames: list[Any], *, wait: bool, timeout_s: float | None) -> None:
         """Seal `frames` for `dest` and hand them to the first relay that takes them."""
-        node = self.node
-        info = node._table.get(dest)
-        if info is None or node.record is None:
+        info = self.table.get(dest)
+        record = self.local.record
+        if info is None or record is None:
             raise SendError(f"no relay route to unknown peer {dest}")
-        nonce, sealed = self.sealer.seal(dest, info.record.curve_key, frames, node.record.incarnation)
+        nonce, sealed = self.sealer.seal(dest, info.record.curve_key, frames, record.incarnation)
         if len(sealed) > self.config.max_queued_bytes:
             raise SendError(f"a message of {len(sealed)} sealed bytes for {dest} is more than a relay queues for "
                             f"a client (RelayConfig.max_queued_bytes, {self.config.max_queued_bytes})")
+        body, payload = Sealed(dest, nonce, sealed).to_wire()
         errors = []
         for relay in self.relays_for(dest):
             try:
-                await node._asend_raw(relay, RELAY, [dest, nonce], [sealed], wait=wait, timeout_s=timeout_s)
+                await self.outbox.send(relay, RELAY, body, payload, wait=wait, timeout_s=timeout_s)
                 return
             except SendError as exc:
                 errors.append(f"{relay}: {exc}")
@@ -423,18 +468,20 @@ class Relay:
 
     def on_relay(self, msg: Message) -> None:
         """Forward a sealed message to a client attached here, or refuse it (see the module's bounds)."""
-        node = self.node
-        dest, nonce, sealed = _envelope(msg, "dest")
+        envelope = Sealed.from_wire(msg)
+        dest, sealed = envelope.peer, envelope.sealed
         src = msg.sender
-        if node.record is None or not node.record.relay:
+        record = self.local.record
+        if record is None or not record.relay:
             raise self._refuse(NOT_A_RELAY, RejectReason.NO_ROUTE, f"{src} asked to relay, and this node is no relay")
-        info = node._table.get(dest)
+        info = self.table.get(dest)
         if info is None or info.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT) or dest == src:
             raise self._refuse(NOT_LIVE, RejectReason.NO_ROUTE, f"relay to {dest}: not a live member")
         if info.record.reachable:
             raise self._refuse(NOT_A_CLIENT, RejectReason.NO_ROUTE,
                                f"relay to {dest}: it can be dialled, and a relay forwards only to clients")
-        if node._transport is None or not node._transport.can_send(dest):
+        transport = self.outbox.transport
+        if transport is None or not transport.can_send(dest):
             # a client we can send to holds a connection to us: never relayed onwards
             raise self._refuse(NOT_ATTACHED, RejectReason.NO_ROUTE,
                                f"relay to {dest}: it holds no connection to this relay")
@@ -444,14 +491,15 @@ class Relay:
         lane = self._lanes.get(dest)
         if lane is None:
             lane = self._new_lane(dest)
-        refusal = lane.refusal(src, sealed.nbytes, self.config)
+        nbytes = memoryview(sealed).nbytes
+        refusal = lane.refusal(src, nbytes, self.config)
         if refusal is not None:
             self._probe_if_due(dest, lane)  # the client may have read it all: ask, so the queue refills
             raise self._refuse(refusal[0], RejectReason.BUSY, f"relay to {dest}: {refusal[1]}")
-        lane.reserve(src, sealed.nbytes)
+        lane.reserve(src, nbytes)
         self.forwarding += 1
         self._in_flight[src] = self._in_flight.get(src, 0) + 1
-        node._spawn(self._forward(dest, [src, nonce], sealed))
+        self._spawn(self._forward(dest, Sealed(src, envelope.nonce, sealed)))
 
     def _no_slot(self, src: str) -> str | None:
         """Why `src` may not start another forward now, or None."""
@@ -466,23 +514,23 @@ class Relay:
 
     def _new_lane(self, dest: str) -> _Lane:
         if len(self._lanes) >= self._lanes_checked_at:
-            table = self.node._table
+            table = self.table
             for client in [c for c, lane in self._lanes.items() if lane.idle or c not in table]:
                 del self._lanes[client]
             self._lanes_checked_at = max(64, 2 * len(self._lanes))
         lane = self._lanes[dest] = _Lane()
         return lane
 
-    async def _forward(self, dest: str, body: list[Any], sealed: memoryview) -> None:
+    async def _forward(self, dest: str, relayed: Sealed) -> None:
         """Hand one message to ZeroMQ for `dest`, without waiting: to a client attached here
         that means its connection's queue, which ZeroMQ fills or drops but never blocks on."""
         try:
-            await self.node._asend_raw(dest, RELAYED, body, [sealed], wait=False)
+            await self.outbox.send(dest, RELAYED, *relayed.to_wire(), wait=False)
         except (SendError, ValueError) as exc:
-            self.node._dispatch.reject(RejectReason.NO_ROUTE, f"relay to {dest} failed: {exc}")
+            self._reject(RejectReason.NO_ROUTE, f"relay to {dest} failed: {exc}")
         finally:
             self.forwarding -= 1
-            src = body[0]
+            src = relayed.peer
             left = self._in_flight.pop(src, 0) - 1
             if left > 0:
                 self._in_flight[src] = left
@@ -501,17 +549,17 @@ class Relay:
         lane.probed_at = now
         while len(lane.probes) > self.config.max_probes:
             lane.probes.popitem(last=False)
-        self.node._spawn(self._send_probe(dest, token))
+        self._spawn(self._send_probe(dest, token))
 
     async def _send_probe(self, dest: str, token: bytes) -> None:
         try:
-            await self.node._asend_raw(dest, PROBE, [token], wait=False)
+            await self.outbox.send(dest, PROBE, ProbeToken(token).to_wire(), wait=False)
         except (SendError, ValueError):
             pass  # unanswered: the next forward or refusal after `probe_interval_s` asks again
 
     def on_read(self, msg: Message) -> None:
         """A client echoed a probe's token: it has read every message forwarded before it."""
-        token = _token(msg)
+        token = ProbeToken.from_wire(msg).token
         lane = self._lanes.get(msg.sender)
         if lane is None or token not in lane.probes:
             raise WireError(RejectReason.BAD_FIELD, f"{READ} from {msg.sender} matches no probe", field="body")
@@ -525,33 +573,32 @@ class Relay:
     # ---------------------------------------------------------------- as the destination
     def on_probe(self, msg: Message) -> None:
         """A relay asks whether we have read what it forwarded: echo its token."""
-        token = _token(msg)
-        node = self.node
-        info = node._table.get(msg.sender)
-        if info is None or not (info.record.relay and info.record.reachable) or node._transport is None \
-                or not node._transport.can_send(msg.sender):
+        token = ProbeToken.from_wire(msg).token
+        info, transport = self.table.get(msg.sender), self.outbox.transport
+        if info is None or not (info.record.relay and info.record.reachable) or transport is None \
+                or not transport.can_send(msg.sender):
             raise WireError(RejectReason.NO_ROUTE, f"{PROBE} from {msg.sender}, which is no relay we hold a "
                             "connection to")
-        node._spawn(self._answer_probe(msg.sender, token))
+        self._spawn(self._answer_probe(msg.sender, token))
 
     async def _answer_probe(self, relay: str, token: bytes) -> None:
         try:
-            await self.node._asend_raw(relay, READ, [token], wait=False)
+            await self.outbox.send(relay, READ, ProbeToken(token).to_wire(), wait=False)
         except (SendError, ValueError):
             pass  # the relay asks again
 
     def on_relayed(self, msg: Message) -> None:
-        node = self.node
-        src, nonce, sealed = _envelope(msg, "src")
-        info = node._table.get(src)
+        envelope = Sealed.from_wire(msg)
+        src = envelope.peer
+        info = self.table.get(src)
         if info is None or info.status is PeerStatus.LEFT:
             if info is None:  # a peer that joined a moment ago: the relay has its record
-                node._swarm.want_from(msg.sender, src)
+                self._want_from(msg.sender, src)
             raise WireError(RejectReason.UNKNOWN_PEER, f"relayed message from unknown peer {src}")
-        frames = self.sealer.open(src, info.record.curve_key, nonce, sealed, node.config.limits.max_frames,
+        frames = self.sealer.open(src, info.record.curve_key, envelope.nonce, envelope.sealed, self.max_frames,
                                   info.record.incarnation)
         guard = self.sealer.guard
         if len(guard) >= self._guard_checked_at:
-            guard.forget(node._table.__contains__)
+            guard.forget(self.table.__contains__)
             self._guard_checked_at = max(64, 2 * len(guard))
-        node._spawn(node._dispatch.on_opened(src, frames))
+        self._spawn(self._deliver(src, frames))

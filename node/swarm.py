@@ -28,30 +28,32 @@ import math
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 from zmq.utils import z85
 
 from starling.node import rpc
-from starling.node.admission import TokenBucket
+from starling.node.admission import AdmissionConfig, TokenBucket
+from starling.node.dispatch import Dispatcher
 from starling.node.identity import verify_signature
+from starling.node.local import LocalPeer
 from starling.node.loop import AwakeDeadline
 from starling.node.membership import (
+    Liveness,
     PeerRecord,
     PeerStatus,
+    PeerTable,
     StatusChange,
     leave_statement,
     parse_digest,
     sign_beat,
 )
+from starling.node.outbox import Outbox, Spawn, UnknownPeerError
 from starling.node.security import SecurityMode
+from starling.node.stats import NodeStats
 from starling.node.transport import Inbound, SendError
 from starling.node.wire import ENVELOPE_BYTES, Message, RejectReason, WireError, frame_nbytes
-
-if TYPE_CHECKING:
-    from starling.node.bootstrap import Bootstrap
-    from starling.node.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +79,6 @@ class SwarmConfigError(JoinError):
     """The swarm runs a config this node cannot run."""
 
 
-class UnknownPeerError(ValueError):
-    """A send or request named a peer this node does not know (or that left)."""
-
-
 def config_conflicts(swarm: dict[str, Any], mine: dict[str, Any]) -> list[str]:
     """Keys this node set that the swarm has set differently."""
     return [f"{k}: swarm has {swarm[k]!r}, this node has {v!r}" for k, v in mine.items()
@@ -92,12 +90,29 @@ def config_conflict_text(conflicts: list[str]) -> str:
 
 
 class Swarm:
-    """One node's side of the membership protocol. Lives on the network thread; the node
-    owns the peer table, the sockets and the send path, which this drives."""
+    """One node's side of the membership protocol, over its peer table: it sends through the
+    node's outbox and connects and disconnects the outbox's transport. Lives on the network
+    thread."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.listeners: list[Callable[[StatusChange], None]] = []
+    def __init__(self, local: LocalPeer, table: PeerTable, outbox: Outbox, stats: NodeStats, spawn: Spawn, *,
+                 liveness: Liveness, admission: AdmissionConfig, forget_after_s: float, leave_timeout_s: float,
+                 reject: Callable[[RejectReason, str], None], closed: Callable[[], bool],
+                 listeners: list[Callable[[StatusChange], None]]) -> None:
+        self.local = local
+        self.table = table
+        self.outbox = outbox
+        self.stats = stats
+        self.liveness = liveness
+        self.admission = admission
+        self.forget_after_s = forget_after_s
+        self.leave_timeout_s = leave_timeout_s
+        self.listeners = listeners  # the node's `on_peer_change`
+        # run once per wake of the heartbeat loop, after the sweep: rejoining lost seeds
+        # (`Bootstrap.tick`), a client naming its relays (`Relay.tick`); wired by the node
+        self.ticks: list[Callable[[float], None]] = []
+        self._spawn = spawn
+        self._reject = reject
+        self._closed = closed
         self._beat = 0  # our heartbeat counter, relayed by others as proof we are alive
         self._rng = random.Random()
         self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
@@ -106,11 +121,9 @@ class Swarm:
         self._refused: dict[str, int] = {}  # peer id -> incarnation whose record the allowlist refused
         self._signed_beat: list[Any] | None = None  # our current beat, signed (see `_digest`)
         self._pulls: dict[str, TokenBucket] = {}  # member id -> the bytes its table pulls may still take
-        self.bootstrap: Bootstrap | None = None  # joining from addresses (node.bootstrap), set by the node
 
-    def register(self) -> None:
+    def register(self, dispatch: Dispatcher) -> None:
         """Serve the membership topics on the node's dispatcher."""
-        dispatch = self.node._dispatch
         dispatch.on_internal_request(HELLO, self.on_hello, public=True)  # a joiner is not a member yet
         dispatch.on_internal_request(SYNC, self.on_sync)
         for topic, handler in ((PING, self.on_ping), (WANT, self.on_want), (LEAVE, self.on_leave),
@@ -124,11 +137,10 @@ class Swarm:
         Whoever says hello is not a member yet, so the answer is at most
         `stranger_reply_factor` times the hello's own bytes: a table page that fits, and
         `next`, where the joiner's `$sync` pages go on from once it is a member."""
-        node = self.node
         if not isinstance(body, list) or len(body) != 3 or not isinstance(body[2], bool):
             raise WireError(RejectReason.BAD_FIELD, "hello body must be [record, config, want_table]", field="body")
         record = self.record_from(body[0])
-        if node.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
+        if self.local.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
             raise WireError(RejectReason.SPOOFED_SENDER, "hello record's key does not own this connection",
                             field="record")
         # A hello's config is only checked against ours, never taken: a node takes its config
@@ -138,7 +150,7 @@ class Swarm:
         if theirs is not None:
             if not isinstance(theirs, dict):
                 raise WireError(RejectReason.BAD_FIELD, "swarm config must be a map", field="config")
-            conflicts = config_conflicts(node.swarm_config or {}, theirs)
+            conflicts = config_conflicts(self.local.swarm_config or {}, theirs)
             if conflicts:
                 raise rpc.ConfigConflictError(config_conflict_text(conflicts))
         # A joiner (it asks for the table) is announced to the others: one message each, no
@@ -148,17 +160,17 @@ class Swarm:
         # unknown id there is asked for (WANT). Announcing to every member would open and close
         # a socket per member on every join at a seed capped below the swarm's size (a
         # 256-node swarm capped at 32 sockets took 602 s to start, 177 s capped at 64).
-        transport = node._transport
-        assert transport is not None and node.record is not None
+        transport = self.outbox.transport
+        assert transport is not None and self.local.record is not None
         if self.learn(record) and body[2]:
-            for p in node._table.live():
+            for p in self.table.live():
                 if p.peer_id != record.peer_id and (transport.is_open(p.peer_id)
                                                     or (not p.record.reachable and transport.can_send(p.peer_id))):
-                    node._spawn(node._asend_raw(p.peer_id, ANNOUNCE, [record.to_wire()]))
-        reply: dict[str, Any] = {"record": node.record.to_wire(), "config": node.swarm_config, "peers": [],
-                                 "next": None}
+                    self._spawn(self.outbox.send(p.peer_id, ANNOUNCE, [record.to_wire()]))
+        reply: dict[str, Any] = {"record": self.local.record.to_wire(), "config": self.local.swarm_config,
+                                 "peers": [], "next": None}
         if body[2]:  # a re-announce asks for no table
-            budget = (node.config.admission.stranger_reply_factor * frame_nbytes(inbound.frames)
+            budget = (self.admission.stranger_reply_factor * frame_nbytes(inbound.frames)
                       - len(msgpack.packb(reply, use_bin_type=True)) - ENVELOPE_BYTES)
             reply["peers"], reply["next"], _ = self._page(None, budget, but=record.peer_id)
         return reply
@@ -176,7 +188,7 @@ class Swarm:
         else:
             raise WireError(RejectReason.BAD_FIELD, "sync body must be empty or {after: peer id}", field="body")
         assert member is not None  # `$sync` is answered to members only
-        admission, now = self.node.config.admission, time.monotonic()
+        admission, now = self.admission, time.monotonic()
         bucket = self._pull_bucket(member, now)
         if bucket.available(now) < -admission.table_page_bytes:
             raise rpc.Unanswered(f"{member} pulls on past its budget's refusals")
@@ -193,7 +205,7 @@ class Swarm:
     def _pull_bucket(self, member: str, now: float) -> TokenBucket:
         bucket = self._pulls.get(member)
         if bucket is None:
-            admission = self.node.config.admission
+            admission = self.admission
             bucket = self._pulls[member] = TokenBucket(admission.member_pull_bytes_per_s,
                                                        admission.member_pull_burst_bytes, now)
         return bucket
@@ -201,7 +213,7 @@ class Swarm:
     def _page(self, after: str | None, budget: float, but: str | None = None) -> tuple[list[Any], str | None, int]:
         """Records of live peers with ids above `after` (all, for None), in id order, that fit in
         `budget` bytes; the id to go on from (None if none are left); and their bytes."""
-        live = sorted((p for p in self.node._table.live() if p.peer_id != but and (after is None or p.peer_id > after)),
+        live = sorted((p for p in self.table.live() if p.peer_id != but and (after is None or p.peer_id > after)),
                       key=lambda p: p.peer_id)
         page: list[Any] = []
         nbytes = 0
@@ -219,7 +231,7 @@ class Swarm:
         learned, busy = 0, 0
         for _ in range(MAX_SYNC_PAGES):
             try:
-                reply = await self.node.arequest(peer_id, SYNC, None if after is None else {"after": after})
+                reply = await self.outbox.request(peer_id, SYNC, None if after is None else {"after": after})
             except rpc.BusyError:
                 busy += 1
                 if busy > SYNC_BUSY_RETRIES:
@@ -233,7 +245,7 @@ class Swarm:
                 try:
                     learned += self.learn(self.record_from(raw), told_by=peer_id)
                 except WireError as exc:
-                    self.node.stats.count_rejected(exc.reason.value)
+                    self.stats.count_rejected(exc.reason.value)
             following = body.get("next")
             if following is None:
                 return learned
@@ -250,7 +262,7 @@ class Swarm:
             try:
                 self.learn(self.record_from(raw), told_by=msg.sender)
             except WireError as exc:
-                self.node._dispatch.reject(exc.reason, str(exc))
+                self._reject(exc.reason, str(exc))
 
     def record_from(self, raw: Any) -> PeerRecord:
         """Parse a relayed record; check the allowlist, then its signature unless we hold this
@@ -259,7 +271,7 @@ class Swarm:
         record = PeerRecord.from_wire(raw, verify=False)
         self._check_inproc(record)
         self._check_allowed(record)
-        known = self.node._table.get(record.peer_id)
+        known = self.table.get(record.peer_id)
         if known is None or known.record != record:
             record = record.verified()
         return record
@@ -269,7 +281,7 @@ class Swarm:
         this machine: a record may carry one only to a node that itself listens on that
         transport (peers simulated in one process, or on one box). From anyone else it would
         make this node dial sockets of its own process, or any local unix socket."""
-        transport = self.node._transport
+        transport = self.outbox.transport
         for scheme in ("inproc://", "ipc://"):
             if any(a.startswith(scheme) for a in record.addresses) and (
                     transport is None or not any(b.startswith(scheme) for b in transport.bound)):
@@ -284,11 +296,11 @@ class Swarm:
         announces, answers to WANT), and a record in the table is a peer we dial and accept
         messages from. Each refused (id, incarnation) is logged once and not asked for again
         when beats mention it."""
-        policy = self.node._policy
-        if policy is None or record.peer_id == self.node.peer_id or policy.admits(record.curve_key):
+        policy = self.local.policy
+        if policy is None or record.peer_id == self.local.peer_id or policy.admits(record.curve_key):
             return
         if self._refused.get(record.peer_id) != record.incarnation:
-            log.warning("%s: refused the record of %s: its key %s is not on the allowlist", self.node.peer_id,
+            log.warning("%s: refused the record of %s: its key %s is not on the allowlist", self.local.peer_id,
                         record.peer_id, z85.encode(record.curve_key).decode())
             self._refused.pop(record.peer_id, None)
             if len(self._refused) >= MAX_REFUSED:
@@ -303,45 +315,43 @@ class Swarm:
         that is full, or full of that member's records, refuses it (TableFull, a WireError).
         The one way into the peer table: a record the allowlist refuses never gets there."""
         self._check_allowed(record)
-        node = self.node
-        before = node._table.get(record.peer_id)
+        before = self.table.get(record.peer_id)
         held = None if before is None else before.record
-        change = node._table.upsert(record, time.monotonic(), told_by)
-        transport = node._transport
+        change = self.table.upsert(record, time.monotonic(), told_by)
+        transport = self.outbox.transport
         assert transport is not None
-        if node._table.evicted:  # made room: their sockets go too
-            for gone in node._table.evicted:
+        if self.table.evicted:  # made room: their sockets go too
+            for gone in self.table.evicted:
                 transport.disconnect(gone)
                 self._pulls.pop(gone, None)
-            node._table.evicted.clear()
-        known = node._table.get(record.peer_id)
+            self.table.evicted.clear()
+        known = self.table.get(record.peer_id)
         if known is None or known.record is not record or held is record:
             return False  # refused, older, or the record we hold already (its socket stays)
         if transport.has(record.peer_id):
             transport.disconnect(record.peer_id)  # addresses may have changed
-        server_key = z85.encode(record.curve_key) if node.mode is SecurityMode.CURVE else None
+        server_key = z85.encode(record.curve_key) if self.local.mode is SecurityMode.CURVE else None
         try:
             transport.connect(record.peer_id, record.addresses, server_key)
         except SendError:
             if told_by is None:
                 raise  # the peer itself is asking (its hello): it hears why
             # out of descriptors: the route is kept, and its socket opens when it is next needed
-            log.debug("%s: no socket for %s yet (a relayed record)", node.peer_id, record.peer_id)
-        if node.record is not None and not node.record.reachable and record.reachable:
-            node._spawn(self._ping(record.peer_id, False))  # so it learns our connection at once
+            log.debug("%s: no socket for %s yet (a relayed record)", self.local.peer_id, record.peer_id)
+        if self.local.record is not None and not self.local.record.reachable and record.reachable:
+            self._spawn(self._ping(record.peer_id, False))  # so it learns our connection at once
         if change is not None:
             self.notify(change)
         return True
 
     def notify(self, change: StatusChange) -> None:
         """A peer's status changed: fail what waits on a peer that is gone, tell listeners."""
-        node = self.node
-        log.info("%s: peer %s %s -> %s", node.peer_id, change.peer_id,
+        log.info("%s: peer %s %s -> %s", self.local.peer_id, change.peer_id,
                  change.old.value if change.old else "new", change.new.value)
         if change.new in (PeerStatus.DEAD, PeerStatus.LEFT):
-            node._pending.fail_peer(change.peer_id, rpc.RpcError(f"peer {change.peer_id} is {change.new.value}"))
-        if change.new is PeerStatus.LEFT and node._transport is not None:
-            node._transport.disconnect(change.peer_id)
+            self.outbox.pending.fail_peer(change.peer_id, rpc.RpcError(f"peer {change.peer_id} is {change.new.value}"))
+        if change.new is PeerStatus.LEFT and self.outbox.transport is not None:
+            self.outbox.transport.disconnect(change.peer_id)
         for cb in self.listeners:
             try:
                 cb(change)
@@ -351,13 +361,12 @@ class Swarm:
     # ---------------------------------------------------------------- leaving
     async def leave(self) -> None:
         """Tell every live peer, in a statement signed by us, that we leave."""
-        node = self.node
-        assert node.record is not None
-        timeout_s = node.config.leave_timeout_s
-        stmt = leave_statement(node.peer_id, node.record.incarnation)
-        body = [node.record.incarnation, node.identity.sign(stmt)]
-        sends = [asyncio.ensure_future(node._asend_raw(p.peer_id, LEAVE, body, timeout_s=timeout_s))
-                 for p in node._table.live()]
+        assert self.local.record is not None
+        timeout_s = self.leave_timeout_s
+        stmt = leave_statement(self.local.peer_id, self.local.record.incarnation)
+        body = [self.local.record.incarnation, self.local.identity.sign(stmt)]
+        sends = [asyncio.ensure_future(self.outbox.send(p.peer_id, LEAVE, body, timeout_s=timeout_s))
+                 for p in self.table.live()]
         if sends:
             done, pending = await asyncio.wait(sends, timeout=timeout_s)
             for t in pending:
@@ -367,17 +376,17 @@ class Swarm:
                 t.add_done_callback(lambda t: t.cancelled() or t.exception())
             failed = len(pending) + sum(1 for t in done if t.exception() is not None)
             if failed:
-                log.warning("%s: leave not delivered to %d of %d peers", node.peer_id, failed, len(sends))
+                log.warning("%s: leave not delivered to %d of %d peers", self.local.peer_id, failed, len(sends))
 
     def on_leave(self, msg: Message) -> None:
         body = msg.body
         if (not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], int)
                 or not isinstance(body[1], bytes)):
             raise WireError(RejectReason.BAD_FIELD, "leave body must be [incarnation, signature]", field="body")
-        info = self.node._table.get(msg.sender)
+        info = self.table.get(msg.sender)
         if info is None or not verify_signature(info.record.verify_key, leave_statement(msg.sender, body[0]), body[1]):
             raise WireError(RejectReason.BAD_SIGNATURE, f"leave for {msg.sender} is not signed by it", field="body")
-        change = self.node._table.left(msg.sender, body[0])
+        change = self.table.left(msg.sender, body[0])
         if change is not None:
             self.notify(change)
 
@@ -387,19 +396,18 @@ class Swarm:
         suspect at once and is probed; if nothing is heard from it within the probe timeout
         it is dead, and whatever waits on it (a round, a request) stops waiting. A peer whose
         connection merely blipped answers the probe once ZeroMQ has reconnected."""
-        node = self.node
-        info = node._table.get(peer_id)
-        if node.closed or info is None or info.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
+        info = self.table.get(peer_id)
+        if self._closed() or info is None or info.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
             return
         if peer_id in self._probing:
             return  # one probe per peer at a time: a peer that flaps cannot pile them up
         dropped_at = time.monotonic()
-        log.info("%s: connection to %s dropped; probing it", node.peer_id, peer_id)
-        change = node._table.suspect(peer_id)
+        log.info("%s: connection to %s dropped; probing it", self.local.peer_id, peer_id)
+        change = self.table.suspect(peer_id)
         if change is not None:
             self.notify(change)
         self._probing.add(peer_id)
-        node._spawn(self._probe_dropped(peer_id, dropped_at))
+        self._spawn(self._probe_dropped(peer_id, dropped_at))
 
     async def _probe_dropped(self, peer_id: str, dropped_at: float) -> None:
         try:
@@ -408,29 +416,28 @@ class Swarm:
             self._probing.discard(peer_id)
 
     async def _probe_and_judge(self, peer_id: str, dropped_at: float) -> None:
-        node = self.node
-        timeout_s = node.config.liveness.probe_timeout_s
+        timeout_s = self.liveness.probe_timeout_s
         # Counted in awake time: a stall of this process is not the peer's silence.
         deadline = AwakeDeadline(timeout_s, tick_s=min(0.05, timeout_s / 4))
         try:  # sent once ZeroMQ has reconnected, if it can; the wait counts against the budget
-            await deadline.wait(node._asend_raw(peer_id, PING, [self._digest(), True], timeout_s=timeout_s))
+            await deadline.wait(self.outbox.send(peer_id, PING, [self._digest(), True], timeout_s=timeout_s))
         except (SendError, UnknownPeerError, asyncio.TimeoutError):
             pass  # not reconnected: the silence decides
         while not deadline.expired():
-            info = node._table.get(peer_id)
+            info = self.table.get(peer_id)
             if info is None or info.status is not PeerStatus.SUSPECT or info.last_seen > dropped_at:
                 return  # heard from it (or it left, or the sweep got there first)
             await deadline.sleep(min(0.05, max(deadline.left, 0.0)))
-        change = node._table.declare_dead(peer_id, dropped_at)
+        change = self.table.declare_dead(peer_id, dropped_at)
         if change is not None:
             log.info("%s: %s did not answer a probe within %.2g s of its connection dropping",
-                     node.peer_id, peer_id, timeout_s)
+                     self.local.peer_id, peer_id, timeout_s)
             self.notify(change)
 
     # ---------------------------------------------------------------- heartbeats
     async def heartbeat_loop(self) -> None:
-        node, table = self.node, self.node._table
-        lv = node.config.liveness
+        table = self.table
+        lv = self.liveness
         period = min(lv.heartbeat_interval_s, lv.suspect_timeout_s / 4)
         last_ping = last_dead_ping = 0.0
         wake_at: float | None = None
@@ -440,10 +447,10 @@ class Swarm:
             # beats that came meanwhile may still be unread. Peers are not blamed for it.
             late = 0.0 if wake_at is None else now - wake_at
             if late > lv.heartbeat_interval_s:
-                node.stats.count_stall(late)
+                self.stats.count_stall(late)
                 table.pardon(late, now)
                 log.log(logging.INFO if late >= lv.suspect_timeout_s else logging.DEBUG,
-                        "%s: liveness loop stalled %.2f s; not counted against peers", node.peer_id, late)
+                        "%s: liveness loop stalled %.2f s; not counted against peers", self.local.peer_id, late)
             if now - last_ping >= lv.heartbeat_interval_s:
                 retry_dead = now - last_dead_ping >= lv.dead_timeout_s
                 last_dead_ping = now if retry_dead else last_dead_ping
@@ -457,14 +464,12 @@ class Swarm:
                 self._acked = {k: t for k, t in self._acked.items() if t > horizon}
             for change in table.sweep(now, self._relay_delay_s()):
                 self.notify(change)
-            if self.bootstrap is not None:
-                self.bootstrap.tick(now)
-            if node.record is not None and not node.record.reachable:
-                node._set_via()
-            for gone in table.forget(node.config.forget_after_s, now):
+            for tick in self.ticks:
+                tick(now)
+            for gone in table.forget(self.forget_after_s, now):
                 self._pulls.pop(gone, None)
-                if node._transport is not None:
-                    node._transport.disconnect(gone)
+                if self.outbox.transport is not None:
+                    self.outbox.transport.disconnect(gone)
             wake_at = time.monotonic() + period
             await asyncio.sleep(period)
 
@@ -472,8 +477,8 @@ class Swarm:
         """How much later than a direct ping a relayed beat may arrive: one interval per
         gossip hop, about log(n) / log(fanout + 1) hops (0 while everyone is pinged).
         Failure detectors that gossip scale their timeouts with log(n) the same way."""
-        lv = self.node.config.liveness
-        live = len(self.node._table.live())
+        lv = self.liveness
+        live = len(self.table.live())
         if live <= lv.fanout:
             return 0.0
         return lv.heartbeat_interval_s * math.ceil(math.log(live + 1) / math.log(lv.fanout + 1))
@@ -490,10 +495,10 @@ class Swarm:
         probe them all and add n answers to the load. Dead peers are retried once per dead
         timeout, in case they come back.
         """
-        lv = self.node.config.liveness
+        lv = self.liveness
         live, targets = [], []
-        transport = self.node._transport
-        for p in self.node._table.all():
+        transport = self.outbox.transport
+        for p in self.table.all():
             if not p.record.reachable and (transport is None or not transport.can_send(p.peer_id)):
                 continue  # a client only a relay reaches: its beats come to us in others' digests
             if p.status is PeerStatus.DEAD:
@@ -516,7 +521,7 @@ class Swarm:
         probes = sorted((p for p in live if p.last_seen < stale and p.peer_id not in picked),
                         key=lambda p: p.last_seen)[: max(1, lv.fanout // 4)]
         targets += [(p.peer_id, False) for p in chosen] + [(p.peer_id, True) for p in probes]
-        record = self.node.record
+        record = self.local.record
         if record is not None and not record.reachable:
             # a client's relays must hear from it often: each message it sends them refreshes
             # the connection they send to it on (`Transport.attach`)
@@ -527,10 +532,10 @@ class Swarm:
     def _probe_unheard_relays(self, targets: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
         """A client's pings to relays that have not answered down its connection yet ask for an
         answer at once: the answer is what lets it name them in `$via` (`Relay.via`)."""
-        record, transport = self.node.record, self.node._transport
+        record, transport = self.local.record, self.outbox.transport
         if record is None or record.reachable or transport is None:
             return targets
-        table = self.node._table
+        table = self.table
         out = []
         for peer_id, probe in targets:
             info = table.get(peer_id)
@@ -539,31 +544,30 @@ class Swarm:
         return out
 
     def _digest(self) -> list[Any]:
-        return [self._own_beat(), *self.node._table.digest()]
+        return [self._own_beat(), *self.table.digest()]
 
     def _own_beat(self) -> list[Any]:
         """Our beat, signed once per counter and meta (a node replaces its meta, never edits it)."""
-        node, signed = self.node, self._signed_beat
-        assert node.record is not None
-        if signed is None or signed[1] != node.record.incarnation or signed[2] != self._beat \
-                or signed[3] is not node._meta:
-            signed = self._signed_beat = sign_beat(node.identity, node.record.incarnation, self._beat, node._meta)
+        local, signed = self.local, self._signed_beat
+        assert local.record is not None
+        if signed is None or signed[1] != local.record.incarnation or signed[2] != self._beat \
+                or signed[3] is not local.meta:
+            signed = self._signed_beat = sign_beat(local.identity, local.record.incarnation, self._beat, local.meta)
         return signed
 
     async def _ping(self, peer_id: str, probe: bool, digest: list[Any] | None = None) -> None:
-        node = self.node
         body = [digest or self._digest(), probe]
-        assert node._transport is not None
-        if not node._transport.is_open(peer_id):
+        assert self.outbox.transport is not None
+        if not self.outbox.transport.is_open(peer_id):
             # A DEALER opened now takes a moment to connect: wait for it, bounded, off the
             # heartbeat loop's path.
-            node._spawn(node._asend_raw(peer_id, PING, body, timeout_s=node.config.liveness.heartbeat_interval_s,
-                                        check_body=False))
+            self._spawn(self.outbox.send(peer_id, PING, body, timeout_s=self.liveness.heartbeat_interval_s,
+                                         check_body=False))
             return
         try:
             # check_body=False: a digest is ids, ints and the meta `set_meta` checked, built here;
             # re-reading each ping's n entries to check them was a third of a big swarm's CPU
-            await node._asend_raw(peer_id, PING, body, wait=False, check_body=False)
+            await self.outbox.send(peer_id, PING, body, wait=False, check_body=False)
         except (SendError, UnknownPeerError):
             pass  # the failure detector decides, not one dropped ping
 
@@ -574,42 +578,42 @@ class Swarm:
         and meta as it is applied (the new beats are usually few), and a forged one is
         refused on its own.
         """
-        node, body = self.node, msg.body
+        body = msg.body
         if not isinstance(body, list) or len(body) != 2 or not isinstance(body[1], bool):
             raise WireError(RejectReason.BAD_FIELD, "ping body must be [digest, probe]", field="body")
         now = time.monotonic()
-        news, unknown = node._table.sort_digest(parse_digest(body[0]))
+        news, unknown = self.table.sort_digest(parse_digest(body[0]))
         if unknown and self._refused:  # not the ones the allowlist refused (in that incarnation)
             refused = {e[0]: e[1] for e in body[0] if self._refused.get(e[0]) == e[1]}
             unknown = [peer_id for peer_id in unknown if peer_id not in refused]
         for entry in news:
             try:
-                change = node._table.heartbeat(entry, now)
+                change = self.table.heartbeat(entry, now)
             except WireError as exc:  # a forged or malformed beat: that entry only
-                node._dispatch.reject(exc.reason, str(exc))
+                self._reject(exc.reason, str(exc))
                 continue
             if change is not None:
                 self.notify(change)
-        interval = node.config.liveness.heartbeat_interval_s
+        interval = self.liveness.heartbeat_interval_s
         want = [peer_id for peer_id in dict.fromkeys(unknown)
                 if now - self._wanted.get(peer_id, -math.inf) >= interval]
         want = want[:max(0, min(MAX_WANT, MAX_WANTED - len(self._wanted)))]  # made-up ids must not grow it
         if want:
             self._wanted.update((peer_id, now) for peer_id in want)
-            node._spawn(node._asend_raw(msg.sender, WANT, want))
+            self._spawn(self.outbox.send(msg.sender, WANT, want))
         if body[1] and now - self._acked.get(msg.sender, -math.inf) >= interval / 2:
             self._acked[msg.sender] = now
-            node._spawn(self._ping(msg.sender, False))
+            self._spawn(self._ping(msg.sender, False))
 
     def want_from(self, peer_id: str, unknown: str) -> None:
         """Ask `peer_id` for the record of `unknown`, at most once an interval per id, and with a
         bounded memory of ids asked for (names a peer makes up must not grow it)."""
         now = time.monotonic()
         if len(self._wanted) >= MAX_WANTED or now - self._wanted.get(unknown, -math.inf) < \
-                self.node.config.liveness.heartbeat_interval_s:
+                self.liveness.heartbeat_interval_s:
             return
         self._wanted[unknown] = now
-        self.node._spawn(self.node._asend_raw(peer_id, WANT, [unknown]))
+        self._spawn(self.outbox.send(peer_id, WANT, [unknown]))
 
     def on_want(self, msg: Message) -> None:
         """Send a member the records it asked for, out of the same budget as its `$sync` pulls:
@@ -622,15 +626,15 @@ class Swarm:
         bucket = self._pull_bucket(msg.sender, now)
         records = []
         for peer_id in dict.fromkeys(body):
-            info = self.node._table.get(peer_id)
+            info = self.table.get(peer_id)
             if info is not None and info.status in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
                 if not bucket.spend(_record_bytes(info.record), now):
-                    self.node._dispatch.reject(RejectReason.RATE_LIMITED, f"want from {msg.sender}: over its budget")
+                    self._reject(RejectReason.RATE_LIMITED, f"want from {msg.sender}: over its budget")
                     break
                 records.append(info.record.to_wire())
         if records:
             bucket.charge(ENVELOPE_BYTES, now)
-            self.node._spawn(self.node._asend_raw(msg.sender, ANNOUNCE, records))
+            self._spawn(self.outbox.send(msg.sender, ANNOUNCE, records))
 
 
 @functools.lru_cache(maxsize=16384)

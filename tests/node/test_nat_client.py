@@ -2,6 +2,8 @@
 loopback. The same paths across real NAT routers are in tests/node/test_netns_nat.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import ECHO_CONFIG, wait_until
 
@@ -9,8 +11,21 @@ from starling.node import rpc
 from starling.node.client import query
 from starling.node.identity import Identity
 from starling.node.node import Node
-from starling.node.relay import RELAYED, VIA, Relay, RelayConfig, Sealer, pack_frames, unpack_frames
-from starling.node.wire import WireError, encode
+from starling.node.relay import (
+    PROBE,
+    READ,
+    RELAY,
+    RELAYED,
+    VIA,
+    ProbeToken,
+    Relay,
+    RelayConfig,
+    Sealed,
+    Sealer,
+    pack_frames,
+    unpack_frames,
+)
+from starling.node.wire import Message, RejectReason, WireError, encode
 
 
 @pytest.fixture
@@ -68,9 +83,9 @@ def test_two_clients_talk_through_a_relay_that_reads_nothing(nodes):
     for relay in (s, r):
         original = relay._relay._forward
 
-        async def spy(dest, body, sealed, original=original):
-            grabbed.append(bytes(sealed))
-            await original(dest, body, sealed)
+        async def spy(dest, relayed, original=original):
+            grabbed.append(bytes(relayed.sealed))
+            await original(dest, relayed)
 
         relay._relay._forward = spy
     c1.request(c2.peer_id, "echo", "secret text", payload=[big], timeout_s=5)
@@ -85,10 +100,10 @@ def test_a_relay_that_flips_a_byte_is_caught_and_nothing_is_delivered(nodes):
     for relay in (s, r):
         original = relay._relay._forward
 
-        async def flip(dest, body, sealed, original=original):
-            altered = bytearray(sealed)
+        async def flip(dest, relayed, original=original):
+            altered = bytearray(relayed.sealed)
             altered[len(altered) // 2] ^= 0x01
-            await original(dest, body, memoryview(bytes(altered)))
+            await original(dest, dataclasses.replace(relayed, sealed=memoryview(bytes(altered))))
 
         relay._relay._forward = flip
     c1.send(c2.peer_id, "note", "hello").result(5)
@@ -120,6 +135,31 @@ def test_frame_packing_refuses_lengths_that_do_not_add_up():
     for bad in (packed[:3], packed[:-1], packed + b"!", b"\xff\xff\xff\xff" + packed[4:]):
         with pytest.raises(WireError):
             unpack_frames(bytes(bad), 8)
+
+
+def test_relay_bodies_read_back_what_they_wrote_and_name_what_is_malformed():
+    nonce, token = bytes(range(12)), b"\x01" * 8
+
+    def message(topic, body, payload=()):
+        return Message(topic, "sender", 0, 0.0, body, tuple(payload), 0)
+
+    for topic, who in ((RELAY, "dest"), (RELAYED, "src")):
+        body, payload = Sealed("peer", nonce, memoryview(b"ciphertext")).to_wire()
+        sealed = Sealed.from_wire(message(topic, body, payload))
+        assert (sealed.peer, sealed.nonce, bytes(sealed.sealed)) == ("peer", nonce, b"ciphertext")
+        for bad_body, bad_payload in ((["peer"], payload), (["peer", "nonce"], payload), ([7, nonce], payload),
+                                      ("junk", payload), (body, []), (body, [b"not a view"])):
+            with pytest.raises(WireError, match=rf"\{topic} body must be \[{who}, nonce\]") as exc:
+                Sealed.from_wire(message(topic, bad_body, bad_payload))
+            assert exc.value.reason is RejectReason.BAD_FIELD
+        with pytest.raises(WireError, match="nonce must be 12 bytes"):
+            Sealed.from_wire(message(topic, ["peer", nonce[:5]], payload))
+    for topic in (PROBE, READ):
+        assert ProbeToken.from_wire(message(topic, ProbeToken(token).to_wire())).token == token
+        for bad_body, bad_payload in (([token[:3]], ()), ([token, token], ()), (token, ()), ([token], [memoryview(b"x")])):
+            with pytest.raises(WireError, match="token of 8 bytes") as exc:
+                ProbeToken.from_wire(message(topic, bad_body, bad_payload))
+            assert exc.value.reason is RejectReason.BAD_FIELD
 
 
 def test_killing_the_relay_in_use_moves_clients_to_the_other(nodes):

@@ -63,7 +63,7 @@ def test_a_relay_forwards_only_to_clients_attached_to_it(nodes):
     got: list[object] = []
     m.on("note", lambda msg: got.append(msg.body))
     nonce, sealed = c._relay.sealer.seal(m.peer_id, m.identity.curve_public,
-                                         c._frames("note", "through the relay", ()), c.record.incarnation)
+                                         c._outbox.frames("note", "through the relay"), c.record.incarnation)
     c.run(c._asend_raw(s.peer_id, RELAY, [m.peer_id, nonce], [sealed]))
     assert wait_until(lambda: _rejected(s, "no_route") >= 1 or got)
     assert got == []
@@ -191,9 +191,10 @@ def test_a_replay_is_refused_after_a_flood_of_fresh_nonces_from_another_source(n
     captured: list[tuple[str, list, bytes]] = []
     original = s._relay._forward
 
-    async def keep(dest, body, sealed):
-        captured.append((dest, list(body), bytes(sealed)))
-        await original(dest, body, sealed)
+    async def keep(dest, relayed):
+        body, payload = relayed.to_wire()
+        captured.append((dest, body, bytes(payload[0])))
+        await original(dest, relayed)
 
     s._relay._forward = keep
     c.send(d.peer_id, "note", "pay once").result(5)
