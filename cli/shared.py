@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import sys
-from typing import Any, List, Optional
+from typing import Any, Optional, Sequence
 
 import typer
 from typer.core import TyperGroup
@@ -20,7 +20,7 @@ try:  # typer vendors click since 0.2x; older ones use click itself
 except ImportError:  # pragma: no cover
     from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
 
-from starling.common import option_name
+from starling.common import option_name, parse_options
 from starling.node.address import AddressError
 from starling.node.identity import KeyFileError
 from starling.node.security import SecurityError
@@ -164,7 +164,17 @@ def setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def extra_options(args: List[str]) -> dict[str, Any]:
+def protocol_options(pairs: Optional[Sequence[str]], args: Sequence[str], **flags: Any) -> dict[str, Any]:
+    """The protocol options one command line gives, keyed by field name: the --opt NAME=VALUE
+    `pairs`, then every other --NAME VALUE in `args` (what typer left over), then the `flags`
+    given (--lr, --compressor; None: not given). A later one wins. Values stay as given, text
+    from the line: the protocol's config reads them (`starling.runtime.protocol_config`)."""
+    options: dict[str, Any] = {**parse_options(pairs or [], "protocol option"), **extra_options(args)}
+    options.update({option_name(name): value for name, value in flags.items() if value is not None})
+    return options
+
+
+def extra_options(args: Sequence[str]) -> dict[str, Any]:
     """Protocol hyper-parameters given as --name VALUE, --name=VALUE or a bare --flag (true)."""
     options: dict[str, Any] = {}
     i = 0

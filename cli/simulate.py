@@ -6,7 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import typer
 
@@ -15,12 +15,12 @@ from starling.cli.shared import (
     autocast_option,
     device_option,
     dtype_option,
-    extra_options,
     fail,
+    protocol_options,
     setup_logging,
     state_device_option,
 )
-from starling.common import option_name, parse_options
+from starling.common import parse_options
 
 # The default command shows what the project is for: Streaming DiLoCo against an all-reduce
 # baseline on the same tokens, in about a minute on 2 cores (a run plus its baseline).
@@ -47,7 +47,7 @@ def _run_steps(steps: Optional[int], duration_s: float, protocol: str, options: 
         return steps
     if not duration_s:
         return DEFAULT_SIM_STEPS
-    if plans_run_length(protocol) and not any(option_name(k) == RUN_LENGTH_OPTION for k in options):
+    if plans_run_length(protocol) and RUN_LENGTH_OPTION not in options:
         raise ValueError(f"--duration with --protocol {protocol} needs --steps (or --opt {RUN_LENGTH_OPTION}=N): "
                          "it plans over the run's length")
     return UNCAPPED_STEPS
@@ -56,71 +56,39 @@ def _run_steps(steps: Optional[int], duration_s: float, protocol: str, options: 
 def _sim_configs(*, peers: int, protocol: str, task: str, steps: Optional[int], compressor: Optional[str],
                  transport: Optional[str], processes: int, bandwidth: Optional[str], latency_ms: float,
                  loss: float, churn: Optional[str], seed: int, opt: List[str], lr: Optional[float],
-                 task_opt: List[str], eval_every: int, baseline: str,
+                 task_opt: List[str], eval_every: int, baseline: str, flags: Sequence[str] = (),
                  extra: Optional[dict[str, Any]] = None) -> tuple[Any, Any]:
-    """The run's SimConfig and the baseline's (None for --baseline none); ValueError on bad input.
-    `extra`: more SimConfig fields (placement, checkpoints); the baseline's checkpoints go to a
-    `baseline` folder beside the run's peers."""
-    from dataclasses import fields, replace
+    """The run's SimConfig and the baseline's (`SimConfig.baseline`; None for --baseline none);
+    ValueError on bad input. `opt`: the --opt pairs; `flags`: the other --NAME VALUE options;
+    `extra`: more SimConfig fields (placement, checkpoints)."""
+    from dataclasses import replace
 
-    from starling.protocols import config_from_options
-    from starling.runtime import LinkModel, SimConfig, check_config, parse_churn, parse_rate, resolve_protocol
+    from starling.runtime import LinkModel, SimConfig, check_config, parse_churn, parse_rate
 
     if latency_ms < 0:
         raise ValueError(f"--latency must be >= 0 ms, got {latency_ms:g}")
     if not 0 <= loss < 1:
         raise ValueError(f"--loss must be in [0, 1), got {loss:g}")
     link = LinkModel(parse_rate(bandwidth) if bandwidth else None, latency_ms / 1000.0, loss, seed)
-    options = parse_options(opt, "protocol option")
+    options = protocol_options(opt, flags, lr=lr)
     if protocol == DEFAULT_SIM_PROTOCOL:
         for name, value in DEFAULT_SIM_OPTIONS.items():
-            if not any(option_name(k) == name for k in options):
-                options[name] = value
+            options.setdefault(name, value)
     steps = _run_steps(steps, float((extra or {}).get("duration_s") or 0.0), protocol, options)
-    if lr is not None:
-        options["lr"] = lr
-    elif not any(option_name(k) == "lr" for k in options) and _optimizer_of(protocol, options) == "adamw" \
-            and task in TUNED_ADAMW_LR:
-        options["lr"] = TUNED_ADAMW_LR[task]
     config = SimConfig(
         peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor,
         transport=transport or ("tcp" if processes else "inproc"), processes=processes, link=link,
         churn=parse_churn(churn) if churn else (), seed=seed, options=options,
         task_options=parse_options(task_opt, "task option"), eval_every=eval_every, **(extra or {}),
     )
+    if "lr" not in options and task in TUNED_ADAMW_LR and config.optimizer() == "adamw":
+        config = replace(config, options={**options, "lr": TUNED_ADAMW_LR[task]})
     check_config(config)
     if baseline.lower() == "none":
         return config, None
-    # The baseline shares the hyper-parameters it knows (lr, timeouts), not the run's compressor,
-    # and trains with the run's (inner) optimizer and lr, defaults included.
-    known = {f.name for f in fields(resolve_protocol(baseline).config_class)} - {"compressor"}
-    base_options = {option_name(k): v for k, v in options.items() if option_name(k) in known}
-    run = config_from_options(resolve_protocol(protocol).config_class, config.protocol_options())
-    inner = getattr(run, "inner_optimizer", None) or getattr(run, "optimizer", None)
-    if "optimizer" in known and inner is not None:
-        base_options.setdefault("optimizer", inner)
-    if "lr" in known:
-        base_options.setdefault("lr", run.lr)
-    # A baseline that cannot run in replicas of many ranks (allreduce) runs single-process peers.
-    replicas = config.nproc_per_replica if getattr(resolve_protocol(baseline), "local_inner_steps", False) else 1
-    base = replace(config, protocol=baseline, compressor=None, options=base_options, nproc_per_replica=replicas,
-                   checkpoint_dir=str(Path(config.checkpoint_dir) / "baseline") if config.checkpoint_dir else None)
+    base = config.baseline(baseline)
     check_config(base)
     return config, base
-
-
-def _optimizer_of(protocol: str, options: dict[str, Any]) -> Optional[str]:
-    """The (inner) optimizer `protocol` trains with under `options`, if it names one."""
-    from dataclasses import fields
-
-    from starling.runtime import resolve_protocol
-
-    names = {f.name: f.default for f in fields(resolve_protocol(protocol).config_class)}
-    for field in ("inner_optimizer", "optimizer"):
-        if field in names:
-            given = [v for k, v in options.items() if option_name(k) == field]
-            return str(given[-1]) if given else str(names[field])
-    return None
 
 
 def _human_bytes(n: float) -> str:
@@ -289,8 +257,7 @@ def simulate(
         config, base = _sim_configs(
             peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor, transport=transport,
             processes=processes, bandwidth=bandwidth, latency_ms=latency_ms, loss=loss, churn=churn, seed=seed,
-            opt=[*(opt or []), *(f"{k}={v}" for k, v in extra_options(ctx.args).items())], lr=lr,
-            task_opt=task_opt or [], eval_every=eval_every, baseline=baseline,
+            opt=opt or [], flags=ctx.args, lr=lr, task_opt=task_opt or [], eval_every=eval_every, baseline=baseline,
             extra={"device": device, "dtype": dtype, "autocast": autocast, "state_device": state_device,
                    "max_dealers": max_dealers, "peer_speed": parse_peer_speed(peer_speed, peers),
                    "duration_s": duration, "nproc_per_replica": nproc_per_replica,

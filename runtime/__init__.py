@@ -1,8 +1,9 @@
 """starling.runtime: running a training job.
 
-`TrainSpec` and `Trainer` run one peer (`starling node start`); the simulator runs many
+`TrainSpec` and `Trainer` run one peer (`starling node start`). The simulator runs many
 (`Simulation(SimConfig(...)).run()`), in threads or spread over worker processes, with churn and
-emulated links, and sums the run up.
+emulated links, and sums the run up; `SimConfig.baseline()` is the run to compare with.
+`protocol_config` is the one reading of protocol options into the protocol's config.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from starling.runtime.trainer import (
     TrainSpec,
     TrainSpecError,
     prepare_to_train,
+    protocol_config,
     resolve_protocol,
     shard_for,
     with_run_length,
@@ -64,6 +66,7 @@ __all__ = [
     "parse_churn",
     "parse_rate",
     "prepare_to_train",
+    "protocol_config",
     "resolve_protocol",
     "seeded_identity",
     "shard_for",

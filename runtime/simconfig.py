@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
+from starling.common import option_name
 from starling.node.identity import Identity
 from starling.node.membership import Liveness
-from starling.protocols import config_from_options
 from starling.runtime.churn import ChurnEvent, check_churn
 from starling.runtime.links import LinkModel
 from starling.runtime.placement import Placement
-from starling.runtime.trainer import resolve_protocol, with_run_length
+from starling.runtime.trainer import protocol_config, resolve_protocol, with_run_length
 from starling.tasks import get_task
 
 TRANSPORTS = ("inproc", "ipc", "tcp")
@@ -51,6 +52,16 @@ class SimError(Exception):
 
 @dataclass(frozen=True)
 class SimConfig:
+    """One simulated run: its swarm, what it trains, its links and churn, and where it runs.
+
+    Checked on construction (a bad field raises ValueError naming it); `check_config` also
+    resolves the protocol, its options and the task. `baseline()` gives the run to compare
+    it with.
+
+        run = SimConfig(peers=4, protocol="streaming-diloco", steps=200, options={"sync_every": 40})
+        result, base = Simulation(run).run(), Simulation(run.baseline()).run()
+    """
+
     peers: int = 4
     protocol: str = "allreduce"  # a registered name, or "module:name" to import a plugin first
     task: str = "charlm"
@@ -58,7 +69,7 @@ class SimConfig:
     compressor: str | None = None  # passed to the protocol as its `compressor` option
     transport: str = "inproc"
     # 0: every peer is a thread of this process; P >= 1: the peers are dealt round-robin to P
-    # worker processes (needs tcp or ipc). True (the old flag) means one process per peer.
+    # worker processes (needs tcp or ipc). True means one process per peer.
     processes: int = 0
     link: LinkModel = field(default_factory=LinkModel)
     churn: tuple[ChurnEvent, ...] = ()
@@ -87,14 +98,14 @@ class SimConfig:
     # Open DEALERs per simulated node (see runtime/capacity.py): None picks the largest cap up
     # to a real node's 64 that fits the process's descriptors; a run that cannot fit is refused.
     max_dealers: int | None = None
-    # Emulated heterogeneity (issue 20): one relative compute speed per initial peer (joiners run
+    # Emulated heterogeneity: one relative compute speed per initial peer (joiners run
     # at the fastest). A peer of speed v sleeps (max speed / v - 1) times each step's measured
     # compute time on its training thread, so "1,1,1,0.33" makes the last peer about 3x slower.
     peer_speed: tuple[float, ...] = ()
     # A wall-clock budget: every peer stops training this many seconds after the start (steps
     # stay an upper bound), leaves the swarm, and evaluates. 0: run the steps.
     duration_s: float = 0.0
-    # Ranks per replica (issue 22): above 1, every peer is a replica of this many gloo ranks in
+    # Ranks per replica: above 1, every peer is a replica of this many gloo ranks in
     # their own processes (runtime/replica_sim.py), its rank 0 the swarm's peer.
     nproc_per_replica: int = 1
     replica_timeout_s: float = 60.0  # the replica's torch.distributed timeout
@@ -174,10 +185,47 @@ class SimConfig:
         return self.peers + sum(e.count for e in self.churn if e.kind == "join")
 
     def protocol_options(self) -> dict[str, Any]:
+        """The options every peer's protocol is built from: `options`, the run's length for a
+        protocol that plans over it, and `compressor`."""
         options = with_run_length(self.protocol, self.options, self.steps)
         if self.compressor is not None:
             options["compressor"] = self.compressor
         return options
+
+    def protocol_config(self) -> Any:
+        """The protocol's config dataclass as every peer of this run builds it (defaults
+        filled in, text read as its field's type); ProtocolError names a bad option."""
+        return protocol_config(self.protocol, self.protocol_options())
+
+    def optimizer(self) -> str | None:
+        """The optimizer the peers train with (DiLoCo's inner one), or None for a protocol
+        that names none."""
+        return _optimizer_of(self.protocol_config())
+
+    def baseline(self, protocol: str = "allreduce") -> SimConfig:
+        """The run to compare this one with: `protocol` on the same swarm, task, steps, links,
+        churn, seed and placement, so that only the protocol differs.
+
+        The baseline keeps the options it knows (lr, timeouts), not this run's compressor, and
+        trains with this run's optimizer (DiLoCo's inner one) and lr, defaults included: the
+        fair comparison. A baseline that cannot take its inner steps alone (allreduce) runs
+        single-process peers where this run has replicas of many ranks; its checkpoints go to a
+        ``baseline`` folder beside this run's. Raises ProtocolError for an unknown protocol or
+        a bad option of this run.
+        """
+        cls = resolve_protocol(protocol)
+        known = {f.name for f in fields(cls.config_class)} - {"compressor"}
+        options = {option_name(k): v for k, v in self.options.items() if option_name(k) in known}
+        run = self.protocol_config()
+        optimizer = _optimizer_of(run)
+        if "optimizer" in known and optimizer is not None:
+            options.setdefault("optimizer", optimizer)
+        if "lr" in known and getattr(run, "lr", None) is not None:
+            options.setdefault("lr", run.lr)
+        replicas = self.nproc_per_replica if getattr(cls, "local_inner_steps", False) else 1
+        checkpoints = str(Path(self.checkpoint_dir) / "baseline") if self.checkpoint_dir else None
+        return replace(self, protocol=protocol, compressor=None, options=options, nproc_per_replica=replicas,
+                       checkpoint_dir=checkpoints)
 
     def stop_at(self, rank: int) -> tuple[str, int] | None:
         """("kill" | "leave", step) if the churn spec stops peer `rank`."""
@@ -200,10 +248,14 @@ class SimConfig:
                 **({"placement": self.placement().describe()} if self.placement() != Placement() else {})}
 
 
+def _optimizer_of(protocol_config: Any) -> str | None:
+    return getattr(protocol_config, "inner_optimizer", None) or getattr(protocol_config, "optimizer", None)
+
+
 def check_config(config: SimConfig) -> None:
     """Resolve the protocol, its options and the task now, so bad input fails before any node starts."""
     cls = resolve_protocol(config.protocol)
-    config_from_options(cls.config_class, config.protocol_options())
+    config.protocol_config()
     task = get_task(config.task, **config.task_options)
     shards = config.world * config.nproc_per_replica  # every rank of every replica has its own
     task.batches(shards - 1, shards, config.seed)  # checks the shard size for this world

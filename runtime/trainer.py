@@ -89,15 +89,14 @@ class TrainSpec:
         task = get_task(self.task, **self.task_options)
         task_config = getattr(task, "config", None)
         return {"protocol": self.protocol, "task": self.task, "seed": self.seed,
-                "options": dataclasses.asdict(config_from_options(resolve_protocol(self.protocol).config_class,
-                                                                  self.options)),
+                "options": dataclasses.asdict(protocol_config(self.protocol, self.options)),
                 "task_options": dataclasses.asdict(task_config) if dataclasses.is_dataclass(task_config)
                 else dict(self.task_options)}
 
     def check(self) -> None:
         """Resolve the protocol, its options and the task now, so that bad input fails
         before training starts (raises ProtocolError or TaskSpecError naming the field)."""
-        config_from_options(resolve_protocol(self.protocol).config_class, self.options)
+        protocol_config(self.protocol, self.options)
         get_task(self.task, **self.task_options)
 
 
@@ -121,6 +120,17 @@ def resolve_protocol(name: str) -> type[Protocol]:
         except ModuleNotFoundError:
             raise ProtocolError(f"unknown protocol {name!r}") from None
         return get_protocol(name)
+
+
+def protocol_config(protocol: str, options: Mapping[str, Any]) -> Any:
+    """The config dataclass `protocol` builds from `options`, as every peer's protocol will.
+
+    This is the one reading of protocol options between a command line and the protocol:
+    names with dashes or underscores, values typed or as text (``"20"``, ``"yes"``). Everything
+    that needs to know what a run's options amount to (its optimizer, its lr, whether they are
+    valid) asks this, never the raw mapping. Raises ProtocolError naming the bad field.
+    """
+    return config_from_options(resolve_protocol(protocol).config_class, options)
 
 
 def with_run_length(protocol: str, options: Mapping[str, Any], steps: int | None) -> dict[str, Any]:
