@@ -1,6 +1,7 @@
 """`starling node start` and `starling node status`: run one peer of a swarm, or ask one."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
@@ -17,9 +18,9 @@ from starling.cli.shared import (
     check_seconds,
     device_option,
     dtype_option,
-    extra_options,
     fail,
     json_text,
+    protocol_options,
     setup_logging,
     state_device_option,
 )
@@ -139,14 +140,13 @@ def node_start(
     from starling.runtime import (
         CheckpointConfig,
         CheckpointError,
-        TrainSpec,
+        NodeLaunch,
         TrainSpecError,
         prepare_to_train,
-        with_run_length,
     )
     from starling.runtime.metrics import MetricsError, MetricsServer, TensorBoardLog
     from starling.runtime.placement import Placement
-    from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaError, follow, ignore_stop_signals
+    from starling.runtime.replica import ReplicaError, follow, ignore_stop_signals
     from starling.runtime.restart import RestartError
     from starling.tasks import TaskSpecError
 
@@ -158,8 +158,10 @@ def node_start(
                     NodeFault, ReplicaError)
     try:
         check_seconds("--replica-timeout-s", replica_timeout_s)
-        if nproc_per_replica > 1 and protocol is None and not join and resume is None:
-            raise ValueError("a replica of many ranks trains: give --protocol (or --join a training swarm)")
+        launch = NodeLaunch(protocol, task, protocol_options(opt, ctx.args, compressor=compressor,
+                                                             lr=None if lr is None else str(lr)),
+                            parse_options(task_opt or [], "task option"), seed, steps, joining=bool(join),
+                            resume_from=resume, replica_ranks=nproc_per_replica)
         group, followers = _replica_group(nproc_per_replica, replica_timeout_s, device)
         if group is not None and not group.is_leader:  # a follower: the leader says what to train
             ignore_stop_signals()
@@ -173,36 +175,14 @@ def node_start(
         checkpoints = None
         if checkpoint_dir is not None or resume is not None:
             checkpoints = CheckpointConfig(str(checkpoint_dir or resume), checkpoint_every, checkpoint_keep)
-        if resume is not None and protocol is None and not join:
-            protocol, task, opt, task_opt, seed = _spec_of_newest_checkpoint(resume)
-        options = {**parse_options(opt or [], "protocol option"), **extra_options(ctx.args)}
-        if compressor is not None:
-            options["compressor"] = compressor
-        if lr is not None:
-            options["lr"] = str(lr)
+        launch = launch.resolve()
+        if group is not None:
+            launch = dataclasses.replace(launch, replica_ranks=group.size)
         rank_world = _parse_shard(shard)
         check_seconds("--resume-timeout-s", resume_timeout_s)
         check_seconds("--min-peers-timeout-s", min_peers_timeout_s)
         check_seconds("--state-fetch-timeout-s", state_fetch_timeout_s)
         placement = Placement.parse(device, dtype, autocast, state_device)
-        wanted: dict[str, Any] = {}
-        if protocol is not None:
-            spec = TrainSpec(protocol, task or "charlm", with_run_length(protocol, options, steps),
-                             parse_options(task_opt or [], "task option"), seed)
-            spec.check()
-            wanted = spec.to_swarm_config()
-            if join:  # a joiner insists only on what it was told; the rest it learns from the swarm
-                given = {"protocol": True, "task": task is not None, "options": bool(options),
-                         "task_options": bool(task_opt), "seed": False}
-                wanted = {k: v for k, v in wanted.items() if given[k]}
-                if "options" in wanted:  # not the run length it filled in: its --steps is where it stops
-                    wanted["options"] = dict(options)
-        elif task is not None or options or task_opt:
-            raise ValueError("--task and protocol options need --protocol (or join a training swarm without them)")
-        if protocol is not None or join or resume is not None:
-            # Said at hello, so a swarm of replicas of another size refuses this one there, before
-            # it counts as a member (toward --min-peers too); a single process says 1.
-            wanted[REPLICA_RANKS_KEY] = group.size if group is not None else 1
         if group is not None:
             group.init()
         config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout,
@@ -211,7 +191,7 @@ def node_start(
                             offer_relay=relay, join_attempts=join_attempts)
         if no_listen and not join:
             raise ValueError("--no-listen needs --join: a node that listens nowhere can only join a swarm")
-        if protocol is not None or join or resume is not None:  # it may train: others count it in from its hello
+        if launch.may_train:  # others count it in from its hello
             prepare_to_train()
         node = Node(config=config)
         if tensorboard is not None:  # before the node starts: a bad directory or a missing extra fails first
@@ -220,7 +200,7 @@ def node_start(
             metrics = MetricsServer(node, metrics_host, metrics_port)
         node.start(
             None if no_listen else listen, join or [], key=key, advertise=advertise, authorized_keys=authorized_keys,
-            security="plaintext" if plaintext else None, insecure=insecure, swarm_config=wanted or None,
+            security="plaintext" if plaintext else None, insecure=insecure, swarm_config=launch.swarm_config(),
         )
     except (JoinError, MetricsError, *train_errors, *EXPECTED_ERRORS) as exc:
         _close_observers(metrics, board)
@@ -236,9 +216,8 @@ def node_start(
     if metrics is not None:
         typer.echo(f"starling metrics on {metrics.url}")
     sys.stdout.flush()
-    trains = protocol is not None or bool((node.swarm_config or {}).get("protocol"))
     try:
-        if trains:
+        if launch.trains(node.swarm_config):
             _wait_for_peers(node, min_peers, min_peers_timeout_s, stop)
             _train(node, rank_world, steps, log_every, stop, checkpoints,
                    (resume_quorum, resume_timeout_s) if resume is not None else None, placement, joined=bool(join),
@@ -309,21 +288,6 @@ def _parse_shard(shard: Optional[str]) -> Optional[tuple[int, int]]:
     if not sep or w < 1 or not 0 <= r < w:
         raise ValueError(f"--shard must be RANK/WORLD with 0 <= RANK < WORLD, got {shard!r}")
     return r, w
-
-
-def _spec_of_newest_checkpoint(directory: Path) -> tuple[str, str, list[str], list[str], int]:
-    """Protocol, task, options (as NAME=VALUE) and seed of the swarm the newest checkpoint in
-    `directory` was written by, from its manifest."""
-    from starling.runtime import CheckpointError, CheckpointStore
-
-    found = CheckpointStore(directory).list()
-    swarm = found[0].meta.get("swarm") if found else None
-    if not isinstance(swarm, dict) or not swarm.get("protocol"):
-        raise CheckpointError(f"no checkpoint in {directory} names the swarm it trained; "
-                              "give --protocol (and --task) to start afresh")
-    pairs = [f"{k}={v}" for k, v in (swarm.get("options") or {}).items()]
-    task_pairs = [f"{k}={v}" for k, v in (swarm.get("task_options") or {}).items()]
-    return str(swarm["protocol"]), str(swarm.get("task", "charlm")), pairs, task_pairs, int(swarm.get("seed", 0))
 
 
 def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int], log_every: int,

@@ -1,14 +1,16 @@
 """starling.runtime: running a training job.
 
-`TrainSpec` and `Trainer` run one peer (`starling node start`). The simulator runs many
-(`Simulation(SimConfig(...)).run()`), in threads or spread over worker processes, with churn and
-emulated links, and sums the run up; `SimConfig.baseline()` is the run to compare with.
-`protocol_config` is the one reading of protocol options into the protocol's config.
+`TrainSpec` and `Trainer` run one peer (`starling node start`), and `NodeLaunch` says what
+that peer asks of its swarm (what a first node fixes, what a joiner insists on). The simulator
+runs many (`Simulation(SimConfig(...)).run()`), in threads or spread over worker processes, with
+churn and emulated links, and sums the run up; `SimConfig.baseline()` is the run to compare
+with. `protocol_config` is the one reading of protocol options into the protocol's config.
 """
 from __future__ import annotations
 
 from starling.runtime.checkpoint import BackgroundCheckpointer, Checkpoint, CheckpointError, CheckpointStore
 from starling.runtime.churn import ChurnEvent, ChurnSpecError, check_churn, parse_churn
+from starling.runtime.launch import NodeLaunch, newest_checkpoint_spec
 from starling.runtime.links import LinkEmulator, LinkModel, RateError, format_rate, parse_rate
 from starling.runtime.peer import SimPeer
 from starling.runtime.sim import Simulation
@@ -47,6 +49,7 @@ __all__ = [
     "ChurnSpecError",
     "LinkEmulator",
     "LinkModel",
+    "NodeLaunch",
     "PeerResult",
     "RateError",
     "SimConfig",
@@ -63,6 +66,7 @@ __all__ = [
     "check_config",
     "endpoint_for",
     "format_rate",
+    "newest_checkpoint_spec",
     "parse_churn",
     "parse_rate",
     "prepare_to_train",
