@@ -4,7 +4,7 @@ pass that begins each local step, and, for those whose peers hold the same param
 drift guard that compares and repairs them (`guard.py`)."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -52,16 +52,21 @@ class BackpropProtocol(Protocol):
         return float(loss.detach())
 
     # ------------------------------------------------------------------ the drift guard
-    def _drift_guard(self, prefix: str) -> DriftGuard | None:
-        """The guard of a protocol whose peers hold the same parameters, every `check_every`
-        rounds of its config (None when 0); its small round gets peer events."""
+    def _drift_guard(self, prefix: str, what: str = "parameters") -> DriftGuard | None:
+        """The guard of a protocol whose peers hold the same `_replica_tensors()` (its logs call
+        them `what`), every `check_every` rounds of its config (None when 0); its small round
+        gets peer events."""
         c: Any = self.config
         if not c.check_every:
             return None
         guard = DriftGuard(self.node, prefix, c.check_every, reduce_timeouts(c), self.is_open,
-                           lambda: self.flat.params, self._replica_state, self._take_replica_state)
+                           self._replica_tensors, self._replica_state, self._take_replica_state, what=what)
         self.side_reducers.append(guard.reducer)
         return guard
+
+    def _replica_tensors(self) -> Sequence[torch.Tensor]:
+        """What the guard compares: the parameters."""
+        return self.flat.params
 
     def _replica_state(self) -> State:
         """What a drifted peer takes from the first member: parameters and optimizer state, a

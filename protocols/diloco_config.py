@@ -1,6 +1,6 @@
 """The hyper-parameters of `diloco` and `streaming-diloco`, checked when a config is built.
 
-Peers of different speeds (issue 20) add: `sync_every_s` (time-based inner rounds),
+Peers of different speeds add: `sync_every_s` (time-based inner rounds),
 `quorum` and `quorum_grace_s` (a round closes without the stragglers) and
 `staleness_weight` (what a late contribution counts for in the next round). Every
 contribution is weighted by the inner steps it was computed on; equal weights leave the
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from starling.collectives.codec import check_compressor_spec
 from starling.protocols.base import ProtocolConfig
-from starling.protocols.fragments import ASSIGNMENTS
-from starling.protocols.optim import check_optimizer, check_round_timeouts
+from starling.protocols.fragments import check_assignment, check_overlap_window_share, check_schedule
+from starling.protocols.optim import check_reduce_config
 
 
 @dataclass(frozen=True)
@@ -84,35 +84,19 @@ class DiLoCoConfig(ProtocolConfig):
     def __post_init__(self) -> None:
         if self.check_every < 0:
             raise ValueError(f"check_every must be >= 0, got {self.check_every}")
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
-        if self.fragments < 1:
-            raise ValueError(f"fragments must be >= 1, got {self.fragments}")
-        if self.sync_every % self.fragments:
-            raise ValueError(f"sync_every (H={self.sync_every}) must be divisible by fragments "
-                             f"(F={self.fragments}): one fragment syncs every H/F steps")
-        if self.overlap_steps < 0:
-            raise ValueError(f"overlap_steps must be >= 0, got {self.overlap_steps}")
-        if self.overlap_steps >= self.sync_every:
-            raise ValueError(f"overlap_steps (tau={self.overlap_steps}) must be < sync_every "
-                             f"(H={self.sync_every}): a fragment's exchange would still be in flight "
-                             "when its next one starts")
+        check_schedule(self.sync_every, self.fragments, self.overlap_steps)
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
-        check_optimizer(self, "inner_optimizer", "inner_momentum")
+        check_reduce_config(self, "inner_optimizer", "inner_momentum")
         if not self.outer_lr > 0.0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.fragment_assignment not in ASSIGNMENTS:
-            raise ValueError(f"fragment_assignment must be one of {', '.join(ASSIGNMENTS)}, "
-                             f"got {self.fragment_assignment!r}")
+        check_assignment(self.fragment_assignment)
         if not self.sync_every_s >= 0.0 or self.sync_every_s == float("inf"):
             raise ValueError(f"sync_every_s must be a finite number >= 0 (0: sync every sync_every steps), "
                              f"got {self.sync_every_s}")
-        if not 0.0 <= self.overlap_window_share < 1.0:
-            raise ValueError(f"overlap_window_share must be in [0, 1) (0: merge overlap_steps after a send), "
-                             f"got {self.overlap_window_share}")
+        check_overlap_window_share(self.overlap_window_share)
         if self.quorum < 0:
             raise ValueError(f"quorum must be >= 0 (0: every member), got {self.quorum}")
         if not 0.0 <= self.quorum_grace_s < float("inf"):
@@ -123,8 +107,6 @@ class DiLoCoConfig(ProtocolConfig):
             raise ValueError(f"staleness_weight must be in [0, 1], got {self.staleness_weight}")
         if self.eager_updates and self.overlap_steps < 1:
             raise ValueError("eager_updates needs overlap_steps >= 1: without overlap the average is there at once")
-        check_round_timeouts(self)
-        check_compressor_spec(self.compressor)
         if self.average_compressor:
             check_compressor_spec(self.average_compressor)
 

@@ -57,10 +57,37 @@ def count_layers(model: nn.Module) -> int:
     return layers
 
 
-def split_fragments(numel: int, layers: int, fragments: int, assignment: str) -> list[Fragment]:
-    """Cut a flat vector of `numel` values into `fragments` fragments of equal size (+-1 run)."""
+def check_assignment(assignment: str) -> None:
     if assignment not in ASSIGNMENTS:
         raise ValueError(f"fragment_assignment must be one of {', '.join(ASSIGNMENTS)}, got {assignment!r}")
+
+
+def check_schedule(sync_every: int, fragments: int, overlap_steps: int) -> None:
+    """The step schedule's fields (H, F, tau): raises ValueError naming the bad one."""
+    if sync_every < 1:
+        raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+    if fragments < 1:
+        raise ValueError(f"fragments must be >= 1, got {fragments}")
+    if sync_every % fragments:
+        raise ValueError(f"sync_every (H={sync_every}) must be divisible by fragments "
+                         f"(F={fragments}): one fragment syncs every H/F steps")
+    if overlap_steps < 0:
+        raise ValueError(f"overlap_steps must be >= 0, got {overlap_steps}")
+    if overlap_steps >= sync_every:
+        raise ValueError(f"overlap_steps (tau={overlap_steps}) must be < sync_every "
+                         f"(H={sync_every}): a fragment's exchange would still be in flight "
+                         "when its next one starts")
+
+
+def check_overlap_window_share(share: float) -> None:
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"overlap_window_share must be in [0, 1) (0: merge overlap_steps after a send), "
+                         f"got {share}")
+
+
+def split_fragments(numel: int, layers: int, fragments: int, assignment: str) -> list[Fragment]:
+    """Cut a flat vector of `numel` values into `fragments` fragments of equal size (+-1 run)."""
+    check_assignment(assignment)
     groups = 1 if assignment == "sequential" else max(1, layers // fragments)
     if fragments > numel:
         raise ValueError(f"fragments ({fragments}) must not exceed the model's {numel} parameters")
@@ -113,12 +140,7 @@ class FragmentSchedule:
     overlap_steps: int = 0  # tau
 
     def __post_init__(self) -> None:
-        if self.fragments < 1 or self.sync_every < 1:
-            raise ValueError("sync_every and fragments must be >= 1")
-        if self.sync_every % self.fragments:
-            raise ValueError(f"sync_every ({self.sync_every}) must be divisible by fragments ({self.fragments})")
-        if not 0 <= self.overlap_steps < self.sync_every:
-            raise ValueError(f"overlap_steps ({self.overlap_steps}) must be in [0, sync_every={self.sync_every})")
+        check_schedule(self.sync_every, self.fragments, self.overlap_steps)
 
     @property
     def stride(self) -> int:
@@ -188,8 +210,9 @@ class SyncClock:
                  overlap_window_share: float = 0.0) -> None:
         if not sync_every_s > 0.0 or fragments < 1:
             raise ValueError("sync_every_s must be > 0 and fragments >= 1")
-        if overlap_steps < 0 or not 0.0 <= overlap_window_share < 1.0:
-            raise ValueError("overlap_steps must be >= 0 and overlap_window_share in [0, 1)")
+        if overlap_steps < 0:
+            raise ValueError(f"overlap_steps must be >= 0, got {overlap_steps}")
+        check_overlap_window_share(overlap_window_share)
         self.window_s, self.fragments = sync_every_s, fragments
         self.overlap_steps, self.overlap_window_share = overlap_steps, overlap_window_share
         self.epoch: float | None = None

@@ -1,5 +1,5 @@
-"""The drift guard of the protocols whose peers hold the same state bit for bit (allreduce,
-sketch-dp; DiLoCo guards its outer state the same way in `diloco.py`).
+"""The drift guard of the protocols whose peers hold the same state bit for bit: the
+parameters of allreduce and sketch-dp, the outer parameters of DiLoCo.
 
     every check_every rounds t, after the update:
         same = agree(t, members, digest of my parameters)    # collectives/agreement.py
@@ -9,9 +9,9 @@ sketch-dp; DiLoCo guards its outer state the same way in `diloco.py`).
 
 Peers drift apart when they were built with different initial weights, or when a round went
 on without an owner's average (its shard kept each peer's own values). The state taken is
-whatever the protocol says (its parameters and optimizer state), so that the peers also step
-alike afterwards. A round that went on without a member gives no verdict: the next check
-decides.
+whatever the protocol says (its parameters and optimizer state; DiLoCo's outer parameters and
+momentum), so that the peers also step alike afterwards. A round that went on without a member
+gives no verdict: the next check decides.
 """
 from __future__ import annotations
 
@@ -39,12 +39,12 @@ State = tuple[dict[str, Any], list[torch.Tensor]]
 class DriftGuard:
     """Checks every `every` rounds that the members' `tensors()` agree; on a mismatch, every
     member but the first takes the first member's `snapshot()` through `adopt(header, tensors)`
-    (which raises ValueError for a state it cannot take)."""
+    (which raises ValueError for a state it cannot take). Its logs call the tensors `what`."""
 
     def __init__(self, node: Node, prefix: str, every: int, timeouts: ReduceTimeouts, is_open: Callable[[], bool],
                  tensors: Callable[[], Sequence[torch.Tensor]], snapshot: Callable[[], State],
-                 adopt: Callable[[dict[str, Any], list[torch.Tensor]], None]) -> None:
-        self.node, self.every, self.timeouts, self._is_open = node, every, timeouts, is_open
+                 adopt: Callable[[dict[str, Any], list[torch.Tensor]], None], what: str = "parameters") -> None:
+        self.node, self.every, self.timeouts, self._is_open, self.what = node, every, timeouts, is_open, what
         self._tensors, self._snapshot, self._adopt = tensors, snapshot, adopt
         self.check = AgreementCheck(node, f"{prefix}agree", timeouts, is_open)
         self.topic = f"{prefix}sync"
@@ -70,10 +70,10 @@ class DriftGuard:
             return same
         if source == me:
             self._served = (t, self._snapshot())
-            log.warning("%s: parameters differ across the swarm at round %d; the others take mine", me, t)
+            log.warning("%s: %s differ across the swarm at round %d; the others take mine", me, self.what, t)
             return same
         self._served = (t, None)
-        log.warning("%s: my parameters differ from the swarm's at round %d; taking %s's", me, t, source)
+        log.warning("%s: my %s differ from the swarm's at round %d; taking %s's", me, self.what, t, source)
         if self._fetch(t, source):
             self.repairs += 1
         else:

@@ -13,10 +13,12 @@ from starling.collectives.codec import check_compressor_spec
 from starling.protocols.base import ProtocolError
 
 
-def check_reduce_config(config: Any) -> None:
+def check_reduce_config(config: Any, optimizer: str = "optimizer", momentum: str = "momentum") -> None:
     """For `__post_init__` of configs that train with an optimizer over a ShardedReducer
-    (allreduce, sketch-dp): raises ValueError naming the bad field."""
-    check_optimizer(config, "optimizer", "momentum")
+    (allreduce, sketch-dp, DiLoCo, whose optimizer fields are `inner_optimizer` and
+    `inner_momentum`): the optimizer, the round timeouts and the compressor; raises
+    ValueError naming the bad field."""
+    check_optimizer(config, optimizer, momentum)
     check_round_timeouts(config)
     check_compressor_spec(config.compressor)
 

@@ -1,5 +1,11 @@
-"""One fragment's outer-sync round as DiLoCo runs it, and what each peer's contribution weighs
-(issue 20: peers of different speeds).
+"""One fragment of DiLoCo's outer loop (`OuterFragment`), and what each peer's contribution
+weighs when peers differ in speed.
+
+A fragment owns what DiLoCo keeps of it: the view onto its slice of the local parameters,
+its outer parameters and Nesterov momentum (float32, where `OuterPlacement` puts them), the
+round it merges next (its version), its all-reduce and quorum, the exchange it has in flight
+and the tokens its next contribution weighs (`TokenLedger`). `DiLoCo` (diloco.py) holds one
+per fragment and decides when each sends and merges.
 
 A contribution's weight is the inner steps it was computed on since this peer's last
 contribution of that fragment (every batch of a swarm has the same size, so steps count
@@ -18,24 +24,23 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import time
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from starling.collectives import PendingReduce, ReduceResult, membership
-from starling.collectives.quorum import Closing
+from starling.collectives import PendingReduce, ShardedReducer
+from starling.collectives.quorum import Closing, QuorumClose
 from starling.node.loop import AwakeDeadline
-from starling.protocols.fragments import FragmentSchedule, FragmentView, SyncClock
+from starling.protocols.diloco_config import DiLoCoConfig
+from starling.protocols.fragments import FragmentView, SyncClock
 
 if TYPE_CHECKING:
-    from starling.node.node import Node
     from starling.node.wire import Message
 
 log = logging.getLogger(__name__)
-MISSES_BEFORE_WARNING = 3  # rounds in a row a peer misses before it says why that may keep happening
 ASK_WAIT_S = 5.0  # past the leader's own deadlines: a backstop for a closing set's future
 
 
@@ -43,7 +48,6 @@ ASK_WAIT_S = 5.0  # past the leader's own deadlines: a backstop for a closing se
 class Exchange:
     """One fragment's round in flight."""
 
-    fragment: int
     round: int
     members: tuple[str, ...]
     delta: torch.Tensor  # my pseudo-gradient as sent (a joiner re-sends the donor's)
@@ -61,170 +65,279 @@ class Exchange:
     provisional: torch.Tensor | None = None  # eager updates: the outer fragment my own delta would make
 
 
-def alpha_merge(alpha: float, local: torch.Tensor, outer: torch.Tensor) -> torch.Tensor:
-    """Streaming DiLoCo's merge of a global fragment into the local one."""
+def alpha_merge(alpha: float, local: torch.Tensor, outer: torch.Tensor,
+                provisional: torch.Tensor | None = None) -> torch.Tensor:
+    """Streaming DiLoCo's merge of a global fragment into the local one, alpha local + (1 - alpha)
+    outer. After an eager update (`provisional`: the stand-in merged at the send) only the
+    difference between the two outer fragments is merged, into `local` in place, so that the
+    steps taken meanwhile keep their full size (Kale et al. 2025)."""
+    if provisional is not None:
+        return local.add_(outer - provisional, alpha=1.0 - alpha)
     return outer if alpha == 0.0 else alpha * local + (1.0 - alpha) * outer
 
 
 class TokenLedger:
-    """Per fragment: the inner steps since my last contribution, and a late contribution
-    waiting to be folded into the next one. Private to this peer (a joiner starts at zero:
-    its first contribution weighs the steps it took itself)."""
+    """One fragment's inner steps since my last contribution, and a late contribution waiting
+    to be folded into the next one. Private to this peer (a joiner starts at zero: its first
+    contribution weighs the steps it took itself)."""
 
-    def __init__(self, fragments: int, staleness_weight: float) -> None:
+    def __init__(self, staleness_weight: float) -> None:
         self.gamma = staleness_weight
-        self.steps = [0] * fragments
-        self.carry: list[tuple[torch.Tensor, float] | None] = [None] * fragments
+        self.steps = 0
+        self.carry: tuple[torch.Tensor, float] | None = None
 
     def stepped(self) -> None:
-        self.steps = [n + 1 for n in self.steps]
+        self.steps += 1
 
-    def contribution(self, f: int, delta: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Fragment f's part to send now and its weight; restarts f's count."""
-        weight, self.steps[f] = float(self.steps[f]), 0
-        carry = self.carry[f]
-        if carry is None:
+    def contribution(self, delta: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The part to send now and its weight; restarts the count."""
+        weight, self.steps = float(self.steps), 0
+        if self.carry is None:
             return delta, weight
-        late, late_weight = carry
+        late, late_weight = self.carry
         stale = self.gamma * late_weight
         if weight + stale <= 0.0:
             return delta, weight
         folded = delta.mul(weight / (weight + stale)).add_(late.to(delta.device), alpha=stale / (weight + stale))
         return folded, weight + stale
 
-    def included(self, f: int) -> None:
-        """Fragment f's last contribution is in a closing set: its carry is spent."""
-        self.carry[f] = None
+    def included(self) -> None:
+        """My last contribution is in a closing set: its carry is spent."""
+        self.carry = None
 
-    def missed(self, f: int, part: torch.Tensor, weight: float) -> None:
-        """Fragment f's last contribution missed its round: carry it (its old carry is in it)."""
-        self.carry[f] = (part.detach().clone(), weight)
+    def missed(self, part: torch.Tensor, weight: float) -> None:
+        """My last contribution missed its round: carry it (the old carry is in it)."""
+        self.carry = (part.detach().clone(), weight)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": list(self.steps),
-                "carry": [None if c is None else {"part": c[0].cpu().clone(), "weight": c[1]} for c in self.carry]}
+        carry = None if self.carry is None else {"part": self.carry[0].cpu().clone(), "weight": self.carry[1]}
+        return {"steps": self.steps, "carry": carry}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.steps = [int(n) for n in state.get("steps", self.steps)]
-        carries = state.get("carry", [None] * len(self.carry))
-        self.carry = [None if c is None else (c["part"].to(torch.float32), float(c["weight"])) for c in carries]
+        self.steps = int(state.get("steps", self.steps))
+        carry = state.get("carry")
+        self.carry = None if carry is None else (carry["part"].to(torch.float32), float(carry["weight"]))
 
 
-class OuterSyncRounds:
-    """DiLoCo's rounds where peers differ in speed: when a fragment's exchange starts and
-    merges under time-based rounds, and what a quorum's closing set does to an exchange. A
-    mixin of `DiLoCo` (protocols/diloco.py), which holds the state it reads."""
+def ledgers_state(ledgers: Sequence[TokenLedger]) -> dict[str, Any]:
+    """The ledgers of all fragments as one checkpoint entry: {steps: [...], carry: [...]}."""
+    states = [ledger.state_dict() for ledger in ledgers]
+    return {"steps": [s["steps"] for s in states], "carry": [s["carry"] for s in states]}
 
-    clock: SyncClock | None
-    schedule: FragmentSchedule
-    config: Any
-    node: Node
-    views: list[FragmentView]
-    outer: list[torch.Tensor]
-    versions: list[int]
-    next_round: list[int]
-    in_flight: dict[int, Exchange]
-    ledger: TokenLedger
-    weight_log: dict[str, Any]
-    last_closing: dict[int, Closing | None]  # each fragment's latest closing set (None: no valid set came)
-    last_shares: dict[str, float]  # each contributor's share of the latest average I applied
 
-    if TYPE_CHECKING:
-        def _skip(self, f: int, k: int) -> None: ...
-        def _start(self, f: int, k: int, members: tuple[str, ...], delta: torch.Tensor, weight: float = 1.0,
-                   merge_at: int = 0) -> Exchange: ...
-        def _fetch_merged(self, f: int, version: int, sources: Sequence[str]) -> None: ...
-        def _outer_step(self, f: int, delta: torch.Tensor, commit: bool = True) -> torch.Tensor: ...
-        def _here(self, t: torch.Tensor) -> torch.Tensor: ...
+def load_ledgers_state(ledgers: Sequence[TokenLedger], state: Mapping[str, Any]) -> None:
+    steps, carries = list(state.get("steps", ())), list(state.get("carry", ()))
+    for f, ledger in enumerate(ledgers):
+        ledger.load_state_dict({"steps": steps[f] if f < len(steps) else ledger.steps,
+                                "carry": carries[f] if f < len(carries) else None})
 
-    def _eager_update(self, exchange: Exchange) -> None:
+
+class OuterPlacement:
+    """Where the outer parameters and momentum live: the model's device, or where
+    `DiLoCo.place_state` puts them (pinned host memory beside an accelerator, to spare its
+    memory). Shared by every fragment of a peer."""
+
+    def __init__(self, model_device: torch.device) -> None:
+        self.model_device = model_device
+        self.device = model_device
+        self.pin = False
+
+    def move_to(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.pin = self.device.type == "cpu" and self.model_device.type != "cpu"
+
+    def placed(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as outer state: float32, on the state's device, pinned where that is the host
+        beside an accelerator (a copy; the caller's tensor is left as it is)."""
+        t = t.to(device=self.device, dtype=torch.float32)
+        return t.pin_memory() if self.pin and not t.is_pinned() else t
+
+    def fresh(self, like: torch.Tensor) -> torch.Tensor:
+        """A new tensor for the next outer state (`diloco.sync` may be sending the old one)."""
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device, pin_memory=self.pin)
+
+    def here(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the model's device (itself when it is there already)."""
+        return t.to(self.model_device, non_blocking=t.is_pinned())
+
+
+class OuterFragment:
+    """One fragment in DiLoCo's outer loop: its outer parameters, momentum and version, the
+    exchange it has in flight, and what starts, admits, steps and merges that exchange.
+
+    `on_skip` is told of every round of this fragment that I send nothing in (fragment 0's
+    carries the small rounds that ride on its merge: the buffers' average, the drift guard)."""
+
+    def __init__(self, view: FragmentView, reducer: ShardedReducer, quorum: QuorumClose | None,
+                 config: DiLoCoConfig, placement: OuterPlacement, me: str, version: int,
+                 on_skip: Callable[[int], None] | None = None) -> None:
+        self.index = view.fragment.index
+        self.view, self.reducer, self.quorum = view, reducer, quorum
+        self.config, self.placement, self.me = config, placement, me
+        self.on_skip = on_skip
+        self.outer = placement.placed(view.read())
+        self.momentum = torch.zeros_like(self.outer)
+        self.version = version  # the round this fragment merges next
+        self.next_round = version  # time-based rounds: the round it sends next
+        self.exchange: Exchange | None = None  # the round in flight
+        self.last_closing: Closing | None = None  # the latest closing set (None: none came, or no quorum)
+        self.ledger = TokenLedger(config.staleness_weight)
+
+    # ------------------------------------------------------------------ the outer state
+    def place(self) -> None:
+        """Move the outer state to where `placement` now says."""
+        self.outer, self.momentum = self.placement.placed(self.outer), self.placement.placed(self.momentum)
+
+    def load(self, outer: torch.Tensor, momentum: torch.Tensor, version: int) -> None:
+        """Take this outer state (a copy, placed)."""
+        self.outer = self.placement.placed(outer.detach().clone())
+        self.momentum = self.placement.placed(momentum.detach().clone())
+        self.version = version
+
+    def adopt(self, outer: torch.Tensor, momentum: torch.Tensor, version: int) -> None:
+        """A peer's outer state, fetched: taken unless mine is newer."""
+        if version >= self.version:
+            self.outer, self.momentum = self.placement.placed(outer), self.placement.placed(momentum)
+            self.version = version
+
+    def take_outer(self) -> None:
+        """The local fragment becomes the outer one (my local progress is dropped)."""
+        self.view.write(self.outer)
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """outer - local, on the model's device."""
+        return self.placement.here(self.outer) - self.view.read()
+
+    def outer_step(self, delta: torch.Tensor, commit: bool = True) -> torch.Tensor:
+        """Nesterov SGD on the outer fragment, the averaged pseudo-gradient as its gradient, in
+        float32 where the outer state lives. New tensors, not in-place updates: `diloco.sync`
+        may be sending the old ones. (The same operations in the same order on every peer:
+        outer parameters stay bit-identical.) `commit=False`: only return the outer fragment
+        this step would make (an eager update's stand-in)."""
+        mu, lr, fresh = self.config.outer_momentum, self.config.outer_lr, self.placement.fresh
+        delta = delta.to(self.placement.device)
+        momentum = torch.mul(self.momentum, mu, out=fresh(self.momentum)).add_(delta)
+        outer = torch.mul(momentum, mu, out=fresh(self.outer)).add_(delta).mul_(lr)
+        outer = torch.sub(self.outer, outer, out=outer)
+        if commit:
+            self.outer, self.momentum = outer, momentum
+            self.version += 1
+        return outer
+
+    def merge_local(self, provisional: torch.Tensor | None = None) -> None:
+        """The outer fragment into the local one (`alpha_merge`)."""
+        alpha, here = self.config.alpha, self.placement.here
+        if provisional is None and alpha == 0.0:  # the outer fragment as it is, without reading the local one
+            self.view.write(self.outer)
+        else:
+            self.view.write(alpha_merge(alpha, self.view.read(), here(self.outer),
+                                        None if provisional is None else here(provisional)))
+
+    def merge(self, exchange: Exchange | None, k: int) -> None:
+        """Round k's outer step with its average (a shard nobody averaged counts as 0), when
+        this fragment's outer state is still at round k; then the merge into the local one."""
+        if exchange is not None and exchange.average is not None and self.version == k:
+            self.outer_step(exchange.average.nan_to_num_(nan=0.0))
+        self.merge_local(exchange.provisional if exchange is not None else None)
+
+    # ------------------------------------------------------------------ the round in flight
+    def start(self, k: int, members: tuple[str, ...], delta: torch.Tensor, weight: float = 1.0,
+              merge_at: int = 0) -> Exchange:
+        """Start averaging `delta` in round k with `members`; the exchange is in flight."""
+        self.exchange = self._started(k, members, delta, weight, merge_at)
+        return self.exchange
+
+    def ask(self, k: int, members: tuple[str, ...], delta: torch.Tensor, weight: float, merge_at: int) -> None:
+        """With a quorum: ask round k's leader for its closing set first (`admit` starts the
+        averaging once the set is known)."""
+        assert self.quorum is not None
+        self.exchange = Exchange(k, members, delta, weight=weight, merge_at=merge_at,
+                                 asking=self.quorum.ask(k, members, weight))
+
+    def skip(self, k: int) -> None:
+        """I send nothing in round k, nor in the rounds that ride on it: nobody waits for my parts."""
+        self.reducer.skip(k)
+        if self.on_skip is not None:
+            self.on_skip(k)
+
+    def _started(self, k: int, members: tuple[str, ...], delta: torch.Tensor, weight: float,
+                 merge_at: int) -> Exchange:
+        if (len(members) > 1 and self.me not in members) or delta.numel() != self.view.numel:
+            self.skip(k)  # a donor's round that began without me: others may count me in it
+            return Exchange(k, members, delta, weight=weight, merge_at=merge_at)
+        average = delta.clone()
+        before = self.reducer.state_dict() if not self.reducer.codec.lossless else None
+        pending = self.reducer.start(k, members, average, weight=weight)
+        if len(members) > 1:
+            # start() has encoded my parts, so the buffer is free until wait(): any shard
+            # still NaN after it was not averaged
+            average.fill_(math.nan)
+        return Exchange(k, members, delta, average, pending, before, weight=weight, merge_at=merge_at)
+
+    def eager_update(self) -> None:
         """Eager updates (Kale et al. 2025): until the average comes, my own pseudo-gradient
         stands in for it. The local fragment merges the outer step it would make now; the
-        merge later adds only the difference to the real one (`DiLoCo._merge_local`)."""
-        f = exchange.fragment
-        exchange.provisional = provisional = self._outer_step(f, exchange.delta, commit=False)
-        self.views[f].write(alpha_merge(self.config.alpha, self.views[f].read(), self._here(provisional)))
+        merge later adds only the difference to the real one (`merge_local`)."""
+        assert self.exchange is not None
+        self.exchange.provisional = provisional = self.outer_step(self.exchange.delta, commit=False)
+        self.view.write(alpha_merge(self.config.alpha, self.view.read(), self.placement.here(provisional)))
 
-    def _sends_at(self, s: int) -> list[tuple[int, int]]:
-        """(fragment, round) pairs whose exchange starts after step s."""
-        if self.clock is None:
-            sending = self.schedule.sending_at(s)
-            return [] if sending is None else [sending]
-        now, due = time.time(), []
-        for f in range(len(self.views)):
-            k = max(self.next_round[f], self.versions[f])
-            if f in self.in_flight or not self.clock.should_send(f, k, now):
-                continue
-            while self.clock.should_send(f, k + 1, now):  # a step so long that whole rounds went by
-                self._skip(f, k)
-                k += 1
-            self.next_round[f] = k + 1
-            due.append((f, k))
-        return due
+    def due_round(self, clock: SyncClock, now: float) -> int | None:
+        """Time-based rounds: the round whose exchange starts now, if any (rounds that went by
+        during a step so long that they fell due one after another are skipped)."""
+        k = max(self.next_round, self.version)
+        if self.exchange is not None or not clock.should_send(self.index, k, now):
+            return None
+        while clock.should_send(self.index, k + 1, now):
+            self.skip(k)
+            k += 1
+        self.next_round = k + 1
+        return k
 
-    def _merges_at(self, s: int) -> list[tuple[int, int]]:
-        """(fragment, round) pairs that merge after step s."""
-        if self.clock is None:
-            merging = self.schedule.merging_at(s)
-            return [] if merging is None else [merging]
-        return sorted(((e.fragment, e.round) for e in self.in_flight.values() if e.merge_at <= s),
-                      key=lambda fk: (fk[1], fk[0]))
+    def merges_by(self, s: int) -> bool:
+        """Time-based rounds: whether the exchange in flight merges after step s."""
+        return self.exchange is not None and self.exchange.merge_at <= s
 
-    def _admit_answered(self) -> None:
-        """Rounds whose closing set has come: start averaging with its members (training
-        need not wait for the set)."""
-        for exchange in self.in_flight.values():
-            if exchange.asking is not None and exchange.asking.done():
-                self._admit(exchange)
+    def answered(self) -> bool:
+        """Whether the leader's answer to my question has come (training need not wait for it)."""
+        return self.exchange is not None and self.exchange.asking is not None and self.exchange.asking.done()
 
-    def _admit(self, exchange: Exchange) -> None:
+    def admit(self) -> None:
         """The leader's answer is in (or a backstop ran out): average with the closing set,
         or, left out of it, carry my contribution into the fragment's next round."""
-        assert exchange.asking is not None
+        exchange = self.exchange
+        assert exchange is not None and exchange.asking is not None
+        c = self.config
         try:
-            closing = exchange.asking.result(timeout=AwakeDeadline.STRETCH * (
-                self.config.round_timeout_s + self.config.reply_grace_s) + ASK_WAIT_S)
+            closing = exchange.asking.result(
+                timeout=AwakeDeadline.STRETCH * (c.round_timeout_s + c.reply_grace_s) + ASK_WAIT_S)
         except Exception as exc:
-            log.warning("%s: no closing set for fragment %d round %d: %s", self.node.peer_id, exchange.fragment,
-                        exchange.round, exc)
+            log.warning("%s: no closing set for fragment %d round %d: %s", self.me, self.index, exchange.round, exc)
             closing = None
         exchange.asking, exchange.closing = None, closing
-        self.last_closing[exchange.fragment] = closing
-        f, me = exchange.fragment, self.node.peer_id
-        if closing is None or me not in closing.members:
+        self.last_closing = closing
+        if closing is None or self.me not in closing.members:
             exchange.missed = True
-            self.ledger.missed(f, exchange.delta, exchange.weight)
+            self.ledger.missed(exchange.delta, exchange.weight)
             return
-        self.ledger.included(f)
-        started = self._start(f, exchange.round, closing.members, exchange.delta, exchange.weight,
-                              exchange.merge_at)
+        self.ledger.included()
+        started = self._started(exchange.round, closing.members, exchange.delta, exchange.weight, exchange.merge_at)
         exchange.members, exchange.average, exchange.pending = closing.members, started.average, started.pending
         exchange.residuals_before = started.residuals_before
 
-    def _missed(self, exchange: Exchange) -> None:
-        """Fragment f's round closed without me (my part is carried): take the merged fragment
-        from a member of the set, and the global fragment as it is (alpha or not: my local
-        progress travels in the carry, and would otherwise count twice)."""
-        f, k = exchange.fragment, exchange.round
-        log.info("%s: fragment %d round %d closed without me; my part goes into round %d", self.node.peer_id, f, k,
-                 k + 1)
-        self.weight_log["rounds"] += 1
-        self.weight_log["missed"] += 1
-        self.weight_log["in_a_row"] = in_a_row = self.weight_log.get("in_a_row", 0) + 1
-        if in_a_row == MISSES_BEFORE_WARNING and self.clock is None:
-            log.warning("%s: %d rounds in a row closed without me: with step-based rounds a peer slower than "
-                        "the quorum reaches every round after it closed, and its work never lands; "
-                        "sync_every_s (time-based rounds) brings it in", self.node.peer_id, in_a_row)
-        sources = exchange.closing.members if exchange.closing is not None else membership(self.node)
-        self._fetch_merged(f, k + 1, sources)
-        self.views[f].write(self.outer[f])
+    def in_flight_state(self) -> dict[str, Any] | None:
+        """The exchange in flight as a checkpoint or a joiner takes it (None: none)."""
+        e = self.exchange
+        if e is None:
+            return None
+        return {"fragment": self.index, "round": e.round, "members": list(e.members), "delta": e.delta.clone(),
+                "weight": e.weight, "merge_at": e.merge_at}
 
-    def _log_share(self, result: ReduceResult, members: tuple[str, ...]) -> None:
-        shares = dict(result.shares) or {m: 1.0 / len(members) for m in members}
-        self.last_shares = shares
-        self.weight_log["rounds"] += 1
-        self.weight_log["in_a_row"] = 0
-        self.weight_log["share_sum"] += shares.get(self.node.peer_id, 0.0)
+    def residuals(self) -> dict[str, Any]:
+        """My reducer's residuals; with a round in flight, as they were before it encoded (a
+        restart re-sends that round and encodes it again)."""
+        before = self.exchange.residuals_before if self.exchange is not None else None
+        return before if before is not None else self.reducer.state_dict()
 
 
 @dataclass(frozen=True)

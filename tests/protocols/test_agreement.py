@@ -3,6 +3,7 @@ of fragment 0 that their outer parameters differ, and every one but the first me
 the first member's; with the check off they never agree."""
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import in_parallel, swarm
 from torch import nn
@@ -12,7 +13,7 @@ from starling.protocols import get_protocol
 PEERS = 3
 
 
-def _outer_after_training(make_node, check_every: int) -> list[list[torch.Tensor]]:
+def _outer_after_training(make_node, check_every: int, repairs: list[int] | None = None) -> list[list[torch.Tensor]]:
     nodes = swarm(make_node, PEERS)
     protos = []
     for rank, node in enumerate(nodes):
@@ -29,6 +30,8 @@ def _outer_after_training(make_node, check_every: int) -> list[list[torch.Tensor
 
     in_parallel([lambda r=r: run(r) for r in range(PEERS)])
     outers = [[o.clone() for o in p.outer] for p in protos]
+    if repairs is not None:
+        repairs.extend(p.guard.repairs for p in protos)
     for proto in protos:
         proto.close()
     return outers
@@ -39,8 +42,29 @@ def _same(outers: list[list[torch.Tensor]]) -> bool:
 
 
 def test_peers_that_started_apart_end_with_the_same_outer_parameters(make_node, caplog):
-    assert _same(_outer_after_training(make_node, check_every=1))
+    repairs: list[int] = []
+    assert _same(_outer_after_training(make_node, check_every=1, repairs=repairs))
     assert "outer parameters differ from the swarm's" in caplog.text
+    assert sorted(repairs) == [0, 1, 1]  # every member but the first, once: then they agree
+
+
+def test_an_outer_state_that_does_not_fit_is_refused_and_changes_nothing(make_node):
+    proto = get_protocol("streaming-diloco").create(make_node("inproc"), nn.Linear(3, 4), {"fragments": 2,
+                                                                                         "sync_every": 4})
+    before = [o.clone() for o in proto.outer]
+    sizes = [f.view.numel for f in proto.fragments]
+    good = [torch.ones(n) for n in sizes * 2]
+    bad = {"other versions": ({"versions": [5, 5]}, good),
+           "one tensor short": ({"versions": proto.versions}, good[:-1]),
+           "a NaN": ({"versions": proto.versions}, [torch.full((n,), float("nan")) for n in sizes * 2]),
+           "float64": ({"versions": proto.versions}, [t.double() for t in good])}
+    for header, tensors in bad.values():
+        with pytest.raises(ValueError):
+            proto._take_replica_state(header, tensors)
+    assert all(torch.equal(a, b) for a, b in zip(before, proto.outer))
+    proto._take_replica_state({"versions": proto.versions}, good)
+    assert all(torch.equal(o, torch.ones(n)) for o, n in zip(proto.outer, sizes))
+    proto.close()
 
 
 def test_without_the_check_they_stay_apart(make_node):

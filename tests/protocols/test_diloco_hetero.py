@@ -12,6 +12,7 @@ from conftest import in_parallel, join_with_state, swarm, wait_until
 from torch import nn
 
 from starling.protocols import ProtocolError, get_protocol
+from starling.protocols.base import PRIVATE_STATE
 from starling.protocols.fragments import SyncClock
 from starling.protocols.outer_sync import TokenLedger
 
@@ -40,20 +41,35 @@ def outer(proto) -> torch.Tensor:
 # ---------------------------------------------------------------- weights
 
 
-def test_the_ledger_counts_steps_per_fragment_and_folds_a_late_part_once():
-    ledger = TokenLedger(2, staleness_weight=0.5)
+def test_the_ledger_counts_steps_and_folds_a_late_part_once():
+    ledger = TokenLedger(staleness_weight=0.5)
     for _ in range(3):
         ledger.stepped()
-    part, weight = ledger.contribution(0, torch.ones(2))
-    assert weight == 3.0 and torch.equal(part, torch.ones(2)) and ledger.steps == [0, 3]
-    ledger.missed(0, part, weight)
+    part, weight = ledger.contribution(torch.ones(2))
+    assert weight == 3.0 and torch.equal(part, torch.ones(2)) and ledger.steps == 0
+    ledger.missed(part, weight)
     ledger.stepped()
-    folded, weight = ledger.contribution(0, torch.zeros(2))  # 1 new step, 3 late ones at gamma 0.5
+    folded, weight = ledger.contribution(torch.zeros(2))  # 1 new step, 3 late ones at gamma 0.5
     assert weight == 1.0 + 0.5 * 3.0
     torch.testing.assert_close(folded, torch.full((2,), 1.5 / 2.5))
-    ledger.included(0)
+    ledger.included()
     ledger.stepped()
-    assert ledger.contribution(0, torch.zeros(2))[1] == 1.0  # the carry was spent once
+    assert ledger.contribution(torch.zeros(2))[1] == 1.0  # the carry was spent once
+
+
+def test_each_fragment_counts_its_own_steps_and_the_checkpoint_keeps_them(make_node):
+    proto = get_protocol("streaming-diloco").create(make_node("inproc"), linear(),
+                                                    {**EXACT, "sync_every": 8, "fragments": 2, "overlap_steps": 0})
+    train(proto, 0, 4)  # fragment 0 sent after step 4: its count restarts, fragment 1's goes on
+    assert [f.ledger.steps for f in proto.fragments] == [0, 4]
+    proto.fragments[1].ledger.missed(torch.ones(proto.fragments[1].view.numel), 2.0)
+    saved = proto.state_dict()[PRIVATE_STATE]["ledger"]
+    assert saved["steps"] == [0, 4] and saved["carry"][0] is None and saved["carry"][1]["weight"] == 2.0
+    other = get_protocol("streaming-diloco").create(make_node("inproc"), linear(),
+                                                    {**EXACT, "sync_every": 8, "fragments": 2, "overlap_steps": 0})
+    other.load_private_state({"ledger": saved})
+    assert [f.ledger.steps for f in other.fragments] == [0, 4] and other.fragments[0].ledger.carry is None
+    assert torch.equal(other.fragments[1].ledger.carry[0], torch.ones(proto.fragments[1].view.numel))
 
 
 # ---------------------------------------------------------------- the quorum close
@@ -81,7 +97,7 @@ def test_a_round_closes_at_quorum_without_the_slow_peer_and_its_part_lands_once_
     assert pa.last_closing[0].members == pb.last_closing[0].members == tuple(sorted(ids[:2]))
     assert pc.last_closing[0] == pa.last_closing[0]
     assert with_slow[0][-1].synced and with_slow[0][-1].peers == 2
-    assert pc.weight_log["missed"] == 1 and pc.ledger.carry[0] is not None
+    assert pc.weight_log["missed"] == 1 and pc.fragments[0].ledger.carry is not None
     assert pa.versions == pb.versions == pc.versions == [1]
     assert torch.equal(outer(pa), outer(pc)) and torch.equal(outer(pb), outer(pc))
 
@@ -91,7 +107,7 @@ def test_a_round_closes_at_quorum_without_the_slow_peer_and_its_part_lands_once_
     assert closing == pb.last_closing[0] == pc.last_closing[0]
     assert dict(closing.contributions) == {ids[0]: 2.0, ids[1]: 2.0, ids[2]: 2.0 + 0.5 * 2.0}
     assert math.isclose(sum(pa.last_shares.values()), 1.0) and math.isclose(pa.last_shares[ids[2]], 3.0 / 7.0)
-    assert pc.ledger.carry[0] is None
+    assert pc.fragments[0].ledger.carry is None
     # round 2: spent once, it is not counted again
     in_parallel([lambda: train(pa, 0, 2), lambda: train(pb, 1, 2), lambda: train(pc, 2, 2)])
     assert dict(pa.last_closing[0].contributions) == dict.fromkeys(ids, 2.0)
@@ -232,11 +248,10 @@ def test_with_time_based_rounds_a_fragment_merges_after_the_steps_that_fit_in_it
     """W 2 s, F 2: fragment 0 is due 1 s after the epoch. Steps of 1/16 s send it after step 15
     (a 16th would end at its time) and, half of its 1 s window being 8 such steps, merge it
     after step 23; a peer of 0.4 s steps merges after 1 step (tau), as does share 0."""
-    from starling.protocols import diloco, outer_sync
+    from starling.protocols import diloco
 
     clock = FakeTime(step_s)
     monkeypatch.setattr(diloco, "time", clock)
-    monkeypatch.setattr(outer_sync, "time", clock)
     opts = {**EXACT, "sync_every_s": 2.0, "fragments": 2, "sync_every": 2, "overlap_steps": 1,
             "overlap_window_share": share}
     proto = get_protocol("streaming-diloco").create(make_node("inproc"), linear(), opts)

@@ -52,7 +52,7 @@ def test_the_outer_state_can_live_apart_from_the_model(make_node):
     plain = Trainer(nodes[1], SPEC, rank=1, world=2)
     for trainer in (placed, plain):
         trainer.create_protocol()
-    assert placed.proto.state_device == torch.device("cpu") and not placed.proto._pin
+    assert placed.proto.placement.device == torch.device("cpu") and not placed.proto.placement.pin
     _train_together([placed, plain], 8)
     assert torch.equal(_outer(placed), _outer(plain))
     for trainer in (placed, plain):
