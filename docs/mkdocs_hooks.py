@@ -17,7 +17,7 @@ import posixpath
 import re
 from pathlib import Path
 
-import tomllib
+import tomllib  # Python 3.11+, as the docs build needs
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
 
