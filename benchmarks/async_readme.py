@@ -1,8 +1,8 @@
-"""The README's asynchronous DiLoCo command, as a user types it: how busy the fast peers are.
+"""The documented asynchronous DiLoCo command, as a user types it: how busy the fast peers are.
 
     python benchmarks/async_readme.py [--duration-s 40] [--repeats 1] [--quick]
 
-Runs the README's command (paragraph "Peers of different speeds") through the `starling`
+Runs the documented command (paragraph "Peers of different speeds") through the `starling`
 CLI with `--json`, so that every simulate default is the user's: streaming-diloco on
 `charlm`, 4 peers, H 40, F 4, tau 1, int4, AdamW 3e-3, one peer 3x slower:
 
@@ -15,7 +15,7 @@ the window. Each run's busy shares come from its summary (`busy_share`: per peer
 of its steps' compute over the sum of their wall time); the fast peers' figure is the
 lowest of theirs. Prints one JSON row per run, then a summary row with the ratio.
 
-Target: the fast peers >= 85% busy with the README's command as written (the README says
+Target: the fast peers >= 85% busy with the documented command as written (docs/cli.md says
 >= 90% on an idle box).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def emit(row: dict[str, Any]) -> None:
 
 
 def command(duration_s: float, steps: int | None, baseline: bool) -> list[str]:
-    """The README's command (the baseline's, with the overlap fixed at tau), with --json."""
+    """The documented command (the baseline's, with the overlap fixed at tau), with --json."""
     extra = [*(BASELINE_ARGS if baseline else []), *(["--steps", str(steps)] if steps else [])]
     return ["simulate", *README_ARGS, "--duration", f"{duration_s:g}", *extra, "--baseline", "none", "--json",
             "--no-plot"]
@@ -69,7 +69,7 @@ def describe(label: str, argv: list[str], summary: dict[str, Any], steps: dict[i
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The fast peers' busy share with the README's command against the baseline, as a ratio."""
+    """The fast peers' busy share with the documented command against the baseline, as a ratio."""
     mine = [r["fast_busy"] for r in rows if r["run"] == "readme"]
     base = [r["fast_busy"] for r in rows if r["run"] == "tau only"]
     low = min(mine)
@@ -83,9 +83,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration-s", type=float, default=40.0, help="the README's --duration")
-    parser.add_argument("--steps", type=int, help="a step cap (default: none, as in the README)")
-    parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, the README's and the baseline's")
+    parser.add_argument("--duration-s", type=float, default=40.0, help="the documented --duration")
+    parser.add_argument("--steps", type=int, help="a step cap (default: none, as documented)")
+    parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, the command's and the baseline's")
     parser.add_argument("--quick", action="store_true", help="smoke run: 6 s each")
     args = parser.parse_args(argv)
     if args.quick:

@@ -116,7 +116,7 @@ def node_start(
     tensorboard: Optional[Path] = typer.Option(
         None, "--tensorboard",
         help="Also write the progress lines' numbers as TensorBoard scalars to this directory "
-             "(needs pip install 'starling[tensorboard]')."),
+             "(needs pip install 'starling\\[tensorboard]')."),
     nproc_per_replica: int = typer.Option(
         1, "--nproc-per-replica", min=1, metavar="N",
         help="This peer is a replica of N ranks (processes spawned here; under torchrun, torchrun's ranks): DDP "

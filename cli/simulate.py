@@ -207,7 +207,7 @@ def simulate(
     loss: float = typer.Option(0.0, "--loss", help="Probability that a protocol message is lost."),
     churn: Optional[str] = typer.Option(None, "--churn", help="e.g. kill:1@50,leave:2@60,join@80 (STEP = swarm step)."),
     seed: int = typer.Option(0, "--seed", help="Data order, the simulated peers' keys and the links' randomness "
-                             "(see the README for which runs repeat bit for bit)."),
+                             "(docs/cli.md says which runs repeat bit for bit)."),
     out: Optional[Path] = typer.Option(
         None, "--out", help="Write per-peer metrics (JSON lines), summary.json and plot.png here "
                             "(default: runs/simulate-DATE-TIME; with --json, nothing unless given)."),

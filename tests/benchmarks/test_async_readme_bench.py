@@ -1,4 +1,4 @@
-"""benchmarks/async_readme.py: the README's command and its baseline, and the rows it prints,
+"""benchmarks/async_readme.py: the documented command (docs/cli.md) and its baseline, and the rows it prints,
 on hand-made summaries (the runs need the benchmark)."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_the_runs_are_the_readme_command_and_the_same_with_the_overlap_fixed_at_
     assert mine[:mine.index("--baseline")] == ["simulate", "--peer-speed", "1,1,1,0.33", "--opt", "sync_every_s=2",
                                                 "--opt", "quorum=3", "--duration", "40"]
     assert [a for a in base if a not in mine] == ["overlap_window_share=0"]
-    # the README's command runs streaming-diloco, whose rounds follow the window
+    # the documented command runs streaming-diloco, whose rounds follow the window
     opts = [mine[i + 1] for i, a in enumerate(mine) if a == "--opt"]
     config, _ = _sim_configs(peers=4, protocol="streaming-diloco", task="charlm", steps=None, compressor=None,
                              transport=None, processes=0, bandwidth=None, latency_ms=0.0, loss=0.0, churn=None,
