@@ -141,6 +141,7 @@ def node_start(
         CheckpointConfig,
         CheckpointError,
         NodeLaunch,
+        PeerRun,
         TrainSpecError,
         prepare_to_train,
     )
@@ -182,7 +183,11 @@ def node_start(
         check_seconds("--resume-timeout-s", resume_timeout_s)
         check_seconds("--min-peers-timeout-s", min_peers_timeout_s)
         check_seconds("--state-fetch-timeout-s", state_fetch_timeout_s)
-        placement = Placement.parse(device, dtype, autocast, state_device)
+        peer_run = PeerRun(launch, shard=rank_world, log_every=log_every, min_peers=min_peers,
+                           min_peers_timeout_s=min_peers_timeout_s, checkpoint=checkpoints,
+                           resume_quorum=resume_quorum, resume_timeout_s=resume_timeout_s,
+                           state_fetch_timeout_s=state_fetch_timeout_s,
+                           placement=Placement.parse(device, dtype, autocast, state_device))
         if group is not None:
             group.init()
         config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout,
@@ -217,14 +222,7 @@ def node_start(
         typer.echo(f"starling metrics on {metrics.url}")
     sys.stdout.flush()
     try:
-        if launch.trains(node.swarm_config):
-            _wait_for_peers(node, min_peers, min_peers_timeout_s, stop)
-            _train(node, rank_world, steps, log_every, stop, checkpoints,
-                   (resume_quorum, resume_timeout_s) if resume is not None else None, placement, joined=bool(join),
-                   state_fetch_timeout_s=state_fetch_timeout_s, metrics=metrics, board=board, group=group)
-        else:
-            while not stop.wait(0.5):
-                node.check_fault()  # a node whose sockets failed exits with the reason, not silently
+        peer_run.run(node, stop, _print_record, metrics=metrics, board=board, group=group)
     except (*train_errors, TimeoutError) as exc:
         node.close()
         _close_observers(metrics, board)
@@ -265,18 +263,6 @@ def _close_observers(metrics: Any, board: Any) -> None:
             observer.close()
 
 
-def _wait_for_peers(node: Any, count: int, timeout_s: float, stop: threading.Event) -> None:
-    """Block until `count` peers (self included) are alive; TimeoutError after `timeout_s`."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while len(node.live_peers()) + 1 < count and not stop.is_set():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"--min-peers {count}: only {len(node.live_peers()) + 1} peers were up after "
-                               f"{timeout_s:g} s")
-        stop.wait(0.05)
-
-
 def _parse_shard(shard: Optional[str]) -> Optional[tuple[int, int]]:
     if shard is None:
         return None
@@ -290,80 +276,12 @@ def _parse_shard(shard: Optional[str]) -> Optional[tuple[int, int]]:
     return r, w
 
 
-def _train(node: Any, rank_world: Optional[tuple[int, int]], steps: Optional[int], log_every: int,
-           stop: threading.Event, checkpoints: Any = None, resume: Optional[tuple[int, float]] = None,
-           placement: Any = None, joined: bool = True, state_fetch_timeout_s: float = 120.0,
-           metrics: Any = None, board: Any = None, group: Any = None) -> None:
-    """The node's training loop: one JSON progress line (and TensorBoard scalars, with `board`)
-    every `log_every` steps; every step's progress goes to the heartbeat meta and `metrics`."""
-    import time
-
-    from starling.node.transfer import TransferError
-    from starling.runtime import Trainer, TrainSpec, shard_for
-    from starling.runtime.metrics import TrainingProgress
-
-    spec = TrainSpec.from_swarm_config(node.swarm_config)
-    rank, world = rank_world or (shard_for(node.peer_id, 16), 16)
-    if group is not None:  # each rank of the replica its own shard
-        rank, world = group.shard(rank, world)
-    trainer = Trainer(node, spec, rank, world, checkpoint=checkpoints, placement=placement,
-                      replica_ranks=group.size if group is not None else 1)
-    trainer.create_protocol()
-    progress = TrainingProgress()
-    if metrics is not None:
-        metrics.collector.attach(trainer, progress)
-    resumed = trainer.resume_swarm(*resume) if resume is not None else None
-    if resumed is None and joined and node.live_peers():
-        # the swarm's state, not this peer's own start (see initial_state_differs); the first
-        # node (no --join) is where the swarm's state starts, whoever joined it meanwhile
-        try:
-            trainer.fetch_state(deadline_s=state_fetch_timeout_s, stop=stop)
-        except TransferError:
-            if not stop.is_set():
-                raise
-            log.info("stopped while fetching the swarm's state")
-            trainer.close()
-            return
-    elif resumed is None and trainer.initial_state_differs:
-        log.warning("this peer's initial state differs from the swarm's, and no peer is up to take the swarm's "
-                    "from: it trains from its own start")
-    if group is not None:
-        trainer.attach_replica(group)  # the state it starts from goes to the other ranks
-    start = time.monotonic()
-    progress.step = trainer.proto.step_count  # type: ignore[union-attr]  (a joiner's or resumed peer's)
-    typer.echo(json.dumps({"event": "training", "protocol": spec.protocol, "task": spec.task,
-                           "shard": f"{rank}/{world}", "step": progress.step, **trainer.placement.describe(),
-                           **({"replica_ranks": group.size} if group is not None else {})}))
-
-    def on_report(report: Any) -> None:
-        progress.record(report)
-        node.set_meta(**progress.meta())  # what `node watch` on any peer shows of this one
-        replica = trainer.replica
-        if replica is not None and replica.rank_digests is not None:
-            node.set_status_info(replica=replica.rank_digests.to_json())  # `node status`: do the ranks agree?
-        if log_every and (report.step + 1) % log_every == 0:
-            # lost: members of the step's exchange whose contribution its update lacks (died, timed out)
-            typer.echo(json.dumps({"step": report.step + 1, "loss": round(report.loss, 5), "peers": report.peers,
-                                   "lost": len(report.lost_peers), "bytes_sent": progress.bytes_sent,
-                                   "wall_s": round(time.monotonic() - start, 2)}))
-            sys.stdout.flush()
-            if board is not None:
-                board.log(progress)
-
-    try:
-        final = trainer.run(steps, stop, on_report)
-        trainer.finish_replica()  # the other ranks stop here, and say what they hold
-        metrics = trainer.evaluate()
-        stopped = {"event": "stopped", "step": final, **{k: round(v, 5) for k, v in metrics.items()}}
-        if trainer.replica is not None and trainer.replica.rank_digests is not None:
-            stopped["replica"] = trainer.replica.rank_digests.to_json()
-        info = trainer.proto.describe()  # type: ignore[union-attr]
-        if "privacy" in info:  # what a private protocol (sketch-dp) has spent
-            stopped["privacy"] = info["privacy"]
-        typer.echo(json_text(stopped))
-        sys.stdout.flush()
-    finally:
-        trainer.close()
+def _print_record(record: dict[str, Any]) -> None:
+    """A record of the peer's run as one line of JSON on stdout. The stopped line carries the
+    evaluation and the protocol's own account, any value: json_text writes as text what JSON
+    cannot hold."""
+    typer.echo(json_text(record) if record.get("event") == "stopped" else json.dumps(record))
+    sys.stdout.flush()
 
 
 def node_status(

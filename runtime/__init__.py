@@ -1,10 +1,12 @@
 """starling.runtime: running a training job.
 
-`TrainSpec` and `Trainer` run one peer (`starling node start`), and `NodeLaunch` says what
-that peer asks of its swarm (what a first node fixes, what a joiner insists on). The simulator
-runs many (`Simulation(SimConfig(...)).run()`), in threads or spread over worker processes, with
-churn and emulated links, and sums the run up; `SimConfig.baseline()` is the run to compare
-with. `protocol_config` is the one reading of protocol options into the protocol's config.
+`TrainSpec` and `Trainer` run one peer (`starling node start`), `NodeLaunch` says what that
+peer asks of its swarm (what a first node fixes, what a joiner insists on), and `PeerRun`
+runs it once its node is up (where it starts from, checkpoints, progress records). The
+simulator runs many (`Simulation(SimConfig(...)).run()`), in threads or spread over worker
+processes, with churn and emulated links, and sums the run up; `SimConfig.baseline()` is the
+run to compare with. `protocol_config` is the one reading of protocol options into the
+protocol's config.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from starling.runtime.churn import ChurnEvent, ChurnSpecError, check_churn, pars
 from starling.runtime.launch import NodeLaunch, newest_checkpoint_spec
 from starling.runtime.links import LinkEmulator, LinkModel, RateError, format_rate, parse_rate
 from starling.runtime.peer import SimPeer
+from starling.runtime.peer_run import PeerRun
 from starling.runtime.sim import Simulation
 from starling.runtime.simconfig import (
     SIM_LIVENESS,
@@ -51,6 +54,7 @@ __all__ = [
     "LinkModel",
     "NodeLaunch",
     "PeerResult",
+    "PeerRun",
     "RateError",
     "SimConfig",
     "SimError",

@@ -11,8 +11,7 @@ checkpoints without naming a protocol trains what they were written by.
     if launch.may_train:
         prepare_to_train()
     node = Node().start(listen, join, swarm_config=launch.swarm_config())
-    if launch.trains(node.swarm_config):
-        trainer = Trainer(node, TrainSpec.from_swarm_config(node.swarm_config), rank, world)
+    PeerRun(launch).run(node, stop)   # trains if launch.trains(node.swarm_config) (runtime/peer_run.py)
 """
 from __future__ import annotations
 

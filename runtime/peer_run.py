@@ -1,0 +1,206 @@
+"""How one peer of a swarm runs once its node is up: what `starling node start` does after
+its hello, for a Python caller as for the command.
+
+A peer that trains waits for the swarm to be big enough, then starts from the state it
+should start from: its checkpoints when it resumes (agreed on with a quorum of peers), else
+the swarm's state when it joined peers that are up, else its own start (with a warning when
+that differs from the swarm's). It trains until `steps` or until `stop` is set, checkpoints
+on the way, and tells the others its progress in its heartbeats. A peer that does not train
+stays a member until `stop`.
+
+    launch = NodeLaunch(protocol="allreduce", task="quadratic", steps=50).resolve()
+    node = Node().start(listen, join, swarm_config=launch.swarm_config())
+    stopped = PeerRun(launch).run(node, threading.Event(), on_record=print)
+
+What it has to say goes to `on_record` as JSON-ready records (the command prints them as its
+progress lines): `{"event": "training", ...}` once training starts; `{"step", "loss", "peers",
+"lost", "bytes_sent", "wall_s"}` every `log_every` steps; `{"event": "stopped", "step", ...}`
+with the evaluation once it stops.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from starling.node import Node
+from starling.node.transfer import TransferError
+from starling.protocols import StepReport
+from starling.runtime.launch import NodeLaunch
+from starling.runtime.placement import Placement
+from starling.runtime.trainer import CheckpointConfig, Trainer, TrainSpec, shard_for
+
+if TYPE_CHECKING:
+    from starling.runtime.metrics import MetricsServer, TensorBoardLog, TrainingProgress
+    from starling.runtime.replica import ReplicaGroup
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WORLD = 16  # shards a peer's data is cut into when it is given none: it picks one from its id
+RESUMED_CHECKPOINT_EVERY = 100  # steps between checkpoints of a resumed peer told no cadence (node start's default)
+IDLE_CHECK_S = 0.5  # how often a peer that does not train looks for a fault of its node
+
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PeerRun:
+    """How one peer runs: its `launch` (resolved), and what the command's run options say.
+
+    `shard`: this peer's data shard (rank, world); None picks one of 16 from its peer id.
+    `log_every`: steps between progress records (0: none). `min_peers`: train only once this
+    many peers (self included) are up, within `min_peers_timeout_s`. `checkpoint`: where and
+    how often the training state goes to disk; a launch that resumes keeps checkpointing
+    where it resumed from unless told otherwise. `resume_quorum`, `resume_timeout_s`: with a
+    launch that resumes, how many peers must agree on the step to continue from, and how long
+    to wait for them. `state_fetch_timeout_s`: a joiner's patience for the swarm's state.
+    `placement`: device and precision.
+    """
+
+    launch: NodeLaunch
+    shard: tuple[int, int] | None = None
+    log_every: int = 10
+    min_peers: int = 1
+    min_peers_timeout_s: float = 300.0
+    checkpoint: CheckpointConfig | None = None
+    resume_quorum: int = 1
+    resume_timeout_s: float = 300.0
+    state_fetch_timeout_s: float = 120.0
+    placement: Placement | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is not None:
+            rank, world = self.shard
+            if world < 1 or not 0 <= rank < world:
+                raise ValueError(f"shard must be (rank, world) with 0 <= rank < world, got {self.shard}")
+        if self.min_peers < 1:
+            raise ValueError(f"min_peers must be >= 1, got {self.min_peers}")
+        if self.resume_quorum < 1:
+            raise ValueError(f"resume_quorum must be >= 1, got {self.resume_quorum}")
+
+    @property
+    def checkpoints(self) -> CheckpointConfig | None:
+        """Where the training state goes: `checkpoint`, else, for a launch that resumes, the
+        directory it resumes from."""
+        if self.checkpoint is None and self.launch.resume_from is not None:
+            return CheckpointConfig(str(self.launch.resume_from), RESUMED_CHECKPOINT_EVERY)
+        return self.checkpoint
+
+    def run(self, node: Node, stop: threading.Event, on_record: Callable[[Record], None] | None = None, *,
+            metrics: MetricsServer | None = None, board: TensorBoardLog | None = None,
+            group: ReplicaGroup | None = None) -> Record | None:
+        """Run this peer on `node` (started with `launch.swarm_config()`) until its launch's
+        steps or `stop`. Returns the "stopped" record, None for a peer that did not train or
+        was stopped before it had the swarm's state.
+
+        `metrics` exports the trainer and its progress, `board` gets the progress at each
+        progress record, `group`: this process leads a replica of many ranks (each its own
+        shard). Raises TimeoutError when `min_peers` are not up in time, and what the
+        `Trainer` raises (TrainSpecError, ProtocolError, TransferError, CheckpointError, ...).
+        """
+        if not self.launch.trains(node.swarm_config):
+            while not stop.wait(IDLE_CHECK_S):
+                node.check_fault()  # a node whose sockets failed ends with the reason, not silently
+            return None
+        self._wait_for_peers(node, stop)
+        return self._train(node, stop, on_record or _ignore, metrics, board, group)
+
+    def _wait_for_peers(self, node: Node, stop: threading.Event) -> None:
+        deadline = time.monotonic() + self.min_peers_timeout_s
+        while len(node.live_peers()) + 1 < self.min_peers and not stop.is_set():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"--min-peers {self.min_peers}: only {len(node.live_peers()) + 1} peers were up "
+                                   f"after {self.min_peers_timeout_s:g} s")
+            stop.wait(0.05)
+
+    def _train(self, node: Node, stop: threading.Event, on_record: Callable[[Record], None],
+               metrics: MetricsServer | None, board: TensorBoardLog | None,
+               group: ReplicaGroup | None) -> Record | None:
+        from starling.runtime.metrics import TrainingProgress
+
+        spec = TrainSpec.from_swarm_config(node.swarm_config)
+        rank, world = self.shard or (shard_for(node.peer_id, DEFAULT_WORLD), DEFAULT_WORLD)
+        if group is not None:
+            rank, world = group.shard(rank, world)
+        trainer = Trainer(node, spec, rank, world, checkpoint=self.checkpoints, placement=self.placement,
+                          replica_ranks=group.size if group is not None else 1)
+        try:
+            trainer.create_protocol()
+            progress = TrainingProgress()
+            if metrics is not None:
+                metrics.collector.attach(trainer, progress)
+            if not self._start_from(trainer, node, stop):
+                return None
+            if group is not None:
+                trainer.attach_replica(group)  # the state it starts from goes to the other ranks
+            assert trainer.proto is not None
+            progress.step = trainer.proto.step_count  # a joiner's or resumed peer's
+            reporter = _Reporter(node, trainer, progress, self.log_every, on_record, board)
+            on_record({"event": "training", "protocol": spec.protocol, "task": spec.task, "shard": f"{rank}/{world}",
+                       "step": progress.step, **trainer.placement.describe(),
+                       **({"replica_ranks": group.size} if group is not None else {})})
+            final = trainer.run(self.launch.steps, stop, reporter)
+            trainer.finish_replica()  # the other ranks stop here, and say what they hold
+            stopped = {"event": "stopped", "step": final, **{k: round(v, 5) for k, v in trainer.evaluate().items()}}
+            if trainer.replica is not None and trainer.replica.rank_digests is not None:
+                stopped["replica"] = trainer.replica.rank_digests.to_json()
+            info = trainer.proto.describe()
+            if "privacy" in info:  # what a private protocol (sketch-dp) has spent
+                stopped["privacy"] = info["privacy"]
+            on_record(stopped)
+            return stopped
+        finally:
+            trainer.close()
+
+    def _start_from(self, trainer: Trainer, node: Node, stop: threading.Event) -> bool:
+        """Load the state this peer starts from; False when `stop` came before it had it."""
+        resumed = None
+        if self.launch.resume_from is not None:
+            resumed = trainer.resume_swarm(self.resume_quorum, self.resume_timeout_s)
+        if resumed is None and self.launch.joining and node.live_peers():
+            # the swarm's state, not this peer's own start (see initial_state_differs); the first
+            # node (not joining) is where the swarm's state starts, whoever joined it meanwhile
+            try:
+                trainer.fetch_state(deadline_s=self.state_fetch_timeout_s, stop=stop)
+            except TransferError:
+                if not stop.is_set():
+                    raise
+                log.info("stopped while fetching the swarm's state")
+                return False
+        elif resumed is None and trainer.initial_state_differs:
+            log.warning("this peer's initial state differs from the swarm's, and no peer is up to take the swarm's "
+                        "from: it trains from its own start")
+        return True
+
+
+class _Reporter:
+    """What each step's report becomes: progress (heartbeat meta, metrics), the replica's rank
+    digests for `node status`, and a progress record every `log_every` steps."""
+
+    def __init__(self, node: Node, trainer: Trainer, progress: TrainingProgress, log_every: int,
+                 on_record: Callable[[Record], None], board: TensorBoardLog | None) -> None:
+        self.node, self.trainer, self.progress = node, trainer, progress
+        self.log_every, self.on_record, self.board = log_every, on_record, board
+        self.start = time.monotonic()
+
+    def __call__(self, report: StepReport) -> None:
+        progress = self.progress
+        progress.record(report)
+        self.node.set_meta(**progress.meta())  # what `node watch` on any peer shows of this one
+        replica = self.trainer.replica
+        if replica is not None and replica.rank_digests is not None:
+            self.node.set_status_info(replica=replica.rank_digests.to_json())  # `node status`: do the ranks agree?
+        if self.log_every and (report.step + 1) % self.log_every == 0:
+            # lost: members of the step's exchange whose contribution its update lacks (died, timed out)
+            self.on_record({"step": report.step + 1, "loss": round(report.loss, 5), "peers": report.peers,
+                            "lost": len(report.lost_peers), "bytes_sent": progress.bytes_sent,
+                            "wall_s": round(time.monotonic() - self.start, 2)})
+            if self.board is not None:
+                self.board.log(progress)
+
+
+def _ignore(record: Record) -> None:
+    pass
