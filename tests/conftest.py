@@ -1,6 +1,15 @@
 """Shared helpers for the socket-level tests."""
 from __future__ import annotations
 
+import os
+
+# One OpenMP thread per test process, set before torch is imported here and inherited by every
+# process a test starts. A test runs several nodes on a 2-core box; each torch process would
+# otherwise keep two OpenMP threads that spin while waiting for work, and the spinning threads of
+# one node take the cores the others need: four `node start` processes training a small model
+# burned four times the CPU, for the same bits.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import importlib.util
 import sys
 import time
@@ -164,3 +173,10 @@ def _cli_tests_run_in_their_own_cwd(request, tmp_path_factory, monkeypatch):
     without --out writes its run and plot under ./runs, which must not land in the checkout."""
     if request.node.path.parent.name == "cli":
         monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (a stable sort: otherwise in file order). Under pytest-xdist each
+    worker takes the next test as it frees up, so the long multi-process tests start early and
+    the short ones fill the gaps, instead of one long test running alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -57,7 +57,10 @@ class Terminal:
 
     def shows(self, *needles: str, timeout_s: float = 120) -> bool:
         """Whether the screen's output came to hold all of `needles` within `timeout_s`."""
-        return wait_until(lambda: all(n in self.text for n in needles), timeout_s=timeout_s, interval_s=0.05)
+        def holds() -> bool:
+            text = self.text  # decoded once per look: the screen's output grows by a redraw per interval
+            return all(n in text for n in needles)
+        return wait_until(holds, timeout_s=timeout_s, interval_s=0.05)
 
     def close(self) -> None:
         if self.proc.poll() is None:
