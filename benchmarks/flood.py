@@ -232,11 +232,11 @@ def main() -> None:
     parser.add_argument("--baseline-s", type=float, default=15.0, help="training without the flood first")
     parser.add_argument("--task", default="charlm")
     parser.add_argument("--status-calls", type=int, default=2000, help="for the status_growth row")
-    parser.add_argument("--quick", action="store_true", help="smoke run: a 3 s flood, a tiny model")
+    parser.add_argument("--quick", action="store_true", help="smoke run: a 1.5 s flood, a tiny model")
     args = parser.parse_args()
     task_options: dict[str, Any] = {}
     if args.quick:
-        args.seconds, args.baseline_s, args.status_calls = 3.0, 3.0, 60
+        args.seconds, args.baseline_s, args.status_calls = 1.5, 1.5, 60
         task_options = {"n_layer": 1, "n_embd": 16, "n_head": 2, "seq_len": 16, "batch_size": 4,
                         "corpus_chars": 20_000, "eval_batches": 1}
 
@@ -257,7 +257,7 @@ def main() -> None:
     b = ctx.Process(target=member, args=(address, out, stop))
     b.start()
     kind, _ = out.get(timeout=300)
-    time.sleep(3.0)  # warm up
+    time.sleep(1.0 if args.quick else 3.0)  # warm up
     baseline_start = time.time()
     time.sleep(args.baseline_s)
     endpoint = parse_address(address)

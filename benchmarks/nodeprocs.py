@@ -28,12 +28,16 @@ class Progress:
 
 
 class NodeProcess:
-    """One `starling node start` process (OMP_NUM_THREADS=1); its lines are stamped on arrival."""
+    """One `starling node start` process; its lines are stamped on arrival. `threads` is its
+    OMP_NUM_THREADS (1: several nodes share a box; None: torch's default, a thread per core)."""
 
     started: ClassVar[list[NodeProcess]] = []  # every one this process launched, for `kill_all`
 
-    def __init__(self, args: list[str], log: str | None = None) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    def __init__(self, args: list[str], log: str | None = None, threads: int | None = 1) -> None:
+        env = dict(os.environ)
+        env.pop("OMP_NUM_THREADS", None)
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
         self.args = args
         self.log = open(log, "w") if log else None
         self.log_path = log

@@ -176,7 +176,22 @@ def _cli_tests_run_in_their_own_cwd(request, tmp_path_factory, monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow tests first (a stable sort: otherwise in file order). Under pytest-xdist each
-    worker takes the next test as it frees up, so the long multi-process tests start early and
-    the short ones fill the gaps, instead of one long test running alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The slow tests spread over the xdist workers, each at the head of a worker's share.
+
+    pytest-xdist's worksteal hands each worker one contiguous share of this list (each
+    `len(left) // workers_left` long, in order) and lets an idle worker steal from the end of a
+    busy one's share. With the slow multi-process tests at the head of every share, each worker
+    starts on its part of them while the short tests fill the gaps and are what gets stolen; in
+    file order one share held most of them and the run ended on a tail of heavy tests."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    fast = [item for item in items if not item.get_closest_marker("slow")]
+    ordered, left = [], len(items)
+    for w in range(workers):
+        size = left // (workers - w)
+        share = slow[w::workers]
+        take = max(0, size - len(share))
+        ordered += share + fast[:take]
+        fast = fast[take:]
+        left -= size
+    items[:] = ordered + fast

@@ -35,6 +35,22 @@ def _train_args(protocol: str, steps: int) -> list[str]:
               if protocol == "streaming-diloco" else [])]
 
 
+# Prints, twice a second, the `$via` each named home peer has in the status of the node at argv[1].
+POLL_VIAS = """
+import json, sys, time
+from starling.node.client import query
+address, ids = sys.argv[1], sys.argv[2:]
+while True:
+    try:
+        status = query(address, timeout_s=30)
+    except Exception as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+    else:
+        print(json.dumps({p["id"]: p["meta"].get("$via") for p in status["peers"] if p["id"] in ids}), flush=True)
+    time.sleep(0.5)
+"""
+
+
 class Peer:
     def __init__(self, prefix: list[str], args: list[str]) -> None:
         cmd = [*prefix, sys.executable, "-m", "starling.cli.main", "node", "start", *FAST, *args]
@@ -192,19 +208,24 @@ def test_killing_the_relay_in_use_moves_home_peers_to_the_other_and_training_goe
         survivor = peers[1 - ids.index(relay)]
         address, want = survivor.address(), {ids[2]: survivor.id, ids[3]: survivor.id}
 
-        def vias() -> dict:
-            # asked while the survivor still trains: a node leaves once its steps are done, and on a
-            # loaded box the public peers can finish well before the home peers reach step 32
-            status = json.loads(subprocess.run(
-                [*lab.exec_prefix("pub"), sys.executable, "-m", "starling.cli.main", "node", "status", address,
-                 "--json", "--timeout-s", "30"],
-                capture_output=True, text=True, timeout=120, check=True).stdout)
-            return {p["id"]: p["meta"].get("$via") for p in status["peers"] if p["id"] in ids[2:]}
-
-        deadline, seen = time.monotonic() + 180, None
-        while time.monotonic() < deadline and (seen := vias()) != want:
-            time.sleep(0.5)  # the home peers move once they find the relay dead (--dead-after-s 6)
-        assert seen == want, seen
+        # asked while the survivor still trains (a node leaves once its steps are done, and on a loaded
+        # box the public peers can finish well before the home peers reach step 32), by one process in
+        # the lab that asks twice a second: a `node status` per look would import torch each time
+        poller = subprocess.Popen([*lab.exec_prefix("pub"), sys.executable, "-c", POLL_VIAS, address, *ids[2:]],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            seen = None
+            deadline = time.monotonic() + 180  # the home peers move once they find the relay dead (6 s)
+            assert poller.stdout is not None
+            while time.monotonic() < deadline and seen != want:
+                line = poller.stdout.readline()
+                if not line:
+                    break
+                seen = json.loads(line)
+            assert seen == want, seen
+        finally:
+            poller.kill()
+            poller.wait()
         for p in peers[2:]:  # the home peers go on training
             p.wait_for('"step": 32')
         finals = [p.stopped() for p in peers if p is not victim]
