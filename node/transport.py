@@ -165,7 +165,10 @@ class Transport:
 
     async def bind(self, endpoints: Sequence[str], policy: ZapPolicy | None) -> list[str]:
         """Bind the ROUTER; returns the concrete endpoints (ephemeral ports resolved)."""
-        router = self.context.socket(zmq.ROUTER)
+        try:
+            router = self.context.socket(zmq.ROUTER)
+        except zmq.ZMQError as exc:  # out of descriptors or of the context's sockets: this start fails, cleanly
+            raise OSError(f"cannot open a socket to listen on: {exc}") from None
         self._common(router)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # dual stack only where asked: with it, IPv4 binds report v4-mapped v6 endpoints

@@ -87,7 +87,10 @@ class Simulation:
         peers = [make_peer(rank) for rank in range(config.peers)]
         threads: list[threading.Thread] = []
         try:
-            address = peers[0].start([])
+            try:
+                address = peers[0].start([])
+            except OSError as exc:  # it could not listen: out of descriptors, a port taken
+                raise SimError(f"the first peer could not start: {exc}") from None
             try:
                 start_together(peers[1:], [address])
             except (JoinError, OSError) as exc:

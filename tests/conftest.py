@@ -182,16 +182,26 @@ def pytest_collection_modifyitems(config, items):
     `len(left) // workers_left` long, in order) and lets an idle worker steal from the end of a
     busy one's share. With the slow multi-process tests at the head of every share, each worker
     starts on its part of them while the short tests fill the gaps and are what gets stolen; in
-    file order one share held most of them and the run ended on a tail of heavy tests."""
+    file order one share held most of them and the run ended on a tail of heavy tests. Tests
+    marked with one `xdist_group` stay together, on one worker: they share a module-scoped
+    fixture too costly to build once per worker (the Hugging Face example's run)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    fast = [item for item in items if not item.get_closest_marker("slow")]
+    groups: dict[object, list[pytest.Item]] = {}
+    fast = []
+    for item in items:
+        if item.get_closest_marker("slow"):
+            group = item.get_closest_marker("xdist_group")
+            groups.setdefault(group.args[0] if group else item.nodeid, []).append(item)
+        else:
+            fast.append(item)
+    heads: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    for group in groups.values():  # in file order, each to the share with the fewest so far
+        min(heads, key=len).extend(group)
     ordered, left = [], len(items)
-    for w in range(workers):
+    for w, head in enumerate(heads):
         size = left // (workers - w)
-        share = slow[w::workers]
-        take = max(0, size - len(share))
-        ordered += share + fast[:take]
+        take = max(0, size - len(head))
+        ordered += head + fast[:take]
         fast = fast[take:]
         left -= size
     items[:] = ordered + fast

@@ -16,6 +16,8 @@ from starling.runtime import CheckpointStore
 
 # The `hf` extra (also in `test`, so CI has it): skip only where someone installed neither.
 pytest.importorskip("transformers")
+# One run of the example (three node processes) serves every test here: on one xdist worker
+pytestmark = pytest.mark.xdist_group("hf_example")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_causal_lm.py"
 _spec = importlib.util.spec_from_file_location("hf_causal_lm", EXAMPLE)

@@ -168,9 +168,12 @@ def test_a_run_out_of_sockets_finishes_or_ends_with_an_error_never_hangs():
         print("seconds:", time.monotonic() - started)
     """)
     out = result.stdout
-    # its nodes close idle sockets and go on; one that has none to close stops, and says why
-    assert "finished" in out or ("SimError: peer " in out and "node stopped: cannot open a socket" in out
-                                 and "Too many open files" in out), out + result.stderr
+    # its nodes close idle sockets and go on; one that has none to close stops, and says why: while
+    # training, or (on a starved box, where the peers still start as the first ones open connections)
+    # at the start, when a joiner cannot open the socket it would listen on
+    stopped = "SimError: peer " in out and "node stopped: cannot open a socket" in out
+    not_started = "SimError: a peer could not join: cannot open a socket to listen on" in out
+    assert "finished" in out or ((stopped or not_started) and "Too many open files" in out), out + result.stderr
     assert float(out.split("seconds:")[1]) < 60
 
 
