@@ -65,6 +65,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from procmem import rss_mb  # a sibling script module (benchmarks/ is not a package)
+
 # Targets of the hardening
 NODE_STOPS_TARGET = 0
 DIAL_BACK_TARGET = 0
@@ -183,14 +185,6 @@ def answers(node: Any, timeout_s: float = 5.0) -> bool:
         return True
     except Exception:
         return False
-
-
-def rss_mb(pid: int | str = "self") -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
 
 
 def frames_of(topic: str, sender: str, body: Any, payload: tuple[bytes, ...] = ()) -> list[bytes]:

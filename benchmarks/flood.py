@@ -36,6 +36,8 @@ import threading
 import time
 from typing import Any
 
+from procmem import rss_mb  # a sibling script module (benchmarks/ is not a package)
+
 RSS_TARGET_MB = 100.0
 STATUS_TARGET_S = 1.0
 STEP_RATIO_TARGET = 2.0
@@ -48,14 +50,6 @@ RSS_INTERVAL_S = 0.1
 
 def emit(row: dict[str, Any]) -> None:
     print(json.dumps(row), flush=True)
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def _trainer(node: Any, task: str, task_options: dict[str, Any], joining: bool) -> Any:

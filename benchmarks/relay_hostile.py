@@ -29,6 +29,8 @@ import socket
 import time
 from typing import Any
 
+from procmem import rss_mb  # a sibling script module (benchmarks/ is not a package)
+
 from starling.node.relay import RelayConfig
 
 RSS_SLACK_MB = 16.0
@@ -37,14 +39,6 @@ DELIVERY_TARGET = 0.95
 
 def emit(row: dict[str, Any]) -> None:
     print(json.dumps(row), flush=True)
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def _config() -> Any:

@@ -106,13 +106,7 @@ def echo_nodes() -> Iterator[Callable[..., Node]]:
         node.close()
 
 
-def rss_mb() -> float:
-    """This process's resident memory, in MB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+rss_mb = load_benchmark("procmem").rss_mb  # this process's resident memory, in MB
 
 
 def swarm(make_node: Callable[..., Node], n: int) -> list[Node]:
