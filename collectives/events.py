@@ -15,7 +15,8 @@ GONE = (PeerStatus.DEAD, PeerStatus.LEFT)
 
 def watch_peers(node: Node, joined: Callable[[str], None], left: Callable[[str], None],
                 is_open: Callable[[], bool]) -> None:
-    """Route the node's status changes to a protocol's join/leave hooks (network thread)."""
+    """Route the node's status changes to a protocol's join/leave hooks (network thread). A
+    peer this node bans is gone for the protocol too: no round waits for it again."""
 
     def on_change(change: StatusChange) -> None:
         if not is_open():
@@ -26,6 +27,7 @@ def watch_peers(node: Node, joined: Callable[[str], None], left: Callable[[str],
             joined(change.peer_id)
 
     node.on_peer_change(on_change)
+    node.on_ban(lambda peer: left(peer) if is_open() else None)
 
 
 def membership(node: Node) -> tuple[str, ...]:

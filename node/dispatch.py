@@ -50,7 +50,8 @@ class Dispatcher:
 
     def __init__(self, local: LocalPeer, table: PeerTable, outbox: Outbox, stats: NodeStats, spawn: Spawn, *,
                  limits: Limits, admission: AdmissionConfig, load: Callable[[], float],
-                 closed: Callable[[], bool], handlers: dict[str, tuple[Handler, bool]]) -> None:
+                 closed: Callable[[], bool], handlers: dict[str, tuple[Handler, bool]],
+                 banned: Callable[[str], bool] = lambda peer: False) -> None:
         self.local = local
         self.table = table
         self.outbox = outbox
@@ -59,6 +60,7 @@ class Dispatcher:
         self.admission = Admission(admission, load)
         self._spawn = spawn
         self._closed = closed
+        self._banned = banned  # a banned member's messages are dropped and counted (node.trust)
         self.handlers = handlers  # topic -> (handler, public): the node's `on`
         # a peer's status changed on a message from it: the membership protocol's `notify`,
         # wired by the node (that protocol is built after, and serves its topics here)
@@ -152,6 +154,8 @@ class Dispatcher:
     def _on_reply(self, via: str, msg: Message, nbytes: int) -> None:
         if msg.topic != rpc.REPLY_TOPIC:
             raise WireError(RejectReason.BAD_FIELD, f"expected a reply, got {msg.topic!r}", field="topic")
+        if self._banned(via):
+            raise WireError(RejectReason.BANNED, f"a reply from {via}, which is banned", field="sender")
         rid, ok, body = rpc.parse_reply(msg)
         if not self.outbox.pending.expects(rid, via):
             raise WireError(RejectReason.BAD_FIELD, f"reply {rid} from {via} matches no request", field="body")
@@ -177,6 +181,8 @@ class Dispatcher:
         if topic == rpc.REQUEST_TOPIC:
             topic, rid, body = rpc.parse_request(msg)
         member = info is not None
+        if member and self._banned(msg.sender):
+            raise WireError(RejectReason.BANNED, f"{msg.sender} is banned (topic {topic!r})", field="sender")
         if not member:
             if rid is None or not self._is_public(topic):
                 raise WireError(RejectReason.UNKNOWN_PEER, f"{msg.sender} is not a member (topic {topic!r})",

@@ -56,6 +56,7 @@ from starling.node.stats import NodeStats
 from starling.node.swarm import JoinError, Swarm, SwarmConfigError, config_conflicts
 from starling.node.transfer import BlobServer, TransferConfig, afetch_patiently
 from starling.node.transport import Inbound, Transport, TransportConfig
+from starling.node.trust import ACCUSE, Trust
 from starling.node.wire import ENVELOPE_BYTES, Limits, Message, RejectReason, WireError, frame_nbytes
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class NodeConfig:
     leave_timeout_s: float = 1.0
     forget_after_s: float = 60.0  # dead/left peers are dropped from the table after this
     table: TableLimits = field(default_factory=TableLimits)  # how many peers the table holds, and per relayer
+    # members whose word it takes to ban a peer without evidence any peer can check (node.trust):
+    # more than the colluding liars a swarm should survive
+    ban_witnesses: int = 2
 
 
 class Node:
@@ -122,9 +126,10 @@ class Node:
         self._pending = rpc.PendingRequests()
         self._outbox = Outbox(local.peer_id, self._table, stats, self._pending,
                               request_timeout_s=config.request_timeout_s)
+        self.trust = Trust(local, self._table, stats, self._send_quietly, spawn, witnesses=config.ban_witnesses)
         self._dispatch = Dispatcher(local, self._table, self._outbox, stats, spawn, limits=config.limits,
                                     admission=config.admission, load=self._net.load, closed=lambda: self.closed,
-                                    handlers=self._handlers)
+                                    handlers=self._handlers, banned=self.trust.is_banned)
         self._swarm = Swarm(local, self._table, self._outbox, stats, spawn, liveness=config.liveness,
                             admission=config.admission, forget_after_s=config.forget_after_s,
                             leave_timeout_s=config.leave_timeout_s, reject=self._dispatch.reject,
@@ -142,6 +147,7 @@ class Node:
         for part in (self._swarm, self._bootstrap, self._relay):
             part.register(self._dispatch)
         self._dispatch.on_internal_request(STATUS, self._answer_status, public=True)
+        self._dispatch.on_internal_message(ACCUSE, self.trust.on_accusation)
 
     def _use_identity(self, identity: Identity) -> None:
         """`start(key=...)` replaces the identity the node was built with: every part that
@@ -391,8 +397,14 @@ class Node:
         return self.live_peers_here()
 
     def live_peers_here(self) -> list[str]:
-        """`live_peers` for code already on the network thread (a handler): a plain read."""
-        return sorted(p.peer_id for p in self._table.live())
+        """`live_peers` for code already on the network thread (a handler): a plain read.
+        Banned peers are not in it: they own no shard and lead no round."""
+        banned = self.trust.banned
+        return sorted(p.peer_id for p in self._table.live() if p.peer_id not in banned)
+
+    def on_ban(self, callback: Callable[[str], None]) -> None:
+        """`callback(peer_id)` on the network thread when this node bans a peer (`node.trust`)."""
+        self.trust.on_ban(callback)
 
     async def _snapshot(self) -> list[PeerView]:
         return self._table.views(time.monotonic())
@@ -485,6 +497,7 @@ class Node:
             "zap_denied": self.zap_denied,
             "sockets": self._socket_counts(),
             "relaying": self._relay.status(),
+            "trust": self.trust.status(),
         }
 
     def _socket_counts(self) -> dict[str, int]:
@@ -517,6 +530,13 @@ class Node:
         """Send any message, "$" topics included (tests and benchmarks that play a hostile peer)."""
         await self._outbox.send(peer, topic, body, payload, wait=wait, stats_topic=stats_topic,
                                 timeout_s=timeout_s, check_body=check_body)
+
+    async def _send_quietly(self, peer: str, topic: str, body: Any) -> None:
+        """A one-way message that may fail unseen (an accusation to a peer that just left)."""
+        try:
+            await self._outbox.send(peer, topic, body)
+        except Exception as exc:
+            log.debug("%s: %s to %s failed: %s", self.peer_id, topic, peer, exc)
 
     def _notify(self, change: StatusChange) -> None:
         self._swarm.notify(change)

@@ -78,6 +78,7 @@ class RejectReason(str, Enum):
     REPLAYED = "replayed"  # a relayed message delivered before
     TABLE_FULL = "table_full"  # a relayed record refused: the peer table, or its relayer's share of it, is full
     REACH_ELSEWHERE = "reach_elsewhere"  # a dial-back asked for addresses not at the asker's own IP
+    BANNED = "banned"  # from a member this node banned (node.trust)
 
 
 # The bytes of a message around its body (version, topic, sender, sequence, request id, frame
