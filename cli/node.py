@@ -28,6 +28,7 @@ from starling.common import parse_options
 from starling.node.identity import Identity
 from starling.node.membership import Liveness
 from starling.node.transport import TransportConfig
+from starling.node.wire import RejectReason
 
 log = logging.getLogger(__name__)
 
@@ -323,4 +324,22 @@ def _status_lines(status: Any) -> list[str]:
     lines.append(f"  sent {sum(sum(t.values()) for t in stats['bytes_sent'].values())} B, "
                  f"received {sum(sum(t.values()) for t in stats['bytes_received'].values())} B, "
                  f"rejected {sum(stats['rejected'].values())}")
+    lines.extend(_trust_lines(status.get("trust") or {}, stats["rejected"].get(RejectReason.BANNED.value, 0)))
+    return lines
+
+
+def _trust_lines(trust: dict[str, Any], dropped: int) -> list[str]:
+    """What the node holds against other peers (`node.trust`): nothing when it holds nothing."""
+    banned, counts, accused = trust.get("banned") or {}, trust.get("counts") or {}, trust.get("accused") or {}
+    if not (banned or counts or accused):
+        return []
+    lines = ["  trust" + (f" ({dropped} messages from banned peers dropped)" if dropped else "")]
+    for peer, ban in sorted(banned.items()):
+        how = "verifiable" if ban["verifiable"] else "witnessed"
+        witnesses = " ".join(ban["witnesses"])
+        lines.append(f"    banned   {peer}  {ban['kind']} evidence of round {ban['round']} ({how}), by {witnesses}")
+    for peer, kinds in sorted(counts.items()):
+        lines.append(f"    counts   {peer}  " + "  ".join(f"{kind} {n}" for kind, n in sorted(kinds.items())))
+    for peer, witnesses in sorted(accused.items()):
+        lines.append(f"    accused  {peer}  by {' '.join(witnesses)}")
     return lines

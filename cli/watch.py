@@ -2,10 +2,12 @@
 
 Every `--interval-s` it asks the node for its status (`$status`, the request `node status`
 makes) and redraws: each peer's status, its step, loss and last sync (from the heartbeat
-meta that training peers publish, so one node shows them all), and the bytes per second
-between the watched node and that peer (from the difference of two answers). The watched
-node's own row shows its totals. A node that does not answer stays on screen, marked so,
-and is asked again. Ctrl-C (or SIGTERM) ends it with exit status 0.
+meta that training peers publish, so one node shows them all), the bytes per second
+between the watched node and that peer (from the difference of two answers), and what the
+watched node holds against it (`flagged`: the parts of it that the node refused, screened,
+clipped or disputed, or BANNED). The watched node's own row shows its totals. A node that
+does not answer stays on screen, marked so, and is asked again. Ctrl-C (or SIGTERM) ends it
+with exit status 0.
 
 The answer comes from whoever listens at ADDR, so it is read as untrusted: every value is
 checked for its type, and every text is shortened and stripped of control characters
@@ -33,6 +35,7 @@ from starling.node.address import parse_address
 from starling.node.identity import Identity
 
 STATUS_STYLE = {"self": "bold", "alive": "green", "suspect": "yellow", "dead": "red", "left": "dim"}
+FLAGGED = ("refused", "screened", "clipped", "disputed")  # the trust counts summed in the `flagged` column
 _ORDER = {"alive": 0, "suspect": 1, "dead": 2, "left": 3}
 
 
@@ -112,6 +115,8 @@ class Row:
     status: str
     meta: dict[str, Any]
     seen_s: float | None  # seconds since the watched node last heard from it
+    flagged: int = 0  # its parts that the watched node refused, screened, clipped or disputed
+    banned: bool = False
 
 
 @dataclass
@@ -136,8 +141,27 @@ def parse_status(status: Any) -> tuple[Row, list[Row], Sample]:
             raise Malformed("a peer entry is not a map")
         meta = p.get("meta") if isinstance(p.get("meta"), dict) else {}
         rows.append(Row(str(p.get("id", "?")), str(p.get("status", "?")), meta, number(p.get("last_seen_s"))))
+    flagged, banned = held_against(status.get("trust"))
+    for row in rows:
+        row.flagged, row.banned = flagged.get(row.peer, 0), row.peer in banned
     rows.sort(key=lambda r: (_ORDER.get(r.status, 9), r.peer))
     return me, rows, Sample(0.0, per_peer(stats.get("bytes_sent")), per_peer(stats.get("bytes_received")))
+
+
+def held_against(trust: Any) -> tuple[dict[str, int], set[str]]:
+    """From a status's `trust` (absent from older nodes): each peer's FLAGGED counts summed,
+    and the banned peers."""
+    if trust is None:
+        return {}, set()
+    if not isinstance(trust, dict) or not isinstance(trust.get("counts", {}), dict) \
+            or not isinstance(trust.get("banned", {}), dict):
+        raise Malformed("the trust entry is not a map of counts and bans")
+    flagged = {}
+    for peer, kinds in trust.get("counts", {}).items():
+        if not isinstance(kinds, dict):
+            raise Malformed("the trust counts of a peer are not a map")
+        flagged[str(peer)] = int(sum(n for kind, n in kinds.items() if kind in FLAGGED and number(n) is not None))
+    return flagged, {str(peer) for peer in trust.get("banned", {})}
 
 
 def rate(now: Sample, before: Sample | None, table: str, peer: str | None) -> float | None:
@@ -193,7 +217,8 @@ class WatchView:
         table = Table(title=Text(f"starling node watch {clean(self.address, 120)}"), caption=self._caption(now),
                       caption_justify="left")
         for name, justify in (("peer", "left"), ("status", "left"), ("step", "right"), ("loss", "right"),
-                              ("in/s", "right"), ("out/s", "right"), ("last sync", "right"), ("seen", "right")):
+                              ("in/s", "right"), ("out/s", "right"), ("last sync", "right"), ("seen", "right"),
+                              ("flagged", "right")):
             table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
         if self.me is None or self.sample is None:
             return table
@@ -202,8 +227,11 @@ class WatchView:
             cells = [clean(row.peer, 20), clean(row.status, 10), _step(row.meta.get("step")),
                      _loss(row.meta.get("loss")), human_rate(rate(self.sample, self.previous, "received", peer)),
                      human_rate(rate(self.sample, self.previous, "sent", peer)), _ago(row.meta.get("synced"), wall),
-                     "-" if row.seen_s is None else f"{row.seen_s:.1f} s"]
-            table.add_row(*(Text(c) for c in cells), style="dim" if self.error else STATUS_STYLE.get(row.status, ""))
+                     "-" if row.seen_s is None else f"{row.seen_s:.1f} s", _flagged(row)]
+            texts = [Text(c) for c in cells]
+            if row.banned:
+                texts[-1].stylize("bold red")
+            table.add_row(*texts, style="dim" if self.error else STATUS_STYLE.get(row.status, ""))
         return table
 
     def _caption(self, now: float) -> Text:
@@ -214,7 +242,14 @@ class WatchView:
         if self.answered_at is None:
             return Text("asking...")
         return Text(f"answered {now - self.answered_at:.1f} s ago, asked every {self.interval_s:g} s; in/s, out/s: "
-                    "with this node (its own row: in all); Ctrl-C ends")
+                    "with this node (its own row: in all); flagged: its parts this node refused, screened, clipped or "
+                    "disputed; Ctrl-C ends")
+
+
+def _flagged(row: Row) -> str:
+    if row.banned:
+        return "BANNED"
+    return str(row.flagged) if row.flagged else "-"
 
 
 def _step(value: Any) -> str:

@@ -13,9 +13,10 @@ Each server has its own `CollectorRegistry`, never prometheus_client's global on
 several nodes in one process (tests, a simulation) each export their own.
 
 Labels stay bounded whatever the swarm does. `peer` is a member of the peer table, at most
-`MAX_PEER_LABELS` of them. Everything else is counted under `<strangers>` (senders outside the
-swarm, as the node's stats count them) or `<others>`. `topic` and `reason` keep at most
-`MAX_TOPIC_LABELS` and `MAX_REASON_LABELS` values, the rest under `<others>`.
+`MAX_PEER_LABELS` of them, or (in the trust metrics) one of at most `MAX_PEER_LABELS` banned
+peers. Everything else is counted under `<strangers>` (senders outside the swarm, as the node's
+stats count them) or `<others>`. `topic`, `reason` and `kind` keep at most `MAX_TOPIC_LABELS`,
+`MAX_REASON_LABELS` and `MAX_KIND_LABELS` values, the rest under `<others>`.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from starling.protocols import StepReport
 MAX_PEER_LABELS = 64
 MAX_TOPIC_LABELS = 64
 MAX_REASON_LABELS = 64
+MAX_KIND_LABELS = 64
 
 
 class MetricsError(Exception):
@@ -88,6 +90,10 @@ class TrainingProgress:
 def _bounded(names: Iterator[str] | list[str], limit: int) -> set[str]:
     """The first `limit` names in sorted order: the ones that keep a label of their own."""
     return set(sorted(set(names))[:limit])
+
+
+async def _read_trust(node: Node) -> dict[str, Any]:
+    return node.trust.status()
 
 
 class NodeCollector:
@@ -143,6 +149,7 @@ class NodeCollector:
                                   stats["stalls"])
         yield CounterMetricFamily("starling_stall_seconds", "Total lateness of those wake-ups (not held against "
                                   "peers' silence).", stats["stalled_s"])
+        yield from self._trust(members)
         yield from self._training()
 
     def _bytes(self, direction: str, table: Mapping[str, Mapping[str, int]], members: set[str]) -> Metric:
@@ -157,6 +164,35 @@ class NodeCollector:
         for (peer, topic), nbytes in sorted(sums.items()):
             family.add_metric([peer, topic], nbytes)
         return family
+
+    def _trust(self, members: set[str]) -> Iterator[Metric]:
+        """What this node holds against other peers (`node.trust`), read on the network thread
+        that writes it."""
+        node = self.node
+        trust = node.trust.status() if node.closed else node.run(_read_trust(node))
+        banned = trust["banned"]
+        named_bans = _bounded(banned, MAX_PEER_LABELS)
+        labelled = members | named_bans
+        counts = trust["counts"]
+        kinds = _bounded([k for per in counts.values() for k in per], MAX_KIND_LABELS)
+        sums: dict[tuple[str, str], int] = defaultdict(int)
+        for peer, per in counts.items():
+            for kind, n in per.items():
+                sums[peer if peer in labelled else OTHERS, kind if kind in kinds else OTHERS] += n
+        family = CounterMetricFamily("starling_peer_contributions", "What this node counted against each peer's "
+                                     "contributions (refused, screened, clipped, disputed, ...), by peer and kind.",
+                                     labels=["peer", "kind"])
+        for (peer, kind), n in sorted(sums.items()):
+            family.add_metric([peer, kind], n)
+        yield family
+        yield GaugeMetricFamily("starling_banned_peers", "Peers this node has banned.", len(banned))
+        per_peer = GaugeMetricFamily("starling_peer_banned", "1 for each peer this node has banned (<others>: "
+                                     "how many more).", labels=["peer"])
+        for peer in sorted(named_bans):
+            per_peer.add_metric([peer], 1)
+        if len(banned) > len(named_bans):
+            per_peer.add_metric([OTHERS], len(banned) - len(named_bans))
+        yield per_peer
 
     def _training(self) -> Iterator[Metric]:
         progress, trainer = self.progress, self.trainer

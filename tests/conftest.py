@@ -27,6 +27,7 @@ from starling.node.address import parse_address
 from starling.node.identity import Identity
 from starling.node.membership import Liveness
 from starling.node.node import Node, NodeConfig
+from starling.node.trust import Evidence
 
 # Fast enough for tests, slow enough not to flap on a loaded 2-core CI box.
 TEST_LIVENESS = Liveness(heartbeat_interval_s=0.2, suspect_timeout_s=1.5, dead_timeout_s=3.0)
@@ -159,6 +160,24 @@ def in_parallel(fns: list) -> list:
 
 def statuses(node: Node) -> dict[str, str]:
     return {p.id: p.status.value for p in node.peers}
+
+
+def hold_against(node: Node, banned: Identity, accused: Identity) -> None:
+    """Make `node.trust` hold something against two peers, on its network thread: `banned` is
+    banned on verifiable evidence (`forged_part`, round 7, confirmed by a check that confirms
+    anything) after 3 of its parts were screened and 1 clipped; `accused` had 2 parts refused
+    and stands accused (`late_part`, round 8) by this node alone, one witness of the two a ban
+    without proof needs."""
+    async def on_network_thread() -> None:
+        trust = node.trust
+        trust.register_check("forged_part", lambda evidence: True)
+        trust.note(banned.peer_id, "screened", 3)
+        trust.note(banned.peer_id, "clipped")
+        trust.note(accused.peer_id, "refused", 2)
+        trust.accuse(Evidence("forged_part", banned.peer_id, banned.verify_key, 7))
+        trust.accuse(Evidence("late_part", accused.peer_id, accused.verify_key, 8))
+
+    node.run(on_network_thread())
 
 
 @pytest.fixture(autouse=True)

@@ -19,10 +19,12 @@ from starling.cli.main import app
 from starling.node.client import query
 
 EXPECTED = {  # what an operator watches: steps, loss, bytes per topic and peer, peers by status, rounds completed and
-    # closed without someone, stall seconds, rejected frames by reason, checkpoint age
+    # closed without someone, stall seconds, rejected frames by reason, checkpoint age, what the node holds against
+    # its peers
     "starling_steps", "starling_step", "starling_loss", "starling_bytes_sent", "starling_bytes_received",
     "starling_peers", "starling_rounds", "starling_rounds_incomplete", "starling_stall_seconds",
     "starling_rejected_frames", "starling_checkpoint_age_seconds", "starling_node_info",
+    "starling_peer_contributions", "starling_banned_peers", "starling_peer_banned",
 }
 
 
@@ -86,6 +88,7 @@ def test_a_scrape_names_every_metric_and_the_values_move_as_the_swarm_trains(tmp
         (joiner_id,) = joiner_ids
         assert total(before, "starling_bytes_sent_total", peer=joiner_id) > 0
         assert total(before, "starling_rounds_total") > 0
+        assert total(before, "starling_banned_peers") == 0  # an honest swarm bans no one
         info = [dict(ls) for (n, ls) in before if n == "starling_node_info"]
         assert info and info[0]["protocol"] == "allreduce" and info[0]["task"] == "quadratic"
 

@@ -8,10 +8,12 @@ import threading
 import msgpack
 import pytest
 import zmq
+from conftest import hold_against, wait_until
 from typer.testing import CliRunner
 
 from starling.cli.main import app
 from starling.cli.shared import MAX_JSON_DEPTH, json_text
+from starling.node.identity import Identity
 from starling.node.node import Node
 from starling.node.wire import WIRE_VERSION, decode
 
@@ -110,3 +112,29 @@ def test_status_shows_a_replicas_rank_digests_and_whether_they_agree():
         node.close()
     assert json.loads(as_json.output)["info"]["replica"]["digests"] == ["aaaa", "bbbb"]
     assert "replica of 2 ranks, at step 50 their models DIFFER: aaaa bbbb" in table.output
+    assert "trust" not in table.output  # a node that holds nothing against anyone says nothing of it
+
+
+def test_status_shows_the_bans_counts_and_accusations_a_node_holds_against_its_peers(make_node):
+    node = make_node("tcp")
+    banned = make_node("tcp", join=[node.address])
+    assert wait_until(lambda: banned.peer_id in node.live_peers())
+    accused = Identity.generate()
+    hold_against(node, banned.identity, accused)
+    assert wait_until(lambda: node.stats.snapshot()["rejected"].get("banned", 0) > 0)  # its heartbeats, dropped
+    as_json = json.loads(runner.invoke(app, ["node", "status", node.address, "--json"]).output)
+    table = runner.invoke(app, ["node", "status", node.address])
+    me, b, a = node.peer_id, banned.peer_id, accused.peer_id
+    assert as_json["trust"] == {
+        "counts": {b: {"screened": 3, "clipped": 1, "accused.forged_part": 1}, a: {"refused": 2, "accused.late_part": 1}},
+        "banned": {b: {"kind": "forged_part", "round": 7, "witnesses": [me], "verifiable": True}},
+        "accused": {a: [me]},
+    }
+    assert table.exit_code == 0, table.output
+    lines = table.output.splitlines()
+    assert any(line.startswith("  trust (") and "messages from banned peers dropped)" in line for line in lines)
+    for line in (f"    banned   {b}  forged_part evidence of round 7 (verifiable), by {me}",
+                 f"    counts   {b}  accused.forged_part 1  clipped 1  screened 3",
+                 f"    counts   {a}  accused.late_part 1  refused 2",
+                 f"    accused  {a}  by {me}"):
+        assert line in lines, table.output

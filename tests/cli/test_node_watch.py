@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from conftest import TEST_LIVENESS, wait_until
+from conftest import TEST_LIVENESS, hold_against, wait_until
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -85,7 +85,7 @@ def test_watch_draws_the_peers_in_a_terminal_keeps_asking_a_silent_node_and_ends
                      "--interval-s", "0.2", "--timeout-s", "1"])
     try:
         assert term.shows(watched.peer_id, "self", "41", "0.125", peer.peer_id, "alive", "40", "0.5", "s ago",
-                          "in/s", "out/s"), term.text
+                          "in/s", "out/s", "flagged"), term.text
         assert term.shows(" B/s"), term.text  # heartbeats between them, over two answers: a rate
         watched.close()
         assert term.shows("no answer for", "still asking"), term.text
@@ -133,8 +133,30 @@ def test_an_answer_is_untrusted_text_never_terminal_control():
     assert clean("a" * 100, 10) == "a" * 9 + "…"
 
 
+def test_a_peer_row_shows_what_the_node_holds_against_it_and_a_ban(make_node):
+    watched = make_node("tcp")
+    banned, accused = make_node("tcp", join=[watched.address]), make_node("tcp", join=[watched.address])
+    assert wait_until(lambda: {banned.peer_id, accused.peer_id} <= set(watched.live_peers()))
+    hold_against(watched, banned.identity, accused.identity)
+    watched.run(_note(watched, accused.peer_id, {"screened": 1, "clipped": 4, "disputed": 1, "not_finite": 9}))
+    view = WatchView("tcp://127.0.0.1:1", 1.0)
+    view.answered(watched.status(), 1.0)
+    rows = {line.split("│")[1].strip(): line.split("│")[-2].strip() for line in _draw(view).splitlines()
+            if line.count("│") > 2}
+    # refused 2, screened 1, clipped 4, disputed 1; not_finite and accused.late_part are not in the sum
+    assert rows == {watched.peer_id: "-", banned.peer_id: "BANNED", accused.peer_id: "8"}
+
+
+async def _note(node, peer: str, kinds: dict[str, int]) -> None:
+    for kind, n in kinds.items():
+        node.trust.note(peer, kind, n)
+
+
 @pytest.mark.parametrize("status", [None, [], {"peers": "x"}, {"peers": [], "stats": {"bytes_sent": []}},
-                                    {"peers": [1], "stats": {"bytes_sent": {}, "bytes_received": {}}}])
+                                    {"peers": [1], "stats": {"bytes_sent": {}, "bytes_received": {}}},
+                                    {"peers": [], "stats": {"bytes_sent": {}, "bytes_received": {}}, "trust": []},
+                                    {"peers": [], "stats": {"bytes_sent": {}, "bytes_received": {}},
+                                     "trust": {"counts": {"p": 3}}}])
 def test_a_malformed_answer_is_named_and_the_last_good_one_stays(status):
     view = WatchView("tcp://127.0.0.1:1", 1.0)
     view.answered({"id": "me", "peers": [], "stats": {"bytes_sent": {}, "bytes_received": {}}}, 1.0)

@@ -7,12 +7,15 @@ import math
 import urllib.request
 
 import pytest
-from conftest import wait_until
+from conftest import hold_against, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from starling.node.identity import Identity
 from starling.node.stats import OTHERS, STRANGERS
+from starling.node.trust import Evidence
 from starling.protocols import StepReport
 from starling.runtime.metrics import (
+    MAX_KIND_LABELS,
     MAX_PEER_LABELS,
     MAX_REASON_LABELS,
     MAX_TOPIC_LABELS,
@@ -69,6 +72,40 @@ def test_labels_stay_bounded_whatever_the_counters_hold(make_node):
     assert sum(s.value for s in sent if s.labels["peer"] == OTHERS) == 3 * MAX_PEER_LABELS * 10  # folded, not lost
     reasons = [s for s in samples if s.name == "starling_rejected_frames_total"]
     assert len(reasons) == MAX_REASON_LABELS + 1 and sum(s.value for s in reasons) == 2 * MAX_REASON_LABELS
+
+
+def test_trust_counts_and_bans_are_exported_with_bounded_labels(make_node):
+    node = make_node("tcp")
+    member = make_node("tcp", join=[node.address])
+    assert wait_until(lambda: member.peer_id in node.live_peers())
+    stranger = Identity.generate()  # never in the table, never banned: its counts fold under <others>
+    hold_against(node, member.identity, stranger)
+    many = [Identity.generate() for _ in range(MAX_PEER_LABELS + 3)]
+
+    async def ban_many_and_count_many_kinds() -> None:
+        for identity in many:
+            node.trust.accuse(Evidence("forged_part", identity.peer_id, identity.verify_key, 9))
+        for i in range(2 * MAX_KIND_LABELS):
+            node.trust.note(member.peer_id, f"x-{i}")  # sorted after the kinds above: these fold
+
+    node.run(ban_many_and_count_many_kinds())
+    server = MetricsServer(node)
+    try:
+        samples = _samples(server.url)
+    finally:
+        server.close()
+    contributions = {(s.labels["peer"], s.labels["kind"]): s.value for s in samples
+                     if s.name == "starling_peer_contributions_total"}
+    assert contributions[member.peer_id, "screened"] == 3 and contributions[member.peer_id, "clipped"] == 1
+    assert contributions[OTHERS, "refused"] == 2
+    assert len({kind for _, kind in contributions}) <= MAX_KIND_LABELS + 1
+    counts = node.status()["trust"]["counts"]
+    assert sum(contributions.values()) == sum(n for per in counts.values() for n in per.values())  # folded, not lost
+    assert [s.value for s in samples if s.name == "starling_banned_peers"] == [len(many) + 1]
+    per_peer = {s.labels["peer"]: s.value for s in samples if s.name == "starling_peer_banned"}
+    assert len(per_peer) == MAX_PEER_LABELS + 1
+    assert per_peer.pop(OTHERS) == len(many) + 1 - MAX_PEER_LABELS  # the banned peers past the cap, counted
+    assert set(per_peer.values()) == {1}
 
 
 def test_progress_counts_rounds_and_rounds_that_went_on_without_someone():
