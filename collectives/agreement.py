@@ -23,11 +23,12 @@ if TYPE_CHECKING:
 WIDTH = 8  # digest bytes compared: a false "agree" needs a 2^-64 collision
 
 
-def digest_bytes(tensors: Sequence[torch.Tensor]) -> bytes:
+def digest_bytes(tensors: Sequence[torch.Tensor], width: int = WIDTH) -> bytes:
+    """The first `width` bytes (at most 32) of the sha256 of the tensors' bits, in order."""
     digest = hashlib.sha256()
     for t in tensors:
         digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return digest.digest()[:WIDTH]
+    return digest.digest()[:width]
 
 
 class AgreementCheck:
