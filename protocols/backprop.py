@@ -59,8 +59,8 @@ class BackpropProtocol(Protocol):
         c: Any = self.config
         if not c.check_every:
             return None
-        guard = DriftGuard(self.node, prefix, c.check_every, reduce_timeouts(c), self.is_open,
-                           self._replica_tensors, self._replica_state, self._take_replica_state, what=what)
+        guard = DriftGuard(self.node, prefix, c.check_every, reduce_timeouts(c), self.is_open, self._replica_tensors,
+                           self._replica_state, self._take_replica_state, self._replica_tensors_of, what=what)
         self.side_reducers.append(guard.reducer)
         return guard
 
@@ -68,19 +68,31 @@ class BackpropProtocol(Protocol):
         """What the guard compares: the parameters."""
         return self.flat.params
 
-    def _replica_state(self) -> State:
-        """What a drifted peer takes from the first member: parameters and optimizer state, a
-        copy in host memory (kept until the next check, it spares an accelerator's)."""
-        header, tensors = optimizer_to_wire(self.optimizer)
-        return {"optimizer": header}, [self.flat.read_params().cpu(), *tensors]
+    def _replica_tensors_of(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """What `_replica_tensors()` would be after taking this state: its parameters, each in
+        its parameter's shape and dtype (as `write_params` rounds them)."""
+        chunks = torch.split(self._replica_params(tensors), self.flat.sizes)
+        return [chunk.view_as(p).to(p.dtype) for p, chunk in zip(self.flat.params, chunks)]
 
-    def _take_replica_state(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+    def _replica_params(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The flat parameters a state sent by `_replica_state` starts with (ValueError if not)."""
         params = tensors[0] if tensors else None
         if not (isinstance(params, torch.Tensor) and params.dtype == torch.float32
                 and params.numel() == self.flat.numel and bool(torch.isfinite(params).all())):
             raise ValueError(f"expected {self.flat.numel} finite float32 parameters first")
+        return params.reshape(-1)
+
+    def _replica_state(self) -> State:
+        """What a drifted peer takes from a member holding the majority's parameters: parameters
+        and optimizer state, a copy in host memory (kept until the next check, it spares an
+        accelerator's)."""
+        header, tensors = optimizer_to_wire(self.optimizer)
+        return {"optimizer": header}, [self.flat.read_params().cpu(), *tensors]
+
+    def _take_replica_state(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        params = self._replica_params(tensors)
         optimizer_from_wire(self.optimizer, header.get("optimizer") or {}, tensors[1:])
-        self.flat.write_params(params.reshape(-1))
+        self.flat.write_params(params)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

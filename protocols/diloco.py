@@ -338,9 +338,16 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         """What peers hold bit for bit: the outer parameters (the local ones differ by design)."""
         return self.outer
 
+    def _replica_tensors_of(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """What `_replica_tensors()` would be after taking this state: its outer parameters."""
+        if len(tensors) != 2 * len(self.fragments):
+            raise ValueError(f"expected {2 * len(self.fragments)} tensors, outer parameters then momentum")
+        return tensors[:len(self.fragments)]
+
     def _replica_state(self) -> State:
-        """What a drifted peer takes from the first member: the outer parameters and momentum of
-        every fragment at these versions, in host memory (kept until the next check)."""
+        """What a drifted peer takes from a member holding the majority's outer parameters: the
+        outer parameters and momentum of every fragment at these versions, in host memory (kept
+        until the next check)."""
         return {"versions": self.versions}, [t.cpu() for t in (*self.outer, *self.momentum)]
 
     def _take_replica_state(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:

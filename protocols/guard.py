@@ -4,26 +4,42 @@ parameters of allreduce and sketch-dp, the outer parameters of DiLoCo.
     every check_every rounds t, after the update:
         same = agree(t, members, digest of my parameters)    # collectives/agreement.py
         if not same:                                          # every member reaches the same verdict
-            the first member keeps a copy of its state for round t
-            every other member fetches it ("<prefix>sync") and takes it, and logs that it did
+            d[m] = m's sha256 of its parameters, for every member m ("<prefix>digest", in parallel;
+                   a member that does not answer holds none)
+            D = the digest more than half of the members hold, if any
+            if there is no D: nobody repairs, the next check decides (logged with the counts)
+            elif d[me] == D: keep my state, and serve a copy of it for round t
+            else: for each holder of D, in member order:
+                      fetch its state ("<prefix>sync"); if its parameters hash to D: take it, log it, stop
 
 Peers drift apart when they were built with different initial weights, or when a round went
 on without an owner's average (its shard kept each peer's own values). The state taken is
 whatever the protocol says (its parameters and optimizer state; DiLoCo's outer parameters and
 momentum), so that the peers also step alike afterwards. A round that went on without a member
 gives no verdict: the next check decides.
+
+The state comes from the majority, never from whoever sorts first: a peer that chose a key to
+sort first cannot spread a drifted or poisoned state. Each member answers only its own digest,
+and a fetched state is taken only if it hashes to the majority's, so a member that claims the
+majority's digest and serves another state is skipped for the next holder. Swarms of two, and
+swarms split evenly or every peer apart, have no majority: they are warned at every check and
+never repaired.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from starling.collectives import ReduceTimeouts
-from starling.collectives.agreement import AgreementCheck
+from starling.collectives.agreement import AgreementCheck, digest_bytes
+from starling.collectives.requests import request_patiently
+from starling.node.loop import AwakeDeadline
 from starling.node.rpc import Refusal, Reply, refusal, refusal_of
 
 if TYPE_CHECKING:
@@ -35,27 +51,41 @@ log = logging.getLogger(__name__)
 # A protocol's state as it travels: a msgpack-able header and tensors.
 State = tuple[dict[str, Any], list[torch.Tensor]]
 
+DIGEST_SIZE = 32  # the whole sha256: a served state must not be forged to match the majority's
+
 
 class DriftGuard:
     """Checks every `every` rounds that the members' `tensors()` agree; on a mismatch, every
-    member but the first takes the first member's `snapshot()` through `adopt(header, tensors)`
-    (which raises ValueError for a state it cannot take). Its logs call the tensors `what`."""
+    member whose `tensors()` are not the majority's takes a majority holder's `snapshot()`
+    through `adopt(header, tensors)` (which raises ValueError for a state it cannot take), once
+    `tensors_of(header, tensors)` (what `tensors()` would give after adopting it, or ValueError)
+    hash to the majority's digest. Its logs call the tensors `what`."""
 
     def __init__(self, node: Node, prefix: str, every: int, timeouts: ReduceTimeouts, is_open: Callable[[], bool],
                  tensors: Callable[[], Sequence[torch.Tensor]], snapshot: Callable[[], State],
-                 adopt: Callable[[dict[str, Any], list[torch.Tensor]], None], what: str = "parameters") -> None:
+                 adopt: Callable[[dict[str, Any], list[torch.Tensor]], None],
+                 tensors_of: Callable[[dict[str, Any], list[torch.Tensor]], Sequence[torch.Tensor]],
+                 what: str = "parameters") -> None:
         self.node, self.every, self.timeouts, self._is_open, self.what = node, every, timeouts, is_open, what
-        self._tensors, self._snapshot, self._adopt = tensors, snapshot, adopt
+        self._tensors, self._snapshot, self._adopt, self._tensors_of = tensors, snapshot, adopt, tensors_of
         self.check = AgreementCheck(node, f"{prefix}agree", timeouts, is_open)
         self.topic = f"{prefix}sync"
-        # (round, my state then or None): the last verdict of mine, and what I serve for it
+        self.digest_topic = f"{prefix}digest"
+        # (round, my digest then or None): my latest checked round, and my digest if it was a mismatch
+        self._checked: tuple[int, bytes | None] = (-1, None)
+        # (round, my state then or None): my latest repair decision, and what I serve for it
         self._served: tuple[int, State | None] = (-1, None)
         self.repairs = 0  # times this peer took another's state
         node.on(self.topic, self._on_sync)
+        node.on(self.digest_topic, self._on_digest)
 
     @property
     def reducer(self) -> Any:
         return self.check.reducer
+
+    @property
+    def _wait_s(self) -> float:
+        return self.timeouts.round_timeout_s + self.timeouts.reply_grace_s
 
     def due(self, t: int) -> bool:
         return self.every > 0 and t % self.every == 0
@@ -64,62 +94,135 @@ class DriftGuard:
         """Round t's check (training thread, every member of the round at once): the verdict,
         after any repair."""
         same = self.check.agree(t, members, self._tensors())
-        me, source = self.node.peer_id, members[0]
+        me = self.node.peer_id
         if same is not False:
-            self._served = (t, None)
+            self._checked = self._served = (t, None)
             return same
-        if source == me:
+        mine = digest_bytes(self._tensors(), DIGEST_SIZE)
+        self._checked = (t, mine)  # answered from now on: the others' decisions wait for it
+        digests = {**self.node.run(self._digests(t, [m for m in members if m != me])), me: mine}
+        counts = Counter(digests.get(m) for m in members)
+        majority = next((d for d, n in counts.items() if d is not None and 2 * n > len(members)), None)
+        if majority is None:
+            self._served = (t, None)
+            log.warning("%s: %s differ across the swarm at round %d and no state is held by more than half "
+                        "of its %d members (%s); nobody repairs, the next check decides", me, self.what, t,
+                        len(members), _describe(counts))
+            return same
+        if mine == majority:
             self._served = (t, self._snapshot())
-            log.warning("%s: %s differ across the swarm at round %d; the others take mine", me, self.what, t)
+            log.warning("%s: %s differ across the swarm at round %d; mine are the majority's (%d of %d members), "
+                        "the others take them", me, self.what, t, counts[majority], len(members))
             return same
         self._served = (t, None)
-        log.warning("%s: my %s differ from the swarm's at round %d; taking %s's", me, self.what, t, source)
-        if self._fetch(t, source):
-            self.repairs += 1
-        else:
-            log.warning("%s: could not take %s's state for round %d; checking again at the next check", me,
-                        source, t)
+        holders = [m for m in members if m != me and digests.get(m) == majority]
+        log.warning("%s: my %s differ from the swarm's at round %d, which %d of %d members hold; taking theirs "
+                    "from %s", me, self.what, t, counts[majority], len(members), holders[0])
+        for source in holders:
+            if self._fetch(t, source, majority):
+                self.repairs += 1
+                log.warning("%s: took %s's state for round %d", me, source, t)
+                return same
+        log.warning("%s: could not take the majority's state for round %d from any of %s; checking again at the "
+                    "next check", me, t, holders)
         return same
 
-    def _fetch(self, t: int, source: str) -> bool:
+    async def _digests(self, t: int, peers: list[str]) -> dict[str, bytes]:
+        """Network thread: round t's digest of each peer that gives it within the round's time."""
+        answers = await asyncio.gather(*(self._digest_of(t, peer) for peer in peers))
+        return {peer: d for peer, d in zip(peers, answers) if d is not None}
+
+    async def _digest_of(self, t: int, peer: str) -> bytes | None:
+        """`peer`'s own digest of round t, asked again while it has not checked that round yet;
+        None if it refuses for good, fails, or gives something else."""
+        deadline, retry_s = AwakeDeadline(self._wait_s), self.timeouts.retry_interval_s
+        while not deadline.expired():
+            try:
+                msg = await request_patiently(self.node, peer, self.digest_topic, {"round": t}, (), deadline, retry_s)
+            except Exception as exc:  # gone, or silent for the round's time
+                log.debug("%s: %s from %s failed: %s", self.node.peer_id, self.digest_topic, peer, exc)
+                return None
+            body = msg.body if isinstance(msg.body, dict) else {}
+            digest = body.get("digest")
+            if body.get("ok") and body.get("round") == t and isinstance(digest, bytes) and len(digest) == DIGEST_SIZE:
+                return digest
+            if refusal_of(body) is not Refusal.BUSY:
+                log.info("%s: %s gave no digest for round %d: %s", self.node.peer_id, peer, t, body)
+                return None
+            await deadline.sleep(retry_s)
+        return None
+
+    def _fetch(self, t: int, source: str, majority: bytes) -> bool:
         """Ask `source` for its state of round t until it serves it, refuses for good, or the
-        round's timeout (plus grace) has passed."""
-        deadline = time.monotonic() + self.timeouts.round_timeout_s + self.timeouts.reply_grace_s
+        round's timeout (plus grace) has passed; take it if it hashes to `majority`."""
+        me = self.node.peer_id
+        deadline = time.monotonic() + self._wait_s
         while time.monotonic() < deadline:
             try:
                 msg = self.node.request(source, self.topic, {"round": t},
                                         timeout_s=max(0.1, min(deadline - time.monotonic(), 10.0)))
             except Exception as exc:  # dead, or not serving yet: try until the deadline
-                log.debug("%s: %s from %s failed: %s", self.node.peer_id, self.topic, source, exc)
+                log.debug("%s: %s from %s failed: %s", me, self.topic, source, exc)
             else:
                 body = msg.body if isinstance(msg.body, dict) else {}
                 if body.get("ok"):
+                    header, tensors = body.get("state") or {}, list(msg.payload)
                     try:
-                        self._adopt(body.get("state") or {}, list(msg.payload))
+                        if digest_bytes(self._tensors_of(header, tensors), DIGEST_SIZE) != majority:
+                            log.warning("%s: %s claimed the majority's %s for round %d but served others; "
+                                        "trying the next holder", me, source, self.what, t)
+                            return False
+                        self._adopt(header, tensors)
                         return True
-                    except (ValueError, TypeError, KeyError) as exc:
-                        log.warning("%s: %s's state does not fit: %s", self.node.peer_id, source, exc)
+                    except (ValueError, TypeError, KeyError, IndexError) as exc:
+                        log.warning("%s: %s's state does not fit: %s", me, source, exc)
                         return False
                 if refusal_of(body) is not Refusal.BUSY:  # not "not yet": it will not serve it
-                    log.info("%s: %s refused its state: %s", self.node.peer_id, source, body)
+                    log.info("%s: %s refused its state: %s", me, source, body)
                     return False
             time.sleep(self.timeouts.retry_interval_s)
         return False
 
-    def _on_sync(self, msg: Message) -> Reply | dict[str, Any]:
-        """Network thread: my state as it was at the round of a mismatch, for the others."""
+    def _round_asked(self, msg: Message, latest: int) -> tuple[int, dict[str, Any] | None]:
+        """(the round a request names, or a refusal of it): refused while the protocol is closed,
+        for a malformed body, and for any round but my `latest` (BUSY before it, TOO_OLD past)."""
         if not self._is_open():
-            return refusal(Refusal.CLOSED, "protocol closed")
+            return -1, refusal(Refusal.CLOSED, "protocol closed")
         try:
             t = int(msg.body["round"])
         except (TypeError, KeyError, ValueError):
-            return refusal(Refusal.MALFORMED, "body must be {round: int}")
+            return -1, refusal(Refusal.MALFORMED, "body must be {round: int}")
+        if t > latest:
+            return t, refusal(Refusal.BUSY, f"no verdict for round {t} yet", step=latest)
+        if t < latest:
+            return t, refusal(Refusal.TOO_OLD, f"round {t} is past; the last check was {latest}", step=latest)
+        return t, None
+
+    def _on_digest(self, msg: Message) -> dict[str, Any]:
+        """Network thread: my own digest at round t, when my latest check was round t's mismatch."""
+        checked_round, digest = self._checked
+        t, refused = self._round_asked(msg, checked_round)
+        if refused is not None:
+            return refused
+        if digest is None:
+            return refusal(Refusal.NOT_FOUND, f"my verdict for round {t} was not a mismatch", step=checked_round)
+        return {"ok": True, "round": t, "digest": digest}
+
+    def _on_sync(self, msg: Message) -> Reply | dict[str, Any]:
+        """Network thread: my state as it was at the round of a mismatch, for the others, when it
+        was the majority's."""
         served_round, state = self._served
-        if t > served_round:
-            return refusal(Refusal.BUSY, f"no verdict for round {t} yet", step=served_round)
-        if t < served_round:
-            return refusal(Refusal.TOO_OLD, f"round {t} is past; the last check was {served_round}",
-                           step=served_round)
+        t, refused = self._round_asked(msg, served_round)
+        if refused is not None:
+            return refused
         if state is None:
-            return refusal(Refusal.NOT_FOUND, f"my verdict for round {t} was not a mismatch", step=served_round)
+            return refusal(Refusal.NOT_FOUND, f"I serve no state for round {t}: no mismatch, or mine is not the "
+                           "majority's", step=served_round)
         return Reply({"ok": True, "round": t, "state": state[0]}, state[1])
+
+
+def _describe(counts: Counter[bytes | None]) -> str:
+    """'3 hold 1a2b3c4d, 1 holds 5e6f7a8b, 1 gave none', most held first."""
+    parts = [f"{n} {'hold' if n > 1 else 'holds'} {d.hex()[:8]}" if d is not None
+             else f"{n} gave none" for d, n in counts.most_common()]
+    return ", ".join(parts)

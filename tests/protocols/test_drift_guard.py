@@ -1,19 +1,23 @@
 """The drift guard of the protocols whose replicas are meant to be bit-identical (allreduce,
-sketch-dp): peers built with different initial weights, one of them with an optimizer state of
-its own, find out at the first check, every one but the first member takes the first member's
-parameters and optimizer state, and from then on they agree bit for bit; with the check off
-they never agree."""
+sketch-dp): a peer built with other initial weights and an optimizer state of its own, whose id
+sorts first, finds out at the first check, takes the parameters and optimizer state the other
+two hold, and from then on they agree bit for bit; with the check off they never agree. The
+repair's rules, on guards of plain tensors: a member that claims the majority's digest and
+serves another state is skipped for the next holder, and an even split repairs nobody."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
 from conftest import in_parallel, swarm, wait_until
 from torch import nn
 
+from starling.collectives import ReduceTimeouts
 from starling.node.rpc import Refusal, refusal_of
 from starling.protocols import get_protocol
+from starling.protocols.guard import DriftGuard
 from starling.protocols.optim import optimizer_from_wire, optimizer_to_wire
 
 PEERS = 3
@@ -24,9 +28,14 @@ OPTIONS = {"allreduce": ("allreduce", {"optimizer": "adamw", "lr": 0.01}),
            "sketch-dp-heavy": ("sketch-dp", {**SKETCH_DP, "sketch": "countsketch:1x16,heavy=4"})}
 
 
-def model_of(rank: int) -> nn.Module:
-    torch.manual_seed(rank)  # every peer its own starting point: the mistake the guard catches
+def model_of(seed: int) -> nn.Module:
+    torch.manual_seed(seed)  # a starting point of its own: the mistake the guard catches
     return nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def in_member_order(nodes: list) -> list:
+    """The nodes as a round's members are ordered (by peer id): rank 0 sorts first."""
+    return sorted(nodes, key=lambda node: node.peer_id)
 
 
 def loss_of(proto, rank: int, g: torch.Generator) -> torch.Tensor:
@@ -34,15 +43,17 @@ def loss_of(proto, rank: int, g: torch.Generator) -> torch.Tensor:
 
 
 def trained(make_node, variant: str, check_every: int | None, steps: int = 6) -> list:
-    nodes = swarm(make_node, PEERS)
+    """Rank 0, the first member, drifted: its own initial weights, optimizer state and FetchSGD
+    error; ranks 1 and 2 start alike."""
+    nodes = in_member_order(swarm(make_node, PEERS))
     protocol, options = OPTIONS[variant]
     options = {**options, **({} if check_every is None else {"check_every": check_every})}
-    protos = [get_protocol(protocol).create(n, model_of(r), options) for r, n in enumerate(nodes)]
-    last = protos[-1]  # an optimizer state of its own, from a step it took alone
-    last._backprop(lambda: loss_of(last, 9, torch.Generator().manual_seed(9)))
-    last.optimizer.step()
-    if getattr(last, "error", None) is not None:
-        last.error.add_(0.5)  # and a FetchSGD error of its own
+    protos = [get_protocol(protocol).create(n, model_of(min(r, 1)), options) for r, n in enumerate(nodes)]
+    drifted = protos[0]  # an optimizer state of its own, from a step it took alone
+    drifted._backprop(lambda: loss_of(drifted, 9, torch.Generator().manual_seed(9)))
+    drifted.optimizer.step()
+    if getattr(drifted, "error", None) is not None:
+        drifted.error.add_(0.5)  # and a FetchSGD error of its own
 
     def run(rank: int) -> None:
         g = torch.Generator().manual_seed(rank)
@@ -61,11 +72,12 @@ def agree(protos: list) -> bool:
 
 
 @pytest.mark.parametrize("variant", list(OPTIONS))
-def test_the_default_guard_repairs_peers_that_started_apart_and_they_stay_identical(make_node, caplog, variant):
+def test_a_drifted_first_member_takes_the_majoritys_state_and_they_stay_identical(make_node, caplog, variant):
     protos = trained(make_node, variant, None)  # the default: step 0 is checked
     assert agree(protos)
-    assert sorted(p.guard.repairs for p in protos) == [0, 1, 1]  # every member but the first, once
+    assert [p.guard.repairs for p in protos] == [1, 0, 0]  # the first member, once; the others keep theirs
     assert "my parameters differ from the swarm's" in caplog.text
+    assert f"took {protos[1].node.peer_id}'s state" in caplog.text  # the first holder of the majority's
     states = [optimizer_to_wire(p.optimizer) for p in protos]
     for header, tensors in states[1:]:
         assert header == states[0][0] and all(torch.equal(a, b) for a, b in zip(tensors, states[0][1]))
@@ -94,13 +106,14 @@ def test_optimizer_state_that_does_not_fit_is_refused_and_changes_nothing():
     assert small.state_dict()["state"] == {}
 
 
-def test_the_first_member_serves_only_the_round_of_a_mismatch(make_node):
+@pytest.mark.parametrize("topic", ["sync", "digest"])
+def test_a_member_serves_its_state_and_digest_only_for_the_round_of_a_mismatch(make_node, topic):
     nodes = swarm(make_node, 2)
     protos = [get_protocol("allreduce").create(n, model_of(0), {}) for n in nodes]
-    guard = protos[0].guard
+    asked = getattr(protos[0].guard, {"sync": "topic", "digest": "digest_topic"}[topic])
 
     def ask(body: dict) -> Refusal | None:
-        return refusal_of(nodes[1].request(nodes[0].peer_id, guard.topic, body, timeout_s=5).body)
+        return refusal_of(nodes[1].request(nodes[0].peer_id, asked, body, timeout_s=5).body)
 
     assert ask({"round": 0}) is Refusal.BUSY  # no verdict yet: asked again
     in_parallel([lambda p=p: p.step(lambda p=p: p.model(torch.ones(2, 3)).sum()) for p in protos])
@@ -109,6 +122,51 @@ def test_the_first_member_serves_only_the_round_of_a_mismatch(make_node):
     assert ask({"nope": 0}) is Refusal.MALFORMED
     for proto in protos:
         proto.close()
+
+
+class Replica:
+    """A guard over one plain tensor, every round checked; `serves` is the value it hands out
+    when asked for its state (a liar's), its own by default."""
+
+    def __init__(self, node, value: float, serves: float | None = None) -> None:
+        self.node, self.value, self.serves = node, torch.full((4,), value), serves
+        self.guard = DriftGuard(node, "test.", 1, ReduceTimeouts(round_timeout_s=10.0), lambda: True,
+                                lambda: [self.value], self.snapshot, self.adopt, lambda header, tensors: tensors[:1])
+
+    def snapshot(self) -> tuple[dict, list[torch.Tensor]]:
+        return {}, [self.value.clone() if self.serves is None else torch.full((4,), self.serves)]
+
+    def adopt(self, header: dict, tensors: list[torch.Tensor]) -> None:
+        self.value = tensors[0].clone()
+
+
+def checked(make_node, values: list[float], serves: list[float | None]) -> tuple[list[Replica], list[bool | None]]:
+    """One check of round 0 by a guard on each of len(values) nodes, rank r holding values[r]
+    (ranks in member order)."""
+    nodes = in_member_order(swarm(make_node, len(values)))
+    replicas = [Replica(n, v, s) for n, v, s in zip(nodes, values, serves)]
+    members = tuple(n.peer_id for n in nodes)
+    return replicas, in_parallel([lambda r=r: r.guard.run(0, members) for r in replicas])
+
+
+def test_a_member_that_claims_the_majoritys_digest_and_serves_another_state_is_skipped(make_node, caplog):
+    # rank 0 holds the majority's 1.0 and says so, but serves 9.0; rank 1 drifted to 2.0
+    replicas, verdicts = checked(make_node, [1.0, 2.0, 1.0, 1.0], [9.0, None, None, None])
+    assert verdicts == [False] * 4
+    assert [r.value[0].item() for r in replicas] == [1.0] * 4  # rank 1 took the majority's, not 9.0
+    assert [r.guard.repairs for r in replicas] == [0, 1, 0, 0]
+    liar, honest = replicas[0].node.peer_id, replicas[2].node.peer_id
+    assert f"{liar} claimed the majority's parameters for round 0 but served others" in caplog.text
+    assert f"took {honest}'s state for round 0" in caplog.text  # the next holder, in member order
+
+
+def test_an_even_split_repairs_nobody_and_warns_with_the_digest_counts(make_node, caplog):
+    caplog.set_level(logging.WARNING)
+    replicas, verdicts = checked(make_node, [1.0, 2.0, 1.0, 2.0], [None] * 4)
+    assert verdicts == [False] * 4
+    assert [r.value[0].item() for r in replicas] == [1.0, 2.0, 1.0, 2.0]
+    assert all(r.guard.repairs == 0 and r.node.stats.total_sent("test.sync") == 0 for r in replicas)
+    assert "no state is held by more than half of its 4 members (2 hold " in caplog.text
 
 
 def test_a_check_that_agrees_costs_one_tiny_round_and_no_transfer(make_node):
