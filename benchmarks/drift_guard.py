@@ -12,8 +12,9 @@ ratio is the long-run one, whatever H (a fragment's bytes per sync do not depend
 default H = 8 only keeps the run short). allreduce and sketch-dp check every K steps
 (rounds), and step 0 is checked, so a run of K steps holds one check. Runs train the same
 bits both times (seeded keys, member-order sums), so `on - off` is the guard's bytes, give or
-take a few dozen bytes of headers; the bytes on the guard's own topics (`*.agree`, and `*.sync`
-when a peer is repaired: none here, every peer starts from the same weights) are printed too.
+take a few dozen bytes of headers; the bytes on the guard's own topics (`*.agree`, and
+`*.digest` and `*.sync` when the peers differ: none here, every peer starts from the same
+weights) are printed too.
 Bytes are per peer, the protocol's topics (requests and replies, headers included), membership
 traffic left out.
 """
@@ -40,7 +41,7 @@ def run(protocol: str, peers: int, steps: int, options: dict[str, Any]) -> dict[
     if failed:
         raise RuntimeError(f"peer {failed[0].rank} {failed[0].status}: {failed[0].error}")
     topics = [p.records[-1]["bytes_by_topic"] for p in result.peers]
-    guard = [sum(n for t, n in by.items() if t.endswith((".agree", ".sync")) and "buffers" not in t)
+    guard = [sum(n for t, n in by.items() if t.endswith((".agree", ".digest", ".sync")) and "buffers" not in t)
              for by in topics]
     return {"bytes_per_peer": statistics.fmean(p.bytes_sent for p in result.peers),
             "guard_bytes_per_peer": statistics.fmean(guard)}

@@ -12,8 +12,8 @@ refusals which round the swarm is in and jumps there, so it costs the swarm one 
 
 Replicas are meant to be bit-identical. Every `check_every` steps the members compare digests
 of their parameters (`guard.py`); one that drifted (built with other initial weights, or left
-with its own values in a shard whose owner did not answer) takes the first member's
-parameters and optimizer state, and logs it.
+with its own values in a shard whose owner did not answer) takes the parameters and
+optimizer state more than half of the members hold, and logs it.
 """
 from __future__ import annotations
 

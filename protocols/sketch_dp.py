@@ -38,7 +38,7 @@ of its data outside the privacy accounting.
 
 Every peer holds the same x_t (and optimizer state, and FetchSGD's error), so the drift guard
 of allreduce applies (`guard.py`): every `check_every` rounds the members compare digests of
-x_t, and one that drifted takes the first member's public state. Both are post-processing of
+x_t, and one that drifted takes the public state a majority holds. Both are post-processing of
 released means, so the check costs no privacy.
 """
 from __future__ import annotations
