@@ -14,7 +14,13 @@ On the wire (keys kept short where a body rides on every chunk of every round):
     Average   owner -> member   {"ok": True, "packet": header or None, "cm": contributor mask,
                                  "shares"?: [[peer, share], ...]}
     Ask       member -> leader  {"round", "members": [peer ids], "weight"}
-    Closing   leader -> member  {"ok": True, "round", "closed": [[peer, weight], ...]}
+    Ack       leader -> member  {"ok": True, "round", "ack": signature}    the ask is in the round
+    Wait      member -> leader  {"round", "wait": True}            answered when the round closes
+    Closing   leader -> member  {"ok": True, "round", "closed": [[peer, weight], ...], "sig": signature}
+
+An ask is answered by an Ack while its round is open, else by the Closing (see
+`collectives/quorum.py`); "ack" and "sig" are the leader's Ed25519 signatures over what
+they say, checked by the member against the leader's key.
 
 An owner or a leader that turns a body down answers `node.rpc.refusal(...)` instead, a map
 with "ok": False (`Refused` reads one on the member's side).
@@ -201,9 +207,16 @@ class Refused:
 
 
 # ---------------------------------------------------------------------- the quorum close
+def _signature(body: dict[str, Any], key: str) -> bytes:
+    sig = body.get(key)
+    if not isinstance(sig, bytes):  # its length is the verifier's to check
+        raise BodyError(f"{key} must be a signature (bytes), got {type(sig).__name__}")
+    return sig
+
+
 @dataclass(frozen=True)
 class Ask:
-    """A member asks round `round`'s leader for the closing set: its member list and weight."""
+    """A member asks round `round`'s leader to count it in: its member list and weight."""
 
     round: int
     members: tuple[str, ...]
@@ -221,11 +234,62 @@ class Ask:
 
 
 @dataclass(frozen=True)
+class Ack:
+    """The leader's answer to an ask while round `round` is open: its signature over
+    ("quorum.ack", topic, round, asker, weight), a promise that the asker is in the set."""
+
+    round: int
+    signature: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"ok": True, "round": self.round, "ack": self.signature}
+
+    @staticmethod
+    def is_one(obj: Any) -> bool:
+        """Whether an answer to an ask is an ack (else it is a closing set, or bad)."""
+        return isinstance(obj, dict) and obj.get("ok") is True and "ack" in obj
+
+    @classmethod
+    def from_wire(cls, obj: Any, t: int) -> Ack:
+        """A leader's ack of an ask for round t."""
+        body = _map(obj, "an ack")
+        if body.get("ok") is not True:
+            raise BodyError("an ack must say ok")
+        if body.get("round") != t:
+            raise BodyError(f"an ack for round {body.get('round')!r}, not {t}")
+        return cls(t, _signature(body, "ack"))
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A member whose ask the leader acknowledged waits for round `round`'s closing set."""
+
+    round: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"round": self.round, "wait": True}
+
+    @staticmethod
+    def is_one(obj: Any) -> bool:
+        """Whether a body on a quorum's topic is a wait (else it is an ask)."""
+        return isinstance(obj, dict) and "wait" in obj
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Wait:
+        body = _map(obj, "a wait")
+        if body.get("wait") is not True:
+            raise BodyError(f"wait must be true, got {body.get('wait')!r}")
+        return cls(_whole(body, "round"))
+
+
+@dataclass(frozen=True)
 class Closing:
-    """The contributions round `round` takes: (peer, weight), sorted by peer."""
+    """The contributions round `round` takes: (peer, weight), sorted by peer, and the
+    leader's signature over ("quorum.close", topic, round, [[peer, weight], ...])."""
 
     round: int
     contributions: tuple[tuple[str, float], ...]
+    signature: bytes = b""
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -235,7 +299,8 @@ class Closing:
         return next((w for p, w in self.contributions if p == peer), None)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"ok": True, "round": self.round, "closed": [[p, w] for p, w in self.contributions]}
+        return {"ok": True, "round": self.round, "closed": [[p, w] for p, w in self.contributions],
+                "sig": self.signature}
 
     @classmethod
     def from_wire(cls, obj: Any, t: int) -> Closing:
@@ -252,4 +317,4 @@ class Closing:
         peers = [p for p, _ in pairs]
         if peers != sorted(set(peers)):
             raise BodyError("peers must be sorted and unique")
-        return cls(t, pairs)
+        return cls(t, pairs, _signature(obj, "sig"))

@@ -3,12 +3,16 @@ announced, so that every member applies the same set, however different the memb
 
     leader(t) = members[(t + salt) % |members|]              # the member list a peer sent with
     member, when its contribution for round t is ready:
-        ask leader(t): "I am in round t with weight w"       # a request; its reply is the set
+        ask leader(t): "I am in round t with weight w"       # a request
+            <- ack: sign("quorum.ack", topic, t, me, w)      # the round is open: I am in it
+               wait leader(t): a second request, answered with the set when the round closes
+            <- or the closing set at once                    # this ask closed it, or came late
     leader, for round t:
         collect asks until every expected member is in, or
             K (= quorum) are in and quorum_grace_s has passed since the K-th, or
             round_timeout_s has passed since the first
-        close: reply to every waiting ask with the closing set {(peer, weight)}
+        close: the set {(peer, weight)} and sign("quorum.close", topic, t, [[peer, weight], ...]);
+            answer every waiting member with both
         an ask that comes after the close gets the same set at once (without its sender)
 
 A member in the set then averages with exactly those members (the sharded all-reduce with
@@ -16,12 +20,37 @@ A member in the set then averages with exactly those members (the sharded all-re
 and its protocol decides what becomes of its contribution (DiLoCo folds it into the
 fragment's next round). A reply that is not a well-formed set is refused, counted in the
 node's stats as `<topic>.malformed_close`, and read as no set at all, as a leader that
-never answered is: the asker is then out of that round.
+never answered is: the asker is then out of that round. So is a set, or an ack, whose
+signature does not verify against the leader's key (`<topic>.bad_signature`).
 
 The set is the leader's alone, so members never guess it from what each of them saw. Two
 members whose member lists differ may ask different leaders; each leader's set then holds
 only the members that asked it, and the all-reduce, which groups parts by member list, keeps
 the two apart (the drift guard repairs what that costs).
+
+**A leader answers for whom it leaves out.** The leader acks an ask only while the round is
+open, in the same step of the event loop that counts the asker in (no await between the
+two), so an acknowledged member is in the set whatever the leader's timers do; an ask that
+finds the round closed gets the set, never an ack. A member that holds the leader's ack for
+round t and the leader's signed set for round t without itself therefore holds proof that
+the leader left it out: evidence `quorum.omitted`, which it gives to `node.trust.accuse`.
+Every peer checks that evidence alone (`check_omission`: both signatures are the accused's,
+and the asker is not in the set), and bans the leader. A leader can still keep a member out
+by not answering it (its ask, or its wait), as a dead leader would: the member is out of the
+round, and nothing it holds proves why.
+
+Why an ack as the answer to the ask, then a second request for the set, rather than a
+one-way ack message before the set: the ack is matched to its ask by the request itself, so
+the member holds it, checked, before it waits, with no second handler and no ordering to
+trust between a message and a reply; and an ask that closes the round or comes after the
+close still takes one trip. The wait overlaps the grace window that a member waits anyway.
+
+A leader remembers its last 64 closed rounds, to answer late asks with their set; an ask
+for a round older than the ones it forgot is refused (`too_old`), never acknowledged, since
+the leader no longer knows whether it closed it. A leader that restarts with the same key
+has forgotten every round it closed before: a member that asks it again for one of those
+gets an ack that, with the earlier set, reads as an omission. Its protocol resumes at the
+swarm's current round, so honest members never ask that; a hostile one could.
 """
 from __future__ import annotations
 
@@ -29,15 +58,17 @@ import asyncio
 import concurrent.futures
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from starling.collectives.bodies import Ask, BodyError, Closing
+from starling.collectives.bodies import Ack, Ask, BodyError, Closing, Wait
 from starling.collectives.reduce import ReduceTimeouts
 from starling.collectives.requests import request_patiently
+from starling.node.identity import peer_id_from_key
 from starling.node.loop import AwakeDeadline
 from starling.node.rpc import Refusal, Refuser, refusal
+from starling.node.trust import Evidence, statement
 
 if TYPE_CHECKING:
     from starling.node import Node
@@ -45,9 +76,45 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Closing", "QuorumClose"]
+__all__ = ["OMITTED", "Closing", "QuorumClose", "ack_statement", "check_omission", "close_statement"]
 
+OMITTED = "quorum.omitted"  # evidence: a leader acked an ask, then signed the round's set without the asker
+_OMITTED_DETAIL = ("topic", "asker", "weight", "ack", "closed", "close_sig")
+_MAX_CLOSED = 1 << 16  # entries of a set in evidence: more than a peer table holds
 _KEEP_CLOSED_ROUNDS = 64  # closed rounds a leader remembers, to answer late asks with their set
+_SILENT = object()  # no answer came from the leader
+
+
+def ack_statement(topic: str, t: int, asker: str, weight: float) -> bytes:
+    """What a leader signs when it counts `asker` in round t."""
+    return statement("quorum.ack", topic, t, asker, weight)
+
+
+def close_statement(topic: str, t: int, contributions: Sequence[tuple[str, float]]) -> bytes:
+    """What a leader signs when it closes round t with `contributions`."""
+    return statement("quorum.close", topic, t, [[peer, weight] for peer, weight in contributions])
+
+
+def check_omission(evidence: Evidence) -> bool:
+    """Whether `evidence` (kind `quorum.omitted`) proves by itself that the accused acked an
+    ask for a round and signed that round's set without the asker. Never raises; its work is
+    two signature checks and one pass over a set of at most `_MAX_CLOSED` entries."""
+    detail, t = evidence.detail, evidence.round
+    if not isinstance(detail, dict) or type(t) is not int:
+        return False
+    topic, asker, weight, ack, closed, close_sig = (detail.get(k) for k in _OMITTED_DETAIL)
+    if not (isinstance(topic, str) and isinstance(asker, str) and type(weight) is float
+            and isinstance(ack, bytes) and isinstance(closed, list) and len(closed) <= _MAX_CLOSED):
+        return False
+    try:
+        if peer_id_from_key(evidence.key) != evidence.accused:
+            return False
+        closing = Closing.from_wire({"ok": True, "round": t, "closed": closed, "sig": close_sig}, t)
+        acked, signed = ack_statement(topic, t, asker, weight), close_statement(topic, t, closing.contributions)
+    except (TypeError, ValueError, OverflowError):  # not a key, not a set, not packable (BodyError is a ValueError)
+        return False
+    return (asker != evidence.accused and asker not in closing.members
+            and evidence.signed_by_accused(acked, ack) and evidence.signed_by_accused(signed, closing.signature))
 
 
 @dataclass
@@ -74,12 +141,17 @@ class QuorumClose:
             raise ValueError(f"quorum_grace_s must be >= 0, got {grace_s}")
         self.node, self.topic, self.quorum, self.grace_s = node, topic, quorum, grace_s
         self.timeouts, self.salt, self._is_open = timeouts, salt, is_open
+        self.trust = node.trust
         # network thread only
         self._open: dict[int, _Gathering] = {}
         self._closed: dict[int, Closing] = {}
+        self._forgotten = -1  # the newest closed round dropped from `_closed`: older asks get no ack
         self._gone: set[str] = set()
         self._refuse = Refuser(node.stats, topic, node.peer_id)
-        node.on(topic, self._on_ask)
+        # one check per kind per node: every quorum of the node registers the same function,
+        # which reads the topic from the evidence
+        self.trust.register_check(OMITTED, check_omission)
+        node.on(topic, self._on_request)
 
     def leader(self, t: int, members: tuple[str, ...]) -> str:
         return members[(t + self.salt) % len(members)]
@@ -90,28 +162,65 @@ class QuorumClose:
             raise ValueError(f"{self.topic}: weight must be a finite number >= 0, got {weight!r}")
         return self.node.submit(self._ask(t, tuple(members), float(weight)))
 
-    # ------------------------------------------------------------------ network thread
+    # ------------------------------------------------------------------ network thread: a member
     async def _ask(self, t: int, members: tuple[str, ...], weight: float) -> Closing | None:
         me = self.node.peer_id
         leader = self.leader(t, members)
         if leader == me:
-            return await self._gather(t, members, me, weight)
+            return await self._gather(t, members, weight)
         deadline = AwakeDeadline(self.timeouts.round_timeout_s + self.timeouts.reply_grace_s)
+        reply = await self._answer(leader, t, Ask(t, members, weight).to_wire(), deadline)
+        ack: Ack | None = None
         try:
-            msg = await request_patiently(self.node, leader, self.topic, Ask(t, members, weight).to_wire(), (),
-                                          deadline, self.timeouts.retry_interval_s)
-        except Exception as exc:  # dead or silent leader, or it refused: out of this round
-            log.info("%s: %s round %d: no closing set from %s: %s", me, self.topic, t, leader, exc)
-            return None
-        try:
-            return Closing.from_wire(msg.body, t)
+            if reply is not _SILENT and Ack.is_one(reply):
+                ack = Ack.from_wire(reply, t)
+                if not self.trust.verify(leader, ack_statement(self.topic, t, me, weight), ack.signature):
+                    self._refuse.count("bad_signature", f"round {t}: an ack that {leader} did not sign")
+                    return None
+                reply = await self._answer(leader, t, Wait(t).to_wire(), deadline)
+            if reply is _SILENT:
+                return None
+            closing = Closing.from_wire(reply, t)
         except BodyError as exc:
             self._refuse.count("malformed_close", f"round {t}: the closing set from {leader}: {exc}")
             return None
+        if not self.trust.verify(leader, close_statement(self.topic, t, closing.contributions), closing.signature):
+            self._refuse.count("bad_signature", f"round {t}: a closing set that {leader} did not sign")
+            return None
+        if ack is not None and me not in closing.members:
+            self._accuse_omission(leader, t, weight, ack, closing)
+        return closing
 
-    async def _on_ask(self, msg: Message) -> dict[str, Any]:
+    async def _answer(self, leader: str, t: int, body: dict[str, Any], deadline: AwakeDeadline) -> Any:
+        """The leader's answer to `body` within the round's deadline, or _SILENT."""
+        try:
+            msg = await request_patiently(self.node, leader, self.topic, body, (), deadline,
+                                          self.timeouts.retry_interval_s)
+        except Exception as exc:  # dead or silent leader, or it refused: out of this round
+            log.info("%s: %s round %d: no closing set from %s: %s", self.node.peer_id, self.topic, t, leader, exc)
+            return _SILENT
+        return msg.body
+
+    def _accuse_omission(self, leader: str, t: int, weight: float, ack: Ack, closing: Closing) -> None:
+        key = self.trust.key_of(leader)
+        if key is None:  # it left the table since its set verified
+            return
+        log.warning("%s: %s round %d: %s acknowledged my ask and closed without me", self.node.peer_id,
+                    self.topic, t, leader)
+        detail = {"topic": self.topic, "asker": self.node.peer_id, "weight": weight, "ack": ack.signature,
+                  "closed": [[peer, w] for peer, w in closing.contributions], "close_sig": closing.signature}
+        self.trust.accuse(Evidence(OMITTED, leader, key, t, detail))
+
+    # ------------------------------------------------------------------ network thread: the leader
+    async def _on_request(self, msg: Message) -> dict[str, Any]:
         if not self._is_open():
             return refusal(Refusal.CLOSED, "protocol closed")
+        if Wait.is_one(msg.body):
+            try:
+                wait = Wait.from_wire(msg.body)
+            except BodyError as exc:
+                return self._refuse(Refusal.MALFORMED, str(exc))
+            return await self._on_wait(wait.round)
         try:
             ask = Ask.from_wire(msg.body)
         except BodyError as exc:
@@ -120,21 +229,51 @@ class QuorumClose:
             return self._refuse(Refusal.MALFORMED, "members must include the sender")
         if self.leader(ask.round, ask.members) != self.node.peer_id:
             return self._refuse(Refusal.NOT_OWNER, f"this peer does not lead round {ask.round} of that member list")
-        closing = await self._gather(ask.round, ask.members, msg.sender, ask.weight)
+        # No await from here to the answer: the round cannot close between counting the asker
+        # in and signing its ack, so an acknowledged asker is always in the set.
+        admitted = self._admit(ask.round, ask.members, msg.sender, ask.weight)
+        if admitted is None:
+            return refusal(Refusal.TOO_OLD, f"round {ask.round} is older than the rounds this leader remembers")
+        if isinstance(admitted, Closing):
+            return admitted.to_wire()
+        weight = admitted.weights[msg.sender]  # a repeated ask keeps the first weight
+        return Ack(ask.round, self.trust.sign(ack_statement(self.topic, ask.round, msg.sender, weight))).to_wire()
+
+    async def _on_wait(self, t: int) -> dict[str, Any]:
+        closing = self._closed.get(t)
+        if closing is None:
+            gathering = self._open.get(t)
+            if gathering is None:
+                return self._refuse(Refusal.NOT_FOUND, f"no round {t} here to wait for (ask first)")
+            await gathering.done.wait()
+            closing = gathering.closing
+            assert closing is not None
         return closing.to_wire()
 
-    async def _gather(self, t: int, members: tuple[str, ...], sender: str, weight: float) -> Closing:
-        if t in self._closed:
-            return self._closed[t]
+    async def _gather(self, t: int, members: tuple[str, ...], weight: float) -> Closing | None:
+        """The leader's own ask: counted in like any other, then the set once the round closes."""
+        admitted = self._admit(t, members, self.node.peer_id, weight)
+        if isinstance(admitted, _Gathering):
+            await admitted.done.wait()
+            return admitted.closing
+        return admitted
+
+    def _admit(self, t: int, members: tuple[str, ...], sender: str, weight: float) -> Closing | _Gathering | None:
+        """Count `sender` in round t, all in this step of the loop: the round's set if it is
+        closed (before this ask, which then is not in it, or by it), else the open round that
+        now holds the sender; None for a round older than those this leader remembers."""
+        closing = self._closed.get(t)
+        if closing is not None:
+            return closing
         gathering = self._open.get(t)
         if gathering is None:
+            if t <= self._forgotten:
+                return None
             gathering = self._open[t] = _Gathering(set(members) - self._gone)
             gathering.timer = asyncio.ensure_future(self._close_in_time(t, gathering))
-        gathering.weights.setdefault(sender, weight)  # a repeated ask keeps the first weight
+        gathering.weights.setdefault(sender, weight)
         self._check(t, gathering)
-        await gathering.done.wait()
-        assert gathering.closing is not None
-        return gathering.closing
+        return gathering.closing or gathering
 
     def _check(self, t: int, gathering: _Gathering) -> None:
         """Close now when every expected member is in; start the grace window at the quorum."""
@@ -154,7 +293,9 @@ class QuorumClose:
     def _close(self, t: int, gathering: _Gathering) -> None:
         if gathering.closing is not None:
             return
-        gathering.closing = Closing(t, tuple(sorted(gathering.weights.items())))
+        contributions = tuple(sorted(gathering.weights.items()))
+        signature = self.trust.sign(close_statement(self.topic, t, contributions))
+        gathering.closing = Closing(t, contributions, signature)
         missing = gathering.expected - set(gathering.weights)
         if missing:
             log.info("%s: %s round %d closed without %s", self.node.peer_id, self.topic, t, sorted(missing))
@@ -163,7 +304,9 @@ class QuorumClose:
         self._open.pop(t, None)
         self._closed[t] = gathering.closing
         while len(self._closed) > _KEEP_CLOSED_ROUNDS:
-            del self._closed[min(self._closed)]
+            oldest = min(self._closed)
+            del self._closed[oldest]
+            self._forgotten = max(self._forgotten, oldest)
         gathering.done.set()
 
     # ------------------------------------------------------------------ membership hooks
@@ -176,4 +319,3 @@ class QuorumClose:
 
     def peer_joined(self, peer_id: str) -> None:
         self._gone.discard(peer_id)
-

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from starling.collectives.bodies import Ask, Average, BodyError, Closing, Part, Refused, Skip
+from starling.collectives.bodies import Ack, Ask, Average, BodyError, Closing, Part, Refused, Skip, Wait
 from starling.collectives.compact import view_digest
 from starling.node.rpc import Refusal, refusal
 
@@ -16,6 +16,7 @@ MEMBERS = ("a", "b", "c")
     Part(3, 1, 2, None, view=view_digest(MEMBERS), weight=2.5),
     Skip(7),
     Ask(4, MEMBERS, 0.0),
+    Wait(4),
 ])
 def test_a_body_comes_back_as_it_went(body) -> None:
     assert type(body).from_wire(body.to_wire()) == body
@@ -24,8 +25,11 @@ def test_a_body_comes_back_as_it_went(body) -> None:
 def test_answers_come_back_as_they_went() -> None:
     average = Average(None, ("a", "c"), (("a", 0.25), ("c", 0.75)))
     assert Average.from_wire(average.to_wire(MEMBERS), MEMBERS) == average
-    closing = Closing(2, (("a", 1.0), ("b", 3.0)))
+    closing = Closing(2, (("a", 1.0), ("b", 3.0)), b"s" * 64)
     assert Closing.from_wire(closing.to_wire(), 2) == closing
+    ack = Ack(2, b"s" * 64)
+    assert Ack.is_one(ack.to_wire()) and not Ack.is_one(closing.to_wire())
+    assert Ack.from_wire(ack.to_wire(), 2) == ack
 
 
 def test_a_part_keeps_the_wire_keys_the_reducer_always_sent() -> None:
@@ -75,6 +79,19 @@ def test_a_bad_skip_is_refused(obj) -> None:
 def test_a_bad_ask_is_named(obj, what) -> None:
     with pytest.raises(BodyError, match=what):
         Ask.from_wire(obj)
+
+
+@pytest.mark.parametrize(("read", "obj", "what"), [
+    (lambda obj: Wait.from_wire(obj), {"round": 0, "wait": 1}, "wait must be true"),
+    (lambda obj: Wait.from_wire(obj), {"wait": True}, "round"),
+    (lambda obj: Ack.from_wire(obj, 2), {"ok": True, "round": 3, "ack": b"s" * 64}, "round 3, not 2"),
+    (lambda obj: Ack.from_wire(obj, 2), {"ok": True, "round": 2, "ack": "sig"}, "ack must be a signature"),
+    (lambda obj: Ack.from_wire(obj, 2), {"ok": False, "round": 2, "ack": b"s" * 64}, "ok"),
+    (lambda obj: Closing.from_wire(obj, 2), {"ok": True, "round": 2, "closed": [["a", 1.0]]}, "sig must be"),
+])
+def test_a_bad_ack_wait_or_closing_set_is_named(read, obj, what) -> None:
+    with pytest.raises(BodyError, match=what):
+        read(obj)
 
 
 @pytest.mark.parametrize(("obj", "what"), [
