@@ -14,6 +14,17 @@ from typing import Any
 
 import torch
 
+from starling.collectives.robust import AggregatorConfig, aggregate
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a robust aggregator made of the members' parts: those it left out, and why, and
+    those it clipped hard."""
+
+    screened: dict[str, str] = field(default_factory=dict)
+    clipped: frozenset[str] = frozenset()
+
 
 @dataclass
 class ShardGroup:
@@ -44,6 +55,7 @@ class ShardGroup:
     reply: tuple[dict[str, Any], tuple[torch.Tensor, ...]] | None = None  # every contributor's answer, as it goes out
     timer: asyncio.Future[None] | None = None  # closes the group when its time is up
     weights: dict[str, float] = field(default_factory=dict)  # each contributor's weight (1 if it named none)
+    signed: dict[str, Any] = field(default_factory=dict)  # each remote part as its author signed it (evidence)
 
     def add(self, sender: str, part: torch.Tensor, owned: bool = False, weight: float = 1.0) -> None:
         """`owned`: nobody else holds `part` (it may become a lone part's sum as it is)."""
@@ -95,22 +107,34 @@ class ShardGroup:
             total.add_(part)
         return total
 
-    def average(self) -> tuple[torch.Tensor, dict[str, float] | None]:
+    def average(self, aggregator: AggregatorConfig | None = None, center: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, float] | None, Verdict]:
         """The finite parts' average and, when their weights differ, each contributor's share
-        of it (None: equal weights, the plain average). Empty when no part was finite."""
+        of it (None: equal weights, the plain average). Empty when no part was finite.
+
+        A robust `aggregator` (collectives/robust.py) combines the finite parts instead, in
+        member order, from `center` (the chunk's last average) where it needs one; the parts
+        it screens out leave `contributors`, and the verdict names them."""
         total = self.sum()
         if not self.contributors:
-            return total, None
+            return total, None, Verdict()
+        if aggregator is not None and aggregator.robust:
+            order = [s for s in self.members if s in self.contributors]
+            result = aggregate([self.received[s] for s in order], [self.weights.get(s, 1.0) for s in order],
+                               aggregator, center if center is not None and center.shape == total.shape else None)
+            screened = {order[k]: why for k, why in result.screened.items()}
+            self.contributors = [s for s in self.contributors if s not in screened]
+            return result.average, None, Verdict(screened, frozenset(order[k] for k in result.clipped))
         weights = [self.weights.get(s, 1.0) for s in self.contributors]
         whole = sum(weights)
         if len(set(weights)) == 1 or whole <= 0.0:
-            return total.div_(len(self.contributors)), None
+            return total.div_(len(self.contributors)), None, Verdict()
         shares = {s: self.weights.get(s, 1.0) / whole for s in self.contributors}
         average = torch.zeros_like(total)
         for sender in self.members:  # in members order, as the sum is: every run rounds alike
             if sender in shares:
                 average.add_(self.received[sender], alpha=shares[sender])
-        return average, shares
+        return average, shares, Verdict()
 
     def complete(self) -> bool:
         return self.expected <= set(self.contributors)

@@ -9,10 +9,13 @@ shard, is the sender in the member list, does it know that view) is the handler'
 On the wire (keys kept short where a body rides on every chunk of every round):
 
     Part      member -> owner   {"step", "shard", "chunk", "packet": header or None,
-                                 "view": digest | "members": [peer ids], "weight"?}
+                                 "view": digest | "members": [peer ids], "weight"?, "sig"?}
     Skip      member -> peers   {"skip": round}                     one way, no answer
     Average   owner -> member   {"ok": True, "packet": header or None, "cm": contributor mask,
-                                 "shares"?: [[peer, share], ...]}
+                                 "shares"?: [[peer, share], ...], "sig"?}
+
+"sig": the sender's Ed25519 signature over what the part or average says (see
+`collectives/contributions.py`), 64 bytes.
     Ask       member -> leader  {"round", "members": [peer ids], "weight"}
     Ack       leader -> member  {"ok": True, "round", "ack": signature}    the ask is in the round
     Wait      member -> leader  {"round", "wait": True}            answered when the round closes
@@ -33,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from starling.collectives.compact import VIEW_DIGEST_BYTES, contributor_mask, contributors_of
+
+SIGNATURE_BYTES = 64  # Ed25519
 
 
 class BodyError(ValueError):
@@ -75,6 +80,13 @@ def _header(obj: dict[str, Any]) -> dict[str, Any] | None:
     return header
 
 
+def _sig(obj: dict[str, Any]) -> bytes | None:
+    sig = obj.get("sig")
+    if sig is not None and (not isinstance(sig, bytes) or len(sig) != SIGNATURE_BYTES):
+        raise BodyError(f"sig must be {SIGNATURE_BYTES} bytes, got {type(sig).__name__}")
+    return sig
+
+
 def _pairs(value: Any, what: str) -> tuple[tuple[str, float], ...]:
     if not isinstance(value, list):
         raise BodyError(f"{what} must be a list of [peer, number]")
@@ -101,6 +113,7 @@ class Part:
     view: bytes | None = None
     members: tuple[str, ...] | None = None
     weight: float | None = None  # what the part counts for in the average; None counts 1
+    sig: bytes | None = None  # the author's signature (collectives/contributions.py)
 
     def __post_init__(self) -> None:
         if (self.view is None) == (self.members is None):
@@ -108,7 +121,7 @@ class Part:
 
     def with_members(self, members: tuple[str, ...]) -> Part:
         """The same part with its member list sent whole (for an owner that did not know the view)."""
-        return Part(self.step, self.shard, self.chunk, self.header, members=members, weight=self.weight)
+        return Part(self.step, self.shard, self.chunk, self.header, members=members, weight=self.weight, sig=self.sig)
 
     def to_wire(self) -> dict[str, Any]:
         body: dict[str, Any] = {"step": self.step, "shard": self.shard, "chunk": self.chunk}
@@ -119,6 +132,8 @@ class Part:
         body["packet"] = self.header
         if self.weight is not None:
             body["weight"] = self.weight
+        if self.sig is not None:
+            body["sig"] = self.sig
         return body
 
     @classmethod
@@ -132,7 +147,7 @@ class Part:
             if not isinstance(view, bytes) or len(view) != VIEW_DIGEST_BYTES:
                 raise BodyError(f"view must be a {VIEW_DIGEST_BYTES}-byte digest (or send members)")
         weight = _weight(body["weight"]) if "weight" in body else None
-        return cls(step, shard, chunk, _header(body), view, members, weight)
+        return cls(step, shard, chunk, _header(body), view, members, weight, _sig(body))
 
 
 @dataclass(frozen=True)
@@ -165,12 +180,15 @@ class Average:
     header: dict[str, Any] | None  # None where the member rebuilds it from a template
     contributors: tuple[str, ...]  # in member order
     shares: tuple[tuple[str, float], ...] = ()  # sorted by peer; () for equal weights
+    sig: bytes | None = None  # the owner's signature (collectives/contributions.py)
 
     def to_wire(self, members: Sequence[str]) -> dict[str, Any]:
         # "cm": a bit per member, not a list of ids, since it rides on every chunk's answer
         body: dict[str, Any] = {"ok": True, "packet": self.header, "cm": contributor_mask(members, self.contributors)}
         if self.shares:
             body["shares"] = [[peer, share] for peer, share in self.shares]
+        if self.sig is not None:
+            body["sig"] = self.sig
         return body
 
     @classmethod
@@ -184,7 +202,7 @@ class Average:
         except ValueError as exc:
             raise BodyError(str(exc)) from None
         shares = tuple(sorted(_pairs(body.get("shares") or [], "shares")))
-        return cls(_header(body), contributors, shares)
+        return cls(_header(body), contributors, shares, _sig(body))
 
 
 @dataclass(frozen=True)

@@ -59,15 +59,17 @@ import concurrent.futures
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from starling.collectives.accumulator import ShardGroup
+from starling.collectives.accumulator import ShardGroup, Verdict
 from starling.collectives.bodies import Average, BodyError, Part, Refused, Skip
 from starling.collectives.codec import encode, make_codec, packet_from_wire
-from starling.collectives.compact import HeaderTemplates, KnownViews
+from starling.collectives.compact import HeaderTemplates, KnownViews, view_digest
+from starling.collectives.contributions import NOT_FINITE, OVERWEIGHT, REPLAYED, Contributions, content_digest
+from starling.collectives.defences import OUTLIER, Defences, OutlierWatch, ReplayWatch
 from starling.collectives.layout import DEFAULT_CHUNK_NUMEL, chunk_layout
 from starling.collectives.outcome import ReduceResult, ReduceTimeouts
 from starling.collectives.requests import request_patiently
@@ -75,6 +77,7 @@ from starling.collectives.staging import HostStaging, to_device
 from starling.compressors import Packet, decode
 from starling.node.loop import AwakeDeadline, close_in_time
 from starling.node.rpc import Refusal, Refuser, RemoteError, Reply, refusal, refusal_of
+from starling.node.trust import Evidence
 from starling.node.wire import Message
 
 if TYPE_CHECKING:
@@ -85,6 +88,7 @@ log = logging.getLogger(__name__)
 _KEEP_CLOSED_ROUNDS = 64  # how long an owner remembers finished rounds, to answer late parts
 _KEEP_SKIPS = 2 * _KEEP_CLOSED_ROUNDS  # rounds whose skips a reducer remembers (peers can send any round)
 GroupKey = tuple[int, tuple[str, ...], int, int]  # (round, members, shard, chunk)
+OUTVOTED = "owner.outvoted"  # witness evidence: an owner outvoted with the same contributors as the majority
 _STRETCH = AwakeDeadline.STRETCH  # a round's timeouts count awake time, and end by this many times their length
 
 
@@ -98,6 +102,33 @@ class _ShardResult:
     reason: str = ""
     owner_round: int = -1  # the owner's latest round, when it refused a part as late
     shares: tuple[tuple[str, float], ...] = ()
+    content: bytes | None = None  # the average's digest, for a vote among replicated owners
+    sig: bytes | None = None  # the owner's signature of it
+
+
+@dataclass
+class _Slot:
+    """One chunk of a round as this member sends it: its owners, my own values for my own
+    group (if I own it), the packet for the other owners and my signature of it."""
+
+    shard: int
+    chunk: int
+    owners: tuple[str, ...]
+    numel: int
+    own: torch.Tensor | None
+    packet: Packet | None
+    sig: bytes | None = None
+
+
+@dataclass(frozen=True)
+class _Signed:
+    """A part as its author signed it: what an owner keeps as evidence until the group closes."""
+
+    view: bytes
+    weight: float | None
+    packet: Packet | None
+    sig: bytes
+    content: bytes
 
 
 class PendingReduce:
@@ -138,7 +169,7 @@ class ShardedReducer:
                  timeouts: ReduceTimeouts | None = None, is_open: Callable[[], bool] = lambda: True,
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, min_shard_numel: int = 1,
                  part_feedback: bool = True, average_compressor: str | None = None,
-                 part_feedback_decay: float = 1.0) -> None:
+                 part_feedback_decay: float = 1.0, defences: Defences | None = None) -> None:
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         if min_shard_numel < 1:
@@ -175,6 +206,14 @@ class ShardedReducer:
         # round -> members that said they send nothing in it (frozen: the caller's thread reads it)
         self._skipped: dict[int, frozenset[str]] = {}
         self._refuse = Refuser(node.stats, topic, node.peer_id)
+        # Against members it cannot trust (collectives/defences.py): signatures on every part and
+        # average, the aggregator, replicated owners, and what an owner holds against members.
+        self.defences = defences or Defences()
+        self._trust = node.trust
+        self._contributions = Contributions(node, topic, self.defences.max_weight)
+        self._watch = OutlierWatch(self.defences.accuse_after)
+        self._replays = ReplayWatch()
+        self._centers: dict[tuple[int, int], torch.Tensor] = {}  # my chunks' last averages (CenteredClip)
         node.on(topic, self._on_part)
 
     # ------------------------------------------------------------------ caller's thread
@@ -214,30 +253,40 @@ class ShardedReducer:
         # through pinned buffers reused round after round. My own part, which the network
         # thread sums with the others on the host, crosses as a private copy.
         on_device = HostStaging.needed(vector)
-        parts: list[torch.Tensor | Packet] = []  # shard by shard, chunk by chunk
+        slots: list[_Slot] = []  # shard by shard, chunk by chunk
         lent: list[torch.Tensor] = []
-        for i, (chunks, owner) in enumerate(self._shards(members)):
+        for i, (chunks, owners) in enumerate(self._shards(members)):
             for c, (lo, hi) in enumerate(chunks):
-                if owner == me:  # my own part never crosses the wire
+                own = packet = None
+                if me in owners:  # my own part never crosses the wire
                     if on_device:
-                        parts.append(vector[lo:hi].to("cpu"))
+                        own = vector[lo:hi].to("cpu")
                     else:
-                        parts.append(vector[lo:hi] if lend else vector[lo:hi].clone())
-                    continue
-                if lend and self.codec.zero_copy:  # lossless too: no error feedback to apply
-                    packet = self.codec.encode(vector[lo:hi], copy=False)
-                else:
-                    packet = encode(self.codec, self._part_feedback, vector[lo:hi], f"part{i}.{c}/{len(members)}")
-                if on_device:
-                    packet, more = self._staging.stage(packet)
-                    lent.extend(more)
-                parts.append(packet)
+                        own = vector[lo:hi] if lend else vector[lo:hi].clone()
+                if any(o != me for o in owners):  # encoded once, for every other owner of the shard
+                    if lend and self.codec.zero_copy:  # lossless too: no error feedback to apply
+                        packet = self.codec.encode(vector[lo:hi], copy=False)
+                    else:
+                        packet = encode(self.codec, self._part_feedback, vector[lo:hi],
+                                        f"part{i}.{c}/{len(members)}")
+                    if on_device:
+                        packet, more = self._staging.stage(packet)
+                        lent.extend(more)
+                slots.append(_Slot(i, c, owners, hi - lo, own, packet))
         if lent:
             self._staging.ready([vector.device])  # the network thread reads them next
+        view = view_digest(members)
+        for slot in slots:  # signed once the bytes are final (staged ones are, after `ready`)
+            if slot.packet is not None:
+                slot.sig = self._contributions.sign_part(t, slot.shard, slot.chunk, view, weight, slot.packet)
         # A backstop only: the network side always ends a round by then (see AwakeDeadline).
         wait_s = _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
-        round_ = self._round(t, members, parts, own_private=not lend or on_device, weight=weight)
+        round_ = self._round(t, members, slots, own_private=not lend or on_device, weight=weight)
         return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s, lent)
+
+    @property
+    def _replicated(self) -> bool:
+        return self.defences.owner_replication > 1
 
     def _owners(self, members: tuple[str, ...]) -> tuple[str, ...]:
         """Who owns shards: the members others can dial, in member order (every peer holds the
@@ -248,10 +297,13 @@ class ShardedReducer:
         owners = tuple(m for m in members if reachable(m))
         return owners or members
 
-    def _shards(self, members: tuple[str, ...]) -> list[tuple[tuple[tuple[int, int], ...], str]]:
-        """(chunks, owner) of each shard of a round over `members`."""
+    def _shards(self, members: tuple[str, ...]) -> list[tuple[tuple[tuple[int, int], ...], tuple[str, ...]]]:
+        """(chunks, owners) of each shard of a round over `members`: shard i's owners are
+        owners[i] and, with owner replication r, the r - 1 owners after it (wrapping)."""
         owners = self._owners(members)
-        return list(zip(self._layout(len(owners)), owners))
+        layout = self._layout(len(owners))
+        r = min(self.defences.owner_replication, len(owners))
+        return [(chunks, tuple(owners[(i + k) % len(owners)] for k in range(r))) for i, chunks in enumerate(layout)]
 
     def _layout(self, members: int) -> tuple[tuple[tuple[int, int], ...], ...]:
         """Shard by shard, the chunks of a round over `members` peers; shard i is owned by
@@ -301,26 +353,65 @@ class ShardedReducer:
                             tuple(sorted(lost & skipped)), shares)
 
     # ------------------------------------------------------------------ network thread
-    async def _round(self, t: int, members: tuple[str, ...], parts: list[torch.Tensor | Packet],
+    async def _round(self, t: int, members: tuple[str, ...], slots: list[_Slot],
                      own_private: bool, weight: float | None = None) -> list[_ShardResult]:
         me = self.node.peer_id
         self._latest_round = max(self._latest_round, t)
         view = self._known_views.add(members)  # my parts name it by digest; owners know it from theirs
         jobs = []
-        slots = [(i, c, owner, hi - lo) for i, (chunks, owner) in enumerate(self._shards(members))
-                 for c, (lo, hi) in enumerate(chunks)]
-        for (i, c, owner, numel), part in zip(slots, parts):
-            if owner == me:
-                assert isinstance(part, torch.Tensor)
-                jobs.append(self._reduce_own(t, members, i, c, part, own_private, weight))
-            else:
-                assert isinstance(part, Packet)
-                jobs.append(self._send_part(t, members, view, i, c, numel, owner, part, weight))
-        results = await asyncio.gather(*jobs)
+        for slot in slots:
+            for owner in slot.owners:
+                if owner == me:
+                    assert slot.own is not None
+                    jobs.append(self._reduce_own(t, members, view, slot.shard, slot.chunk, slot.own, own_private,
+                                                 weight))
+                else:
+                    assert slot.packet is not None and slot.sig is not None
+                    jobs.append(self._send_part(t, members, view, slot, owner, weight))
+        results = iter(await asyncio.gather(*jobs))
         self._forget_before(t - _KEEP_CLOSED_ROUNDS)
-        return list(results)
+        return [self._vote(t, view, [next(results) for _ in slot.owners]) for slot in slots]
 
-    async def _reduce_own(self, t: int, members: tuple[str, ...], i: int, c: int,
+    def _vote(self, t: int, view: bytes, answers: list[_ShardResult]) -> _ShardResult:
+        """One chunk's average from its owners' signed answers. One owner: its answer. Several:
+        the average a majority of them sent, by digest (with two, both must agree). An owner
+        outvoted with the same contributors as the majority averaged the same parts to
+        something else: this member accuses it as one witness (others of the group do too).
+        No majority among those that answered: the chunk keeps its local values this round."""
+        if len(answers) == 1:
+            return answers[0]
+        answered = [a for a in answers if a.packet is not None and a.content is not None]
+        if len(answered) <= 1:
+            return answered[0] if answered else answers[0]
+        votes: dict[bytes, list[_ShardResult]] = {}
+        for a in answered:
+            votes.setdefault(a.content, []).append(a)  # type: ignore[arg-type]
+        best = max(votes.values(), key=len)
+        if len(best) * 2 <= len(answers) and len(votes) > 1:  # no majority of the owners (two: they differ)
+            for a in answered:
+                self._trust.note(a.owner, "disputed")
+            log.warning("%s: %s shard %d chunk %d of round %d: owners disagree (%s); keeping local values",
+                        self.node.peer_id, self.topic, answers[0].shard, answers[0].chunk, t,
+                        ", ".join(f"{a.owner}: {a.content.hex()[:12] if a.content else '-'}" for a in answered))
+            return replace(answers[0], packet=None, reason="owners disagree")
+        chosen = best[0]
+        for a in answered:
+            if a.content != chosen.content:
+                self._trust.note(a.owner, "disputed")
+                if a.contributors == chosen.contributors:  # the same parts, another average: a lie
+                    self._accuse_owner(t, view, a, best)
+        return chosen
+
+    def _accuse_owner(self, t: int, view: bytes, liar: _ShardResult, majority: list[_ShardResult]) -> None:
+        key = self._trust.key_of(liar.owner)
+        if key is None:
+            return
+        signed = [{"owner": a.owner, "contributors": list(a.contributors), "content": a.content, "sig": a.sig}
+                  for a in (liar, *majority)]
+        self._trust.accuse(Evidence(OUTVOTED, liar.owner, key, t, {
+            "topic": self.topic, "shard": liar.shard, "chunk": liar.chunk, "view": view, "averages": signed}))
+
+    async def _reduce_own(self, t: int, members: tuple[str, ...], view: bytes, i: int, c: int,
                           part: torch.Tensor, private: bool, weight: float | None) -> _ShardResult:
         me = self.node.peer_id
         # private: start() cloned it, so it may become the sum; else a view of the caller's
@@ -331,14 +422,19 @@ class ShardedReducer:
         if refused is not None:
             return _ShardResult(i, c, me, None, reason=refused.reason)
         average = Average.from_wire(reply, members)  # my own group's answer: well formed
-        header = self._avg_headers.incoming(average.header, part.numel())
-        return _ShardResult(i, c, me, Packet(header, buffers), average.contributors, shares=average.shares)
+        packet = Packet(self._avg_headers.incoming(average.header, part.numel()), buffers)
+        return _ShardResult(i, c, me, packet, average.contributors, shares=average.shares,
+                            content=content_digest(packet.header, packet.buffers) if self._replicated else None,
+                            sig=average.sig)
 
-    async def _send_part(self, t: int, members: tuple[str, ...], view: bytes, i: int, c: int, numel: int,
-                         owner: str, packet: Packet, weight: float | None = None) -> _ShardResult:
+    async def _send_part(self, t: int, members: tuple[str, ...], view: bytes, slot: _Slot, owner: str,
+                         weight: float | None = None) -> _ShardResult:
+        i, c, numel, packet = slot.shard, slot.chunk, slot.numel, slot.packet
+        assert packet is not None
         # Counted in awake time: an average that came while this loop was stalled is read, not dropped.
         deadline = AwakeDeadline(self.timeouts.round_timeout_s + self.timeouts.reply_grace_s)
-        part = Part(t, i, c, self._part_headers.outgoing(packet.header, numel), view=view, weight=weight)
+        part = Part(t, i, c, self._part_headers.outgoing(packet.header, numel), view=view, weight=weight,
+                    sig=slot.sig)
         try:
             msg = await request_patiently(self.node, owner, self.topic, part.to_wire(), packet.buffers, deadline,
                                           self.timeouts.retry_interval_s)
@@ -360,6 +456,11 @@ class ShardedReducer:
             result = packet_from_wire(self._avg_headers.incoming(average.header, numel), msg.payload)
         except Exception as exc:
             return _ShardResult(i, c, owner, None, reason=f"malformed average: {exc}")
+        content = self._contributions.verify_average(owner, t, i, c, view, average.contributors, result, average.sig)
+        if content is None:  # altered on the way, or not the owner's word: worth nothing
+            self._trust.note(owner, "bad_signature")
+            self._refuse.count("bad_average_signature", f"round {t} shard {i} chunk {c} from {owner}")
+            return _ShardResult(i, c, owner, None, reason="average not signed by its owner")
         contributors = average.contributors
         if owner not in contributors:
             # An owner's group waits for the owner's own part unless it saw the owner take part
@@ -367,7 +468,8 @@ class ShardedReducer:
             # for it too. A joiner that counts everyone in round t, which the others began before
             # they knew it, gets no part from them and would wait out the round timeout.
             self._saw_view(t, owner, ())
-        return _ShardResult(i, c, owner, result, contributors, shares=average.shares)
+        return _ShardResult(i, c, owner, result, contributors, shares=average.shares, content=content,
+                            sig=average.sig)
 
     async def _on_part(self, msg: Message) -> Reply | dict[str, Any]:
         """An owner receives one member's part; its answer is the shard's average."""
@@ -390,7 +492,7 @@ class ShardedReducer:
             return self._refuse(Refusal.MALFORMED, "members must include the sender")
         t, i, c = body.step, body.shard, body.chunk
         shards = self._shards(members)
-        if i >= len(shards) or shards[i][1] != me:
+        if i >= len(shards) or me not in shards[i][1]:
             return self._refuse(Refusal.NOT_OWNER, f"this peer does not own shard {i} of that member list")
         chunks = shards[i][0]
         if c >= len(chunks):
@@ -403,20 +505,65 @@ class ShardedReducer:
         lo, hi = chunks[c]
         try:
             packet = packet_from_wire(self._part_headers.incoming(body.header, hi - lo), msg.payload)
+        except Exception as exc:
+            return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
+        view = body.view if body.view is not None else view_digest(members)
+        content = self._contributions.verify_part(msg.sender, t, i, c, view, body.weight, packet, body.sig)
+        if content is None:  # altered on the way, or not its sender's: held against nobody
+            self._trust.note(msg.sender, "bad_signature")
+            return self._refuse(Refusal.BAD_SIGNATURE, f"round {t} shard {i} chunk {c}: not signed by its sender")
+        signed = _Signed(view, body.weight, packet, body.sig, content)  # type: ignore[arg-type]
+        if self._contributions.overweight(body.weight):
+            self._trust.note(msg.sender, "overweight")
+            self._accuse_part(OVERWEIGHT, msg.sender, t, i, c, signed, with_bytes=False)
+            return self._refuse(Refusal.OVERWEIGHT, f"weight {body.weight} over the swarm's cap "
+                                f"{self._contributions.max_weight}")
+        # Only where parts are fresh each round (gradients): a digest check sends the same few bytes
+        # every round it agrees, honestly.
+        earlier = (self._replays.seen(msg.sender, t, content, replace(signed, packet=None))
+                   if self.defences.aggregator.robust else None)
+        if earlier is not None:
+            try:
+                part = _decode_flat(packet)
+            except Exception as exc:
+                return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
+            if bool(part.abs().sum() > 0):  # zeros repeat honestly (a layer with no gradient)
+                self._trust.note(msg.sender, "replayed")
+                e_t, e_signed = earlier
+                self._accuse_part(REPLAYED, msg.sender, t, i, c, signed, with_bytes=True,
+                                  earlier={"round": e_t, **self._signed_detail(i, c, e_signed)})
+                return self._refuse(Refusal.REPLAYED, f"round {t}: the same part as in round {e_t}")
+        try:
             part = _decode_flat(packet)
             if part.numel() != hi - lo:
                 raise ValueError(f"{part.numel()} values for a chunk of {hi - lo}")
         except Exception as exc:
             return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
         reply, buffers = await self._reduce(key, msg.sender, part, owned=not _shares_memory(part, packet),
-                                            weight=1.0 if body.weight is None else body.weight)
+                                            weight=1.0 if body.weight is None else body.weight, signed=signed)
         return Reply(reply, buffers)
+
+    def _signed_detail(self, i: int, c: int, signed: _Signed) -> dict[str, Any]:
+        return {"topic": self.topic, "shard": i, "chunk": c, "view": signed.view,
+                "weight": 1.0 if signed.weight is None else float(signed.weight), "content": signed.content,
+                "sig": signed.sig}
+
+    def _accuse_part(self, kind: str, sender: str, t: int, i: int, c: int, signed: _Signed, with_bytes: bool,
+                     **extra: Any) -> None:
+        if not self.defences.on:
+            return
+        evidence = self._contributions.part_evidence(kind, sender, t, i, c, signed.view, signed.weight,
+                                                     signed.packet if with_bytes else None, signed.sig,
+                                                     signed.content, **extra)
+        if evidence is not None:
+            self._trust.accuse(evidence)
 
     def _current_view(self) -> tuple[str, ...]:
         return tuple(sorted({*self.node.live_peers_here(), self.node.peer_id}))
 
-    async def _reduce(self, key: GroupKey, sender: str, part: torch.Tensor,
-                      owned: bool = False, weight: float = 1.0) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
+    async def _reduce(self, key: GroupKey, sender: str, part: torch.Tensor, owned: bool = False,
+                      weight: float = 1.0, signed: _Signed | None = None
+                      ) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
         """Add a part to its group and wait for the group to close (all in, or timeout)."""
         t, members = key[0], key[1]
         if key in self._closed:
@@ -434,6 +581,8 @@ class ShardedReducer:
         if sender in group.contributors:
             return self._refuse(Refusal.DUPLICATE, "duplicate part"), ()
         group.add(sender, part, owned, weight)
+        if signed is not None:  # kept until the group closes: the evidence, if the part turns out bad
+            group.signed[sender] = signed
         self._saw_view(t, sender, members)
         if group.complete():
             self._finish(key, group)
@@ -448,19 +597,27 @@ class ShardedReducer:
         if group.reply is not None:
             return
         t, members, i, c = key
+        lo, hi = self._shards(members)[i][0][c]
         try:
-            avg, shares = group.average()
+            aggregator = self.defences.aggregator
+            avg, shares, verdict = group.average(aggregator, self._centers.get((lo, hi)) if aggregator.robust else None)
+            self._judge(t, i, c, group, verdict, avg)
             if not group.contributors:
                 group.reply = (refusal(Refusal.NOT_FINITE, "no part was finite"), ())
             else:
+                if aggregator.robust:  # the next round's centre (CenteredClip), for the chunks this peer owns
+                    for bounds in [b for b in self._centers if b[0] < hi and lo < b[1]]:  # another layout's
+                        del self._centers[bounds]
+                    self._centers[(lo, hi)] = avg.clone()
                 if self.average_codec.zero_copy:  # lossless too, and the sum is private and final: send it
                     packet = self.average_codec.encode(avg, copy=False)
                 else:
                     packet = encode(self.average_codec, self._avg_feedback, avg, f"avg{i}.{c}/{len(members)}")
+                contributors = tuple(sorted(group.contributors))
+                sig = self._contributions.sign_average(t, i, c, view_digest(members), contributors, packet)
                 # shares only when weights differed: equal ones send what they always did
-                average = Average(self._avg_headers.outgoing(packet.header, avg.numel()),
-                                  tuple(sorted(group.contributors)),
-                                  tuple(sorted(shares.items())) if shares is not None else ())
+                average = Average(self._avg_headers.outgoing(packet.header, avg.numel()), contributors,
+                                  tuple(sorted(shares.items())) if shares is not None else (), sig)
                 group.reply = (average.to_wire(members), packet.buffers)
         except Exception as exc:  # every contributor gets an answer, never a group that stays open
             log.exception("%s: %s shard %d chunk %d of round %d: averaging failed", self.node.peer_id,
@@ -474,6 +631,39 @@ class ShardedReducer:
         group.done.set()
         self._groups.pop(key, None)
         self._closed[key] = t
+
+    def _judge(self, t: int, i: int, c: int, group: ShardGroup, verdict: Verdict, avg: torch.Tensor) -> None:
+        """What a closed group holds against its members: non-finite parts (verifiable: their
+        signed bytes), parts screened out or pointing against the robust average (an outlier
+        watch: a witness once in a row too often), parts clipped (counted)."""
+        for sender in sorted(group.bad):
+            self._trust.note(sender, "not_finite")
+            signed = group.signed.get(sender)
+            if signed is not None:
+                self._accuse_part(NOT_FINITE, sender, t, i, c, signed, with_bytes=True)
+        for sender, why in verdict.screened.items():
+            self._trust.note(sender, "screened")
+            self._trust.note(sender, f"screened.{why}")
+        for sender in verdict.clipped:
+            self._trust.note(sender, "clipped")
+        if not self.defences.aggregator.robust:
+            return
+        norm = float(avg.norm()) if avg.numel() else 0.0
+        for sender, part in group.received.items():
+            if sender == self.node.peer_id or sender in group.bad:
+                continue
+            why = verdict.screened.get(sender)
+            if why is None and norm > 0.0:  # a part against the swarm's direction (a sign flip, say)
+                cosine = float(torch.dot(part, avg)) / (float(part.norm()) * norm + 1e-30)
+                if cosine < -self.defences.opposed_cos:
+                    why = "opposed"
+                    self._trust.note(sender, "opposed")
+            if self._watch.saw(sender, t, why is not None) and why is not None:
+                key = self._trust.key_of(sender)
+                if key is not None:
+                    self._trust.accuse(Evidence(OUTLIER, sender, key, t, {
+                        "topic": self.topic, "shard": i, "chunk": c, "rounds": self.defences.accuse_after,
+                        "why": why}))
 
     def _saw_skip(self, t: int, peer: str) -> None:
         """`peer` sends nothing in round t: no group of round t waits for it, nor will one made later."""

@@ -65,6 +65,9 @@ class Refusal(str, enum.Enum):
     CANCELLED = "cancelled"  # the requester called it off
     CLOSE_FAILED = "close_failed"  # the refuser could not close the round (its own failure)
     UNKNOWN_VIEW = "unknown_view"  # a member list named by a digest this peer cannot resolve: send it whole
+    BAD_SIGNATURE = "bad_signature"  # a contribution its sender's key did not sign (altered, or not its own)
+    OVERWEIGHT = "overweight"  # a contribution claiming more weight than the swarm allows
+    REPLAYED = "replayed"  # a contribution the same as one its author sent in an earlier round
 
 
 class RpcError(Exception):

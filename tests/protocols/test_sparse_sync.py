@@ -11,7 +11,9 @@ from conftest import in_parallel, join_with_state, swarm
 from torch import nn
 
 from starling.collectives import ShardedReducer
-from starling.compressors import from_spec
+from starling.collectives.compact import view_digest
+from starling.collectives.contributions import Contributions
+from starling.compressors import Packet, from_spec
 from starling.compressors.packing import pack_uints
 from starling.node import Refusal, refusal_of
 from starling.protocols import PRIVATE_STATE, ProtocolError, get_protocol
@@ -39,8 +41,10 @@ def test_peers_apply_bit_identical_averages_and_residuals_conserve_mass(make_nod
         assert residuals and all(torch.isfinite(r).all() and r.abs().sum() > 0 for r in residuals.values())
 
 
-def _part_body(t: int, members: tuple[str, ...], header: dict) -> dict:
-    return {"step": t, "shard": 0, "chunk": 0, "members": list(members), "packet": header}
+def _part_body(sender, topic: str, t: int, members: tuple[str, ...], header: dict, buffers: list) -> dict:
+    """A part as its sender signs it: an owner checks the signature before it reads the bytes."""
+    sig = Contributions(sender, topic).sign_part(t, 0, 0, view_digest(members), None, Packet(header, tuple(buffers)))
+    return {"step": t, "shard": 0, "chunk": 0, "members": list(members), "packet": header, "sig": sig}
 
 
 @pytest.mark.parametrize("case", ["out of range", "duplicated", "count", "nan scale"])
@@ -62,7 +66,7 @@ def test_a_malformed_sparse_part_is_refused_counted_and_changes_nothing(make_nod
         scales = buffers[1].clone()
         scales.view(torch.float32)[1] = float("nan")
         buffers[1] = scales
-    reply = other.request(owner.peer_id, "test.badsparse", _part_body(0, members, header),
+    reply = other.request(owner.peer_id, "test.badsparse", _part_body(other, "test.badsparse", 0, members, header, buffers),
                           [bytes(x.numpy()) for x in buffers]).body
     assert refusal_of(reply) is Refusal.BAD_PART and "bad packet field" in reply["reason"]
     assert owner.stats.rejected["test.badsparse.bad_part"] == 1

@@ -1,0 +1,178 @@
+"""Contributions that can be held against their author: the signatures on a sharded
+all-reduce's parts and averages, and the evidence they make.
+
+    member: part of chunk c of shard i of round t, under member list `view` (its digest):
+        content = sha256(canonical packet header, buffers)
+        sig     = sign("part", topic, t, i, c, view, weight, content)
+    owner:  a part whose signature does not verify is refused (`bad_signature`) and counted
+            against nobody (a relay or a stranger may have made it); one that verifies is the
+            author's word, and what is wrong with it is evidence against the author
+    owner:  average of (t, i, c): sig = sign("avg", topic, t, i, c, view, contributors, content),
+            so a member holds what each owner told it, and owners that disagree can be shown
+
+The round, the topic, the shard and the member list are in what is signed: a part replayed
+into another round, topic or shard, or altered on the way, does not verify.
+
+Evidence any peer can check from the evidence alone (checks registered on `node.trust`):
+
+    part.not_finite   a signed part whose values are not all finite
+    part.overweight   a signed part claiming more weight than the swarm's cap allows
+    part.replayed     two signed parts of one author with the same non-zero content in two
+                      rounds (gradients of two rounds are never bit for bit the same)
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from starling.compressors import Packet, decode
+from starling.node.trust import Evidence, digest, statement
+
+if TYPE_CHECKING:
+    from starling.node import Node
+
+NOT_FINITE, OVERWEIGHT, REPLAYED = "part.not_finite", "part.overweight", "part.replayed"
+_MAX_EVIDENCE_BUFFERS = 8  # a packet has one to three buffers; evidence with more is no packet of ours
+
+
+def content_digest(header: dict[str, Any], buffers: Sequence[torch.Tensor]) -> bytes:
+    """What a signature names for a packet: its header (canonical) and its bytes."""
+    return digest(statement(header), *(b.numpy() for b in buffers))
+
+
+def _weight(weight: float | None) -> float:
+    return 1.0 if weight is None else float(weight)
+
+
+class Contributions:
+    """Signs this peer's parts and averages under `topic`, checks others', and makes and
+    checks the evidence of the kinds above. `max_weight`: the most a part may claim (None:
+    no cap), the same on every peer of the swarm."""
+
+    def __init__(self, node: Node, topic: str, max_weight: float | None = None) -> None:
+        if max_weight is not None and not (math.isfinite(max_weight) and max_weight > 0.0):
+            raise ValueError(f"max_weight must be a finite number > 0, got {max_weight!r}")
+        self.node, self.topic, self.max_weight = node, topic, max_weight
+        self.trust = node.trust
+        # One check per kind per node: several reducers register the same function of the
+        # evidence (each check reads the topic from the evidence, and the cap is swarm config).
+        self.trust.register_check(NOT_FINITE, _check_not_finite)
+        self.trust.register_check(REPLAYED, _check_replayed)
+        if max_weight is not None:
+            self.trust.register_check(OVERWEIGHT, self._check_overweight)
+
+    # ------------------------------------------------------------------ parts
+    def part_statement(self, t: int, i: int, c: int, view: bytes, weight: float | None, content: bytes) -> bytes:
+        return statement("part", self.topic, t, i, c, view, _weight(weight), content)
+
+    def sign_part(self, t: int, i: int, c: int, view: bytes, weight: float | None, packet: Packet) -> bytes:
+        """Any thread: the identity's key signs without shared state."""
+        return self.trust.sign(self.part_statement(t, i, c, view, weight, content_digest(packet.header,
+                                                                                          packet.buffers)))
+
+    def verify_part(self, sender: str, t: int, i: int, c: int, view: bytes, weight: float | None,
+                    packet: Packet, sig: Any) -> bytes | None:
+        """The part's content digest if `sender` signed it, else None."""
+        content = content_digest(packet.header, packet.buffers)
+        ok = self.trust.verify(sender, self.part_statement(t, i, c, view, weight, content), sig)
+        return content if ok else None
+
+    def overweight(self, weight: float | None) -> bool:
+        return self.max_weight is not None and _weight(weight) > self.max_weight * (1.0 + 1e-9)
+
+    def part_evidence(self, kind: str, sender: str, t: int, i: int, c: int, view: bytes, weight: float | None,
+                      packet: Packet | None, sig: bytes, content: bytes, **extra: Any) -> Evidence | None:
+        """Evidence of `kind` against a part's author; None if its key is unknown here."""
+        key = self.trust.key_of(sender)
+        if key is None:
+            return None
+        detail = {"topic": self.topic, "shard": i, "chunk": c, "view": view, "weight": _weight(weight),
+                  "content": content, "sig": sig, **extra}
+        if packet is not None:
+            detail["header"] = packet.header
+            detail["buffers"] = [bytes(b.numpy()) for b in packet.buffers]
+        return Evidence(kind, sender, key, t, detail)
+
+    def _check_overweight(self, evidence: Evidence) -> bool:
+        d = evidence.detail
+        return (_signed_part(evidence, d, evidence.round) and isinstance(d.get("weight"), float)
+                and self.overweight(d["weight"]))
+
+    # ------------------------------------------------------------------ averages
+    def average_statement(self, t: int, i: int, c: int, view: bytes, contributors: Sequence[str],
+                          content: bytes) -> bytes:
+        return statement("avg", self.topic, t, i, c, view, list(contributors), content)
+
+    def sign_average(self, t: int, i: int, c: int, view: bytes, contributors: Sequence[str], packet: Packet) -> bytes:
+        content = content_digest(packet.header, packet.buffers)
+        return self.trust.sign(self.average_statement(t, i, c, view, contributors, content))
+
+    def verify_average(self, owner: str, t: int, i: int, c: int, view: bytes, contributors: Sequence[str],
+                       packet: Packet, sig: Any) -> bytes | None:
+        content = content_digest(packet.header, packet.buffers)
+        ok = self.trust.verify(owner, self.average_statement(t, i, c, view, contributors, content), sig)
+        return content if ok else None
+
+
+# ---------------------------------------------------------------------- checks of evidence
+def _signed_part(evidence: Evidence, d: dict[str, Any], t: int) -> bool:
+    """Whether the accused signed the part `d` describes (in round t). Never raises."""
+    try:
+        signed = statement("part", d["topic"], t, d["shard"], d["chunk"], d["view"], float(d["weight"]),
+                           d["content"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return (isinstance(d.get("topic"), str) and isinstance(d.get("content"), bytes)
+            and evidence.signed_by_accused(signed, d.get("sig")))
+
+
+def _packet_of(d: dict[str, Any]) -> Packet | None:
+    """The packet evidence carries, if its bytes are the signed content; else None."""
+    header, buffers = d.get("header"), d.get("buffers")
+    if not isinstance(header, dict) or not isinstance(buffers, list) or len(buffers) > _MAX_EVIDENCE_BUFFERS:
+        return None
+    if not all(isinstance(b, bytes) for b in buffers):
+        return None
+    try:
+        packet = Packet(header, tuple(torch.frombuffer(bytearray(b), dtype=torch.uint8) if b
+                                      else torch.empty(0, dtype=torch.uint8) for b in buffers))
+    except Exception:
+        return None
+    if content_digest(packet.header, packet.buffers) != d.get("content"):
+        return None
+    return packet
+
+
+def _values(packet: Packet) -> torch.Tensor | None:
+    try:
+        return decode(packet).reshape(-1)
+    except Exception:
+        return None
+
+
+def _check_not_finite(evidence: Evidence) -> bool:
+    d = evidence.detail
+    if not _signed_part(evidence, d, evidence.round):
+        return False
+    packet = _packet_of(d)
+    values = None if packet is None else _values(packet)
+    return values is not None and not bool(torch.isfinite(values).all())
+
+
+def _check_replayed(evidence: Evidence) -> bool:
+    """detail: the part of `evidence.round` (with its bytes) and `earlier`, the same author's
+    signed part of another round with the same content digest."""
+    d = evidence.detail
+    earlier = d.get("earlier")
+    if not isinstance(earlier, dict) or type(earlier.get("round")) is not int:
+        return False
+    if earlier["round"] == evidence.round or earlier.get("content") != d.get("content"):
+        return False
+    if not (_signed_part(evidence, d, evidence.round) and _signed_part(evidence, earlier, earlier["round"])):
+        return False
+    packet = _packet_of(d)
+    values = None if packet is None else _values(packet)
+    return values is not None and bool(torch.isfinite(values).all()) and bool(values.abs().sum() > 0)

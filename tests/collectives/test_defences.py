@@ -1,0 +1,247 @@
+"""A sharded all-reduce among members it cannot trust: signed parts and averages, robust
+aggregators, weight caps, replays, replicated owners, and the bans they lead to."""
+from __future__ import annotations
+
+import torch
+from conftest import in_parallel, swarm, wait_until
+
+from starling.collectives import ReduceTimeouts, ShardedReducer
+from starling.collectives.compact import view_digest
+from starling.collectives.contributions import NOT_FINITE, OVERWEIGHT, REPLAYED, Contributions
+from starling.collectives.defences import Defences, OutlierWatch, ReplayWatch
+from starling.compressors import from_spec
+from starling.node import Refusal, refusal_of
+from starling.node.trust import Evidence
+
+ROBUST = Defences("centered_clip", max_weight=4.0)
+FAST = ReduceTimeouts(round_timeout_s=5.0, reply_grace_s=1.0)
+
+
+def _signed_body(node, topic, t, members, values, weight=None, tamper=False):
+    packet = from_spec("none").encode(values)
+    sig = Contributions(node, topic).sign_part(t, 0, 0, view_digest(members), weight, packet)
+    if tamper:
+        sig = bytes([sig[0] ^ 1]) + sig[1:]
+    body = {"step": t, "shard": 0, "chunk": 0, "members": list(members), "packet": packet.header, "sig": sig}
+    if weight is not None:
+        body["weight"] = weight
+    return body, [bytes(b.numpy()) for b in packet.buffers]
+
+
+def _owner_and_other(nodes, members):
+    owner = next(n for n in nodes if n.peer_id == members[0])
+    return owner, next(n for n in nodes if n is not owner)
+
+
+def test_a_tampered_signature_is_refused_counted_and_held_against_nobody(make_node):
+    nodes = swarm(make_node, 2)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    reducers = [ShardedReducer(n, "test.sig", 8, timeouts=FAST, defences=ROBUST) for n in nodes]
+    owner, other = _owner_and_other(nodes, members)
+    body, frames = _signed_body(other, "test.sig", 0, members, torch.ones(4), tamper=True)
+    reply = other.request(owner.peer_id, "test.sig", body, frames).body
+    assert refusal_of(reply) is Refusal.BAD_SIGNATURE
+    assert owner.stats.rejected["test.sig.bad_signature"] == 1
+    assert owner.trust.counts[other.peer_id]["bad_signature"] == 1 and not owner.trust.banned
+    unsigned = {k: v for k, v in body.items() if k != "sig"}  # no signature at all: the same
+    assert refusal_of(other.request(owner.peer_id, "test.sig", unsigned, frames).body) is Refusal.BAD_SIGNATURE
+    # nothing changed: round 0 runs with both peers' real parts
+    vectors = [torch.full((8,), 1.0), torch.full((8,), 3.0)]
+    results = in_parallel([lambda r=r: reducers[r].reduce(0, members, vectors[r]) for r in range(2)])
+    assert all(r.synced and not r.lost for r in results) and torch.equal(vectors[0], vectors[1])
+
+
+def test_an_overclaimed_weight_is_refused_and_its_signature_bans_the_author(make_node):
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    for n in nodes:
+        ShardedReducer(n, "test.weight", 12, timeouts=FAST, defences=ROBUST)
+    owner, liar = _owner_and_other(nodes, members)
+    body, frames = _signed_body(liar, "test.weight", 0, members, torch.ones(4), weight=1000.0)
+    reply = liar.request(owner.peer_id, "test.weight", body, frames).body
+    assert refusal_of(reply) is Refusal.OVERWEIGHT
+    assert owner.trust.counts[liar.peer_id]["overweight"] == 1
+    honest = [n for n in nodes if n is not liar]
+    # verifiable evidence: the owner bans at once, and every other member that checks it too
+    assert all(wait_until(lambda n=n: liar.peer_id in n.trust.banned) for n in honest)
+    assert all(n.trust.banned[liar.peer_id].verifiable and n.trust.banned[liar.peer_id].kind == OVERWEIGHT
+               for n in honest)
+    assert all(liar.peer_id not in n.live_peers() for n in honest)  # it owns no shard and leads no round
+
+
+def test_a_replayed_part_is_refused_and_bans_its_author_but_repeated_zeros_do_not(make_node):
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    for n in nodes:
+        ShardedReducer(n, "test.replay", 12, timeouts=ReduceTimeouts(round_timeout_s=0.3, reply_grace_s=0.5),
+                       defences=ROBUST)
+    owner, cheat = _owner_and_other(nodes, members)
+    for t in (0, 1):  # zeros twice: a layer with no gradient, honestly
+        body, frames = _signed_body(cheat, "test.replay", t, members, torch.zeros(4))
+        assert refusal_of(cheat.request(owner.peer_id, "test.replay", body, frames).body) is None
+    values = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    body, frames = _signed_body(cheat, "test.replay", 2, members, values)
+    assert refusal_of(cheat.request(owner.peer_id, "test.replay", body, frames).body) is None
+    body, frames = _signed_body(cheat, "test.replay", 3, members, values)  # round 2's part again, re-signed
+    assert refusal_of(cheat.request(owner.peer_id, "test.replay", body, frames).body) is Refusal.REPLAYED
+    assert wait_until(lambda: all(cheat.peer_id in n.trust.banned for n in nodes if n is not cheat))
+    assert owner.trust.banned[cheat.peer_id].kind == REPLAYED
+
+
+def test_evidence_checks_refuse_what_does_not_prove_the_fault(make_node):
+    """A forged or altered accusation bans nobody: the signature, the bytes and the claim must hold."""
+    a, b = swarm(make_node, 2)
+    members = tuple(sorted((a.peer_id, b.peer_id)))
+    contributions = Contributions(a, "test.ev", max_weight=4.0)
+    nan = torch.tensor([1.0, float("nan")])
+    packet = from_spec("none").encode(nan)
+    view = view_digest(members)
+    sig = Contributions(b, "test.ev").sign_part(5, 0, 0, view, None, packet)
+    from starling.collectives.contributions import content_digest
+    content = content_digest(packet.header, packet.buffers)
+    good = contributions.part_evidence(NOT_FINITE, b.peer_id, 5, 0, 0, view, None, packet, sig, content)
+    assert a.trust.verifiable(good)
+    forged = [
+        Evidence(NOT_FINITE, b.peer_id, good.key, 6, good.detail),  # another round than signed
+        Evidence(NOT_FINITE, b.peer_id, good.key, 5, {**good.detail, "sig": bytes(64)}),
+        Evidence(NOT_FINITE, b.peer_id, good.key, 5, {**good.detail, "buffers": [bytes(8)]}),  # other bytes
+        Evidence(NOT_FINITE, b.peer_id, good.key, 5, {**good.detail, "topic": 7}),
+        Evidence(NOT_FINITE, b.peer_id, good.key, 5, {"garbage": [1, 2]}),
+        Evidence(OVERWEIGHT, b.peer_id, good.key, 5, good.detail),  # weight 1: not over the cap
+        Evidence(REPLAYED, b.peer_id, good.key, 5, {**good.detail, "earlier": {"round": 5}}),
+    ]
+    for evidence in forged:
+        assert not a.trust.verifiable(evidence), evidence.detail.keys()
+
+
+def _lying(reducer, factor):
+    """The owner behind `reducer` scales every average it hands out (a test-only patch)."""
+    finish = reducer._finish
+
+    def lie(key, group):
+        average = group.average
+
+        def scaled(*args, **kwargs):
+            avg, shares, verdict = average(*args, **kwargs)
+            return avg * factor, shares, verdict
+        group.average = scaled
+        finish(key, group)
+    reducer._finish = lie
+
+
+def test_a_lying_owner_is_outvoted_by_three_owners_and_banned_on_two_witnesses(make_node):
+    nodes = swarm(make_node, 4)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    defences = Defences("mean", owner_replication=3)
+    reducers = [ShardedReducer(n, "test.liar3", 16, timeouts=FAST, defences=defences) for n in nodes]
+    liar = next(i for i, n in enumerate(nodes) if n.peer_id == members[1])
+    _lying(reducers[liar], -10.0)
+    vectors = [torch.full((16,), float(k + 1)) for k in range(4)]
+    results = in_parallel([lambda r=r: reducers[r].reduce(0, members, vectors[r]) for r in range(4)])
+    honest = [r for r in range(4) if r != liar]
+    assert all(torch.equal(vectors[r], torch.full((16,), 2.5)) for r in honest)  # the majority's average
+    assert all(results[r].synced for r in honest)
+    liar_id = nodes[liar].peer_id
+    assert all(wait_until(lambda r=r: liar_id in nodes[r].trust.banned) for r in honest)
+    assert all(not nodes[r].trust.banned[liar_id].verifiable for r in honest)  # on the members' word
+    assert all(len(nodes[r].trust.banned[liar_id].witnesses) >= 2 for r in honest)
+
+
+def test_two_owners_that_disagree_drop_the_shard_and_both_are_reported(make_node):
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    defences = Defences("mean", owner_replication=2)
+    reducers = [ShardedReducer(n, "test.liar2", 12, timeouts=FAST, defences=defences) for n in nodes]
+    liar = next(i for i, n in enumerate(nodes) if n.peer_id == members[0])
+    _lying(reducers[liar], 3.0)
+    vectors = [torch.full((12,), float(k + 1)) for k in range(3)]
+    before = [v.clone() for v in vectors]
+    in_parallel([lambda r=r: reducers[r].reduce(0, members, vectors[r]) for r in range(3)])
+    third = next(r for r in range(3) if nodes[r].peer_id == members[2])
+    # shard 0 (owners: members 0 and 1) keeps every honest member's local values; shard 1 (owners:
+    # members 1 and 2) agrees and is averaged
+    for r in (r for r in range(3) if r != liar):
+        assert torch.equal(vectors[r][:4], before[r][:4])
+        assert torch.equal(vectors[r][4:8], torch.full((4,), 2.0))
+        assert nodes[r].trust.counts[nodes[liar].peer_id]["disputed"] >= 1
+    assert nodes[third].trust.counts[members[1]]["disputed"] >= 1  # both owners of shard 0 are reported
+    assert not any(n.trust.banned for n in nodes)  # two owners cannot tell who lied: nobody is banned
+
+
+def test_robust_owners_give_every_peer_the_same_bits_and_screen_a_scaled_part(make_node):
+    nodes = swarm(make_node, 5)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    reducers = [ShardedReducer(n, "test.robust", 4096, timeouts=FAST, chunk_numel=512,
+                               defences=Defences("centered_clip")) for n in nodes]
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(4096, generator=generator)
+    vectors = [base + 0.1 * torch.randn(4096, generator=generator) for _ in nodes]
+    vectors[2] = vectors[2] * 100.0  # one member's part, far from the others
+    honest_mean = torch.stack([v for k, v in enumerate(vectors) if k != 2]).mean(0)
+    in_parallel([lambda r=r: reducers[r].reduce(0, members, vectors[r]) for r in range(5)])
+    assert all(torch.equal(vectors[0], v) for v in vectors[1:])  # bit-identical on every peer
+    assert float((vectors[0] - honest_mean).norm() / honest_mean.norm()) < 0.05
+    scaled = nodes[2].peer_id
+    assert sum(n.trust.counts[scaled]["screened"] for n in nodes) >= 4  # every other owner left it out
+
+
+def test_outlier_watch_accuses_only_after_rounds_in_a_row():
+    watch = OutlierWatch(3)
+    assert not watch.saw("p", 1, True) and not watch.saw("p", 2, True)
+    assert not watch.saw("p", 2, True)  # another chunk of round 2 counts once
+    assert watch.saw("p", 3, True)
+    assert not watch.saw("q", 1, True) and not watch.saw("q", 2, False) and not watch.saw("q", 3, True)
+
+
+def test_replay_watch_remembers_a_bounded_number_of_digests():
+    watch = ReplayWatch(keep=2)
+    assert watch.seen("p", 1, b"a", "r1") is None
+    assert watch.seen("p", 1, b"a", "r1") is None  # the same round again: a retry, not a replay
+    assert watch.seen("p", 2, b"a", "r2") == (1, "r1")
+    watch.seen("p", 3, b"b", "r3")
+    watch.seen("p", 4, b"c", "r4")
+    assert watch.seen("p", 5, b"a", "r5") is None  # forgotten: at most `keep` per member
+
+
+def test_defences_refuse_bad_settings():
+    import pytest
+    with pytest.raises(ValueError, match="owner_replication"):
+        Defences(owner_replication=4)
+    with pytest.raises(ValueError):
+        Defences("geometric_median")
+    assert not Defences().on and Defences("median").on and Defences(owner_replication=2).on
+
+
+def test_a_banned_peers_messages_are_dropped_and_counted(make_node):
+    a, b = swarm(make_node, 2)
+    a.on("echo", lambda msg: {"got": msg.body})
+    assert b.request(a.peer_id, "echo", 1).body == {"got": 1}
+
+    async def ban():
+        a.trust.register_check("test.always", lambda evidence: True)
+        a.trust.accuse(Evidence("test.always", b.peer_id, b.identity.verify_key, 0, {}))
+    a.run(ban())
+    assert b.peer_id in a.trust.banned and b.peer_id not in a.live_peers()
+    try:
+        b.request(a.peer_id, "echo", 2, timeout_s=0.5)
+        answered = True
+    except Exception:
+        answered = False
+    assert not answered and a.stats.rejected["banned"] >= 1
+
+
+def test_a_ban_on_a_witnesss_word_needs_two_witnesses(make_node):
+    nodes = swarm(make_node, 4)
+    accused, first, second, judge = nodes
+
+    def accuse(witness):
+        async def go():
+            witness.trust.accuse(Evidence("test.word", accused.peer_id, accused.identity.verify_key, 3, {}))
+        witness.run(go())
+
+    accuse(first)
+    assert wait_until(lambda: first.peer_id in judge.trust.status()["accused"].get(accused.peer_id, []))
+    assert accused.peer_id not in judge.trust.banned  # one liar cannot ban an honest peer
+    accuse(second)
+    assert wait_until(lambda: accused.peer_id in judge.trust.banned)
+    assert sorted(judge.trust.banned[accused.peer_id].witnesses) == sorted([first.peer_id, second.peer_id])
