@@ -27,7 +27,7 @@ from starling.collectives import BufferAverager, ShardedReducer, membership
 from starling.node.node import Node
 from starling.protocols.backprop import BackpropProtocol
 from starling.protocols.base import LossFn, ProtocolConfig, StepReport, register
-from starling.protocols.optim import check_reduce_config, reduce_timeouts
+from starling.protocols.optim import check_reduce_config, make_defences, reduce_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,12 @@ class AllReduceConfig(ProtocolConfig):
     # bit (a tiny round of digests) and repair a drifted one; 0: never. The default costs 0.002%
     # more bytes (benchmarks/drift_guard.py).
     check_every: int = 100
+    # Against members that cannot be trusted (collectives/defences.py, docs/security.md): how an
+    # owner combines the parts (mean | centered_clip | trimmed_mean | median, with parameters:
+    # "centered_clip:tau=1.5,iters=3"), and how many owners each shard has (2 or 3: members compare
+    # their signed averages; parts cost that many times the bytes)
+    aggregator: str = "mean"
+    owner_replication: int = 1
 
     def __post_init__(self) -> None:
         check_reduce_config(self)
@@ -62,8 +68,9 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
 
     def __init__(self, node: Node, model: nn.Module, config: AllReduceConfig) -> None:
         super().__init__(node, model, config)
+        # a gradient counts 1: a part claiming more is over the cap
         self.reducer = ShardedReducer(node, PART_TOPIC, self.flat.numel, config.compressor,
-                                      reduce_timeouts(config), self.is_open)
+                                      reduce_timeouts(config), self.is_open, defences=make_defences(config, 1.0))
         self.reducers = [self.reducer]  # peer events reach it; its residuals are this peer's private state
         self.buffer_sync = None if config.local_buffers else BufferAverager(
             node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open)

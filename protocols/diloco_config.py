@@ -8,6 +8,7 @@ average exactly the plain one, so a swarm that uses none of these trains as it a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from starling.collectives.codec import check_compressor_spec
@@ -63,6 +64,16 @@ class DiLoCoConfig(ProtocolConfig):
     # next round (outer_sync.py). 0.5 is FedBuff's polynomial staleness 1/(1+delay) at one
     # round of delay; 0 drops late work, 1 counts it in full.
     staleness_weight: float = 0.5
+    # Against members that cannot be trusted (collectives/defences.py, docs/security.md): how an
+    # owner combines the parts (mean | centered_clip | trimmed_mean | median, with parameters:
+    # "centered_clip:tau=1.5,iters=3"), and how many owners each shard has (2 or 3: members compare
+    # their signed averages; parts cost that many times the bytes)
+    aggregator: str = "mean"
+    owner_replication: int = 1
+    # With a defence on, a part may claim at most weight_cap * sync_every inner steps (late
+    # carries included): the most an honest peer computes in a round. Raise it for time-based
+    # rounds (sync_every_s) whose fastest peer runs more than that many steps in a window.
+    weight_cap: float = 4.0
     # Eager updates (Kale et al. 2025), with overlap: at a fragment's send the local fragment
     # merges the outer step its own pseudo-gradient would make; at the merge only the
     # difference to the real one. Outer parameters are the same as without.
@@ -88,6 +99,8 @@ class DiLoCoConfig(ProtocolConfig):
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         check_reduce_config(self, "inner_optimizer", "inner_momentum")
+        if not (math.isfinite(self.weight_cap) and self.weight_cap > 0.0):
+            raise ValueError(f"weight_cap must be a finite number > 0, got {self.weight_cap}")
         if not self.outer_lr > 0.0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0.0 <= self.outer_momentum < 1.0:

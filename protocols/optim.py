@@ -10,6 +10,7 @@ from torch import nn
 
 from starling.collectives import ReduceTimeouts
 from starling.collectives.codec import check_compressor_spec
+from starling.collectives.defences import Defences
 from starling.protocols.base import ProtocolError
 
 
@@ -21,6 +22,17 @@ def check_reduce_config(config: Any, optimizer: str = "optimizer", momentum: str
     check_optimizer(config, optimizer, momentum)
     check_round_timeouts(config)
     check_compressor_spec(config.compressor)
+    make_defences(config)
+
+
+def make_defences(config: Any, max_weight: float | None = None) -> Defences:
+    """The defences a config's `aggregator` and `owner_replication` ask for. `max_weight` (the
+    most weight a part can honestly claim, from the round's step budget) caps parts only with
+    a defence on: a swarm that asked for none is not one that bans a peer over its weights."""
+    defences = Defences(config.aggregator, config.owner_replication)
+    if max_weight is None or not defences.on:
+        return defences
+    return Defences(defences.aggregator, defences.owner_replication, max_weight)
 
 
 def check_optimizer(config: Any, optimizer: str, momentum: str) -> None:

@@ -57,7 +57,7 @@ from starling.compressors import CountSketch, GaussianSketch, from_spec, rng
 from starling.node.node import Node
 from starling.protocols.backprop import BackpropProtocol
 from starling.protocols.base import DivergedError, LossFn, ProtocolConfig, ProtocolError, StepReport, register
-from starling.protocols.optim import check_reduce_config, reduce_timeouts
+from starling.protocols.optim import check_reduce_config, make_defences, reduce_timeouts
 from starling.protocols.privacy import (
     MECHANISMS,
     UNITS,
@@ -102,6 +102,12 @@ class SketchDPConfig(ProtocolConfig):
     reply_grace_s: float = 2.0
     retry_interval_s: float = 0.05
     check_every: int = 100  # rounds between drift checks of x_t (guard.py), round 0 first; 0: never
+    # Against members that cannot be trusted (collectives/defences.py, docs/security.md): how an
+    # owner combines the parts (mean | centered_clip | trimmed_mean | median, with parameters:
+    # "centered_clip:tau=1.5,iters=3"), and how many owners each shard has (2 or 3: members compare
+    # their signed averages; parts cost that many times the bytes)
+    aggregator: str = "mean"
+    owner_replication: int = 1
 
     def __post_init__(self) -> None:
         sketch_codec(self.sketch)
@@ -216,7 +222,8 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
         self._secret = secret_generator()
         self._warned_budget = False
         self.reducer = ShardedReducer(node, PART_TOPIC, self.sketches.size, config.compressor,
-                                      reduce_timeouts(config), self.is_open, min_shard_numel=MIN_SHARD_NUMEL)
+                                      reduce_timeouts(config), self.is_open, min_shard_numel=MIN_SHARD_NUMEL,
+                                      defences=make_defences(config, 1.0))
         self.reducers = [self.reducer]
         self.guard = self._drift_guard("sketchdp.")
         self._serve()
