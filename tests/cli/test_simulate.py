@@ -222,3 +222,23 @@ def test_the_default_job_shows_streaming_diloco_sending_far_fewer_bytes_than_a_f
     assert (run_config["inner_optimizer"], run_config["lr"]) == ("adamw", 3e-3)  # tuned for charlm
     assert (base_config["optimizer"], base_config["lr"]) == ("adamw", 3e-3)  # the run's: a fair baseline
     assert 0 < summary["bytes_sent_per_peer"] < base["bytes_sent_per_peer"] / 20
+
+
+def test_defences_are_options_of_the_reducing_protocols_and_bad_ones_are_one_clear_line():
+    """`--aggregator` and `--owner-replication` reach allreduce's reducer: three owners per shard
+    send each part three times, and a robust aggregator on honest peers trains as the mean does."""
+    base = ["simulate", "--protocol", "allreduce", "--task", "quadratic", "--task-opt", "dim=64", "--peers", "4",
+            "--steps", "4", "--baseline", "none", "--json"]
+    runs = {}
+    for name, extra in {"mean": [], "robust": ["--aggregator", "centered_clip", "--owner-replication", "3"]}.items():
+        result = runner.invoke(app, [*base, *extra])
+        assert result.exit_code == 0, result.output
+        runs[name] = json.loads(result.stdout)
+    assert runs["robust"]["protocol_info"]["config"]["owner_replication"] == 3
+    assert 2.5 < runs["robust"]["bytes_sent_per_peer"] / runs["mean"]["bytes_sent_per_peer"] < 3.5
+    assert abs(runs["robust"]["eval_loss"] / runs["mean"]["eval_loss"] - 1.0) < 0.01
+    for args, needle in ((["--aggregator", "krum"], "unknown aggregator 'krum'"),
+                         (["--owner-replication", "5"], "owner_replication must be 1, 2 or 3")):
+        result = runner.invoke(app, [*base, *args])
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code != 0 and len(lines) == 1 and needle in lines[0], result.output
