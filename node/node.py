@@ -114,6 +114,7 @@ class Node:
         self._fault: str | None = None
         self._closing: asyncio.Future[None] | None = None
         self._build(LocalPeer(identity or Identity.generate()))
+        self._listeners.append(self._welcome)  # kept across rebuilds: reads the trust of the day
 
     def _build(self, local: LocalPeer) -> None:
         """Build the parts around `local` and wire them. Each part is given what it uses;
@@ -537,6 +538,11 @@ class Node:
             await self._outbox.send(peer, topic, body)
         except Exception as exc:
             log.debug("%s: %s to %s failed: %s", self.peer_id, topic, peer, exc)
+
+    def _welcome(self, change: StatusChange) -> None:
+        """A peer that joins (or comes back) hears of the swarm's bans (`Trust.welcome`)."""
+        if change.new is PeerStatus.ALIVE and change.old in (None, PeerStatus.DEAD, PeerStatus.LEFT):
+            self.trust.welcome(change.peer_id)
 
     def _notify(self, change: StatusChange) -> None:
         self._swarm.notify(change)

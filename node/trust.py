@@ -11,6 +11,8 @@
                               `witnesses` distinct members (not banned, not the accused) have
                               accused it, so that one liar cannot ban an honest peer
         either way the accusation goes to every live member ($accuse), signed by its witness
+    welcome(peer)             a member that just joined gets the accusations behind every ban
+                              (each still signed by its witness), so bans reach later joiners
     ban(peer)                 its messages are dropped and counted (`rejected.banned`), it leaves
                               `live_peers` (so it owns no shard and leads no round), the protocols'
                               `on_ban` hooks run, and the ban is logged with its evidence
@@ -145,6 +147,9 @@ class Trust:
         self._checks: dict[str, Check] = {}
         self._listeners: list[Callable[[str], None]] = []
         self._spread: set[bytes] = set()  # digests of my own accusations already sent
+        # the signed accusations behind each ban, kept to show a joiner: at most `witnesses` per ban
+        self._proofs: dict[str, list[dict[str, Any]]] = {}
+        self._bodies: dict[tuple[str, str], dict[str, Any]] = {}  # (accused, witness) -> its signed accusation
 
     # ------------------------------------------------------------------ signing
     def sign(self, signed: bytes) -> bytes:
@@ -177,8 +182,14 @@ class Trust:
     # ------------------------------------------------------------------ evidence and bans
     def register_check(self, kind: str, check: Check) -> None:
         """`check(evidence)` says whether evidence of `kind` proves the accused's fault by
-        itself; it must not raise for any evidence, and must cost work bounded by its size."""
+        itself; it must not raise for any evidence, and must cost work bounded by its size.
+        Evidence of that kind that came before (a joiner hears of bans before its protocol,
+        which registers the checks, is built) is checked now."""
         self._checks[kind] = check
+        for accused, accusers in list(self._accusers.items()):
+            for witness, evidence in list(accusers.items()):
+                if evidence.kind == kind and accused not in self.banned and self.verifiable(evidence):
+                    self._ban(Ban(accused, kind, evidence.round, (witness,), True), evidence)
 
     def on_ban(self, callback: Callable[[str], None]) -> None:
         self._listeners.append(callback)
@@ -202,37 +213,57 @@ class Trust:
         if evidence.accused == me or evidence.accused in self.banned:
             return
         self.note(evidence.accused, f"accused.{evidence.kind}")
-        self._witness(me, evidence, self.verifiable(evidence))
         key = evidence.digest()
-        if key in self._spread:
+        fresh = key not in self._spread
+        body = {"ev": evidence.to_wire(), "sig": self.sign(statement("accuse", key))}
+        self._keep_body(evidence.accused, me, {**body, "witness": me})  # before a ban takes it as proof
+        self._witness(me, evidence, self.verifiable(evidence))
+        if not fresh:
             return
         self._spread.add(key)
         if len(self._spread) > self.max_accused:
             self._spread.clear()
-        body = {"ev": evidence.to_wire(), "sig": self.sign(statement("accuse", key))}
         for peer in self.table.live():
             if peer.peer_id != evidence.accused and peer.peer_id not in self.banned:
                 self._spawn(self._send(peer.peer_id, ACCUSE, body))
 
     def on_accusation(self, msg: Message) -> None:
-        """`$accuse` from a member: its own accusation, signed by it."""
+        """`$accuse` from a member: an accusation signed by its witness, the sender itself or
+        (passed on to a joiner) another member."""
         body = msg.body
-        if not isinstance(body, dict) or set(body) != {"ev", "sig"}:
-            raise WireError(RejectReason.BAD_FIELD, "an accusation must be {ev, sig}", field="body")
+        if not isinstance(body, dict) or not {"ev", "sig"} <= set(body) <= {"ev", "sig", "witness"}:
+            raise WireError(RejectReason.BAD_FIELD, "an accusation must be {ev, sig, witness?}", field="body")
+        witness = body.get("witness", msg.sender)
+        if not isinstance(witness, str):
+            raise WireError(RejectReason.BAD_FIELD, "witness must be a peer id", field="body")
         try:
             evidence = Evidence.from_wire(body["ev"])
         except ValueError as exc:
             raise WireError(RejectReason.BAD_FIELD, f"bad evidence: {exc}", field="body") from None
-        if not self.verify(msg.sender, statement("accuse", evidence.digest()), body["sig"]):
-            raise WireError(RejectReason.BAD_SIGNATURE, "an accusation its sender did not sign", field="body")
+        if not self.verify(witness, statement("accuse", evidence.digest()), body["sig"]):
+            raise WireError(RejectReason.BAD_SIGNATURE, "an accusation its witness did not sign", field="body")
         if evidence.accused == self.local.peer_id:
-            log.warning("%s: %s accuses me (%s, round %d)", self.local.peer_id, msg.sender, evidence.kind,
+            log.warning("%s: %s accuses me (%s, round %d)", self.local.peer_id, witness, evidence.kind,
                         evidence.round)
             return
-        if evidence.accused in self.banned or msg.sender in self.banned:
+        if evidence.accused in self.banned or witness in self.banned or witness == self.local.peer_id:
             return
-        self.note(msg.sender, "accusations_made")
-        self._witness(msg.sender, evidence, self.verifiable(evidence))
+        self.note(witness, "accusations_made")
+        self._keep_body(evidence.accused, witness, {"ev": body["ev"], "sig": body["sig"], "witness": witness})
+        self._witness(witness, evidence, self.verifiable(evidence))
+
+    def welcome(self, peer: str) -> None:
+        """A member that just joined (network thread): send it the accusations behind every
+        ban, each signed by its own witness, so that it bans as the swarm does."""
+        for accused, bodies in list(self._proofs.items()):
+            if accused != peer:
+                for body in bodies:
+                    self._spawn(self._send(peer, ACCUSE, body))
+
+    def _keep_body(self, accused: str, witness: str, body: dict[str, Any]) -> None:
+        if len(self._bodies) >= 4 * self.max_accused:  # bounded: the oldest accusations go first
+            self._bodies.pop(next(iter(self._bodies)))
+        self._bodies.setdefault((accused, witness), body)
 
     def _witness(self, witness: str, evidence: Evidence, verifiable: bool) -> None:
         accused = evidence.accused
@@ -253,6 +284,9 @@ class Trust:
             return
         self.banned[ban.peer] = ban
         self._accusers.pop(ban.peer, None)
+        self._proofs[ban.peer] = [b for w in ban.witnesses if (b := self._bodies.pop((ban.peer, w), None))]
+        for key in [k for k in self._bodies if k[0] == ban.peer]:
+            del self._bodies[key]
         log.warning("%s: banned %s: %s evidence of round %d (%s by %s); detail keys %s", self.local.peer_id,
                     ban.peer, ban.kind, ban.round, "verifiable" if ban.verifiable else "witnessed",
                     ", ".join(ban.witnesses), sorted(evidence.detail))

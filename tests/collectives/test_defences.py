@@ -245,3 +245,30 @@ def test_a_ban_on_a_witnesss_word_needs_two_witnesses(make_node):
     accuse(second)
     assert wait_until(lambda: accused.peer_id in judge.trust.banned)
     assert sorted(judge.trust.banned[accused.peer_id].witnesses) == sorted([first.peer_id, second.peer_id])
+
+
+def test_a_peer_that_joins_after_a_ban_bans_as_the_swarm_does(make_node):
+    """A joiner gets the signed accusations behind each ban: verifiable evidence, and a
+    witness-level ban's two witnesses' own accusations (passed on, still signed by them)."""
+    nodes = swarm(make_node, 4)
+    cheat, liar, first, second = nodes
+
+    def accuse(witness, accused, kind):
+        async def go():
+            witness.trust.register_check("test.proof", lambda evidence: True)
+            witness.trust.accuse(Evidence(kind, accused.peer_id, accused.identity.verify_key, 3, {}))
+        witness.run(go())
+
+    accuse(first, cheat, "test.proof")  # verifiable here (the check is registered on the accuser only)
+    accuse(first, liar, "test.word")
+    accuse(second, liar, "test.word")
+    assert wait_until(lambda: all(liar.peer_id in n.trust.banned for n in (first, second)))
+    assert cheat.peer_id in first.trust.banned
+    joiner = make_node("inproc", join=[first.address])
+
+    async def register():
+        joiner.trust.register_check("test.proof", lambda evidence: True)
+    joiner.run(register())
+    assert wait_until(lambda: liar.peer_id in joiner.trust.banned and cheat.peer_id in joiner.trust.banned)
+    assert sorted(joiner.trust.banned[liar.peer_id].witnesses) == sorted([first.peer_id, second.peer_id])
+    assert liar.peer_id not in joiner.live_peers()
