@@ -214,6 +214,7 @@ class ShardedReducer:
         self._watch = OutlierWatch(self.defences.accuse_after)
         self._replays = ReplayWatch()
         self._centers: dict[tuple[int, int], torch.Tensor] = {}  # my chunks' last averages (CenteredClip)
+        self._averaging: set[asyncio.Future[None]] = set()  # robust averages running on worker threads
         node.on(topic, self._on_part)
 
     # ------------------------------------------------------------------ caller's thread
@@ -566,9 +567,9 @@ class ShardedReducer:
                       ) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
         """Add a part to its group and wait for the group to close (all in, or timeout)."""
         t, members = key[0], key[1]
-        if key in self._closed:
-            return refusal(Refusal.LATE, "the round already closed"), ()
         group = self._groups.get(key)
+        if key in self._closed or (group is not None and group.closing):
+            return refusal(Refusal.LATE, "the round already closed"), ()
         if group is None:
             others = {p for p in members if self._views.get((t, p), members) != members
                       or self._peer_round.get(p, t) > t}
@@ -588,26 +589,58 @@ class ShardedReducer:
             self._finish(key, group)
         if not group.done.is_set():
             await group.done.wait()  # set by _finish: all parts in, or the group's timer
+        if group.reply is None and group.closing:  # a robust average still on its worker thread
+            await group.replied.wait()
         assert group.reply is not None
         if sender in group.bad:
             return self._refuse(Refusal.NOT_FINITE, "bad part: values that are not finite (NaN or Inf)"), ()
         return group.reply
 
     def _finish(self, key: GroupKey, group: ShardGroup) -> None:
-        if group.reply is not None:
+        """Close a group: average it and answer every contributor. The plain mean is one pass,
+        done here; a robust aggregator is many (sorts, clipping iterations: about a second for
+        64 parts of 1M values), so it runs on a worker thread while this loop keeps moving
+        other rounds' bytes, and the group takes no part meanwhile."""
+        if group.reply is not None or group.closing:
             return
-        t, members, i, c = key
+        group.closing = True
+        _, members, i, c = key
         lo, hi = self._shards(members)[i][0][c]
+        aggregator = self.defences.aggregator
+        if not aggregator.robust:
+            self._answer(key, group, (lo, hi), group.average)
+            return
+        center = self._centers.get((lo, hi))
+
+        async def off_thread() -> None:
+            try:
+                result = await asyncio.get_running_loop().run_in_executor(None, group.average, aggregator, center)
+            except Exception as exc:
+                failure = exc
+
+                def failed() -> Any:
+                    raise failure
+                self._answer(key, group, (lo, hi), failed)
+            else:
+                self._answer(key, group, (lo, hi), lambda: result)
+        task = asyncio.ensure_future(off_thread())
+        self._averaging.add(task)
+        task.add_done_callback(self._averaging.discard)
+
+    def _answer(self, key: GroupKey, group: ShardGroup, bounds: tuple[int, int],
+                average: Callable[[], tuple[torch.Tensor, dict[str, float] | None, Verdict]]) -> None:
+        """Judge the group's parts, sign its average and answer every contributor (network thread)."""
+        t, members, i, c = key
+        lo, hi = bounds
         try:
-            aggregator = self.defences.aggregator
-            avg, shares, verdict = group.average(aggregator, self._centers.get((lo, hi)) if aggregator.robust else None)
+            avg, shares, verdict = average()
             self._judge(t, i, c, group, verdict, avg)
             if not group.contributors:
                 group.reply = (refusal(Refusal.NOT_FINITE, "no part was finite"), ())
             else:
-                if aggregator.robust:  # the next round's centre (CenteredClip), for the chunks this peer owns
-                    for bounds in [b for b in self._centers if b[0] < hi and lo < b[1]]:  # another layout's
-                        del self._centers[bounds]
+                if self.defences.aggregator.robust:  # the next round's centre (CenteredClip), for my chunks
+                    for old in [b for b in self._centers if b[0] < hi and lo < b[1]]:  # another layout's
+                        del self._centers[old]
                     self._centers[(lo, hi)] = avg.clone()
                 if self.average_codec.zero_copy:  # lossless too, and the sum is private and final: send it
                     packet = self.average_codec.encode(avg, copy=False)
@@ -616,9 +649,9 @@ class ShardedReducer:
                 contributors = tuple(sorted(group.contributors))
                 sig = self._contributions.sign_average(t, i, c, view_digest(members), contributors, packet)
                 # shares only when weights differed: equal ones send what they always did
-                average = Average(self._avg_headers.outgoing(packet.header, avg.numel()), contributors,
-                                  tuple(sorted(shares.items())) if shares is not None else (), sig)
-                group.reply = (average.to_wire(members), packet.buffers)
+                answer = Average(self._avg_headers.outgoing(packet.header, avg.numel()), contributors,
+                                 tuple(sorted(shares.items())) if shares is not None else (), sig)
+                group.reply = (answer.to_wire(members), packet.buffers)
         except Exception as exc:  # every contributor gets an answer, never a group that stays open
             log.exception("%s: %s shard %d chunk %d of round %d: averaging failed", self.node.peer_id,
                           self.topic, i, c, t)
@@ -629,6 +662,7 @@ class ShardedReducer:
             log.info("%s: %s shard %d chunk %d of round %d closed without %s", self.node.peer_id, self.topic,
                      i, c, t, sorted(missing))
         group.done.set()
+        group.replied.set()
         self._groups.pop(key, None)
         self._closed[key] = t
 
