@@ -51,6 +51,9 @@ so that their rounds are independent and several may be in flight at once.
 
 What members and owners send each other (parts, skips, averages) is typed in
 `collectives/bodies.py`; bad input is refused through `node.rpc.Refuser`, which counts it.
+
+For audits (`protocols/audit.py`), an owner keeps the signed parts of the authors it will audit
+past their groups' close: `keep(t, authors)` before round t, `take_kept(t)` after its `wait()`.
 """
 from __future__ import annotations
 
@@ -68,7 +71,14 @@ from starling.collectives.accumulator import ShardGroup, Verdict
 from starling.collectives.bodies import Average, BodyError, Part, Refused, Skip
 from starling.collectives.codec import encode, make_codec, packet_from_wire
 from starling.collectives.compact import HeaderTemplates, KnownViews, view_digest
-from starling.collectives.contributions import NOT_FINITE, OVERWEIGHT, REPLAYED, Contributions, content_digest
+from starling.collectives.contributions import (
+    NOT_FINITE,
+    OVERWEIGHT,
+    REPLAYED,
+    Contributions,
+    Recipe,
+    content_digest,
+)
 from starling.collectives.defences import OUTLIER, Defences, OutlierWatch, ReplayWatch
 from starling.collectives.layout import DEFAULT_CHUNK_NUMEL, chunk_layout
 from starling.collectives.outcome import ReduceResult, ReduceTimeouts
@@ -87,6 +97,7 @@ log = logging.getLogger(__name__)
 
 _KEEP_CLOSED_ROUNDS = 64  # how long an owner remembers finished rounds, to answer late parts
 _KEEP_SKIPS = 2 * _KEEP_CLOSED_ROUNDS  # rounds whose skips a reducer remembers (peers can send any round)
+_KEEP_ROUNDS = 4  # rounds whose parts `keep` holds for `take_kept` (rounds asked for and never taken go)
 GroupKey = tuple[int, tuple[str, ...], int, int]  # (round, members, shard, chunk)
 OUTVOTED = "owner.outvoted"  # witness evidence: an owner outvoted with the same contributors as the majority
 _STRETCH = AwakeDeadline.STRETCH  # a round's timeouts count awake time, and end by this many times their length
@@ -129,6 +140,20 @@ class _Signed:
     packet: Packet | None
     sig: bytes
     content: bytes
+    recipe: Recipe | None = None
+
+
+@dataclass(frozen=True)
+class KeptPart:
+    """A remote author's signed part of one chunk, kept past its group's close (`keep`): its
+    values as the owner summed them, and the signed form as part evidence carries it."""
+
+    shard: int
+    chunk: int
+    lo: int
+    hi: int
+    values: torch.Tensor
+    detail: dict[str, Any]  # topic, shard, chunk, view, weight, content, sig, recipe?, header, buffers
 
 
 class PendingReduce:
@@ -211,10 +236,18 @@ class ShardedReducer:
         self.defences = defences or Defences()
         self._trust = node.trust
         self._contributions = Contributions(node, topic, self.defences.max_weight)
+        if self.defences.owner_replication > 1:
+            # Replicated owners must send the same bits for the same parts: an average's error
+            # feedback is an owner's own history (one that missed a part once would differ for good).
+            self._avg_feedback = None
         self._watch = OutlierWatch(self.defences.accuse_after)
         self._replays = ReplayWatch()
         self._centers: dict[tuple[int, int], torch.Tensor] = {}  # my chunks' last averages (CenteredClip)
         self._averaging: set[asyncio.Future[None]] = set()  # robust averages running on worker threads
+        # round -> authors whose signed parts my groups keep past their close (frozen: set by the
+        # caller's thread, read by the network thread), and what they kept (network thread)
+        self._keeping: dict[int, frozenset[str]] = {}
+        self._kept: dict[int, dict[str, list[tuple[int, int, int, int, _Signed]]]] = {}
         node.on(topic, self._on_part)
 
     # ------------------------------------------------------------------ caller's thread
@@ -224,7 +257,7 @@ class ShardedReducer:
         return self.start(t, members, vector, lend=True).wait()
 
     def start(self, t: int, members: tuple[str, ...], vector: torch.Tensor, lend: bool = False,
-              weight: float | None = None) -> PendingReduce:
+              weight: float | None = None, recipe: Recipe | None = None) -> PendingReduce:
         """Encode my parts now and run round t on the network thread; `wait()` on the
         result writes the average into `vector`. Encoding and decoding happen on the
         caller's thread, so the network loop only moves bytes.
@@ -240,7 +273,8 @@ class ShardedReducer:
         that owner refuses it as late once it has closed the round.
 
         `weight`: what my parts count for in the average (the tokens they were computed on;
-        None counts 1). Owners average by the members' weights; equal ones give the plain average."""
+        None counts 1). Owners average by the members' weights; equal ones give the plain average.
+        `recipe`: what my parts were computed from (plain data), signed with each of them."""
         if weight is not None and not (math.isfinite(weight) and weight >= 0.0):
             raise ValueError(f"{self.topic}: weight must be a finite number >= 0, got {weight!r}")
         if vector.dim() != 1 or vector.numel() != self.numel or vector.dtype != torch.float32:
@@ -273,16 +307,22 @@ class ShardedReducer:
                     if on_device:
                         packet, more = self._staging.stage(packet)
                         lent.extend(more)
+                    if own is not None and not self.codec.lossless:
+                        own = None  # decoded below, once the bytes are final: every owner sums what the others got
                 slots.append(_Slot(i, c, owners, hi - lo, own, packet))
         if lent:
             self._staging.ready([vector.device])  # the network thread reads them next
         view = view_digest(members)
         for slot in slots:  # signed once the bytes are final (staged ones are, after `ready`)
+            if slot.own is None and me in slot.owners:  # a replicated owner sums my part as the others see it
+                assert slot.packet is not None
+                slot.own = decode(slot.packet).reshape(-1)
             if slot.packet is not None:
-                slot.sig = self._contributions.sign_part(t, slot.shard, slot.chunk, view, weight, slot.packet)
+                slot.sig = self._contributions.sign_part(t, slot.shard, slot.chunk, view, weight, slot.packet,
+                                                         recipe)
         # A backstop only: the network side always ends a round by then (see AwakeDeadline).
         wait_s = _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
-        round_ = self._round(t, members, slots, own_private=not lend or on_device, weight=weight)
+        round_ = self._round(t, members, slots, own_private=not lend or on_device, weight=weight, recipe=recipe)
         return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s, lent)
 
     @property
@@ -323,6 +363,39 @@ class ShardedReducer:
     async def _skip_here(self, t: int) -> None:
         self._saw_skip(t, self.node.peer_id)
 
+    def keep(self, t: int, authors: frozenset[str] | set[str]) -> None:
+        """Keep the signed parts that `authors` send my groups in round t past the groups' close,
+        for `take_kept(t)`. Call from the caller's thread before `start(t, ...)`; only the last
+        _KEEP_ROUNDS rounds asked for are kept (an audit that never takes them loses nothing)."""
+        self._keeping = {r: a for r, a in self._keeping.items() if r > t - _KEEP_ROUNDS} | {t: frozenset(authors)}
+
+    def take_kept(self, t: int) -> dict[str, list[KeptPart]]:
+        """Caller's thread, after round t's `wait()`: each kept author's parts of round t, chunk by
+        chunk, decoded; forgotten here once taken."""
+        self._keeping = {r: a for r, a in self._keeping.items() if r != t}
+        kept = self.node.run(self._take_kept_here(t))
+        out: dict[str, list[KeptPart]] = {}
+        for author, parts in kept.items():
+            for i, c, lo, hi, signed in sorted(parts, key=lambda p: p[2]):
+                if signed.packet is None:
+                    continue
+                try:
+                    values = decode(signed.packet).reshape(-1)
+                except Exception as exc:  # the owner summed it once; whatever fails now proves nothing
+                    log.warning("%s: %s's kept part of round %d does not decode: %s", self.node.peer_id, author, t,
+                                exc)
+                    continue
+                detail = {**self._signed_detail(i, c, signed), "header": signed.packet.header,
+                          "buffers": [bytes(b.numpy()) for b in signed.packet.buffers]}
+                out.setdefault(author, []).append(KeptPart(i, c, lo, hi, values, detail))
+        return out
+
+    async def _take_kept_here(self, t: int) -> dict[str, list[tuple[int, int, int, int, _Signed]]]:
+        kept = self._kept.pop(t, {})
+        for old in [r for r in self._kept if r <= t - _KEEP_ROUNDS]:  # rounds asked for and never taken
+            del self._kept[old]
+        return kept
+
     def _apply(self, t: int, members: tuple[str, ...], vector: torch.Tensor,
                results: list[_ShardResult]) -> ReduceResult:
         """Write each averaged chunk over the local values; collect who was missing."""
@@ -355,7 +428,8 @@ class ShardedReducer:
 
     # ------------------------------------------------------------------ network thread
     async def _round(self, t: int, members: tuple[str, ...], slots: list[_Slot],
-                     own_private: bool, weight: float | None = None) -> list[_ShardResult]:
+                     own_private: bool, weight: float | None = None,
+                     recipe: Recipe | None = None) -> list[_ShardResult]:
         me = self.node.peer_id
         self._latest_round = max(self._latest_round, t)
         view = self._known_views.add(members)  # my parts name it by digest; owners know it from theirs
@@ -368,7 +442,7 @@ class ShardedReducer:
                                                  weight))
                 else:
                     assert slot.packet is not None and slot.sig is not None
-                    jobs.append(self._send_part(t, members, view, slot, owner, weight))
+                    jobs.append(self._send_part(t, members, view, slot, owner, weight, recipe))
         results = iter(await asyncio.gather(*jobs))
         self._forget_before(t - _KEEP_CLOSED_ROUNDS)
         return [self._vote(t, view, [next(results) for _ in slot.owners]) for slot in slots]
@@ -429,13 +503,13 @@ class ShardedReducer:
                             sig=average.sig)
 
     async def _send_part(self, t: int, members: tuple[str, ...], view: bytes, slot: _Slot, owner: str,
-                         weight: float | None = None) -> _ShardResult:
+                         weight: float | None = None, recipe: Recipe | None = None) -> _ShardResult:
         i, c, numel, packet = slot.shard, slot.chunk, slot.numel, slot.packet
         assert packet is not None
         # Counted in awake time: an average that came while this loop was stalled is read, not dropped.
         deadline = AwakeDeadline(self.timeouts.round_timeout_s + self.timeouts.reply_grace_s)
         part = Part(t, i, c, self._part_headers.outgoing(packet.header, numel), view=view, weight=weight,
-                    sig=slot.sig)
+                    sig=slot.sig, recipe=recipe)
         try:
             msg = await request_patiently(self.node, owner, self.topic, part.to_wire(), packet.buffers, deadline,
                                           self.timeouts.retry_interval_s)
@@ -509,11 +583,12 @@ class ShardedReducer:
         except Exception as exc:
             return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
         view = body.view if body.view is not None else view_digest(members)
-        content = self._contributions.verify_part(msg.sender, t, i, c, view, body.weight, packet, body.sig)
+        content = self._contributions.verify_part(msg.sender, t, i, c, view, body.weight, packet, body.sig,
+                                                  body.recipe)
         if content is None:  # altered on the way, or not its sender's: held against nobody
             self._trust.note(msg.sender, "bad_signature")
             return self._refuse(Refusal.BAD_SIGNATURE, f"round {t} shard {i} chunk {c}: not signed by its sender")
-        signed = _Signed(view, body.weight, packet, body.sig, content)  # type: ignore[arg-type]
+        signed = _Signed(view, body.weight, packet, body.sig, content, body.recipe)  # type: ignore[arg-type]
         if self._contributions.overweight(body.weight):
             self._trust.note(msg.sender, "overweight")
             self._accuse_part(OVERWEIGHT, msg.sender, t, i, c, signed, with_bytes=False)
@@ -545,9 +620,12 @@ class ShardedReducer:
         return Reply(reply, buffers)
 
     def _signed_detail(self, i: int, c: int, signed: _Signed) -> dict[str, Any]:
-        return {"topic": self.topic, "shard": i, "chunk": c, "view": signed.view,
-                "weight": 1.0 if signed.weight is None else float(signed.weight), "content": signed.content,
-                "sig": signed.sig}
+        detail = {"topic": self.topic, "shard": i, "chunk": c, "view": signed.view,
+                  "weight": 1.0 if signed.weight is None else float(signed.weight), "content": signed.content,
+                  "sig": signed.sig}
+        if signed.recipe is not None:
+            detail["recipe"] = list(signed.recipe)
+        return detail
 
     def _accuse_part(self, kind: str, sender: str, t: int, i: int, c: int, signed: _Signed, with_bytes: bool,
                      **extra: Any) -> None:
@@ -555,7 +633,7 @@ class ShardedReducer:
             return
         evidence = self._contributions.part_evidence(kind, sender, t, i, c, signed.view, signed.weight,
                                                      signed.packet if with_bytes else None, signed.sig,
-                                                     signed.content, **extra)
+                                                     signed.content, signed.recipe, **extra)
         if evidence is not None:
             self._trust.accuse(evidence)
 
@@ -635,6 +713,7 @@ class ShardedReducer:
         try:
             avg, shares, verdict = average()
             self._judge(t, i, c, group, verdict, avg)
+            self._keep_signed(t, i, c, lo, hi, group.signed)
             if not group.contributors:
                 group.reply = (refusal(Refusal.NOT_FINITE, "no part was finite"), ())
             else:
@@ -698,6 +777,17 @@ class ShardedReducer:
                     self._trust.accuse(Evidence(OUTLIER, sender, key, t, {
                         "topic": self.topic, "shard": i, "chunk": c, "rounds": self.defences.accuse_after,
                         "why": why}))
+
+    def _keep_signed(self, t: int, i: int, c: int, lo: int, hi: int, signed: Mapping[str, _Signed]) -> None:
+        """A closing group's signed parts by the authors `keep(t, ...)` named, kept for `take_kept`."""
+        for old in [r for r in self._kept if r not in self._keeping]:  # asked for, then never taken
+            del self._kept[old]
+        authors = self._keeping.get(t)
+        if not authors:
+            return
+        kept = self._kept.setdefault(t, {})
+        for author in authors & signed.keys():
+            kept.setdefault(author, []).append((i, c, lo, hi, signed[author]))
 
     def _saw_skip(self, t: int, peer: str) -> None:
         """`peer` sends nothing in round t: no group of round t waits for it, nor will one made later."""
