@@ -272,3 +272,21 @@ def test_a_peer_that_joins_after_a_ban_bans_as_the_swarm_does(make_node):
     assert wait_until(lambda: liar.peer_id in joiner.trust.banned and cheat.peer_id in joiner.trust.banned)
     assert sorted(joiner.trust.banned[liar.peer_id].witnesses) == sorted([first.peer_id, second.peer_id])
     assert liar.peer_id not in joiner.live_peers()
+
+
+def test_replicated_owners_agree_on_honest_parts_under_a_lossy_codec(make_node):
+    """Three owners per shard hand out the same bits round after round when every member is
+    honest: an owner sums its own part as the others decode it, and keeps no error feedback of
+    its own on the averages. Nobody is disputed, every chunk is averaged."""
+    nodes = swarm(make_node, 4)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    reducers = [ShardedReducer(n, "test.lossy3", 64, "int4", timeouts=FAST, chunk_numel=8,
+                               defences=Defences("centered_clip", owner_replication=3)) for n in nodes]
+    generator = torch.Generator().manual_seed(1)
+    for t in range(4):
+        vectors = [torch.randn(64, generator=generator) for _ in nodes]
+        results = in_parallel([lambda r=r: reducers[r].reduce(t, members, vectors[r]) for r in range(4)])
+        assert all(r.synced and not r.lost for r in results), t
+        assert all(torch.equal(vectors[0], v) for v in vectors[1:]), t
+    counts = [kind for n in nodes for per in n.trust.counts.values() for kind in per]
+    assert not {"disputed", "bad_signature", "screened", "not_finite"} & set(counts), counts
