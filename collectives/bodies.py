@@ -9,13 +9,15 @@ shard, is the sender in the member list, does it know that view) is the handler'
 On the wire (keys kept short where a body rides on every chunk of every round):
 
     Part      member -> owner   {"step", "shard", "chunk", "packet": header or None,
-                                 "view": digest | "members": [peer ids], "weight"?, "sig"?}
+                                 "view": digest | "members": [peer ids], "weight"?, "sig"?,
+                                 "recipe"?: [int or bytes, ...]}
     Skip      member -> peers   {"skip": round}                     one way, no answer
     Average   owner -> member   {"ok": True, "packet": header or None, "cm": contributor mask,
                                  "shares"?: [[peer, share], ...], "sig"?}
 
 "sig": the sender's Ed25519 signature over what the part or average says (see
-`collectives/contributions.py`), 64 bytes.
+`collectives/contributions.py`), 64 bytes. "recipe": what the author says it computed the part
+from (a protocol's audits read it: `protocols/audit.py`), signed with the part.
     Ask       member -> leader  {"round", "members": [peer ids], "weight"}
     Ack       leader -> member  {"ok": True, "round", "ack": signature}    the ask is in the round
     Wait      member -> leader  {"round", "wait": True}            answered when the round closes
@@ -87,6 +89,23 @@ def _sig(obj: dict[str, Any]) -> bytes | None:
     return sig
 
 
+MAX_RECIPE_FIELDS = 8
+MAX_RECIPE_BYTES = 64
+
+
+def _recipe(value: Any) -> tuple[int | bytes, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_RECIPE_FIELDS:
+        raise BodyError(f"recipe must be a list of at most {MAX_RECIPE_FIELDS} fields")
+    for field_ in value:
+        if not ((type(field_) is int and -(1 << 63) <= field_ < (1 << 63))
+                or (isinstance(field_, bytes) and len(field_) <= MAX_RECIPE_BYTES)):
+            raise BodyError(f"recipe fields must be 64-bit integers or at most {MAX_RECIPE_BYTES} bytes, "
+                            f"got {field_!r:.40}")
+    return tuple(value)
+
+
 def _pairs(value: Any, what: str) -> tuple[tuple[str, float], ...]:
     if not isinstance(value, list):
         raise BodyError(f"{what} must be a list of [peer, number]")
@@ -114,6 +133,7 @@ class Part:
     members: tuple[str, ...] | None = None
     weight: float | None = None  # what the part counts for in the average; None counts 1
     sig: bytes | None = None  # the author's signature (collectives/contributions.py)
+    recipe: tuple[int | bytes, ...] | None = None  # what the part was computed from, signed with it
 
     def __post_init__(self) -> None:
         if (self.view is None) == (self.members is None):
@@ -121,7 +141,8 @@ class Part:
 
     def with_members(self, members: tuple[str, ...]) -> Part:
         """The same part with its member list sent whole (for an owner that did not know the view)."""
-        return Part(self.step, self.shard, self.chunk, self.header, members=members, weight=self.weight, sig=self.sig)
+        return Part(self.step, self.shard, self.chunk, self.header, members=members, weight=self.weight, sig=self.sig,
+                    recipe=self.recipe)
 
     def to_wire(self) -> dict[str, Any]:
         body: dict[str, Any] = {"step": self.step, "shard": self.shard, "chunk": self.chunk}
@@ -134,6 +155,8 @@ class Part:
             body["weight"] = self.weight
         if self.sig is not None:
             body["sig"] = self.sig
+        if self.recipe is not None:
+            body["recipe"] = list(self.recipe)
         return body
 
     @classmethod
@@ -147,7 +170,7 @@ class Part:
             if not isinstance(view, bytes) or len(view) != VIEW_DIGEST_BYTES:
                 raise BodyError(f"view must be a {VIEW_DIGEST_BYTES}-byte digest (or send members)")
         weight = _weight(body["weight"]) if "weight" in body else None
-        return cls(step, shard, chunk, _header(body), view, members, weight, _sig(body))
+        return cls(step, shard, chunk, _header(body), view, members, weight, _sig(body), _recipe(body.get("recipe")))
 
 
 @dataclass(frozen=True)

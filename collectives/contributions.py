@@ -3,7 +3,9 @@ all-reduce's parts and averages, and the evidence they make.
 
     member: part of chunk c of shard i of round t, under member list `view` (its digest):
         content = sha256(canonical packet header, buffers)
-        sig     = sign("part", topic, t, i, c, view, weight, content)
+        sig     = sign("part", topic, t, i, c, view, weight, content[, recipe])
+                  (recipe: what the author says it computed the part from, for audits that
+                  recompute it; only when the protocol states one)
     owner:  a part whose signature does not verify is refused (`bad_signature`) and counted
             against nobody (a relay or a stranger may have made it); one that verifies is the
             author's word, and what is wrong with it is evidence against the author
@@ -47,6 +49,17 @@ def _weight(weight: float | None) -> float:
     return 1.0 if weight is None else float(weight)
 
 
+Recipe = tuple[int | bytes, ...]  # what an author says it computed a part from (plain data)
+
+
+def _part_statement(topic: str, t: int, i: int, c: int, view: bytes, weight: float, content: bytes,
+                    recipe: Recipe | None) -> bytes:
+    """A part without a recipe signs the same bytes as before recipes existed."""
+    if recipe is None:
+        return statement("part", topic, t, i, c, view, weight, content)
+    return statement("part", topic, t, i, c, view, weight, content, list(recipe))
+
+
 class Contributions:
     """Signs this peer's parts and averages under `topic`, checks others', and makes and
     checks the evidence of the kinds above. `max_weight`: the most a part may claim (None:
@@ -65,32 +78,37 @@ class Contributions:
             self.trust.register_check(OVERWEIGHT, self._check_overweight)
 
     # ------------------------------------------------------------------ parts
-    def part_statement(self, t: int, i: int, c: int, view: bytes, weight: float | None, content: bytes) -> bytes:
-        return statement("part", self.topic, t, i, c, view, _weight(weight), content)
+    def part_statement(self, t: int, i: int, c: int, view: bytes, weight: float | None, content: bytes,
+                       recipe: Recipe | None = None) -> bytes:
+        return _part_statement(self.topic, t, i, c, view, _weight(weight), content, recipe)
 
-    def sign_part(self, t: int, i: int, c: int, view: bytes, weight: float | None, packet: Packet) -> bytes:
+    def sign_part(self, t: int, i: int, c: int, view: bytes, weight: float | None, packet: Packet,
+                  recipe: Recipe | None = None) -> bytes:
         """Any thread: the identity's key signs without shared state."""
         return self.trust.sign(self.part_statement(t, i, c, view, weight, content_digest(packet.header,
-                                                                                          packet.buffers)))
+                                                                                          packet.buffers), recipe))
 
     def verify_part(self, sender: str, t: int, i: int, c: int, view: bytes, weight: float | None,
-                    packet: Packet, sig: Any) -> bytes | None:
+                    packet: Packet, sig: Any, recipe: Recipe | None = None) -> bytes | None:
         """The part's content digest if `sender` signed it, else None."""
         content = content_digest(packet.header, packet.buffers)
-        ok = self.trust.verify(sender, self.part_statement(t, i, c, view, weight, content), sig)
+        ok = self.trust.verify(sender, self.part_statement(t, i, c, view, weight, content, recipe), sig)
         return content if ok else None
 
     def overweight(self, weight: float | None) -> bool:
         return self.max_weight is not None and _weight(weight) > self.max_weight * (1.0 + 1e-9)
 
     def part_evidence(self, kind: str, sender: str, t: int, i: int, c: int, view: bytes, weight: float | None,
-                      packet: Packet | None, sig: bytes, content: bytes, **extra: Any) -> Evidence | None:
+                      packet: Packet | None, sig: bytes, content: bytes, recipe: Recipe | None = None,
+                      **extra: Any) -> Evidence | None:
         """Evidence of `kind` against a part's author; None if its key is unknown here."""
         key = self.trust.key_of(sender)
         if key is None:
             return None
         detail = {"topic": self.topic, "shard": i, "chunk": c, "view": view, "weight": _weight(weight),
                   "content": content, "sig": sig, **extra}
+        if recipe is not None:
+            detail["recipe"] = list(recipe)
         if packet is not None:
             detail["header"] = packet.header
             detail["buffers"] = [bytes(b.numpy()) for b in packet.buffers]
@@ -120,9 +138,12 @@ class Contributions:
 # ---------------------------------------------------------------------- checks of evidence
 def _signed_part(evidence: Evidence, d: dict[str, Any], t: int) -> bool:
     """Whether the accused signed the part `d` describes (in round t). Never raises."""
+    recipe = d.get("recipe")
+    if recipe is not None and not isinstance(recipe, list):
+        return False
     try:
-        signed = statement("part", d["topic"], t, d["shard"], d["chunk"], d["view"], float(d["weight"]),
-                           d["content"])
+        signed = _part_statement(d["topic"], t, d["shard"], d["chunk"], d["view"], float(d["weight"]),
+                                 d["content"], None if recipe is None else tuple(recipe))
     except (KeyError, TypeError, ValueError):
         return False
     return (isinstance(d.get("topic"), str) and isinstance(d.get("content"), bytes)
