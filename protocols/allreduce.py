@@ -14,6 +14,9 @@ Replicas are meant to be bit-identical. Every `check_every` steps the members co
 of their parameters (`guard.py`); one that drifted (built with other initial weights, or left
 with its own values in a shard whose owner did not answer) takes the parameters and
 optimizer state more than half of the members hold, and logs it.
+
+With `audit_rate` > 0, members audit each other's gradients by recomputing them
+(`audit.py`): after each round, before the optimizer's step, at the same parameters.
 """
 from __future__ import annotations
 
@@ -24,9 +27,11 @@ from typing import Any
 from torch import nn
 
 from starling.collectives import BufferAverager, ShardedReducer, membership
+from starling.compressors import from_spec
 from starling.node.node import Node
+from starling.protocols.audit import Auditor
 from starling.protocols.backprop import BackpropProtocol
-from starling.protocols.base import LossFn, ProtocolConfig, StepReport, register
+from starling.protocols.base import LossFn, ProtocolConfig, ProtocolError, StepReport, register
 from starling.protocols.optim import check_reduce_config, make_defences, reduce_timeouts
 
 log = logging.getLogger(__name__)
@@ -54,11 +59,24 @@ class AllReduceConfig(ProtocolConfig):
     # their signed averages; parts cost that many times the bytes)
     aggregator: str = "mean"
     owner_replication: int = 1
+    # Audits by recomputation (protocols/audit.py): each round, each member audits one other with
+    # this probability, recomputing its gradient on its stated batch (one more forward and backward
+    # per audit, and a hash of the parameters every step); 0: off. Needs a lossless compressor and
+    # a deterministic loss. A part further than `audit_tolerance` (relative L2) fails its audit.
+    audit_rate: float = 0.0
+    audit_tolerance: float = 1e-3
 
     def __post_init__(self) -> None:
         check_reduce_config(self)
         if self.check_every < 0:
             raise ValueError(f"check_every must be >= 0, got {self.check_every}")
+        if not 0.0 <= self.audit_rate <= 1.0:
+            raise ValueError(f"audit_rate must be in [0, 1], got {self.audit_rate}")
+        if not self.audit_tolerance > 0.0:
+            raise ValueError(f"audit_tolerance must be > 0, got {self.audit_tolerance}")
+        if self.audit_rate > 0.0 and not from_spec(self.compressor).lossless:
+            raise ValueError(f"audit_rate needs a lossless compressor (a lossy part carries its author's "
+                             f"error-feedback residual, which an auditor cannot recompute), got {self.compressor!r}")
 
 
 @register
@@ -77,6 +95,8 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         if self.buffer_sync is not None:
             self.side_reducers += self.buffer_sync.reducers
         self.guard = self._drift_guard("allreduce.")
+        self.auditor = Auditor(node, self.reducer, self.flat.params, model, config.audit_rate,
+                               config.audit_tolerance) if config.audit_rate > 0.0 else None
         self._serve()
 
     # ------------------------------------------------------------------ training thread
@@ -87,9 +107,18 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
             grad = self.flat.gather_grads()
 
         t, members = self.step_count, membership(self.node)
-        result = self.reducer.reduce(t, members, grad)
+        recipe = None
+        if self.auditor is not None and len(members) > 1:
+            if self.audit_data is None:
+                raise ProtocolError("allreduce: audit_rate needs the runtime's batches (audit_data, which the "
+                                    "Trainer sets)")
+            recipe = self.auditor.before(t, members, self.audit_data)
+        result = self.reducer.start(t, members, grad, lend=True, recipe=recipe).wait()
         if len(members) > 1:
             self.flat.scatter_grads(grad)
+        if recipe is not None and self.auditor is not None and self.audit_data is not None:
+            with clock.computing():  # at x_t still: the optimizer steps after
+                self.auditor.after(t, self.audit_data)
         if result.ahead > t:
             log.info("%s: allreduce round %d was late; catching up to round %d", self.node.peer_id, t, result.ahead)
             self.step_count = result.ahead
@@ -106,5 +135,6 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
 
     # ------------------------------------------------------------------ hooks and state
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "step": self.step_count, "parameters": self.flat.numel}
+        audits = self.auditor.counts() if self.auditor is not None else {}
+        return {**super().describe(), "step": self.step_count, "parameters": self.flat.numel, **audits}
 

@@ -35,6 +35,7 @@ from starling.common import config_from_options as common_config_from_options
 if typing.TYPE_CHECKING:
     from starling.node.node import Node
     from starling.node.wire import Message
+    from starling.protocols.audit import AuditData
 
 LossFn = Callable[[], torch.Tensor]
 PRIVATE_STATE = "private"  # the state_dict key of what only the peer's own restart loads
@@ -134,6 +135,9 @@ class Protocol(ABC):
         # small lossless rounds beside them (buffers, agreement checks): peer events, no residuals
         self.side_reducers: list[ShardedReducer] = []
         self._open = True  # until close(): step() raises, handlers refuse, peer events are ignored
+        # Set by the runtime: this peer's batch recipe and any member's batch, for protocols that
+        # audit others' contributions by recomputing them (protocols/audit.py).
+        self.audit_data: AuditData | None = None
         if self.topic_prefix is not None:  # counting from before any topic is served
             self.meter = ByteMeter(node, self.topic_prefix)
 

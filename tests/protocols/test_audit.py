@@ -1,0 +1,149 @@
+"""allreduce audits by recomputation: honest peers always pass, forged gradients are caught by
+their auditors and banned once two of them accuse, and every peer picks the same pairs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import in_parallel, swarm, wait_until
+from torch import nn
+
+from starling.protocols import get_protocol
+from starling.protocols.audit import MISMATCH, audit_pairs, audit_seed
+from starling.runtime import Simulation
+from starling.runtime.simconfig import SimConfig
+
+WORLD = 4
+TINY_CHARLM = {"corpus_chars": 20_000, "n_layer": 1, "n_embd": 16, "seq_len": 16, "batch_size": 4,
+               "eval_batches": 1}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + index)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+class Data:
+    """A protocol's `audit_data` as a runtime gives it: its own batch recipe, any member's batch."""
+
+    seed = 0
+
+    def __init__(self, proto, rank: int) -> None:
+        self.proto, self.rank, self.index = proto, rank, -1
+
+    def recipe(self) -> tuple[int, int, int]:
+        return self.rank, WORLD, self.index
+
+    def loss_fn(self, rank: int, world: int, index: int):
+        x, y = batch(rank, index)
+        return lambda: nn.functional.mse_loss(self.proto.model(x), y)
+
+    def step(self):
+        self.index += 1
+        x, y = batch(self.rank, self.index)
+        return self.proto.step(lambda: nn.functional.mse_loss(self.proto.model(x), y))
+
+
+def audited_swarm(make_node, **options):
+    nodes = swarm(make_node, WORLD)
+    options = {"lr": 0.05, "audit_rate": 1.0, "round_timeout_s": 3.0, "reply_grace_s": 0.5, **options}
+    protos = [get_protocol("allreduce").create(n, mlp(), options) for n in nodes]
+    data = []
+    for rank, proto in enumerate(protos):
+        proto.audit_data = Data(proto, rank)
+        data.append(proto.audit_data)
+    return nodes, protos, data
+
+
+def test_pairs_are_the_same_on_every_peer_and_never_self():
+    members = tuple(sorted(f"peer{i}" for i in range(7)))
+    for t in range(50):
+        seed = audit_seed(t, bytes([t]) * 32)
+        pairs = audit_pairs(seed, members, 0.5)
+        assert pairs == audit_pairs(seed, list(members), 0.5)  # a pure function of the seed and members
+        assert all(a != b and a in members and b in members for a, b in pairs)
+        assert len({a for a, _ in pairs}) == len(pairs)  # one author per auditor
+    everyone = audit_pairs(audit_seed(3, b"\0" * 32), members, 1.0)
+    assert [a for a, _ in everyone] == list(members)
+    assert audit_pairs(audit_seed(3, b"\0" * 32), members, 0.0) == ()
+    assert audit_pairs(audit_seed(3, b"\0" * 32), members[:1], 1.0) == ()
+    # the parameters choose the pairs: another digest, other pairs (over many rounds)
+    assert any(audit_pairs(audit_seed(t, b"\1" * 32), members, 0.5) != audit_pairs(audit_seed(t, b"\2" * 32),
+                                                                                   members, 0.5) for t in range(10))
+
+
+def test_honest_peers_pass_every_audit_and_stay_identical(make_node):
+    nodes, protos, data = audited_swarm(make_node)
+    for _ in range(10):
+        in_parallel([d.step for d in data])
+    for proto in protos:
+        info = proto.describe()
+        assert info["audits"] > 0 and info["audit_failed"] == 0 and info["audit_skipped"] == 0, info
+        for a, b in zip(proto.model.parameters(), protos[0].model.parameters()):
+            assert torch.equal(a, b)
+    assert sum(p.describe()["audits"] for p in protos) >= 10 * WORLD - 4  # nearly every pair, every round
+    for node in nodes:
+        assert not node.trust.banned
+        assert not any(k.startswith("accused.") or k == "audit_failed" for c in node.trust.counts.values() for k in c)
+
+
+@pytest.mark.parametrize("forge", ["negated", "scaled", "zeros"])
+def test_a_forged_gradient_is_caught_and_banned_once_two_auditors_accuse_it(make_node, forge):
+    nodes, protos, data = audited_swarm(make_node)
+    liar, honest = protos[1], [p for i, p in enumerate(protos) if i != 1]
+    start = liar.reducer.start
+
+    def forged(t, members, vector, *args, **kwargs):
+        if forge == "negated":
+            vector.neg_()
+        elif forge == "scaled":
+            vector.mul_(10.0)
+        else:
+            vector.zero_()
+        return start(t, members, vector, *args, **kwargs)
+
+    liar.reducer.start = forged
+    liar_id = liar.node.peer_id
+    for _ in range(30):
+        in_parallel([d.step for d in data])
+        if all(p.node.trust.is_banned(liar_id) for p in honest):
+            break
+    assert all(wait_until(lambda p=p: p.node.trust.is_banned(liar_id), 5.0) for p in honest)
+    for proto in honest:
+        ban = proto.node.trust.banned[liar_id]
+        assert ban.kind == MISMATCH and not ban.verifiable and len(ban.witnesses) >= 2
+        assert liar_id not in proto.node.live_peers()
+        assert not (set(proto.node.trust.banned) - {liar_id})  # no honest peer is accused into a ban
+    auditors = [p for p in honest if p.describe()["audit_failed"] > 0]
+    assert len(auditors) >= 2
+    for proto in auditors:
+        assert proto.node.trust.counts[liar_id]["audit_failed"] >= 1
+    # honest peers never failed each other's audits
+    for proto in honest:
+        for peer, counts in proto.node.trust.counts.items():
+            if peer != liar_id:
+                assert "audit_failed" not in counts, (peer, dict(counts))
+
+
+def test_audits_need_a_lossless_compressor():
+    with pytest.raises(Exception, match="lossless"):
+        get_protocol("allreduce").config_class(audit_rate=0.5, compressor="fp16")
+    with pytest.raises(Exception, match="audit_rate"):
+        get_protocol("allreduce").config_class(audit_rate=1.5)
+
+
+def test_simulated_honest_swarm_on_charlm_passes_every_audit():
+    """Through the Trainer: its batch recipes (rank, world, index), charlm's batches, the loss as
+    the runtime builds it."""
+    result = Simulation(SimConfig(peers=WORLD, protocol="allreduce", steps=8, task="charlm",
+                                  task_options=TINY_CHARLM, options={"audit_rate": 1.0, "lr": 0.05},
+                                  transport="inproc")).run()
+    infos = [p.protocol_info for p in result.peers]
+    assert all(p.status == "finished" for p in result.peers), [(p.status, p.error) for p in result.peers]
+    assert all(i["audit_failed"] == 0 and i["audit_skipped"] == 0 for i in infos), infos
+    assert sum(i["audits"] for i in infos) >= 8 * WORLD - 4
+    assert len({p.eval_loss for p in result.peers}) == 1  # the same parameters everywhere
