@@ -35,10 +35,19 @@ from typing import Any
 
 from starling.common import option_name, peer_hash
 from starling.node import Node
-from starling.protocols import PRIVATE_STATE, Protocol, ProtocolError, StepReport, config_from_options, get_protocol
+from starling.protocols import (
+    PRIVATE_STATE,
+    LossFn,
+    Protocol,
+    ProtocolError,
+    StepReport,
+    config_from_options,
+    get_protocol,
+)
 from starling.runtime.checkpoint import BackgroundCheckpointer, Checkpoint, CheckpointError, CheckpointStore
 from starling.runtime.modelspec import ARCHITECTURE_KEY, INITIAL_STATE_KEY, architecture, first_difference, state_digest
 from starling.runtime.placement import Placement
+from starling.runtime.recipes import BatchRecipes
 from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaGroup, ReplicaLeader, check_replica_ranks
 from starling.runtime.restart import agree_on_step, holders_of
 from starling.tasks import Task, get_task
@@ -213,6 +222,7 @@ class Trainer:
         self._store = CheckpointStore(checkpoint.directory, checkpoint.keep) if checkpoint else None
         self._writer = BackgroundCheckpointer(self._store) if self._store else None
         self._resumed_at = 0  # batches of the shard a resumed checkpoint had already trained on
+        self._batch_index = 0  # the index in the shard of the batch `batches()` gave last
         # The newest checkpoint this peer wrote (durable) or resumed from: its age is a metric.
         self.last_checkpoint: Checkpoint | None = None
 
@@ -240,10 +250,22 @@ class Trainer:
         attach_task = getattr(self.proto, "attach_task", None)
         if callable(attach_task):
             attach_task(self.task, self.rank, self.world, self.spec.seed)
+        self._attach_recipes(self.proto)
         if self.serve_state:
             self.take_snapshot()
             self.node.serve_blob(STATE_BLOB, lambda: self._snapshot)
         return self.proto
+
+    def _attach_recipes(self, proto: Protocol) -> None:
+        """Give the protocol this peer's batch recipes (`runtime/recipes.py`), for audits. A replica
+        of many ranks computes its gradient over their batches together, which no recipe names."""
+        if self.replica_ranks > 1:
+            if getattr(proto.config, "audit_rate", 0.0) > 0.0:
+                raise TrainSpecError("audit_rate needs peers of one rank each: a replica's gradient is over "
+                                     "its ranks' batches together, which an auditor cannot recompute")
+            return
+        proto.audit_data = BatchRecipes(self.task, self.spec.seed, self.rank, self.world,
+                                        lambda: self._batch_index, self._loss_of)
 
     def _check_replica_ranks(self) -> None:
         """The first peer fixes how many ranks each replica has (when more than one); a peer
@@ -314,20 +336,19 @@ class Trainer:
 
     def batches(self) -> Iterator[Any]:
         """This peer's data shard; after `resume()`, from the batch the checkpoint had reached."""
-        return itertools.islice(self.task.batches(self.rank, self.world, self.spec.seed), self._resumed_at, None)
+        shard = itertools.islice(self.task.batches(self.rank, self.world, self.spec.seed), self._resumed_at, None)
+        return self._counted(shard, self._resumed_at)
+
+    def _counted(self, shard: Iterator[Any], start: int) -> Iterator[Any]:
+        for index, batch in enumerate(shard, start=start):
+            self._batch_index = index  # what the step on this batch states in its recipe
+            yield batch
 
     def step(self, batch: Any) -> StepReport:
         """One protocol step on `batch`; refreshes the snapshot joiners fetch."""
-        proto, task, placement = self.proto, self.task, self.placement
+        proto = self.proto
         assert proto is not None
-        model = proto.model
-        batch = placement.batch(batch, model)
-        forward = self.forward_model if self.forward_model is not None else model
-
-        def loss_fn() -> Any:
-            with placement.autocast(model):
-                return task.loss(forward, batch)
-
+        loss_fn = self._loss_of(batch)
         self.node.check_fault()
         if self.replica is None:
             report = proto.step(loss_fn)
@@ -344,6 +365,19 @@ class Trainer:
         if self.checkpoint is not None and proto.step_count % self.checkpoint.every == 0:
             self.save_checkpoint()
         return report
+
+    def _loss_of(self, batch: Any) -> LossFn:
+        """The loss on `batch` at the protocol's model, as every step of this peer computes it."""
+        proto, task, placement = self.proto, self.task, self.placement
+        assert proto is not None
+        model = proto.model
+        batch = placement.batch(batch, model)
+        forward = self.forward_model if self.forward_model is not None else model
+
+        def loss_fn() -> Any:
+            with placement.autocast(model):
+                return task.loss(forward, batch)
+        return loss_fn
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> None:
