@@ -147,3 +147,20 @@ def test_simulated_honest_swarm_on_charlm_passes_every_audit():
     assert all(i["audit_failed"] == 0 and i["audit_skipped"] == 0 for i in infos), infos
     assert sum(i["audits"] for i in infos) >= 8 * WORLD - 4
     assert len({p.eval_loss for p in result.peers}) == 1  # the same parameters everywhere
+
+
+def test_an_honest_peer_at_other_parameters_is_skipped_not_failed(make_node):
+    """A drifted peer (until the drift guard repairs it) computed an honest gradient at other
+    parameters: its auditors skip it and count it, and nobody is accused."""
+    nodes, protos, data = audited_swarm(make_node, check_every=0)
+    drifted = protos[2]
+    with torch.no_grad():
+        next(drifted.model.parameters()).add_(1e-3)
+    for _ in range(6):
+        in_parallel([d.step for d in data])
+    assert sum(p.describe()["audit_skipped"] for p in protos) > 0
+    for proto in protos:
+        assert proto.describe()["audit_failed"] == 0
+        assert not proto.node.trust.banned
+    others = [p for p in protos if p is not drifted]
+    assert any(p.node.trust.counts[drifted.node.peer_id]["audit.other_parameters"] > 0 for p in others)
