@@ -372,7 +372,6 @@ class ShardedReducer:
     def take_kept(self, t: int) -> dict[str, list[KeptPart]]:
         """Caller's thread, after round t's `wait()`: each kept author's parts of round t, chunk by
         chunk, decoded; forgotten here once taken."""
-        self._keeping = {r: a for r, a in self._keeping.items() if r != t}
         kept = self.node.run(self._take_kept_here(t))
         out: dict[str, list[KeptPart]] = {}
         for author, parts in kept.items():
@@ -391,6 +390,8 @@ class ShardedReducer:
         return out
 
     async def _take_kept_here(self, t: int) -> dict[str, list[tuple[int, int, int, int, _Signed]]]:
+        # here, not on the caller's thread: a group closing meanwhile would drop round t's parts
+        self._keeping = {r: a for r, a in self._keeping.items() if r != t}
         kept = self._kept.pop(t, {})
         for old in [r for r in self._kept if r <= t - _KEEP_ROUNDS]:  # rounds asked for and never taken
             del self._kept[old]
