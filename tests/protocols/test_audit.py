@@ -86,6 +86,8 @@ def test_honest_peers_pass_every_audit_and_stay_identical(make_node):
         for a, b in zip(proto.model.parameters(), protos[0].model.parameters()):
             assert torch.equal(a, b)
     assert sum(p.describe()["audits"] for p in protos) >= 10 * WORLD - 4  # nearly every pair, every round
+    for proto in protos:  # what owners kept for audits was taken, round by round
+        assert not proto.reducer._kept and not proto.reducer._keeping
     for node in nodes:
         assert not node.trust.banned
         assert not any(k.startswith("accused.") or k == "audit_failed" for c in node.trust.counts.values() for k in c)
