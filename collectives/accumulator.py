@@ -57,7 +57,8 @@ class ShardGroup:
     weights: dict[str, float] = field(default_factory=dict)  # each contributor's weight (1 if it named none)
     signed: dict[str, Any] = field(default_factory=dict)  # each remote part as its author signed it (evidence)
     closing: bool = False  # being averaged: it takes no more parts
-    replied: asyncio.Event = field(default_factory=asyncio.Event)  # `reply` is set (an average off the loop comes later)
+    # `reply` is set (a robust average, computed off the loop, comes after `done`)
+    replied: asyncio.Event = field(default_factory=asyncio.Event)
 
     def add(self, sender: str, part: torch.Tensor, owned: bool = False, weight: float = 1.0) -> None:
         """`owned`: nobody else holds `part` (it may become a lone part's sum as it is)."""
