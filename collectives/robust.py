@@ -60,11 +60,13 @@ _ROBUST_SCREEN_NORM = 4.0
 class AggregatorConfig:
     """How an owner aggregates a chunk's parts; ``parse``/``spec`` read and write it as text.
 
-    - ``clip_tau`` (1.0): CenteredClip's radius as a multiple of the median distance of the
-      parts from the current center. Scale-free, so no unit to tune per model or step. At 1.0
-      the nearer half of the parts (a majority honest: honest ones) moves the center freely,
-      and in high dimension honest distances concentrate near their median, so honest parts
-      are barely clipped while each attacker pulls by at most one radius times its share.
+    - ``clip_tau`` (2.0): CenteredClip's radius as a multiple of the median distance of the
+      parts from the current center. Scale-free, so no unit to tune per model or step. Each
+      attacker pulls by at most one radius times its share. At 1.0 half the honest parts are
+      clipped every iteration too: small-batch SGD gradients, whose noise is most of their
+      distance, were shrunk enough to cost allreduce 6% of its eval loss at 30 steps on charlm
+      (8 peers); at 2.0 honest parts pass almost whole (0.02%), and the attacks that clipping
+      alone would let through for longer are screened, audited or banned within rounds.
     - ``clip_iters`` (5): from a median start (or last round's average) CenteredClip moves most
       of the way in its first steps; five land within a few percent of twenty (BTARD's count)
       even from a stale start, and each costs ~5 passes over the parts, a fraction of the sort.
@@ -77,7 +79,7 @@ class AggregatorConfig:
     """
 
     name: str = "mean"
-    clip_tau: float = 1.0
+    clip_tau: float = 2.0
     clip_iters: int = 5
     trim: float = 0.25
     screen_norm: float | None = None

@@ -84,7 +84,7 @@ def test_centered_clip_one_step_by_hand():
     v_1 = (0 + (2, 0) + (0, 2) + 0.2 (10, 0)) / 4 = (1, 0.5). The far part's factor is below
     one half: reported."""
     parts = [t(0.0, 0.0), t(2.0, 0.0), t(0.0, 2.0), t(10.0, 0.0)]
-    result = run(parts, "centered_clip:iters=1,screen=0", center=t(0.0, 0.0))
+    result = run(parts, "centered_clip:tau=1,iters=1,screen=0", center=t(0.0, 0.0))
     assert torch.equal(result.average, t(1.0, 0.5))
     assert result.clipped == frozenset({3})
     # tau is a multiple of the median distance: twice the radius keeps the far part at 0.4
@@ -348,7 +348,7 @@ def test_parse_refuses_bad_specs_clearly(spec, message):
     ({"screen_norm": -4.0}, "screen_norm=-4.0"),
     ({"screen_norm": math.inf}, "screen_norm=inf"),
     ({"screen_norm": "4"}, "screen_norm='4'"),
-    ({"name": "median", "clip_tau": 2.0}, "clip_tau=2.0 applies to centered_clip only, not to median"),
+    ({"name": "median", "clip_tau": 3.0}, "clip_tau=3.0 applies to centered_clip only, not to median"),
     ({"name": "mean", "trim": 0.1}, "trim=0.1 applies to trimmed_mean only, not to mean"),
 ])
 def test_config_refuses_bad_fields_naming_them(fields, message):
