@@ -84,6 +84,7 @@ from starling.collectives.layout import DEFAULT_CHUNK_NUMEL, chunk_layout
 from starling.collectives.outcome import ReduceResult, ReduceTimeouts
 from starling.collectives.requests import request_patiently
 from starling.collectives.staging import HostStaging, to_device
+from starling.common.hashing import derive_seed, peer_hash
 from starling.compressors import Packet, decode
 from starling.node.loop import AwakeDeadline, close_in_time
 from starling.node.rpc import Refusal, Refuser, RemoteError, Reply, refusal, refusal_of
@@ -125,6 +126,7 @@ class _Slot:
     shard: int
     chunk: int
     owners: tuple[str, ...]
+    lo: int
     numel: int
     own: torch.Tensor | None
     packet: Packet | None
@@ -244,6 +246,8 @@ class ShardedReducer:
         self._replays = ReplayWatch()
         self._centers: dict[tuple[int, int], torch.Tensor] = {}  # my chunks' last averages (CenteredClip)
         self._averaging: set[asyncio.Future[None]] = set()  # robust averages running on worker threads
+        self._placements: dict[tuple[int, tuple[str, ...]], Any] = {}  # (round, members) -> replicated owners
+        self._outvoted = OutlierWatch(self.defences.accuse_after)  # owners outvoted round after round
         # round -> authors whose signed parts my groups keep past their close (frozen: set by the
         # caller's thread, read by the network thread), and what they kept (network thread)
         self._keeping: dict[int, frozenset[str]] = {}
@@ -290,7 +294,7 @@ class ShardedReducer:
         on_device = HostStaging.needed(vector)
         slots: list[_Slot] = []  # shard by shard, chunk by chunk
         lent: list[torch.Tensor] = []
-        for i, (chunks, owners) in enumerate(self._shards(members)):
+        for i, (chunks, owners) in enumerate(self._shards(members, t)):
             for c, (lo, hi) in enumerate(chunks):
                 own = packet = None
                 if me in owners:  # my own part never crosses the wire
@@ -309,7 +313,7 @@ class ShardedReducer:
                         lent.extend(more)
                     if own is not None and not self.codec.lossless:
                         own = None  # decoded below, once the bytes are final: every owner sums what the others got
-                slots.append(_Slot(i, c, owners, hi - lo, own, packet))
+                slots.append(_Slot(i, c, owners, lo, hi - lo, own, packet))
         if lent:
             self._staging.ready([vector.device])  # the network thread reads them next
         view = view_digest(members)
@@ -338,13 +342,29 @@ class ShardedReducer:
         owners = tuple(m for m in members if reachable(m))
         return owners or members
 
-    def _shards(self, members: tuple[str, ...]) -> list[tuple[tuple[tuple[int, int], ...], tuple[str, ...]]]:
-        """(chunks, owners) of each shard of a round over `members`: shard i's owners are
-        owners[i] and, with owner replication r, the r - 1 owners after it (wrapping)."""
+    def _shards(self, members: tuple[str, ...], t: int) -> list[tuple[tuple[tuple[int, int], ...], tuple[str, ...]]]:
+        """(chunks, owners) of each shard of round t over `members`. One owner per shard: shard i
+        is owners[i]. With owner replication r, shard i's owners are r consecutive owners of an
+        order drawn afresh each round from the round and the member list (every peer draws the
+        same): members that ground their keys to sit side by side in member order would
+        otherwise share the owners of the same shards round after round, outvote the honest
+        third there, and have every member accuse it."""
         owners = self._owners(members)
         layout = self._layout(len(owners))
         r = min(self.defences.owner_replication, len(owners))
-        return [(chunks, tuple(owners[(i + k) % len(owners)] for k in range(r))) for i, chunks in enumerate(layout)]
+        if r > 1:
+            key = (t, members)
+            cached = self._placements.get(key)
+            if cached is not None:
+                return cached
+            seed = derive_seed("reduce.owners", t, int.from_bytes(view_digest(members)[:8], "little"))
+            owners = tuple(sorted(owners, key=lambda m: derive_seed(seed, peer_hash(m))))
+        shards = [(chunks, tuple(owners[(i + k) % len(owners)] for k in range(r))) for i, chunks in enumerate(layout)]
+        if r > 1:
+            self._placements[key] = shards
+            while len(self._placements) > 16:
+                self._placements.pop(next(iter(self._placements)))
+        return shards
 
     def _layout(self, members: int) -> tuple[tuple[tuple[int, int], ...], ...]:
         """Shard by shard, the chunks of a round over `members` peers; shard i is owned by
@@ -402,7 +422,7 @@ class ShardedReducer:
         """Write each averaged chunk over the local values; collect who was missing."""
         me, synced, lost = self.node.peer_id, False, set()
         skipped = self._skipped.get(t, frozenset())
-        bounds = [b for chunks, _ in self._shards(members) for b in chunks]
+        bounds = [b for chunks, _ in self._shards(members, t) for b in chunks]
         for (lo, hi), res in zip(bounds, results):
             if res.packet is None:
                 log.info("%s: %s shard %d chunk %d keeps its local values: %s", me, self.topic, res.shard,
@@ -446,14 +466,35 @@ class ShardedReducer:
                     jobs.append(self._send_part(t, members, view, slot, owner, weight, recipe))
         results = iter(await asyncio.gather(*jobs))
         self._forget_before(t - _KEEP_CLOSED_ROUNDS)
-        return [self._vote(t, view, [next(results) for _ in slot.owners]) for slot in slots]
+        return [self._vote(t, view, slot, [next(results) for _ in slot.owners]) for slot in slots]
 
-    def _vote(self, t: int, view: bytes, answers: list[_ShardResult]) -> _ShardResult:
+    def _vote(self, t: int, view: bytes, slot: _Slot, answers: list[_ShardResult]) -> _ShardResult:
         """One chunk's average from its owners' signed answers. One owner: its answer. Several:
         the average a majority of them sent, by digest (with two, both must agree). An owner
         outvoted with the same contributors as the majority averaged the same parts to
-        something else: this member accuses it as one witness (others of the group do too).
+        something else; one outvoted so in `accuse_after` of its rounds in a row is accused by
+        this member as one witness (the others of the group see the same). A single vote is not
+        enough: two members that lie together outvote the honest third owner of a shard they
+        happen to share (owners are placed afresh each round, so it does not last).
         No majority among those that answered: the chunk keeps its local values this round."""
+        chosen = self._choose(t, view, answers)
+        if (self.defences.aggregator.robust and not self._replicated and chosen.packet is not None
+                and self.node.peer_id in slot.owners):
+            # CenteredClip's next centre for the chunk I own: the average the members took. Owners
+            # placed afresh each round (replicated) start from the median instead: their last
+            # averages of a chunk would be of different rounds, and they must agree bit for bit.
+            try:
+                center = _decode_flat(chosen.packet).clone()
+            except Exception:
+                center = None
+            if center is not None and center.numel() == slot.numel:
+                lo, hi = slot.lo, slot.lo + slot.numel
+                for old in [b for b in self._centers if b[0] < hi and lo < b[1]]:  # another layout's
+                    del self._centers[old]
+                self._centers[(lo, hi)] = center
+        return chosen
+
+    def _choose(self, t: int, view: bytes, answers: list[_ShardResult]) -> _ShardResult:
         if len(answers) == 1:
             return answers[0]
         answered = [a for a in answers if a.packet is not None and a.content is not None]
@@ -472,10 +513,11 @@ class ShardedReducer:
             return replace(answers[0], packet=None, reason="owners disagree")
         chosen = best[0]
         for a in answered:
+            lied = a.content != chosen.content and a.contributors == chosen.contributors  # same parts, other average
             if a.content != chosen.content:
                 self._trust.note(a.owner, "disputed")
-                if a.contributors == chosen.contributors:  # the same parts, another average: a lie
-                    self._accuse_owner(t, view, a, best)
+            if self._outvoted.saw(a.owner, t, lied) and lied:
+                self._accuse_owner(t, view, a, best)
         return chosen
 
     def _accuse_owner(self, t: int, view: bytes, liar: _ShardResult, majority: list[_ShardResult]) -> None:
@@ -567,7 +609,7 @@ class ShardedReducer:
         if msg.sender not in members:
             return self._refuse(Refusal.MALFORMED, "members must include the sender")
         t, i, c = body.step, body.shard, body.chunk
-        shards = self._shards(members)
+        shards = self._shards(members, t)
         if i >= len(shards) or me not in shards[i][1]:
             return self._refuse(Refusal.NOT_OWNER, f"this peer does not own shard {i} of that member list")
         chunks = shards[i][0]
@@ -683,8 +725,8 @@ class ShardedReducer:
         if group.reply is not None or group.closing:
             return
         group.closing = True
-        _, members, i, c = key
-        lo, hi = self._shards(members)[i][0][c]
+        t, members, i, c = key
+        lo, hi = self._shards(members, t)[i][0][c]
         aggregator = self.defences.aggregator
         if not aggregator.robust:
             self._answer(key, group, (lo, hi), group.average)
@@ -718,10 +760,6 @@ class ShardedReducer:
             if not group.contributors:
                 group.reply = (refusal(Refusal.NOT_FINITE, "no part was finite"), ())
             else:
-                if self.defences.aggregator.robust:  # the next round's centre (CenteredClip), for my chunks
-                    for old in [b for b in self._centers if b[0] < hi and lo < b[1]]:  # another layout's
-                        del self._centers[old]
-                    self._centers[(lo, hi)] = avg.clone()
                 if self.average_codec.zero_copy:  # lossless too, and the sum is private and final: send it
                     packet = self.average_codec.encode(avg, copy=False)
                 else:

@@ -130,21 +130,39 @@ def _lying(reducer, factor):
 
 
 def test_a_lying_owner_is_outvoted_by_three_owners_and_banned_on_two_witnesses(make_node):
+    """Members take the majority's signed average; an owner outvoted with the same contributors
+    in 3 of its rounds in a row is accused by every member that saw it, and banned on their word."""
     nodes = swarm(make_node, 4)
     members = tuple(sorted(n.peer_id for n in nodes))
     defences = Defences("mean", owner_replication=3)
     reducers = [ShardedReducer(n, "test.liar3", 16, timeouts=FAST, defences=defences) for n in nodes]
-    liar = next(i for i, n in enumerate(nodes) if n.peer_id == members[1])
+    liar = 1
     _lying(reducers[liar], -10.0)
-    vectors = [torch.full((16,), float(k + 1)) for k in range(4)]
-    results = in_parallel([lambda r=r: reducers[r].reduce(0, members, vectors[r]) for r in range(4)])
     honest = [r for r in range(4) if r != liar]
-    assert all(torch.equal(vectors[r], torch.full((16,), 2.5)) for r in honest)  # the majority's average
-    assert all(results[r].synced for r in honest)
     liar_id = nodes[liar].peer_id
+    for t in range(3):
+        vectors = [torch.full((16,), float(k + 1)) for k in range(4)]
+        results = in_parallel([lambda r=r: reducers[r].reduce(t, members, vectors[r]) for r in range(4)])
+        assert all(torch.equal(vectors[r], torch.full((16,), 2.5)) for r in honest)  # the majority's average
+        assert all(results[r].synced for r in honest)
+        if t < 2:  # one vote, or two, is no accusation: the third makes it
+            assert not any(liar_id in nodes[r].trust.banned for r in honest)
     assert all(wait_until(lambda r=r: liar_id in nodes[r].trust.banned) for r in honest)
     assert all(not nodes[r].trust.banned[liar_id].verifiable for r in honest)  # on the members' word
     assert all(len(nodes[r].trust.banned[liar_id].witnesses) >= 2 for r in honest)
+
+
+def test_owners_are_placed_afresh_each_round_and_every_peer_places_them_alike(make_node):
+    nodes = swarm(make_node, 5)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    reducers = [ShardedReducer(n, "test.place", 20, timeouts=FAST, defences=Defences(owner_replication=3))
+                for n in nodes]
+    placements = [[tuple(owners for _, owners in r._shards(members, t)) for t in range(6)] for r in reducers]
+    assert all(p == placements[0] for p in placements[1:])
+    assert len(set(placements[0])) > 1  # not the same owners round after round
+    for shards in placements[0]:
+        assert all(len(set(owners)) == 3 for owners in shards)
+        assert sorted(o for owners in shards for o in owners) == sorted(members * 3)  # each owns three
 
 
 def test_two_owners_that_disagree_drop_the_shard_and_both_are_reported(make_node):
@@ -152,19 +170,23 @@ def test_two_owners_that_disagree_drop_the_shard_and_both_are_reported(make_node
     members = tuple(sorted(n.peer_id for n in nodes))
     defences = Defences("mean", owner_replication=2)
     reducers = [ShardedReducer(n, "test.liar2", 12, timeouts=FAST, defences=defences) for n in nodes]
-    liar = next(i for i, n in enumerate(nodes) if n.peer_id == members[0])
+    liar = 0
     _lying(reducers[liar], 3.0)
     vectors = [torch.full((12,), float(k + 1)) for k in range(3)]
     before = [v.clone() for v in vectors]
     in_parallel([lambda r=r: reducers[r].reduce(0, members, vectors[r]) for r in range(3)])
-    third = next(r for r in range(3) if nodes[r].peer_id == members[2])
-    # shard 0 (owners: members 0 and 1) keeps every honest member's local values; shard 1 (owners:
-    # members 1 and 2) agrees and is averaged
-    for r in (r for r in range(3) if r != liar):
-        assert torch.equal(vectors[r][:4], before[r][:4])
-        assert torch.equal(vectors[r][4:8], torch.full((4,), 2.0))
-        assert nodes[r].trust.counts[nodes[liar].peer_id]["disputed"] >= 1
-    assert nodes[third].trust.counts[members[1]]["disputed"] >= 1  # both owners of shard 0 are reported
+    liar_id = nodes[liar].peer_id
+    for i, (chunks, owners) in enumerate(reducers[1]._shards(members, 0)):
+        (lo, hi), = chunks
+        for r in (1, 2):
+            if liar_id in owners:  # the two owners differ: every honest member keeps its own values
+                assert torch.equal(vectors[r][lo:hi], before[r][lo:hi]), i
+                other = next(o for o in owners if o != liar_id)
+                if other != nodes[r].peer_id:
+                    assert nodes[r].trust.counts[other]["disputed"] >= 1  # both owners are reported
+                assert nodes[r].trust.counts[liar_id]["disputed"] >= 1
+            else:
+                assert torch.equal(vectors[r][lo:hi], torch.full((hi - lo,), 2.0)), i
     assert not any(n.trust.banned for n in nodes)  # two owners cannot tell who lied: nobody is banned
 
 
