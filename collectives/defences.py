@@ -5,9 +5,11 @@ owner's watch on members whose parts it keeps leaving out.
 
 - `aggregator`: how an owner combines a chunk's parts (`collectives/robust.py`): the plain
   mean, or a robust one, after screening out parts whose norm is far from the round's median.
-- `owner_replication`: how many owners each shard has. Members send each part to all of them
-  and compare the signed averages by digest: with three, the majority wins; with two, a
-  disagreement drops the shard for the round. Parts cost that many times the bytes.
+- `owner_replication`: how many owners each shard has, placed afresh each round. Members send
+  each part to all of them and compare the signed averages by digest: with three, the
+  majority wins, and an owner outvoted with the same contributors in `accuse_after` of its
+  rounds in a row is accused; with two, a disagreement drops the shard for the round. Parts
+  cost that many times the bytes.
 - `max_weight`: the most weight (tokens) a part may claim: the round's step budget times
   the batch's tokens, which the protocol knows. A part over it is refused, and its signature
   is evidence that bans its author.
