@@ -1,6 +1,7 @@
 """Shared helpers for the socket-level tests."""
 from __future__ import annotations
 
+import json
 import os
 
 # One OpenMP thread per test process, set before torch is imported here and inherited by every
@@ -105,6 +106,15 @@ def echo_nodes() -> Iterator[Callable[..., Node]]:
     yield make
     for node in made:
         node.close()
+
+
+def bench_rows(capsys) -> dict[str, list[dict]]:
+    """A benchmark's JSON rows as it printed them (captured by pytest), grouped by their "bench"."""
+    out: dict[str, list[dict]] = {}
+    for line in capsys.readouterr().out.splitlines():
+        row = json.loads(line)
+        out.setdefault(row["bench"], []).append(row)
+    return out
 
 
 rss_mb = load_benchmark("procmem").rss_mb  # this process's resident memory, in MB

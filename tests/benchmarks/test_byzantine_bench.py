@@ -4,23 +4,14 @@ every honest peer within a few rounds, and no honest peer is banned), not the ot
 those need the full run."""
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
-from conftest import load_benchmark
+from conftest import bench_rows, load_benchmark
 
 RUN_KEYS = {"protocol", "attack", "attackers", "attacker_ranks", "defences", "steps", "rounds", "eval_loss",
             "loss_vs_clean", "diverged", "bytes_per_peer", "s_per_round", "banned_attackers", "honest_banned",
             "honest_banned_kinds", "honest_cut_off", "trust_counts"}
-
-
-def rows(capsys) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for line in capsys.readouterr().out.splitlines():
-        row = json.loads(line)
-        out.setdefault(row["bench"], []).append(row)
-    return out
 
 
 @pytest.mark.slow
@@ -29,7 +20,7 @@ def test_byzantine_bench_rows_and_a_scaled_gradient_is_banned(capsys):
     bench = load_benchmark("byzantine")
     assert bench.main(["--quick", "--only", "scale,zeros", "--protocol", "allreduce", "--attackers", "1",
                        "--defences", "on"]) == 0
-    got = rows(capsys)
+    got = bench_rows(capsys)
 
     runs = {(r["attack"], r["defences"]): r for r in got["run"]}
     assert set(runs) == {("none", "off"), ("none", "on"), ("scale", "on"), ("zeros", "on")}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import load_benchmark
+from conftest import bench_rows, load_benchmark
 
 TINY_CHARLM = {"n_layer": 1, "n_head": 2, "n_embd": 16, "seq_len": 16, "batch_size": 4,
                "corpus_chars": 20_000, "eval_batches": 1}
@@ -15,22 +15,14 @@ def load_bench():
     return load_benchmark("gossip")
 
 
-def rows(capsys) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for line in capsys.readouterr().out.splitlines():
-        row = json.loads(line)
-        out.setdefault(row["bench"], []).append(row)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # three swarms and a fresh Python process on a busy 2-core box
-def test_gossip_bench_rows(capsys):
+def test_gossip_bench_bench_rows(capsys):
     bench = load_bench()
     assert bench.main(["--only", "charlm,mem", "--steps", "4", "--peers", "2", "--local-steps", "2",
                        "--task-options", json.dumps(TINY_CHARLM), "--peers-mem", "3",
                        "--mem-steps", "2", "--mem-deadline-s", "100"]) == 0
-    got = rows(capsys)
+    got = bench_rows(capsys)
 
     runs = {r["protocol"]: r for r in got["run"]}
     assert set(runs) == {"allreduce", "gossip"}
@@ -71,7 +63,7 @@ def test_gossip_bench_mem_child_failure_is_reported(capsys, monkeypatch):
 
     monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: Done())
     assert bench.main(["--only", "mem", "--peers-mem", "2"]) == 0
-    got = rows(capsys)
+    got = bench_rows(capsys)
     (mem,) = got["mem"]
     assert mem["ok"] is False and "exit code 1" in mem["error"] and "MemoryError" in mem["stderr_tail"]
     assert got["mem_scaling"][0]["met"] is False and got["summary"][0]["mem_met"] is False
