@@ -66,6 +66,7 @@ import torch
 
 from starling.node.membership import Liveness
 from starling.runtime import SimConfig, SimPeer, check_config, endpoint_for, wait_for
+from starling.runtime.peer import start_together
 from starling.tasks import get_task
 
 
@@ -129,6 +130,13 @@ def options_for(protocol: str, defences: str, attack: str | None) -> dict[str, A
     return {**base, **DEFENCES[defences]}
 
 
+def form(sims: list[SimPeer]) -> None:
+    """Start the peers, each joining through the first, and wait until all see each other."""
+    address = sims[0].start([])
+    start_together(sims[1:], [address])
+    wait_for(lambda: all(len(s.node.live_peers()) == len(sims) - 1 for s in sims), 60.0, "the swarm to form")
+
+
 def rounds_by(proto: Any, step: int) -> int:
     """Rounds (all-reduces of one vector) a peer has started by the end of `step` steps."""
     if not hasattr(proto, "schedule"):
@@ -160,10 +168,7 @@ def run_swarm(protocol: str, attack_name: str | None, attackers: int, defences: 
     torch.set_num_threads(1)
     threads: dict[int, threading.Thread] = {}
     try:
-        address = sims[0].start([])
-        for sim in sims[1:]:
-            sim.start([address])
-        wait_for(lambda: all(len(s.node.live_peers()) == PEERS - 1 for s in sims), 60.0, "the swarm to form")
+        form(sims)
         bad = attacker_ranks(sims, attackers, placement) if attack_name else []
         honest = [s for s in sims if s.rank not in bad]
         ids = {s.node.peer_id: s.rank for s in sims}
@@ -299,10 +304,7 @@ def drift_row(steps: int, seed: int = 0) -> dict[str, Any]:
     sims = [SimPeer(config, task, rank, endpoint_for("inproc", rank, "", run_id)) for rank in range(PEERS)]
     torch.set_num_threads(1)
     try:
-        address = sims[0].start([])
-        for sim in sims[1:]:
-            sim.start([address])
-        wait_for(lambda: all(len(s.node.live_peers()) == PEERS - 1 for s in sims), 60.0, "the swarm to form")
+        form(sims)
         for sim in sims:
             sim.create_protocol()
         (drifted,) = attacker_ranks(sims, 1, "adjacent")
