@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 NOT_FINITE, OVERWEIGHT, REPLAYED = "part.not_finite", "part.overweight", "part.replayed"
 _MAX_EVIDENCE_BUFFERS = 8  # a packet has one to three buffers; evidence with more is no packet of ours
+# Values a part in evidence may decode to: a chunk holds at most a few million (layout.py's
+# DEFAULT_CHUNK_NUMEL is 1M); a sparse header could name any size and make its check allocate it.
+_MAX_EVIDENCE_NUMEL = 1 << 24
 
 
 def content_digest(header: dict[str, Any], buffers: Sequence[torch.Tensor]) -> bytes:
@@ -168,6 +171,11 @@ def _packet_of(d: dict[str, Any]) -> Packet | None:
 
 
 def _values(packet: Packet) -> torch.Tensor | None:
+    shape = packet.header.get("shape")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 64:
+        return None
+    if math.prod(shape) > _MAX_EVIDENCE_NUMEL:  # decoded before it is checked: bounded first
+        return None
     try:
         return decode(packet).reshape(-1)
     except Exception:

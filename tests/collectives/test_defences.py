@@ -110,6 +110,17 @@ def test_evidence_checks_refuse_what_does_not_prove_the_fault(make_node):
         Evidence(OVERWEIGHT, b.peer_id, good.key, 5, good.detail),  # weight 1: not over the cap
         Evidence(REPLAYED, b.peer_id, good.key, 5, {**good.detail, "earlier": {"round": 5}}),
     ]
+    # a signed sparse part with a NaN, whose header names a huge vector: refused before anything
+    # is allocated (the same part at its real size is evidence)
+    sparse = from_spec("topk:0.5").encode(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    values = torch.tensor([float("nan"), 4.0]).view(torch.uint8)
+    for size, proves in ((4, True), (1 << 25, False)):
+        header = {**sparse.header, "shape": [size]}
+        packet = type(sparse)(header, (sparse.buffers[0], values))
+        signed = Contributions(b, "test.ev").sign_part(5, 0, 0, view, None, packet)
+        evidence = contributions.part_evidence(NOT_FINITE, b.peer_id, 5, 0, 0, view, None, packet, signed,
+                                               content_digest(packet.header, packet.buffers))
+        assert a.trust.verifiable(evidence) is proves, size
     for evidence in forged:
         assert not a.trust.verifiable(evidence), evidence.detail.keys()
 
