@@ -20,8 +20,10 @@ longer to form as long as its peers keep learning of each other):
    protocols and reports them ready.
 3. The parent sets `start` (with the shared `t0`) and the workers start their training threads.
 
-Workers talk to the parent through one queue (see `_Link`); the parent talks to a worker through
-the worker's inbox (rank 0's address, joins). When a peer's thread ends its worker reports it
+Workers talk to the parent through one queue (see `WorkerLink`); the parent talks to a worker
+through the worker's inbox (rank 0's address, joins). The parent reaches its workers through a
+`Workers`: `ProcessWorkers` spawns them on this machine; `sim_ray.py` runs the same `worker_main`
+in Ray actors on other machines. When a peer's thread ends its worker reports it
 `done`; when every peer is done the parent sets `stop`, and each worker then collects its peers'
 counters, sends their `PeerResult`s and closes them (as the threaded simulator does once every
 thread has ended, so both count the same bytes). A worker that exits while it still holds ranks
@@ -30,6 +32,7 @@ gone stops. No wait on either side is unbounded.
 """
 from __future__ import annotations
 
+import abc
 import logging
 import multiprocessing
 import queue
@@ -55,8 +58,9 @@ _POLL_S = 0.05
 
 
 @dataclass
-class _Link:
-    """What the parent shares with every worker."""
+class WorkerLink:
+    """What the parent shares with every worker: multiprocessing's queue, events and value
+    for worker processes; their threading and `queue` counterparts inside a Ray actor."""
 
     # worker -> parent: ("address", rank, address, peer_id) | ("forming", worker, links_seen)
     #   | ("ready", worker, ranks) | ("step", worker, furthest) | ("done", rank, status)
@@ -73,12 +77,13 @@ def placement(peers: int, processes: int) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------- the worker side
-def _worker_main(config: SimConfig, index: int, ranks: list[int], inbox: Any, link: _Link, ipc_dir: str,
-                 log_level: int) -> None:
+def worker_main(config: SimConfig, index: int, ranks: list[int], inbox: Any, link: WorkerLink, ipc_dir: str,
+                log_level: int, host: str = "127.0.0.1") -> None:
+    """One worker, from start to its peers' results: run `ranks`, listening on `host` over tcp."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     prepare_to_train()
-    worker = _Worker(config, index, inbox, link, ipc_dir)
+    worker = _Worker(config, index, inbox, link, ipc_dir, host)
     try:
         worker.run(ranks)
     except Exception as exc:
@@ -89,10 +94,13 @@ def _worker_main(config: SimConfig, index: int, ranks: list[int], inbox: Any, li
 
 
 class _Worker:
-    """One worker process: some of the swarm's peers, each training in its own thread."""
+    """One worker (a process, or a Ray actor): some of the swarm's peers, each training in its
+    own thread."""
 
-    def __init__(self, config: SimConfig, index: int, inbox: Any, link: _Link, ipc_dir: str) -> None:
+    def __init__(self, config: SimConfig, index: int, inbox: Any, link: WorkerLink, ipc_dir: str,
+                 host: str) -> None:
         self.config, self.index, self.inbox, self.link, self.ipc_dir = config, index, inbox, link, ipc_dir
+        self.host = host
         self.task = get_task(config.task, **config.task_options)
         self.crashed: set[str] = set()  # shared by this worker's peers, as in the threaded simulator
         self.peers: dict[int, SimPeer] = {}
@@ -113,7 +121,7 @@ class _Worker:
 
     def _peer(self, rank: int) -> SimPeer:
         self.peers[rank] = SimPeer(self.config, self.task, rank,
-                                   endpoint_for(self.config.transport, rank, self.ipc_dir, ""),
+                                   endpoint_for(self.config.transport, rank, self.ipc_dir, "", self.host),
                                    self._on_step, self.crashed)
         return self.peers[rank]
 
@@ -244,17 +252,108 @@ class _Worker:
 
 
 # ---------------------------------------------------------------------------- the parent side
-class _Parent:
-    """Spawns the workers, relays rank 0's address, launches joiners, collects results."""
+class Workers(abc.ABC):
+    """How the parent reaches its workers: start them, send to one, read what they sent, and
+    know which have ended. Every call returns within its timeout (or at once)."""
 
-    def __init__(self, config: SimConfig, progress: ProgressFn | None) -> None:
-        self.config, self.progress = config, progress
+    @abc.abstractmethod
+    def launch(self, config: SimConfig, holds: list[list[int]], log_level: int) -> None:
+        """Start worker i on the ranks `holds[i]`."""
+
+    @abc.abstractmethod
+    def send(self, index: int, message: tuple[Any, ...]) -> None:
+        """Put `message` in worker `index`'s inbox."""
+
+    @abc.abstractmethod
+    def receive(self, timeout_s: float) -> tuple[list[tuple[Any, ...]], dict[int, str]]:
+        """What the workers sent (waiting up to `timeout_s` for the first message), and the
+        workers that have ended, each with how ("exited with code -9"). A worker is listed as
+        ended only once everything it sent has been returned."""
+
+    @abc.abstractmethod
+    def begin(self, t0: float) -> None:
+        """Every worker starts training, with `t0` the run's time.time() at the start."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Every worker reports and closes its peers (or, given up on, just stops)."""
+
+    @abc.abstractmethod
+    def close(self, finished: bool) -> None:
+        """Wait briefly for the workers to end (longer for a `finished` run), then end them."""
+
+    @abc.abstractmethod
+    def name(self, index: int) -> str:
+        """Worker `index` for an error message: "worker process 1"."""
+
+    def where(self, index: int) -> dict[str, Any]:
+        """Where worker `index` ran, for the run's summary (empty: this machine)."""
+        return {}
+
+
+class ProcessWorkers(Workers):
+    """Workers as processes of this machine, spawned by multiprocessing."""
+
+    def __init__(self, config: SimConfig) -> None:
         self.ctx = multiprocessing.get_context("spawn")
-        self.link = _Link(self.ctx.Queue(), self.ctx.Event(), self.ctx.Event(), self.ctx.Value("d", 0.0))
+        self.link = WorkerLink(self.ctx.Queue(), self.ctx.Event(), self.ctx.Event(), self.ctx.Value("d", 0.0))
         self.ipc_dir = tempfile.mkdtemp(prefix="starling-sim-") if config.transport == "ipc" else ""
+        self.inboxes: list[Any] = []
+        self.processes: list[Any] = []
+
+    def launch(self, config: SimConfig, holds: list[list[int]], log_level: int) -> None:
+        self.inboxes = [self.ctx.Queue() for _ in holds]
+        for index, ranks in enumerate(holds):
+            worker = self.ctx.Process(
+                target=worker_main, name=f"sim-worker-{index}", daemon=True,
+                args=(config, index, list(ranks), self.inboxes[index], self.link, self.ipc_dir, log_level))
+            worker.start()
+            self.processes.append(worker)  # only started ones: `close` joins them
+
+    def send(self, index: int, message: tuple[Any, ...]) -> None:
+        self.inboxes[index].put(message)
+
+    def receive(self, timeout_s: float) -> tuple[list[tuple[Any, ...]], dict[int, str]]:
+        # Exit codes first, then the queue: what an exited worker sent is in the queue by now.
+        ended = {w: f"exited with code {p.exitcode}" for w, p in enumerate(self.processes) if p.exitcode is not None}
+        messages: list[tuple[Any, ...]] = []
+        try:
+            messages.append(self.link.queue.get(timeout=timeout_s))
+            while True:
+                messages.append(self.link.queue.get_nowait())
+        except queue.Empty:
+            pass
+        return messages, ended
+
+    def begin(self, t0: float) -> None:
+        self.link.t0.value = t0
+        self.link.start.set()
+
+    def stop(self) -> None:
+        self.link.stop.set()
+
+    def close(self, finished: bool) -> None:
+        # A worker given up on may hold training threads and unread messages: do not wait long.
+        if not finished:
+            for inbox in self.inboxes:
+                inbox.cancel_join_thread()  # what a dead worker never read must not hold our exit
+        deadline = time.monotonic() + (15.0 if finished else 3.0)
+        for worker in self.processes:
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=5)
+
+    def name(self, index: int) -> str:
+        return f"worker process {index}"
+
+
+class Parent:
+    """Starts the workers, relays rank 0's address, launches joiners, collects results."""
+
+    def __init__(self, config: SimConfig, workers: Workers, progress: ProgressFn | None) -> None:
+        self.config, self.workers, self.progress = config, workers, progress
         self.holds = placement(config.peers, config.processes)  # worker -> the ranks it ever ran
-        self.inboxes = [self.ctx.Queue() for _ in self.holds]
-        self.workers: list[Any] = []
         self.addresses: dict[int, tuple[str, str]] = {}  # rank -> (address, peer id)
         self.ready = 0
         self.furthest = 0
@@ -262,43 +361,34 @@ class _Parent:
         self.results: dict[int, PeerResult] = {}
 
     def run(self) -> tuple[list[PeerResult], float]:
-        config, log_level = self.config, logging.getLogger().getEffectiveLevel()
+        config, workers = self.config, self.workers
         finished = False
         try:
-            for index, ranks in enumerate(self.holds):
-                worker = self.ctx.Process(
-                    target=_worker_main, name=f"sim-worker-{index}", daemon=True,
-                    args=(config, index, list(ranks), self.inboxes[index], self.link, self.ipc_dir, log_level))
-                worker.start()
-                self.workers.append(worker)  # only started ones: the cleanup joins them
+            workers.launch(config, self.holds, logging.getLogger().getEffectiveLevel())
             began = time.monotonic()
-            self._until(lambda: 0 in self.addresses, "the worker processes to start rank 0")
+            self._until(lambda: 0 in self.addresses, "the workers to start rank 0")
             log.info("rank 0 listens after %.1f s; %d workers now start their peers", time.monotonic() - began,
-                     len(self.workers))
-            for inbox in self.inboxes:
-                inbox.put(("swarm", *self.addresses[0]))
-            self._until(lambda: self.ready == config.peers, "the peer processes to form a swarm")
-            log.info("%d peers in %d processes formed a swarm in %.1f s", config.peers, len(self.workers),
+                     len(self.holds))
+            for index in range(len(self.holds)):
+                workers.send(index, ("swarm", *self.addresses[0]))
+            self._until(lambda: self.ready == config.peers, "the workers' peers to form a swarm")
+            log.info("%d peers in %d workers formed a swarm in %.1f s", config.peers, len(self.holds),
                      time.monotonic() - began)
-            self.link.t0.value = t0 = time.time()
-            self.link.start.set()
+            t0 = time.time()
+            workers.begin(t0)
             self._train()
-            self.link.stop.set()
+            workers.stop()
             self._until(lambda: len(self.results) == len(self.done), "the workers to report their peers")
             finished = True
             return [self.results[rank] for rank in sorted(self.results)], t0
         finally:
-            self.link.stop.set()
-            # A worker given up on may hold training threads and unread messages: do not wait long.
-            if not finished:
-                for inbox in self.inboxes:
-                    inbox.cancel_join_thread()  # what a dead worker never read must not hold our exit
-            deadline = time.monotonic() + (15.0 if finished else 3.0)
-            for worker in self.workers:
-                worker.join(timeout=max(0.0, deadline - time.monotonic()))
-                if worker.is_alive():
-                    worker.kill()
-                    worker.join(timeout=5)
+            workers.stop()
+            workers.close(finished)
+
+    def placed(self) -> list[dict[str, Any]]:
+        """Each worker's ranks and where it ran."""
+        return [{"worker": index, "ranks": list(ranks), **self.workers.where(index)}
+                for index, ranks in enumerate(self.holds)]
 
     def _train(self) -> None:
         joins = sorted((e for e in self.config.churn if e.kind == "join"), key=lambda e: e.step)
@@ -318,7 +408,7 @@ class _Parent:
                      key=lambda w: (sum(r not in self.done for r in self.holds[w]), w))
         self.holds[worker].append(rank)
         running = [peer_id for r, (_, peer_id) in live.items() if r not in self.done]
-        self.inboxes[worker].put(("join", rank, [address for address, _ in live.values()], running))
+        self.workers.send(worker, ("join", rank, [address for address, _ in live.values()], running))
 
     def _until(self, cond: Callable[[], bool], what: str) -> None:
         """Pump until `cond`; SimError once no worker has said anything for ready_timeout_s."""
@@ -331,24 +421,17 @@ class _Parent:
 
     def _pump(self) -> bool:
         """Read what the workers sent (up to _POLL_S for the first message), and say whether
-        anything came; raise SimError if a worker failed or exited while it still held ranks
+        anything came; raise SimError if a worker failed or ended while it still held ranks
         whose results never came."""
-        exited = [(w, p.exitcode) for w, p in enumerate(self.workers) if p.exitcode is not None]
-        news = False
-        try:  # drain after looking at exit codes: what an exited worker sent is in the queue by now
-            message = self.link.queue.get(timeout=_POLL_S)
-            while True:
-                news = True
-                self._handle(message)
-                message = self.link.queue.get_nowait()
-        except queue.Empty:
-            pass
-        for index, code in exited:
+        messages, ended = self.workers.receive(_POLL_S)
+        for message in messages:
+            self._handle(message)
+        for index, how in ended.items():
             missing = [rank for rank in self.holds[index] if rank not in self.results]
             if missing:
-                raise SimError(f"worker process {index} exited with code {code} while it held "
+                raise SimError(f"{self.workers.name(index)} {how} while it held "
                                f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}")
-        return news
+        return bool(messages)
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -366,10 +449,10 @@ class _Parent:
             self.results[message[1]] = message[2]
         elif kind == "error":
             index = message[1]
-            raise SimError(f"worker process {index} (ranks {', '.join(map(str, self.holds[index]))}) "
+            raise SimError(f"{self.workers.name(index)} (ranks {', '.join(map(str, self.holds[index]))}) "
                            f"failed: {message[2]}")
 
 
 def run_processes(config: SimConfig, progress: ProgressFn | None) -> tuple[list[PeerResult], float]:
     """Run `config.peers` peers in `config.processes` worker processes and collect their results."""
-    return _Parent(config, progress).run()
+    return Parent(config, ProcessWorkers(config), progress).run()

@@ -265,9 +265,11 @@ def check_config(config: SimConfig) -> None:
 
 
 
-def endpoint_for(transport: str, rank: int, ipc_dir: str, run_id: str) -> str:
+def endpoint_for(transport: str, rank: int, ipc_dir: str, run_id: str, host: str = "127.0.0.1") -> str:
+    """Where simulated peer `rank` listens; over tcp, a free port on `host` (this machine's
+    loopback, or the address other machines reach a Ray node on)."""
     if transport == "tcp":
-        return "tcp://127.0.0.1:0"
+        return f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
     if transport == "ipc":
         return f"ipc://{ipc_dir}/{rank}.sock"
     return f"inproc://starling-sim-{run_id}-{rank}"
