@@ -3,7 +3,8 @@
 Every simulated peer is a real `Node` with real sockets and a real protocol. By default all
 peers share one process (the process's one network thread, one training thread per peer);
 with `processes=P` they are spread over P worker processes that each run their peers the same
-way, over tcp (or ipc) on loopback (see `sim_processes.py`). Every node's
+way, over tcp (or ipc) on loopback (see `sim_processes.py`), or, with `ray=ADDRESS`, over
+P Ray actors spread across a Ray cluster's machines, over tcp (see `sim_ray.py`). Every node's
 outgoing links go through a `LinkEmulator` (bandwidth, latency, loss); churn (see
 `runtime.churn`) crashes, stops and adds peers at given steps.
 
@@ -47,13 +48,23 @@ class Simulation:
     def run(self) -> SimResult:
         check_config(self.config)
         prepare_to_train()  # torch's one-time lazy imports, once, not inside the first peer's start
+        if self.config.ray is None:
+            return self._run()
+        from starling.runtime import sim_ray  # Ray is an optional extra: imported for a Ray run only
+
+        with sim_ray.connected(self.config.ray):
+            self.config = sim_ray.with_workers(self.config)
+            return self._run()
+
+    def _run(self) -> SimResult:
         self.config = self.config.sized_for_swarm()
         if self.config.nproc_per_replica > 1:  # a process per rank, one peer per replica: nothing to plan
             peers, t0 = run_replicas(self.config, self.progress)
             return SimResult(self.config, peers, summarize(self.config, peers, t0))
         # Every process holds its share of the peers that will ever run (all of them, without
         # workers): fit them, or refuse before any node starts. A worker's descriptor limit
-        # is this process's (it inherits the raised soft limit).
+        # is this process's (it inherits the raised soft limit; a Ray actor raises its own
+        # machine's, planned here as if it were this one).
         try:
             capacity = plan_capacity(self.config.peers_per_process(), self.config.world, self.config.transport,
                                      monitors=self.config.transport != "inproc",
@@ -61,6 +72,11 @@ class Simulation:
         except CapacityError as exc:
             raise SimError(str(exc)) from None
         self.config = replace(self.config, max_dealers=capacity.max_dealers)
+        if self.config.ray is not None:
+            from starling.runtime.sim_ray import run_ray
+
+            peers, t0, workers = run_ray(self.config, self.progress)
+            return SimResult(self.config, peers, {**summarize(self.config, peers, t0), "workers": workers})
         if self.config.processes:
             peers, t0 = run_processes(self.config, self.progress)
         else:

@@ -2,6 +2,7 @@
 small helpers every simulated peer uses (endpoints, seeded keys, bounded waits)."""
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -71,6 +72,11 @@ class SimConfig:
     # 0: every peer is a thread of this process; P >= 1: the peers are dealt round-robin to P
     # worker processes (needs tcp or ipc). True means one process per peer.
     processes: int = 0
+    # A Ray cluster to run the worker processes on as Ray actors, spread over its nodes (see
+    # runtime/sim_ray.py): an address ("HOST:PORT"), "auto" (the cluster `ray start` made on this
+    # machine, or RAY_ADDRESS) or "local" (a new one on this machine). Needs tcp; processes 0
+    # then means one worker per node of the cluster.
+    ray: str | None = None
     link: LinkModel = field(default_factory=LinkModel)
     churn: tuple[ChurnEvent, ...] = ()
     seed: int = 0
@@ -124,6 +130,12 @@ class SimConfig:
                              f"({self.peers}), got {self.processes!r}")
         if self.processes and self.transport == "inproc":
             raise ValueError("processes need the tcp or ipc transport (inproc works within one process)")
+        if self.ray is not None:
+            if not isinstance(self.ray, str) or not self.ray.strip():
+                raise ValueError(f"ray must be a Ray cluster's address, 'auto' or 'local', got {self.ray!r}")
+            if self.transport != "tcp":
+                raise ValueError(f"ray workers reach each other across machines over tcp; transport "
+                                 f"{self.transport!r} stays on one machine (use tcp)")
         if self.max_dealers is not None and self.max_dealers < 1:
             raise ValueError(f"max_dealers must be >= 1, got {self.max_dealers}")
         if self.peer_speed:
@@ -143,12 +155,13 @@ class SimConfig:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint_dir to resume from")
-        if self.checkpoint_dir and self.processes:
-            raise ValueError("checkpoints are written by in-process peers only (drop --processes)")
+        if self.checkpoint_dir and (self.processes or self.ray is not None):
+            raise ValueError("checkpoints are written by in-process peers only (drop --processes and --ray)")
         if self.nproc_per_replica < 1:
             raise ValueError(f"nproc_per_replica must be >= 1, got {self.nproc_per_replica}")
         if self.nproc_per_replica > 1:
-            refused = [name for name, given in (("processes", self.processes), ("checkpoint_dir", self.checkpoint_dir),
+            refused = [name for name, given in (("processes", self.processes), ("ray", self.ray),
+                                                ("checkpoint_dir", self.checkpoint_dir),
                                                 ("peer_speed", self.peer_speed)) if given]
             if refused:
                 raise ValueError(f"replicas of many ranks run in their own processes; drop {', '.join(refused)}")
@@ -237,6 +250,7 @@ class SimConfig:
     def describe(self) -> dict[str, Any]:
         return {"protocol": self.protocol, "peers": self.peers, "steps": self.steps, "task": self.task,
                 "compressor": self.compressor, "transport": self.transport, "processes": self.processes,
+                **({"ray": self.ray} if self.ray is not None else {}),
                 "link": self.link.describe(), "churn": ",".join(map(str, self.churn)), "seed": self.seed,
                 "options": {k: v for k, v in self.options.items()}, "task_options": dict(self.task_options),
                 "max_dealers": self.max_dealers,
@@ -254,6 +268,8 @@ def _optimizer_of(protocol_config: Any) -> str | None:
 
 def check_config(config: SimConfig) -> None:
     """Resolve the protocol, its options and the task now, so bad input fails before any node starts."""
+    if config.ray is not None and importlib.util.find_spec("ray") is None:
+        raise SimError("ray is not installed: pip install 'starling[ray]' (here and on every node of the cluster)")
     cls = resolve_protocol(config.protocol)
     config.protocol_config()
     task = get_task(config.task, **config.task_options)
