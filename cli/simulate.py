@@ -54,7 +54,8 @@ def _run_steps(steps: Optional[int], duration_s: float, protocol: str, options: 
 
 
 def _sim_configs(*, peers: int, protocol: str, task: str, steps: Optional[int], compressor: Optional[str],
-                 transport: Optional[str], processes: int, bandwidth: Optional[str], latency_ms: float,
+                 transport: Optional[str], processes: int, ray: Optional[str] = None,
+                 bandwidth: Optional[str], latency_ms: float,
                  loss: float, churn: Optional[str], seed: int, opt: List[str], lr: Optional[float],
                  task_opt: List[str], eval_every: int, baseline: str, flags: Sequence[str] = (),
                  extra: Optional[dict[str, Any]] = None) -> tuple[Any, Any]:
@@ -77,7 +78,8 @@ def _sim_configs(*, peers: int, protocol: str, task: str, steps: Optional[int], 
     steps = _run_steps(steps, float((extra or {}).get("duration_s") or 0.0), protocol, options)
     config = SimConfig(
         peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor,
-        transport=transport or ("tcp" if processes else "inproc"), processes=processes, link=link,
+        transport=transport or ("tcp" if processes or ray is not None else "inproc"), processes=processes, ray=ray,
+        link=link,
         churn=parse_churn(churn) if churn else (), seed=seed, options=options,
         task_options=parse_options(task_opt, "task option"), eval_every=eval_every, **(extra or {}),
     )
@@ -197,10 +199,15 @@ def simulate(
                                      "as fit in it)."),
     compressor: Optional[str] = typer.Option(None, "--compressor", help="Compressor spec, e.g. topk:0.01+int8."),
     transport: Optional[str] = typer.Option(
-        None, "--transport", help="inproc, ipc or tcp (default inproc; tcp with --processes)."),
+        None, "--transport", help="inproc, ipc or tcp (default inproc; tcp with --processes or --ray)."),
     processes: int = typer.Option(
         0, "--processes", metavar="P",
         help="Spread the peers over P OS processes, round-robin by rank (tcp on loopback; 0: threads of this one)."),
+    ray: Optional[str] = typer.Option(
+        None, "--ray", metavar="ADDRESS",
+        help="Run the worker processes as Ray actors spread over the machines of the Ray cluster at ADDRESS "
+             "(HOST:PORT; auto: the cluster this machine joined with `ray start`; local: a new one here); tcp, "
+             "and one worker per node unless --processes says how many. Needs starling[ray]."),
     bandwidth: Optional[str] = typer.Option(
         None, "--bandwidth", help="Per-link bandwidth, e.g. 100mbit, 10Mbps, 1gbit."),
     latency_ms: float = typer.Option(0.0, "--latency", help="One-way latency per link, in ms."),
@@ -256,7 +263,7 @@ def simulate(
     try:
         config, base = _sim_configs(
             peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor, transport=transport,
-            processes=processes, bandwidth=bandwidth, latency_ms=latency_ms, loss=loss, churn=churn, seed=seed,
+            processes=processes, ray=ray, bandwidth=bandwidth, latency_ms=latency_ms, loss=loss, churn=churn, seed=seed,
             opt=opt or [], flags=ctx.args, lr=lr, task_opt=task_opt or [], eval_every=eval_every, baseline=baseline,
             extra={"device": device, "dtype": dtype, "autocast": autocast, "state_device": state_device,
                    "max_dealers": max_dealers, "peer_speed": parse_peer_speed(peer_speed, peers),
