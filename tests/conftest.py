@@ -190,6 +190,21 @@ def hold_against(node: Node, banned: Identity, accused: Identity) -> None:
     node.run(on_network_thread())
 
 
+@pytest.fixture
+def ray_on_loopback() -> Iterator[None]:
+    """Ray as a test may run it: every node it starts or dials on this machine at 127.0.0.1
+    (Ray otherwise takes the address other machines would reach this one on, and dials even a
+    loopback address there), and no usage report sent anywhere. Set in the environment the
+    nodes and their workers inherit, and in this process's Ray, imported or not."""
+    import ray._private.ray_constants as ray_constants
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray's switch for "this machine only"
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _cli_tests_run_in_their_own_cwd(request, tmp_path_factory, monkeypatch):
     """Every test under tests/cli runs in its own empty working directory: `starling simulate`
