@@ -32,6 +32,7 @@ from starling.node.wire import MAX_TOPIC_CHARS, Message, RejectReason, WireError
 REQUEST_TOPIC = "$req"
 REPLY_TOPIC = "$rep"
 MAX_ERROR_TEXT = 2000
+MAX_CODE_CHARS = 64
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class ErrorCode(str, enum.Enum):
     REFUSED = "refused"  # the handler refused, for a named `Refusal`
     BAD_REQUEST = "bad_request"  # the request failed the node's own checks (a malformed hello)
     BUSY = "busy"  # the node turned the request away unread: too many in flight (see node.admission)
+    INCOMPATIBLE = "incompatible"  # the requester speaks no wire version this node speaks (node.version)
 
 
 class Refusal(str, enum.Enum):
@@ -84,11 +86,13 @@ class RemoteError(RpcError):
 
     code: ErrorCode = ErrorCode.HANDLER_ERROR
 
-    def __init__(self, detail: str, *, peer: str | None = None, reason: Refusal | None = None) -> None:
+    def __init__(self, detail: str, *, peer: str | None = None, reason: Refusal | None = None,
+                 data: dict[str, Any] | None = None) -> None:
         super().__init__(detail if peer is None else f"peer {peer}: {detail}")
         self.detail = detail
         self.peer = peer
         self.reason = reason  # set on refusals only
+        self.data = data  # what the error says for code to act on, beside its text (a busy hello's other members)
 
 
 class NoHandlerError(RemoteError):
@@ -114,9 +118,18 @@ class Unanswered(Exception):
 
 class BusyError(RemoteError):
     """The node had too many requests in flight (from this connection, from peers outside the
-    swarm, or in its process) and did not run the handler; the request may be sent again later."""
+    swarm, or in its process) and did not run the handler, or the handler turned the request
+    away as too busy; the request may be sent again later. `data` may say where else to ask
+    (a busy hello names other members, `node.bootstrap`)."""
 
     code = ErrorCode.BUSY
+
+
+class IncompatibleError(RemoteError):
+    """The requester speaks no wire version the node speaks (`node.version`); the detail is
+    one line naming both sides' versions and which to upgrade."""
+
+    code = ErrorCode.INCOMPATIBLE
 
 
 class RefusedError(RemoteError):
@@ -135,7 +148,7 @@ class RequestTimeout(RpcError, TimeoutError):
 
 _ERRORS: dict[ErrorCode, type[RemoteError]] = {
     cls.code: cls for cls in (NoHandlerError, ConfigConflictError, HandlerError, BadRequestError, BusyError,
-                              RefusedError)
+                              IncompatibleError, RefusedError)
 }
 
 
@@ -154,27 +167,40 @@ class ErrorBody:
     code: ErrorCode
     message: str
     reason: Refusal | None = None
+    data: dict[str, Any] | None = None  # sent only when set: peers of 0.1.x read no such key
 
     def to_wire(self) -> dict[str, Any]:
-        return {"code": self.code.value, "message": self.message[:MAX_ERROR_TEXT],
+        wire = {"code": self.code.value, "message": self.message[:MAX_ERROR_TEXT],
                 "reason": None if self.reason is None else self.reason.value}
+        if self.data is not None:
+            wire["data"] = self.data
+        return wire
 
     @classmethod
     def from_wire(cls, obj: Any) -> ErrorBody:
-        """Parse and check an error reply; raises WireError (BAD_FIELD)."""
+        """Parse and check an error reply; raises WireError (BAD_FIELD). A code or reason this
+        version does not know (a later release's) reads as a handler error whose text starts
+        with it: the requester fails with the peer's words instead of waiting out its timeout."""
         def bad(what: str) -> WireError:
             return WireError(RejectReason.BAD_FIELD, f"error reply: {what}", field="body")
 
         if not isinstance(obj, dict) or not isinstance(obj.get("message"), str):
             raise bad("expected {code, message, reason}")
+        data = obj.get("data")
+        if data is not None and not isinstance(data, dict):
+            raise bad("data must be a map")
+        message = obj["message"][:MAX_ERROR_TEXT]
         try:
             code = ErrorCode(obj.get("code"))
             reason = None if obj.get("reason") is None else Refusal(obj["reason"])
         except ValueError:
-            raise bad(f"unknown code {obj.get('code')!r} or reason {obj.get('reason')!r}") from None
+            named = obj.get("reason") if obj.get("code") == ErrorCode.REFUSED.value else obj.get("code")
+            if not isinstance(named, str) or not 0 < len(named) <= MAX_CODE_CHARS:
+                raise bad(f"malformed code {obj.get('code')!r} or reason {obj.get('reason')!r}") from None
+            return cls(ErrorCode.HANDLER_ERROR, f"{named}: {message}"[:MAX_ERROR_TEXT], None, data)
         if (code is ErrorCode.REFUSED) != (reason is not None):
             raise bad("a reason goes with a refusal, and only with one")
-        return cls(code, obj["message"][:MAX_ERROR_TEXT], reason)
+        return cls(code, message, reason, data)
 
     @classmethod
     def of(cls, exc: BaseException) -> ErrorBody:
@@ -182,14 +208,14 @@ class ErrorBody:
         raised here keeps its code: one that a handler's own request got from a third peer
         (`peer` set) is this handler's error, not a refusal by this node."""
         if isinstance(exc, RemoteError) and exc.peer is None:
-            return cls(exc.code, exc.detail, exc.reason)
+            return cls(exc.code, exc.detail, exc.reason, exc.data)
         return cls(ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}")
 
     def exception(self, peer: str) -> RemoteError:
         """The typed exception a requester raises for this error from `peer`."""
         if self.reason is not None:
             return RefusedError(self.reason, self.message, peer=peer)
-        return _ERRORS[self.code](self.message, peer=peer)
+        return _ERRORS[self.code](self.message, peer=peer, data=self.data)
 
 
 def refusal_text(reason: Refusal, detail: str = "") -> str:

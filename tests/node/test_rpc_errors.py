@@ -111,16 +111,36 @@ def test_a_malformed_hello_is_a_bad_request_counted_by_its_reason(make_node):
 @pytest.mark.parametrize("body", [
     "just text",  # a bare string, not a typed error body
     {"message": "x"},
-    {"code": "gone_fishing", "message": "x", "reason": None},
+    {"code": 7, "message": "x", "reason": None},
+    {"code": "x" * 65, "message": "x", "reason": None},
     {"code": "refused", "message": "x", "reason": None},  # a refusal names its reason
     {"code": "handler_error", "message": "x", "reason": "busy"},
-    {"code": "refused", "message": "x", "reason": "bored"},
     {"code": "no_handler", "message": 3, "reason": None},
+    {"code": "busy", "message": "x", "reason": None, "data": ["not", "a", "map"]},
 ])
 def test_a_malformed_error_reply_is_refused_on_the_wire(body):
     with pytest.raises(WireError) as info:
         ErrorBody.from_wire(body)
     assert info.value.reason.value == "bad_field"
+
+
+@pytest.mark.parametrize("body, text", [
+    ({"code": "gone_fishing", "message": "back at 5", "reason": None}, "gone_fishing: back at 5"),
+    ({"code": "refused", "message": "not today", "reason": "bored"}, "bored: not today"),
+])
+def test_a_code_or_reason_of_a_later_release_reads_as_a_handler_error_with_its_words(body, text):
+    """A requester fails with what a newer peer said instead of dropping the answer and waiting
+    out its timeout."""
+    error = ErrorBody.from_wire(body).exception("peer-x")
+    assert type(error) is HandlerError and error.detail == text
+
+
+def test_an_error_carries_its_data_map_and_old_peers_see_the_shape_they_know():
+    wire = ErrorBody.of(BusyError("busy", data={"members": [1, 2]})).to_wire()
+    assert wire["data"] == {"members": [1, 2]}
+    again = ErrorBody.from_wire(wire).exception("peer-x")
+    assert type(again) is BusyError and again.data == {"members": [1, 2]}
+    assert set(ErrorBody.of(BusyError("busy")).to_wire()) == {"code", "message", "reason"}  # as 0.1.x sent it
 
 
 def test_error_bodies_round_trip_to_their_exception_types():
