@@ -1,6 +1,7 @@
 """The wire envelope: one ZeroMQ multipart message ``[header, *frames]`` per message.
 
-The header is a msgpack map ``{"v", "t", "s", "n", "ts", "b", "f"}``: version, topic, sender,
+The header is a msgpack map ``{"v", "t", "s", "n", "ts", "b", "f"}``: envelope version (the
+framing's, `node.version`; what topics and bodies mean is the wire version a hello names), topic, sender,
 sequence number, timestamp, body (any msgpack value) and one descriptor per frame that
 follows, ``["t", dtype, shape]`` for a tensor or ``["b", nbytes]`` for raw bytes. Tensors are
 never copied into msgpack: each is its own frame, sent zero-copy and received as a view over
@@ -28,13 +29,15 @@ import numpy
 import torch
 import zmq
 
+from starling.node.version import ENVELOPE_VERSION
+
 __all__ = [
     "ALLOWED_DTYPES",
     "ENVELOPE_BYTES",
+    "ENVELOPE_VERSION",
     "HEADER_KEYS",
     "MAX_SENDER_CHARS",
     "MAX_TOPIC_CHARS",
-    "WIRE_VERSION",
     "Limits",
     "Message",
     "RejectReason",
@@ -44,7 +47,6 @@ __all__ = [
     "frame_nbytes",
 ]
 
-WIRE_VERSION = 1
 HEADER_KEYS = frozenset({"v", "t", "s", "n", "ts", "b", "f"})
 MAX_TOPIC_CHARS = 256
 MAX_SENDER_CHARS = 128
@@ -79,6 +81,7 @@ class RejectReason(str, Enum):
     TABLE_FULL = "table_full"  # a relayed record refused: the peer table, or its relayer's share of it, is full
     REACH_ELSEWHERE = "reach_elsewhere"  # a dial-back asked for addresses not at the asker's own IP
     BANNED = "banned"  # from a member this node banned (node.trust)
+    INCOMPATIBLE = "incompatible"  # a hello from a peer that speaks no wire version this node speaks
 
 
 # The bytes of a message around its body (version, topic, sender, sequence, request id, frame
@@ -171,7 +174,7 @@ def encode(
         descriptors.append(descriptor)
         frames.append(frame)
 
-    header = {"v": WIRE_VERSION, "t": topic, "s": sender, "n": seq, "ts": ts, "b": body,
+    header = {"v": ENVELOPE_VERSION, "t": topic, "s": sender, "n": seq, "ts": ts, "b": body,
               "f": descriptors}  # fmt: skip
     try:
         packed = msgpack.packb(header, use_bin_type=True)
@@ -365,9 +368,9 @@ def _check_header(header: Any, frame_count: int) -> tuple[str, str, int, float, 
     version = header["v"]
     if isinstance(version, bool) or not isinstance(version, int):
         raise _bad_field("v", f"version must be an int, got {_brief(version)}")
-    if version != WIRE_VERSION:
+    if version != ENVELOPE_VERSION:
         raise WireError(
-            RejectReason.BAD_VERSION, f"wire version {version}, expected {WIRE_VERSION}", "v"
+            RejectReason.BAD_VERSION, f"envelope version {version}, expected {ENVELOPE_VERSION}", "v"
         )
     keys = set(header)
     if keys != HEADER_KEYS:

@@ -15,7 +15,7 @@ from starling.cli.main import app
 from starling.cli.shared import MAX_JSON_DEPTH, json_text
 from starling.node.identity import Identity
 from starling.node.node import Node
-from starling.node.wire import WIRE_VERSION, decode
+from starling.node.wire import ENVELOPE_VERSION, decode
 
 runner = CliRunner()
 
@@ -54,7 +54,7 @@ class _FakeNode:
             return
         route, *frames = self.sock.recv_multipart()
         rid = decode(frames).body[1]
-        header = {"v": WIRE_VERSION, "t": "$rep", "s": "fake", "n": 0, "ts": 0.0, "b": [rid, True, self.body],
+        header = {"v": ENVELOPE_VERSION, "t": "$rep", "s": "fake", "n": 0, "ts": 0.0, "b": [rid, True, self.body],
                   "f": []}
         self.sock.send_multipart([route, msgpack.packb(header, use_bin_type=True)])
 

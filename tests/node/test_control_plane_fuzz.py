@@ -41,7 +41,7 @@ from starling.node.relay import RELAY, RELAYED
 from starling.node.stats import STRANGERS
 from starling.node.swarm import ANNOUNCE, HELLO, LEAVE, MAX_WANTED, PING, SYNC, WANT
 from starling.node.transfer import CHUNK_TOPIC, OPEN_TOPIC, TransferConfig
-from starling.node.wire import MAX_TOPIC_CHARS, WIRE_VERSION, decode
+from starling.node.wire import ENVELOPE_VERSION, MAX_TOPIC_CHARS, decode
 
 # Strangers are rate-limited before their messages are even decoded (tests/node/test_flood_fuzz.py
 # covers that); here every message must reach the parsers and handlers, so the target lets
@@ -149,7 +149,7 @@ def fresh_swarm():
 def pack(topic: Any, sender: Any, body: Any, payload: list[bytes] | None = None, **header: Any) -> list[bytes]:
     """One message as it goes on the wire, built by hand: nothing here checks what it sends."""
     payload = payload or []
-    fields = {"v": WIRE_VERSION, "t": topic, "s": sender, "n": 1, "ts": 1.0, "b": body,
+    fields = {"v": ENVELOPE_VERSION, "t": topic, "s": sender, "n": 1, "ts": 1.0, "b": body,
               "f": [["b", len(p)] for p in payload], **header}
     return [_packb({k: v for k, v in fields.items() if v is not _DROP}), *payload]
 

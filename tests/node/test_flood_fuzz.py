@@ -26,7 +26,7 @@ from starling.node.address import parse_address
 from starling.node.client import ClientError, query
 from starling.node.rpc import REQUEST_TOPIC, request_body
 from starling.node.stats import STRANGERS
-from starling.node.wire import WIRE_VERSION, encode
+from starling.node.wire import ENVELOPE_VERSION, encode
 
 FUZZ_S = 4.0
 # A bound on a flood's memory. The network thread keeps up to 256 MiB of freed memory for
@@ -92,7 +92,7 @@ print(json.dumps(counts), flush=True)
 
 
 def _header(**fields) -> bytes:
-    base = {"v": WIRE_VERSION, "t": "$req", "s": "fuzz", "n": 1, "ts": 1.0, "b": None, "f": []}
+    base = {"v": ENVELOPE_VERSION, "t": "$req", "s": "fuzz", "n": 1, "ts": 1.0, "b": None, "f": []}
     return msgpack.packb({**base, **fields}, use_bin_type=True)
 
 

@@ -10,7 +10,7 @@ import zmq
 
 from starling.node.wire import (
     ALLOWED_DTYPES,
-    WIRE_VERSION,
+    ENVELOPE_VERSION,
     Limits,
     Message,
     RejectReason,
@@ -56,7 +56,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_enum_values():
-    assert WIRE_VERSION == 1
+    assert ENVELOPE_VERSION == 1
     assert RejectReason.MALFORMED == "malformed"
     assert RejectReason("unknown_peer") is RejectReason.UNKNOWN_PEER
     for name in ["BAD_SIGNATURE", "SPOOFED_SENDER", "UNKNOWN_TOPIC", "HANDLER_ERROR"]:
@@ -424,7 +424,7 @@ def _nested(depth: int, leaf: object = 0) -> object:
 
 
 def _header_with_body(body: object) -> list:
-    header = {"v": WIRE_VERSION, "t": "t", "s": "s", "n": 1, "ts": 1.0, "b": body, "f": []}
+    header = {"v": ENVELOPE_VERSION, "t": "t", "s": "s", "n": 1, "ts": 1.0, "b": body, "f": []}
     return [msgpack.packb(header, use_bin_type=True)]
 
 
