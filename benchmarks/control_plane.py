@@ -427,12 +427,13 @@ QUICK_CASES = ("x", "ipc_path_over_107_bytes", "inproc_from_the_wire", "tcp_port
 def malformed_addresses(quick: bool) -> dict[str, Any]:
     from starling.node.bootstrap import REACH
     from starling.node.client import query
+    from starling.node.hello import Hello
     from starling.node.identity import Identity
     from starling.node.swarm import ANNOUNCE, HELLO
 
     def stranger_hello(target: Any, member: Any, sock: Raw, name: str) -> str:
         stranger = Identity.generate()
-        body = [malformed_records(stranger)[name], None, True]
+        body = Hello.ours(malformed_records(stranger)[name]).to_wire()
         return _outcome(lambda: query(target.address, HELLO, body, identity=stranger, timeout_s=5))
 
     def stranger_reach(target: Any, member: Any, sock: Raw, name: str) -> str:
@@ -452,7 +453,7 @@ def malformed_addresses(quick: bool) -> dict[str, Any]:
         return "accepted" if len(target.live_peers()) > before else "refused"
 
     def member_hello(target: Any, member: Any, sock: Raw, name: str) -> str:
-        body = [malformed_records(member.identity)[name], None, False]
+        body = Hello.ours(malformed_records(member.identity)[name], None, False).to_wire()
         return _outcome(lambda: query(target.address, HELLO, body, identity=member.identity, timeout_s=5))
 
     channels: dict[str, Callable[[Any, Any, Raw, str], str]] = {
@@ -622,14 +623,16 @@ def dial_back(quick: bool) -> dict[str, Any]:
 def _stranger_requests(reach_port: int) -> dict[str, Callable[[Any], list[bytes]]]:
     """Every request a stranger can send, as frames from the stranger `ident`."""
     from starling.node.bootstrap import ECHO, REACH
+    from starling.node.hello import Hello
     from starling.node.swarm import HELLO, PING, SYNC
 
     def client_record(ident: Any) -> list[Any]:
         return record_wire(ident, [])
 
     return {
-        "hello_with_table": lambda i: request_frames(HELLO, i.peer_id, [client_record(i), None, True]),
-        "hello_without_table": lambda i: request_frames(HELLO, i.peer_id, [client_record(i), None, False]),
+        "hello_with_table": lambda i: request_frames(HELLO, i.peer_id, Hello.ours(client_record(i)).to_wire()),
+        "hello_without_table": lambda i: request_frames(HELLO, i.peer_id,
+                                                        Hello.ours(client_record(i), None, False).to_wire()),
         "status": lambda i: request_frames("$status", i.peer_id, None),
         "reach": lambda i: request_frames(REACH, i.peer_id, [[f"tcp://127.0.0.1:{reach_port}"]]),
         "echo": lambda i: request_frames(ECHO, i.peer_id, os.urandom(16)),
@@ -651,6 +654,7 @@ def amplification(seed: Any, quick: bool) -> dict[str, Any]:
     can pay for with its own bytes: `$status` sent again padded as the node asks, and a hello
     padded with 64 KB of config (a bigger hello earns a bigger page of the table)."""
     from starling.node.client import query
+    from starling.node.hello import Hello
     from starling.node.identity import Identity
     from starling.node.swarm import HELLO
 
@@ -694,7 +698,7 @@ def amplification(seed: Any, quick: bool) -> dict[str, Any]:
         table["status_padded_as_asked"] = {"request_bytes": req, "reply_bytes": nbytes(reply or []),
                                            "ratio": round(nbytes(reply or []) / req, 2), "answer": answer_of(reply)}
     stranger = Identity.generate()
-    body = [record_wire(stranger, []), {"pad": "x" * 64_000}, True]
+    body = Hello.ours(record_wire(stranger, []), {"pad": "x" * 64_000}).to_wire()
     req, reply = exchange(stranger, request_frames(HELLO, stranger.peer_id, body))
     page = result_of(reply)
     table["hello_with_table_padded_64k"] = {
@@ -922,6 +926,7 @@ class RelayLab:
         from zmq.utils import z85
 
         from starling.node.address import parse_address
+        from starling.node.hello import Hello
         from starling.node.identity import Identity
         from starling.node.membership import sign_beat
         from starling.node.relay import RELAY
@@ -937,8 +942,8 @@ class RelayLab:
             "scenario": scenario, "seconds": seconds, "rate": rate, "endpoint": target.endpoint, "x_id": x.peer_id,
             "server_key": z85.encode(target.curve_key),
             "m_keys": (m.curve_public_z85, m.curve_secret_z85), "x_keys": (x.curve_public_z85, x.curve_secret_z85),
-            "m_hello": request_frames("$hello", m.peer_id, [m_record, None, False]),
-            "x_hello": request_frames("$hello", x.peer_id, [x_record, None, False]),
+            "m_hello": request_frames("$hello", m.peer_id, Hello.ours(m_record, None, False).to_wire()),
+            "x_hello": request_frames("$hello", x.peer_id, Hello.ours(x_record, None, False).to_wire()),
             "x_ping": frames_of("$ping", x.peer_id, [[sign_beat(x, x_inc, 1, {})], False]),
             "m_pings": pings,
             "relay": frames_of(RELAY, m.peer_id, [x.peer_id, os.urandom(12)], (os.urandom(payload_bytes),)),

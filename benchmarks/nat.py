@@ -213,7 +213,7 @@ def _worker(argv: list[str]) -> None:
     a = p.parse_args(argv)
     from starling.node.node import Node, NodeConfig
 
-    node = Node(config=NodeConfig(offer_relay=not a.no_relay, join_attempts=5)).start(a.listen, a.join, key=a.key)
+    node = Node(config=NodeConfig(offer_relay=not a.no_relay, join_deadline_s=60.0)).start(a.listen, a.join, key=a.key)
     node.on(ECHO, lambda msg: {"echo": msg.body, "from": node.peer_id})
     if a.serve_mib:
         blob = os.urandom(a.serve_mib << 20)

@@ -42,8 +42,10 @@ def node_start(
     join: Optional[List[str]] = typer.Option(
         None, "--join", help="Join address of a swarm member, tcp://HOST:PORT#KEY (repeatable: tried in turn; HOST "
                              "may be a DNS name or an [IPv6] literal)."),
-    join_attempts: int = typer.Option(
-        5, "--join-attempts", min=1, help="Rounds over the --join addresses, with backoff, before giving up."),
+    join_deadline_s: float = typer.Option(
+        120.0, "--join-deadline-s",
+        help="Keep trying the --join addresses (and the members a busy one names), in rounds with backoff, "
+             "until this has passed."),
     no_listen: bool = typer.Option(
         False, "--no-listen", help="Client mode: bind nothing; peers reach this node over the connections it opens "
                                    "(automatic when the peer it joins through cannot dial it back)."),
@@ -184,6 +186,7 @@ def node_start(
         check_seconds("--resume-timeout-s", resume_timeout_s)
         check_seconds("--min-peers-timeout-s", min_peers_timeout_s)
         check_seconds("--state-fetch-timeout-s", state_fetch_timeout_s)
+        check_seconds("--join-deadline-s", join_deadline_s)
         peer_run = PeerRun(launch, shard=rank_world, log_every=log_every, min_peers=min_peers,
                            min_peers_timeout_s=min_peers_timeout_s, checkpoint=checkpoints,
                            resume_quorum=resume_quorum, resume_timeout_s=resume_timeout_s,
@@ -194,7 +197,7 @@ def node_start(
         config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout,
                                               probe_timeout_s),
                             transport=TransportConfig(monitor_connections=watch_connections),
-                            offer_relay=relay, join_attempts=join_attempts)
+                            offer_relay=relay, join_deadline_s=join_deadline_s)
         if no_listen and not join:
             raise ValueError("--no-listen needs --join: a node that listens nowhere can only join a swarm")
         if launch.may_train:  # others count it in from its hello

@@ -9,7 +9,8 @@ helpers, and the typed errors of requests; the rest are the parts it is built fr
 - `dispatch`: the inbound path (decode, authenticate, route to handlers, answer), within the
   bounds of `admission` (requests in flight per connection and per process, strangers' rates);
 - `swarm`: the membership protocol (hello, announce, want, heartbeats, leave), over
-  `membership`, the peer table and failure detector;
+  `membership`, the peer table and failure detector; `hello`: the hello's messages and the
+  version check each side makes, from `version`, the one home of this build's versions;
 - `transport`, `wire`, `security`, `identity`, `address`: sockets, frames, CURVE, keys;
 - `transfer`: blobs in digest-checked chunks; `loop`: the network thread and deadlines;
   `stats`: byte and rejection counters; `client`: one-shot queries from outside a swarm.
@@ -19,13 +20,22 @@ from __future__ import annotations
 from starling.node.address import PeerAddress, parse_address
 from starling.node.identity import Identity, KeyFileError
 from starling.node.membership import Liveness, PeerStatus, PeerView
-from starling.node.node import JoinError, Node, NodeConfig, NodeFault, SwarmConfigError, UnknownPeerError
+from starling.node.node import (
+    IncompatibleVersionError,
+    JoinError,
+    Node,
+    NodeConfig,
+    NodeFault,
+    SwarmConfigError,
+    UnknownPeerError,
+)
 from starling.node.rpc import (
     BadRequestError,
     BusyError,
     ConfigConflictError,
     ErrorCode,
     HandlerError,
+    IncompatibleError,
     NoHandlerError,
     Refusal,
     RefusedError,
@@ -41,7 +51,8 @@ from starling.node.transport import TransportConfig
 from starling.node.wire import Limits, Message, RejectReason, WireError
 
 __all__ = [
-    "BadRequestError", "BusyError", "ConfigConflictError", "ErrorCode", "HandlerError", "Identity", "JoinError",
+    "BadRequestError", "BusyError", "ConfigConflictError", "ErrorCode", "HandlerError", "Identity",
+    "IncompatibleError", "IncompatibleVersionError", "JoinError",
     "KeyFileError", "Limits", "Liveness", "Message", "NoHandlerError", "Node", "NodeConfig", "NodeFault", "PeerAddress",
     "PeerStatus", "PeerView", "Refusal", "RefusedError", "RejectReason", "RemoteError", "Reply", "RequestTimeout",
     "RpcError", "SwarmConfigError", "TransferConfig", "TransferError", "TransportConfig", "UnknownPeerError",

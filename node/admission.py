@@ -67,6 +67,10 @@ class AdmissionConfig:
     member_pull_burst_bytes: float = 1e6
     waste_batch: int = 64  # dropped or refused messages between two pauses of the reader
     waste_pause_s: float = 0.002
+    # A joiner's hello that waited this long on the loop before its handler ran finds the node
+    # behind: it is turned away as busy, with other members to try (`node.hello`), unless the
+    # join was turned away twice already.
+    hello_busy_after_s: float = 1.0
 
     def __post_init__(self) -> None:
         counts = (self.requests_per_connection, self.stranger_requests_per_connection,
@@ -76,8 +80,10 @@ class AdmissionConfig:
         if min(counts) < 1:
             raise ValueError(f"admission caps must be >= 1: {self}")
         if min(self.stranger_rate_per_s, self.strangers_rate_per_s) <= 0 or \
-                min(self.stranger_burst, self.strangers_burst) < 1 or self.waste_pause_s < 0:
-            raise ValueError(f"admission rates must be > 0, bursts >= 1 and the pause >= 0: {self}")
+                min(self.stranger_burst, self.strangers_burst) < 1 or self.waste_pause_s < 0 \
+                or self.hello_busy_after_s <= 0:
+            raise ValueError(f"admission rates and hello_busy_after_s must be > 0, bursts >= 1 and the pause >= 0: "
+                             f"{self}")
         if self.member_pull_bytes_per_s <= 0 or self.member_pull_burst_bytes < self.table_page_bytes:
             raise ValueError(f"member pulls need a rate > 0 and a burst of at least one table page: {self}")
 

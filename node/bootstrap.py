@@ -2,8 +2,13 @@
 be dialled, and the rejoin that heals a split swarm.
 
 Joining is a hello to one known address, on a connection of its own, answered with the peer
-table (records signed by their owners) and the swarm config; several addresses are tried in
-turn, in rounds with backoff. Before its hello, a node that listens on TCP off loopback asks
+table (records signed by their owners) and the swarm config (`node.hello` has the messages, and
+the version check either side makes). Several addresses are tried in turn, in rounds with
+exponential backoff and jitter and a patience that grows, until `join_deadline_s`: one slow or
+busy seed does not fail a join. A seed too busy to take a hello names a few other members in
+its refusal (`redirect`), and the joiner greets those next.
+
+Before its hello, a node that listens on TCP off loopback asks
 the peer it joins through to dial it back (REACH): that peer opens a fresh connection to the
 joiner's advertised addresses and asks for an ECHO of a nonce. An answer proves someone holding
 the joiner's key listens there (under CURVE the dial-back authenticates the joiner's key);
@@ -21,21 +26,34 @@ import asyncio
 import ipaddress
 import itertools
 import logging
+import math
 import os
 import random
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import zmq
 from zmq.utils import z85
 
 from starling.node import rpc
 from starling.node.address import AddressError, PeerAddress, parse_address, tcp_host
 from starling.node.dispatch import Dispatcher
+from starling.node.hello import (
+    LEGACY,
+    LEGACY_HELLO_REFUSAL,
+    Hello,
+    PeerVersions,
+    busy_members,
+    mismatch_text,
+    reply_versions,
+)
 from starling.node.local import LocalPeer
 from starling.node.membership import MAX_ADDRESSES, PeerRecord, PeerTable
 from starling.node.outbox import Outbox, Spawn
+from starling.node.security import SecurityMode
 from starling.node.stats import NodeStats
 from starling.node.swarm import HELLO, JoinError, Swarm, SwarmConfigError, config_conflict_text, config_conflicts
 from starling.node.transport import Inbound
@@ -46,20 +64,55 @@ log = logging.getLogger(__name__)
 REACH, ECHO = "$reach", "$echo"
 MAX_DIALING = 8  # dial-backs in flight at once: each is a connection a stranger makes us open
 MAX_NONCE = 64
+MAX_BACKOFF_S = 30.0  # the longest wait between two rounds of hellos
+MIN_PATIENCE_S = 1.0  # the least a hello waits for its answer (join_timeout_s, if that is less)
+MAX_REDIRECTS = 4  # members a busy seed names in its refusal
+MAX_NAMED = 16  # members named by busy seeds that a join keeps trying
+REDIRECT_POOL_S = 1.0  # how long a busy seed reuses its list of members to name (a flood of hellos)
+
+
+class IncompatibleVersionError(JoinError):
+    """The seed and this node speak no wire version in common (`node.version`)."""
+
+
+class _Refused(JoinError):
+    """This seed will not take our hello, however often we ask (a bad request, a wrong key)."""
+
+
+class _TurnedAway(JoinError):
+    """The seed was too busy; `members` are the ones it named instead (signatures checked)."""
+
+    def __init__(self, detail: str, members: list[PeerRecord]) -> None:
+        super().__init__(detail)
+        self.members = members
+
+
+@dataclass(frozen=True)
+class _Seed:
+    """An address to hello: a join address, or a member that a busy seed named (then the
+    answer must come from `peer_id`)."""
+
+    endpoint: str
+    curve_key: bytes | None
+    peer_id: str | None = None
+    label: str = ""
+
+    def __str__(self) -> str:
+        return self.label or self.endpoint
 
 
 class Bootstrap:
     """One node's way into a swarm from addresses. Lives on the network thread."""
 
     def __init__(self, local: LocalPeer, table: PeerTable, outbox: Outbox, swarm: Swarm, stats: NodeStats,
-                 spawn: Spawn, *, join_attempts: int, join_backoff_s: float, join_timeout_s: float,
+                 spawn: Spawn, *, join_deadline_s: float, join_backoff_s: float, join_timeout_s: float,
                  reach_timeout_s: float, rejoin_interval_s: float) -> None:
         self.local = local
         self.table = table
         self.outbox = outbox
         self.swarm = swarm
         self.stats = stats
-        self.join_attempts = join_attempts
+        self.join_deadline_s = join_deadline_s
         self.join_backoff_s = join_backoff_s
         self.join_timeout_s = join_timeout_s
         self.reach_timeout_s = reach_timeout_s
@@ -70,10 +123,13 @@ class Bootstrap:
         self._bootstraps = itertools.count()
         self._dialing = 0
         self._last_rejoin = time.monotonic()
+        self._pool: list[PeerRecord] = []  # members a busy seed names, sampled from (see `redirect`)
+        self._pool_at = -math.inf
 
     def register(self, dispatch: Dispatcher) -> None:
         dispatch.on_internal_request(REACH, self.on_reach, public=True)
         dispatch.on_internal_request(ECHO, self.on_echo, public=True)
+        dispatch.on_busy(HELLO, self.redirect)
 
     def tick(self, now: float) -> None:
         """From the heartbeat loop: hello again to join addresses whose peers are gone."""
@@ -84,27 +140,80 @@ class Bootstrap:
                 self._spawn(self._rejoin(lost))
 
     async def join(self, joins: list[PeerAddress]) -> None:
-        """Join through the first address in `joins` that answers, trying them in turn, in
-        rounds with exponential backoff (`join_attempts` rounds), so a swarm whose seed is
-        restarting or a DNS name that is not yet up does not fail the join at once."""
+        """Join through the first address in `joins` that takes our hello, trying them in turn
+        (and the members a busy seed names, first), in rounds with exponential backoff and
+        jitter until `join_deadline_s` has passed: a swarm whose seed is restarting or busy,
+        or a DNS name that is not yet up, does not fail the join at once. Each round waits
+        longer for an answer (twice the last, from `join_timeout_s`), for a seed whose loop is
+        behind. A seed that refuses for good (a bad request, a wrong key) is dropped; a swarm
+        whose config or wire versions this node cannot run fails the join at once."""
         self.seeds = list(joins)
-        errors: list[str] = []
-        attempts = self.join_attempts
-        for attempt in range(attempts):
-            errors = []
-            for address in joins:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.join_deadline_s
+        seeds = [_Seed(a.endpoint, a.curve_key, label=str(a)) for a in joins]
+        named: list[_Seed] = []  # members busy seeds named, newest first
+        last: dict[str, str] = {}  # seed -> why its last hello failed
+        dropped: set[_Seed] = set()
+        hellos = turned_away = 0
+        floor = min(self.join_timeout_s, MIN_PATIENCE_S)  # a hello given less than this is not sent
+        for round_ in itertools.count():
+            queue = [s for s in named + seeds if s not in dropped]
+            timeout_s = self.join_timeout_s * 2 ** min(round_, 6)
+            while queue and deadline - loop.time() >= floor:
+                seed = queue.pop(0)
+                hellos += 1
                 try:
-                    await self._join_via(address.endpoint, address.curve_key)
+                    await self._join_via(seed, min(timeout_s, deadline - loop.time()), turned_away)
                     return
-                except SwarmConfigError:
-                    raise
-                except Exception as exc:  # try the next address
-                    errors.append(f"{address}: {exc}")
-            if attempt + 1 < attempts:
-                delay = min(self.join_backoff_s * 2 ** attempt, 30.0)
-                log.info("%s: no join address answered; trying again in %.1f s", self.local.peer_id, delay)
-                await asyncio.sleep(delay * (0.5 + self._rng.random()))
-        raise JoinError(f"could not join the swarm ({attempts} rounds): " + "; ".join(errors))
+                except (SwarmConfigError, IncompatibleVersionError) as exc:
+                    raise type(exc)(f"{seed}: {exc}") from None
+                except _TurnedAway as exc:
+                    turned_away += 1
+                    last[str(seed)] = str(exc)
+                    fresh = [m for m in self._named_seeds(exc.members) if m not in named and m not in dropped]
+                    named = (fresh + named)[:MAX_NAMED]
+                    queue = fresh + [s for s in queue if s not in fresh]
+                except (_Refused, WireError) as exc:  # a seed that answers so will answer so again
+                    dropped.add(seed)
+                    last[str(seed)] = str(exc)
+                except Exception as exc:  # no answer, a send that failed: try again later
+                    last[str(seed)] = str(exc)
+            left = deadline - loop.time()
+            why = "; ".join(f"{seed}: {reason}" for seed, reason in last.items())
+            if left < floor or all(s in dropped for s in named + seeds):
+                within = f"within {self.join_deadline_s:g} s " if left < floor else ""
+                raise JoinError(f"could not join the swarm {within}({hellos} hellos in {round_ + 1} rounds): {why}")
+            delay = min(self.join_backoff_s * 2 ** round_, MAX_BACKOFF_S) * (0.5 + self._rng.random())
+            delay = min(delay, left - floor)  # the last round still gets a hello's patience
+            log.info("%s: could not join yet (%s); trying again in %.1f s (%.0f s left to join)",
+                     self.local.peer_id, why, delay, left)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _named_seeds(self, members: list[PeerRecord]) -> list[_Seed]:
+        """Members a busy seed named, as seeds to greet (not ourselves; each at its first address)."""
+        curve = self.local.mode is SecurityMode.CURVE
+        return [_Seed(r.addresses[0], r.curve_key if curve else None, r.peer_id, f"{r.peer_id} at {r.addresses[0]}")
+                for r in members if r.peer_id != self.local.peer_id and r.reachable]
+
+    def redirect(self, budget: int) -> dict[str, Any] | None:
+        """What a busy answer to a hello carries (`Dispatcher.on_busy`): a few live members that
+        can be dialled, at random, by their signed records, within `budget` bytes; None when
+        none fits. The list sampled from is rebuilt once a second at most: a flood of hellos
+        over this node's caps must not cost a walk of the table each."""
+        now = time.monotonic()
+        if now - self._pool_at >= REDIRECT_POOL_S:
+            self._pool = [p.record for p in self.table.live() if p.record.reachable]
+            self._pool_at = now
+        members, used = [], len(msgpack.packb({"members": []}))
+        for record in self._rng.sample(self._pool, min(MAX_REDIRECTS, len(self._pool))):
+            raw = record.to_wire()
+            size = len(msgpack.packb(raw, use_bin_type=True))
+            if used + size > budget:
+                break
+            members.append(raw)
+            used += size
+        return {"members": members} if members else None
 
     async def _bootstrap_request(self, endpoint: str, curve_key: bytes | None, topic: str, body: Any,
                                  timeout_s: float) -> Message:
@@ -117,7 +226,7 @@ class Bootstrap:
         try:
             return await self.outbox.request_on(handle, topic, body, timeout_s)
         except asyncio.TimeoutError:
-            raise JoinError(f"no answer from {endpoint} within {timeout_s} s") from None
+            raise JoinError(f"no answer from {endpoint} within {timeout_s:.3g} s") from None
         finally:
             transport.disconnect(handle)
 
@@ -206,23 +315,29 @@ class Bootstrap:
             raise WireError(RejectReason.BAD_FIELD, f"echo body must be at most {MAX_NONCE} bytes", field="body")
         return body
 
-    def _hello_body(self, want_table: bool = True) -> list[Any]:
+    def _hello_body(self, turned_away: int = 0) -> dict[str, Any]:
         assert self.local.record is not None
-        return [self.local.record.to_wire(), self.local.swarm_config, want_table]
+        return Hello.ours(self.local.record.to_wire(), self.local.swarm_config, True, turned_away).to_wire()
 
-    async def _join_via(self, endpoint: str, curve_key: bytes | None) -> None:
+    async def _join_via(self, seed: _Seed, timeout_s: float, turned_away: int = 0) -> None:
         """Hello to one known address; learn its table and config. The peer we joined
         announces us to the others; any it missed find us in the beats pings carry."""
         try:
-            reply = await self._bootstrap_request(endpoint, curve_key, HELLO, self._hello_body(),
-                                                  self.join_timeout_s)
+            reply = await self._bootstrap_request(seed.endpoint, seed.curve_key, HELLO,
+                                                  self._hello_body(turned_away), timeout_s)
+        except rpc.IncompatibleError as exc:
+            raise IncompatibleVersionError(exc.detail) from None
         except rpc.ConfigConflictError as exc:
-            raise SwarmConfigError(f"{endpoint}: {exc.detail}") from None
+            raise SwarmConfigError(exc.detail) from None
+        except rpc.BadRequestError as exc:
+            if LEGACY_HELLO_REFUSAL in exc.detail:  # a 0.1.x seed: it knows no hello but its own
+                raise IncompatibleVersionError(mismatch_text(LEGACY, PeerVersions.local())) from None
+            raise _Refused(exc.detail) from None
+        except rpc.BusyError as exc:
+            raise _TurnedAway(f"busy: {exc.detail}", self._checked(busy_members(exc.data))) from None
         except rpc.RemoteError as exc:
-            raise JoinError(f"{endpoint}: {exc.detail}") from None
-        responder = self._accept_hello_reply(reply.body)
-        if curve_key is not None and responder.curve_key != curve_key:
-            raise JoinError(f"{endpoint} answered with a record for a different key")
+            raise JoinError(exc.detail) from None
+        responder = self._accept_hello_reply(reply.body, seed)
         following = reply.body.get("next")
         if isinstance(following, str):  # the table goes on past what a hello's answer may carry
             try:
@@ -230,20 +345,42 @@ class Bootstrap:
             except Exception as exc:  # the digests' WANTs find the rest, only slower
                 log.info("%s: could not page the table of %s: %s", self.local.peer_id, responder.peer_id, exc)
 
-    def _accept_hello_reply(self, body: Any) -> PeerRecord:
+    def _checked(self, raws: list[Any]) -> list[PeerRecord]:
+        """The member records a busy seed named whose signatures (and the allowlist) pass; a
+        record that fails is counted and left out."""
+        records = []
+        for raw in raws[:MAX_REDIRECTS]:
+            try:
+                records.append(self.swarm.record_from(raw))
+            except WireError as exc:
+                self.stats.count_rejected(exc.reason.value)
+        return records
+
+    def _accept_hello_reply(self, body: Any, seed: _Seed) -> PeerRecord:
+        """Check a hello's answer (versions first: nothing is taken from a seed we cannot talk
+        to), then take its config and learn its table."""
         if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
-            raise JoinError("malformed hello reply")
+            raise _Refused("malformed hello reply")
+        theirs, mine = reply_versions(body), PeerVersions.local()
+        if not theirs.meets(mine):
+            raise IncompatibleVersionError(mismatch_text(theirs, mine))
         local = self.local
         config = body.get("config")
+        if config is not None and not isinstance(config, dict):
+            raise _Refused("malformed swarm config in hello reply")
+        responder = self.swarm.record_from(body.get("record"))
+        if seed.curve_key is not None and responder.curve_key != seed.curve_key:
+            raise _Refused("answered with a record for a different key")
+        if seed.peer_id is not None and responder.peer_id != seed.peer_id:
+            raise _Refused(f"answered with the record of {responder.peer_id}, not of the member named")
         if config is not None:
-            if not isinstance(config, dict):
-                raise JoinError("malformed swarm config in hello reply")
             if local.swarm_config is not None:
                 conflicts = config_conflicts(config, local.swarm_config)
                 if conflicts:
                     raise SwarmConfigError(config_conflict_text(conflicts))
             local.swarm_config = {**(local.swarm_config or {}), **config}
-        responder = self.swarm.record_from(body.get("record"))
+        log.debug("%s: %s runs %s, capabilities %s", local.peer_id, responder.peer_id, theirs.text(),
+                  ", ".join(theirs.capabilities) or "none")
         self.swarm.learn(responder)
         # In a random order: a node opens sockets to the first peers it learns (up to its
         # cap), and in the table's order every joiner of a big swarm connected to the same
@@ -270,7 +407,8 @@ class Bootstrap:
         restarted): each side learns the other's table, and a swarm that split is one again."""
         for address in lost:
             try:
-                await self._join_via(address.endpoint, address.curve_key)
+                await self._join_via(_Seed(address.endpoint, address.curve_key, label=str(address)),
+                                     self.join_timeout_s)
                 log.info("%s: rejoined through %s", self.local.peer_id, address)
             except Exception as exc:
                 log.debug("%s: rejoin through %s failed: %s", self.local.peer_id, address, exc)

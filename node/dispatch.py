@@ -38,11 +38,12 @@ from starling.node.outbox import Outbox, Route, Spawn
 from starling.node.security import SecurityMode
 from starling.node.stats import STRANGERS, NodeStats
 from starling.node.transport import Inbound, SendError
-from starling.node.wire import Limits, Message, RejectReason, WireError, decode, frame_nbytes
+from starling.node.wire import ENVELOPE_BYTES, Limits, Message, RejectReason, WireError, decode, frame_nbytes
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Message], Any]
+BUSY_ERROR_BYTES = 64  # a busy error's reply around its message and data: [id, ok, {code, message, reason, data}]
 
 
 class Dispatcher:
@@ -69,6 +70,7 @@ class Dispatcher:
         self.internal_messages: dict[str, Callable[[Message], None]] = {}
         self.internal_requests: dict[str, Callable[[Inbound, Any], Any]] = {}
         self.public_internal: set[str] = set()  # of those, the ones peers outside the swarm may call
+        self.busy_data: dict[str, Callable[[int], dict[str, Any] | None]] = {}  # see `on_busy`
 
     def on_internal_message(self, topic: str, handler: Callable[[Message], None]) -> None:
         """Handle one of the node's own one-way "$" topics (membership gossip)."""
@@ -82,6 +84,13 @@ class Dispatcher:
         self.internal_requests[topic] = handler
         if public:
             self.public_internal.add(topic)
+
+    def on_busy(self, topic: str, data: Callable[[int], dict[str, Any] | None]) -> None:
+        """A busy answer to `topic` (over a cap here, or a `rpc.BusyError` its handler raised)
+        carries `data(budget)` beside the error: where else to ask (a busy seed names other
+        members to a joiner). `budget` is the bytes it may take, so that the answer stays within
+        `stranger_reply_factor` times the request's."""
+        self.busy_data[topic] = data
 
     def reject(self, reason: RejectReason, detail: str) -> None:
         self.stats.count_rejected(reason.value)
@@ -188,7 +197,7 @@ class Dispatcher:
                 raise WireError(RejectReason.UNKNOWN_PEER, f"{msg.sender} is not a member (topic {topic!r})",
                                 field="sender")
             if not self.admission.charge(route):
-                await self._busy(route, topic, rid, "rate")
+                await self._busy(route, topic, rid, "rate", nbytes=nbytes)
                 return
         peer = msg.sender if member else STRANGERS
         self.stats.count_received(peer, topic, nbytes)
@@ -202,7 +211,7 @@ class Dispatcher:
         elif rid is not None:  # a one-way topic asked as a request is answered no_handler, never run
             cap = self.admission.admit(route, member)
             if cap is not None:
-                await self._busy(route, topic, rid, cap, peer)
+                await self._busy(route, topic, rid, cap, peer, nbytes)
                 return
             self._counted(route, member, self._serve(inbound, route, msg, topic, rid, body, member))
         else:
@@ -235,16 +244,27 @@ class Dispatcher:
         """Run admitted work as a task, released when it ends (also if cancelled unstarted)."""
         self._spawn(work).add_done_callback(lambda _: self.admission.release(route, member))
 
-    async def _busy(self, route: Route, topic: str, rid: int, cap: str, peer: str = STRANGERS) -> None:
+    async def _busy(self, route: Route, topic: str, rid: int, cap: str, peer: str = STRANGERS,
+                    nbytes: int = 0) -> None:
         """Answer a request with a busy error without running it, counted; never waits."""
         self.reject(RejectReason.BUSY, f"{topic}: {BUSY_DETAIL[cap]}")
-        frames = self.outbox.frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, False, rpc.ErrorBody(
-            rpc.ErrorCode.BUSY, BUSY_DETAIL[cap])))
+        error = self._with_busy_data(rpc.ErrorBody(rpc.ErrorCode.BUSY, BUSY_DETAIL[cap]), topic, nbytes)
+        frames = self.outbox.frames(rpc.REPLY_TOPIC, rpc.reply_body(rid, False, error))
         try:
             await self.outbox.answer(route, frames, peer, topic, wait=False)
         except SendError:
             pass  # counted by the outbox
         await self._wasted()
+
+    def _with_busy_data(self, error: rpc.ErrorBody, topic: str, nbytes: int) -> rpc.ErrorBody:
+        """A busy error with what `on_busy` registered for its topic, if that fits."""
+        data = self.busy_data.get(topic)
+        if data is None or error.data is not None:
+            return error
+        budget = (self.admission.config.stranger_reply_factor * nbytes - ENVELOPE_BYTES
+                  - len(error.message.encode()) - BUSY_ERROR_BYTES)
+        extra = data(budget) if budget > 0 else None
+        return error if extra is None else replace(error, data=extra)
 
     def _is_public(self, topic: str) -> bool:
         if topic in self.public_internal:
@@ -270,6 +290,8 @@ class Dispatcher:
             return
         except Exception as exc:
             ok, result = False, rpc.ErrorBody.of(exc)
+            if result.code is rpc.ErrorCode.BUSY:
+                result = self._with_busy_data(result, topic, frame_nbytes(inbound.frames))
             # a refusal, a config conflict or a missing handler is an answer, not a fault
             if result.code is rpc.ErrorCode.HANDLER_ERROR:
                 self.reject(RejectReason.HANDLER_ERROR, f"{topic}: {exc}")

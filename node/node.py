@@ -34,8 +34,9 @@ import msgpack
 from starling.node import rpc
 from starling.node.address import PeerAddress, is_loopback, parse_address, parse_bind, resolve_endpoint
 from starling.node.admission import AdmissionConfig
-from starling.node.bootstrap import Bootstrap
+from starling.node.bootstrap import Bootstrap, IncompatibleVersionError
 from starling.node.dispatch import Dispatcher, Handler
+from starling.node.hello import PeerVersions
 from starling.node.identity import Identity
 from starling.node.local import LocalPeer
 from starling.node.loop import NetworkThread
@@ -64,8 +65,8 @@ log = logging.getLogger(__name__)
 STATUS = "$status"
 
 # Importable from here as they always were: their homes are the membership and outbox modules.
-__all__ = ["JoinError", "LinkShaper", "Node", "NodeConfig", "NodeFault", "PeerView", "SwarmConfigError",
-           "UnknownPeerError", "config_conflicts"]
+__all__ = ["IncompatibleVersionError", "JoinError", "LinkShaper", "Node", "NodeConfig", "NodeFault", "PeerView",
+           "SwarmConfigError", "UnknownPeerError", "config_conflicts"]
 
 
 class NodeFault(RuntimeError):
@@ -83,9 +84,11 @@ class NodeConfig:
     offer_relay: bool = True  # a reachable node forwards sealed messages between clients
     reach_timeout_s: float = 2.0  # how long a dial-back to a joiner may take (see swarm.REACH)
     request_timeout_s: float = 10.0
-    join_timeout_s: float = 10.0
-    join_attempts: int = 1  # rounds over the join addresses, with backoff between them
-    join_backoff_s: float = 1.0
+    join_timeout_s: float = 10.0  # how long a first hello waits for its answer (each round twice the last)
+    # Rounds over the join addresses, with backoff and jitter between them, until this has passed
+    # (see Bootstrap.join): a seed that is restarting, busy or slow to answer does not fail a join.
+    join_deadline_s: float = 30.0
+    join_backoff_s: float = 1.0  # the first wait between two rounds (doubled each round, up to 30 s)
     rejoin_interval_s: float = 10.0  # how often join addresses whose peers are gone are tried again
     leave_timeout_s: float = 1.0
     forget_after_s: float = 60.0  # dead/left peers are dropped from the table after this
@@ -136,7 +139,7 @@ class Node:
                             leave_timeout_s=config.leave_timeout_s, reject=self._dispatch.reject,
                             closed=lambda: self.closed, listeners=self._listeners)
         self._bootstrap = Bootstrap(local, self._table, self._outbox, self._swarm, stats, spawn,
-                                    join_attempts=config.join_attempts, join_backoff_s=config.join_backoff_s,
+                                    join_deadline_s=config.join_deadline_s, join_backoff_s=config.join_backoff_s,
                                     join_timeout_s=config.join_timeout_s, reach_timeout_s=config.reach_timeout_s,
                                     rejoin_interval_s=config.rejoin_interval_s)
         self._relay = Relay(local, self._table, self._outbox, spawn, config.relay, max_frames=config.limits.max_frames,
@@ -490,6 +493,7 @@ class Node:
         now = time.monotonic()
         return {
             "id": self.peer_id, "address": self.address, "security": self.mode.value,
+            "version": PeerVersions.local().to_wire(),
             "reachable": self.reachable, "relay": bool(self.record and self.record.relay),
             "listening": self._transport is not None and self._transport.listening,
             "config": self.swarm_config, "meta": dict(self._local.meta), "info": dict(self._info),

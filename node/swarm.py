@@ -36,6 +36,7 @@ from zmq.utils import z85
 from starling.node import rpc
 from starling.node.admission import AdmissionConfig, TokenBucket
 from starling.node.dispatch import Dispatcher
+from starling.node.hello import MAX_TURNED_AWAY, Hello, PeerVersions, mismatch_text
 from starling.node.identity import verify_signature
 from starling.node.local import LocalPeer
 from starling.node.loop import AwakeDeadline
@@ -131,26 +132,39 @@ class Swarm:
             dispatch.on_internal_message(topic, handler)
 
     def on_hello(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
-        """A joiner's hello (or a member's re-announce): check its record and config, learn it,
-        and answer with our record, the swarm config and (if asked) the first page of the table.
+        """A joiner's hello (or a member's re-announce): check its versions, record and config,
+        learn it, and answer with our record, the swarm config, our versions and (if asked) the
+        first page of the table (`node.hello` has the messages).
+
+        A hello whose wire versions do not meet ours is refused in one line naming both, and
+        counted (`incompatible`); a joiner's hello that waited on a loop behind by more than
+        `hello_busy_after_s` is turned away as busy (the dispatcher adds other members to try,
+        `Bootstrap.redirect`), unless the join was turned away `MAX_TURNED_AWAY` times already
+        or there is nobody else to try. Either way nothing about the joiner is kept.
 
         Whoever says hello is not a member yet, so the answer is at most
         `stranger_reply_factor` times the hello's own bytes: a table page that fits, and
         `next`, where the joiner's `$sync` pages go on from once it is a member."""
-        if not isinstance(body, list) or len(body) != 3 or not isinstance(body[2], bool):
-            raise WireError(RejectReason.BAD_FIELD, "hello body must be [record, config, want_table]", field="body")
-        record = self.record_from(body[0])
+        hello, mine = Hello.from_wire(body), PeerVersions.local()
+        if not hello.versions.meets(mine):
+            line = mismatch_text(mine, hello.versions)
+            self._reject(RejectReason.INCOMPATIBLE, line)
+            # A 0.1.x joiner knows no `incompatible` code: a config conflict is what it stops on at once.
+            raise (rpc.ConfigConflictError if hello.legacy else rpc.IncompatibleError)(line)
+        if member is None and hello.want_table and hello.turned_away < MAX_TURNED_AWAY:
+            behind = time.monotonic() - inbound.received_at
+            if behind > self.admission.hello_busy_after_s and any(p.record.reachable for p in self.table.live()):
+                self._reject(RejectReason.BUSY, f"hello: the loop is {behind:.1f} s behind")
+                raise rpc.BusyError(f"this node's loop is {behind:.1f} s behind; try the members named")
+        record = self.record_from(hello.record)
         if self.local.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
             raise WireError(RejectReason.SPOOFED_SENDER, "hello record's key does not own this connection",
                             field="record")
         # A hello's config is only checked against ours, never taken: a node takes its config
         # from its own start or from the peer it joined through. A node started without one
         # once adopted the first hello's, so any stranger could pick what it trained.
-        theirs = body[1]
-        if theirs is not None:
-            if not isinstance(theirs, dict):
-                raise WireError(RejectReason.BAD_FIELD, "swarm config must be a map", field="config")
-            conflicts = config_conflicts(self.local.swarm_config or {}, theirs)
+        if hello.config is not None:
+            conflicts = config_conflicts(self.local.swarm_config or {}, hello.config)
             if conflicts:
                 raise rpc.ConfigConflictError(config_conflict_text(conflicts))
         # A joiner (it asks for the table) is announced to the others: one message each, no
@@ -162,14 +176,14 @@ class Swarm:
         # 256-node swarm capped at 32 sockets took 602 s to start, 177 s capped at 64).
         transport = self.outbox.transport
         assert transport is not None and self.local.record is not None
-        if self.learn(record) and body[2]:
+        if self.learn(record) and hello.want_table:
             for p in self.table.live():
                 if p.peer_id != record.peer_id and (transport.is_open(p.peer_id)
                                                     or (not p.record.reachable and transport.can_send(p.peer_id))):
                     self._spawn(self.outbox.send(p.peer_id, ANNOUNCE, [record.to_wire()]))
         reply: dict[str, Any] = {"record": self.local.record.to_wire(), "config": self.local.swarm_config,
-                                 "peers": [], "next": None}
-        if body[2]:  # a re-announce asks for no table
+                                 "peers": [], "next": None, "version": mine.to_wire()}
+        if hello.want_table:  # a re-announce asks for no table
             budget = (self.admission.stranger_reply_factor * frame_nbytes(inbound.frames)
                       - len(msgpack.packb(reply, use_bin_type=True)) - ENVELOPE_BYTES)
             reply["peers"], reply["next"], _ = self._page(None, budget, but=record.peer_id)

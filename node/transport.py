@@ -21,7 +21,7 @@ import logging
 import socket as pysocket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -81,6 +81,9 @@ class Inbound:
     route: bytes | None  # ROUTER routing id to reply on; None for frames read on a DEALER
     via_peer: str | None  # the DEALER's peer id (or bootstrap key) when read on a DEALER
     user_id: str | None  # the CURVE client key (z85) authenticated by ZAP, if any
+    # when the socket's reader took it (time.monotonic): what a handler reads to see how far
+    # behind this node's loop is (a joiner's hello, turned away from a loop that fell behind)
+    received_at: float = field(default_factory=time.monotonic)
 
 
 Receiver = Callable[[Inbound], Awaitable[None]]

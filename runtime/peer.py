@@ -45,7 +45,7 @@ class SimPeer:
                                     max_open_dealers=config.max_dealers or TransportConfig.max_open_dealers)
         liveness = config.liveness or sim_liveness(config.peers_per_process(), config.world)
         node_config = NodeConfig(liveness=liveness, join_timeout_s=config.join_timeout_s,
-                                 transport=transport)
+                                 join_deadline_s=config.join_deadline_s, transport=transport)
         self.node = Node(identity or seeded_identity(config.seed, rank), config=node_config)
         self.emulator: LinkEmulator | None = None
         self.crashed = crashed if crashed is not None else set()

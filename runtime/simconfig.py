@@ -91,6 +91,9 @@ class SimConfig:
     # until it times out; keep that below the suspect timeout so one crash does not look like two.
     send_timeout_s: float = 1.0
     join_timeout_s: float = 5.0  # a joiner greets every peer it learns of, even one that just crashed
+    # A peer's join tries again with backoff (and through members a busy seed names) until this
+    # has passed: on a loaded box one hello left unanswered for join_timeout_s ended whole runs.
+    join_deadline_s: float = 120.0
     # Checkpoints: every peer writes its own under checkpoint_dir/peer-RANK every checkpoint_every
     # steps; with `resume` every peer first loads its newest (the swarm restarts where it stopped).
     checkpoint_dir: str | None = None

@@ -93,7 +93,7 @@ def test_a_replica_stopped_by_sigterm_leaves_no_rendezvous_folder(tmp_path):
         waiting.kill()
     assert leftover_rendezvous(tmp_path) == []
     early = subprocess.Popen(starling("--protocol", "streaming-diloco", "--nproc-per-replica", "2",
-                                      "--join", "tcp://127.0.0.1:9", "--join-attempts", "30", *TINY),
+                                      "--join", "tcp://127.0.0.1:9", "--join-deadline-s", "600", *TINY),
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:  # SIGTERM while it still tries to join (before its node is up)
         deadline = time.monotonic() + 60

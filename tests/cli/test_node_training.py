@@ -100,7 +100,7 @@ runner = CliRunner()
     (["node", "start", "--plaintext", "--protocol", "diloco", "--dtype", "int8"], "float32, bfloat16 or float16"),
     (["node", "start", "--plaintext", "--protocol", "diloco", "--autocast", "float16"], "loss scaling"),
     (["node", "start", "--no-listen"], "--no-listen needs --join"),
-    (["node", "start", "--join-attempts", "0", "--join", "tcp://127.0.0.1:1"], "--join-attempts"),
+    (["node", "start", "--join-deadline-s", "0", "--join", "tcp://127.0.0.1:1"], "--join-deadline-s"),
     (["simulate", "--steps", "2", "--fanout", "zero"], "fanout"),
     (["simulate", "--steps", "2", "stray"], "unexpected argument"),
 ])

@@ -11,6 +11,7 @@ from zmq.utils import z85
 
 from starling.node.address import AddressError, parse_address, parse_record_endpoint
 from starling.node.client import ClientError, query
+from starling.node.hello import Hello
 from starling.node.identity import Identity
 from starling.node.membership import PeerRecord
 from starling.node.node import Node, NodeConfig
@@ -44,7 +45,7 @@ def test_a_strangers_hello_with_a_signed_record_it_cannot_dial_leaves_the_node_u
     stranger = Identity.generate()
     record = PeerRecord.create(stranger, [address], 1)
     with pytest.raises(ClientError, match="record"):  # refused with a clear error, counted
-        query(node.address, HELLO, [record.to_wire(), None, True], identity=stranger, timeout_s=5)
+        query(node.address, HELLO, Hello.ours(record.to_wire()).to_wire(), identity=stranger, timeout_s=5)
     assert node.fault is None and not node.closed
     assert node.stats.snapshot()["rejected"].get("bad_field", 0) >= 1
     assert query(node.address, identity=Identity.generate())["id"] == node.peer_id  # still answers

@@ -17,6 +17,7 @@ from starling.node import rpc
 from starling.node.address import parse_address
 from starling.node.admission import AdmissionConfig
 from starling.node.client import query
+from starling.node.hello import Hello
 from starling.node.identity import Identity
 from starling.node.loop import NetworkThread
 from starling.node.membership import Liveness, PeerRecord, TableLimits
@@ -79,7 +80,7 @@ def seeded():
 def test_a_strangers_hello_gets_at_most_ten_times_its_bytes_and_a_joiner_pages_the_rest(seeded):
     seed, _, records = seeded
     stranger = Identity.generate()
-    hello = [PeerRecord.create(stranger, ["tcp://127.0.0.1:9"], 1).to_wire(), None, True]
+    hello = Hello.ours(PeerRecord.create(stranger, ["tcp://127.0.0.1:9"], 1).to_wire()).to_wire()
     sent, got, body = NetworkThread.get().run(_raw_request(seed.address, stranger, HELLO, hello))
     assert got <= 10 * sent, (sent, got)
     assert isinstance(body["next"], str) and len(body["peers"]) < 301  # a first page only

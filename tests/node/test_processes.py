@@ -92,4 +92,4 @@ def test_allowlisted_process_admits_only_listed_keys(tmp_path, procs, make_node)
     ok = make_node("tcp", key=member, join=[a_addr])
     assert wait_until(lambda: len(ok.live_peers()) == 1)
     with pytest.raises(JoinError):
-        Node(outsider, NodeConfig(join_timeout_s=1.0)).start("tcp://127.0.0.1:0", [a_addr])
+        Node(outsider, NodeConfig(join_timeout_s=1.0, join_deadline_s=1.0)).start("tcp://127.0.0.1:0", [a_addr])

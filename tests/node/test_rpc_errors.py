@@ -20,6 +20,7 @@ from starling.node import (
     refusal,
     refusal_of,
 )
+from starling.node.hello import Hello
 from starling.node.rpc import ErrorBody
 
 
@@ -92,7 +93,7 @@ def test_a_conflicting_hello_is_answered_with_the_config_conflict_code(make_node
     a = make_node("inproc", swarm_config={"protocol": "gossip"})
     b = make_node("inproc", join=[a.address])
     with pytest.raises(ConfigConflictError) as info:
-        b.request(a.peer_id, "$hello", [b.record.to_wire(), {"protocol": "diloco"}, False])
+        b.request(a.peer_id, "$hello", Hello.ours(b.record.to_wire(), {"protocol": "diloco"}, False).to_wire())
     assert info.value.code is ErrorCode.CONFIG_CONFLICT and a.swarm_config == {"protocol": "gossip"}
     # and a joiner turns that code into SwarmConfigError
     with pytest.raises(SwarmConfigError, match="protocol"):
@@ -103,7 +104,7 @@ def test_a_malformed_hello_is_a_bad_request_counted_by_its_reason(make_node):
     a = make_node("inproc")
     b = make_node("inproc", join=[a.address])
     with pytest.raises(BadRequestError) as info:
-        b.request(a.peer_id, "$hello", ["not a record", None, False])
+        b.request(a.peer_id, "$hello", Hello.ours("not a record", None, False).to_wire())
     assert info.value.code is ErrorCode.BAD_REQUEST
     assert a.stats.snapshot()["rejected"]["bad_field"] == 1
 

@@ -10,6 +10,7 @@ import torch
 from conftest import DEATH_SEEN_WITHIN_S, TEST_LIVENESS, raw_dealer, statuses, wait_until
 
 from starling.node import BadRequestError
+from starling.node.hello import Hello
 from starling.node.identity import Identity
 from starling.node.membership import Liveness
 from starling.node.node import NodeConfig, SwarmConfigError, UnknownPeerError
@@ -391,7 +392,7 @@ def test_a_hello_never_sets_the_config_of_a_node_started_without_one(make_node):
     stranger = make_node("tcp", join=[a.address], swarm_config={"protocol": "diloco", "task": "evil:task"})
     assert a.swarm_config is None and stranger.swarm_config == {"protocol": "diloco", "task": "evil:task"}
     # a member's hello (a re-announce) carrying a config is not taken either
-    stranger.request(a.peer_id, "$hello", [stranger.record.to_wire(), {"protocol": "gossip"}, False])
+    stranger.request(a.peer_id, "$hello", Hello.ours(stranger.record.to_wire(), {"protocol": "gossip"}, False).to_wire())
     assert a.swarm_config is None
     later = make_node("tcp", join=[a.address])
     assert later.swarm_config is None  # nothing to learn from a
