@@ -36,6 +36,21 @@ def _epilog(name: str, more: str = "") -> str:
     return f"{more}\n\nExample: {EXAMPLES[name]}" if more else f"Example: {EXAMPLES[name]}"
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from starling.node.version import describe
+
+        typer.echo(describe())
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version,
+        help="Print the package version, the wire versions this build speaks, and its capabilities.")) -> None:
+    """Starling: train one model across peers linked by slow, unreliable links."""
+
+
 # Registered in the order `starling --help` lists them.
 app.command(epilog=_epilog("keygen"))(keys.keygen)
 node_app.command("start", context_settings=EXTRA, epilog=_epilog("start", EXTRA_HELP))(node.node_start)
