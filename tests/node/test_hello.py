@@ -88,8 +88,9 @@ def _ask(address: str, body, identity: Identity | None = None) -> tuple[bool, ob
 
 @pytest.fixture
 def seed():
-    node = Node(config=CONFIG).start("tcp://127.0.0.1:0", security="plaintext", swarm_config={"protocol": "gossip"})
-    member = Node(config=CONFIG).start("tcp://127.0.0.1:0", [node.address], security="plaintext")
+    # CURVE: a plaintext node of another test process could hello this one on a reused port
+    node = Node(config=CONFIG).start("tcp://127.0.0.1:0", swarm_config={"protocol": "gossip"})
+    member = Node(config=CONFIG).start("tcp://127.0.0.1:0", [node.address])
     yield node
     member.close()
     node.close()
@@ -237,10 +238,10 @@ def test_an_answer_without_versions_is_from_release_0_1(fake_seed):
 
 
 def test_two_nodes_of_this_build_join_and_know_each_others_versions():
-    a = Node(config=CONFIG).start("tcp://127.0.0.1:0", security="plaintext")
+    a = Node(config=CONFIG).start("tcp://127.0.0.1:0")
     b = Node(config=CONFIG)
     try:
-        b.start("tcp://127.0.0.1:0", [a.address], security="plaintext")
+        b.start("tcp://127.0.0.1:0", [a.address])
         assert b.live_peers() == [a.peer_id]
         assert a.stats.snapshot()["rejected"].get("incompatible", 0) == 0
     finally:
