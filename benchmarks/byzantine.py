@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from starling.node.membership import Liveness
+from starling.node.swim import Liveness
 from starling.runtime import SimConfig, SimPeer, check_config, endpoint_for, wait_for
 from starling.runtime.peer import start_together
 from starling.tasks import get_task
@@ -89,7 +89,7 @@ PEERS = 8
 PROTOCOLS = ("allreduce", "streaming-diloco")
 # Generous detectors: this loaded 2-core box starves the network thread at times, and a false
 # death would close rounds without a peer (see benchmarks/diloco.py).
-BENCH_LIVENESS = Liveness(heartbeat_interval_s=0.5, suspect_timeout_s=15.0, dead_timeout_s=60.0)
+BENCH_LIVENESS = Liveness(probe_interval_s=0.5, suspicion_base_s=60.0)
 # A round waits this long for a member's part. Honest peers deliver within half a second here
 # (defended rounds took at most 0.5 s); what the timeout bounds is how long a round waits for a
 # part that never comes (refused, or from a peer banned in the middle of the round).

@@ -80,8 +80,8 @@ FORGED_BEATS_TARGET = 0
 # Liveness for the measured nodes: fast enough for a short run. A seed whose table holds
 # records with no node behind them keeps them alive as their owners' signed beats would (an
 # attacker holds those keys), so its timeouts outlast the run.
-FAST = {"heartbeat_interval_s": 0.2, "suspect_timeout_s": 1.5, "dead_timeout_s": 3.0}
-STICKY = {"heartbeat_interval_s": 0.5, "suspect_timeout_s": 300.0, "dead_timeout_s": 600.0}
+FAST = {"probe_interval_s": 0.2, "suspicion_base_s": 3.0}
+STICKY = {"probe_interval_s": 0.5, "suspicion_base_s": 600.0}
 VIA_KEY = "$via"
 HUGE_BEAT = 2**62
 ANNOUNCE_BYTES = 800_000  # per `$announce` when a member fills a table: under a header's 1 MiB

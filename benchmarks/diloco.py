@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from starling.node.membership import Liveness
+from starling.node.swim import Liveness
 from starling.runtime import LinkModel, SimConfig, SimPeer, busy_share, check_config, endpoint_for, wait_for
 from starling.tasks import get_task
 
@@ -93,7 +93,7 @@ SPARSE_BITS_TARGET, SPARSE_INT4_LOSS_TARGET, SPARSE_BYTES_TARGET = 0.3, 0.01, 30
 # sync at H = 30. DeMo/DisTrO: sends every step, up to 85x less than 32-bit data-parallel.
 PUBLISHED = {"sparseloco": {"bits_per_param_per_sync": 0.22, "sync_every": 30},
              "demo_distro": {"bits_per_param_per_sync": 32.0 / 85.0, "sync_every": 1}}
-BENCH_LIVENESS = Liveness(heartbeat_interval_s=0.5, suspect_timeout_s=15.0, dead_timeout_s=60.0)
+BENCH_LIVENESS = Liveness(probe_interval_s=0.5, suspicion_base_s=60.0)
 
 
 def emit(row: dict[str, Any]) -> None:

@@ -25,11 +25,11 @@ import json
 import statistics
 from typing import Any
 
-from starling.node.membership import Liveness
+from starling.node.swim import Liveness
 from starling.runtime import SimConfig, Simulation
 
 # No peer dies in these runs; a lenient detector keeps a starved 2-core box from declaring one dead.
-BENCH_LIVENESS = Liveness(heartbeat_interval_s=0.5, suspect_timeout_s=15.0, dead_timeout_s=60.0)
+BENCH_LIVENESS = Liveness(probe_interval_s=0.5, suspicion_base_s=60.0)
 TASKS = {"diloco": "charlm", "streaming-diloco": "charlm", "allreduce": "charlm", "sketch-dp": "teacher"}
 
 

@@ -54,7 +54,7 @@ import torch
 
 from starling.collectives.staging import HostStaging, to_device
 from starling.compressors import Packet, decode, from_spec, registered_codecs
-from starling.node.membership import Liveness
+from starling.node.swim import Liveness
 from starling.runtime import SimConfig, SimResult, Simulation
 from starling.runtime.summary import busy_share
 
@@ -69,7 +69,7 @@ ERROR_SLACK = 0.05
 # (a GPU's reductions may order sums differently from run to run).
 MATCH_RTOL = 1e-3
 # A lenient failure detector: no peer dies here, and a busy box must not declare one dead.
-BENCH_LIVENESS = Liveness(heartbeat_interval_s=0.5, suspect_timeout_s=15.0, dead_timeout_s=60.0)
+BENCH_LIVENESS = Liveness(probe_interval_s=0.5, suspicion_base_s=60.0)
 
 # (spec, at most this many values or None for all, view as a matrix): every registered codec at
 # least once (a row flags any that is missing). The dense sketches cost O(n * size): capped as in

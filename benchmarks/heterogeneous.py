@@ -32,7 +32,7 @@ import json
 import statistics
 from typing import Any
 
-from starling.node.membership import Liveness
+from starling.node.swim import Liveness
 from starling.runtime import SimConfig, Simulation, busy_share
 
 LR = 3e-3  # AdamW, inner and all-reduce (TUNED_ADAMW_LR for charlm)
@@ -41,7 +41,7 @@ UTIL_TARGET, EQUAL_TARGET = 0.90, 0.01
 # same for every protocol, and far above any round of a run where every peer is still training.
 ROUND_TIMEOUT_S = 10.0
 # A lenient failure detector: no peer dies here, and a starved 2-core box must not declare one dead.
-BENCH_LIVENESS = Liveness(heartbeat_interval_s=0.5, suspect_timeout_s=15.0, dead_timeout_s=60.0)
+BENCH_LIVENESS = Liveness(probe_interval_s=0.5, suspicion_base_s=60.0)
 
 
 def emit(row: dict[str, Any]) -> None:

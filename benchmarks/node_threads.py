@@ -21,7 +21,7 @@ from typing import Any
 
 from nodeprocs import NodeProcess, kill_all
 
-FAST = ["--heartbeat-s", "0.3", "--suspect-after-s", "3", "--dead-after-s", "6", "--log-level", "warning",
+FAST = ["--probe-interval-s", "0.3", "--suspicion-s", "6", "--log-level", "warning",
         "--plaintext"]
 
 

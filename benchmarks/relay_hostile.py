@@ -43,9 +43,9 @@ def emit(row: dict[str, Any]) -> None:
 
 def _config() -> Any:
     from starling.node import NodeConfig
-    from starling.node.membership import Liveness
+    from starling.node.swim import Liveness
 
-    return NodeConfig(liveness=Liveness(heartbeat_interval_s=0.2, suspect_timeout_s=1.5, dead_timeout_s=3.0),
+    return NodeConfig(liveness=Liveness(probe_interval_s=0.2, suspicion_base_s=3.0),
                       reach_timeout_s=0.5)
 
 

@@ -51,7 +51,7 @@ CHILD = textwrap.dedent("""
     s = result.summary
     print(json.dumps({"start_s": (first[0] if first else time.monotonic()) - started,
                       "total_s": time.monotonic() - started, "eval_loss": s["eval_loss"],
-                      "max_dealers": s.get("max_dealers"), "heartbeat_s": s.get("heartbeat_s"),
+                      "max_dealers": s.get("max_dealers"), "probe_interval_s": s.get("probe_interval_s"),
                       "finished": sum(1 for p in result.peers if p.status == "finished")}))
 """)
 

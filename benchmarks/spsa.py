@@ -46,8 +46,8 @@ from typing import Any
 import torch
 
 from starling.node import Message, Node
-from starling.node.membership import Liveness
 from starling.node.node import NodeConfig
+from starling.node.swim import Liveness
 from starling.protocols import get_protocol
 from starling.protocols.spsa.arith import ParamSpace, direction_seed, peer_key
 from starling.protocols.spsa.records import Record
@@ -57,9 +57,9 @@ from starling.tasks import get_task
 BYTES_TARGET = 1.5
 REPLAY_TARGET = 2.0
 # Lenient failure detection: the benchmark shares 2 cores with 8 training threads.
-LIVENESS = Liveness(heartbeat_interval_s=1.0, suspect_timeout_s=10.0, dead_timeout_s=60.0)
+LIVENESS = Liveness(probe_interval_s=1.0, suspicion_base_s=60.0)
 # For counting protocol bytes: one heartbeat round at start, then none during the run.
-QUIET = Liveness(heartbeat_interval_s=600.0, suspect_timeout_s=1200.0, dead_timeout_s=2400.0)
+QUIET = Liveness(probe_interval_s=600.0, suspicion_base_s=2400.0)
 FULL = {"samples": 128, "byte_steps": 12, "loss_steps": 150, "digest_steps": 1000, "replay_repeats": 30}
 QUICK = {"samples": 128, "byte_steps": 4, "loss_steps": 40, "digest_steps": 150, "replay_repeats": 8}
 TINY_TEACHER = {"hidden": 16, "depth": 1, "teacher_hidden": 16}
@@ -160,7 +160,7 @@ def heartbeat_rate(peers: int) -> float:
         for node in nodes:
             node.set_meta(spsa_leader=min(n.peer_id for n in nodes), spsa_step=123456)
         ports = tcp_ports(nodes)
-        time.sleep(2 * LIVENESS.heartbeat_interval_s)
+        time.sleep(2 * LIVENESS.probe_interval_s)
         wire0, t0 = socket_bytes(ports), time.monotonic()
         time.sleep(IDLE_WINDOW_S)
         return (socket_bytes(ports) - wire0) / (time.monotonic() - t0)

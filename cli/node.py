@@ -26,7 +26,7 @@ from starling.cli.shared import (
 )
 from starling.common import parse_options
 from starling.node.identity import Identity
-from starling.node.membership import Liveness
+from starling.node.swim import Liveness
 from starling.node.transport import TransportConfig
 from starling.node.wire import RejectReason
 
@@ -56,19 +56,27 @@ def node_start(
         None, "--authorized-keys", help="Allowlist of peer keys; others cannot connect."),
     plaintext: bool = typer.Option(False, "--plaintext", help="No encryption (simulations on one box only)."),
     insecure: bool = typer.Option(False, "--insecure", help="Allow --plaintext on non-loopback addresses."),
-    heartbeat_s: float = typer.Option(1.0, "--heartbeat-s", help="Heartbeat interval."),
-    suspect_after_s: float = typer.Option(3.0, "--suspect-after-s", help="Silence before a peer is suspect."),
-    dead_after_s: float = typer.Option(10.0, "--dead-after-s", help="Silence before a peer is dead."),
+    probe_interval_s: float = typer.Option(
+        1.0, "--probe-interval-s", "--heartbeat-s",
+        help="Failure detection (SWIM): probe one member this often."),
+    ack_timeout_s: float = typer.Option(
+        0.5, "--ack-timeout-s", "--suspect-after-s",
+        help="A probe unanswered this long is tried through --indirect-probes other members; unanswered there "
+             "too, the member is suspect."),
+    suspicion_s: float = typer.Option(
+        3.0, "--suspicion-s", "--dead-after-s",
+        help="A suspect member that does not refute is dead after at least this long (longer in a large swarm, "
+             "shorter as more members confirm it)."),
     probe_timeout_s: float = typer.Option(
         1.0, "--probe-timeout-s",
         help="A peer whose connection drops is probed; silent this long after, it is dead."),
     watch_connections: bool = typer.Option(
         True, "--watch-connections/--no-watch-connections",
         help="Notice a crashed peer from its dropped connection (in about --probe-timeout-s) instead of only "
-             "from missed heartbeats (--dead-after-s)."),
-    heartbeat_fanout: int = typer.Option(
-        6, "--heartbeat-fanout", min=1,
-        help="Peers pinged per heartbeat once the swarm is larger (beats of the others ride along)."),
+             "from unanswered probes (--suspicion-s)."),
+    indirect_probes: int = typer.Option(
+        3, "--indirect-probes", "--heartbeat-fanout", min=0,
+        help="Members asked to probe a member that did not answer this node."),
     protocol: Optional[str] = typer.Option(
         None, "--protocol", help="Train with this protocol (a joiner may omit it: it learns it from the swarm)."),
     task: Optional[str] = typer.Option(
@@ -194,8 +202,13 @@ def node_start(
                            placement=Placement.parse(device, dtype, autocast, state_device))
         if group is not None:
             group.init()
-        config = NodeConfig(liveness=Liveness(heartbeat_s, suspect_after_s, dead_after_s, heartbeat_fanout,
-                                              probe_timeout_s),
+        try:
+            liveness = Liveness(probe_interval_s=probe_interval_s, ack_timeout_s=ack_timeout_s,
+                                suspicion_base_s=suspicion_s, indirect_probes=indirect_probes,
+                                probe_timeout_s=probe_timeout_s)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        config = NodeConfig(liveness=liveness,
                             transport=TransportConfig(monitor_connections=watch_connections),
                             offer_relay=relay, join_deadline_s=join_deadline_s)
         if no_listen and not join:

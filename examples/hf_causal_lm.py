@@ -132,7 +132,7 @@ def task(**options: Any) -> HFCausalLMTask:
 
 HERE = Path(__file__).resolve().parent
 PEERS = 3
-LIVENESS = ["--heartbeat-s", "0.2", "--suspect-after-s", "5", "--dead-after-s", "15"]
+LIVENESS = ["--probe-interval-s", "0.2", "--suspicion-s", "15"]
 
 
 class NodeProcess:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from starling.node.address import PeerAddress, parse_address
 from starling.node.identity import Identity, KeyFileError
-from starling.node.membership import Liveness, PeerStatus, PeerView
+from starling.node.membership import PeerStatus, PeerView
 from starling.node.node import (
     IncompatibleVersionError,
     JoinError,
@@ -46,6 +46,7 @@ from starling.node.rpc import (
     refusal,
     refusal_of,
 )
+from starling.node.swim import Liveness
 from starling.node.transfer import TransferConfig, TransferError
 from starling.node.transport import TransportConfig
 from starling.node.wire import Limits, Message, RejectReason, WireError

@@ -171,7 +171,9 @@ class Dispatcher:
         if not via.startswith("bootstrap-") and msg.sender != via:
             raise WireError(RejectReason.SPOOFED_SENDER, f"reply claims {msg.sender}, came from {via}", field="sender")
         self.stats.count_received(via, rpc.REPLY_TOPIC, nbytes)
-        self.table.seen(via, time.monotonic())
+        change = self.table.seen(via, time.monotonic())
+        if change is not None:
+            self.notify(change)
         self.outbox.pending.resolve(rid, msg, ok, body)
 
     def _authenticate(self, inbound: Inbound, msg: Message) -> PeerInfo | None:

@@ -1,12 +1,13 @@
-"""The peer table: signed peer records, liveness from heartbeats, and status changes.
+"""The peer table: signed peer records, their beats, and status changes.
 
 A record is signed by the peer it describes, so a peer relaying someone else's
-record cannot forge or alter it. So is a heartbeat: a beat is [peer id, incarnation,
-counter, meta] signed by that peer, and it is relayed verbatim, so a member can pass on
-another peer's liveness and route (`$via` in its meta) but cannot make them up.
-Liveness is local knowledge: every message from a peer refreshes its `last_seen`;
-silence makes it suspect, longer silence dead. A graceful leave is a signed statement
-by the leaver and removes it at once.
+record cannot forge or alter it. So is a beat: [peer id, incarnation, counter, meta] signed
+by that peer and relayed verbatim, so a member can pass on another peer's liveness and route
+(`$via` in its meta) but cannot make them up. The counter's high 32 bits are the peer's
+liveness incarnation, which it raises only to refute a suspicion (`node.swim`); the low bits
+count its meta changes. A suspicion or a death is a claim signed by the member that makes it,
+about one liveness incarnation; a beat of a higher one refutes it. A graceful leave is a
+signed statement by the leaver and removes it at once.
 Everything here is plain data and arithmetic on an injected clock, so it is tested
 without sockets.
 """
@@ -24,12 +25,18 @@ import msgpack
 
 from starling.node.address import AddressError, parse_record_endpoint
 from starling.node.identity import Identity, peer_id_from_key, verify_signature
+from starling.node.swim import IdSet, Liveness
 from starling.node.wire import RejectReason, WireError
 
 MAX_ADDRESSES = 8
 MAX_ADDRESS_LEN = 512
-MAX_DIGEST = 4096  # heartbeat entries one ping may carry
 SIGNATURE_BYTES = 64
+LIVE_SHIFT = 32  # a beat counter is (liveness incarnation << 32) | meta changes
+
+
+def live_incarnation(beat: int) -> int:
+    """The liveness incarnation a beat counter carries (0 before any beat is heard)."""
+    return max(beat, 0) >> LIVE_SHIFT
 
 
 class PeerStatus(str, enum.Enum):
@@ -37,33 +44,6 @@ class PeerStatus(str, enum.Enum):
     SUSPECT = "suspect"
     DEAD = "dead"
     LEFT = "left"
-
-
-@dataclass(frozen=True)
-class Liveness:
-    """Failure-detector timing, all in seconds."""
-
-    heartbeat_interval_s: float = 1.0
-    suspect_timeout_s: float = 3.0
-    dead_timeout_s: float = 10.0
-    # Pings per interval: every peer while the swarm has at most this many others, else
-    # this many picked at random, each carrying the beats heard from everyone (gossip).
-    fanout: int = 6
-    # A peer whose connection drops (its process died: the kernel closes its sockets) is
-    # suspect at once and probed; silent this long after the drop, it is dead. Heartbeats
-    # still catch what drops no connection (a partition, a frozen process).
-    probe_timeout_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not (0 < self.heartbeat_interval_s <= self.suspect_timeout_s <= self.dead_timeout_s):
-            raise ValueError(
-                "need 0 < heartbeat_interval_s <= suspect_timeout_s <= dead_timeout_s, got "
-                f"{self.heartbeat_interval_s}, {self.suspect_timeout_s}, {self.dead_timeout_s}"
-            )
-        if not isinstance(self.fanout, int) or self.fanout < 1:
-            raise ValueError(f"fanout must be an int >= 1, got {self.fanout!r}")
-        if not (0 < self.probe_timeout_s <= self.dead_timeout_s):
-            raise ValueError(f"need 0 < probe_timeout_s <= dead_timeout_s, got {self.probe_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -191,6 +171,7 @@ class PeerInfo:
     beat: int = -1  # the highest heartbeat counter heard from this incarnation
     signed_beat: list[Any] | None = None  # that beat as its peer signed it: what we relay
     told_by: str | None = None  # the member that relayed its record, until the peer itself is heard
+    claim_at: int = -1  # the liveness incarnation a suspicion or death claim named (-1: none)
 
     @property
     def peer_id(self) -> str:
@@ -264,6 +245,7 @@ class PeerTable:
         self._peers: dict[str, PeerInfo] = {}
         self._unconfirmed: dict[str, dict[str, None]] = {}  # member -> ids it relayed not heard yet, oldest first
         self.evicted: list[str] = []  # dropped to make room; the owner of the table closes their sockets
+        self.live_ids = IdSet()  # peers alive or suspect, kept as statuses change (probing must not walk the table)
 
     def __contains__(self, peer_id: str) -> bool:
         return peer_id in self._peers
@@ -279,7 +261,20 @@ class PeerTable:
                 for p in self._peers.values()]
 
     def live(self) -> list[PeerInfo]:
-        return [p for p in self._peers.values() if p.status in (PeerStatus.ALIVE, PeerStatus.SUSPECT)]
+        peers = self._peers
+        return [peers[i] for i in self.live_ids]
+
+    def _set(self, info: PeerInfo, status: PeerStatus) -> StatusChange | None:
+        """The one place a status changes, so `live_ids` follows it."""
+        old = info.status
+        info.status = status
+        if status in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
+            self.live_ids.add(info.peer_id)
+        else:
+            self.live_ids.remove(info.peer_id)
+        if status is PeerStatus.ALIVE:
+            info.claim_at = -1  # whatever claim there was no longer holds
+        return None if old is status else StatusChange(info.peer_id, old, status)
 
     def upsert(self, record: PeerRecord, now: float, told_by: str | None = None) -> StatusChange | None:
         """Add a verified record, or replace an older incarnation. Returns the change, if any.
@@ -305,6 +300,7 @@ class PeerTable:
             told_by = None
         self._make_room(record.peer_id, told_by)
         self._peers[record.peer_id] = PeerInfo(record, PeerStatus.ALIVE, now, told_by=told_by)
+        self.live_ids.add(record.peer_id)
         if told_by is not None:
             self._unconfirmed.setdefault(told_by, {})[record.peer_id] = None
         return StatusChange(record.peer_id, None, PeerStatus.ALIVE)
@@ -329,6 +325,7 @@ class PeerTable:
 
     def _drop(self, peer_id: str) -> None:
         info = self._peers.pop(peer_id)
+        self.live_ids.remove(peer_id)
         self._confirm(info)
 
     def _confirm(self, info: PeerInfo) -> None:
@@ -346,53 +343,51 @@ class PeerTable:
         return len(self._unconfirmed.get(member, ()))
 
     def _replace(self, known: PeerInfo, record: PeerRecord, now: float) -> StatusChange | None:
-        old = known.status
         if record.incarnation != known.record.incarnation:
-            known.beat, known.signed_beat = -1, None  # a restarted peer counts its beats from zero again
-        known.record, known.last_seen, known.status = record, now, PeerStatus.ALIVE
-        return None if old is PeerStatus.ALIVE else StatusChange(record.peer_id, old, PeerStatus.ALIVE)
+            # a restarted peer counts its beats from zero again, and no claim about its last life holds
+            known.beat, known.signed_beat, known.claim_at = -1, None, -1
+        known.record, known.last_seen = record, now
+        return self._set(known, PeerStatus.ALIVE)
 
     def seen(self, peer_id: str, now: float, *, first_hand: bool = True) -> StatusChange | None:
-        """Any authenticated message from a peer proves it alive (a dead peer revives;
-        one that left stays gone until it rejoins with a new incarnation). Heard first-hand
-        (not in a relayed beat: whoever made up a peer can sign its beats too), its record no
-        longer counts against the member that relayed it."""
+        """An authenticated message from the peer itself proves it alive now: a dead peer
+        revives (one that left stays gone until it rejoins with a new incarnation), and a
+        suspect one that no member's claim made suspect (its connection dropped) is alive
+        again. A suspicion some member claimed stays until the peer refutes it with a newer
+        beat (see `heartbeat`) or it times out; whoever acts on this message tells the peer
+        (`node.swarm`). Heard first-hand (not in a relayed beat: whoever made up a peer can sign
+        its beats too), its record no longer counts against the member that relayed it."""
         info = self._peers.get(peer_id)
         if info is None or info.status is PeerStatus.LEFT:
             return None
         info.last_seen = max(info.last_seen, now)
-        if first_hand and info.told_by is not None:
+        if not first_hand:
+            return None
+        if info.told_by is not None:
             self._confirm(info)
-        if info.status is not PeerStatus.ALIVE:
-            old, info.status = info.status, PeerStatus.ALIVE
-            return StatusChange(peer_id, old, PeerStatus.ALIVE)
+        if info.status is PeerStatus.DEAD or (info.status is PeerStatus.SUSPECT and info.claim_at < 0):
+            return self._set(info, PeerStatus.ALIVE)
         return None
 
-    def sort_digest(self, entries: list[list[Any]]) -> tuple[list[list[Any]], list[str]]:
-        """Split checked digest entries into news (a beat above the last one heard from a
-        known peer, see `heartbeat`) and the ids of peers we have no current record of.
-        One lookup per entry: this runs on every ping, and most entries are old news."""
-        peers = self._peers
-        news, unknown = [], []
-        for entry in entries:
-            info = peers.get(entry[0])
-            if info is None:
-                if entry[0] != self.self_id:
-                    unknown.append(entry[0])
-            elif _beat_is_news(info, entry[1], entry[2]):
-                news.append(entry)
-            elif info.record.incarnation < entry[1]:
-                unknown.append(entry[0])
-        return news, unknown
+    def is_news(self, entry: list[Any]) -> bool | None:
+        """Whether a checked beat entry (`parse_beat`) is newer than what we hold of a known
+        peer; None if we hold no current record of that peer (ask for it)."""
+        info = self._peers.get(entry[0])
+        if info is None:
+            return None if entry[0] != self.self_id else False
+        if info.record.incarnation < entry[1]:
+            return None
+        return _beat_is_news(info, entry[1], entry[2])
 
     def heartbeat(self, entry: list[Any], now: float) -> StatusChange | None:
-        """A signed beat [peer_id, incarnation, beat, meta, signature] (see `parse_digest`),
+        """A signed beat [peer_id, incarnation, beat, meta, signature] (see `parse_beat`),
         heard directly or relayed by another peer.
 
         A peer counts its beats up within one incarnation, so a beat above the last one
-        heard proves the peer was alive after that; a stale relay refreshes nothing. The
-        beat must carry its peer's signature (raises WireError BAD_SIGNATURE, and nothing
-        changes): whoever relays it cannot raise its counter, revive a dead peer, or
+        heard proves the peer was alive after that; a stale relay refreshes nothing. A beat of
+        a liveness incarnation above the one a suspicion or death claim named refutes the
+        claim. The beat must carry its peer's signature (raises WireError BAD_SIGNATURE, and
+        nothing changes): whoever relays it cannot raise its counter, revive a dead peer, or
         change its meta.
         """
         info = self._peers.get(entry[0])
@@ -401,67 +396,55 @@ class PeerTable:
         entry = verified_beat(entry, info.record.verify_key)
         info.beat, info.signed_beat = entry[2], entry
         info.meta = entry[3] or _NO_META
-        return self.seen(info.peer_id, now, first_hand=False)
+        info.last_seen = max(info.last_seen, now)
+        if info.status is not PeerStatus.ALIVE and live_incarnation(entry[2]) > info.claim_at:
+            info.claim_at = -1
+            return self._set(info, PeerStatus.ALIVE)
+        return None
 
-    def digest(self) -> list[list[Any]]:
-        """The beats to relay, exactly as their peers signed them: the last beat of every peer
-        alive to us."""
-        return [p.signed_beat for p in self._peers.values()
-                if p.status is PeerStatus.ALIVE and p.signed_beat is not None]
+    def claim(self, kind: PeerStatus, peer_id: str, incarnation: int, live: int) -> tuple[bool, StatusChange | None]:
+        """A member's signed claim (checked by the caller) that a peer is suspect or dead at
+        (record incarnation, liveness incarnation). It holds unless the peer left, is dead
+        already, or we know a newer incarnation than the one it names (the peer refuted it).
+        Returns whether it holds, and the status change (None when a peer that was suspect on
+        this node's own evidence becomes suspect by claim)."""
+        info = self._peers.get(peer_id)
+        if (info is None or info.status in (PeerStatus.LEFT, PeerStatus.DEAD)
+                or info.record.incarnation != incarnation or live < live_incarnation(info.beat)):
+            return False, None
+        if kind is PeerStatus.SUSPECT and info.status is PeerStatus.SUSPECT and info.claim_at >= 0:
+            return False, None  # suspected already: the caller counts the confirmation
+        info.claim_at = max(info.claim_at, live)
+        return True, self._set(info, kind)
+
+    def live_at(self, peer_id: str) -> tuple[int, int] | None:
+        """(record incarnation, liveness incarnation) we know of a peer: what a claim names."""
+        info = self._peers.get(peer_id)
+        if info is None:
+            return None
+        return info.record.incarnation, max(live_incarnation(info.beat), info.claim_at)
 
     def left(self, peer_id: str, incarnation: int) -> StatusChange | None:
         info = self._peers.get(peer_id)
         if info is None or info.status is PeerStatus.LEFT or incarnation < info.record.incarnation:
             return None
-        old, info.status = info.status, PeerStatus.LEFT
-        return StatusChange(peer_id, old, PeerStatus.LEFT)
-
-    def sweep(self, now: float, relay_delay_s: float = 0.0) -> list[StatusChange]:
-        """Apply the failure detector: silent peers become suspect, then dead.
-
-        `relay_delay_s` extends both timeouts by how late a relayed beat may arrive (in a
-        swarm larger than the ping fanout, beats travel through others).
-
-        A peer always passes through suspect: a sweep that comes late (a stalled event loop)
-        and finds it past both timeouts reports alive -> suspect and suspect -> dead, so
-        whoever acts on suspicion sees it before the death."""
-        changes = []
-        for info in self._peers.values():
-            if info.status in (PeerStatus.DEAD, PeerStatus.LEFT):
-                continue
-            silence = now - info.last_seen - relay_delay_s
-            if silence >= self.liveness.suspect_timeout_s and info.status is PeerStatus.ALIVE:
-                changes.append(StatusChange(info.peer_id, info.status, PeerStatus.SUSPECT))
-                info.status = PeerStatus.SUSPECT
-            if silence >= self.liveness.dead_timeout_s:
-                changes.append(StatusChange(info.peer_id, info.status, PeerStatus.DEAD))
-                info.status = PeerStatus.DEAD
-        return changes
+        return self._set(info, PeerStatus.LEFT)
 
     def suspect(self, peer_id: str) -> StatusChange | None:
-        """An alive peer becomes suspect now (its connection dropped), whatever its silence."""
+        """An alive peer becomes suspect now (its connection dropped), on this node's own
+        evidence: no claim, so a message from the peer itself clears it."""
         info = self._peers.get(peer_id)
         if info is None or info.status is not PeerStatus.ALIVE:
             return None
-        info.status = PeerStatus.SUSPECT
-        return StatusChange(peer_id, PeerStatus.ALIVE, PeerStatus.SUSPECT)
+        return self._set(info, PeerStatus.SUSPECT)
 
     def declare_dead(self, peer_id: str, silent_since: float) -> StatusChange | None:
         """A suspect peer that has not been heard from since `silent_since` is dead now."""
         info = self._peers.get(peer_id)
         if info is None or info.status is not PeerStatus.SUSPECT or info.last_seen > silent_since:
             return None
-        info.status = PeerStatus.DEAD
-        return StatusChange(peer_id, PeerStatus.SUSPECT, PeerStatus.DEAD)
-
-    def pardon(self, seconds: float, now: float) -> None:
-        """Do not count `seconds` of silence against anyone: this node could not listen then
-        (its own loop was stalled), so their beats may be waiting unread in its sockets.
-        Failure detectors that gossip call this local health awareness (Lifeguard, in
-        SWIM's successors): a node's own slowness must not make it declare others dead."""
-        for info in self._peers.values():
-            if info.status not in (PeerStatus.DEAD, PeerStatus.LEFT):
-                info.last_seen = min(now, info.last_seen + seconds)
+        info.claim_at = max(info.claim_at, live_incarnation(info.beat))
+        return self._set(info, PeerStatus.DEAD)
 
     def forget(self, older_than_s: float, now: float) -> list[str]:
         """Drop dead/left entries silent for longer than `older_than_s`, to bound memory."""
@@ -472,23 +455,18 @@ class PeerTable:
         return gone
 
 
-def parse_digest(body: Any) -> list[list[Any]]:
-    """A ping's signed beats [peer_id, incarnation, beat, meta, signature], their types and
-    ranges checked (raises WireError). Meta is checked by `finite_meta`, and the signature
-    verified, only for the entries a node is about to use (`PeerTable.heartbeat`): most
-    relayed beats are old news, and this runs on every ping a node receives."""
-    if not isinstance(body, list) or not 0 < len(body) <= MAX_DIGEST:
-        raise WireError(RejectReason.BAD_FIELD, f"heartbeat digest: expected a list of 1 to {MAX_DIGEST} entries",
-                        field="body")
-    for entry in body:
-        if not (type(entry) is list and len(entry) == 5 and type(entry[0]) is str and 0 < len(entry[0]) <= 64
-                and type(entry[1]) is int and type(entry[2]) is int and 0 <= entry[1] < 2**63
-                and 0 <= entry[2] < 2**63 and type(entry[3]) is dict and type(entry[4]) is bytes
-                and len(entry[4]) == SIGNATURE_BYTES):
-            raise WireError(RejectReason.BAD_FIELD, "heartbeat digest: each entry must be [peer_id (short string), "
-                            "incarnation (int64 >= 0), beat (int64 >= 0), meta (map), signature (64 bytes)]",
-                            field="body")
-    return body
+def parse_beat(entry: Any) -> list[Any]:
+    """A signed beat [peer_id, incarnation, beat, meta, signature], its types and ranges
+    checked (raises WireError). Meta is checked by `finite_meta`, and the signature verified,
+    only for a beat a node is about to use (`PeerTable.heartbeat`): most relayed beats are
+    old news."""
+    if not (type(entry) is list and len(entry) == 5 and type(entry[0]) is str and 0 < len(entry[0]) <= 64
+            and type(entry[1]) is int and type(entry[2]) is int and 0 <= entry[1] < 2**63
+            and 0 <= entry[2] < 2**63 and type(entry[3]) is dict and type(entry[4]) is bytes
+            and len(entry[4]) == SIGNATURE_BYTES):
+        raise WireError(RejectReason.BAD_FIELD, "a beat must be [peer_id (short string), incarnation (int64 >= 0), "
+                        "beat (int64 >= 0), meta (map), signature (64 bytes)]", field="body")
+    return entry
 
 
 def beat_statement(peer_id: str, incarnation: int, beat: int, meta: dict[str, Any]) -> bytes:

@@ -41,7 +41,6 @@ from starling.node.identity import Identity
 from starling.node.local import LocalPeer
 from starling.node.loop import NetworkThread
 from starling.node.membership import (
-    Liveness,
     PeerRecord,
     PeerStatus,
     PeerTable,
@@ -55,6 +54,7 @@ from starling.node.relay import Relay, RelayConfig
 from starling.node.security import SecurityMode, ZapPolicy, choose_security
 from starling.node.stats import NodeStats
 from starling.node.swarm import JoinError, Swarm, SwarmConfigError, config_conflicts
+from starling.node.swim import Liveness
 from starling.node.transfer import BlobServer, TransferConfig, afetch_patiently
 from starling.node.transport import Inbound, Transport, TransportConfig
 from starling.node.trust import ACCUSE, Trust
@@ -294,7 +294,7 @@ class Node:
                                          relay=bool(endpoints) and self.config.offer_relay)
         key = self.identity.curve_public if self.mode is SecurityMode.CURVE else None
         self.address = str(PeerAddress(endpoints[0], key)) if endpoints else ""
-        self._spawn(self._swarm.heartbeat_loop())
+        self._spawn(self._swarm.run())
         if joins:
             await self._bootstrap.join(joins)
 
@@ -371,7 +371,9 @@ class Node:
         return self._net.submit(self._swarm.sync(peer))
 
     def set_meta(self, **meta: Any) -> None:
-        """Metadata (e.g. the protocol round) carried to every peer in heartbeats."""
+        """Metadata (e.g. the protocol round) carried to every peer in this node's beats: signed
+        into a new beat at most every `Liveness.meta_interval_s`, and spread with the membership
+        updates (in a large swarm, best effort: see `node.swim`)."""
         # A new dict, swapped in whole: the network thread may be packing the old one into a ping.
         self._local.meta = finite_meta({**self._local.meta, **meta})
 

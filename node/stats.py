@@ -25,9 +25,10 @@ class NodeStats:
     bytes_received: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     messages_sent: int = 0
     messages_received: int = 0
+    messages_sent_by_topic: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     rejected: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     send_failures: int = 0
-    stalls: int = 0  # times this node's own liveness loop woke late (see Swarm.heartbeat_loop)
+    stalls: int = 0  # times this node's own liveness loop woke late (see Swarm.run)
     stalled_s: float = 0.0  # their total lateness, not counted against peers' silence
     max_peers: int = field(default=1024, repr=False)
     max_topics: int = field(default=64, repr=False)
@@ -44,6 +45,8 @@ class NodeStats:
         with self._lock:
             self._add(self.bytes_sent, peer, topic, nbytes)
             self.messages_sent += 1
+            by_topic = self.messages_sent_by_topic
+            by_topic[topic if topic in by_topic or len(by_topic) < self.max_topics else OTHERS] += 1
 
     def count_received(self, peer: str, topic: str, nbytes: int) -> None:
         with self._lock:
@@ -78,6 +81,7 @@ class NodeStats:
                 "bytes_sent": {p: dict(t) for p, t in self.bytes_sent.items()},
                 "bytes_received": {p: dict(t) for p, t in self.bytes_received.items()},
                 "messages_sent": self.messages_sent,
+                "messages_sent_by_topic": dict(self.messages_sent_by_topic),
                 "messages_received": self.messages_received,
                 "rejected": dict(self.rejected),
                 "send_failures": self.send_failures,

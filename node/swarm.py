@@ -6,15 +6,19 @@ its table (records signed by their owners) and the swarm config, and the joiner 
 every peer it learned of.
 A node's swarm config comes from its own start or from that answer, never from a hello it
 receives (a hello's config is only checked against its own).
-Liveness comes from heartbeats: every interval a node pings a few random peers (all of them
-in a small swarm) with the beat counters it heard from everyone, so the swarm's cost is
-n * fanout pings, not n^2; an id in a digest that a node has no record of is asked for
-(WANT), which also finds peers that joined elsewhere at the same time. A graceful leave is
-a signed broadcast.
+Liveness is SWIM with Lifeguard's refinements (`node.swim` holds the arithmetic): each period
+a node probes one member (`$probe`, a request), asks a few others to try (`$probe-via`) when it
+gets no answer, and then claims the member suspect; changes (joins, beats, claims, leaves) ride
+on probes and their answers, and urgent ones on a small gossip fan-out (`$gossip`), so a node's
+work per period is constant however large the swarm. A beat naming a peer a node has no record
+of is asked about (WANT); `$sync` pages are anti-entropy. A graceful leave is a signed
+broadcast. The connection monitor stays the fast path: a member whose connection to a peer
+drops probes it at once and, unanswered, claims it dead.
 
-Records, beats and heartbeat metadata are signed by their owners and relayed verbatim, so a
-member can pass on what another peer said about itself (its liveness, its relays in `$via`)
-but cannot make it up: a forged beat is refused and counted.
+Records, beats and leaves are signed by their owners and relayed verbatim, so a member can pass
+on what another peer said about itself (its liveness, its relays in `$via`) but cannot make it
+up; a suspicion or a death is signed by the member that claims it. A forged update is refused
+and counted.
 
 The table itself (records, statuses, the failure detector's arithmetic) is
 `node.membership`; this module is the messages that keep it current.
@@ -41,24 +45,45 @@ from starling.node.identity import verify_signature
 from starling.node.local import LocalPeer
 from starling.node.loop import AwakeDeadline
 from starling.node.membership import (
-    Liveness,
+    LIVE_SHIFT,
+    PeerInfo,
     PeerRecord,
     PeerStatus,
     PeerTable,
     StatusChange,
     leave_statement,
-    parse_digest,
+    parse_beat,
     sign_beat,
 )
 from starling.node.outbox import Outbox, Spawn, UnknownPeerError
 from starling.node.security import SecurityMode
 from starling.node.stats import NodeStats
-from starling.node.transport import Inbound, SendError
+from starling.node.swim import (
+    ALIVE,
+    DEAD,
+    LEFT,
+    MAX_LIVE,
+    RECORD,
+    SUSPECT,
+    Awareness,
+    Broadcasts,
+    Liveness,
+    ProbeOrder,
+    Suspicion,
+    claim_is_signed,
+    parse_updates,
+    sign_claim,
+)
+from starling.node.transport import Inbound, NoSocket, SendError
 from starling.node.wire import ENVELOPE_BYTES, Message, RejectReason, WireError, frame_nbytes
 
 log = logging.getLogger(__name__)
 
-HELLO, ANNOUNCE, PING, LEAVE = "$hello", "$announce", "$ping", "$leave"
+HELLO, ANNOUNCE, LEAVE = "$hello", "$announce", "$leave"
+PROBE, PROBE_VIA, GOSSIP = "$probe", "$probe-via", "$gossip"
+MAX_PROBES_VIA = 16  # indirect probes this node runs for others at once
+MAX_UNVERIFIED = 64  # claimants whose claims wait for their record
+NO_SOCKET: Any = object()  # `_ask`'s answer when this node had no socket to send on
 WANT = "$want"  # asks a member for records it gossiped that we lack; answered with ANNOUNCE
 # A member asks another for its whole table (anti-entropy, as memberlist's push-pull): peers
 # that joined through one seed at the same time learn each other in one round trip, not over
@@ -108,26 +133,40 @@ class Swarm:
         self.forget_after_s = forget_after_s
         self.leave_timeout_s = leave_timeout_s
         self.listeners = listeners  # the node's `on_peer_change`
-        # run once per wake of the heartbeat loop, after the sweep: rejoining lost seeds
+        # run once per probe period: rejoining lost seeds
         # (`Bootstrap.tick`), a client naming its relays (`Relay.tick`); wired by the node
         self.ticks: list[Callable[[float], None]] = []
         self._spawn = spawn
         self._reject = reject
         self._closed = closed
-        self._beat = 0  # our heartbeat counter, relayed by others as proof we are alive
         self._rng = random.Random()
+        self._live = 0  # our liveness incarnation: raised to refute a claim that we are down
+        self._meta_seq = 0  # our meta changes, the low bits of our beat counter
+        self._beat_signed_at = -math.inf
+        self.awareness = Awareness(liveness.awareness_max)
+        self.broadcasts = Broadcasts()
+        self._order = ProbeOrder(self._rng)
+        self._suspicions: dict[str, Suspicion] = {}
+        self._probes_via = 0
+        self._unverified: dict[str, list[tuple[list[Any], str]]] = {}  # claimant -> its claims we could not check yet
+        self._reminded: dict[str, float] = {}  # peer id -> when we last sent it our beat against a stale claim
+        self._next_sync = time.monotonic() + liveness.sync_interval_s * self._rng.random()
         self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
-        self._acked: dict[str, float] = {}  # peer id -> when we last answered its probe
+        self._acked: dict[str, float] = {}  # peer id -> when we last probed it back on its asking
         self._probing: set[str] = set()  # peers whose dropped connection is being probed
         self._refused: dict[str, int] = {}  # peer id -> incarnation whose record the allowlist refused
-        self._signed_beat: list[Any] | None = None  # our current beat, signed (see `_digest`)
+        self._signed_beat: list[Any] | None = None  # our current beat, signed (see `_own_beat`)
         self._pulls: dict[str, TokenBucket] = {}  # member id -> the bytes its table pulls may still take
 
     def register(self, dispatch: Dispatcher) -> None:
         """Serve the membership topics on the node's dispatcher."""
         dispatch.on_internal_request(HELLO, self.on_hello, public=True)  # a joiner is not a member yet
         dispatch.on_internal_request(SYNC, self.on_sync)
-        for topic, handler in ((PING, self.on_ping), (WANT, self.on_want), (LEAVE, self.on_leave),
+        # public: a member that learned of us before we learned of it (both joined a moment ago)
+        # probes with its own record, which we learn as from a hello (see `on_probe`)
+        dispatch.on_internal_request(PROBE, self.on_probe, public=True)
+        dispatch.on_internal_request(PROBE_VIA, self.on_probe_via)
+        for topic, handler in ((GOSSIP, self.on_gossip), (WANT, self.on_want), (LEAVE, self.on_leave),
                                (ANNOUNCE, self.on_announce)):
             dispatch.on_internal_message(topic, handler)
 
@@ -239,11 +278,12 @@ class Swarm:
             nbytes += size
         return page, None, nbytes
 
-    async def sync(self, peer_id: str, after: str | None = None) -> int:
-        """Learn the table of `peer_id` (a member), page by page from after `after`: the number
-        of records that were news. A page turned down as over our pull budget is waited for."""
+    async def sync(self, peer_id: str, after: str | None = None, pages: int = MAX_SYNC_PAGES) -> int:
+        """Learn the table of `peer_id` (a member), page by page from after `after`, at most
+        `pages` of them: the number of records that were news. A page turned down as over our
+        pull budget is waited for."""
         learned, busy = 0, 0
-        for _ in range(MAX_SYNC_PAGES):
+        for _ in range(min(pages, MAX_SYNC_PAGES)):
             try:
                 reply = await self.outbox.request(peer_id, SYNC, None if after is None else {"after": after})
             except rpc.BusyError:
@@ -353,15 +393,34 @@ class Swarm:
             # out of descriptors: the route is kept, and its socket opens when it is next needed
             log.debug("%s: no socket for %s yet (a relayed record)", self.local.peer_id, record.peer_id)
         if self.local.record is not None and not self.local.record.reachable and record.reachable:
-            self._spawn(self._ping(record.peer_id, False))  # so it learns our connection at once
+            # so it learns our connection at once (and our record, if it has not yet)
+            self._spawn(self._ask(record.peer_id, PROBE, {"u": self._introduce(record.peer_id)},
+                                  self.awareness.scale(self.liveness.ack_timeout_s)))
         if change is not None:
             self.notify(change)
         return True
 
-    def notify(self, change: StatusChange) -> None:
-        """A peer's status changed: fail what waits on a peer that is gone, tell listeners."""
+    def notify(self, change: StatusChange, *, refuted: bool = False) -> None:
+        """A peer's status changed: fail what waits on a peer that is gone, tell listeners.
+
+        A peer the swarm holds dead that talks to us again (a partition healed, a process
+        that was stopped goes on) is alive to us, but not to the others until it refutes: it
+        is told of the claim against it, unless the change came from its refutation."""
         log.info("%s: peer %s %s -> %s", self.local.peer_id, change.peer_id,
                  change.old.value if change.old else "new", change.new.value)
+        if change.old is PeerStatus.DEAD and change.new is PeerStatus.ALIVE and not refuted:
+            at = self.table.live_at(change.peer_id)
+            if at is not None:
+                claim = sign_claim(self.local.identity, SUSPECT, change.peer_id, *at)
+                self._spawn(self._send_quietly(change.peer_id, GOSSIP, {"u": [claim]}))
+        if change.new in (PeerStatus.ALIVE, PeerStatus.SUSPECT) and change.old in (None, PeerStatus.DEAD):
+            self._order.add(change.peer_id)  # probed this pass too
+        waiting = self._unverified.pop(change.peer_id, None) if change.old is None else None
+        for claim, sender in waiting or ():  # claims it made before we knew it
+            try:
+                self._apply_claim(claim, mine=False, sender=sender)
+            except WireError as exc:
+                self._reject(exc.reason, str(exc))
         if change.new in (PeerStatus.DEAD, PeerStatus.LEFT):
             self.outbox.pending.fail_peer(change.peer_id, rpc.RpcError(f"peer {change.peer_id} is {change.new.value}"))
         if change.new is PeerStatus.LEFT and self.outbox.transport is not None:
@@ -403,13 +462,16 @@ class Swarm:
         change = self.table.left(msg.sender, body[0])
         if change is not None:
             self.notify(change)
+            self._spread([LEFT, msg.sender, body[0], body[1]], urgent=True)  # for members it missed
 
     # ---------------------------------------------------------------- dropped connections
     def connection_lost(self, peer_id: str) -> None:
         """Our connection to a peer dropped (transport's socket monitor). A live peer becomes
-        suspect at once and is probed; if nothing is heard from it within the probe timeout
-        it is dead, and whatever waits on it (a round, a request) stops waiting. A peer whose
-        connection merely blipped answers the probe once ZeroMQ has reconnected."""
+        suspect at once, on this node's own evidence, and is probed; if nothing is heard from
+        it within the probe timeout it is dead, and this node tells the swarm (a dead claim it
+        signs), so a crash seen by the few members with a connection is known to all in the
+        time the claim takes to spread. A peer whose connection merely blipped answers the
+        probe once ZeroMQ has reconnected."""
         info = self.table.get(peer_id)
         if self._closed() or info is None or info.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
             return
@@ -434,197 +496,489 @@ class Swarm:
         # Counted in awake time: a stall of this process is not the peer's silence.
         deadline = AwakeDeadline(timeout_s, tick_s=min(0.05, timeout_s / 4))
         try:  # sent once ZeroMQ has reconnected, if it can; the wait counts against the budget
-            await deadline.wait(self.outbox.send(peer_id, PING, [self._digest(), True], timeout_s=timeout_s))
+            await deadline.wait(self.outbox.send(peer_id, GOSSIP, {"u": [], "ack": True}, timeout_s=timeout_s))
         except (SendError, UnknownPeerError, asyncio.TimeoutError):
             pass  # not reconnected: the silence decides
         while not deadline.expired():
             info = self.table.get(peer_id)
             if info is None or info.status is not PeerStatus.SUSPECT or info.last_seen > dropped_at:
-                return  # heard from it (or it left, or the sweep got there first)
+                return  # heard from it (or it left, or a claim got there first)
             await deadline.sleep(min(0.05, max(deadline.left, 0.0)))
+        at = self.table.live_at(peer_id)
         change = self.table.declare_dead(peer_id, dropped_at)
-        if change is not None:
+        if change is not None and at is not None:
             log.info("%s: %s did not answer a probe within %.2g s of its connection dropping",
                      self.local.peer_id, peer_id, timeout_s)
             self.notify(change)
+            self._spread(sign_claim(self.local.identity, DEAD, peer_id, *at), urgent=True)
 
-    # ---------------------------------------------------------------- heartbeats
-    async def heartbeat_loop(self) -> None:
-        table = self.table
+    # ---------------------------------------------------------------- failure detection (SWIM)
+    async def run(self) -> None:
+        """The node's liveness: probes, suspicions and gossip, until the node closes."""
+        self._spawn(self._gossip_loop())
+        await self._probe_loop()
+
+    def members(self) -> int:
+        """The swarm's size as this node sees it (itself included)."""
+        return len(self.table.live_ids) + 1
+
+    async def _probe_loop(self) -> None:
         lv = self.liveness
-        period = min(lv.heartbeat_interval_s, lv.suspect_timeout_s / 4)
-        last_ping = last_dead_ping = 0.0
         wake_at: float | None = None
+        periods = 0
         while True:
             now = time.monotonic()
-            # Woke a beat or more late: the loop (or the whole process) was stalled, and the
-            # beats that came meanwhile may still be unread. Peers are not blamed for it.
+            # Woke a period or more late: the loop (or the whole process) was stalled, and the
+            # answers and refutations that came meanwhile may still be unread. Peers are not
+            # blamed for it: running suspicions wait that much longer.
             late = 0.0 if wake_at is None else now - wake_at
-            if late > lv.heartbeat_interval_s:
-                self.stats.count_stall(late)
-                table.pardon(late, now)
-                log.log(logging.INFO if late >= lv.suspect_timeout_s else logging.DEBUG,
+            if late > lv.probe_interval_s:
+                self.stats.count_stall(late)  # running suspicions are pardoned by the gossip loop
+                log.log(logging.INFO if late >= 3 * lv.probe_interval_s else logging.DEBUG,
                         "%s: liveness loop stalled %.2f s; not counted against peers", self.local.peer_id, late)
-            if now - last_ping >= lv.heartbeat_interval_s:
-                retry_dead = now - last_dead_ping >= lv.dead_timeout_s
-                last_dead_ping = now if retry_dead else last_dead_ping
-                last_ping = now
-                self._beat += 1
-                digest = self._digest()  # one per round, shared by its pings
-                for peer_id, probe in self._ping_targets(now, retry_dead):
-                    await self._ping(peer_id, probe, digest)
-                horizon = now - lv.dead_timeout_s
-                self._wanted = {k: t for k, t in self._wanted.items() if t > horizon}
-                self._acked = {k: t for k, t in self._acked.items() if t > horizon}
-            for change in table.sweep(now, self._relay_delay_s()):
-                self.notify(change)
+            self._sign_meta(now)
+            target = self._next_target()
+            if target is not None:
+                await self._probe(target)
+            if self._client():
+                self._keep_relays()
+            now = time.monotonic()
+            if now >= self._next_sync:
+                self._next_sync = now + self.awareness.scale(lv.sync_interval(self.members())) * \
+                    (0.5 + self._rng.random())
+                self._spawn(self._anti_entropy())
             for tick in self.ticks:
                 tick(now)
-            for gone in table.forget(self.forget_after_s, now):
-                self._pulls.pop(gone, None)
-                if self.outbox.transport is not None:
-                    self.outbox.transport.disconnect(gone)
-            wake_at = time.monotonic() + period
-            await asyncio.sleep(period)
+            periods += 1
+            if periods % 16 == 0:  # walks the table: not every period
+                self._wanted = {k: t for k, t in self._wanted.items() if now - t < self.forget_after_s}
+                self._unverified.clear()  # claimants whose records never came: made up, or gone
+                for gone in self.table.forget(self.forget_after_s, now):
+                    self._pulls.pop(gone, None)
+                    if self.outbox.transport is not None:
+                        self.outbox.transport.disconnect(gone)
+            period = self.awareness.scale(lv.probe_interval_s)
+            wait = max(0.0, period - (time.monotonic() - now))
+            wake_at = time.monotonic() + wait
+            await asyncio.sleep(wait)
 
-    def _relay_delay_s(self) -> float:
-        """How much later than a direct ping a relayed beat may arrive: one interval per
-        gossip hop, about log(n) / log(fanout + 1) hops (0 while everyone is pinged).
-        Failure detectors that gossip scale their timeouts with log(n) the same way."""
-        lv = self.liveness
-        live = len(self.table.live())
-        if live <= lv.fanout:
-            return 0.0
-        return lv.heartbeat_interval_s * math.ceil(math.log(live + 1) / math.log(lv.fanout + 1))
-
-    def _ping_targets(self, now: float, retry_dead: bool) -> list[tuple[str, bool]]:
-        """Whom to ping this interval, and whether to ask for an answer (a probe).
-
-        Up to `fanout` other peers, everyone is pinged. Beyond that, `fanout` random peers
-        are, and each ping carries every beat we heard (see `_digest`), so a beat reaches
-        the swarm in about log(n) / log(fanout) intervals at n * fanout pings per interval
-        instead of n^2. Live peers we have not heard of for half the suspect timeout are
-        probed (asked to ping us back at once), the longest silent first, a quarter of
-        `fanout` per interval: an overloaded node whose view of everyone goes stale must not
-        probe them all and add n answers to the load. Dead peers are retried once per dead
-        timeout, in case they come back.
-        """
-        lv = self.liveness
-        live, targets = [], []
-        transport = self.outbox.transport
-        for p in self.table.all():
-            if not p.record.reachable and (transport is None or not transport.can_send(p.peer_id)):
-                continue  # a client only a relay reaches: its beats come to us in others' digests
-            if p.status is PeerStatus.DEAD:
-                if retry_dead:
-                    targets.append((p.peer_id, False))
-            elif p.status is not PeerStatus.LEFT:
-                live.append(p)
-        if len(live) <= lv.fanout:
-            return self._probe_unheard_relays(targets + [(p.peer_id, False) for p in live])
-        # Past the socket cap, a ping to a peer whose DEALER is closed opens one and closes
-        # another: most intervals ping peers we hold a socket to (every beat we heard rides
-        # along, so whom we ping matters little to how fast beats spread), one in four any peer.
-        pool = live
-        if transport is not None and len(live) > transport.dealer_cap and self._rng.random() < 0.75:
-            held = [p for p in live if transport.is_open(p.peer_id)]
-            pool = held if len(held) >= lv.fanout else live
-        chosen = self._rng.sample(pool, lv.fanout)
-        picked = {p.peer_id for p in chosen}
-        stale = now - lv.suspect_timeout_s / 2
-        probes = sorted((p for p in live if p.last_seen < stale and p.peer_id not in picked),
-                        key=lambda p: p.last_seen)[: max(1, lv.fanout // 4)]
-        targets += [(p.peer_id, False) for p in chosen] + [(p.peer_id, True) for p in probes]
+    def _client(self) -> bool:
         record = self.local.record
-        if record is not None and not record.reachable:
-            # a client's relays must hear from it often: each message it sends them refreshes
-            # the connection they send to it on (`Transport.attach`)
-            picked |= {p.peer_id for p in probes}
-            targets += [(p.peer_id, False) for p in live if p.record.relay and p.peer_id not in picked]
-        return self._probe_unheard_relays(targets)
+        return record is not None and not record.reachable
 
-    def _probe_unheard_relays(self, targets: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
-        """A client's pings to relays that have not answered down its connection yet ask for an
-        answer at once: the answer is what lets it name them in `$via` (`Relay.via`)."""
-        record, transport = self.local.record, self.outbox.transport
-        if record is None or record.reachable or transport is None:
-            return targets
-        table = self.table
-        out = []
-        for peer_id, probe in targets:
-            info = table.get(peer_id)
-            relay = info is not None and info.record.relay and info.record.reachable
-            out.append((peer_id, probe or (relay and not transport.heard(peer_id))))
-        return out
+    def _keep_relays(self) -> None:
+        """A client's relays must hear from it often: each message it sends them refreshes the
+        connection they reach it on (`Transport.attach`). One that has not answered down that
+        connection yet is probed, since the answer is what lets the client name it in `$via`."""
+        transport = self.outbox.transport
+        if transport is None:
+            return
+        for info in self.table.live():
+            if not (info.record.relay and info.record.reachable and info.status is PeerStatus.ALIVE):
+                continue
+            if transport.heard(info.peer_id):
+                self._spawn(self._send_quietly(info.peer_id, GOSSIP, {"u": []}))
+            else:
+                self._spawn(self._ask(info.peer_id, PROBE, {"u": self._take()},
+                                      self.awareness.scale(self.liveness.ack_timeout_s)))
 
-    def _digest(self) -> list[Any]:
-        return [self._own_beat(), *self.table.digest()]
+    def _can_probe(self, info: PeerInfo) -> bool:
+        transport = self.outbox.transport
+        return info.record.reachable or (transport is not None and transport.can_send(info.peer_id))
+
+    def _next_target(self) -> str | None:
+        """The next member in probe order that we can reach (a client only a relay reaches is
+        probed by its relays, and its death comes to us as their claim)."""
+        live = self.table.live_ids
+        for _ in range(min(len(live), 8)):
+            peer_id = self._order.next(live)
+            if peer_id is None:
+                return None
+            info = self.table.get(peer_id)
+            if info is not None and self._can_probe(info):
+                return peer_id
+        return None
+
+    async def _probe(self, target: str) -> None:
+        """One SWIM probe: directly, then through `indirect_probes` others; suspect the target
+        if nobody reached it and nothing was heard from it meanwhile."""
+        lv, awareness = self.liveness, self.awareness
+        started = time.monotonic()
+        timeout = awareness.scale(lv.ack_timeout_s)
+        direct = await self._ask(target, PROBE, {"u": self._introduce(target) + self._take()}, timeout)
+        if direct is NO_SOCKET:
+            return  # could not even send it: no verdict this period
+        if direct is not None:
+            awareness.apply(-1)
+            return
+        info = self.table.get(target)
+        if info is None or info.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
+            return
+        helpers = [h for h in self.table.live_ids.sample(self._rng, lv.indirect_probes + 2, but=(target,))
+                   if self._helper(h)][:lv.indirect_probes]
+        answers = await asyncio.gather(*(self._ask(h, PROBE_VIA, {"t": target, "u": self._take()}, 2 * timeout)
+                                         for h in helpers))
+        if answers and all(a is NO_SOCKET for a in answers):
+            return  # nobody could be asked: no verdict this period
+        acked = any(isinstance(a, dict) and a.get("ack") is True for a in answers)
+        nacks = sum(1 for a in answers if isinstance(a, dict) and a.get("ack") is False)
+        # Lifeguard: a helper that sent no nack either is a sign this node is the slow one
+        awareness.apply(len(helpers) - nacks - (len(helpers) if acked else 0))
+        info = self.table.get(target)
+        if acked or info is None or info.last_seen > started:
+            return
+        if helpers and not nacks:
+            # nobody answered at all, helpers included: this node cannot tell its own slowness
+            # (a starved process, a link down) from the target's, so it blames itself
+            log.info("%s: no answer from %s nor from any of %d members asked about it; no verdict",
+                     self.local.peer_id, target, len(helpers))
+            return
+        if info.status is PeerStatus.ALIVE or (info.status is PeerStatus.SUSPECT and info.claim_at < 0):
+            log.info("%s: no answer from %s in %.2g s, nor through %d of %d members asked; suspect",
+                     self.local.peer_id, target, time.monotonic() - started, nacks, len(helpers))
+            self._suspect(target)
+
+    def _introduce(self, peer_id: str) -> list[list[Any]]:
+        """Our record, for a peer we have not heard from first-hand yet: it may not know us."""
+        info, record = self.table.get(peer_id), self.local.record
+        if info is None or info.told_by is None or record is None:
+            return []
+        return [[RECORD, record.to_wire()]]
+
+    def _helper(self, peer_id: str) -> bool:
+        info = self.table.get(peer_id)
+        return info is not None and info.status is PeerStatus.ALIVE and self._can_probe(info)
+
+    async def _ask(self, peer_id: str, topic: str, body: Any, timeout_s: float) -> Any:
+        """A request's answer body, with its updates applied; None if none came in time."""
+        try:
+            reply = await self.outbox.request(peer_id, topic, body, timeout_s=timeout_s)
+        except rpc.RemoteError:
+            return {}  # it answered (a refusal): alive
+        except NoSocket:
+            return NO_SOCKET  # our own shortage: nothing learned of the peer
+        except (rpc.RpcError, SendError, UnknownPeerError, asyncio.TimeoutError, TimeoutError):
+            return None
+        try:
+            self._apply(reply.sender, self._updates_of(reply.body))
+        except WireError as exc:  # an answer we cannot read still proves its sender alive
+            self._reject(exc.reason, f"{topic} answer from {peer_id}: {exc}")
+            return {}
+        return reply.body
+
+    def on_probe(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
+        """A member probes us: apply what it carries, answer with ours.
+
+        A peer we hold no record of may probe too, if it carries its own record first (it
+        learned of us from others before its record reached us): we learn it as from a hello
+        (the record's key must own the connection) and answer as to a member. Anything else
+        from a stranger is refused, and nothing of it applied."""
+        updates = self._updates_of(body)
+        if member is None:
+            if not updates or updates[0][0] != RECORD:
+                raise WireError(RejectReason.UNKNOWN_PEER, "a probe from a peer we do not know must carry its record",
+                                field="sender")
+            record = self.record_from(updates[0][1])
+            if self.local.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
+                raise WireError(RejectReason.SPOOFED_SENDER, "probe record's key does not own this connection",
+                                field="record")
+            self.learn(record)
+            member, updates = record.peer_id, updates[1:]
+        self._apply(member, updates)
+        return {"u": self._take()}
+
+    async def on_probe_via(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
+        """A member could not reach `t` and asks us to try: ack True if it answered us, False
+        (Lifeguard's nack: we are alive and tried) if not. At most `MAX_PROBES_VIA` at once."""
+        if not isinstance(body, dict) or not isinstance(body.get("t"), str):
+            raise WireError(RejectReason.BAD_FIELD, "probe-via body must be {t: peer id, u: updates}", field="body")
+        self._apply(member, self._updates_of(body))
+        target = self.table.get(body["t"])
+        if target is None or target.peer_id == member or target.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT) \
+                or not self._can_probe(target) or self._probes_via >= MAX_PROBES_VIA:
+            return {"ack": False, "u": self._take()}
+        self._probes_via += 1
+        try:
+            answer = await self._ask(target.peer_id, PROBE, {"u": self._take()},
+                                     self.awareness.scale(self.liveness.ack_timeout_s))
+        finally:
+            self._probes_via -= 1
+        if answer is NO_SOCKET:
+            raise rpc.BusyError("no socket to spare for the probe")  # an answer that says nothing of the target
+        return {"ack": answer is not None, "u": self._take()}
+
+    def on_gossip(self, msg: Message) -> None:
+        """Updates pushed to us; `ack` asks for a probe of the sender at once (its connection to
+        us dropped and it wants to know we are alive)."""
+        body = msg.body
+        self._apply(msg.sender, self._updates_of(body))
+        if body.get("ack") is True:
+            now = time.monotonic()
+            if now - self._acked.get(msg.sender, -math.inf) >= self.liveness.probe_interval_s / 2:
+                if len(self._acked) >= MAX_WANTED:
+                    self._acked.clear()
+                self._acked[msg.sender] = now
+                self._spawn(self._ask(msg.sender, PROBE, {"u": self._take()},
+                                      self.awareness.scale(self.liveness.ack_timeout_s)))
+
+    @staticmethod
+    def _updates_of(body: Any) -> list[list[Any]]:
+        if not isinstance(body, dict) or set(body) - {"u", "t", "ack"}:
+            raise WireError(RejectReason.BAD_FIELD, "membership body must be a map {u: updates, ...}", field="body")
+        return parse_updates(body.get("u", []))
+
+    def _take(self, urgent_only: bool = False) -> list[list[Any]]:
+        lv = self.liveness
+        return self.broadcasts.take(lv.piggyback_bytes, lv.retransmit_limit(self.members()), urgent_only=urgent_only)
+
+    def _spread(self, update: list[Any], *, urgent: bool) -> None:
+        """Queue an update to be sent on (each key holds the newest update about one thing)."""
+        kind = update[0]
+        if kind == ALIVE:
+            key: tuple[Any, ...] = (ALIVE, update[1][0])
+        elif kind == RECORD:
+            key = (RECORD, update[1][0])
+        elif kind == SUSPECT:
+            key = (SUSPECT, update[1], update[4])  # one per claimant: confirmations spread too
+        else:
+            key = (kind, update[1])
+        self.broadcasts.add(key, update, urgent=urgent)
+
+    async def _gossip_loop(self) -> None:
+        """Urgent changes (claims, refutations, joins, leaves) to a few random members every
+        gossip interval, on top of what rides on probes; and the suspicions' timeouts."""
+        lv = self.liveness
+        while True:
+            wake_at = time.monotonic() + lv.gossip_interval_s
+            await asyncio.sleep(lv.gossip_interval_s)
+            now = time.monotonic()
+            late = now - wake_at
+            if late > lv.gossip_interval_s:
+                # This process could not run: a refutation may be waiting unread. Suspicions are
+                # pardoned before any of them may expire (this loop wakes first and most often).
+                for suspicion in self._suspicions.values():
+                    suspicion.pardon(late)
+            self._expire_suspicions(now)
+            if not self.broadcasts.urgent:
+                continue
+            # To members we hold a socket to, most rounds: past the socket cap, a send to anyone
+            # else opens a socket and closes another, or is refused while all are busy (and the
+            # update counted as sent). Which sockets are open changes with every probe, so the
+            # targets stay spread over the swarm; one round in four picks from everyone.
+            transport = self.outbox.transport
+            pool = lv.gossip_fanout + 2
+            if transport is not None and len(self.table.live_ids) > transport.dealer_cap and self._rng.random() < 0.75:
+                targets = transport.sample_open(self._rng, pool)
+            else:
+                targets = self.table.live_ids.sample(self._rng, pool)
+            sent = 0
+            for peer_id in targets:
+                if sent >= lv.gossip_fanout or not self._helper(peer_id):
+                    continue
+                updates = self._take(urgent_only=True)
+                if not updates:
+                    break
+                sent += 1
+                self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": updates}))
+
+    async def _send_quietly(self, peer_id: str, topic: str, body: Any) -> None:
+        try:
+            await self.outbox.send(peer_id, topic, body, timeout_s=self.liveness.probe_interval_s, check_body=False)
+        except (SendError, UnknownPeerError, asyncio.TimeoutError):
+            pass  # the failure detector decides, not one lost message
+
+    # ---------------------------------------------------------------- suspicion, refutation, death
+    def _suspect(self, peer_id: str) -> None:
+        """Nobody reached `peer_id`: claim it suspect (signed), start its timer, tell the swarm
+        and the peer itself (so it can refute at once)."""
+        at = self.table.live_at(peer_id)
+        if at is None:
+            return
+        claim = sign_claim(self.local.identity, SUSPECT, peer_id, *at)
+        self._apply_claim(claim, mine=True)
+        self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [claim]}))
+
+    def _expire_suspicions(self, now: float) -> None:
+        for peer_id, suspicion in list(self._suspicions.items()):
+            info = self.table.get(peer_id)
+            if info is None or info.status is not PeerStatus.SUSPECT or info.claim_at < 0:
+                del self._suspicions[peer_id]
+                continue
+            if now < suspicion.expires_at():
+                continue
+            at = (info.record.incarnation, info.claim_at)
+            if info.last_seen > suspicion.start:
+                # heard from it since: it is alive to us, only slow to refute (or its refutation
+                # passed us by); remind it, and give it another timeout
+                log.info("%s: %s outlived its suspicion here; asking it to refute", self.local.peer_id, peer_id)
+                suspicion.start = now
+                self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [
+                    sign_claim(self.local.identity, SUSPECT, peer_id, *at)]}))
+                continue
+            del self._suspicions[peer_id]
+            claim = sign_claim(self.local.identity, DEAD, peer_id, *at)
+            self._apply_claim(claim, mine=True)
+            self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [claim]}))  # if it lives, it refutes
+
+    def _refute(self, live: int) -> None:
+        """A member claims we are suspect or dead at liveness incarnation `live`: sign a beat
+        of a higher one and tell the swarm. Having to refute is also a sign we were slow."""
+        if live < self._live or live >= MAX_LIVE:
+            return  # stale, or past what a beat counter holds (parse_updates refuses those)
+        self._live = live + 1
+        self.awareness.apply(1)
+        log.info("%s: refuting a claim that it is down (liveness incarnation %d)", self.local.peer_id, self._live)
+        self._spread([ALIVE, self._own_beat()], urgent=True)
+
+    def _remind(self, peer_id: str) -> None:
+        """Send `peer_id` our current beat (it holds a claim we refuted already), at most once
+        per half probe period per peer."""
+        now = time.monotonic()
+        if now - self._reminded.get(peer_id, -math.inf) < self.liveness.probe_interval_s / 2:
+            return
+        if len(self._reminded) >= MAX_WANTED:
+            self._reminded.clear()
+        self._reminded[peer_id] = now
+        self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [[ALIVE, self._own_beat()]]}))
+
+    def _sign_meta(self, now: float) -> None:
+        """A changed meta becomes a new beat, at most once per `meta_interval_s`."""
+        signed = self._signed_beat
+        if signed is None or (signed[3] is not self.local.meta
+                              and now - self._beat_signed_at >= self.liveness.meta_interval_s):
+            self._meta_seq += 1
+            self._spread([ALIVE, self._own_beat()], urgent=False)
 
     def _own_beat(self) -> list[Any]:
         """Our beat, signed once per counter and meta (a node replaces its meta, never edits it)."""
         local, signed = self.local, self._signed_beat
         assert local.record is not None
-        if signed is None or signed[1] != local.record.incarnation or signed[2] != self._beat \
-                or signed[3] is not local.meta:
-            signed = self._signed_beat = sign_beat(local.identity, local.record.incarnation, self._beat, local.meta)
+        beat = (self._live << LIVE_SHIFT) | (self._meta_seq & (2**LIVE_SHIFT - 1))
+        if signed is None or signed[1] != local.record.incarnation or signed[2] != beat or signed[3] is not local.meta:
+            if signed is not None and signed[2] == beat:
+                self._meta_seq += 1  # a new meta never reuses a signed counter
+                beat = (self._live << LIVE_SHIFT) | (self._meta_seq & (2**LIVE_SHIFT - 1))
+            signed = self._signed_beat = sign_beat(local.identity, local.record.incarnation, beat, local.meta)
+            self._beat_signed_at = time.monotonic()
         return signed
 
-    async def _ping(self, peer_id: str, probe: bool, digest: list[Any] | None = None) -> None:
-        body = [digest or self._digest(), probe]
-        assert self.outbox.transport is not None
-        if not self.outbox.transport.is_open(peer_id):
-            # A DEALER opened now takes a moment to connect: wait for it, bounded, off the
-            # heartbeat loop's path.
-            self._spawn(self.outbox.send(peer_id, PING, body, timeout_s=self.liveness.heartbeat_interval_s,
-                                         check_body=False))
-            return
-        try:
-            # check_body=False: a digest is ids, ints and the meta `set_meta` checked, built here;
-            # re-reading each ping's n entries to check them was a third of a big swarm's CPU
-            await self.outbox.send(peer_id, PING, body, wait=False, check_body=False)
-        except (SendError, UnknownPeerError):
-            pass  # the failure detector decides, not one dropped ping
+    def spread_record(self, record: PeerRecord) -> None:
+        """A peer joined through us: its record goes out with the next probes and gossip."""
+        self._spread([RECORD, record.to_wire()], urgent=True)
 
-    def on_ping(self, msg: Message) -> None:
-        """Apply the beats a ping carries; ask its sender for records we lack; answer a probe.
-
-        The digest's shape is checked before anything is applied; each new beat's signature
-        and meta as it is applied (the new beats are usually few), and a forged one is
-        refused on its own.
-        """
-        body = msg.body
-        if not isinstance(body, list) or len(body) != 2 or not isinstance(body[1], bool):
-            raise WireError(RejectReason.BAD_FIELD, "ping body must be [digest, probe]", field="body")
-        now = time.monotonic()
-        news, unknown = self.table.sort_digest(parse_digest(body[0]))
-        if unknown and self._refused:  # not the ones the allowlist refused (in that incarnation)
-            refused = {e[0]: e[1] for e in body[0] if self._refused.get(e[0]) == e[1]}
-            unknown = [peer_id for peer_id in unknown if peer_id not in refused]
-        for entry in news:
+    # ---------------------------------------------------------------- applying updates
+    def _apply(self, sender: str | None, updates: list[list[Any]]) -> None:
+        for update in updates:
             try:
-                change = self.table.heartbeat(entry, now)
-            except WireError as exc:  # a forged or malformed beat: that entry only
+                self._apply_one(update, sender)
+            except WireError as exc:  # a forged or malformed update: that one only
                 self._reject(exc.reason, str(exc))
-                continue
+
+    def _apply_one(self, update: list[Any], sender: str | None) -> None:
+        kind, table, me = update[0], self.table, self.local.peer_id
+        if kind == ALIVE:
+            entry = parse_beat(update[1])
+            if entry[0] == me:
+                return
+            news = table.is_news(entry)
+            if news is None:
+                if sender is not None and self._refused.get(entry[0]) != entry[1]:
+                    self.want_from(sender, entry[0])
+                return
+            if news:
+                change = table.heartbeat(entry, time.monotonic())
+                if change is not None:
+                    self._suspicions.pop(entry[0], None)
+                    self.notify(change, refuted=True)
+                self._spread([ALIVE, entry], urgent=change is not None)
+        elif kind == RECORD:
+            if self.learn(self.record_from(update[1]), told_by=sender):
+                self._spread(update, urgent=True)
+        elif kind in (SUSPECT, DEAD):
+            self._apply_claim(update, mine=False, sender=sender)
+        else:
+            peer_id, incarnation, signature = update[1], update[2], update[3]
+            if peer_id == me:
+                return
+            info = table.get(peer_id)
+            if info is None or info.status is PeerStatus.LEFT or incarnation < info.record.incarnation:
+                return
+            if not verify_signature(info.record.verify_key, leave_statement(peer_id, incarnation), signature):
+                raise WireError(RejectReason.BAD_SIGNATURE, f"leave of {peer_id} is not signed by it", field="body")
+            change = table.left(peer_id, incarnation)
             if change is not None:
                 self.notify(change)
-        interval = self.liveness.heartbeat_interval_s
-        want = [peer_id for peer_id in dict.fromkeys(unknown)
-                if now - self._wanted.get(peer_id, -math.inf) >= interval]
-        want = want[:max(0, min(MAX_WANT, MAX_WANTED - len(self._wanted)))]  # made-up ids must not grow it
-        if want:
-            self._wanted.update((peer_id, now) for peer_id in want)
-            self._spawn(self.outbox.send(msg.sender, WANT, want))
-        if body[1] and now - self._acked.get(msg.sender, -math.inf) >= interval / 2:
-            self._acked[msg.sender] = now
-            self._spawn(self._ping(msg.sender, False))
+                self._spread(update, urgent=True)
+
+    def _apply_claim(self, claim: list[Any], *, mine: bool, sender: str | None = None) -> None:
+        """A signed suspect or dead claim [kind, peer, incarnation, live, claimant, signature]:
+        one this node just made (`mine`), or one heard, checked against its claimant's key
+        (ours too: a member cannot pass a claim off as this node's own)."""
+        kind, peer_id, incarnation, live, claimant = claim[0], claim[1], claim[2], claim[3], claim[4]
+        me, table = self.local.peer_id, self.table
+        if not mine:
+            key = self.local.identity.verify_key if claimant == me else None
+            if key is None:
+                author = table.get(claimant)
+                if author is None:
+                    # a claimant we do not know yet (it joined a moment ago): ask for its record,
+                    # and check the claim when it comes, above all one about us that we must refute
+                    waiting = self._unverified.get(claimant)
+                    if sender is not None and (waiting is not None or len(self._unverified) < MAX_UNVERIFIED):
+                        waiting = self._unverified.setdefault(claimant, [])
+                        if len(waiting) < 8:
+                            waiting.append((claim, sender))
+                        self.want_from(sender, claimant)
+                    return
+                key = author.record.verify_key
+            if not claim_is_signed(claim, key):
+                raise WireError(RejectReason.BAD_SIGNATURE, f"{kind!r} claim about {peer_id} is not signed by "
+                                f"{claimant}", field="body")
+        if peer_id == me:
+            assert self.local.record is not None
+            if incarnation == self.local.record.incarnation:
+                if live < self._live and sender is not None:
+                    self._remind(sender)  # refuted already; the refutation has not reached the sender
+                else:
+                    self._refute(live)
+            return
+        status = PeerStatus.SUSPECT if kind == SUSPECT else PeerStatus.DEAD
+        held, change = table.claim(status, peer_id, incarnation, live)
+        if held:
+            if status is PeerStatus.SUSPECT:
+                low, high = self.liveness.suspicion_bounds(self.members())
+                expected = max(0, min(self.liveness.confirmations, self.members() - 2))
+                self._suspicions[peer_id] = Suspicion((incarnation, live), claimant, time.monotonic(), low, high,
+                                                      expected)
+            else:
+                self._suspicions.pop(peer_id, None)
+                log.info("%s: %s declared %s dead", self.local.peer_id, claimant, peer_id)
+            if change is not None:
+                self.notify(change)
+            self._spread(claim, urgent=True)
+        elif status is PeerStatus.SUSPECT:
+            suspicion = self._suspicions.get(peer_id)
+            if suspicion is not None and suspicion.at == (incarnation, live) and suspicion.confirm(claimant):
+                self._spread(claim, urgent=True)
+
+    async def _anti_entropy(self) -> None:
+        """One page of a random member's table, from a random point: what gossip missed (a
+        record whose announcement was lost) comes back over time, at a bounded cost."""
+        helpers = [h for h in self.table.live_ids.sample(self._rng, 3) if self._helper(h)]
+        if not helpers:
+            return
+        after = self._rng.choice(list(self.table.live_ids.sample(self._rng, 1)) or [None])
+        try:
+            await self.sync(helpers[0], after=after, pages=1)
+        except Exception as exc:  # anti-entropy is best effort; the next round tries another member
+            log.debug("%s: anti-entropy with %s failed: %s", self.local.peer_id, helpers[0], exc)
 
     def want_from(self, peer_id: str, unknown: str) -> None:
         """Ask `peer_id` for the record of `unknown`, at most once an interval per id, and with a
         bounded memory of ids asked for (names a peer makes up must not grow it)."""
         now = time.monotonic()
         if len(self._wanted) >= MAX_WANTED or now - self._wanted.get(unknown, -math.inf) < \
-                self.liveness.heartbeat_interval_s:
+                self.liveness.probe_interval_s:
             return
         self._wanted[unknown] = now
         self._spawn(self.outbox.send(peer_id, WANT, [unknown]))

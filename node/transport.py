@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import random
 import socket as pysocket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -43,6 +44,11 @@ class SendError(ConnectionError):
 
 class EndpointRefused(SendError):
     """ZeroMQ refused to dial a peer's endpoint: that peer cannot be reached, the node goes on."""
+
+
+class NoSocket(SendError):
+    """This node has no socket to spare for the send (its DEALERs are busy, or it is out of
+    descriptors): nothing is known of the peer, and a failure detector must not blame it."""
 
 
 @dataclass(frozen=True)
@@ -262,14 +268,14 @@ class Transport:
                 self.dealer_cap = max(1, min(self.dealer_cap, len(self._dealers)))
                 log.warning("%s; closed %d idle connections to make room, and holds at most %d from now on",
                             reason, shed, self.dealer_cap)
-                raise SendError(f"{reason}; closed {shed} idle connections to make room") from None
+                raise NoSocket(f"{reason}; closed {shed} idle connections to make room") from None
             now = time.monotonic()
             if self._exhausted_since is None:
                 self._exhausted_since = now
             if now - self._exhausted_since < self.config.exhausted_grace_s:
-                raise SendError(f"{reason}; nothing idle to close") from None
+                raise NoSocket(f"{reason}; nothing idle to close") from None
             self._fatal(reason)
-            raise SendError(reason) from None
+            raise NoSocket(reason) from None
         self._exhausted_since = None
         return dealer
 
@@ -349,13 +355,19 @@ class Transport:
                 self._close(victim, self.config.linger_ms)  # queued messages still go out
             if len(self._dealers) >= dealer_ceiling(self.dealer_cap):
                 self.dealers_refused += 1
-                raise SendError(f"no socket for {key}: all {len(self._dealers)} open DEALERs are busy "
+                raise NoSocket(f"no socket for {key}: all {len(self._dealers)} open DEALERs are busy "
                                 f"(cap {self.dealer_cap})")
         return self._open(key)
 
     @property
     def open_dealers(self) -> int:
         return len(self._dealers)
+
+    def sample_open(self, rng: random.Random, k: int) -> list[str]:
+        """Up to `k` random peers this node holds an open DEALER to (sending to them opens no
+        socket and closes none)."""
+        keys = [key for key in self._dealers if not key.startswith("bootstrap-")]
+        return rng.sample(keys, min(k, len(keys)))
 
     def is_open(self, key: str) -> bool:
         return key in self._dealers

@@ -11,7 +11,7 @@ from typing import Any
 
 from starling.common import option_name
 from starling.node.identity import Identity
-from starling.node.membership import Liveness
+from starling.node.swim import Liveness
 from starling.runtime.churn import ChurnEvent, check_churn
 from starling.runtime.links import LinkModel
 from starling.runtime.placement import Placement
@@ -20,31 +20,33 @@ from starling.tasks import get_task
 
 TRANSPORTS = ("inproc", "ipc", "tcp")
 # Quick enough that a crashed peer is noticed within a short run, slow enough for a loaded box.
-SIM_LIVENESS = Liveness(heartbeat_interval_s=0.25, suspect_timeout_s=1.5, dead_timeout_s=3.0)
-# Every ping carries a beat for every peer its sender knows (node/swarm.py), so a process of
-# k simulated peers in a swarm of n reads and writes about k * fanout * n digest entries per
-# heartbeat interval, on its one network thread (~10 us an entry, both ends, measured with
-# py-spy on 256 peers: at 100,000 a second the thread did little else). A simulator
-# sized to the swarm keeps that near this many entries a second by lengthening the interval
-# (and the timeouts with it) and pinging fewer peers; a real node's own process holds one
-# peer, so its cost is fanout * n per interval.
-DIGEST_ENTRIES_PER_S = 30_000
-LARGE_SWARM_FANOUT = 2  # pings per interval once the interval has to grow
+# A probe's answer may take a second on a box that runs many peers (its loop is busy with all of
+# them), and a suspicion 5 s at least: a loaded box stalls a process for seconds.
+SIM_LIVENESS = Liveness(probe_interval_s=0.5, ack_timeout_s=1.0, suspicion_base_s=5.0)
+# Each peer probes one other per period and its updates ride on probes and answers, so a
+# peer's membership work per period is constant (node/swim.py) and a box of n simulated peers
+# handles about 4n messages a period on its network threads. A simulator sized to the swarm keeps
+# that near this many probes a second by lengthening the period (and the suspicion timeouts
+# with it): 1024 peers probe every 2 s, 4096 every 8 s. (A probe costs a simulated box about
+# 1-2 ms of CPU, both ends together, most of it opening a socket to a peer past the socket cap:
+# 512 a second, with their answers and gossip, keep a swarm's membership near half a core.)
+SIM_PROBES_PER_S = 512
 
 
 def sim_liveness(peers_in_process: int, swarm: int) -> Liveness:
-    """SIM_LIVENESS, stretched for a big swarm so that membership traffic in one process stays
-    near DIGEST_ENTRIES_PER_S: the interval grows with k * n, suspect and dead stay 6 and 12
-    intervals. 1024 peers in one process: a beat every ~70 s and a crash seen within ~14 min;
-    the same swarm over 4 processes: every ~17 s."""
+    """SIM_LIVENESS, with a longer probe period once the swarm's peers on this box would probe
+    more than SIM_PROBES_PER_S times a second (a crash still goes to suspicion within a few
+    periods, and a dropped connection is seen at once whatever the period)."""
     base = SIM_LIVENESS
-    entries = peers_in_process * min(base.fanout, max(1, swarm - 1)) * swarm
-    if entries / base.heartbeat_interval_s <= DIGEST_ENTRIES_PER_S:
-        return base
-    fanout = LARGE_SWARM_FANOUT
-    interval = max(base.heartbeat_interval_s, peers_in_process * fanout * swarm / DIGEST_ENTRIES_PER_S)
-    return Liveness(heartbeat_interval_s=interval, suspect_timeout_s=6 * interval, dead_timeout_s=12 * interval,
-                    fanout=fanout, probe_timeout_s=4 * interval)
+    interval = swarm / SIM_PROBES_PER_S
+    # urgent gossip at most every 0.2 s and about twice a period: a box of a thousand peers cannot
+    # send 15,000 messages a second while a burst of joins keeps the urgent queues full
+    gossip = max(base.gossip_interval_s, interval / 2)
+    if interval <= base.probe_interval_s:
+        return replace(base, gossip_interval_s=gossip)
+    return replace(base, probe_interval_s=interval, ack_timeout_s=max(base.ack_timeout_s, interval / 2),
+                   suspicion_base_s=max(base.suspicion_base_s, 3 * interval), probe_timeout_s=max(1.0, interval),
+                   gossip_interval_s=gossip)
 
 
 class SimError(Exception):
@@ -192,7 +194,7 @@ class SimConfig:
         given) and a ready timeout that leaves the swarm time to form (ten intervals, and
         0.1 s a peer for the joins)."""
         liveness = self.liveness or sim_liveness(self.peers_per_process(), self.world)
-        ready = max(self.ready_timeout_s, 10 * liveness.heartbeat_interval_s + 0.1 * self.world)
+        ready = max(self.ready_timeout_s, 10 * liveness.probe_interval_s + 0.1 * self.world)
         return replace(self, liveness=liveness, ready_timeout_s=ready)
 
     @property
@@ -260,7 +262,7 @@ class SimConfig:
                 **({"peer_speed": list(self.peer_speed)} if self.peer_speed else {}),
                 **({"duration_s": self.duration_s} if self.duration_s else {}),
                 **({"nproc_per_replica": self.nproc_per_replica} if self.nproc_per_replica > 1 else {}),
-                "heartbeat_s": None if self.liveness is None else round(self.liveness.heartbeat_interval_s, 3),
+                "probe_interval_s": None if self.liveness is None else round(self.liveness.probe_interval_s, 3),
                 **({"checkpoint_dir": self.checkpoint_dir, "resume": self.resume} if self.checkpoint_dir else {}),
                 **({"placement": self.placement().describe()} if self.placement() != Placement() else {})}
 

@@ -26,16 +26,16 @@ from zmq.utils import z85
 
 from starling.node.address import parse_address
 from starling.node.identity import Identity
-from starling.node.membership import Liveness
 from starling.node.node import Node, NodeConfig
+from starling.node.swim import Liveness
 from starling.node.trust import Evidence
 
 # Fast enough for tests, slow enough not to flap on a loaded 2-core CI box.
-TEST_LIVENESS = Liveness(heartbeat_interval_s=0.2, suspect_timeout_s=1.5, dead_timeout_s=3.0)
-# How long a test waits for a death to be seen: a node counts silence only while it could
-# listen (Node._heartbeat_loop pardons its own stalls), and a starved CI box stalls it for
-# seconds at a time, so this is a hang detector, not a latency bound.
-DEATH_SEEN_WITHIN_S = TEST_LIVENESS.dead_timeout_s + 30.0
+TEST_LIVENESS = Liveness(probe_interval_s=0.2, suspicion_base_s=3.0)
+# How long a test waits for a death to be seen: a node's suspicions wait out its own stalls
+# (the probe loop pardons them), and a starved CI box stalls it for seconds at a time, so this
+# is a hang detector, not a latency bound.
+DEATH_SEEN_WITHIN_S = TEST_LIVENESS.suspicion_base_s * TEST_LIVENESS.suspicion_max_mult + 30.0
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

@@ -10,12 +10,12 @@ import pytest
 from test_node_training import FAST, Lines, starling
 
 from starling.node import Node, NodeConfig, RefusedError
-from starling.node.membership import Liveness
+from starling.node.swim import Liveness
 from starling.node.transfer import OPEN_TOPIC, TransferConfig
 from starling.runtime import Trainer, TrainSpec
 from starling.runtime.trainer import STATE_BLOB
 
-LIVENESS = Liveness(0.2, 3.0, 6.0)  # FAST's
+LIVENESS = Liveness(probe_interval_s=0.2, suspicion_base_s=6.0)  # FAST's
 
 
 @pytest.mark.slow

@@ -67,7 +67,7 @@ def test_a_scrape_names_every_metric_and_the_values_move_as_the_swarm_trains(tmp
                                       # dead long after a round gives up on a silent member (5 s): a first
                                       # node starved on a loaded box for the whole dead-after time would
                                       # see the stopped peer dead before any round waited for it
-                                      "--dead-after-s", "20"),
+                                      "--suspicion-s", "20"),
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     joiner = None
     try:

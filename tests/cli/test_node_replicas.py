@@ -15,7 +15,7 @@ import pytest
 
 TINY = ["--task-opt", "corpus_chars=60000", "--task-opt", "n_layer=1", "--task-opt", "n_embd=32",
         "--task-opt", "seq_len=32", "--task-opt", "batch_size=8", "--task-opt", "eval_batches=1"]
-FAST = ["--plaintext", "--heartbeat-s", "0.2", "--suspect-after-s", "3", "--dead-after-s", "6", "--log-every", "4"]
+FAST = ["--plaintext", "--probe-interval-s", "0.2", "--suspicion-s", "6", "--log-every", "4"]
 
 
 def starling(*args: str) -> list[str]:

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from starling.cli.main import app
 
-FAST = ["--heartbeat-s", "0.2", "--suspect-after-s", "3", "--dead-after-s", "6", "--plaintext"]
+FAST = ["--probe-interval-s", "0.2", "--suspicion-s", "6", "--plaintext"]
 
 
 def starling(*args: str) -> list[str]:

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_grou
 TESTS = Path(__file__).resolve().parents[1]
 HONEST = 7
 STEPS = 60
-FAST = ["--plaintext", "--heartbeat-s", "0.2", "--suspect-after-s", "3", "--dead-after-s", "6"]
+FAST = ["--plaintext", "--probe-interval-s", "0.2", "--suspicion-s", "6"]
 # Every honest peer computes the same gradient (no per-peer offsets): what sets the attacker
 # apart is its attack, never its data.
 SWARM = ["--protocol", "allreduce", "--task", "quadratic", "--task-opt", "peer_spread=0", "--lr", "0.05",

@@ -20,13 +20,15 @@ from starling.node.client import query
 from starling.node.hello import Hello
 from starling.node.identity import Identity
 from starling.node.loop import NetworkThread
-from starling.node.membership import Liveness, PeerRecord, TableLimits
+from starling.node.membership import PeerRecord, TableLimits
 from starling.node.node import Node, NodeConfig
 from starling.node.swarm import ANNOUNCE, HELLO, SYNC, WANT
+from starling.node.swim import Liveness
 from starling.node.wire import ENVELOPE_BYTES, decode, encode, frame_nbytes
 
-# slow beats: the made-up peers below answer nothing, and must stay in the table for the test
-SLOW = Liveness(heartbeat_interval_s=1.0, suspect_timeout_s=60.0, dead_timeout_s=120.0)
+# slow suspicions: the made-up peers below answer no probe, and must stay in the table (alive or
+# suspect) for the test
+SLOW = Liveness(probe_interval_s=1.0, suspicion_base_s=120.0)
 
 
 def config(**admission) -> NodeConfig:

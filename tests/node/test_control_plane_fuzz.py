@@ -2,12 +2,14 @@
 sent to a live node, by a stranger (a fresh key outside the swarm) and by a member.
 
 The target is a real node (CURVE over tcp on loopback) in a swarm of three: the member whose
-key the fuzzer speaks with, and another member whose records, beats and leaves it forges.
-Messages are built from real ones (records and beats their owners signed) and broken a field
-at a time: bad addresses, bad signatures, records for another peer's id, beats
-for other peers, wrong types, deep and oversize bodies, replays, unknown topics. Whatever
-arrives, the node must stay up, answer a member, keep every table a remote peer can grow
-within its bound, take no forged record, and count what it refused.
+key the fuzzer speaks with, and another member whose records, beats, claims and leaves it
+forges. Messages are built from real ones (records and beats their owners signed, claims the
+fuzzer's key signed) and broken a field at a time: bad addresses, bad signatures, records for
+another peer's id, beats for other peers, claims in another member's name or by a claimant
+nobody knows, update lists past their bound, wrong types, deep and oversize bodies, replays,
+unknown topics. Whatever arrives, the node must stay up, answer a member, keep every table a
+remote peer can grow within its bound, take no forged record, beat or claim, and count what
+it refused.
 
 Each barrage sends one drawn case at a time and then asks the node for an echo on the same
 connection, so the answer proves every message of the case was read. Hypothesis draws the
@@ -19,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,13 +39,25 @@ from starling.node.bootstrap import ECHO, REACH
 from starling.node.client import query
 from starling.node.hello import Hello, PeerVersions
 from starling.node.identity import Identity
-from starling.node.membership import PeerRecord, leave_statement
+from starling.node.membership import PeerRecord, PeerStatus, leave_statement, parse_beat
 from starling.node.node import Node, NodeConfig
 from starling.node.relay import RELAY, RELAYED
 from starling.node.stats import STRANGERS
-from starling.node.swarm import ANNOUNCE, HELLO, LEAVE, MAX_WANTED, PING, SYNC, WANT
+from starling.node.swarm import (
+    ANNOUNCE,
+    GOSSIP,
+    HELLO,
+    LEAVE,
+    MAX_PROBES_VIA,
+    MAX_WANTED,
+    PROBE,
+    PROBE_VIA,
+    SYNC,
+    WANT,
+)
+from starling.node.swim import ALIVE, DEAD, LEFT, MAX_UPDATES, RECORD, SUSPECT, sign_claim
 from starling.node.transfer import CHUNK_TOPIC, OPEN_TOPIC, TransferConfig
-from starling.node.wire import ENVELOPE_VERSION, MAX_TOPIC_CHARS, decode
+from starling.node.wire import ENVELOPE_BYTES, ENVELOPE_VERSION, MAX_TOPIC_CHARS, decode
 
 # Strangers are rate-limited before their messages are even decoded (tests/node/test_flood_fuzz.py
 # covers that); here every message must reach the parsers and handlers, so the target lets
@@ -60,6 +75,10 @@ RSS_GROWTH_LIMIT_MB = 200.0  # generous: the network thread keeps freed memory f
 # The most a stranger's hello may be outweighed by its answer: an answer many times the size
 # of what a stranger sent is an amplifier.
 AMPLIFICATION = 16
+# Requests the target may have in flight of its own at any moment: its probe and the members it
+# asks to try (`indirect_probes`), the probes it runs for others (`MAX_PROBES_VIA`), a probe back
+# to each member that asked for one, an anti-entropy page.
+IN_FLIGHT = 1 + TEST_LIVENESS.indirect_probes + MAX_PROBES_VIA + 2 + 1
 
 # Addresses a peer record must not carry, or that a node must not dial (each refused).
 BAD_ADDRESSES = [
@@ -93,8 +112,8 @@ UNKNOWN_TOPICS = ["$nope", "nope", "$" + "x" * 255, "x" * 257, "", "\u0000", "$h
 class Swarm:
     target: Node
     member: Node  # the fuzzer speaks with its key
-    other: Node  # a member whose records, beats and leaves are forged
-    beats: list[list[Any]]  # real digest entries: the member's own beat, and the other's it relays
+    other: Node  # a member whose records, beats, claims and leaves are forged
+    beats: list[list[Any]]  # real signed beats: the member's own, and the other's (which the member relays)
     topics: list[str]  # every control topic the target serves, one-way or as requests, and the transfer's
     request_topics: set[str]  # those of them served as requests
 
@@ -113,20 +132,19 @@ def _make_swarm() -> tuple[Swarm, list[Node]]:
     nodes = [target, member, other]
     for node in nodes:
         assert wait_until(lambda node=node: len(node.live_peers()) == 2)
-    # beats as the member sends them: its own, signed, and the other's, which it relays
-    assert wait_until(lambda: {e[0] for e in _digest(member)} >= {member.peer_id, other.peer_id})
-    beats = [e for e in _digest(member) if e[0] in (member.peer_id, other.peer_id)]
+    beats = [_beat(member), _beat(other)]  # as each signed it: what the member sends, or relays
     dispatch = target._dispatch
     topics = sorted({*dispatch.internal_messages, *dispatch.internal_requests, rpc.REQUEST_TOPIC, rpc.REPLY_TOPIC,
                      OPEN_TOPIC, CHUNK_TOPIC})
     return Swarm(target, member, other, beats, topics, {*dispatch.internal_requests, OPEN_TOPIC, CHUNK_TOPIC}), nodes
 
 
-def _digest(node: Node) -> list[list[Any]]:
-    async def digest() -> list[list[Any]]:
-        return node._swarm._digest()
+def _beat(node: Node) -> list[Any]:
+    """The node's current beat as it signed it (read on the network thread)."""
+    async def beat() -> list[Any]:
+        return node._swarm._own_beat()
 
-    return [list(entry) for entry in node.run(digest())]
+    return list(node.run(beat()))
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +183,16 @@ def _packb(value: Any) -> bytes:
 
 
 _DROP = object()  # a header key to leave out
+
+
+def alive(beat: Any) -> list[Any]:
+    """An update carrying a signed beat."""
+    return [ALIVE, beat]
+
+
+def gossip(sender: str, updates: Any, **extra: Any) -> list[bytes]:
+    """A `$gossip` of `updates`, built by hand."""
+    return pack(GOSSIP, sender, {"u": updates, **extra})
 
 
 def nested(depth: int) -> Any:
@@ -275,7 +303,10 @@ def assert_sound(s: Swarm, before: Baseline, caplog: pytest.LogCaptureFixture) -
     assert wait_until(lambda: dispatch.admission.in_flight() == 0, ANSWER_WITHIN_S)
     assert wait_until(lambda: a._bootstrap._dialing == 0, ANSWER_WITHIN_S)
     assert wait_until(lambda: set(transport._routes) <= before.peers, ANSWER_WITHIN_S), set(transport._routes)
-    assert not a._pending._pending and a._relay.forwarding == 0
+    # requests the target sends (probes) go to members only, and their number is bounded
+    assert wait_until(lambda: len(a._pending._pending) <= IN_FLIGHT
+                      and {peer for _, peer in list(a._pending._pending.values())} <= before.peers, ANSWER_WITHIN_S)
+    assert a._relay.forwarding == 0 and len(swarm._suspicions) <= len(before.peers)
     assert a._blobs is not None and all(n <= a.config.transfer.max_transfers_per_peer
                                         for n in a._blobs.open_transfers().values())
     stats = a.stats.snapshot()
@@ -335,8 +366,8 @@ def forged_records(draw, s: Swarm, signer: Identity) -> Any:
 
 @st.composite
 def beats(draw, s: Swarm) -> list[Any]:
-    """A digest entry: a real signed beat, for the member itself or relayed for the other, with
-    a field broken, or something that is no beat."""
+    """A beat: a real signed one, the member's own or the other's it relays, with a field
+    broken, or something that is no beat."""
     kind = draw(st.sampled_from(["counter", "via", "meta", "id", "field", "length", "real", "junk"]))
     entry = list(draw(st.sampled_from(s.beats)))
     if kind == "counter":
@@ -384,6 +415,81 @@ FUTURE = PeerVersions("9.0.0", (9, 9))  # a release far ahead, that no longer sp
 
 
 @st.composite
+def claims(draw, s: Swarm, speaker: Identity) -> Any:
+    """A suspect or dead update that must change nothing: signed by a claimant the target does
+    not know (ignored), in another member's name, with a broken signature, or malformed. Never
+    one the speaker signs in its own name (a member may claim; that is no forgery), nor one in
+    the target's own name (`test_a_claim_in_the_receivers_own_name_is_checked`)."""
+    kind = draw(st.sampled_from(["unknown claimant", "others name", "signature", "field", "length"]))
+    victim = draw(st.sampled_from([s.target, s.member, s.other]))
+    peer_id = draw(st.just(victim.peer_id) | unknown_ids)
+    incarnation = draw(st.sampled_from([victim.record.incarnation, victim.record.incarnation + 1, 0, 2**63 - 1]))
+    live = draw(st.sampled_from([0, 1, 2**31 - 1, 2**32, 2**63 - 1]) | st.integers(0, 2**63 - 1))
+    status = draw(st.sampled_from([SUSPECT, DEAD]))
+    if kind == "unknown claimant":  # a real signature, by a key outside the swarm
+        return sign_claim(Identity.generate(), status, peer_id, incarnation, live)
+    claim = sign_claim(speaker, status, peer_id, incarnation, live)
+    if kind == "others name":  # signed by the speaker, said to be another member's
+        claim[4] = draw(st.sampled_from([n.peer_id for n in (s.member, s.other) if n.peer_id != speaker.peer_id]))
+    elif kind == "signature":
+        sig = bytearray(claim[5])
+        sig[draw(st.integers(0, 63))] ^= 1 << draw(st.integers(0, 7))
+        claim[5] = bytes(sig)
+    elif kind == "field":
+        index = draw(st.integers(0, 5))
+        claim[index] = draw(wrong.filter(_differs(claim[index])))
+    else:
+        claim = draw(st.sampled_from([claim[:5], [*claim, None], [claim[0]], claim[:1] + claim[2:]]))
+    return claim
+
+
+@st.composite
+def leave_updates(draw, s: Swarm) -> Any:
+    """A leave update that must change nothing: an earlier life's, a bad signature, an unknown
+    peer's, malformed."""
+    member, other = s.member, s.other
+    kind = draw(st.sampled_from(["past", "signature", "flipped", "unknown", "self", "field", "length"]))
+    inc = member.record.incarnation
+    if kind == "past":  # the member's real leave of an earlier incarnation
+        return [LEFT, member.peer_id, inc - 1, member.identity.sign(leave_statement(member.peer_id, inc - 1))]
+    if kind == "signature":
+        peer = draw(st.sampled_from([member, other]))
+        return [LEFT, peer.peer_id, draw(st.sampled_from([peer.record.incarnation, peer.record.incarnation + 1,
+                                                          2**63 - 1])), draw(st.binary(min_size=64, max_size=64))]
+    update = [LEFT, other.peer_id, other.record.incarnation,
+              other.identity.sign(leave_statement(other.peer_id, other.record.incarnation))]
+    if kind == "flipped":  # the other's real leave, one bit of its signature flipped
+        sig = bytearray(update[3])
+        sig[draw(st.integers(0, 63))] ^= 1 << draw(st.integers(0, 7))
+        update[3] = bytes(sig)
+    elif kind in ("unknown", "self"):  # signed by the key of no member, or by the target's own
+        signer = Identity.generate() if kind == "unknown" else s.target.identity
+        update = [LEFT, signer.peer_id, 1, signer.sign(leave_statement(signer.peer_id, 1))]
+    elif kind == "field":
+        index = draw(st.integers(0, 3))
+        update[index] = draw(wrong.filter(_differs(update[index])))
+    else:
+        update = draw(st.sampled_from([update[:3], [*update, 1], [LEFT]]))
+    return update
+
+
+@st.composite
+def updates(draw, s: Swarm, speaker: Identity) -> Any:
+    """What `$probe`, `$probe-via` and `$gossip` carry: a short list of updates, each a beat, a
+    record, a claim or a leave that must change nothing, or junk; or a list past its bound."""
+    one = st.one_of(
+        beats(s).map(alive),
+        (forged_records(s, speaker) | st.sampled_from([s.member.record.to_wire(), s.other.record.to_wire()]))
+        .map(lambda record: [RECORD, record]),
+        claims(s, speaker),
+        leave_updates(s),
+        wrong,
+        st.sampled_from([[ALIVE], [RECORD, None], ["x", 1], [ALIVE, s.beats[0], 1]]),
+    )
+    return draw(st.lists(one, max_size=5) | st.just([alive(s.beats[0])] * (MAX_UPDATES + 1)) | wrong)
+
+
+@st.composite
 def bodies(draw, s: Swarm, speaker: Identity, topic: str) -> tuple[Any, list[bytes]]:
     """(body, payload) for `topic`: mostly near its valid shape, one thing broken."""
     if draw(st.integers(0, 9)) == 0:
@@ -409,9 +515,19 @@ def bodies(draw, s: Swarm, speaker: Identity, topic: str) -> tuple[Any, list[byt
         records = st.lists(forged_records(s, speaker) | st.sampled_from([s.member.record.to_wire(),
                                                                          s.other.record.to_wire()]), max_size=4)
         return draw(records | st.just([None] * 257)), []
-    if topic == PING:
-        digest = st.lists(beats(s), min_size=1, max_size=5) | st.just([]) | st.just([s.beats[0]] * 4097)
-        return [draw(digest), draw(st.booleans() | wrong)], []
+    if topic in (PROBE, PROBE_VIA, GOSSIP):
+        body = {"u": draw(updates(s, speaker))}
+        if topic == PROBE_VIA:
+            body["t"] = draw(ids | wrong)
+        if topic == GOSSIP and draw(st.booleans()):
+            body["ack"] = draw(st.booleans() | wrong)
+        if draw(st.integers(0, 7)) == 0:  # a key too many, or one left out
+            key = draw(st.sampled_from(["u", "t", "ack", "x"]))
+            if key in body:
+                del body[key]
+            else:
+                body[key] = draw(wrong)
+        return body, []
     if topic == LEAVE:
         return draw(leaves(s, speaker)), []
     if topic == REACH:
@@ -559,13 +675,16 @@ def test_oversize_deep_and_overlong_messages_are_refused_before_any_handler(swar
     before = baseline(swarm)
     for speaker in (speakers(), speakers(swarm.member.identity)):
         me = speaker.peer_id
-        speaker.send(pack(PING, me, [[swarm.beats[0]], False, b"x" * (1 << 20)]))  # a header past 1 MiB
-        speaker.send([pack(PING, me, None)[0], *[b""] * 1025])  # more frames than a message may have
-        speaker.send(pack(PING, me, None, [b""] * 1025))
-        speaker.send(pack(PING, me, [nested(40), False]))  # nested past the wire's depth
+        beat = alive(swarm.beats[0])
+        speaker.send(gossip(me, [beat], x=b"x" * (1 << 20)))  # a header past 1 MiB
+        speaker.send([gossip(me, [])[0], *[b""] * 1025])  # more frames than a message may have
+        speaker.send(pack(GOSSIP, me, None, [b""] * 1025))
+        speaker.send(gossip(me, nested(40)))  # nested past the wire's depth
+        speaker.send(pack(rpc.REQUEST_TOPIC, me, [PROBE, 1, {"u": [nested(40)]}]))
         speaker.send(pack(rpc.REQUEST_TOPIC, me, [HELLO, 1, nested(40)]))
         speaker.send(pack(rpc.REQUEST_TOPIC, me, [HELLO, 1, Hello.ours(nested(25)).to_wire()]))  # deep, within the limit
-        speaker.send(pack(PING, me, [[swarm.beats[0]] * 4097, False]))  # a digest past its bound
+        speaker.send(gossip(me, [beat] * (MAX_UPDATES + 1)))  # updates past their bound
+        speaker.send(pack(rpc.REQUEST_TOPIC, me, [PROBE, 1, {"u": [beat] * (MAX_UPDATES + 1)}]))
         speaker.send(pack(WANT, me, [swarm.other.peer_id] * 257))
         speaker.send(pack(ANNOUNCE, me, [swarm.other.record.to_wire()] * 257))
         speaker.send(pack(ECHO, me, b"x" * 65))
@@ -573,6 +692,11 @@ def test_oversize_deep_and_overlong_messages_are_refused_before_any_handler(swar
         assert not ok and body.code is rpc.ErrorCode.BAD_REQUEST
         ok, body = speaker.ask(HELLO, Hello.ours([*swarm.member.record.to_wire()[:3], ["x"] * 4000, 1, b"", False]).to_wire())
         assert not ok and body.code is rpc.ErrorCode.BAD_REQUEST
+    member = speakers(swarm.member.identity)
+    for topic, body in ((PROBE, {"u": [alive(swarm.beats[0])] * (MAX_UPDATES + 1)}),
+                        (PROBE_VIA, {"t": swarm.other.peer_id, "u": [alive(swarm.beats[0])] * (MAX_UPDATES + 1)})):
+        ok, answer = member.ask(topic, body)
+        assert not ok and answer.code is rpc.ErrorCode.BAD_REQUEST, (topic, answer)
     rejected = assert_sound(swarm, before, caplog)
     assert rejected.get("oversize", 0) >= 2 and rejected.get("too_many_frames", 0) >= 4, rejected
     assert rejected.get("too_deep", 0) >= 4 and rejected.get("bad_field", 0) >= 8, rejected
@@ -583,11 +707,12 @@ def test_replayed_control_messages_change_nothing(swarm, speakers, caplog):
     stranger, member = speakers(), speakers(swarm.member.identity)
     m, other = swarm.member, swarm.other
     me = member.peer_id
-    digest = _digest(m)
+    news = [alive(_beat(m)), alive(_beat(other)), [RECORD, m.record.to_wire()], [RECORD, other.record.to_wire()]]
     past = m.record.incarnation - 1
     replays = [
-        pack(PING, me, [digest, False]),  # a ping the member sent, again
-        pack(PING, me, [digest, True]),  # and asking for an answer each time
+        gossip(me, news),  # a gossip the member sent, again
+        gossip(me, news, ack=True),  # and asking to be probed back each time
+        pack(rpc.REQUEST_TOPIC, me, [PROBE, 7, {"u": news}]),  # a probe, again
         pack(LEAVE, me, [past, m.identity.sign(leave_statement(me, past))]),  # a leave of an earlier life
         pack(LEAVE, me, [other.record.incarnation,  # the other's real leave, sent on by the member
                          other.identity.sign(leave_statement(other.peer_id, other.record.incarnation))]),
@@ -601,7 +726,7 @@ def test_replayed_control_messages_change_nothing(swarm, speakers, caplog):
             member.send(frames)
     member.sync()
     # a stranger replaying the member's hello, or its leave, on a connection of its own
-    for frames in replays[6], replays[2]:
+    for frames in replays[7], replays[3]:
         for _ in range(5):
             stranger.send(frames)
     stranger.sync()
@@ -615,7 +740,7 @@ def test_forged_beats_for_another_peer_change_nothing_it_is_known_by(swarm, spea
     before = baseline(swarm)
     member = speakers(swarm.member.identity)
     a, other = swarm.target, swarm.other
-    real = next(e for e in _digest(swarm.member) if e[0] == other.peer_id)
+    real = _beat(other)
     forged_via = ",".join([member.peer_id] * 3)
     forgeries = []
     for beat, meta in ((2**63 - 1, real[3]), (real[2] + 50, {"$via": forged_via}), (real[2] + 1, {"$via": ""}),
@@ -625,13 +750,18 @@ def test_forged_beats_for_another_peer_change_nothing_it_is_known_by(swarm, spea
         forgeries.append(entry)
     # the other's signed beat presented as the member's, and as the target's
     forgeries += [[member.peer_id, *real[1:]], [a.peer_id, *real[1:]]]
-    for entry in forgeries:
-        member.send(pack(PING, member.peer_id, [[entry], False]))
-    member.sync()
+    forged = [alive(entry) for entry in forgeries]
+    # on each topic that carries updates: pushed, on a probe, and on a request to probe the other
+    member.send(gossip(member.peer_id, forged))
+    ok, answer = member.ask(PROBE, {"u": forged})
+    assert ok and isinstance(answer["u"], list), answer
+    ok, answer = member.ask(PROBE_VIA, {"t": other.peer_id, "u": forged})
+    assert ok and isinstance(answer["ack"], bool), answer
     rejected = assert_sound(swarm, before, caplog)
     info = a._table.get(other.peer_id)
     assert info.beat < 2**62 and info.meta.get("$via") != forged_via and info.meta.get("round") != 10**9
-    assert rejected.get("bad_signature", 0) >= 4, rejected
+    assert info.status is PeerStatus.ALIVE
+    assert rejected.get("bad_signature", 0) >= 3 * 4, rejected
 
 
 def test_unknown_topics_are_refused_one_way_and_answered_no_handler_as_requests(swarm, speakers, caplog):
@@ -670,9 +800,11 @@ def test_a_request_for_a_one_way_control_topic_is_answered_no_handler(swarm, spe
     before = baseline(swarm)
     member = speakers(swarm.member.identity)
     one_way = sorted(swarm.target._dispatch.internal_messages)
-    assert {PING, WANT, ANNOUNCE, LEAVE, RELAY, RELAYED} <= set(one_way)
+    assert {GOSSIP, WANT, ANNOUNCE, LEAVE, RELAY, RELAYED} <= set(one_way)
+    assert {PROBE, PROBE_VIA} <= set(swarm.target._dispatch.internal_requests) - set(one_way)
     for topic in one_way:
-        body = [_digest(swarm.member), False] if topic == PING else [swarm.other.peer_id] if topic == WANT else None
+        body = {"u": [alive(_beat(swarm.member))]} if topic == GOSSIP else [swarm.other.peer_id] if topic == WANT \
+            else None
         ok, answer = member.ask(topic, body, timeout_s=3.0)
         assert not ok and answer.code is rpc.ErrorCode.NO_HANDLER, (topic, answer)
     assert_sound(swarm, before, caplog)
@@ -766,15 +898,311 @@ def test_a_relay_forwards_only_to_clients_attached_to_it(swarm, speakers):
     assert relayed() == start
 
 
-# ---------------------------------------------------------------------------- bounded memory
-def test_pings_naming_made_up_peers_keep_the_ids_asked_for_within_their_bound(fresh_swarm):
+# ---------------------------------------------------------------------------- membership updates
+def _asks(monkeypatch: pytest.MonkeyPatch, node: Node) -> list[tuple[str, str, str]]:
+    """Every request the node's swarm sends from now on, as (caller, peer, topic): the caller is
+    the function that asked (`_probe`, `on_probe_via`, `on_gossip`)."""
+    swarm = node._swarm
+    original, seen = swarm._ask, []
+
+    def ask(peer_id: str, topic: str, body: Any, timeout_s: float) -> Any:
+        seen.append((sys._getframe(1).f_code.co_name, peer_id, topic))
+        return original(peer_id, topic, body, timeout_s)
+
+    monkeypatch.setattr(swarm, "_ask", ask)
+    return seen
+
+
+def _changes(node: Node) -> tuple[list[Any], Callable[[], None]]:
+    """The status changes the node sees from now on, and a function that stops recording them."""
+    seen: list[Any] = []
+    node.on_peer_change(seen.append)
+    return seen, lambda: node._listeners.remove(seen.append)
+
+
+MALFORMED_UPDATES = [
+    5, None, "u", {}, [5], [[]], [["a"]], [["z", 1]], [["a", 1, 2]], [["r", "record"]],
+    [["s", "id", 1, 1, "claimant", b"short"]], [["d", "id", -1, 0, "claimant", b"\x00" * 64]],
+    [["s", "", 1, 1, "claimant", b"\x00" * 64]], [["s", "id", 1, 2**63, "claimant", b"\x00" * 64]],
+    [["d", "id", 1, 1, "c" * 65, b"\x00" * 64]], [["s", "id", True, 1, "claimant", b"\x00" * 64]],
+    [["l", "id", 1]], [["l", "id", 1.0, b"\x00" * 64]], [["l", "id", 1, "sig"]],
+]
+
+
+def test_update_lists_malformed_or_past_their_bound_are_refused_whole(swarm, speakers, caplog):
+    """A list of updates is checked whole before any of it is applied: a valid, signed record
+    of a new peer in a list with one bad update, or in one longer than MAX_UPDATES, never gets
+    in; and a body that is no map of updates is refused."""
+    before = baseline(swarm)
+    member = speakers(swarm.member.identity)
+    newcomer = PeerRecord.create(Identity.generate(), [NOWHERE], 1)
+    lists = [[[RECORD, newcomer.to_wire()], *bad] if isinstance(bad, list) else bad for bad in MALFORMED_UPDATES]
+    lists.append([[RECORD, newcomer.to_wire()]] * (MAX_UPDATES + 1))
+    messages = [*({"u": u} for u in lists), None, [], [[RECORD, newcomer.to_wire()]], {"u": [], "x": 1}]
+    for body in messages:
+        member.send(pack(GOSSIP, member.peer_id, body))
+        ok, answer = member.ask(PROBE, body)
+        assert not ok and answer.code is rpc.ErrorCode.BAD_REQUEST, (body, answer)
+        via = {**body, "t": swarm.other.peer_id} if isinstance(body, dict) else body
+        ok, answer = member.ask(PROBE_VIA, via)
+        assert not ok and answer.code is rpc.ErrorCode.BAD_REQUEST, (via, answer)
+    for via in ({"u": []}, {"t": 5, "u": []}, {"t": None}, {"t": swarm.other.peer_id, "u": [], "x": 1}):
+        ok, answer = member.ask(PROBE_VIA, via)
+        assert not ok and answer.code is rpc.ErrorCode.BAD_REQUEST, (via, answer)
+    rejected = assert_sound(swarm, before, caplog)
+    assert rejected.get("bad_field", 0) >= 3 * len(messages) + 4, rejected
+    assert swarm.target.status_of(newcomer.peer_id) is None
+
+
+def test_a_probe_is_answered_with_a_bounded_piggyback(swarm, speakers, caplog):
+    """A probe of no updates costs its prober one answer, at most `piggyback_bytes` of updates
+    and MAX_UPDATES of them, whatever the target has queued to send on."""
+    before = baseline(swarm)
+    member = speakers(swarm.member.identity)
+    a = swarm.target
+
+    async def queue() -> None:  # leaves of peers nobody knows: news the members ignore
+        for i in range(4 * MAX_UPDATES):
+            a._swarm._spread([LEFT, f"gone-{i}", 1, bytes(64)], urgent=True)
+
+    a.run(queue())
+    for _ in range(20):
+        ok, answer = member.ask(PROBE, {"u": []})
+        assert ok and set(answer) == {"u"}, answer
+        assert 0 < len(answer["u"]) <= MAX_UPDATES
+        assert len(msgpack.packb(answer["u"], use_bin_type=True)) <= TEST_LIVENESS.piggyback_bytes + 8
+    assert_sound(swarm, before, caplog)
+
+
+def test_forged_claims_change_nothing_and_claims_by_unknown_claimants_are_ignored(swarm, speakers, caplog):
+    """A suspicion or death in another member's name, or with a broken signature, is refused and
+    counted; one signed by a key nobody in the swarm holds cannot be checked and is ignored.
+    Neither makes a peer suspect or dead, nor the target refute a claim about itself."""
+    before = baseline(swarm)
+    member = speakers(swarm.member.identity)
+    a, m, other = swarm.target, swarm.member, swarm.other
+    live_before = a._swarm._live
+    changes, stop = _changes(a)
+    try:
+        stranger = Identity.generate()
+        unchecked = [sign_claim(stranger, kind, node.peer_id, node.record.incarnation, live)
+                     for kind in (SUSPECT, DEAD) for node in (a, m, other) for live in (0, 1 << 20)]
+        start = _rejected(swarm)
+        member.send(gossip(member.peer_id, unchecked))
+        ok, _ = member.ask(PROBE, {"u": unchecked})
+        assert ok
+        assert _grew(start, swarm) == {}  # ignored, not refused: a newer member's claims come round again
+        forged = []
+        for kind, node in ((DEAD, other), (SUSPECT, other), (SUSPECT, a), (DEAD, a), (SUSPECT, m)):
+            claim = sign_claim(member.identity, kind, node.peer_id, node.record.incarnation, 0)
+            claim[4] = other.peer_id  # the member's signature, in the other's name
+            forged.append(claim)
+        flipped = sign_claim(member.identity, DEAD, other.peer_id, other.record.incarnation, 0)
+        flipped[5] = bytes([flipped[5][0] ^ 1]) + flipped[5][1:]  # the member's own, one bit off
+        forged.append(flipped)
+        member.send(gossip(member.peer_id, forged))
+        ok, _ = member.ask(PROBE, {"u": forged})
+        assert ok
+        ok, answer = member.ask(PROBE_VIA, {"t": "nobody", "u": forged})
+        assert ok and answer["ack"] is False
+        rejected = assert_sound(swarm, before, caplog)
+    finally:
+        stop()
+    assert rejected.get("bad_signature", 0) >= 3 * len(forged), rejected
+    assert [c for c in changes if c.peer_id in before.peers] == []
+    assert a._swarm._live == live_before  # nothing it had to refute
+    assert other.peer_id not in a._swarm._suspicions and m.peer_id not in a._swarm._suspicions
+
+
+def test_a_probe_via_naming_no_other_member_is_answered_no_ack_and_probes_nobody(swarm, speakers, caplog,
+                                                                                   monkeypatch):
+    before = baseline(swarm)
+    member = speakers(swarm.member.identity)
+    a, other = swarm.target, swarm.other
+    asks = _asks(monkeypatch, a)
+    for target in (a.peer_id, member.peer_id, "nobody", "x" * 64, Identity.generate().peer_id):
+        ok, answer = member.ask(PROBE_VIA, {"t": target, "u": []})
+        assert ok and answer["ack"] is False and isinstance(answer["u"], list), (target, answer)
+    assert [ask for ask in asks if ask[0] == "on_probe_via"] == []
+    # a member the target can reach is probed for the asker, once a request
+    acks = [member.ask(PROBE_VIA, {"t": other.peer_id, "u": []})[1]["ack"] for _ in range(3)]
+    assert True in acks, acks  # three tries: on a loaded box one probe may miss its timeout
+    assert [ask for ask in asks if ask[0] == "on_probe_via"] == [("on_probe_via", other.peer_id, PROBE)] * 3
+    assert_sound(swarm, before, caplog)
+
+
+def test_probes_via_the_target_in_flight_stay_within_their_bound(fresh_swarm, caplog, monkeypatch):
+    """A member asking the target to probe a peer that never answers gets a nack for each ask;
+    at most MAX_PROBES_VIA of those probes run at once, the rest are nacked at once."""
     s = fresh_swarm
-    member = Speaker(s.target.address, s.member.identity)
+    a = s.target
+    member = Speaker(a.address, s.member.identity)
+    try:
+        silent = PeerRecord.create(Identity.generate(), [NOWHERE], 1)  # reachable, and nobody there
+        member.send(pack(ANNOUNCE, member.peer_id, [silent.to_wire()]))
+        member.sync()
+        assert a.status_of(silent.peer_id) is PeerStatus.ALIVE
+        running = most = 0
+        original = a._swarm._ask
+
+        def ask(peer_id: str, topic: str, body: Any, timeout_s: float) -> Any:
+            if sys._getframe(1).f_code.co_name != "on_probe_via":
+                return original(peer_id, topic, body, timeout_s)
+
+            async def counted() -> Any:
+                nonlocal running, most
+                running += 1
+                most = max(most, running)
+                try:
+                    return await original(peer_id, topic, body, timeout_s)
+                finally:
+                    running -= 1
+
+            return counted()
+
+        monkeypatch.setattr(a._swarm, "_ask", ask)
+        rids = [next(Speaker._markers) for _ in range(3 * MAX_PROBES_VIA)]
+        for rid in rids:
+            member.send(member.request(PROBE_VIA, {"t": silent.peer_id, "u": []}, rid))
+        answers = {}
+        while len(answers) < len(rids):
+            assert member.sock.poll(int(ANSWER_WITHIN_S * 1000)), f"{len(rids) - len(answers)} probe-vias unanswered"
+            got, ok, body = rpc.parse_reply(decode(member.sock.recv_multipart()))
+            assert ok, body
+            answers[got] = body["ack"]
+    finally:
+        member.close()
+    assert set(answers) == set(rids) and set(answers.values()) == {False}
+    assert most == MAX_PROBES_VIA, most  # the cap was reached, and held
+    assert a._swarm._probes_via == 0 and a.fault is None and not _uncaught(caplog)
+
+
+def test_gossip_asking_for_a_probe_back_is_not_an_amplifier(swarm, speakers, caplog, monkeypatch):
+    """`ack` asks the target to probe the sender back: at most once per half period per sender,
+    however often it is asked, and never a stranger."""
+    before = baseline(swarm)
+    member, stranger = speakers(swarm.member.identity), speakers()
+    asks = _asks(monkeypatch, swarm.target)
+    start = time.monotonic()
+    for n in range(200):
+        member.send(gossip(member.peer_id, [], ack=True))
+        stranger.send(gossip(stranger.peer_id, [], ack=True))
+        if n % 10 == 0:
+            time.sleep(0.01)
+    member.sync()
+    stranger.sync()
+    elapsed = time.monotonic() - start
+    back = [ask for ask in asks if ask[0] == "on_gossip"]
+    assert back and {peer for _, peer, _ in back} == {member.peer_id}, back
+    assert len(back) <= elapsed / (TEST_LIVENESS.probe_interval_s / 2) + 1, (len(back), elapsed)
+    assert _grew(before.rejected, swarm).get("unknown_peer", 0) >= 200
+    assert_sound(swarm, before, caplog)
+
+
+# ---------------------------------------------------------------------------- bounded memory
+def test_beats_naming_made_up_peers_keep_the_ids_asked_for_within_their_bound(fresh_swarm):
+    """A beat of a peer the target has no record of is asked about (WANT), once per id per
+    period: made-up ids cannot grow what the target remembers asking, or what it sends, past
+    MAX_WANTED."""
+    s = fresh_swarm
+    a, m = s.target, s.member
+    member = Speaker(a.address, m.identity)
+
+    def wants_sent() -> int:
+        return a.stats.snapshot()["bytes_sent"].get(m.peer_id, {}).get(WANT, 0)
+
+    start = wants_sent()
     try:
         template = s.beats[0]
-        for n in range(2 * MAX_WANTED // 256 + 2):
-            member.send(pack(PING, member.peer_id, [[[f"ghost-{n}-{i}", *template[1:]] for i in range(256)], False]))
+        for n in range(2 * MAX_WANTED // MAX_UPDATES + 2):
+            ghosts = [alive([f"ghost-{n}-{i}", *template[1:]]) for i in range(MAX_UPDATES)]
+            if n % 2:
+                member.send(gossip(member.peer_id, ghosts))
+            else:
+                member.send(member.request(PROBE, {"u": ghosts}, rid=n))
         member.sync()
     finally:
         member.close()
-    assert len(s.target._swarm._wanted) <= MAX_WANTED
+    assert MAX_WANTED // 2 <= len(a._swarm._wanted) <= MAX_WANTED
+    time.sleep(0.5)  # the wants already spawned go out
+    assert wants_sent() - start <= MAX_WANTED * (ENVELOPE_BYTES + 64)
+    assert a.fault is None and sorted(a.live_peers()) == sorted([m.peer_id, s.other.peer_id])
+
+
+# ---------------------------------------------------------------------------- claims and answers
+def test_a_claim_in_the_receivers_own_name_is_checked(fresh_swarm, caplog):
+    """A member sends a death of the other member claimed in the target's own name, under a
+    signature of zeros: the target must check it like any claim, not take it as its own."""
+    s = fresh_swarm
+    a, other = s.target, s.other
+    changes, stop = _changes(a)
+    member = Speaker(a.address, s.member.identity)
+    try:
+        start = _rejected(s)
+        forged = [DEAD, other.peer_id, other.record.incarnation, 0, a.peer_id, b"\x00" * 64]
+        member.send(gossip(member.peer_id, [forged]))
+        member.sync()
+    finally:
+        member.close()
+        stop()
+    assert [c for c in changes if c.peer_id == other.peer_id] == [], changes
+    assert _grew(start, s).get("bad_signature", 0) >= 1
+
+
+def test_a_claim_naming_a_liveness_incarnation_no_beat_can_carry_changes_nothing(fresh_swarm, caplog):
+    """A member's own (validly signed) suspicion of the target at liveness incarnation 2**31 - 1
+    or 2**40: refuting it would take a beat counter past int64 (every member refuses such a beat)
+    or past what msgpack packs (signing the beat raises, inside the handler and then for good).
+    The target must stay able to sign a beat its peers accept."""
+    s = fresh_swarm
+    a = s.target
+    member = Speaker(a.address, s.member.identity)
+    try:
+        for live in (2**31 - 1, 2**40):
+            claim = sign_claim(s.member.identity, SUSPECT, a.peer_id, a.record.incarnation, live)
+            member.send(gossip(member.peer_id, [claim]))
+        member.sync()
+    finally:
+        member.close()
+    assert not _uncaught(caplog), _uncaught(caplog)
+    parse_beat(_beat(a))  # raises WireError for a counter of 2**63 and up
+
+
+def test_a_claims_signature_vouches_for_that_claim_only(fresh_swarm, caplog):
+    """A member signs a suspicion of a peer nobody knows (harmless: checked, then ignored), then
+    sends the same signature on a death of the other member said to be the other's own claim.
+    The signature is the member's over another statement: refused, and nothing changes."""
+    s = fresh_swarm
+    a, other = s.target, s.other
+    changes, stop = _changes(a)
+    member = Speaker(a.address, s.member.identity)
+    try:
+        real = sign_claim(s.member.identity, SUSPECT, "nobody-" + Identity.generate().peer_id, 1, 0)
+        member.send(gossip(member.peer_id, [real]))
+        member.sync()
+        start = _rejected(s)
+        member.send(gossip(member.peer_id, [[DEAD, other.peer_id, other.record.incarnation, 0, other.peer_id,
+                                             real[5]]]))
+        member.sync()
+    finally:
+        member.close()
+        stop()
+    assert [c for c in changes if c.peer_id == other.peer_id] == [], changes
+    assert _grew(start, s).get("bad_signature", 0) >= 1
+
+
+def test_a_malformed_answer_to_a_probe_is_refused_and_probing_goes_on(fresh_swarm, caplog):
+    """The member answers the target's probes with update lists that are no such thing: the
+    target must refuse them as it refuses the same lists in a probe, and keep probing."""
+    s = fresh_swarm
+    a, m, other = s.target, s.member, s.other
+
+    def probes_sent() -> int:
+        return a.stats.snapshot()["bytes_sent"].get(other.peer_id, {}).get(PROBE, 0)
+
+    m._swarm._take = lambda urgent_only=False: [[ALIVE]]  # its probes and answers now carry [["a"]]
+    time.sleep(15 * TEST_LIVENESS.probe_interval_s)  # the target probes the member several times
+    del m._swarm._take
+    start = probes_sent()
+    assert wait_until(lambda: probes_sent() > start, 20 * TEST_LIVENESS.probe_interval_s), "the target stopped probing"
+    assert not _uncaught(caplog), _uncaught(caplog)

@@ -18,11 +18,11 @@ from starling.node.swarm import ANNOUNCE
 
 CHILD = textwrap.dedent("""
     import json, os, resource, sys
-    from starling.node.membership import Liveness
+    from starling.node.swim import Liveness
     from starling.node.node import Node, NodeConfig
     from starling.node.transport import TransportConfig
 
-    node = Node(config=NodeConfig(liveness=Liveness(1.0, 60.0, 120.0),
+    node = Node(config=NodeConfig(liveness=Liveness(probe_interval_s=1.0, suspicion_base_s=120.0),
                                   transport=TransportConfig(max_open_dealers=512))).start("tcp://127.0.0.1:0")
     used = len(os.listdir("/proc/self/fd"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (used + 40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -45,7 +45,7 @@ def test_a_node_out_of_descriptors_sheds_idle_connections_and_stays_up():
             child.stdin.flush()
             return json.loads(child.stdout.readline())
 
-        member = Node(config=NodeConfig(liveness=Liveness(1.0, 60.0, 120.0))).start("tcp://127.0.0.1:0",
+        member = Node(config=NodeConfig(liveness=Liveness(probe_interval_s=1.0, suspicion_base_s=120.0))).start("tcp://127.0.0.1:0",
                                                                                      join=[address])
         endpoint = member.address.split("#")[0]  # something listens there: each DEALER holds a connection
         records = [PeerRecord.create(Identity.generate(), [endpoint], 1) for _ in range(120)]

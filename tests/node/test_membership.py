@@ -7,16 +7,18 @@ import pytest
 
 from starling.node.identity import Identity
 from starling.node.membership import (
-    Liveness,
+    LIVE_SHIFT,
     PeerRecord,
     PeerStatus,
     PeerTable,
     TableFull,
     TableLimits,
     finite_meta,
-    parse_digest,
+    live_incarnation,
+    parse_beat,
     sign_beat,
 )
+from starling.node.swim import Liveness
 from starling.node.wire import RejectReason, WireError
 
 
@@ -77,45 +79,41 @@ def test_malformed_records_raise_typed_errors(raw):
     assert err.value.reason is RejectReason.BAD_FIELD
 
 
-def test_failure_detector_timeline(ids):
-    table = PeerTable(ids[0].peer_id, Liveness(1.0, 3.0, 10.0))
+def test_claims_make_a_peer_suspect_then_dead_and_a_newer_liveness_incarnation_refutes(ids):
+    table = PeerTable(ids[0].peer_id, Liveness())
     rec = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 1)
     assert table.upsert(rec, now=0.0).new is PeerStatus.ALIVE
-    assert table.sweep(2.9) == []
-    [change] = table.sweep(3.0)
-    assert (change.old, change.new) == (PeerStatus.ALIVE, PeerStatus.SUSPECT)
-    [change] = table.sweep(10.0)
-    assert change.new is PeerStatus.DEAD
-    # a message from a dead peer revives it
-    assert table.seen(rec.peer_id, 11.0).new is PeerStatus.ALIVE
-    assert table.get(rec.peer_id).status is PeerStatus.ALIVE
+    assert ids[1].peer_id in table.live_ids
+    held, change = table.claim(PeerStatus.SUSPECT, rec.peer_id, 1, 0)
+    assert held and (change.old, change.new) == (PeerStatus.ALIVE, PeerStatus.SUSPECT)
+    assert table.claim(PeerStatus.SUSPECT, rec.peer_id, 1, 0) == (False, None)  # a confirmation: the caller counts it
+    assert table.seen(rec.peer_id, 1.0) is None  # a claimed suspicion waits for a refutation
+    assert table.claim(PeerStatus.DEAD, rec.peer_id, 1, 0)[1].new is PeerStatus.DEAD
+    assert ids[1].peer_id not in table.live_ids
+    # a beat of the same liveness incarnation (a meta change) does not refute; a higher one does
+    assert table.heartbeat(sign_beat(ids[1], 1, 5, {}), now=2.0) is None
+    assert table.get(rec.peer_id).status is PeerStatus.DEAD
+    assert table.heartbeat(sign_beat(ids[1], 1, (1 << LIVE_SHIFT) | 6, {}), now=3.0).new is PeerStatus.ALIVE
+    assert live_incarnation(table.get(rec.peer_id).beat) == 1 and ids[1].peer_id in table.live_ids
+    # a stale claim (about the liveness incarnation it refuted) no longer holds
+    assert table.claim(PeerStatus.SUSPECT, rec.peer_id, 1, 0) == (False, None)
+    assert table.claim(PeerStatus.DEAD, rec.peer_id, 0, 1) == (False, None)  # nor one about an older record
+    assert table.live_at(rec.peer_id) == (1, 1)
 
 
-def test_a_late_sweep_still_reports_suspect_before_dead(ids):
-    table = PeerTable(ids[0].peer_id, Liveness(1.0, 3.0, 10.0))
+def test_a_dropped_connection_is_suspicion_a_message_clears_and_a_dead_peer_that_talks_revives(ids):
+    table = PeerTable(ids[0].peer_id, Liveness())
     rec = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 1)
     table.upsert(rec, now=0.0)
-    changes = table.sweep(12.0)  # the loop stalled past both timeouts
-    assert [(c.old, c.new) for c in changes] == [(PeerStatus.ALIVE, PeerStatus.SUSPECT),
-                                                 (PeerStatus.SUSPECT, PeerStatus.DEAD)]
-    assert table.get(rec.peer_id).status is PeerStatus.DEAD
-    assert table.sweep(13.0) == []
-
-
-def test_pardon_moves_silence_but_not_past_now_nor_for_the_dead(ids):
-    table = PeerTable(ids[0].peer_id, Liveness(1.0, 3.0, 10.0))
-    quiet, gone = (PeerRecord.create(i, ["tcp://127.0.0.1:1"], 1) for i in ids[1:3])
-    table.upsert(quiet, now=0.0)
-    table.upsert(gone, now=0.0)
-    table.sweep(20.0)  # both dead
-    table.seen(quiet.peer_id, 20.0)  # quiet is back
-    table.pardon(5.0, now=21.0)  # this node was stalled for 5 s
-    assert table.get(quiet.peer_id).last_seen == 21.0  # capped at now
-    assert table.get(gone.peer_id).status is PeerStatus.DEAD and table.get(gone.peer_id).last_seen == 0.0
-    table.pardon(2.0, now=25.0)  # 4 s silent, 2 of them this node's stall
-    assert table.get(quiet.peer_id).last_seen == 23.0
-    assert table.sweep(25.9) == []
-    assert table.sweep(26.0)[0].new is PeerStatus.SUSPECT
+    assert table.suspect(rec.peer_id).new is PeerStatus.SUSPECT  # this node's own evidence, no claim
+    assert table.seen(rec.peer_id, 1.0).new is PeerStatus.ALIVE
+    table.suspect(rec.peer_id)
+    assert table.declare_dead(rec.peer_id, silent_since=0.5) is None  # heard from at 1.0
+    assert table.declare_dead(rec.peer_id, silent_since=1.5).new is PeerStatus.DEAD
+    assert table.seen(rec.peer_id, 2.0).new is PeerStatus.ALIVE  # it talks to us: alive here
+    table.suspect(rec.peer_id)  # suspect on our own evidence, then a member claims it: held, no new status
+    assert table.claim(PeerStatus.SUSPECT, rec.peer_id, 1, 0) == (True, None)
+    assert table.seen(rec.peer_id, 3.0) is None  # now only a refutation clears it
 
 
 def test_leave_is_final_until_a_new_incarnation(ids):
@@ -140,24 +138,26 @@ def test_older_incarnation_does_not_replace_newer(ids):
 
 
 def test_own_record_is_ignored_and_forget_bounds_the_table(ids):
-    table = PeerTable(ids[0].peer_id, Liveness(1.0, 2.0, 3.0))
+    table = PeerTable(ids[0].peer_id, Liveness())
     assert table.upsert(PeerRecord.create(ids[0], ["inproc://x"], 1), 0.0) is None
     table.upsert(PeerRecord.create(ids[1], ["inproc://y"], 1), 0.0)
-    table.sweep(5.0)
+    table.claim(PeerStatus.DEAD, ids[1].peer_id, 1, 0)
     assert table.forget(older_than_s=10.0, now=6.0) == []
     assert table.forget(older_than_s=10.0, now=20.0) == [ids[1].peer_id]
     assert table.all() == []
 
 
 def test_liveness_validation():
-    with pytest.raises(ValueError):
-        Liveness(heartbeat_interval_s=5.0, suspect_timeout_s=3.0, dead_timeout_s=10.0)
-    with pytest.raises(ValueError, match="fanout"):
-        Liveness(fanout=0)
+    with pytest.raises(ValueError, match="probe_interval_s"):
+        Liveness(probe_interval_s=0.0)
+    with pytest.raises(ValueError, match="indirect_probes"):
+        Liveness(indirect_probes=-1)
+    with pytest.raises(ValueError, match="piggyback_bytes"):
+        Liveness(piggyback_bytes=10)
 
 
 def test_relayed_beats_refresh_only_when_newer(ids):
-    table = PeerTable(ids[0].peer_id, Liveness(1.0, 3.0, 10.0))
+    table = PeerTable(ids[0].peer_id, Liveness())
     rec = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 4)
     table.upsert(rec, now=0.0)
     assert table.heartbeat(sign_beat(ids[1], 4, 7, {"round": 2}), now=2.0) is None  # news, still alive
@@ -167,23 +167,22 @@ def test_relayed_beats_refresh_only_when_newer(ids):
     assert table.heartbeat(sign_beat(ids[1], 4, 7, {"round": 1}), now=2.5) is None
     assert table.heartbeat(sign_beat(ids[1], 3, 99, {}), now=2.5) is None
     assert (info.last_seen, info.meta) == (2.0, {"round": 2})
-    [change] = table.sweep(5.0)
-    assert change.new is PeerStatus.SUSPECT
+    table.suspect(rec.peer_id)
     assert table.heartbeat(sign_beat(ids[1], 4, 8, {}), now=5.5).new is PeerStatus.ALIVE
-    assert table.digest() == [sign_beat(ids[1], 4, 8, {})]  # relayed exactly as signed
+    assert info.signed_beat == sign_beat(ids[1], 4, 8, {})  # relayed exactly as signed
     # a restart (newer incarnation) counts its beats from zero again
     table.upsert(PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 5), now=6.0)
-    assert table.get(rec.peer_id).beat == -1 and table.digest() == []
+    assert table.get(rec.peer_id).beat == -1 and table.get(rec.peer_id).signed_beat is None
     table.left(rec.peer_id, 5)
     assert table.heartbeat(sign_beat(ids[1], 5, 1, {}), now=7.0) is None  # gone is gone
 
 
 @pytest.mark.parametrize("forge", ["other key", "counter", "meta", "incarnation"])
 def test_a_beat_not_signed_by_its_peer_is_refused_and_changes_nothing(ids, forge):
-    table = PeerTable(ids[0].peer_id, Liveness(1.0, 3.0, 10.0))
+    table = PeerTable(ids[0].peer_id, Liveness())
     table.upsert(PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 4), now=0.0)
     table.heartbeat(sign_beat(ids[1], 4, 7, {"$via": "honest"}), now=1.0)
-    [change] = table.sweep(5.0)  # silent: suspect
+    table.claim(PeerStatus.SUSPECT, ids[1].peer_id, 4, 0)
     if forge == "other key":  # a member signs a beat for another peer with its own key
         entry = sign_beat(ids[2], 4, 10**12, {"$via": "attacker"})
         entry[0] = ids[1].peer_id
@@ -197,45 +196,37 @@ def test_a_beat_not_signed_by_its_peer_is_refused_and_changes_nothing(ids, forge
             entry[1], entry[2] = 4, 9  # a signature of another beat
             entry[4] = sign_beat(ids[1], 5, 9, {"$via": "honest"})[4]
     with pytest.raises(WireError) as err:
-        table.heartbeat(parse_digest([entry])[0], now=5.5)
+        table.heartbeat(parse_beat(entry), now=5.5)
     assert err.value.reason is RejectReason.BAD_SIGNATURE
     info = table.get(ids[1].peer_id)
     assert (info.status, info.beat, info.meta, info.last_seen) == (PeerStatus.SUSPECT, 7, {"$via": "honest"}, 1.0)
-    assert table.digest() == []  # only alive peers' beats are relayed, and this one is not revived
 
 
-def test_sort_digest_splits_news_from_unknown_peers(ids):
+def test_is_news_tells_new_beats_from_old_and_unknown_peers(ids):
     table = PeerTable(ids[0].peer_id, Liveness())
     known = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 4)
     table.upsert(known, now=0.0)
     table.heartbeat(sign_beat(ids[1], 4, 10, {}), now=0.0)
     stranger = Identity.generate()
-    entries = parse_digest([sign_beat(ids[0], 1, 5, {}), sign_beat(ids[1], 4, 10, {}), sign_beat(ids[1], 4, 11, {}),
-                            sign_beat(stranger, 1, 0, {}), sign_beat(ids[1], 9, 0, {})])
-    news, unknown = table.sort_digest(entries)
-    assert news == [sign_beat(ids[1], 4, 11, {})]
-    assert unknown == [stranger.peer_id, known.peer_id]  # never heard of, and a newer incarnation
-    assert table.get(known.peer_id).beat == 10  # sorting applies nothing
-
-
-def test_relay_delay_extends_the_failure_detector(ids):
-    table = PeerTable(ids[0].peer_id, Liveness(1.0, 3.0, 10.0))
-    table.upsert(PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 1), now=0.0)
-    assert table.sweep(4.0, relay_delay_s=2.0) == []
-    assert table.sweep(5.0, relay_delay_s=2.0)[0].new is PeerStatus.SUSPECT
+    assert table.is_news(sign_beat(ids[0], 1, 5, {})) is False  # our own
+    assert table.is_news(sign_beat(ids[1], 4, 10, {})) is False
+    assert table.is_news(sign_beat(ids[1], 4, 11, {})) is True
+    assert table.is_news(sign_beat(stranger, 1, 0, {})) is None  # never heard of: ask for its record
+    assert table.is_news(sign_beat(ids[1], 9, 0, {})) is None  # a newer incarnation than we hold
+    assert table.get(known.peer_id).beat == 10  # asking applies nothing
 
 
 SIG = bytes(64)
 
 
 @pytest.mark.parametrize("body", [
-    None, [], "digest", [["id", 1, 2, {}]], [["", 1, 2, {}, SIG]], [["x" * 65, 1, 2, {}, SIG]],
-    [["id", -1, 2, {}, SIG]], [["id", 1, 2**63, {}, SIG]], [["id", True, 2, {}, SIG]], [["id", 1, 2.0, {}, SIG]],
-    [["id", 1, 2, [], SIG]], [["id", 1, 2, {}, b"short"]], [["id", 1, 2, {}, "sig"]], [["id", 1, 2, {}, SIG]] * 4097,
+    None, [], "beat", ["id", 1, 2, {}], ["", 1, 2, {}, SIG], ["x" * 65, 1, 2, {}, SIG],
+    ["id", -1, 2, {}, SIG], ["id", 1, 2**63, {}, SIG], ["id", True, 2, {}, SIG], ["id", 1, 2.0, {}, SIG],
+    ["id", 1, 2, [], SIG], ["id", 1, 2, {}, b"short"], ["id", 1, 2, {}, "sig"],
 ])
-def test_malformed_digests_raise_typed_errors(body):
+def test_malformed_beats_raise_typed_errors(body):
     with pytest.raises(WireError) as err:
-        parse_digest(body)
+        parse_beat(body)
     assert err.value.reason is RejectReason.BAD_FIELD
 
 
@@ -264,7 +255,7 @@ def test_a_member_relays_at_most_its_share_of_records_not_heard_first_hand(ids):
 
 
 def test_a_full_table_drops_the_dead_then_the_biggest_relayers_unconfirmed_records(ids):
-    table = PeerTable(ids[0].peer_id, Liveness(1.0, 2.0, 3.0), TableLimits(max_peers=4, max_unconfirmed_per_member=4))
+    table = PeerTable(ids[0].peer_id, Liveness(), TableLimits(max_peers=4, max_unconfirmed_per_member=4))
     flooder, honest = ids[1].peer_id, ids[2].peer_id
     heard = PeerRecord.create(Identity.generate(), ["tcp://127.0.0.1:1"], 1)
     table.upsert(heard, now=0.0)  # first-hand
@@ -280,7 +271,8 @@ def test_a_full_table_drops_the_dead_then_the_biggest_relayers_unconfirmed_recor
     assert table.evicted == [fakes[0].peer_id]
     # a dead entry goes before anyone's record
     table.seen(heard.peer_id, now=0.0)
-    table.sweep(10.0)  # all silent: dead
+    for info in table.all():  # all claimed dead
+        table.claim(PeerStatus.DEAD, info.peer_id, info.record.incarnation, 0)
     table.seen(other.peer_id, now=10.0)
     newcomer = PeerRecord.create(Identity.generate(), ["tcp://127.0.0.1:1"], 1)
     table.upsert(newcomer, now=10.0)

@@ -22,7 +22,7 @@ WHY = nat.lab_unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"no NAT lab here: {WHY}")]
 
 HOME_PORT = 7101
-FAST = ["--heartbeat-s", "0.3", "--suspect-after-s", "3", "--dead-after-s", "6", "--log-level", "warning"]
+FAST = ["--probe-interval-s", "0.3", "--suspicion-s", "6", "--log-level", "warning"]
 ROLES = ("pub", "pub", "h1", "h2")
 
 

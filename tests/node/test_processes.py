@@ -13,7 +13,7 @@ from conftest import DEATH_SEEN_WITHIN_S, statuses, wait_until
 # on a starved 2-core CI machine. The timeouts below are for the latter.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-FAST = ["--heartbeat-s", "0.2", "--suspect-after-s", "1.5", "--dead-after-s", "3"]
+FAST = ["--probe-interval-s", "0.2", "--suspicion-s", "3"]
 
 
 def starling(*args: str) -> list[str]:

@@ -12,9 +12,9 @@ from conftest import DEATH_SEEN_WITHIN_S, TEST_LIVENESS, raw_dealer, statuses, w
 from starling.node import BadRequestError
 from starling.node.hello import Hello
 from starling.node.identity import Identity
-from starling.node.membership import Liveness
 from starling.node.node import NodeConfig, SwarmConfigError, UnknownPeerError
 from starling.node.rpc import RemoteError, Reply, RequestTimeout, RpcError
+from starling.node.swim import Liveness
 from starling.node.transport import TransportConfig
 from starling.node.wire import encode
 
@@ -100,43 +100,46 @@ def test_async_handlers_and_training_thread_overlap(make_node):
     assert got.wait(10)
 
 
-def test_graceful_leave_is_seen_by_all_within_one_heartbeat(make_node):
+def test_graceful_leave_is_seen_by_all_within_one_probe_period(make_node):
     a = make_node("tcp")
     b = make_node("tcp", join=[a.address])
     c = make_node("tcp", join=[a.address])
     assert wait_until(lambda: len(a.live_peers()) == 2 and len(b.live_peers()) == 2 and len(c.live_peers()) == 2)
     c.leave()
-    # Within one default heartbeat (1 s), and well before the failure detector could
-    # have noticed (suspect after 1.5 s of silence here): the leave message did it.
-    hb = Liveness().heartbeat_interval_s
-    assert hb < TEST_LIVENESS.suspect_timeout_s
+    # Within one default probe period (1 s), and well before the failure detector could have
+    # declared it dead (a suspicion lasts 3 s at least here): the leave message did it.
+    hb = Liveness().probe_interval_s
+    assert hb < TEST_LIVENESS.suspicion_base_s
     assert wait_until(lambda: statuses(a)[c.peer_id] == "left" and statuses(b)[c.peer_id] == "left",
                       timeout_s=hb)
     assert a.live_peers() == [b.peer_id]
 
 
-def test_a_swarm_larger_than_the_fanout_stays_alive_on_relayed_beats_and_sees_a_crash(make_node):
-    # fanout 1: each node pings one random peer per interval; everything else it knows
-    # of the others comes relayed in ping digests
-    lv = Liveness(heartbeat_interval_s=0.2, suspect_timeout_s=1.5, dead_timeout_s=3.0, fanout=1)
-    config = NodeConfig(liveness=lv, request_timeout_s=5.0)
+def test_a_swarm_stays_alive_on_probes_and_every_member_learns_a_crash_from_claims(make_node):
+    # connections unwatched: only SWIM's probes, suspicions and dead claims can find the crash
+    config = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0,
+                        transport=TransportConfig(monitor_connections=False))
     nodes = [make_node("inproc", config=config)]
     nodes += [make_node("inproc", join=[nodes[0].address], config=config) for _ in range(5)]
     for n in nodes:
         assert wait_until(lambda n=n: sorted(statuses(n).values()) == ["alive"] * 5), statuses(n)
-    time.sleep(lv.dead_timeout_s + 1.0)  # longer than the dead timeout: only relays kept them alive
+    time.sleep(TEST_LIVENESS.suspicion_base_s + 1.0)  # longer than a suspicion: nobody was declared dead
     for n in nodes:
         assert "dead" not in statuses(n).values(), statuses(n)
     victim = nodes.pop()
-    victim.close()  # no leave: a crash, seen through the beats that stop coming
+    victim.close()  # no leave: a crash
     for n in nodes:
         assert wait_until(lambda n=n: statuses(n)[victim.peer_id] == "dead", timeout_s=DEATH_SEEN_WITHIN_S)
 
 
-def test_a_peer_that_missed_an_announce_learns_it_from_ping_digests(make_node):
-    a = make_node("inproc")
-    b = make_node("inproc", join=[a.address])
-    c = make_node("inproc", join=[a.address])
+FAST_META = NodeConfig(liveness=Liveness(probe_interval_s=0.2, suspicion_base_s=3.0, meta_interval_s=0.2),
+                      request_timeout_s=5.0)
+
+
+def test_a_peer_that_missed_an_announce_asks_for_it_when_its_beat_comes_round(make_node):
+    a = make_node("inproc", config=FAST_META)
+    b = make_node("inproc", join=[a.address], config=FAST_META)
+    c = make_node("inproc", join=[a.address], config=FAST_META)
     assert wait_until(lambda: c.peer_id in b.live_peers())
 
     async def forget_c() -> None:  # as if A's announce of C never reached B
@@ -145,24 +148,22 @@ def test_a_peer_that_missed_an_announce_learns_it_from_ping_digests(make_node):
 
     b.run(forget_c())
     assert c.peer_id not in statuses(b)
-    # A's pings carry C's beat; B asks A for C's record and connects
-    assert wait_until(lambda: statuses(b).get(c.peer_id) == "alive", timeout_s=5.0)
+    c.set_meta(round=1)  # a new beat, spread on probes: B asks whoever carried it for C's record
+    assert wait_until(lambda: statuses(b).get(c.peer_id) == "alive", timeout_s=10.0)
     assert b.stats.snapshot()["bytes_sent"][a.peer_id].get("$want", 0) > 0
     b.request(c.peer_id, "$status", None)  # and can talk to it
 
 
-def test_a_seed_capped_below_the_swarm_announces_over_open_sockets_and_digests_do_the_rest(make_node):
-    # The seed beats rarely, so that no ping of its own opens a socket during the join below.
-    quiet = Liveness(heartbeat_interval_s=30.0, suspect_timeout_s=60.0, dead_timeout_s=120.0)
+def test_a_seed_capped_below_the_swarm_spreads_a_join_without_passing_its_socket_cap(make_node):
+    # The seed probes rarely; the join spreads by gossip, a few members at a time.
+    quiet = Liveness(probe_interval_s=30.0, suspicion_base_s=120.0)
     seed = make_node("inproc", config=NodeConfig(liveness=quiet, transport=TransportConfig(max_open_dealers=2)))
     members = [make_node("inproc", join=[seed.address]) for _ in range(3)]
     for m in members:
         assert wait_until(lambda m=m: len(m.live_peers()) == 3)
-    opened = seed.run(_dealers_opened(seed))
     joiner = make_node("inproc", join=[seed.address])
-    for m in members:  # the member without an open socket from the seed hears of it from pings
+    for m in members:  # each hears of it from the seed's gossip or from another member's
         assert wait_until(lambda m=m: statuses(m).get(joiner.peer_id) == "alive", timeout_s=10)
-    assert seed.run(_dealers_opened(seed)) == opened  # no socket opened (and another closed) per member
     assert seed.run(_open_dealers(seed)) <= 2
 
 
@@ -170,13 +171,14 @@ async def _dealers_opened(node):
     return node._transport.dealers_opened
 
 
-@pytest.mark.parametrize("body", [{"x": 1}, [[["id", 1, 2]], False], [[], False], [[["p", 1, 1, {}]], "yes"]])
-def test_malformed_ping_is_counted_and_changes_nothing(make_node, body):
+@pytest.mark.parametrize("body", [{"x": 1}, [[], False], {"u": "x"}, {"u": [["a"]]}, {"u": [["z", 1]]},
+                                  {"u": [["s", "p", 1, 1, "q", b"short"]]}, {"u": [["a", ["p", 1, 1, {}]]]}])
+def test_malformed_gossip_is_counted_and_changes_nothing(make_node, body):
     a = make_node("inproc")
     b = make_node("inproc", join=[a.address])
     assert wait_until(lambda: b.peer_id in a.live_peers())
     before = a.stats.snapshot()["rejected"].get("bad_field", 0)
-    b.run(b._asend_raw(a.peer_id, "$ping", body))
+    b.run(b._asend_raw(a.peer_id, "$gossip", body))
     assert wait_until(lambda: a.stats.snapshot()["rejected"].get("bad_field", 0) == before + 1)
     assert statuses(a) == {b.peer_id: "alive"}
 
@@ -197,10 +199,11 @@ def test_a_member_cannot_forge_another_peers_beat_or_route(make_node):
     before = a.stats.snapshot()["rejected"].get("bad_signature", 0)
     forged = sign_beat(attacker.identity, victim.record.incarnation, 10**12, {"$via": attacker.peer_id})
     forged[0] = victim.peer_id
-    attacker.run(attacker._asend_raw(a.peer_id, "$ping", [[attacker._swarm._own_beat(), forged], False]))
+    attacker.run(attacker._asend_raw(a.peer_id, "$gossip", {"u": [["a", forged]]}))
     assert wait_until(lambda: a.stats.snapshot()["rejected"].get("bad_signature", 0) == before + 1)
     assert held.beat < 10**12 and held.meta.get("$via") == "honest-relay"
-    assert wait_until(lambda: held.beat > 0)  # the victim's own beats still count
+    victim.set_meta(**{"$via": "honest-relay-2"})
+    assert wait_until(lambda: held.meta.get("$via") == "honest-relay-2")  # the victim's own beats still count
     assert statuses(a) == {victim.peer_id: "alive", attacker.peer_id: "alive"}
 
 
@@ -211,7 +214,7 @@ async def _table_entry(node, peer_id):
 def test_open_dealers_are_capped_without_losing_a_reply_in_flight(make_node):
     others = [make_node("inproc")]
     others += [make_node("inproc", join=[others[0].address]) for _ in range(4)]
-    slow_beats = Liveness(heartbeat_interval_s=5.0, suspect_timeout_s=20.0, dead_timeout_s=30.0)  # pings stay out of the count
+    slow_beats = Liveness(probe_interval_s=5.0, suspicion_base_s=30.0)  # pings stay out of the count
     capped = make_node("inproc", join=[others[0].address],
                        config=NodeConfig(liveness=slow_beats, request_timeout_s=5.0,
                                          transport=TransportConfig(max_open_dealers=2)))
@@ -245,7 +248,7 @@ def test_busy_sockets_pass_the_cap_by_a_quarter_at_most_and_a_send_past_that_is_
     for n in others:
         n.on("slow", slow)
         n.on("echo", lambda m: Reply(m.body))
-    slow_beats = Liveness(heartbeat_interval_s=30.0, suspect_timeout_s=60.0, dead_timeout_s=120.0)
+    slow_beats = Liveness(probe_interval_s=30.0, suspicion_base_s=120.0)
     capped = make_node("inproc", join=[others[0].address],
                        config=NodeConfig(liveness=slow_beats, request_timeout_s=10.0,
                                          transport=TransportConfig(max_open_dealers=4)))  # ceiling 5
@@ -267,7 +270,7 @@ def test_busy_sockets_pass_the_cap_by_a_quarter_at_most_and_a_send_past_that_is_
 def test_pings_over_sockets_opened_on_demand_keep_a_capped_node_alive(make_node):
     # Beats every 0.2 s, but a dead timeout a starved 2-core CI machine cannot reach by stalling alone:
     # the claim is that a node with one open socket keeps reaching everyone, not how fast the OS schedules us.
-    liveness = Liveness(heartbeat_interval_s=0.2, suspect_timeout_s=2.0, dead_timeout_s=8.0)
+    liveness = Liveness(probe_interval_s=0.2, suspicion_base_s=8.0)
     config = NodeConfig(liveness=liveness, request_timeout_s=5.0)
     others = [make_node("tcp", config=config)]
     others += [make_node("tcp", join=[others[0].address], config=config) for _ in range(3)]
@@ -277,7 +280,7 @@ def test_pings_over_sockets_opened_on_demand_keep_a_capped_node_alive(make_node)
     deaths: list = []
     for n in others:
         n.on_peer_change(lambda ch: deaths.append(ch) if ch.peer_id == capped.peer_id and ch.new.value == "dead" else None)
-    time.sleep(3 * liveness.suspect_timeout_s)  # many ping rounds, each reopening tcp sockets
+    time.sleep(6.0)  # many probe rounds, each reopening tcp sockets
     assert deaths == []
     assert wait_until(lambda: all(statuses(n)[capped.peer_id] == "alive" for n in others), timeout_s=10)
     assert wait_until(lambda: sorted(statuses(capped).values()) == ["alive"] * 4, timeout_s=10)
@@ -287,16 +290,16 @@ async def _open_dealers(node):
     return node._transport.open_dealers
 
 
-HEARTBEATS_ONLY = NodeConfig(liveness=TEST_LIVENESS, transport=TransportConfig(monitor_connections=False))
-# Heartbeats that would take a minute to notice anything: only a dropped connection can.
-CONNECTIONS_ONLY = NodeConfig(liveness=Liveness(heartbeat_interval_s=0.2, suspect_timeout_s=60.0,
-                                                dead_timeout_s=120.0, probe_timeout_s=0.5))
+PROBES_ONLY = NodeConfig(liveness=TEST_LIVENESS, transport=TransportConfig(monitor_connections=False))
+# Probes that would take minutes to notice anything: only a dropped connection can.
+CONNECTIONS_ONLY = NodeConfig(liveness=Liveness(probe_interval_s=30.0, suspicion_base_s=120.0, probe_timeout_s=0.5))
 
 
 def test_silent_peer_becomes_suspect_then_dead(make_node):
-    """The heartbeat path (connections unwatched): silence makes a peer suspect, then dead."""
-    a = make_node("tcp", config=HEARTBEATS_ONLY)
-    b = make_node("tcp", join=[a.address], config=HEARTBEATS_ONLY)
+    """The probe path (connections unwatched): an unanswered probe makes a peer suspect, and
+    the suspicion times out into death."""
+    a = make_node("tcp", config=PROBES_ONLY)
+    b = make_node("tcp", join=[a.address], config=PROBES_ONLY)
     assert wait_until(lambda: statuses(a).get(b.peer_id) == "alive")
     changes: list = []
     a.on_peer_change(lambda ch: changes.append((time.monotonic(), ch.new.value)) if ch.peer_id == b.peer_id else None)
@@ -304,17 +307,18 @@ def test_silent_peer_becomes_suspect_then_dead(make_node):
     b.close()  # no leave announcement: looks like a crash
     assert wait_until(lambda: statuses(a)[b.peer_id] == "dead", timeout_s=DEATH_SEEN_WITHIN_S)
     assert [s for _, s in changes] == ["suspect", "dead"]
-    assert changes[0][0] - t0 >= TEST_LIVENESS.suspect_timeout_s - TEST_LIVENESS.heartbeat_interval_s
+    assert changes[0][0] - t0 >= TEST_LIVENESS.ack_timeout_s  # a probe went unanswered first
+    assert changes[1][0] - changes[0][0] >= TEST_LIVENESS.suspicion_base_s - 0.1  # then the suspicion ran out
 
 
-def test_a_peer_whose_connection_drops_is_probed_and_declared_dead_without_heartbeat_timeouts(make_node):
+def test_a_peer_whose_connection_drops_is_probed_and_declared_dead_without_waiting_for_suspicion(make_node):
     a = make_node("tcp", config=CONNECTIONS_ONLY)
     b = make_node("tcp", join=[a.address], config=CONNECTIONS_ONLY)
     assert wait_until(lambda: statuses(a).get(b.peer_id) == "alive")
     changes: list = []
     a.on_peer_change(lambda ch: changes.append(ch.new.value) if ch.peer_id == b.peer_id else None)
     b.close()  # no leave: the kernel closes its connections, as for a SIGKILL
-    assert wait_until(lambda: statuses(a)[b.peer_id] == "dead", timeout_s=30)  # heartbeats would take 120 s
+    assert wait_until(lambda: statuses(a)[b.peer_id] == "dead", timeout_s=30)  # probes would take minutes
     assert changes == ["suspect", "dead"]
 
 
@@ -335,8 +339,8 @@ def test_a_peer_that_answers_the_probe_stays_alive(make_node):
 
 
 def test_a_stalled_node_does_not_declare_its_peers_dead(make_node):
-    """The network thread (shared by both nodes here) blocks for longer than the dead
-    timeout; beats pile up unread. Waking up, a node blames its own stall, not its peers."""
+    """The network thread (shared by both nodes here) blocks for longer than a suspicion
+    lasts; answers pile up unread. Waking up, a node blames its own stall, not its peers."""
     a = make_node("tcp")
     b = make_node("tcp", join=[a.address])
     assert wait_until(lambda: statuses(a).get(b.peer_id) == "alive" and statuses(b).get(a.peer_id) == "alive")
@@ -345,14 +349,14 @@ def test_a_stalled_node_does_not_declare_its_peers_dead(make_node):
         n.on_peer_change(lambda ch: deaths.append(ch) if ch.new.value == "dead" else None)
 
     async def block_the_loop():
-        time.sleep(TEST_LIVENESS.dead_timeout_s + 1.0)
+        time.sleep(TEST_LIVENESS.suspicion_base_s + 1.0)
     a.run(block_the_loop(), timeout_s=30)
     # Both liveness loops wake after the block (late, on a starved box); then give their
     # sweeps a few more beats to declare anyone dead if they were going to.
     assert wait_until(lambda: a.stats.stalls >= 1 and b.stats.stalls >= 1, timeout_s=30)
-    time.sleep(2 * TEST_LIVENESS.heartbeat_interval_s + 0.5)
+    time.sleep(TEST_LIVENESS.suspicion_base_s + 0.5)
     assert deaths == []
-    assert a.stats.stalled_s >= TEST_LIVENESS.dead_timeout_s
+    assert a.stats.stalled_s >= TEST_LIVENESS.suspicion_base_s
     assert statuses(a)[b.peer_id] == "alive" and statuses(b)[a.peer_id] == "alive"
 
 
@@ -424,8 +428,9 @@ def test_status_client_reads_a_node(make_node):
     assert status["peers"][0]["status"] in ("alive", "suspect")  # suspect only on a starved CPU
 
 
-QUIET = NodeConfig(liveness=Liveness(heartbeat_interval_s=30.0, suspect_timeout_s=60.0, dead_timeout_s=120.0),
-                   request_timeout_s=5.0)  # no beat, so no digest, spreads a record during the test
+QUIET = NodeConfig(liveness=Liveness(probe_interval_s=30.0, suspicion_base_s=120.0, gossip_interval_s=30.0,
+                                     sync_interval_s=600.0),
+                   request_timeout_s=5.0)  # no probe or gossip spreads a record during the test
 
 
 def test_a_table_pull_teaches_a_member_the_peers_it_missed_in_one_round_trip(make_node):

@@ -10,8 +10,8 @@ import torch
 from conftest import in_parallel, wait_until
 from torch import nn
 
-from starling.node.membership import Liveness
 from starling.node.node import NodeConfig
+from starling.node.swim import Liveness
 from starling.protocols import ProtocolError, get_protocol
 from starling.protocols.spsa.arith import (
     MAX_CODE,
@@ -29,7 +29,7 @@ from starling.protocols.spsa.records import Record
 
 # Lenient failure detection: on a loaded 2-core box a whole process can stall for seconds, and
 # these tests are about arithmetic and records, not about telling a stall from a crash.
-CONFIG = NodeConfig(liveness=Liveness(heartbeat_interval_s=0.2, suspect_timeout_s=5.0, dead_timeout_s=30.0),
+CONFIG = NodeConfig(liveness=Liveness(probe_interval_s=0.2, suspicion_base_s=30.0),
                     request_timeout_s=5.0)
 QUICK = {"lr": 0.05, "eps": 1e-2, "samples": 2, "round_timeout_s": 5.0, "digest_every": 4}
 

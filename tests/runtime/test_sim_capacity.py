@@ -16,7 +16,7 @@ import pytest
 from conftest import wait_until
 
 from starling.node import Node, NodeConfig, PeerStatus
-from starling.node.membership import Liveness
+from starling.node.swim import Liveness
 from starling.runtime.capacity import CapacityError, fds_per_peer, plan_capacity, sockets_per_peer
 
 
@@ -87,8 +87,8 @@ def test_nodes_out_of_sockets_close_idle_ones_and_stay_up():
         loop.MAX_SOCKETS_PER_PROCESS = 6
         loop.NetworkThread.get()
         from starling.node import JoinError, Node, NodeConfig, TransportConfig
-        from starling.node.membership import Liveness
-        config = NodeConfig(liveness=Liveness(0.1, 0.5, 1.0), transport=TransportConfig(monitor_connections=False))
+        from starling.node.swim import Liveness
+        config = NodeConfig(liveness=Liveness(probe_interval_s=0.1, suspicion_base_s=1.0), transport=TransportConfig(monitor_connections=False))
         seed = Node(config=config).start("inproc://fault-0", security="plaintext")
         second = Node(config=config).start("inproc://fault-1", [seed.address], security="plaintext")
         third = Node(config=config)
@@ -136,7 +136,7 @@ def test_a_node_with_no_socket_to_spare_or_shed_stops_and_its_peer_sees_it_go():
     joiner = None
     try:
         address, peer_id = child.stdout.readline().split()
-        joiner = Node(config=NodeConfig(liveness=Liveness(0.2, 1.0, 2.0))).start(
+        joiner = Node(config=NodeConfig(liveness=Liveness(probe_interval_s=0.2, suspicion_base_s=2.0))).start(
             "tcp://127.0.0.1:0", [address], security="plaintext")
         faulted = child.stdout.readline()  # its first ping to the joiner needs a socket it cannot have
         assert "fault: cannot open a socket" in faulted and "closed: True" in faulted, faulted
@@ -177,26 +177,50 @@ def test_a_run_out_of_sockets_finishes_or_ends_with_an_error_never_hangs():
     assert float(out.split("seconds:")[1]) < 60
 
 
-def test_membership_traffic_per_process_is_bounded_by_the_sized_liveness():
-    from starling.node.membership import Liveness
-    from starling.runtime.simconfig import DIGEST_ENTRIES_PER_S, SIM_LIVENESS, SimConfig, sim_liveness
+def test_the_sized_liveness_keeps_a_boxs_probes_near_its_rate():
+    """Every peer probes one other a period, so a box of the swarm's peers sends swarm / period
+    probes a second: past SIM_PROBES_PER_S the period grows with the swarm, and the timeouts
+    with it, so a slow period is never taken for a dead peer; urgent gossip slows with it."""
+    from starling.node.swim import Liveness
+    from starling.runtime.simconfig import SIM_LIVENESS, SIM_PROBES_PER_S, SimConfig, sim_liveness
+
+    def timing(lv: Liveness) -> tuple[float, ...]:
+        return lv.probe_interval_s, lv.ack_timeout_s, lv.suspicion_base_s, lv.probe_timeout_s
+
+    def gossip_per_s(lv: Liveness, swarm: int) -> float:  # the box's urgent gossip messages a second, at most
+        return swarm * lv.gossip_fanout / lv.gossip_interval_s
 
     assert sim_liveness(4, 4) == SIM_LIVENESS and sim_liveness(32, 32) == SIM_LIVENESS
-    for local, swarm in ((128, 128), (512, 512), (1024, 1024), (256, 1024)):
+    small = int(SIM_PROBES_PER_S * SIM_LIVENESS.probe_interval_s)  # the largest swarm the base period suits
+    for local, swarm in ((small, small), (small // 4, small), (small - 50, small - 50)):
         lv = sim_liveness(local, swarm)
-        assert local * lv.fanout * swarm / lv.heartbeat_interval_s <= DIGEST_ENTRIES_PER_S * 1.0001
-        assert (lv.suspect_timeout_s, lv.dead_timeout_s) == (6 * lv.heartbeat_interval_s, 12 * lv.heartbeat_interval_s)
-    assert sim_liveness(256, 1024).heartbeat_interval_s == sim_liveness(1024, 1024).heartbeat_interval_s / 4
+        assert timing(lv) == timing(SIM_LIVENESS)
+        assert lv.gossip_interval_s >= SIM_LIVENESS.gossip_interval_s
+        assert gossip_per_s(lv, swarm) <= lv.gossip_fanout * SIM_PROBES_PER_S * 1.0001
+    intervals = []
+    for local, swarm in ((small + 1, small + 1), (512, 512), (1024, 1024), (256, 1024), (4096, 4096)):
+        lv = sim_liveness(local, swarm)
+        assert lv.probe_interval_s == pytest.approx(swarm / SIM_PROBES_PER_S)
+        assert swarm / lv.probe_interval_s <= SIM_PROBES_PER_S * 1.0001  # the box's probes a second
+        assert lv.suspicion_base_s >= 3 * lv.probe_interval_s
+        assert lv.ack_timeout_s >= SIM_LIVENESS.ack_timeout_s and lv.probe_timeout_s >= SIM_LIVENESS.probe_timeout_s
+        assert gossip_per_s(lv, swarm) <= lv.gossip_fanout * SIM_PROBES_PER_S * 1.0001
+        intervals.append(lv.probe_interval_s)
+    assert intervals == sorted(intervals)
+    # the processes of a run share one box: the period follows the whole swarm
+    assert sim_liveness(256, 1024) == sim_liveness(1024, 1024)
     sized = SimConfig(peers=1024, task="quadratic", protocol="gossip", processes=4, transport="tcp").sized_for_swarm()
-    assert sized.liveness == sim_liveness(256, 1024) and sized.ready_timeout_s >= 10 * sized.liveness.heartbeat_interval_s
-    mine = Liveness(0.5, 2.0, 4.0)
+    assert sized.liveness == sim_liveness(256, 1024) and sized.ready_timeout_s >= 10 * sized.liveness.probe_interval_s
+    assert SimConfig(peers=4).sized_for_swarm().liveness == SIM_LIVENESS
+    mine = Liveness(probe_interval_s=0.5, suspicion_base_s=4.0)
     assert SimConfig(peers=1024, liveness=mine).sized_for_swarm().liveness is mine
 
 
-def test_the_summary_names_the_socket_cap_and_heartbeat_the_run_used():
+def test_the_summary_names_the_socket_cap_and_probe_interval_the_run_used():
     from starling.runtime import SimConfig, Simulation
+    from starling.runtime.simconfig import SIM_LIVENESS
 
     summary = Simulation(SimConfig(peers=3, protocol="gossip", task="quadratic", steps=2)).run().summary
-    assert summary["max_dealers"] == 64 and summary["heartbeat_s"] == 0.25
+    assert summary["max_dealers"] == 64 and summary["probe_interval_s"] == SIM_LIVENESS.probe_interval_s == 0.25
     capped = Simulation(SimConfig(peers=3, protocol="gossip", task="quadratic", steps=2, max_dealers=1)).run()
     assert capped.summary["max_dealers"] == 1 and all(p.status == "finished" for p in capped.peers)

@@ -1,0 +1,373 @@
+"""Failure detection and dissemination in the style of SWIM, with Lifeguard's refinements:
+the arithmetic, on an injected clock, with no sockets.
+
+- Each period a member probes one other, in round-robin order over a shuffled list (every
+  member is probed once per pass, so a crash is found within a bounded number of periods).
+  A probe that gets no answer is retried through `indirect_probes` other members; if none
+  reaches the target either, it is suspected.
+- A suspicion is a statement signed by the member that holds it, about one incarnation of the
+  peer (its record's incarnation and its beat counter). It times out into death after a
+  timeout that grows with log n and shrinks as independent members confirm it (`Suspicion`).
+  The suspected peer refutes by signing a newer beat.
+- A member's own health (`Awareness`) stretches its probe period and timeouts: a starved
+  process slows its own verdicts instead of declaring others dead.
+- Changes ride on probes, their answers and a small gossip fan-out (`Broadcasts`), each sent on
+  about `retransmit_mult * log10(n)` times by every member that hears it, so one member's work
+  per period is constant however large the swarm.
+
+Everything here is state and arithmetic; `node.swarm` sends and receives the messages.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from starling.node.identity import Identity, verify_signature
+from starling.node.wire import RejectReason, WireError
+
+SIGNATURE_BYTES = 64
+
+# Update kinds, the first item of each update on the wire.
+ALIVE, RECORD, SUSPECT, DEAD, LEFT = "a", "r", "s", "d", "l"
+MAX_UPDATES = 64  # updates one message may carry (its sender bounds their bytes much lower)
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """Failure-detector timing, all in seconds (see the module doc)."""
+
+    probe_interval_s: float = 1.0  # one probe per period
+    ack_timeout_s: float = 0.5  # a direct probe's answer; an indirect one gets twice that
+    indirect_probes: int = 3  # members asked to probe a target that did not answer us
+    # A suspicion's shortest timeout: base + per_decade * log10(n); it starts at max_mult
+    # times that and falls to it as `confirmations` other members suspect the same peer.
+    suspicion_base_s: float = 3.0
+    suspicion_per_decade_s: float = 0.5
+    suspicion_max_mult: float = 4.0
+    confirmations: int = 3
+    awareness_max: int = 8  # the local health score's ceiling: periods stretch up to 8x
+    retransmit_mult: int = 3  # an update is sent on retransmit_mult * ceil(log10(n + 1)) times
+    gossip_interval_s: float = 0.2  # urgent changes (deaths, refutations, joins) also go out this often
+    gossip_fanout: int = 3  # to this many random members
+    piggyback_bytes: int = 1200  # updates one message carries, at most
+    meta_interval_s: float = 2.0  # a changed meta is signed into a new beat at most this often
+    sync_interval_s: float = 30.0  # anti-entropy: one page of a random member's table, this often
+    # A peer whose connection drops (its process died: the kernel closes its sockets) is
+    # suspect at once and probed; silent this long after the drop, it is dead.
+    probe_timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        positive = ("probe_interval_s", "ack_timeout_s", "suspicion_base_s", "gossip_interval_s",
+                    "meta_interval_s", "sync_interval_s", "probe_timeout_s")
+        for name in positive:
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.suspicion_per_decade_s < 0 or self.suspicion_max_mult < 1:
+            raise ValueError("need suspicion_per_decade_s >= 0 and suspicion_max_mult >= 1")
+        for name in ("indirect_probes", "confirmations", "gossip_fanout"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.awareness_max, int) or self.awareness_max < 1:
+            raise ValueError(f"awareness_max must be an int >= 1, got {self.awareness_max!r}")
+        if not isinstance(self.retransmit_mult, int) or self.retransmit_mult < 1:
+            raise ValueError(f"retransmit_mult must be an int >= 1, got {self.retransmit_mult!r}")
+        if not isinstance(self.piggyback_bytes, int) or self.piggyback_bytes < 256:
+            raise ValueError(f"piggyback_bytes must be an int >= 256, got {self.piggyback_bytes!r}")
+
+    def suspicion_bounds(self, members: int) -> tuple[float, float]:
+        """A suspicion's shortest and longest timeout in a swarm of `members`."""
+        low = self.suspicion_base_s + self.suspicion_per_decade_s * math.log10(max(members, 1))
+        return low, low * self.suspicion_max_mult
+
+    def retransmit_limit(self, members: int) -> int:
+        """How many times each member sends one update on: enough that it reaches every member
+        with high probability (memberlist's rule), O(log n) per member."""
+        return self.retransmit_mult * max(1, math.ceil(math.log10(members + 1)))
+
+    def sync_interval(self, members: int) -> float:
+        """Anti-entropy's period, longer in a larger swarm (memberlist's push-pull scale)."""
+        if members <= 32:
+            return self.sync_interval_s
+        return self.sync_interval_s * (math.ceil(math.log2(members) - math.log2(32)) + 1)
+
+
+class Suspicion:
+    """One peer suspected at one incarnation `at`, by `first` and the members that confirm it.
+
+    Lifeguard's timeout: it starts at `max_s` and falls, log-scaled, toward `min_s`, which it
+    reaches at `expected` independent confirmations: a peer many members cannot reach is
+    declared dead soon; one only a single (perhaps slow) member suspects gets the long timeout
+    in which to refute."""
+
+    __slots__ = ("at", "confirmed_by", "expected", "max_s", "min_s", "start")
+
+    def __init__(self, at: tuple[int, int], first: str, start: float, min_s: float, max_s: float,
+                 expected: int) -> None:
+        self.at = at
+        self.start = start
+        self.min_s, self.max_s, self.expected = min_s, max_s, expected
+        self.confirmed_by = {first}
+
+    def confirm(self, member: str) -> bool:
+        """A distinct member suspects the same incarnation: True if it shortened the timeout."""
+        if member in self.confirmed_by or len(self.confirmed_by) > self.expected:
+            return False
+        self.confirmed_by.add(member)
+        return True
+
+    @property
+    def timeout_s(self) -> float:
+        if self.expected < 1:
+            return self.min_s
+        confirmations = len(self.confirmed_by) - 1
+        fraction = math.log(confirmations + 1) / math.log(self.expected + 1)
+        return max(self.min_s, self.max_s - (self.max_s - self.min_s) * fraction)
+
+    def expires_at(self) -> float:
+        return self.start + self.timeout_s
+
+    def pardon(self, seconds: float) -> None:
+        """This node could not run for `seconds`: the refutation may be waiting unread."""
+        self.start += seconds
+
+
+class Awareness:
+    """Lifeguard's local health multiplier: a score from 0 (healthy) to `max_score - 1`, raised
+    when this node misses what a healthy one would see (a probe it sent went unanswered while
+    the members it asked for help did answer, a refutation it had to send, a nack that never
+    came) and lowered by every probe that succeeds. Periods and timeouts are multiplied by
+    score + 1."""
+
+    def __init__(self, max_score: int) -> None:
+        self.max_score = max_score
+        self.score = 0
+
+    def apply(self, delta: int) -> None:
+        self.score = min(max(0, self.score + delta), self.max_score - 1)
+
+    def scale(self, seconds: float) -> float:
+        return seconds * (self.score + 1)
+
+
+class IdSet:
+    """Ids with O(1) add, remove and random choice: the members a node may probe or gossip to.
+    A node of a simulated swarm does this every period for each of thousands of peers, so
+    nothing here walks the whole set."""
+
+    def __init__(self) -> None:
+        self._ids: list[str] = []
+        self._index: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, peer_id: str) -> bool:
+        return peer_id in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids)
+
+    def add(self, peer_id: str) -> bool:
+        if peer_id in self._index:
+            return False
+        self._index[peer_id] = len(self._ids)
+        self._ids.append(peer_id)
+        return True
+
+    def remove(self, peer_id: str) -> bool:
+        at = self._index.pop(peer_id, None)
+        if at is None:
+            return False
+        last = self._ids.pop()
+        if at < len(self._ids):
+            self._ids[at] = last
+            self._index[last] = at
+        return True
+
+    def sample(self, rng: random.Random, k: int, but: tuple[str, ...] = ()) -> list[str]:
+        """Up to `k` distinct random ids, none of `but`."""
+        n = len(self._ids)
+        if n <= k + len(but):
+            return [i for i in self._ids if i not in but][:k]
+        out: list[str] = []
+        while len(out) < k:
+            pick = self._ids[rng.randrange(n)]
+            if pick not in but and pick not in out:
+                out.append(pick)
+        return out
+
+
+class ProbeOrder:
+    """Whom to probe next: round-robin over a shuffled list of the members, reshuffled every
+    pass. Random picks would leave a member unprobed for many periods now and then; this bounds
+    the wait to one pass. A member that joins mid-pass is put at a random place in what is left
+    of it, so it is probed this pass too."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._pass: list[str] = []
+        self._next = 0
+
+    def add(self, peer_id: str) -> None:
+        left = len(self._pass) - self._next
+        self._pass.insert(self._next + self._rng.randint(0, left), peer_id)
+
+    def next(self, members: IdSet) -> str | None:
+        """The next id of `members` to probe (one that left it since is skipped), or None."""
+        for _ in range(2):
+            while self._next < len(self._pass):
+                peer_id = self._pass[self._next]
+                self._next += 1
+                if peer_id in members:
+                    return peer_id
+            self._pass = list(members)
+            self._rng.shuffle(self._pass)
+            self._next = 0
+        return None
+
+
+class Broadcasts:
+    """Updates waiting to be sent on, one per key (a newer update about the same peer replaces
+    the older), the least-sent first, urgent ones before the rest; each is dropped after
+    `limit` sends. Bounded: past `max_items`, the most-sent half is dropped."""
+
+    def __init__(self, max_items: int = 1024) -> None:
+        self.max_items = max_items
+        self._items: dict[Any, list[Any]] = {}  # key -> [rank, sends, seq, key, update, nbytes]
+        self._heap: list[tuple[int, int, int, Any]] = []
+        self._seq = itertools.count()
+        self.urgent = 0  # urgent items queued
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, key: Any, update: list[Any], *, urgent: bool = False) -> None:
+        nbytes = len(msgpack.packb(update, use_bin_type=True))
+        seq = -next(self._seq)  # newest first among equals
+        rank = 0 if urgent else 1
+        self._drop(key)
+        self._items[key] = [rank, 0, seq, key, update, nbytes]
+        self.urgent += urgent
+        heapq.heappush(self._heap, (rank, 0, seq, key))
+        if len(self._items) > self.max_items:  # shed the most-sent half, non-urgent first (amortized O(1))
+            ranked = sorted(self._items.values(), key=lambda item: (item[0], item[1], item[2]))
+            for item in ranked[self.max_items // 2:]:
+                self._drop(item[3])
+        if len(self._heap) > 4 * self.max_items + 64:
+            self._heap = [(i[0], i[1], i[2], i[3]) for i in self._items.values()]
+            heapq.heapify(self._heap)
+
+    def _drop(self, key: Any) -> None:
+        item = self._items.pop(key, None)
+        if item is not None and item[0] == 0:
+            self.urgent -= 1
+
+    def take(self, budget_bytes: int, limit: int, *, urgent_only: bool = False) -> list[list[Any]]:
+        """Updates to piggyback on one message, at most `budget_bytes` of them; each taken counts
+        one send, and one sent `limit` times is dropped."""
+        out: list[list[Any]] = []
+        again: list[tuple[int, int, int, Any]] = []
+        spent = 0
+        heap, items = self._heap, self._items
+        while heap and len(out) < MAX_UPDATES:
+            rank, sends, seq, key = heap[0]
+            item = items.get(key)
+            if item is None or item[1] != sends or item[2] != seq:
+                heapq.heappop(heap)  # replaced or dropped since
+                continue
+            if urgent_only and rank != 0:
+                break
+            if spent + item[5] > budget_bytes:
+                if spent == 0 and item[5] > budget_bytes:
+                    heapq.heappop(heap)  # never fits: drop it rather than block the queue
+                    self._drop(key)
+                    continue
+                break
+            heapq.heappop(heap)
+            out.append(item[4])
+            spent += item[5]
+            item[1] += 1
+            if item[1] >= limit:
+                self._drop(key)
+            else:
+                again.append((item[0], item[1], item[2], key))
+        for entry in again:
+            heapq.heappush(heap, entry)
+        return out
+
+
+# ---------------------------------------------------------------- claims about other peers
+def claim_statement(kind: str, peer_id: str, incarnation: int, beat: int) -> bytes:
+    """What a member signs to say it suspects (or declares dead) one incarnation of a peer."""
+    return msgpack.packb(["starling-claim-v1", kind, peer_id, incarnation, beat], use_bin_type=True)
+
+
+def sign_claim(identity: Identity, kind: str, peer_id: str, incarnation: int, beat: int) -> list[Any]:
+    """A suspect or dead update: [kind, peer_id, incarnation, beat, claimant, signature]."""
+    return [kind, peer_id, incarnation, beat, identity.peer_id,
+            identity.sign(claim_statement(kind, peer_id, incarnation, beat))]
+
+
+# Claims checked, process-wide, by (key, statement, signature): a simulation's nodes share them.
+_CHECKED: dict[tuple[bytes, bytes, bytes], bool] = {}
+_MAX_CHECKED = 16384
+MAX_LIVE = 2**31 - 1  # a liveness incarnation a claim may name: one above it still fits a beat counter
+
+
+def claim_is_signed(update: list[Any], verify_key: bytes) -> bool:
+    """Whether the claimant (whose key is `verify_key`) signed this claim; remembered per key,
+    statement and signature, since every node of a simulated swarm hears each claim once."""
+    key = (verify_key, claim_statement(*update[:4]), update[5])
+    known = _CHECKED.get(key)
+    if known is not None:
+        return known
+    ok = verify_signature(verify_key, key[1], key[2])
+    if len(_CHECKED) >= _MAX_CHECKED:
+        _CHECKED.pop(next(iter(_CHECKED)))
+    _CHECKED[key] = ok
+    return ok
+
+
+def parse_updates(raw: Any) -> list[list[Any]]:
+    """The updates a message carries, each one's shape and ranges checked (raises WireError):
+    ["a", beat] (a peer's own signed beat), ["r", record] (a peer's signed record),
+    ["s" | "d", peer_id, incarnation, live, claimant, signature] (a member's signed claim about
+    a liveness incarnation below MAX_LIVE, so the refutation's beat still fits its counter),
+    ["l", peer_id, incarnation, signature] (a peer's signed leave). Signatures are checked by
+    whoever applies the update, against the key of the peer that signed it."""
+    if not isinstance(raw, list) or len(raw) > MAX_UPDATES:
+        raise WireError(RejectReason.BAD_FIELD, f"updates must be a list of at most {MAX_UPDATES}", field="body")
+    for update in raw:
+        if not (type(update) is list and update and update[0] in (ALIVE, RECORD, SUSPECT, DEAD, LEFT)):
+            raise WireError(RejectReason.BAD_FIELD, "each update must be a list starting with its kind",
+                            field="body")
+        kind = update[0]
+        if kind in (ALIVE, RECORD):
+            ok = len(update) == 2 and type(update[1]) is list
+        elif kind in (SUSPECT, DEAD):
+            ok = (len(update) == 6 and _is_id(update[1]) and _is_count(update[2]) and _is_count(update[3])
+                  and update[3] < MAX_LIVE and _is_id(update[4]) and type(update[5]) is bytes
+                  and len(update[5]) == SIGNATURE_BYTES)
+        else:
+            ok = (len(update) == 4 and _is_id(update[1]) and _is_count(update[2]) and type(update[3]) is bytes
+                  and len(update[3]) == SIGNATURE_BYTES)
+        if not ok:
+            raise WireError(RejectReason.BAD_FIELD, f"malformed {kind!r} update", field="body")
+    return raw
+
+
+def _is_id(value: Any) -> bool:
+    return type(value) is str and 0 < len(value) <= 64
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 2**63

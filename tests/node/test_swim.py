@@ -1,0 +1,191 @@
+"""SWIM's rules one by one: the arithmetic of `node.swim` on a fake clock, then indirect probes,
+refutation and claims between real nodes on loopback sockets."""
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import pytest
+from conftest import TEST_LIVENESS, statuses, wait_until
+
+from starling.node.identity import Identity
+from starling.node.node import NodeConfig
+from starling.node.swim import (
+    DEAD,
+    SUSPECT,
+    Awareness,
+    Broadcasts,
+    IdSet,
+    Liveness,
+    ProbeOrder,
+    Suspicion,
+    claim_is_signed,
+    parse_updates,
+    sign_claim,
+)
+from starling.node.transport import TransportConfig
+from starling.node.wire import RejectReason, WireError
+
+
+def test_suspicion_timeout_grows_with_log_n_and_shrinks_with_independent_confirmations():
+    lv = Liveness(suspicion_base_s=3.0, suspicion_per_decade_s=0.5, suspicion_max_mult=4.0)
+    assert lv.suspicion_bounds(1) == (3.0, 12.0)
+    low, high = lv.suspicion_bounds(1000)
+    assert math.isclose(low, 4.5) and math.isclose(high, 18.0)
+    s = Suspicion((1, 0), "a", start=100.0, min_s=low, max_s=high, expected=3)
+    assert math.isclose(s.expires_at(), 118.0)  # alone: the long timeout
+    assert s.confirm("b") and not s.confirm("b")  # the same member twice counts once
+    one = s.timeout_s
+    assert low < one < high
+    assert s.confirm("c") and s.timeout_s < one
+    assert s.confirm("d") and math.isclose(s.timeout_s, low)  # `expected` confirmations: the shortest
+    assert not s.confirm("e") and math.isclose(s.timeout_s, low)
+    s.pardon(2.0)  # this node stalled: the suspect gets that long again to refute
+    assert math.isclose(s.expires_at(), 100.0 + 2.0 + low)
+    assert Suspicion((1, 0), "a", 0.0, low, high, expected=0).timeout_s == low  # nobody else could confirm
+
+
+def test_awareness_stretches_periods_up_to_its_ceiling_and_recovers():
+    a = Awareness(max_score=8)
+    assert a.scale(1.0) == 1.0
+    a.apply(3)
+    assert a.scale(0.5) == 2.0
+    a.apply(100)
+    assert a.score == 7 and a.scale(1.0) == 8.0
+    for _ in range(10):
+        a.apply(-1)
+    assert a.score == 0 and a.scale(1.0) == 1.0
+
+
+def test_probe_order_visits_every_member_once_per_pass_and_fits_in_joiners():
+    rng = random.Random(1)
+    members = IdSet()
+    for i in range(10):
+        members.add(f"p{i}")
+    order = ProbeOrder(rng)
+    first = [order.next(members) for _ in range(10)]
+    assert sorted(first) == sorted(members)  # one pass: each exactly once
+    second = [order.next(members) for _ in range(3)]
+    members.add("late")
+    order.add("late")  # joins mid-pass: probed before the pass ends
+    members.remove(second[0])
+    rest = [order.next(members) for _ in range(8)]
+    assert "late" in rest and second[0] not in rest
+    assert sorted(second + rest) == sorted(set(members) | {second[0]})
+    assert ProbeOrder(rng).next(IdSet()) is None
+
+
+def test_idset_samples_without_repeats_and_removes_in_place():
+    ids = IdSet()
+    for i in range(100):
+        ids.add(str(i))
+    assert not ids.add("5") and ids.remove("5") and not ids.remove("5") and "5" not in ids
+    sample = ids.sample(random.Random(0), 10, but=("7",))
+    assert len(set(sample)) == 10 and "7" not in sample and "5" not in sample
+    assert sorted(IdSet().sample(random.Random(0), 3)) == []
+
+
+def test_broadcasts_send_each_update_a_bounded_number_of_times_least_sent_and_urgent_first():
+    lv = Liveness(retransmit_mult=3)
+    assert lv.retransmit_limit(5) == 3 and lv.retransmit_limit(128) == 9 and lv.retransmit_limit(4096) == 12
+    q = Broadcasts()
+    q.add(("a", "x"), ["a", ["x", 1, 1, {}, b"s" * 64]])
+    q.add(("d", "y"), ["d", "y", 1, 0, "z", b"s" * 64], urgent=True)
+    assert q.urgent == 1
+    first = q.take(10_000, limit=2)
+    assert [u[0] for u in first] == ["d", "a"]  # urgent first
+    assert [u[0] for u in q.take(10_000, limit=2)] == ["d", "a"]
+    assert q.take(10_000, limit=2) == [] and len(q) == 0 and q.urgent == 0  # each sent `limit` times
+    # a newer update about the same thing replaces the older, and starts its count again
+    q.add(("a", "x"), ["a", ["x", 1, 1, {}, b"s" * 64]])
+    q.take(10_000, limit=3)
+    q.add(("a", "x"), ["a", ["x", 1, 2, {}, b"s" * 64]])
+    assert len(q) == 1 and q.take(10_000, limit=3)[0][1][2] == 2
+    # the byte budget bounds one message; what does not fit waits
+    for i in range(20):
+        q.add(("a", str(i)), ["a", [str(i), 1, 1, {}, b"s" * 64]])
+    taken = q.take(300, limit=3)
+    assert 1 <= len(taken) < 20
+    assert q.take(300, limit=3, urgent_only=True) == []
+    # bounded: past max_items the most-sent half goes
+    small = Broadcasts(max_items=8)
+    for i in range(20):
+        small.add(("a", str(i)), ["a", [str(i), 1, 1, {}, b"s" * 64]])
+    assert len(small) <= 8
+
+
+def test_claims_are_signed_by_their_claimant():
+    claimant, other = Identity.generate(), Identity.generate()
+    claim = sign_claim(claimant, SUSPECT, "victim", 3, 1)
+    assert parse_updates([claim]) == [claim]
+    assert claim_is_signed(claim, claimant.verify_key)
+    forged = sign_claim(other, DEAD, "victim", 3, 1)
+    forged[4] = claimant.peer_id  # another member's claim passed off as the claimant's
+    assert not claim_is_signed(forged, claimant.verify_key)
+
+
+@pytest.mark.parametrize("raw", [None, "x", [["q"]], [[]], [["a"]], [["a", "beat"]], [["s", "p", 1, 1, "c", b"x"]],
+                                 [["d", "", 1, 1, "c", bytes(64)]], [["l", "p", -1, bytes(64)]], [["r"]] * 65])
+def test_malformed_updates_raise_typed_errors(raw):
+    with pytest.raises(WireError) as err:
+        parse_updates(raw)
+    assert err.value.reason is RejectReason.BAD_FIELD
+
+
+# ---------------------------------------------------------------- on sockets
+PROBES_ONLY = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0,
+                         transport=TransportConfig(monitor_connections=False))
+
+
+def test_a_peer_one_member_cannot_reach_is_reached_through_others_and_never_suspected(make_node):
+    a = make_node("inproc", config=PROBES_ONLY)
+    b = make_node("inproc", join=[a.address], config=PROBES_ONLY)
+    c = make_node("inproc", join=[a.address], config=PROBES_ONLY)
+    for n in (a, b, c):
+        assert wait_until(lambda n=n: sorted(statuses(n).values()) == ["alive", "alive"])
+    suspected: list = []
+    a.on_peer_change(lambda ch: suspected.append(ch) if ch.peer_id == b.peer_id else None)
+    direct = a._swarm._ask
+
+    async def lossy(peer_id, topic, body, timeout_s):  # A's own probes of B are lost on the way
+        if peer_id == b.peer_id and topic == "$probe":
+            return None
+        return await direct(peer_id, topic, body, timeout_s)
+
+    a._swarm._ask = lossy
+    sent_via = lambda: a.stats.snapshot()["bytes_sent"].get(c.peer_id, {}).get("$probe-via", 0)  # noqa: E731
+    assert wait_until(lambda: sent_via() > 0, timeout_s=10)  # A asked C to probe B for it
+    time.sleep(TEST_LIVENESS.suspicion_base_s)
+    assert suspected == [] and statuses(a)[b.peer_id] == "alive"
+
+
+def test_a_suspected_peer_refutes_with_a_higher_liveness_incarnation(make_node):
+    a = make_node("inproc", config=PROBES_ONLY)
+    b = make_node("inproc", join=[a.address], config=PROBES_ONLY)
+    c = make_node("inproc", join=[a.address], config=PROBES_ONLY)
+    for n in (a, b, c):
+        assert wait_until(lambda n=n: sorted(statuses(n).values()) == ["alive", "alive"])
+    changes: list = []
+    c.on_peer_change(lambda ch: changes.append(ch.new.value) if ch.peer_id == b.peer_id else None)
+
+    async def suspect():  # A claims B suspect (signed by A), as after a probe nobody answered
+        a._swarm._suspect(b.peer_id)
+    a.run(suspect())
+    assert wait_until(lambda: a._swarm.broadcasts.urgent == 0 and statuses(a)[b.peer_id] == "alive", timeout_s=10)
+    assert wait_until(lambda: statuses(c)[b.peer_id] == "alive", timeout_s=10)
+    assert b._swarm._live >= 1  # it signed a beat of a higher liveness incarnation
+    assert "dead" not in changes
+
+
+def test_a_claim_forged_in_another_members_name_is_refused_and_counted(make_node):
+    a = make_node("inproc", config=PROBES_ONLY)
+    b = make_node("inproc", join=[a.address], config=PROBES_ONLY)
+    mallory = make_node("inproc", join=[a.address], config=PROBES_ONLY)
+    assert wait_until(lambda: len(a.live_peers()) == 2 and len(mallory.live_peers()) == 2)
+    before = a.stats.snapshot()["rejected"].get("bad_signature", 0)
+    forged = sign_claim(mallory.identity, DEAD, b.peer_id, b.record.incarnation, 0)
+    forged[4] = b.peer_id  # passed off as B's own claim
+    mallory.run(mallory._asend_raw(a.peer_id, "$gossip", {"u": [forged]}))
+    assert wait_until(lambda: a.stats.snapshot()["rejected"].get("bad_signature", 0) == before + 1)
+    assert statuses(a)[b.peer_id] == "alive"

@@ -1,0 +1,86 @@
+"""SWIM between real processes: a SIGKILLed one is declared dead by members that watch no
+connection; a starved one (SIGSTOP, then SIGCONT) is suspected, refutes, and is never dead."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import DEATH_SEEN_WITHIN_S, statuses, wait_until
+
+from starling.node.node import NodeConfig
+from starling.node.swim import Liveness
+from starling.node.transport import TransportConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+# Suspicions last 5 s at least: a stopped process has that long, once suspected, to refute.
+LIVENESS = Liveness(probe_interval_s=0.2, suspicion_base_s=5.0)
+FLAGS = ["--probe-interval-s", "0.2", "--suspicion-s", "5"]
+# The members in this test process learn deaths only from probes and claims: no socket monitor.
+PROBES_ONLY = NodeConfig(liveness=LIVENESS, request_timeout_s=5.0, transport=TransportConfig(monitor_connections=False))
+
+
+def spawn(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "starling.cli.main", "node", "start", *FLAGS, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()  # printed once joined
+    if "join with:" not in line:
+        proc.kill()
+        proc.wait(10)
+        raise AssertionError(f"node did not start: {line!r}")
+    return proc, line.rsplit("join with:", 1)[1].strip()
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.wait(10)
+        if p.stdout is not None:
+            p.stdout.close()
+
+
+def _peer_of(node, address: str) -> str:
+    host = address.split("#")[0]
+    return next(p.id for p in node.peers if host in p.addresses)
+
+
+def test_a_sigkilled_process_is_declared_dead_by_members_that_watch_no_connection(make_node, procs):
+    seed, seed_addr = spawn()
+    procs.append(seed)
+    victim, victim_addr = spawn("--join", seed_addr)
+    procs.append(victim)
+    a = make_node("tcp", join=[seed_addr], config=PROBES_ONLY)
+    b = make_node("tcp", join=[seed_addr], config=PROBES_ONLY)
+    assert wait_until(lambda: len(a.live_peers()) == 3 and len(b.live_peers()) == 3, timeout_s=60), statuses(a)
+    vid = _peer_of(a, victim_addr)
+    victim.send_signal(signal.SIGKILL)
+    for n in (a, b):
+        assert wait_until(lambda n=n: statuses(n)[vid] == "dead", timeout_s=DEATH_SEEN_WITHIN_S), statuses(n)
+    assert all(s == "alive" for p, s in statuses(a).items() if p != vid)
+
+
+def test_a_stopped_process_is_suspected_refutes_when_it_runs_again_and_is_never_dead(make_node, procs):
+    seed, seed_addr = spawn()
+    procs.append(seed)
+    a = make_node("tcp", join=[seed_addr], config=PROBES_ONLY)
+    b = make_node("tcp", join=[seed_addr], config=PROBES_ONLY)
+    assert wait_until(lambda: len(a.live_peers()) == 2 and len(b.live_peers()) == 2, timeout_s=60)
+    sid = _peer_of(a, seed_addr)
+    seen: list[str] = []
+    for n in (a, b):
+        n.on_peer_change(lambda ch: seen.append(ch.new.value) if ch.peer_id == sid else None)
+    seed.send_signal(signal.SIGSTOP)
+    try:  # starved: its probes go unanswered, and a member claims it suspect
+        assert wait_until(lambda: "suspect" in seen, timeout_s=LIVENESS.suspicion_base_s + 10)
+    finally:
+        seed.send_signal(signal.SIGCONT)
+    for n in (a, b):  # it heard the claim and refuted it with a higher liveness incarnation
+        assert wait_until(lambda n=n: statuses(n)[sid] == "alive", timeout_s=30), statuses(n)
+    assert "dead" not in seen
