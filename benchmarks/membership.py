@@ -1,0 +1,298 @@
+"""Membership at scale: what SWIM costs each peer, how fast a crash and a join are known, and
+whether anyone is declared dead who is not.
+
+    python benchmarks/membership.py [--sizes 128,1024,4096] [--processes 8] [--window-s 30]
+                                    [--soak-s 0] [--timeout-s 900]
+
+Each size is one swarm of N bare nodes (no model: the membership layer alone) spread over P
+worker processes on this box, on ipc sockets, with the simulator's liveness for that size
+(`runtime.simconfig.sim_liveness`: the probe period grows once the box would probe more than
+SIM_PROBES_PER_S times a second). Every node sets its meta every 0.5 s, as a training peer's
+progress does. Per size it prints one JSON row:
+- join_s: until every node sees at least 99% of the others;
+- per peer, over a window of `--window-s` once joined: membership messages and bytes sent per
+  second, and per probe period (the scaling claim: constant per period, whatever N);
+- a separate process joins (join_seen_p99_s: until 99% of the nodes know it), then is SIGKILLed;
+  dead_median_s and dead_max_s: until each node holds it dead (most nodes hold no connection
+  to it: they learn it from the claims of those that do, or from their own probes);
+- false_deaths: deaths declared of any node but the killed one, over the whole run (with
+  `--soak-s S`, a further S seconds of watching after the kill).
+A last row holds the ratios between the smallest and each larger size.
+Targets: per-peer messages and bytes at 4096 within 1.5x of 128; at 1024, dead_median_s <= 5,
+dead_max_s <= 15, join_seen_p99_s <= 10, false_deaths 0. Run it alone on a 2-core box.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from typing import Any
+
+MEMBERSHIP_TOPICS = ("$probe", "$probe-via", "$gossip", "$want", "$announce", "$sync", "$leave", "$hello")
+META_EVERY_S = 0.5
+
+VICTIM = textwrap.dedent("""
+    import sys, time
+    from starling.node import Node, NodeConfig
+    from starling.node.swim import Liveness
+    from starling.node.transport import TransportConfig
+    import json
+    listen, join, liveness = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    node = Node(config=NodeConfig(liveness=Liveness(**liveness), join_deadline_s=120.0,
+                                  transport=TransportConfig(max_open_dealers=16)))
+    node.start(listen, [join], security="plaintext")
+    print(json.dumps({"id": node.peer_id, "joined_at": time.monotonic()}), flush=True)
+    while True:
+        time.sleep(0.5)
+        node.set_meta(step=int(time.monotonic()))
+""")
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_dealers: int,
+            conn: Any) -> None:
+    """Host `count` nodes; answer the parent's commands on `conn`."""
+    _raise_fd_limit()
+    if os.environ.get("STARLING_BENCH_LOG_DIR"):  # --log-dir: each worker's INFO log, to read what happened
+        import logging
+        logging.basicConfig(filename=f"{os.environ['STARLING_BENCH_LOG_DIR']}/worker-{index}.log", level=logging.INFO,
+                            format="%(asctime)s %(name)s %(message)s")
+    from starling.node import Node, NodeConfig
+    from starling.node.swim import Liveness
+    from starling.node.transport import TransportConfig
+
+    config = NodeConfig(liveness=Liveness(**liveness), join_deadline_s=600.0, join_timeout_s=30.0,
+                        transport=TransportConfig(max_open_dealers=max_dealers))
+    nodes: list[Any] = []
+    seen: dict[str, dict[str, dict[str, float]]] = {}  # node id -> peer id -> status -> first time
+    deaths: list[tuple[str, str, float]] = []
+    stop = threading.Event()
+
+    def listener(node_id: str):
+        def on_change(change: Any) -> None:
+            first = seen.setdefault(node_id, {}).setdefault(change.peer_id, {})
+            first.setdefault(change.new.value, time.monotonic())
+            if change.new.value == "dead":
+                deaths.append((node_id, change.peer_id, time.monotonic()))
+        return on_change
+
+    def meta_loop() -> None:
+        step = 0
+        while not stop.wait(META_EVERY_S):
+            step += 1
+            for node in nodes:
+                node.set_meta(step=step)
+
+    threading.Thread(target=meta_loop, daemon=True).start()
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "start":  # arg: [(rank, join addresses)]
+            addresses = []
+            for rank, joins in arg:
+                node = Node(config=config)
+                node.on_peer_change(listener(node.peer_id))
+                node.start(f"ipc://{ipc_dir}/n{rank}", joins, security="plaintext")
+                nodes.append(node)
+                addresses.append(node.address)
+            conn.send(addresses)
+        elif cmd == "known":  # the fewest live peers any node here sees
+            conn.send(min((len(n.live_peers()) for n in nodes), default=0))
+        elif cmd == "stats":
+            out = []
+            for n in nodes:
+                snap = n.stats.snapshot()
+                sent = {t: 0 for t in MEMBERSHIP_TOPICS}
+                for per in snap["bytes_sent"].values():
+                    for topic, nbytes in per.items():
+                        if topic in sent:
+                            sent[topic] += nbytes
+                msgs = sum(snap["messages_sent_by_topic"].get(t, 0) for t in MEMBERSHIP_TOPICS)
+                out.append((msgs, sum(sent.values())))
+            conn.send(out)
+        elif cmd == "seen":  # arg: a peer id; per node here: the first time it was alive, dead
+            conn.send([(seen.get(n.peer_id, {}).get(arg, {}).get("alive"),
+                        seen.get(n.peer_id, {}).get(arg, {}).get("dead")) for n in nodes])
+        elif cmd == "deaths":
+            conn.send(list(deaths))
+        elif cmd == "stop":
+            stop.set()
+            for n in nodes:
+                try:
+                    n.close()
+                except Exception:
+                    pass
+            conn.send(True)
+            return
+
+
+def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: float) -> dict[str, Any]:
+    from starling.runtime.simconfig import sim_liveness
+
+    _raise_fd_limit()
+    lv = sim_liveness(n, n)
+    liveness = {k: getattr(lv, k) for k in lv.__dataclass_fields__}
+    # the simulator's own plan: the socket cap that fits a worker's descriptors
+    from starling.runtime.capacity import plan_capacity
+    max_dealers = plan_capacity(-(-n // processes), n, "ipc", True, None).max_dealers
+    ipc_dir = tempfile.mkdtemp(prefix="starling-membership-")
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    per = [n // processes + (1 if i < n % processes else 0) for i in range(processes)]
+    for i in range(processes):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(i, per[i], ipc_dir, liveness, max_dealers, child), daemon=True)
+        p.start()
+        procs.append(p)
+        conns.append(parent)
+    row: dict[str, Any] = {"peers": n, "processes": processes, "probe_interval_s": round(lv.probe_interval_s, 3),
+                           "max_dealers": max_dealers}
+    started = time.monotonic()
+    try:
+        conns[0].send(("start", [(0, [])]))
+        addresses = conns[0].recv()
+        # Each wave joins through random members already in: no single seed serves every table.
+        rank = 1
+        import random
+        rng = random.Random(0)
+        batch = 16
+        while rank < n:
+            for i, conn in enumerate(conns):
+                share = [(r, [rng.choice(addresses)]) for r in range(rank, min(n, rank + batch)) if r % processes == i]
+                conn.send(("start", share))
+            for conn in conns:
+                addresses += conn.recv()
+            rank += batch
+            batch = min(batch * 2, 256)
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"{n} nodes did not start within {timeout_s} s")
+        while True:
+            for conn in conns:
+                conn.send(("known", None))
+            fewest = min(conn.recv() for conn in conns)
+            if fewest >= 0.99 * (n - 1):
+                break
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"the swarm of {n} did not converge: a node sees {fewest}")
+            time.sleep(1.0)
+        row["join_s"] = round(time.monotonic() - started, 1)
+        print(f"membership: {n} joined in {row['join_s']} s", file=sys.stderr, flush=True)
+
+        def stats() -> list[tuple[int, int]]:
+            for conn in conns:
+                conn.send(("stats", None))
+            return [s for conn in conns for s in conn.recv()]
+
+        time.sleep(min(window_s, 5.0))  # past the join's own burst of gossip
+        before, t0 = stats(), time.monotonic()
+        time.sleep(window_s)
+        after, t1 = stats(), time.monotonic()
+        span = t1 - t0
+        msgs = [(a[0] - b[0]) / span for a, b in zip(after, before)]
+        nbytes = [(a[1] - b[1]) / span for a, b in zip(after, before)]
+        row["msgs_per_peer_s"] = round(statistics.mean(msgs), 2)
+        row["bytes_per_peer_s"] = round(statistics.mean(nbytes), 1)
+        row["msgs_per_peer_period"] = round(statistics.mean(msgs) * lv.probe_interval_s, 2)
+        row["bytes_per_peer_period"] = round(statistics.mean(nbytes) * lv.probe_interval_s, 1)
+
+        victim = subprocess.Popen([sys.executable, "-c", VICTIM, f"ipc://{ipc_dir}/victim", rng.choice(addresses),
+                                   json.dumps(liveness)], stdout=subprocess.PIPE, text=True)
+        hello = json.loads(victim.stdout.readline())
+        vid, joined_at = hello["id"], hello["joined_at"]
+
+        def seen() -> list[tuple[float | None, float | None]]:
+            for conn in conns:
+                conn.send(("seen", vid))
+            return [s for conn in conns for s in conn.recv()]
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            alive = sorted(a - joined_at for a, _ in seen() if a is not None)
+            if len(alive) >= 0.99 * n:
+                break
+            time.sleep(0.5)
+        alive = sorted(a - joined_at for a, _ in seen() if a is not None)
+        row["join_seen_by"] = len(alive)
+        row["join_seen_p99_s"] = round(alive[max(0, int(0.99 * n) - 1)], 2) if len(alive) >= 0.99 * n else None
+        time.sleep(max(3.0, 3 * lv.probe_interval_s))  # it probes and is probed a while first
+        print(f"membership: {row['join_seen_by']} of {n} saw the joiner; killing it", file=sys.stderr, flush=True)
+        os.kill(victim.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        victim.wait()
+        deadline = killed_at + max(120.0, 60 * lv.probe_interval_s)
+        while time.monotonic() < deadline:
+            dead = [d for _, d in seen() if d is not None]
+            if len(dead) >= n:
+                break
+            time.sleep(0.5)
+        dead = sorted(d - killed_at for _, d in seen() if d is not None)
+        row["dead_seen_by"] = len(dead)
+        row["dead_median_s"] = round(statistics.median(dead), 2) if dead else None
+        row["dead_max_s"] = round(dead[-1], 2) if len(dead) == n else None
+        if soak_s:
+            time.sleep(soak_s)
+            row["soak_s"] = soak_s
+        for conn in conns:
+            conn.send(("deaths", None))
+        false = [d for conn in conns for d in conn.recv() if d[1] != vid]
+        row["false_deaths"] = len(false)
+        row["ok"] = True
+    except Exception as exc:
+        row["ok"], row["error"] = False, f"{type(exc).__name__}: {exc}"
+    finally:
+        for conn in conns:
+            try:
+                conn.send(("stop", None))
+                conn.poll(30) and conn.recv()
+            except Exception:
+                pass
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    row["total_s"] = round(time.monotonic() - started, 1)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="128,1024,4096")
+    parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--window-s", type=float, default=30.0)
+    parser.add_argument("--soak-s", type=float, default=0.0)
+    parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--log-dir", default=None, help="write each worker's INFO log there")
+    args = parser.parse_args()
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+        os.environ["STARLING_BENCH_LOG_DIR"] = args.log_dir
+    rows = []
+    for n in (int(x) for x in args.sizes.split(",")):
+        row = run_size(n, min(args.processes, n), args.window_s, args.soak_s, args.timeout_s)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    ok = [r for r in rows if r.get("ok")]
+    if len(ok) > 1:
+        base = ok[0]
+        print(json.dumps({"ratios_to": base["peers"], **{
+            str(r["peers"]): {k: round(r[k] / base[k], 2) for k in
+                              ("msgs_per_peer_period", "bytes_per_peer_period", "msgs_per_peer_s", "bytes_per_peer_s")
+                              if base.get(k)} for r in ok[1:]}}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
