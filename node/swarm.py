@@ -149,6 +149,7 @@ class Swarm:
         self._suspicions: dict[str, Suspicion] = {}
         self._probes_via = 0
         self._unverified: dict[str, list[tuple[list[Any], str]]] = {}  # claimant -> its claims we could not check yet
+        self._unknown_to: set[str] = set()  # peers that refused our probe as a stranger's
         self._reminded: dict[str, float] = {}  # peer id -> when we last sent it our beat against a stale claim
         self._next_sync = time.monotonic() + liveness.sync_interval_s * self._rng.random()
         self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
@@ -641,8 +642,9 @@ class Swarm:
     def _introduce(self, peer_id: str) -> list[list[Any]]:
         """Our record, for a peer we have not heard from first-hand yet: it may not know us."""
         info, record = self.table.get(peer_id), self.local.record
-        if info is None or info.told_by is None or record is None:
+        if info is None or record is None or (info.told_by is None and peer_id not in self._unknown_to):
             return []
+        self._unknown_to.discard(peer_id)
         return [[RECORD, record.to_wire()]]
 
     def _helper(self, peer_id: str) -> bool:
@@ -653,6 +655,10 @@ class Swarm:
         """A request's answer body, with its updates applied; None if none came in time."""
         try:
             reply = await self.outbox.request(peer_id, topic, body, timeout_s=timeout_s)
+        except rpc.BadRequestError:
+            if topic == PROBE and len(self._unknown_to) < MAX_WANTED:
+                self._unknown_to.add(peer_id)  # it may not know us (it lost our record): introduce us next time
+            return {}  # it answered (a refusal): alive
         except rpc.RemoteError:
             return {}  # it answered (a refusal): alive
         except NoSocket:
@@ -814,6 +820,15 @@ class Swarm:
                 suspicion.start = now
                 self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [
                     sign_claim(self.local.identity, SUSPECT, peer_id, *at)]}))
+                continue
+            if not suspicion.last_probe:
+                # one probe of our own before the verdict: a suspect whose refutation has not
+                # reached us (dissemination saturated by a burst of joins) answers it, and the
+                # answer leads to its refutation (see `_remind`); a dead one costs one timeout more
+                suspicion.last_probe = True
+                timeout = self.awareness.scale(self.liveness.ack_timeout_s)
+                suspicion.start += now - suspicion.start - suspicion.timeout_s + 2 * timeout
+                self._spawn(self._ask(peer_id, PROBE, {"u": self._introduce(peer_id)}, timeout))
                 continue
             del self._suspicions[peer_id]
             claim = sign_claim(self.local.identity, DEAD, peer_id, *at)

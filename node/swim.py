@@ -108,7 +108,7 @@ class Suspicion:
     declared dead soon; one only a single (perhaps slow) member suspects gets the long timeout
     in which to refute."""
 
-    __slots__ = ("at", "confirmed_by", "expected", "max_s", "min_s", "start")
+    __slots__ = ("at", "confirmed_by", "expected", "last_probe", "max_s", "min_s", "start")
 
     def __init__(self, at: tuple[int, int], first: str, start: float, min_s: float, max_s: float,
                  expected: int) -> None:
@@ -116,6 +116,7 @@ class Suspicion:
         self.start = start
         self.min_s, self.max_s, self.expected = min_s, max_s, expected
         self.confirmed_by = {first}
+        self.last_probe = False  # whether the holder probed the suspect itself once the timeout ran out
 
     def confirm(self, member: str) -> bool:
         """A distinct member suspects the same incarnation: True if it shortened the timeout."""
