@@ -43,7 +43,7 @@ Rows:
   relayed messages with) takes messages from one source, then 100,000 fresh sessions from
   another (5,000 with --quick), then the first source's messages again. Figure: replays
   accepted; target 0.
-- forged_beats: a member pings with digest entries for a victim (a member and a client) that
+- forged_beats: a member gossips beats for a victim (a member and a client) that
   carry a huge counter and `$via` naming the attacker, signed by the attacker, unsigned,
   tampered from the victim's genuine beat, or in the old unsigned shape. Figure: forged
   entries the node accepted; target 0. A genuine beat relayed by the same member is the
@@ -624,7 +624,7 @@ def _stranger_requests(reach_port: int) -> dict[str, Callable[[Any], list[bytes]
     """Every request a stranger can send, as frames from the stranger `ident`."""
     from starling.node.bootstrap import ECHO, REACH
     from starling.node.hello import Hello
-    from starling.node.swarm import HELLO, PING, SYNC
+    from starling.node.swarm import GOSSIP, HELLO, PROBE, SYNC
 
     def client_record(ident: Any) -> list[Any]:
         return record_wire(ident, [])
@@ -643,7 +643,9 @@ def _stranger_requests(reach_port: int) -> dict[str, Callable[[Any], list[bytes]
         "reach_malformed_body": lambda i: request_frames(REACH, i.peer_id, 5),
         "echo_oversized_nonce": lambda i: request_frames(ECHO, i.peer_id, b"x" * 65),
         "status_with_a_body": lambda i: request_frames("$status", i.peer_id, {"x": "y" * 64}),
-        "one_way_ping": lambda i: frames_of(PING, i.peer_id, [[], False]),
+        "one_way_gossip": lambda i: frames_of(GOSSIP, i.peer_id, {"u": []}),
+        "probe_without_a_record": lambda i: request_frames(PROBE, i.peer_id, {"u": []}),
+        "probe_with_its_record": lambda i: request_frames(PROBE, i.peer_id, {"u": [["r", client_record(i)]]}),
         "garbage_frame": lambda i: [b"\xc1garbage"],
     }
 
@@ -936,7 +938,10 @@ class RelayLab:
         m, x = Identity.generate(), Identity.generate()
         m_record, x_record = record_wire(m, []), record_wire(x, [])
         m_inc, x_inc = m_record[4], x_record[4]
-        pings = [frames_of("$ping", m.peer_id, [[sign_beat(m, m_inc, k, {}), sign_beat(x, x_inc, k, {})], False])
+        # beats of a rising liveness incarnation: each refutes whatever claim the target made of
+        # these raw sockets, which answer no probe
+        pings = [frames_of("$gossip", m.peer_id, {"u": [["a", sign_beat(m, m_inc, k << 32, {})],
+                                                        ["a", sign_beat(x, x_inc, k << 32, {})]]})
                  for k in range(2, int(seconds * 4) + 40)]
         return {
             "scenario": scenario, "seconds": seconds, "rate": rate, "endpoint": target.endpoint, "x_id": x.peer_id,
@@ -944,7 +949,7 @@ class RelayLab:
             "m_keys": (m.curve_public_z85, m.curve_secret_z85), "x_keys": (x.curve_public_z85, x.curve_secret_z85),
             "m_hello": request_frames("$hello", m.peer_id, Hello.ours(m_record, None, False).to_wire()),
             "x_hello": request_frames("$hello", x.peer_id, Hello.ours(x_record, None, False).to_wire()),
-            "x_ping": frames_of("$ping", x.peer_id, [[sign_beat(x, x_inc, 1, {})], False]),
+            "x_ping": frames_of("$gossip", x.peer_id, {"u": [["a", sign_beat(x, x_inc, 1 << 32, {})]]}),
             "m_pings": pings,
             "relay": frames_of(RELAY, m.peer_id, [x.peer_id, os.urandom(12)], (os.urandom(payload_bytes),)),
         }
@@ -1142,7 +1147,7 @@ def replays_after_sessions(quick: bool) -> dict[str, Any]:
 
 def forged_beats(quick: bool) -> dict[str, Any]:
     from starling.node.membership import beat_statement, sign_beat
-    from starling.node.swarm import PING
+    from starling.node.swarm import GOSSIP
 
     with closing_nodes() as made:
         seed = start_node(FAST)
@@ -1182,15 +1187,15 @@ def forged_beats(quick: bool) -> dict[str, Any]:
                     entry = entries(k)[name]
                     marks[f"{who}/{name}"] = (ident.peer_id, HUGE_BEAT + k, entry[3][VIA_KEY])
                     own = sign_beat(attacker.identity, attacker.record.incarnation, 10**9 + k, {})
-                    sock.send(frames_of(PING, attacker.peer_id, [[own, entry], False]))
+                    sock.send(frames_of(GOSSIP, attacker.peer_id, {"u": [["a", own], ["a", entry]]}))
             if not sock.barrier():
-                raise RuntimeError("the seed did not answer after the pings")
+                raise RuntimeError("the seed did not answer after the gossip")
             time.sleep(0.2)
             accepted = [name for name, (peer, beat, via) in marks.items() if _took(seed, peer, beat, via)]
             # the control: the victim's genuine beat, relayed by the same member, is taken
             control_via = "control"
             genuine = sign_beat(victim.identity, victim.record.incarnation, 10**9, {VIA_KEY: control_via})
-            sock.send(frames_of(PING, attacker.peer_id, [[genuine], False]))
+            sock.send(frames_of(GOSSIP, attacker.peer_id, {"u": [["a", genuine]]}))
             sock.barrier()
             control = _took(seed, victim.peer_id, 10**9, control_via)
             up = not stopped(seed)

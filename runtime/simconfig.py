@@ -39,9 +39,10 @@ def sim_liveness(peers_in_process: int, swarm: int) -> Liveness:
     periods, and a dropped connection is seen at once whatever the period)."""
     base = SIM_LIVENESS
     interval = swarm / SIM_PROBES_PER_S
-    # urgent gossip at most every 0.2 s and about twice a period: a box of a thousand peers cannot
-    # send 15,000 messages a second while a burst of joins keeps the urgent queues full
-    gossip = max(base.gossip_interval_s, interval / 2)
+    # urgent gossip at most every 0.2 s and about once a period, so the box's gossip stays within
+    # its probes' budget too: a thousand peers cannot send 15,000 messages a second while a burst
+    # of joins keeps the urgent queues full
+    gossip = max(base.gossip_interval_s, interval)
     if interval <= base.probe_interval_s:
         return replace(base, gossip_interval_s=gossip)
     return replace(base, probe_interval_s=interval, ack_timeout_s=max(base.ack_timeout_s, interval / 2),

@@ -3,13 +3,11 @@ most `max_undo_entries` of them; an undo of a kept one restores the swarm mean, 
 dropped one is refused, counted, and changes nothing."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from conftest import in_parallel, swarm, wait_until
 
-from starling.node.membership import PeerStatus
+from starling.node.membership import PeerStatus, live_incarnation
 from starling.protocols import ProtocolError, get_protocol
 from starling.protocols.gossip import ACK_TOPIC, PULL_TOPIC, UNDO_TOPIC
 from starling.tasks import get_task
@@ -148,13 +146,16 @@ def test_a_peer_wrongly_declared_dead_can_still_undo(make_node):
     pull(p1, proto, 1, point(1))
     node = proto.node
 
-    async def declare_everyone_dead():  # what a sweep after a long stall does
-        for change in node._table.sweep(time.monotonic() + 100.0):
-            node._notify(change)
+    async def declare_everyone_dead():  # what dead claims after a long stall do
+        for info in node._table.all():
+            _, change = node._table.claim(PeerStatus.DEAD, info.peer_id, info.record.incarnation,
+                                          live_incarnation(info.beat))
+            if change is not None:
+                node._notify(change)
     node.run(declare_everyone_dead())
     assert node.status_of(p1.peer_id) is PeerStatus.DEAD
     assert list(proto._applied) == [p1.peer_id] and proto.counters["undo_dropped_peer_left"] == 0
-    assert wait_until(lambda: node.status_of(p1.peer_id) is PeerStatus.ALIVE)  # its next beat
+    assert wait_until(lambda: node.status_of(p1.peer_id) is PeerStatus.ALIVE)  # its next message, or its refutation
     p1.send(node.peer_id, UNDO_TOPIC, {"xid": 1}).result(5.0)
     assert wait_until(lambda: proto.counters["undone"] == 1)
     torch.testing.assert_close(proto.consensus_vector(), before, rtol=0, atol=1e-6)

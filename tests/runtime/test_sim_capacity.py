@@ -221,6 +221,6 @@ def test_the_summary_names_the_socket_cap_and_probe_interval_the_run_used():
     from starling.runtime.simconfig import SIM_LIVENESS
 
     summary = Simulation(SimConfig(peers=3, protocol="gossip", task="quadratic", steps=2)).run().summary
-    assert summary["max_dealers"] == 64 and summary["probe_interval_s"] == SIM_LIVENESS.probe_interval_s == 0.25
+    assert summary["max_dealers"] == 64 and summary["probe_interval_s"] == SIM_LIVENESS.probe_interval_s == 0.5
     capped = Simulation(SimConfig(peers=3, protocol="gossip", task="quadratic", steps=2, max_dealers=1)).run()
     assert capped.summary["max_dealers"] == 1 and all(p.status == "finished" for p in capped.peers)
