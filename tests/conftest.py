@@ -12,6 +12,8 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import importlib.util
+import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -243,3 +245,17 @@ def pytest_collection_modifyitems(config, items):
         fast = fast[take:]
         left -= size
     items[:] = ordered + fast
+
+
+@pytest.fixture
+def procs():
+    """Processes a test started: killed (a stopped one continued first) and reaped at its end."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.wait(10)
+        if p.stdout is not None:
+            p.stdout.close()

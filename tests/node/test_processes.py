@@ -32,18 +32,6 @@ def spawn_node(*args: str) -> tuple[subprocess.Popen, str]:
     return proc, line.rsplit("join with:", 1)[1].strip()
 
 
-@pytest.fixture
-def procs():
-    started: list[subprocess.Popen] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait(10)
-        if p.stdout is not None:
-            p.stdout.close()
-
-
 def test_processes_join_crash_and_leave(make_node, procs):
     a, a_addr = spawn_node()
     procs.append(a)

@@ -33,19 +33,6 @@ def spawn(*args: str) -> tuple[subprocess.Popen, str]:
     return proc, line.rsplit("join with:", 1)[1].strip()
 
 
-@pytest.fixture
-def procs():
-    started: list[subprocess.Popen] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.send_signal(signal.SIGCONT)
-            p.kill()
-        p.wait(10)
-        if p.stdout is not None:
-            p.stdout.close()
-
-
 def _peer_of(node, address: str) -> str:
     host = address.split("#")[0]
     return next(p.id for p in node.peers if host in p.addresses)
