@@ -1,7 +1,7 @@
 """`starling node watch ADDR`: a live table of one node and every peer it knows.
 
 Every `--interval-s` it asks the node for its status (`$status`, the request `node status`
-makes) and redraws: each peer's status, its step, loss and last sync (from the heartbeat
+makes) and redraws: each peer's status, its step, loss and last sync (from the beat
 meta that training peers publish, so one node shows them all), the bytes per second
 between the watched node and that peer (from the difference of two answers), and what the
 watched node holds against it (`flagged`: the parts of it that the node refused, screened,

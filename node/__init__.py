@@ -8,7 +8,7 @@ helpers, and the typed errors of requests; the rest are the parts it is built fr
   reasons a handler refuses work for (`Refusal`, `refusal()`);
 - `dispatch`: the inbound path (decode, authenticate, route to handlers, answer), within the
   bounds of `admission` (requests in flight per connection and per process, strangers' rates);
-- `swarm`: the membership protocol (hello, announce, want, heartbeats, leave), over
+- `swarm`: the membership protocol (hello, SWIM probes and gossip, want, leave), over
   `membership`, the peer table and failure detector; `hello`: the hello's messages and the
   version check each side makes, from `version`, the one home of this build's versions;
 - `transport`, `wire`, `security`, `identity`, `address`: sockets, frames, CURVE, keys;

@@ -18,7 +18,7 @@ are three kinds of bound:
 - **Reading.** Messages that were only dropped or refused are waste. After every
   `waste_batch` of them, the ROUTER's reader pauses for `waste_pause_s`. ZeroMQ's receive
   queue then fills and TCP pushes back on the sender, and the network thread's time goes to
-  the node's own work (replies, heartbeats, training sends).
+  the node's own work (replies, probes, training sends).
 
 **Why members are treated differently.** One ROUTER multiplexes every peer, so no single
 connection can be paused by itself. Instead, ZeroMQ's ROUTER fair-queues its connections on

@@ -132,7 +132,7 @@ class Bootstrap:
         dispatch.on_busy(HELLO, self.redirect)
 
     def tick(self, now: float) -> None:
-        """From the heartbeat loop: hello again to join addresses whose peers are gone."""
+        """From the probe loop, each period: hello again to join addresses whose peers are gone."""
         if self.seeds and now - self._last_rejoin >= self.rejoin_interval_s:
             self._last_rejoin = now
             lost = [a for a in self.seeds if not self.seed_alive(a)]

@@ -1,5 +1,5 @@
 """What a node says about itself, in one place its parts read: its identity, how it secures
-its sockets, its signed record, the swarm config it runs, the meta its heartbeats carry, and
+its sockets, its signed record, the swarm config it runs, the meta its beats carry, and
 the allowlist it admits by.
 
 The `Node` facade writes these (at start, in `set_meta`, when a join teaches it the swarm's

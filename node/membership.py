@@ -168,7 +168,7 @@ class PeerInfo:
     status: PeerStatus
     last_seen: float
     meta: dict[str, Any] = field(default_factory=lambda: _NO_META)  # the meta of its last signed beat
-    beat: int = -1  # the highest heartbeat counter heard from this incarnation
+    beat: int = -1  # the highest beat counter heard from this incarnation
     signed_beat: list[Any] | None = None  # that beat as its peer signed it: what we relay
     told_by: str | None = None  # the member that relayed its record, until the peer itself is heard
     claim_at: int = -1  # the liveness incarnation a suspicion or death claim named (-1: none)

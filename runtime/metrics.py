@@ -80,9 +80,9 @@ class TrainingProgress:
             self.last_sync_unix_s = time.time()
 
     def meta(self) -> dict[str, Any]:
-        """What a training peer tells the others in its heartbeats (flat, finite scalars), so
+        """What a training peer tells the others in its beats (flat, finite scalars), so
         that a watcher of any one node sees every peer's step, loss and last sync."""
-        loss = self.loss if math.isfinite(self.loss) else None  # heartbeat meta refuses NaN
+        loss = self.loss if math.isfinite(self.loss) else None  # beat meta refuses NaN
         synced = None if self.last_sync_unix_s is None else round(self.last_sync_unix_s, 3)
         return {"step": self.step, "loss": loss, "synced": synced}
 
