@@ -827,7 +827,7 @@ class Swarm:
                 # answer leads to its refutation (see `_remind`); a dead one costs one timeout more
                 suspicion.last_probe = True
                 timeout = self.awareness.scale(self.liveness.ack_timeout_s)
-                suspicion.start += now - suspicion.start - suspicion.timeout_s + 2 * timeout
+                suspicion.start = now - suspicion.timeout_s + 2 * timeout  # it now expires in 2 timeouts
                 self._spawn(self._ask(peer_id, PROBE, {"u": self._introduce(peer_id)}, timeout))
                 continue
             del self._suspicions[peer_id]
