@@ -369,6 +369,13 @@ class Transport:
         keys = [key for key in self._dealers if not key.startswith("bootstrap-")]
         return rng.sample(keys, min(k, len(keys)))
 
+    @property
+    def starved(self) -> bool:
+        """Whether this process ran out of descriptors or sockets: its cap is then what fit, and
+        a send that opens a socket closes another (whose descriptor frees a moment later), so
+        what can go to an open socket should."""
+        return self.exhausted > 0
+
     def is_open(self, key: str) -> bool:
         return key in self._dealers
 
