@@ -144,8 +144,9 @@ class Node:
                                     rejoin_interval_s=config.rejoin_interval_s)
         self._relay = Relay(local, self._table, self._outbox, spawn, config.relay, max_frames=config.limits.max_frames,
                             reject=self._dispatch.reject, deliver=self._dispatch.on_opened,
-                            want_from=self._swarm.want_from)
+                            want_from=self._swarm.want_from, home=self._swarm.home_relays)
         self._outbox.route_through_relays(self._relay.send)
+        self._swarm.relays_kept = config.relay.max_relays + 1  # the ones `$via` names, and a spare
         self._dispatch.notify = self._swarm.notify
         self._swarm.ticks[:] = [self._bootstrap.tick, self._relay.tick]
         for part in (self._swarm, self._bootstrap, self._relay):
@@ -297,6 +298,9 @@ class Node:
         self._spawn(self._swarm.run())
         if joins:
             await self._bootstrap.join(joins)
+            # a client is reachable through a relay only once the relay has had a message from
+            # it on its own connection: one is on its way before the join returns
+            await self._swarm.greet_relays()
 
     @staticmethod
     def _needs_dial_back(endpoints: list[str]) -> bool:

@@ -373,7 +373,7 @@ class Relay:
     def __init__(self, local: LocalPeer, table: PeerTable, outbox: Outbox, spawn: Spawn, config: RelayConfig, *,
                  max_frames: int, reject: Callable[[RejectReason, str], None],
                  deliver: Callable[[str, list[Any]], Awaitable[None]],
-                 want_from: Callable[[str, str], None]) -> None:
+                 want_from: Callable[[str, str], None], home: Callable[[], list[str]]) -> None:
         self.local = local
         self.table = table
         self.outbox = outbox
@@ -384,6 +384,7 @@ class Relay:
         self._reject = reject
         self._deliver = deliver  # an opened message, to the dispatcher (`Dispatcher.on_opened`)
         self._want_from = want_from  # a source we have no record of (`Swarm.want_from`)
+        self._home = home  # as a client, the relays it keeps (`Swarm.home_relays`)
         self.forwarding = 0
         self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
         self._in_flight: dict[str, int] = {}  # source -> its forwards in flight
@@ -422,23 +423,25 @@ class Relay:
             self.local.meta = {**self.local.meta, VIA: via}
 
     def relays_for(self, dest: str) -> list[str]:
-        """The live relays `dest` named in its heartbeats, then any other live relay."""
+        """The relays `dest` named in its beats, then any other relay: those alive to us
+        first, suspects last (a relay that just died may still swallow what it is handed)."""
         table = self.table
         info = table.get(dest)
         named = str(info.meta.get(VIA, "")).split(",") if info is not None else []
         live = {p.peer_id: p for p in table.live() if p.record.relay and p.record.reachable}
-        return [r for r in named if r in live] + sorted(r for r in live if r not in named)
+        order = [r for r in named if r in live] + sorted(r for r in live if r not in named)
+        return sorted(order, key=lambda r: live[r].status is not PeerStatus.ALIVE)  # stable sort
 
     def via(self) -> str:
-        """The relays this client is attached to, for `$via`: those that have sent it something
-        down the DEALER it holds to them, which proves they hold its connection's routing id.
-        An open DEALER is not enough: a relay that has not yet read a message of ours on it
-        cannot forward to us, and refused the messages that named it (`no_route`)."""
+        """The relays this client is attached to, for `$via`: of those it keeps (its messages
+        every period keep their routes to it fresh), the ones that have sent it something down the
+        DEALER it holds to them, which proves they hold its connection's routing id. An open
+        DEALER is not enough: a relay that has not yet read a message of ours on it cannot
+        forward to us, and refused the messages that named it (`no_route`)."""
         transport = self.outbox.transport
         if transport is None:
             return ""
-        held = sorted(p.peer_id for p in self.table.live()
-                      if p.record.relay and p.record.reachable and transport.heard(p.peer_id))
+        held = sorted(r for r in self._home() if transport.heard(r))
         return ",".join(held[: self.config.max_relays])
 
     async def send(self, dest: str, frames: list[Any], *, wait: bool, timeout_s: float | None) -> None:

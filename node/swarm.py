@@ -151,6 +151,8 @@ class Swarm:
         self._unverified: dict[str, list[tuple[list[Any], str]]] = {}  # claimant -> its claims we could not check yet
         self._unknown_to: set[str] = set()  # peers that refused our probe as a stranger's
         self._reminded: dict[str, float] = {}  # peer id -> when we last sent it our beat against a stale claim
+        self.relays_kept = 4  # a client's relays (`keep_relays`): the node sets its `$via` count plus a spare
+        self._relays: list[str] = []
         self._next_sync = time.monotonic() + liveness.sync_interval_s * self._rng.random()
         self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
         self._acked: dict[str, float] = {}  # peer id -> when we last probed it back on its asking
@@ -541,8 +543,7 @@ class Swarm:
             target = self._next_target()
             if target is not None:
                 await self._probe(target)
-            if self._client():
-                self._keep_relays()
+            self.keep_relays()
             now = time.monotonic()
             if now >= self._next_sync:
                 self._next_sync = now + self.awareness.scale(lv.sync_interval(self.members())) * \
@@ -567,21 +568,50 @@ class Swarm:
         record = self.local.record
         return record is not None and not record.reachable
 
-    def _keep_relays(self) -> None:
-        """A client's relays must hear from it often: each message it sends them refreshes the
-        connection they reach it on (`Transport.attach`). One that has not answered down that
-        connection yet is probed, since the answer is what lets the client name it in `$via`."""
+    def _is_relay(self, peer_id: str) -> bool:
+        info = self.table.get(peer_id)
+        return info is not None and info.status is PeerStatus.ALIVE and info.record.relay and info.record.reachable
+
+    def _home_relays(self) -> list[str]:
+        """The relays a client keeps (`relays_kept`): those it kept that are still alive, topped
+        up from the others (ones that already answered it first, then at random, so that the
+        clients of a swarm spread over its relays). Only a short list walks the table."""
+        kept = [r for r in self._relays if self._is_relay(r)]
+        if len(kept) < self.relays_kept:
+            transport = self.outbox.transport
+            others = [p.peer_id for p in self.table.live() if p.peer_id not in kept and self._is_relay(p.peer_id)]
+            self._rng.shuffle(others)
+            others.sort(key=lambda r: not (transport is not None and transport.heard(r)))
+            kept += others[: self.relays_kept - len(kept)]
+        self._relays = kept
+        return kept
+
+    def home_relays(self) -> list[str]:
+        """The relays this client keeps (empty for a node that can be dialled)."""
+        return list(self._relays) if self._client() else []
+
+    def keep_relays(self) -> None:
+        """A client's relays must hear from it every period: each message it sends them refreshes
+        the connection they reach it on (`Transport.attach`). One that has not answered down that
+        connection yet is probed, since the answer is what lets the client name it in `$via`.
+        A client keeps a few relays (`relays_kept`), not every relay of the swarm."""
         transport = self.outbox.transport
-        if transport is None:
+        if transport is None or not self._client():
             return
-        for info in self.table.live():
-            if not (info.record.relay and info.record.reachable and info.status is PeerStatus.ALIVE):
-                continue
-            if transport.heard(info.peer_id):
-                self._spawn(self._send_quietly(info.peer_id, GOSSIP, {"u": []}))
+        for relay in self._home_relays():
+            if transport.heard(relay):
+                self._spawn(self._send_quietly(relay, GOSSIP, {"u": []}))
             else:
-                self._spawn(self._ask(info.peer_id, PROBE, {"u": self._take()},
+                self._spawn(self._ask(relay, PROBE, {"u": self._take()},
                                       self.awareness.scale(self.liveness.ack_timeout_s)))
+
+    async def greet_relays(self) -> None:
+        """A client that just joined: a message to each relay it keeps, handed to their
+        connections before this returns (then probes, as every period: `keep_relays`)."""
+        if not self._client():
+            return
+        await asyncio.gather(*(self._send_quietly(r, GOSSIP, {"u": []}) for r in self._home_relays()))
+        self.keep_relays()
 
     def _can_probe(self, info: PeerInfo) -> bool:
         transport = self.outbox.transport
@@ -615,7 +645,7 @@ class Swarm:
         info = self.table.get(target)
         if info is None or info.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
             return
-        helpers = [h for h in self.table.live_ids.sample(self._rng, lv.indirect_probes + 2, but=(target,))
+        helpers = [h for h in self._sample_members(lv.indirect_probes + 2, but=target)
                    if self._helper(h)][:lv.indirect_probes]
         answers = await asyncio.gather(*(self._ask(h, PROBE_VIA, {"t": target, "u": self._take()}, 2 * timeout)
                                          for h in helpers))
@@ -638,6 +668,20 @@ class Swarm:
             log.info("%s: no answer from %s in %.2g s, nor through %d of %d members asked; suspect",
                      self.local.peer_id, target, time.monotonic() - started, nacks, len(helpers))
             self._suspect(target)
+
+    def _sample_members(self, k: int, *, but: str | None = None, open_share: float = 0.0) -> list[str]:
+        """Up to `k` random live members other than `but`. Past the socket cap, a send to one we
+        hold no socket to opens one and closes another (or is refused while all are busy), so
+        `open_share` of the draws (all of them once the process ran out of descriptors) pick
+        from the members we hold a socket to; which those are changes with every probe, so the
+        picks stay spread over the swarm."""
+        transport, live = self.outbox.transport, self.table.live_ids
+        if transport is not None and len(live) > transport.dealer_cap and (
+                transport.starved or self._rng.random() < open_share):
+            picked = [p for p in transport.sample_open(self._rng, k + 1) if p != but and p in live][:k]
+            if picked:
+                return picked
+        return list(live.sample(self._rng, k, but=(but,) if but is not None else ()))
 
     def _introduce(self, peer_id: str) -> list[list[Any]]:
         """Our record, for a peer we have not heard from first-hand yet: it may not know us."""
@@ -765,18 +809,16 @@ class Swarm:
                 for suspicion in self._suspicions.values():
                     suspicion.pardon(late)
             self._expire_suspicions(now)
+            self._sign_meta(now)  # here too: a probe can take several timeouts under load
             if not self.broadcasts.urgent:
                 continue
             # To members we hold a socket to, most rounds: past the socket cap, a send to anyone
             # else opens a socket and closes another, or is refused while all are busy (and the
             # update counted as sent). Which sockets are open changes with every probe, so the
             # targets stay spread over the swarm; one round in four picks from everyone.
-            transport = self.outbox.transport
-            pool = lv.gossip_fanout + 2
-            if transport is not None and len(self.table.live_ids) > transport.dealer_cap and self._rng.random() < 0.75:
-                targets = transport.sample_open(self._rng, pool)
-            else:
-                targets = self.table.live_ids.sample(self._rng, pool)
+            # A process out of descriptors sends only on the sockets it holds: every socket it
+            # opens closes another, and the churn starves what others open to it.
+            targets = self._sample_members(lv.gossip_fanout + 2, open_share=0.75)
             sent = 0
             for peer_id in targets:
                 if sent >= lv.gossip_fanout or not self._helper(peer_id):
@@ -862,7 +904,9 @@ class Swarm:
         if signed is None or (signed[3] is not self.local.meta
                               and now - self._beat_signed_at >= self.liveness.meta_interval_s):
             self._meta_seq += 1
-            self._spread([ALIVE, self._own_beat()], urgent=False)
+            # A new meta is urgent at its source: the member gossips it to a few others at once
+            # (to the whole of a small swarm); they pass it on with their probes and answers.
+            self._spread([ALIVE, self._own_beat()], urgent=signed is not None)
 
     def _own_beat(self) -> list[Any]:
         """Our beat, signed once per counter and meta (a node replaces its meta, never edits it)."""

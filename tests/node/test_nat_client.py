@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import ECHO_CONFIG, wait_until
+from conftest import ECHO_CONFIG, statuses, wait_until
 
 from starling.node import rpc
 from starling.node.client import query
@@ -170,8 +170,31 @@ def test_killing_the_relay_in_use_moves_clients_to_the_other(nodes):
     carried = other.stats.snapshot()["bytes_received"].get(c1.peer_id, {}).get("$relay", 0)
     relay.close()  # no leave: a crash, as far as the others can tell
     assert wait_until(lambda: relay.peer_id not in c2.status()["meta"][VIA], timeout_s=10)
+    # once the sender suspects the relay (what it handed the relay before that is lost), it tries
+    # the others first
+    assert wait_until(lambda: statuses(c1).get(relay.peer_id) != "alive", timeout_s=10)
     assert c1.request(c2.peer_id, "echo", 2, timeout_s=5).body["got"] == 2
     assert other.stats.snapshot()["bytes_received"][c1.peer_id].get("$relay", 0) > carried
+
+
+def test_a_client_keeps_a_few_relays_and_replaces_one_that_dies(nodes):
+    publics = [nodes()]
+    publics += [nodes(join=[publics[0].address]) for _ in range(5)]
+    c = nodes(listen=None, join=[publics[0].address])
+    assert wait_until(lambda: len(c.live_peers()) == 6)
+    kept = c.run(_home_relays(c))  # its `$via` count (3) and a spare, of the 6
+    assert len(kept) == 4 and len(set(kept)) == 4
+    assert wait_until(lambda: len(c.status()["meta"].get(VIA, "").split(",")) == 3)
+    assert set(c.status()["meta"][VIA].split(",")) <= set(kept)
+    gone = next(p for p in publics if p.peer_id == kept[0])
+    gone.close()  # no leave: a crash
+    assert wait_until(lambda: gone.peer_id not in c.live_peers(), timeout_s=30)
+    now = c.run(_home_relays(c))
+    assert len(now) == 4 and gone.peer_id not in now and set(kept[1:]) <= set(now)
+
+
+async def _home_relays(node: Node) -> list[str]:
+    return list(node._swarm._home_relays())
 
 
 def test_the_seed_dials_a_joiner_back_and_authenticates_its_key(nodes):
