@@ -151,6 +151,9 @@ class Swarm:
         self._unverified: dict[str, list[tuple[list[Any], str]]] = {}  # claimant -> its claims we could not check yet
         self._unknown_to: set[str] = set()  # peers that refused our probe as a stranger's
         self._reminded: dict[str, float] = {}  # peer id -> when we last sent it our beat against a stale claim
+        # the longest this node's loop fell behind since a time (`LoopLag.worst_since`): wired by
+        # the node; a probe unanswered while the loop was that late is no verdict
+        self.loop_lag: Callable[[float], float] = lambda since: 0.0
         self.relays_kept = 4  # a client's relays (`keep_relays`): the node sets its `$via` count plus a spare
         self._relays: list[str] = []
         self._next_sync = time.monotonic() + liveness.sync_interval_s * self._rng.random()
@@ -164,11 +167,11 @@ class Swarm:
     def register(self, dispatch: Dispatcher) -> None:
         """Serve the membership topics on the node's dispatcher."""
         dispatch.on_internal_request(HELLO, self.on_hello, public=True)  # a joiner is not a member yet
-        dispatch.on_internal_request(SYNC, self.on_sync)
+        dispatch.on_internal_request(SYNC, self.on_sync, plain_answers=True)
         # public: a member that learned of us before we learned of it (both joined a moment ago)
         # probes with its own record, which we learn as from a hello (see `on_probe`)
-        dispatch.on_internal_request(PROBE, self.on_probe, public=True)
-        dispatch.on_internal_request(PROBE_VIA, self.on_probe_via)
+        dispatch.on_internal_request(PROBE, self.on_probe, public=True, plain_answers=True)
+        dispatch.on_internal_request(PROBE_VIA, self.on_probe_via, plain_answers=True)
         for topic, handler in ((GOSSIP, self.on_gossip), (WANT, self.on_want), (LEAVE, self.on_leave),
                                (ANNOUNCE, self.on_announce)):
             dispatch.on_internal_message(topic, handler)
@@ -281,10 +284,12 @@ class Swarm:
             nbytes += size
         return page, None, nbytes
 
-    async def sync(self, peer_id: str, after: str | None = None, pages: int = MAX_SYNC_PAGES) -> int:
+    async def sync(self, peer_id: str, after: str | None = None, pages: int = MAX_SYNC_PAGES,
+                   collect: list[Any] | None = None) -> int:
         """Learn the table of `peer_id` (a member), page by page from after `after`, at most
         `pages` of them: the number of records that were news. A page turned down as over our
-        pull budget is waited for."""
+        pull budget is waited for. `collect`: the records that checked out are appended to it
+        as they came on the wire (to hand to other nodes, `Node.add_records`)."""
         learned, busy = 0, 0
         for _ in range(min(pages, MAX_SYNC_PAGES)):
             try:
@@ -303,6 +308,9 @@ class Swarm:
                     learned += self.learn(self.record_from(raw), told_by=peer_id)
                 except WireError as exc:
                     self.stats.count_rejected(exc.reason.value)
+                    continue
+                if collect is not None:
+                    collect.append(raw)
             following = body.get("next")
             if following is None:
                 return learned
@@ -310,6 +318,17 @@ class Swarm:
                 raise WireError(RejectReason.BAD_FIELD, "sync reply: next must come after the page asked for",
                                 field="body")
             after = following
+        return learned
+
+    def add_records(self, records: list[Any], told_by: str | None) -> int:
+        """Learn records handed to this node (`Node.add_records`), each checked as one relayed
+        by `told_by`; one that does not check out is counted and skipped. Returns the news."""
+        learned = 0
+        for raw in records:
+            try:
+                learned += self.learn(self.record_from(raw), told_by=told_by)
+            except WireError as exc:
+                self._reject(exc.reason, f"record handed to this node: {exc}")
         return learned
 
     def on_announce(self, msg: Message) -> None:
@@ -657,6 +676,14 @@ class Swarm:
         awareness.apply(len(helpers) - nacks - (len(helpers) if acked else 0))
         info = self.table.get(target)
         if acked or info is None or info.last_seen > started:
+            return
+        lag = self.loop_lag(started)
+        if lag > timeout / 2:
+            # our own loop fell behind by half an ack timeout or more while we waited: an answer
+            # may be sitting unread, so the silence says nothing of the target (and we are slow)
+            awareness.apply(1)
+            log.info("%s: no answer from %s while this process ran %.2g s behind; no verdict",
+                     self.local.peer_id, target, lag)
             return
         if helpers and not nacks:
             # nobody answered at all, helpers included: this node cannot tell its own slowness
