@@ -10,6 +10,7 @@ import concurrent.futures
 import logging
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, TypeVar
 
@@ -28,6 +29,50 @@ T = TypeVar("T")
 # 256 simulated nodes with 64 open each need 16,640. Each socket also holds a file
 # descriptor, so the process's RLIMIT_NOFILE bounds this too.
 MAX_SOCKETS_PER_PROCESS = 32768
+
+
+class LoopLag:
+    """How far behind its timers a loop has run: a callback every `tick_s`, and the lateness
+    of each one that ran more than half a tick late (the loop was busy with other nodes'
+    messages, or the process was not scheduled), kept for `window_s`.
+
+    A node that hears nothing from a peer while its own loop was late by a good part of the
+    wait cannot blame the peer: the answer may be sitting unread in its socket. This is
+    Lifeguard's local health measured instead of inferred, and shared by every node of the
+    process (a simulator's worker runs hundreds on one loop, all slow together)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tick_s: float = 0.1, window_s: float = 60.0) -> None:
+        self._loop = loop
+        self.tick_s = tick_s
+        self.window_s = window_s
+        self._lags: deque[tuple[float, float]] = deque()  # (loop time it caught up, seconds late)
+        self._due = loop.time() + tick_s
+
+    def start(self) -> None:
+        """On the loop: the first tick."""
+        self._due = self._loop.time() + self.tick_s
+        self._loop.call_at(self._due, self._tick)
+
+    def _tick(self) -> None:
+        now = self._loop.time()
+        late = now - self._due
+        if late > self.tick_s / 2:
+            self._lags.append((now, late))
+        while self._lags and now - self._lags[0][0] > self.window_s:
+            self._lags.popleft()
+        self._due = now + self.tick_s
+        self._loop.call_at(self._due, self._tick)
+
+    def worst_since(self, since: float) -> float:
+        """The most the loop fell behind in a stall that ended at or after `since` (loop time,
+        `time.monotonic`), counting the tick that is due and not yet run (behind right now)."""
+        now = self._loop.time()
+        worst = max(0.0, now - self._due)
+        for when, late in reversed(self._lags):
+            if when < since:
+                break
+            worst = max(worst, late)
+        return worst
 
 
 class NetworkThread:
@@ -49,6 +94,7 @@ class NetworkThread:
         self.loop = asyncio.new_event_loop()
         self.zap = ZapRegistry(self.context)  # one ZAP handler per context
         self.load = ProcessLoad()  # requests in flight across this process's nodes (node.admission)
+        self.lag = LoopLag(self.loop)  # how far behind the loop runs (the failure detector asks)
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="starling-network", daemon=True)
         self._thread.start()
@@ -63,6 +109,7 @@ class NetworkThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self.lag.start)
         self.loop.call_soon(self._ready.set)
         self.loop.run_forever()
 

@@ -147,6 +147,7 @@ class Node:
                             want_from=self._swarm.want_from, home=self._swarm.home_relays)
         self._outbox.route_through_relays(self._relay.send)
         self._swarm.relays_kept = config.relay.max_relays + 1  # the ones `$via` names, and a spare
+        self._swarm.loop_lag = self._net.lag.worst_since
         self._dispatch.notify = self._swarm.notify
         self._swarm.ticks[:] = [self._bootstrap.tick, self._relay.tick]
         for part in (self._swarm, self._bootstrap, self._relay):
@@ -368,11 +369,22 @@ class Node:
         """`callback(change)` runs on the network thread whenever a peer's status changes."""
         self._listeners.append(callback)
 
-    def sync_peers(self, peer: str) -> concurrent.futures.Future[int]:
+    def sync_peers(self, peer: str, collect: list[Any] | None = None) -> concurrent.futures.Future[int]:
         """Learn the peer table of `peer`, a member (anti-entropy: the peers that joined
         elsewhere, or through the same seed at the same time). The future gives how many
-        records were news."""
-        return self._net.submit(self._swarm.sync(peer))
+        records were news. `collect`: a list the records pulled are appended to, as they came
+        on the wire, to hand to other nodes (`add_records`)."""
+        return self._net.submit(self._swarm.sync(peer, collect=collect))
+
+    def add_records(self, records: list[Any], told_by: str | None = None) -> int:
+        """Learn peer records in their wire form, handed to this node rather than sent to it
+        (a simulator's worker shares one table pull among its peers this way). Each is checked
+        as one relayed by `told_by` (allowlist, signature, table room); one that fails is
+        counted as rejected and skipped. Returns how many were news."""
+        return self._call(self._add_records(records, told_by))
+
+    async def _add_records(self, records: list[Any], told_by: str | None) -> int:
+        return self._swarm.add_records(records, told_by)
 
     def set_meta(self, **meta: Any) -> None:
         """Metadata (e.g. the protocol round) carried to every peer in this node's beats: signed

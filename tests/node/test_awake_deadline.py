@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from starling.node.loop import AwakeDeadline, close_in_time
+from starling.node.loop import AwakeDeadline, LoopLag, close_in_time
 
 
 async def _ready_after(iterations: int) -> str:
@@ -126,3 +126,29 @@ def test_close_in_time_closes_once_late_and_never_leaves_waiters_hanging():
         assert failed.is_set()  # waiters wake and find no result
 
     asyncio.run(main())
+
+
+def test_loop_lag_reports_a_stall_from_when_it_ended_and_forgets_it_after_its_window():
+    async def main():
+        loop = asyncio.get_running_loop()
+        lag = LoopLag(loop, tick_s=0.02, window_s=0.5)
+        lag.start()
+        await asyncio.sleep(0.1)
+        before = loop.time()
+        calm = lag.worst_since(before)
+        time.sleep(0.3)  # the loop runs nothing for 0.3 s
+        behind_now = lag.worst_since(before)  # the due tick has not run yet: behind right now
+        await asyncio.sleep(0.05)
+        after_stall = lag.worst_since(before)
+        later = loop.time()
+        await asyncio.sleep(0.1)
+        since_later = lag.worst_since(later)
+        await asyncio.sleep(0.6)
+        return calm, behind_now, after_stall, since_later, lag.worst_since(before)
+
+    calm, behind_now, after_stall, since_later, forgotten = asyncio.run(main())
+    assert calm < 0.02
+    assert behind_now >= 0.25 and after_stall >= 0.25
+    assert since_later < 0.25  # a stall that ended before `since` is not counted
+    assert forgotten < 0.25  # past the window
+
