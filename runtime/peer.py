@@ -207,36 +207,44 @@ class SimPeer:
 JOINS_IN_FLIGHT = 8  # simulated peers joining at once: each hello's round trip waits on the busy network thread
 
 
-def start_together(peers: list[SimPeer], join: list[str]) -> None:
+def start_together(peers: list[SimPeer], join: list[str],
+                   on_started: Callable[[SimPeer], None] | None = None) -> None:
     """Start `peers`, each joining through `join`, a few at a time (JOINS_IN_FLIGHT): one at
     a time, a swarm of hundreds spent its start-up waiting on one hello's round trip after
     another. Peers that join at once learn of each other as peers joining elsewhere do
-    (announces, the ids in heartbeat digests). Raises the first peer's failure."""
+    (announces, gossip, table pulls). `on_started(peer)` is called as each one has joined (a
+    worker tells its parent, which hears that the swarm is forming). Raises the first peer's
+    failure."""
     if not peers:
         return
     with concurrent.futures.ThreadPoolExecutor(min(JOINS_IN_FLIGHT, len(peers)), "sim-join") as pool:
-        futures = [pool.submit(peer.start, join) for peer in peers]
-        for future in futures:
+        futures = {pool.submit(peer.start, join): peer for peer in peers}
+        for future in concurrent.futures.as_completed(futures):
             future.result()
-
-
-SYNCS_IN_FLIGHT = 32  # table pulls at once: each answer is the whole table (~0.3 KB a peer)
+            if on_started is not None:
+                on_started(futures[future])
 
 
 def sync_with_seed(peers: list[SimPeer], seed_id: str, world: int) -> int:
-    """One anti-entropy pass: each of `peers` that does not yet see all `world` peers learns
-    the seed's table (the seed heard every joiner's hello). Peers that joined at the same
-    time learn each other here in one round trip; left to the ids in heartbeat digests, a
-    swarm of a thousand took many heartbeat intervals (stretched to minutes at that size) to
-    form. A pull that fails is left to the digests. Returns how many peers pulled."""
+    """One anti-entropy pass for peers that share a process: the first of `peers` that does
+    not yet see all `world` peers pulls the seed's table (the seed heard every joiner's hello),
+    and the others that do not are handed the records it got (`Node.add_records`: checked as
+    if relayed by the seed, each signature once per process). Peers that joined at the same
+    time learn each other here; one pull per process instead of one per peer keeps the seed
+    answering probes (a thousand peers pulling its whole table every few seconds starved it,
+    and the swarm took it for dead). A pull that fails is left to the gossip and the next
+    pass. Returns how many peers were behind."""
     behind = [p for p in peers if p.node.peer_id != seed_id and len(p.node.live_peers()) < world - 1]
-    for start in range(0, len(behind), SYNCS_IN_FLIGHT):
-        futures = [p.node.sync_peers(seed_id) for p in behind[start:start + SYNCS_IN_FLIGHT]]
-        for future in futures:
-            try:
-                future.result()
-            except Exception as exc:
-                log.debug("table pull from the seed failed: %r", exc)
+    if not behind:
+        return 0
+    records: list[Any] = []
+    try:
+        behind[0].node.sync_peers(seed_id, collect=records).result(timeout=120)
+    except Exception as exc:
+        log.debug("table pull from the seed failed: %r", exc)
+    if records:
+        for peer in behind[1:]:
+            peer.node.add_records(records, told_by=seed_id)
     return len(behind)
 
 

@@ -143,9 +143,7 @@ class _Worker:
             return False
         first, seed_id = message[1], message[2]
         others = [peer for peer in peers if peer.rank != 0]
-        start_together(others, [first])
-        for peer in others:
-            self._announce(peer)
+        start_together(others, [first], on_started=self._announce)  # news for the parent as each joins
         if not self._wait_until_peers_see_each_other(peers, seed_id):
             return False
         for peer in peers:
