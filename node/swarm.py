@@ -1042,6 +1042,11 @@ class Swarm:
             if change is not None:
                 self.notify(change)
             self._spread(claim, urgent=True)
+            if not mine and self._rng.random() < self.liveness.gossip_fanout / self.members():
+                # Gossip to the accused: a member that holds it suspect or dead no longer sends it
+                # anything, so if the claimant's one message to it was lost it would never refute.
+                # Each holder sends it the claim with probability fanout / n: about `fanout` copies.
+                self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [claim]}))
         elif status is PeerStatus.SUSPECT:
             suspicion = self._suspicions.get(peer_id)
             if suspicion is not None and suspicion.at == (incarnation, live) and suspicion.confirm(claimant):

@@ -12,9 +12,10 @@ from conftest import DEATH_SEEN_WITHIN_S, TEST_LIVENESS, raw_dealer, statuses, w
 from starling.node import BadRequestError
 from starling.node.hello import Hello
 from starling.node.identity import Identity
+from starling.node.membership import PeerStatus
 from starling.node.node import NodeConfig, SwarmConfigError, UnknownPeerError
 from starling.node.rpc import RemoteError, Reply, RequestTimeout, RpcError
-from starling.node.swim import Liveness
+from starling.node.swim import Liveness, sign_claim
 from starling.node.transport import TransportConfig
 from starling.node.wire import encode
 
@@ -475,3 +476,61 @@ def test_a_stranger_cannot_pull_the_table(make_node):
     assert wait_until(lambda: a.stats.snapshot()["rejected"].get("unknown_peer") == 1)
     assert not sock.poll(300)  # no table came back
     sock.close()
+
+
+def test_records_handed_to_a_node_are_checked_as_relayed_ones_and_a_pull_can_collect_them(make_node):
+    seed = make_node("inproc")
+    a = make_node("inproc", join=[seed.address])
+    b = make_node("inproc", join=[seed.address])
+    assert wait_until(lambda: len(seed.live_peers()) == 2)
+    pulled: list = []
+    seed_view = a.sync_peers(seed.peer_id, collect=pulled).result(30)
+    assert seed_view >= 0 and {r[0] for r in pulled} >= {b.peer_id}  # what the seed holds, as on the wire
+    late = make_node("inproc")  # in no swarm yet: knows nobody
+    forged = list(pulled[0])
+    forged[4] += 1  # a later incarnation its owner never signed
+    rejected = late.stats.snapshot()["rejected"].get("bad_signature", 0)
+    assert late.add_records([forged], told_by=seed.peer_id) == 0
+    assert late.stats.snapshot()["rejected"].get("bad_signature", 0) == rejected + 1
+    assert late.add_records(pulled, told_by=seed.peer_id) == len(pulled)
+    assert {a.peer_id, b.peer_id} <= set(late.live_peers())
+
+
+def test_a_member_held_dead_that_never_heard_the_claim_is_told_when_it_talks_and_refutes(make_node):
+    first = make_node("inproc")
+    nodes = [first] + [make_node("inproc", join=[first.address]) for _ in range(2)]
+    a, b, c = nodes
+    for node in nodes:
+        assert wait_until(lambda node=node: len(node.live_peers()) == 2)
+
+    async def dead_here_only():  # as if a claim reached a and nobody else, b included; one that
+        table = a._swarm.table  # names a liveness incarnation above any b has beaten at so far
+        incarnation, live = table.live_at(b.peer_id)
+        return table.claim(PeerStatus.DEAD, b.peer_id, incarnation, live + 5)[0]
+
+    assert a.run(dead_here_only())
+    assert statuses(a)[b.peer_id] == "dead"
+    # b still probes a (and gossips to it): a tells it, it refutes, and a holds it alive again
+    assert wait_until(lambda: statuses(a)[b.peer_id] == "alive", timeout_s=30)
+    assert statuses(c)[b.peer_id] == "alive"
+
+
+def test_members_that_hear_a_claim_pass_it_to_the_accused_so_it_refutes_though_the_claimant_never_told_it(
+        make_node):
+    a = make_node("inproc")
+    c = make_node("inproc", join=[a.address])
+    quiet = Liveness(probe_interval_s=60.0, suspicion_base_s=120.0)  # it talks to nobody on its own for a minute
+    b = make_node("inproc", join=[a.address], config=NodeConfig(liveness=quiet, request_timeout_s=5.0))
+    for node in (a, b, c):
+        assert wait_until(lambda node=node: len(node.live_peers()) == 2)
+
+    async def claim_about_b():  # a's signed claim, handed to c alone: b is never sent it by a
+        table = a._swarm.table
+        incarnation, live = table.live_at(b.peer_id)
+        return sign_claim(a.identity, "d", b.peer_id, incarnation, live)
+
+    claim = a.run(claim_about_b())
+    a.run(a._asend_raw(c.peer_id, "$gossip", {"u": [claim]}))
+    assert wait_until(lambda: statuses(c).get(b.peer_id) != "alive", timeout_s=10)
+    # c (every holder, in a swarm of 3: fanout / n is 1) passes the claim to b, which refutes
+    assert wait_until(lambda: statuses(c)[b.peer_id] == "alive", timeout_s=20)
