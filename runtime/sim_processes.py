@@ -21,14 +21,15 @@ longer to form as long as its peers keep learning of each other):
 3. The parent sets `start` (with the shared `t0`) and the workers start their training threads.
 
 Workers talk to the parent through one queue (see `WorkerLink`); the parent talks to a worker
-through the worker's inbox (rank 0's address, joins). The parent reaches its workers through a
-`Workers`: `ProcessWorkers` spawns them on this machine; `sim_ray.py` runs the same `worker_main`
-in Ray actors on other machines. When a peer's thread ends its worker reports it
-`done`; when every peer is done the parent sets `stop`, and each worker then collects its peers'
-counters, sends their `PeerResult`s and closes them (as the threaded simulator does once every
-thread has ended, so both count the same bytes). A worker that exits while it still holds ranks
-whose results never came fails the run with a `SimError` naming them; a worker whose parent is
-gone stops. No wait on either side is unbounded.
+through the worker's inbox (rank 0's address, joins, and while the swarm forms the records of
+the peers that joined elsewhere, which the workers' peers learn as a tracker's introductions).
+The parent reaches its workers through a `Workers`: `ProcessWorkers` spawns them on this
+machine; `sim_ray.py` runs the same `worker_main` in Ray actors on other machines. When a
+peer's thread ends its worker reports it `done`; when every peer is done the parent sets
+`stop`, and each worker then collects its peers' counters, sends their `PeerResult`s and closes
+them (as the threaded simulator does once every thread has ended, so both count the same bytes).
+A worker that exits while it still holds ranks whose results never came fails the run with a
+`SimError` naming them; a worker whose parent is gone stops. No wait on either side is unbounded.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int], None]
 _POLL_S = 0.05
+_INTRODUCE_EVERY_S = 1.0  # while the swarm forms, the parent passes on new records this often
 
 
 @dataclass
@@ -62,7 +64,7 @@ class WorkerLink:
     """What the parent shares with every worker: multiprocessing's queue, events and value
     for worker processes; their threading and `queue` counterparts inside a Ray actor."""
 
-    # worker -> parent: ("address", rank, address, peer_id) | ("forming", worker, links_seen)
+    # worker -> parent: ("address", rank, address, peer_id, record) | ("forming", worker, links_seen)
     #   | ("ready", worker, ranks) | ("step", worker, furthest) | ("done", rank, status)
     #   | ("result", rank, PeerResult) | ("error", worker, message)
     queue: Any
@@ -129,7 +131,9 @@ class _Worker:
         self.furthest = max(self.furthest, step)
 
     def _announce(self, peer: SimPeer) -> None:
-        self.link.queue.put(("address", peer.rank, peer.node.address, peer.node.peer_id))
+        record = peer.node.record
+        self.link.queue.put(("address", peer.rank, peer.node.address, peer.node.peer_id,
+                             None if record is None else record.to_wire()))
 
     def _form_swarm(self, ranks: list[int]) -> bool:
         """Start this worker's peers through rank 0 and report them ready; False if the run
@@ -179,10 +183,27 @@ class _Worker:
                                f"of the swarm, and none more for {self.config.ready_timeout_s:g} s")
             if self._given_up():
                 return False
+            self._take_introductions(peers, seed_id)
             if now - pulled > pull_every_s:
                 sync_with_seed(peers, seed_id, self.config.peers)
                 pulled = time.monotonic()
             time.sleep(max(_POLL_S, len(peers) / 1000))  # each poll asks every peer of this worker
+
+    def _take_introductions(self, peers: list[SimPeer], seed_id: str) -> None:
+        """Records of peers that joined in other workers, which the parent passes on while the
+        swarm forms (a tracker's introductions): each of ours learns them as relayed by the seed
+        (`Node.add_records`: checked, each signature once per process). A thousand joins at once
+        otherwise reach the peers of other workers only by gossip, a few records a message, or by
+        table pulls from the seed, which a joiner turned away as busy never greeted."""
+        while True:
+            message = self._next_message(0.0)
+            if message is None:
+                return
+            if message[0] != "records":
+                continue  # nothing else comes while the swarm forms
+            for peer in peers:
+                own = peer.node.peer_id
+                peer.node.add_records([r for r in message[1] if r[0] != own], told_by=seed_id)
 
     def _serve(self, t0: float) -> None:
         """Until the parent says stop: launch joiners, pass on progress, report ended peers."""
@@ -191,6 +212,9 @@ class _Worker:
         while not self._given_up():
             message = self._next_message(_POLL_S)
             while message is not None:  # join:COUNT@STEP sends COUNT at once
+                if message[0] == "records":  # introductions sent while the swarm formed: too late now
+                    message = self._next_message(0.0)
+                    continue
                 _, rank, addresses, expected = message
                 self._train_in_thread(rank, self._join, self._peer(rank), addresses, set(expected), t0)
                 message = self._next_message(0.0)
@@ -357,6 +381,9 @@ class Parent:
         self.furthest = 0
         self.done: dict[int, str] = {}  # rank -> final status
         self.results: dict[int, PeerResult] = {}
+        self.forming = False  # while the swarm forms, records are passed on to every worker
+        self._introduce: list[Any] = []  # records not yet passed on
+        self._introduced_at = 0.0
 
     def run(self) -> tuple[list[PeerResult], float]:
         config, workers = self.config, self.workers
@@ -369,7 +396,9 @@ class Parent:
                      len(self.holds))
             for index in range(len(self.holds)):
                 workers.send(index, ("swarm", *self.addresses[0]))
+            self.forming = True
             self._until(lambda: self.ready == config.peers, "the workers' peers to form a swarm")
+            self.forming = False
             log.info("%d peers in %d workers formed a swarm in %.1f s", config.peers, len(self.holds),
                      time.monotonic() - began)
             t0 = time.time()
@@ -424,6 +453,11 @@ class Parent:
         messages, ended = self.workers.receive(_POLL_S)
         for message in messages:
             self._handle(message)
+        now = time.monotonic()
+        if self.forming and self._introduce and now - self._introduced_at >= _INTRODUCE_EVERY_S:
+            for index in range(len(self.holds)):
+                self.workers.send(index, ("records", self._introduce))
+            self._introduce, self._introduced_at = [], now
         for index, how in ended.items():
             missing = [rank for rank in self.holds[index] if rank not in self.results]
             if missing:
@@ -435,6 +469,8 @@ class Parent:
         kind = message[0]
         if kind == "address":
             self.addresses[message[1]] = (message[2], message[3])
+            if self.forming and len(message) > 4 and message[4] is not None:
+                self._introduce.append(message[4])
         elif kind == "ready":
             self.ready += len(message[2])
         elif kind == "step":

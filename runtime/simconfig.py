@@ -27,10 +27,12 @@ SIM_LIVENESS = Liveness(probe_interval_s=0.5, ack_timeout_s=1.0, suspicion_base_
 # peer's membership work per period is constant (node/swim.py) and a box of n simulated peers
 # handles about 4n messages a period on its network threads. A simulator sized to the swarm keeps
 # that near this many probes a second by lengthening the period (and the suspicion timeouts
-# with it): 1024 peers probe every 2 s, 4096 every 8 s. (A probe costs a simulated box about
-# 1-2 ms of CPU, both ends together, most of it opening a socket to a peer past the socket cap:
-# 512 a second, with their answers and gossip, keep a swarm's membership near half a core.)
-SIM_PROBES_PER_S = 512
+# with it): 1024 peers probe every 4 s, 4096 every 16 s. (A probe costs a simulated box about
+# 1-2 ms of CPU, both ends together, most of it opening a socket to a peer past the socket cap;
+# its answer, indirect probes and gossip come on top. At 512 a second, 1024 peers forming a swarm
+# on 2 cores kept their workers' loops seconds behind, and the false suspicions that followed
+# held the swarm short of formed for 10 minutes.)
+SIM_PROBES_PER_S = 256
 
 
 def sim_liveness(peers_in_process: int, swarm: int) -> Liveness:
