@@ -587,18 +587,20 @@ class Swarm:
         record = self.local.record
         return record is not None and not record.reachable
 
-    def _is_relay(self, peer_id: str) -> bool:
+    def _is_relay(self, peer_id: str, *statuses: PeerStatus) -> bool:
         info = self.table.get(peer_id)
-        return info is not None and info.status is PeerStatus.ALIVE and info.record.relay and info.record.reachable
+        return info is not None and info.status in statuses and info.record.relay and info.record.reachable
 
     def _home_relays(self) -> list[str]:
         """The relays a client keeps (`relays_kept`): those it kept that are still alive, topped
         up from the others (ones that already answered it first, then at random, so that the
         clients of a swarm spread over its relays). Only a short list walks the table."""
-        kept = [r for r in self._relays if self._is_relay(r)]
+        # a suspect is kept until it is dead (most suspicions are refuted); new ones must be alive
+        kept = [r for r in self._relays if self._is_relay(r, PeerStatus.ALIVE, PeerStatus.SUSPECT)]
         if len(kept) < self.relays_kept:
             transport = self.outbox.transport
-            others = [p.peer_id for p in self.table.live() if p.peer_id not in kept and self._is_relay(p.peer_id)]
+            others = [p.peer_id for p in self.table.live()
+                      if p.peer_id not in kept and self._is_relay(p.peer_id, PeerStatus.ALIVE)]
             self._rng.shuffle(others)
             others.sort(key=lambda r: not (transport is not None and transport.heard(r)))
             kept += others[: self.relays_kept - len(kept)]
