@@ -138,12 +138,18 @@ PROBES_ONLY = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0,
                          transport=TransportConfig(monitor_connections=False))
 
 
-def test_a_peer_one_member_cannot_reach_is_reached_through_others_and_never_suspected(make_node):
+def _three(make_node):
+    """Three nodes that detect failures by probes alone, each seeing the other two alive."""
     a = make_node("inproc", config=PROBES_ONLY)
     b = make_node("inproc", join=[a.address], config=PROBES_ONLY)
     c = make_node("inproc", join=[a.address], config=PROBES_ONLY)
     for n in (a, b, c):
         assert wait_until(lambda n=n: sorted(statuses(n).values()) == ["alive", "alive"])
+    return a, b, c
+
+
+def test_a_peer_one_member_cannot_reach_is_reached_through_others_and_never_suspected(make_node):
+    a, b, c = _three(make_node)
     suspected: list = []
     a.on_peer_change(lambda ch: suspected.append(ch) if ch.peer_id == b.peer_id else None)
     direct = a._swarm._ask
@@ -161,11 +167,7 @@ def test_a_peer_one_member_cannot_reach_is_reached_through_others_and_never_susp
 
 
 def test_a_suspected_peer_refutes_with_a_higher_liveness_incarnation(make_node):
-    a = make_node("inproc", config=PROBES_ONLY)
-    b = make_node("inproc", join=[a.address], config=PROBES_ONLY)
-    c = make_node("inproc", join=[a.address], config=PROBES_ONLY)
-    for n in (a, b, c):
-        assert wait_until(lambda n=n: sorted(statuses(n).values()) == ["alive", "alive"])
+    a, b, c = _three(make_node)
     changes: list = []
     c.on_peer_change(lambda ch: changes.append(ch.new.value) if ch.peer_id == b.peer_id else None)
 
