@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
 import random
 import socket as pysocket
@@ -72,6 +73,13 @@ class TransportConfig:
     # Out of descriptors with no idle DEALER to close, a node gives up (stops, with the reason)
     # once that has lasted this long: libzmq frees a closed socket's descriptor a moment late.
     exhausted_grace_s: float = 5.0
+
+
+_MONITOR_IDS = itertools.count()
+
+# Running out of descriptors again this soon after lowering the cap lowers it no further: the
+# sockets closed then free their descriptors a moment later (libzmq's reaper thread).
+_CAP_SETTLE_S = 1.0
 
 
 def dealer_ceiling(max_open_dealers: int) -> int:
@@ -160,6 +168,7 @@ class Transport:
         # open DEALERs allowed: the configured cap, lowered to what fit when descriptors ran out
         self.dealer_cap = config.max_open_dealers
         self._exhausted_since: float | None = None  # out of descriptors with nothing idle to close, since
+        self._cap_lowered_at: float | None = None  # when running out of descriptors last lowered the cap
         self._closed = False
 
     def _common(self, sock: zmq.asyncio.Socket) -> None:
@@ -252,22 +261,19 @@ class Transport:
                 raise EndpointRefused(f"cannot connect to {key}: {exc}") from None
             reason = f"cannot open a socket to {key} ({len(self._dealers)} open already): {exc}"
             self.exhausted += 1
-            # Out of descriptors (EMFILE) or of the context's sockets. From now on hold no more
-            # DEALERs than are open, so that what is freed stays free for what others open to
-            # us (their connections to our ROUTER).
-            self.dealer_cap = max(1, min(self.dealer_cap, len(self._dealers)))
+            # Out of descriptors (EMFILE) or of the context's sockets. From now on hold half the
+            # DEALERs that fit, and close the idle ones past that (least recently used first):
+            # a DEALER needs more descriptors once it connects (its TCP connection, which libzmq
+            # opens later and retries in silence), and peers' connections to our ROUTER need
+            # theirs. Holding all that fit left nothing for either: a node that answered no one.
+            shed = self._lower_cap()
             if eager:
                 raise EndpointRefused(reason) from None
-            # A send needs one: close the idle half of the open DEALERs (least recently used
-            # first), fail this send and say so; the next open finds their descriptors free
-            # (libzmq frees a closed socket's a moment later). Only when the node has had
-            # nothing to shed for `exhausted_grace_s` can it no longer reach its peers, and going
-            # on would leave it a member that silently drops work.
-            shed = self._shed_idle()
+            # A send needs one: fail this send and say so; the next open finds the closed ones'
+            # descriptors free (libzmq frees a closed socket's a moment later). Only when the
+            # node has had nothing to shed for `exhausted_grace_s` can it no longer reach its
+            # peers, and going on would leave it a member that silently drops work.
             if shed:
-                self.dealer_cap = max(1, min(self.dealer_cap, len(self._dealers)))
-                log.warning("%s; closed %d idle connections to make room, and holds at most %d from now on",
-                            reason, shed, self.dealer_cap)
                 raise NoSocket(f"{reason}; closed {shed} idle connections to make room") from None
             now = time.monotonic()
             if self._exhausted_since is None:
@@ -279,11 +285,22 @@ class Transport:
         self._exhausted_since = None
         return dealer
 
-    def _shed_idle(self) -> int:
-        """Close the least recently used half of the idle DEALERs (none with a send or a request
-        in flight); their peers stay known and are dialled again when next needed."""
+    def _lower_cap(self) -> int:
+        """Halve the cap to half the DEALERs open (once per `_CAP_SETTLE_S`: the descriptors of
+        sockets closed a moment ago are still held), then close idle DEALERs past it, least
+        recently used first (none with a send or a request in flight), or at least one where
+        the cap was lowered a moment ago. Their peers stay known and are dialled again when
+        next needed. Returns how many were closed."""
+        now = time.monotonic()
+        if self._cap_lowered_at is None or now - self._cap_lowered_at >= _CAP_SETTLE_S:
+            cap = max(1, min(self.dealer_cap, len(self._dealers) // 2))
+            if cap < self.dealer_cap:
+                log.warning("out of descriptors with %d connections open: holds at most %d from now on",
+                            len(self._dealers), cap)
+            self.dealer_cap = cap
+            self._cap_lowered_at = now
         idle = [k for k in self._dealers if not self._sending.get(k) and not self._busy(k)]
-        victims = idle[: max(1, len(idle) // 2)] if idle else []
+        victims = idle[: max(1 if idle else 0, len(self._dealers) - self.dealer_cap)]
         for victim in victims:
             self._close(victim, 0)
         self.dealers_shed += len(victims)
@@ -306,10 +323,8 @@ class Transport:
             for ep in endpoints:
                 dealer.connect(ep)
             if self.config.monitor_connections:
-                monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                monitor = self._monitor(dealer)
         except zmq.ZMQError:
-            if monitor is not None:
-                monitor.close(0)
             dealer.close(0)
             raise
         self._dealers[key] = dealer
@@ -319,6 +334,29 @@ class Transport:
             self._monitors[key] = monitor
             self._tasks[f"monitor:{key}"] = asyncio.ensure_future(self._watch(monitor, key))
         return dealer
+
+    def _monitor(self, dealer: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
+        """A PAIR socket that receives `dealer`'s disconnections. libzmq's IO thread writes each
+        event to the monitor with a blocking send, so the reading end must never be missing or
+        full: with no reader (its socket could not be opened, out of descriptors) or a full
+        queue, the IO thread blocks for good and the whole process stops reading and accepting
+        connections. The reading end therefore has no queue limit (an event is a few dozen
+        bytes, at most one per reconnect interval), and when it cannot be opened the monitor is
+        stopped before the error goes on."""
+        addr = f"inproc://starling-monitor-{next(_MONITOR_IDS)}"  # never reused, unlike a descriptor number
+        dealer.monitor(addr, zmq.EVENT_DISCONNECTED)
+        pair = None
+        try:
+            pair = self.context.socket(zmq.PAIR)
+            pair.setsockopt(zmq.LINGER, 0)
+            pair.setsockopt(zmq.RCVHWM, 0)
+            pair.connect(addr)
+        except zmq.ZMQError:
+            if pair is not None:
+                pair.close(0)
+            dealer.disable_monitor()
+            raise
+        return pair
 
     async def _watch(self, monitor: zmq.asyncio.Socket, key: str) -> None:
         """Tell the node when the DEALER's connection to `key` drops (the peer's process died,

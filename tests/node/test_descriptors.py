@@ -27,9 +27,23 @@ CHILD = textwrap.dedent("""
     used = len(os.listdir("/proc/self/fd"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (used + 40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     print(json.dumps({"address": node.address}), flush=True)
+    def kinds():  # what holds this process's descriptors, for a failure's message
+        out = {}
+        try:
+            fds = os.listdir("/proc/self/fd")
+        except OSError:  # no descriptor left to list them with
+            return {"none left to look": 1}
+        for fd in fds:
+            try:
+                kind = os.readlink(f"/proc/self/fd/{fd}").split(":")[0].split("[")[0]
+            except OSError:
+                continue
+            out[kind] = out.get(kind, 0) + 1
+        return out
+
     for _ in sys.stdin:
         print(json.dumps({"fault": None if node.fault is None else str(node.fault), "closed": node.closed,
-                          "sockets": node.status()["sockets"]}), flush=True)
+                          "sockets": node.status()["sockets"], "fds": kinds(), "limit": used + 40}), flush=True)
 """)
 
 
