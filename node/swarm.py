@@ -336,7 +336,12 @@ class Swarm:
             raise WireError(RejectReason.BAD_FIELD, "announce body must be a list of records", field="body")
         for raw in msg.body:
             try:
-                self.learn(self.record_from(raw), told_by=msg.sender)
+                if self.learn(self.record_from(raw), told_by=msg.sender):
+                    # passed on like a record learned from gossip: the seed announces a joiner
+                    # only over the sockets it holds, and the members it reached were the
+                    # ones its own gossip reached too, so the join stopped there (half of
+                    # 128 members learned it at once, the rest over 25 s from anti-entropy)
+                    self._spread([RECORD, raw], urgent=True)
             except WireError as exc:
                 self._reject(exc.reason, str(exc))
 
