@@ -151,6 +151,7 @@ class Swarm:
         self._unverified: dict[str, list[tuple[list[Any], str]]] = {}  # claimant -> its claims we could not check yet
         self._unknown_to: set[str] = set()  # peers that refused our probe as a stranger's
         self._reminded: dict[str, float] = {}  # peer id -> when we last sent it our beat against a stale claim
+        self._rechecked: dict[str, float] = {}  # peer id -> when we last probed it, held dead, on a member's word
         # the longest this node's loop fell behind since a time (`LoopLag.worst_since`): wired by
         # the node; a probe unanswered while the loop was that late is no verdict
         self.loop_lag: Callable[[float], float] = lambda since: 0.0
@@ -407,6 +408,8 @@ class Swarm:
                 self._pulls.pop(gone, None)
             self.table.evicted.clear()
         known = self.table.get(record.peer_id)
+        if known is not None and held is record and told_by is not None and known.status is PeerStatus.DEAD:
+            self._recheck(record.peer_id)  # a member holds it alive: see for ourselves
         if known is None or known.record is not record or held is record:
             return False  # refused, older, or the record we hold already (its socket stays)
         if transport.has(record.peer_id):
@@ -931,6 +934,21 @@ class Swarm:
             self._reminded.clear()
         self._reminded[peer_id] = now
         self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [[ALIVE, self._own_beat()]]}))
+
+    def _recheck(self, peer_id: str) -> None:
+        """Probe a peer we hold dead whose record a member just passed us as alive (a table
+        pull, records handed on): if it answers it is alive to us again. A false death whose
+        refutation passed us by otherwise lasts until that peer next talks to us, which in a
+        swarm past the socket cap can be an hour of round-robin probes away. At most once per
+        suspicion timeout per peer."""
+        now = time.monotonic()
+        if now - self._rechecked.get(peer_id, -math.inf) < self.liveness.suspicion_base_s:
+            return
+        if len(self._rechecked) >= MAX_WANTED:
+            self._rechecked.clear()
+        self._rechecked[peer_id] = now
+        self._spawn(self._ask(peer_id, PROBE, {"u": self._introduce(peer_id)},
+                              self.awareness.scale(self.liveness.ack_timeout_s)))
 
     def _sign_meta(self, now: float) -> None:
         """A changed meta becomes a new beat, at most once per `meta_interval_s`."""

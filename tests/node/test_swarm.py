@@ -535,6 +535,25 @@ def test_a_member_held_dead_that_never_heard_the_claim_is_told_when_it_talks_and
     assert statuses(c)[b.peer_id] == "alive"
 
 
+def test_a_member_held_dead_here_that_a_table_pull_shows_alive_is_probed_and_alive_again(make_node):
+    quiet = NodeConfig(liveness=Liveness(probe_interval_s=60.0, suspicion_base_s=120.0))  # nobody probes on its own
+    seed = make_node("inproc", config=quiet)
+    a = make_node("inproc", join=[seed.address], config=quiet)
+    b = make_node("inproc", join=[seed.address], config=quiet)
+    for node in (seed, a, b):
+        assert wait_until(lambda node=node: len(node.live_peers()) == 2)
+
+    async def dead_here_only():  # a claim that reached a and nobody else, b included
+        table = a._swarm.table
+        incarnation, live = table.live_at(b.peer_id)
+        return table.claim(PeerStatus.DEAD, b.peer_id, incarnation, live + 5)[0]
+
+    assert a.run(dead_here_only())
+    assert statuses(a)[b.peer_id] == "dead"
+    a.sync_peers(seed.peer_id).result(30)  # the seed holds b alive: a sees for itself
+    assert wait_until(lambda: statuses(a)[b.peer_id] == "alive", timeout_s=10), statuses(a)
+
+
 def test_members_that_hear_a_claim_pass_it_to_the_accused_so_it_refutes_though_the_claimant_never_told_it(
         make_node):
     a = make_node("inproc")
