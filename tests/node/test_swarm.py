@@ -15,7 +15,6 @@ from starling.node.identity import Identity
 from starling.node.membership import PeerStatus
 from starling.node.node import NodeConfig, SwarmConfigError, UnknownPeerError
 from starling.node.rpc import RemoteError, Reply, RequestTimeout, RpcError
-from starling.node.swarm import ANNOUNCE
 from starling.node.swim import Liveness, sign_claim
 from starling.node.transport import TransportConfig
 from starling.node.wire import encode
@@ -169,25 +168,6 @@ def test_a_seed_capped_below_the_swarm_spreads_a_join_without_passing_its_socket
     for m in members:  # each hears of it from the seed's gossip or from another member's
         assert wait_until(lambda m=m: statuses(m).get(joiner.peer_id) == "alive", timeout_s=10)
     assert seed.run(_open_dealers(seed)) <= 2
-
-
-def test_a_member_that_hears_of_a_joiner_from_the_seeds_announce_passes_it_on(make_node):
-    # Probes are rare here: only gossip moves the record. The seed announces a joiner to the
-    # members it holds a socket to, and those announce it no further: a member the seed never
-    # told learns it from one that was told.
-    quiet = NodeConfig(liveness=Liveness(probe_interval_s=30.0, suspicion_base_s=120.0))
-    seed = make_node("inproc", config=quiet)
-    told = make_node("inproc", join=[seed.address], config=quiet)
-    other = make_node("inproc", join=[seed.address], config=quiet)
-    assert wait_until(lambda: len(told.live_peers()) == 2 and len(other.live_peers()) == 2)
-    joiner = make_node("inproc", config=quiet)  # in no swarm: it tells nobody of itself
-    record = joiner.run(_own_record(joiner))
-    seed.run(seed._asend_raw(told.peer_id, ANNOUNCE, [record]))  # as the seed's announce does
-    assert wait_until(lambda: statuses(other).get(joiner.peer_id) == "alive", timeout_s=10), statuses(other)
-
-
-async def _own_record(node):
-    return node._swarm.local.record.to_wire()
 
 
 async def _dealers_opened(node):
