@@ -337,9 +337,9 @@ class Swarm:
             raise WireError(RejectReason.BAD_FIELD, "announce body must be a list of records", field="body")
         for raw in msg.body:
             try:
-                # Kept, not passed on: passing on what announces bring cost a simulated
-                # 1024-peer swarm its formation (a member hears hundreds of announces in a mass
-                # join). A member the seed did not reach learns the joiner from the seed's gossip,
+                # Kept, not passed on: in a mass join a member hears hundreds of announces, and
+                # passing each on competes with refutations for the room in every message. A
+                # member the seed did not reach learns the joiner from the seed's gossip,
                 # `$want` on its beats, or anti-entropy.
                 self.learn(self.record_from(raw), told_by=msg.sender)
             except WireError as exc:

@@ -165,7 +165,7 @@ class Transport:
         self.connect_failures = 0  # DEALERs not opened: ZeroMQ refused the peer's endpoint
         self.dealers_shed = 0  # idle DEALERs closed because the process ran out of descriptors
         self.exhausted = 0  # DEALERs not opened because the process had no descriptor or socket left
-        # open DEALERs allowed: the configured cap, lowered to what fit when descriptors ran out
+        # open DEALERs allowed: the configured cap, lowered to half of what fit when descriptors ran out
         self.dealer_cap = config.max_open_dealers
         self._exhausted_since: float | None = None  # out of descriptors with nothing idle to close, since
         self._cap_lowered_at: float | None = None  # when running out of descriptors last lowered the cap
