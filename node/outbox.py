@@ -94,7 +94,7 @@ class Outbox:
         """Frames to a peer: on our DEALER to it, down the connection a client opened to us,
         or, for a client neither can reach, sealed through a relay."""
         assert self.transport is not None
-        if self.transport.can_send(peer) or self._relay is None:
+        if self.transport.can_send(peer) or self._relay is None or self.transport.closed:
             await self.transport.send(peer, frames, wait=wait, timeout_s=timeout_s)
         else:
             await self._relay(peer, frames, wait=wait, timeout_s=timeout_s)

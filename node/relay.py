@@ -456,7 +456,11 @@ class Relay:
                             f"a client (RelayConfig.max_queued_bytes, {self.config.max_queued_bytes})")
         body, payload = Sealed(dest, nonce, sealed).to_wire()
         errors = []
-        for relay in self.relays_for(dest):
+        transport = self.outbox.transport
+        # Only a relay this node reaches itself: a relay reached through another relay would
+        # route through relays again, without end.
+        relays = [r for r in self.relays_for(dest) if r != dest and transport is not None and transport.can_send(r)]
+        for relay in relays:
             try:
                 await self.outbox.send(relay, RELAY, body, payload, wait=wait, timeout_s=timeout_s)
                 return

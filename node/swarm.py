@@ -467,23 +467,24 @@ class Swarm:
         timeout_s = self.leave_timeout_s
         stmt = leave_statement(self.local.peer_id, self.local.record.incarnation)
         body = [self.local.record.incarnation, self.local.identity.sign(stmt)]
-        sends = [asyncio.ensure_future(self.outbox.send(p.peer_id, LEAVE, body, timeout_s=timeout_s))
-                 for p in self.table.live()]
+        async def tell(peer_id: str) -> bool:
+            # Each send's outcome is read here: a task left holding a SendError as the node
+            # closes (a thousand leaving peers) is logged by asyncio as never retrieved.
+            try:
+                await self.outbox.send(peer_id, LEAVE, body, timeout_s=timeout_s)
+                return True
+            except Exception as exc:  # a SendError, or an unknown peer as the table changes
+                log.debug("%s: leave to %s not sent: %s", self.local.peer_id, peer_id, exc)
+                return False
+
+        sends = [asyncio.ensure_future(tell(p.peer_id)) for p in self.table.live()]
         if sends:
             try:
                 done, pending = await asyncio.wait(sends, timeout=timeout_s)
             finally:
-                # Every send's outcome is read, also when this leave is itself cancelled (a
-                # close that stops waiting): a send that times out as it is cancelled ends with
-                # its SendError, which would be logged as never retrieved (a thousand leaving
-                # peers logged dozens).
                 for t in sends:
-                    if t.done():
-                        t.cancelled() or t.exception()
-                    else:
-                        t.cancel()
-                        t.add_done_callback(lambda t: t.cancelled() or t.exception())
-            failed = len(pending) + sum(1 for t in done if t.cancelled() or t.exception() is not None)
+                    t.cancel()
+            failed = len(pending) + sum(1 for t in done if t.cancelled() or not t.result())
             if failed:
                 log.warning("%s: leave not delivered to %d of %d peers", self.local.peer_id, failed, len(sends))
 

@@ -24,6 +24,7 @@ import socket as pysocket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -37,6 +38,11 @@ log = logging.getLogger(__name__)
 # What running out of this process's own resources looks like (descriptors, the context's
 # sockets, memory); any other error opening a DEALER is about the address it was given.
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, zmq.EMTHREAD})
+
+
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class SendError(ConnectionError):
@@ -248,6 +254,10 @@ class Transport:
     def listening(self) -> bool:
         return self._router is not None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _open(self, key: str, eager: bool = False) -> zmq.asyncio.Socket:
         """Open `key`'s DEALER. `eager`: opened ahead of any send (`connect`), which running out
         of descriptors only stops: the socket opens when a send needs it."""
@@ -447,6 +457,8 @@ class Transport:
 
     async def send(self, key: str, frames: Sequence[object], *, wait: bool = True,
                    timeout_s: float | None = None) -> None:
+        if self._closed:
+            raise SendError(f"send to {key}: this node's sockets are closed")
         route = self._attached.get(key)
         if route is not None and self._router is not None:
             # A message for a client goes back down the connection it opened to us. If that
@@ -489,7 +501,11 @@ class Transport:
                     if not sock.closed:
                         sock._schedule_remaining_events()
                 return
-            await asyncio.wait_for(sock.send_multipart(frames, copy=False), timeout_s)
+            sent = sock.send_multipart(frames, copy=False)
+            # Its outcome is read also when the wait below gives up or is cancelled just as it
+            # ends (a socket closed under it, at a node's close): else asyncio logs it unread.
+            sent.add_done_callback(_read_outcome)
+            await asyncio.wait_for(sent, timeout_s)
         except zmq.Again:
             raise SendError(f"peer {what} is not connected or its queue is full") from None
         except asyncio.TimeoutError:

@@ -25,6 +25,7 @@ from starling.node.relay import (
     pack_frames,
     unpack_frames,
 )
+from starling.node.transport import SendError
 from starling.node.wire import Message, RejectReason, WireError, encode
 
 
@@ -300,3 +301,26 @@ def test_a_client_names_a_relay_only_once_the_relay_has_reached_it(nodes):
 
     assert c._call(reconnect()) == (True, "")  # open, and not named until the relay has used it
     assert wait_until(lambda: s.peer_id in c._relay.via())  # its probe was answered down the new one
+
+
+def test_a_send_after_the_sockets_close_fails_cleanly_instead_of_relaying_forever(nodes):
+    s = nodes()
+    r = nodes(join=[s.address])
+    assert wait_until(lambda: s.live_peers() == [r.peer_id])
+    s._net.run(s._transport.close())
+    # no route is left to anyone, and every peer is a relay: a send that fell back to relaying
+    # would ask `r` to relay to `r`, through relays, without end (a RecursionError)
+    with pytest.raises(SendError, match="closed"):
+        s._net.run(s._outbox.send(r.peer_id, "echo", 1))
+
+
+def test_a_relay_this_node_cannot_reach_itself_is_not_asked_to_relay(nodes):
+    s = nodes()
+    r = nodes(join=[s.address])
+    assert wait_until(lambda: s.live_peers() == [r.peer_id])
+    async def forget() -> None:  # as if its address were forgotten
+        s._transport._routes.pop(r.peer_id)
+
+    s._net.run(forget())
+    with pytest.raises(SendError, match="no relay is alive"):
+        s._net.run(s._outbox.send(r.peer_id, "echo", 1))
