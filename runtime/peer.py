@@ -166,6 +166,9 @@ class SimPeer:
             record["speed"] = self.config.peer_speed[self.rank] if self.rank < len(self.config.peer_speed) else \
                 max(self.config.peer_speed)
             record["slowdown_s"] = slept
+        unit = self.trainer.last_unit if self.trainer is not None else None
+        if unit is not None:  # the swarm's ledger handed this step's batch: which unit of which epoch
+            record["unit"] = [unit.epoch, unit.index]
         if self.config.eval_every and self.rank == 0 and self.step % self.config.eval_every == 0:
             record["eval_loss"] = float(self.trainer.evaluate()["eval_loss"])  # type: ignore[union-attr]
         self.result.records.append(record)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starling.common import option_name, peer_hash
+from starling.data.assignment import Unit, UnitLedger
 from starling.node import Node
 from starling.protocols import (
     PRIVATE_STATE,
@@ -55,6 +56,7 @@ from starling.tasks import Task, get_task
 log = logging.getLogger(__name__)
 
 STATE_BLOB = "starling.train.state"
+DATA_STATE = "data"  # the state_dict key of the swarm's data position (a UnitLedger), next to the protocol's
 FETCH_STATE_DEADLINE_S = 120.0  # how long a joiner keeps trying to fetch the swarm's state
 # A protocol option that plans for the run's length (sketch-dp's privacy budget is spread over
 # it); filled from the run's step count when the user leaves it unset.
@@ -223,11 +225,20 @@ class Trainer:
         self._writer = BackgroundCheckpointer(self._store) if self._store else None
         self._resumed_at = 0  # batches of the shard a resumed checkpoint had already trained on
         self._batch_index = 0  # the index in the shard of the batch `batches()` gave last
+        # Which units of the task's data each member trains, for a task that has units
+        # (`starling.data.assignment`); its position goes in checkpoints and the state joiners fetch.
+        units = self.task.data_units()
+        self.ledger = UnitLedger(units, spec.seed) if units else None
+        self.last_unit: Unit | None = None  # the unit of the batch `batches()` gave last
         # The newest checkpoint this peer wrote (durable) or resumed from: its age is a metric.
         self.last_checkpoint: Checkpoint | None = None
 
     def create_protocol(self) -> Protocol:
         self._check_replica_ranks()
+        if self.ledger is not None and self.replica_ranks > 1:
+            raise TrainSpecError(f"task {self.task.name!r} hands out units to a swarm's members; a replica of "
+                                 f"{self.replica_ranks} ranks would need them split among its ranks, which it "
+                                 "does not yet do: run one rank per peer")
         model = self.task.make_model()
         self._check_architecture(model)  # as the task builds it: peers may differ in device and dtype
         cls = resolve_protocol(self.spec.protocol)
@@ -259,6 +270,11 @@ class Trainer:
     def _attach_recipes(self, proto: Protocol) -> None:
         """Give the protocol this peer's batch recipes (`runtime/recipes.py`), for audits. A replica
         of many ranks computes its gradient over their batches together, which no recipe names."""
+        if self.ledger is not None:
+            if getattr(proto.config, "audit_rate", 0.0) > 0.0:
+                raise TrainSpecError(f"audit_rate needs a task whose peers read their own shard; {self.task.name!r} "
+                                     "hands out units, which an auditor does not yet recompute")
+            return
         if self.replica_ranks > 1:
             if getattr(proto.config, "audit_rate", 0.0) > 0.0:
                 raise TrainSpecError("audit_rate needs peers of one rank each: a replica's gradient is over "
@@ -319,7 +335,10 @@ class Trainer:
         source, blob = self.node.fetch_blob(STATE_BLOB, peers, deadline_s=deadline_s, stop=stop)
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)  # then to my device
         state.pop(PRIVATE_STATE, None)  # the donor's own residuals are not the joiner's
+        data = state.pop(DATA_STATE, None)
         self.proto.load_state_dict(state)
+        if self.ledger is not None and data is not None:
+            self.ledger.load_state_dict(data)  # the swarm's data position: a joiner takes fresh units
         log.info("%s: joined from %s at step %d", self.node.peer_id, source, self.proto.step_count)
         return source
 
@@ -330,12 +349,17 @@ class Trainer:
         buffer = io.BytesIO()
         state = self.proto.state_dict()
         state.pop(PRIVATE_STATE, None)  # a joiner does not load it: why send it
+        if self.ledger is not None:
+            state[DATA_STATE] = self.ledger.state_dict()
         torch.save(state, buffer)
         self._snapshot = buffer.getvalue()  # one reference swap: the network thread reads it
         self._snapshot_at = time.monotonic()
 
     def batches(self) -> Iterator[Any]:
-        """This peer's data shard; after `resume()`, from the batch the checkpoint had reached."""
+        """This peer's data: the units the swarm's ledger hands it, round after round, for a
+        task with units; else its shard, after `resume()` from the batch the checkpoint had reached."""
+        if self.ledger is not None:
+            return self._units()
         shard = itertools.islice(self.task.batches(self.rank, self.world, self.spec.seed), self._resumed_at, None)
         return self._counted(shard, self._resumed_at)
 
@@ -343,6 +367,22 @@ class Trainer:
         for index, batch in enumerate(shard, start=start):
             self._batch_index = index  # what the step on this batch states in its recipe
             yield batch
+
+    def _units(self) -> Iterator[Any]:
+        """Each round (this peer's step count), advance the ledger with the members this peer
+        sees and train the units it hands this peer."""
+        assert self.ledger is not None and self.proto is not None
+        me = self.node.peer_id
+        while True:
+            round_ = self.proto.step_count
+            if round_ > self.ledger.round:
+                self.ledger.advance(round_, [me, *self.node.live_peers()])
+                self.node.set_status_info(data=self.ledger.position())
+            for unit in self.ledger.units_of(me):
+                self._batch_index, self.last_unit = unit.index, unit
+                yield self.task.unit_batch(unit.index)
+            if self.proto.step_count == round_:  # not stepped (a caller that only reads batches)
+                return
 
     def step(self, batch: Any) -> StepReport:
         """One protocol step on `batch`; refreshes the snapshot joiners fetch."""
@@ -386,6 +426,8 @@ class Trainer:
         assert self.proto is not None and self._writer is not None
         state = {"protocol": self.proto.state_dict(), "swarm": self.spec.to_swarm_config(),
                  "rank": self.rank, "world": self.world}
+        if self.ledger is not None:
+            state[DATA_STATE] = self.ledger.state_dict()
         future = self._writer.save(self.proto.step_count, state,
                                    meta={"peer_id": self.node.peer_id, "swarm": self.spec.to_swarm_config()})
         future.add_done_callback(self._checkpoint_written)
@@ -412,6 +454,8 @@ class Trainer:
             raise CheckpointError(f"{checkpoint.state_path} was written by a swarm training {state.get('swarm')}, "
                                   f"not {self.spec.to_swarm_config()}")
         self.proto.load_state_dict(state["protocol"])
+        if self.ledger is not None and state.get(DATA_STATE) is not None:
+            self.ledger.load_state_dict(state[DATA_STATE])
         self._resumed_at = self.proto.step_count
         self.last_checkpoint = checkpoint
         if self.serve_state:

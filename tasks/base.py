@@ -59,6 +59,16 @@ class Task(ABC):
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Held-out metrics, at least ``eval_loss``; leaves the model's train/eval mode as it was."""
 
+    def data_units(self) -> int | None:
+        """How many units (one step's batch each) the task's training data holds, when a
+        swarm should hand them out (`starling.data.assignment`); None: each peer reads its own
+        `batches()` shard."""
+        return None
+
+    def unit_batch(self, index: int) -> Any:
+        """The batch of unit `index` (0 <= index < `data_units()`)."""
+        raise NotImplementedError(f"task {self.name!r} has no units")
+
     def describe(self) -> dict[str, Any]:
         """Name and config as plain data, so peers can compare what they would run."""
         config = self.config

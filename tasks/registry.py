@@ -10,6 +10,7 @@ from .base import Task
 from .charlm import CharLMTask
 from .quadratic import QuadraticTask
 from .teacher import TeacherTask
+from .textlm import TextLMTask
 
 DEFAULT_TASK = "charlm"
 
@@ -17,6 +18,7 @@ _BUILTIN: dict[str, type[Task]] = {
     CharLMTask.name: CharLMTask,
     TeacherTask.name: TeacherTask,
     QuadraticTask.name: QuadraticTask,
+    TextLMTask.name: TextLMTask,
 }
 
 

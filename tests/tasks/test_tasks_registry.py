@@ -36,7 +36,7 @@ def user_module_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_registered_tasks() -> None:
-    assert registered_tasks() == ["charlm", "quadratic", "teacher"]
+    assert registered_tasks() == ["charlm", "gpt", "quadratic", "teacher"]
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def test_default_is_charlm() -> None:
 
 
 def test_unknown_task_lists_known() -> None:
-    with pytest.raises(ValueError, match="unknown task 'gpt9'.*charlm, quadratic, teacher"):
+    with pytest.raises(ValueError, match="unknown task 'gpt9'.*charlm, gpt, quadratic, teacher"):
         get_task("gpt9")
 
 

@@ -1,0 +1,144 @@
+"""`gpt`: a GPT language model trained on a user's text: files, a folder, or a Hugging Face data set.
+
+`data` names the corpus (`starling.data.sources.open_source`: "" is the running Python's own
+standard library source, which needs no download), `tokenizer` how it becomes ids ("bytes", or
+a `tokenizer.json`). The corpus is tokenized once into a memory-mapped token file under
+`cache_dir`, then cut into rows of `seq_len + 1` tokens; a unit is `batch_size` consecutive
+rows, one step's batch. The last `eval_fraction` of the units is held out for evaluation.
+
+Units are what a swarm hands out (`starling.data.assignment`): the runtime asks `unit_batch(i)`
+for the units its ledger gives this peer. `batches(rank, world, seed)` is for code that runs the
+task without a swarm's ledger: the epoch's order, every `world`-th unit from `rank`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from starling.common.devices import to_model_device
+from starling.data.assignment import epoch_order
+from starling.data.prefetch import Prefetcher
+from starling.data.sources import open_source
+from starling.data.tokenizer import Tokenizer, load_tokenizer
+from starling.data.tokens import TokenStore
+
+from .base import Task, check_rank, evaluating, make_generator
+from .gpt import GPT, GPTConfig
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # inputs (B, T) and next-token targets (B, T), int64
+
+
+@dataclass(frozen=True)
+class TextLMConfig:
+    data: str = ""  # a folder, a file (.txt .jsonl .csv .parquet), a glob, or a dataset name; "" = stdlib
+    tokenizer: str = "bytes"  # "bytes", or a tokenizer.json (or a folder holding one)
+    seq_len: int = 128
+    batch_size: int = 8
+    text_field: str = "text"  # the column that holds the text, for tabular files and datasets
+    split: str = "train"
+    cache_dir: str = ""  # where token files go; "" = ~/.cache/starling/tokens
+    eval_fraction: float = 0.02  # of the units, held out
+    eval_batches: int = 4  # held-out units an evaluation reads (the first ones)
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    seed: int = 0  # the model's initial weights
+
+    def __post_init__(self) -> None:
+        for field in ("seq_len", "batch_size", "eval_batches", "n_layer", "n_head", "n_embd"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+
+
+class TextLMTask(Task):
+    """A GPT on the units of a tokenized corpus (see the module)."""
+
+    name = "gpt"
+    config_class = TextLMConfig
+
+    def __init__(self, config: TextLMConfig | None = None) -> None:
+        self.config = config or TextLMConfig()
+        self._lock = threading.Lock()  # the peers of a simulator share one task
+        self._store: TokenStore | None = None
+
+    # ------------------------------------------------------------------ data
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        return load_tokenizer(self.config.tokenizer)
+
+    @property
+    def store(self) -> TokenStore:
+        """The corpus's tokens, tokenized on first use (and found in the cache after that)."""
+        with self._lock:
+            if self._store is None:
+                cache = Path(self.config.cache_dir or Path.home() / ".cache" / "starling" / "tokens")
+                source = open_source(self.config.data, text_field=self.config.text_field, split=self.config.split)
+                self._store = TokenStore.build(source, self.tokenizer, cache)
+            return self._store
+
+    @functools.cached_property
+    def _split(self) -> tuple[int, int]:
+        """(training units, held-out units)."""
+        total = self.store.rows(self.config.seq_len) // self.config.batch_size
+        held_out = max(1, math.floor(total * self.config.eval_fraction))
+        if total - held_out < 1:
+            raise ValueError(f"the corpus {self.config.data or 'stdlib'!r} has {total} unit(s) of "
+                             f"{self.config.batch_size} x {self.config.seq_len + 1} tokens: too few to hold one "
+                             "out and train on another (a smaller seq_len or batch_size?)")
+        return total - held_out, held_out
+
+    def data_units(self) -> int:
+        return self._split[0]
+
+    def unit_batch(self, index: int) -> Batch:
+        units = self._split[0]
+        if not 0 <= index < units:
+            raise IndexError(f"unit {index} is not one of the {units} training units")
+        return self._unit(index)
+
+    def _unit(self, index: int) -> Batch:
+        size = self.config.batch_size
+        return self.store.batch(range(index * size, (index + 1) * size), self.config.seq_len)
+
+    def batches(self, rank: int, world: int, seed: int) -> Iterator[Batch]:
+        check_rank(rank, world)
+        return Prefetcher(self._shard(rank, world, seed))
+
+    def _shard(self, rank: int, world: int, seed: int) -> Iterator[Batch]:
+        units, epoch = self.data_units(), 0
+        while True:
+            order = epoch_order(units, seed, epoch)
+            for position in range(rank, units, world):
+                yield self._unit(int(order[position]))
+            epoch += 1
+
+    # ------------------------------------------------------------------ model
+    def make_model(self) -> nn.Module:
+        c = self.config
+        config = GPTConfig(vocab_size=self.tokenizer.vocab_size, block_size=c.seq_len, n_layer=c.n_layer,
+                           n_head=c.n_head, n_embd=c.n_embd)
+        return GPT.build(config, make_generator("gpt-init", c.seed))
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        x, y = (to_model_device(t, model) for t in batch)
+        logits = model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        train_units, held_out = self._split
+        losses = []
+        with evaluating(model):
+            for index in range(train_units, train_units + min(held_out, self.config.eval_batches)):
+                losses.append(float(self.loss(model, self._unit(index))))
+        return {"eval_loss": sum(losses) / len(losses)}
