@@ -16,13 +16,18 @@ from starling.cli.shared import (
     EXPECTED_ERRORS,
     autocast_option,
     check_seconds,
+    data_option,
     device_option,
     dtype_option,
     fail,
     json_text,
+    prepare_units,
     protocol_options,
+    seq_len_option,
     setup_logging,
     state_device_option,
+    tokenizer_option,
+    with_data,
 )
 from starling.common import parse_options
 from starling.node.identity import Identity
@@ -87,6 +92,9 @@ def node_start(
     lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (a protocol option)."),
     opt: Optional[List[str]] = typer.Option(None, "--opt", help="Protocol option NAME=VALUE (repeatable)."),
     task_opt: Optional[List[str]] = typer.Option(None, "--task-opt", help="Task option NAME=VALUE (repeatable)."),
+    data: Optional[str] = data_option(),
+    tokenizer: Optional[str] = tokenizer_option(),
+    seq_len: Optional[int] = seq_len_option(),
     seed: int = typer.Option(0, "--seed", help="Swarm seed (data order, shared randomness)."),
     shard: Optional[str] = typer.Option(
         None, "--shard", help="This peer's data shard RANK/WORLD (default: picked from the peer id out of 16)."),
@@ -170,9 +178,11 @@ def node_start(
                     NodeFault, ReplicaError)
     try:
         check_seconds("--replica-timeout-s", replica_timeout_s)
+        task, task_options = with_data(task, parse_options(task_opt or [], "task option"), data, tokenizer, seq_len)
+        prepare_units(task, task_options)
         launch = NodeLaunch(protocol, task, protocol_options(opt, ctx.args, compressor=compressor,
                                                              lr=None if lr is None else str(lr)),
-                            parse_options(task_opt or [], "task option"), seed, steps, joining=bool(join),
+                            task_options, seed, steps, joining=bool(join),
                             resume_from=resume, replica_ranks=nproc_per_replica)
         group, followers = _replica_group(nproc_per_replica, replica_timeout_s, device)
         if group is not None and not group.is_leader:  # a follower: the leader says what to train

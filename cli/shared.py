@@ -192,3 +192,42 @@ def extra_options(args: Sequence[str]) -> dict[str, Any]:
         i += 1
     return options
 
+
+
+def data_option() -> Any:
+    return typer.Option(None, "--data", metavar="PATH_OR_NAME",
+                        help="Train the gpt task on this text: a folder, a .txt/.jsonl/.csv/.parquet file or glob, or "
+                             "a Hugging Face dataset name (stdlib: Python's own source). Sets --task gpt if no task "
+                             "is given.")
+
+
+def tokenizer_option() -> Any:
+    return typer.Option(None, "--tokenizer", metavar="PATH",
+                        help="With --data: bytes (the default) or a tokenizer.json, or a folder holding one.")
+
+
+def seq_len_option() -> Any:
+    return typer.Option(None, "--seq-len", min=1, help="With --data: tokens per training sequence (default 128).")
+
+
+def with_data(task: str | None, task_options: dict[str, str], data: str | None, tokenizer: str | None,
+              seq_len: int | None) -> tuple[str | None, dict[str, str]]:
+    """The task and its options once `--data`, `--tokenizer` and `--seq-len` are applied: they are
+    options of the task (the gpt task unless another is named), and win over `--task-opt`."""
+    given = {"data": data, "tokenizer": tokenizer, "seq_len": None if seq_len is None else str(seq_len)}
+    given = {name: value for name, value in given.items() if value is not None}
+    if not given:
+        return task, task_options
+    if data is None:
+        raise ValueError("--tokenizer and --seq-len go with --data (or pass them as --task-opt to your task)")
+    return task or "gpt", {**task_options, **given}
+
+
+def prepare_units(task: str | None, task_options: dict[str, str]) -> None:
+    """For a task with units (the gpt task), read and tokenize its corpus now: a file that cannot
+    be read is one line before anything starts, and the peers find the token file made."""
+    if task != "gpt":
+        return
+    from starling.tasks import get_task
+
+    get_task(task, **task_options).data_units()

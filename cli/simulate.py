@@ -13,12 +13,17 @@ import typer
 from starling.cli.shared import (
     EXPECTED_ERRORS,
     autocast_option,
+    data_option,
     device_option,
     dtype_option,
     fail,
+    prepare_units,
     protocol_options,
+    seq_len_option,
     setup_logging,
     state_device_option,
+    tokenizer_option,
+    with_data,
 )
 from starling.common import parse_options
 
@@ -193,7 +198,7 @@ def simulate(
     ctx: typer.Context,
     peers: int = typer.Option(4, "--peers", help="Simulated peers at the start."),
     protocol: str = typer.Option(DEFAULT_SIM_PROTOCOL, "--protocol", help="Protocol name (or module:name)."),
-    task: str = typer.Option("charlm", "--task", help="Built-in task name or module:callable."),
+    task: Optional[str] = typer.Option(None, "--task", help="Built-in task name or module:callable (default charlm)."),
     steps: Optional[int] = typer.Option(
         None, "--steps", min=1, help=f"Training steps per peer (default {DEFAULT_SIM_STEPS}; with --duration, as many "
                                      "as fit in it)."),
@@ -224,6 +229,9 @@ def simulate(
     opt: Optional[List[str]] = typer.Option(None, "--opt", help="Protocol option NAME=VALUE (repeatable)."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (a protocol option)."),
     task_opt: Optional[List[str]] = typer.Option(None, "--task-opt", help="Task option NAME=VALUE (repeatable)."),
+    data: Optional[str] = data_option(),
+    tokenizer: Optional[str] = tokenizer_option(),
+    seq_len: Optional[int] = seq_len_option(),
     eval_every: int = typer.Option(0, "--eval-every", help="Peer 0 evaluates every N steps (0: at the end only)."),
     device: Optional[str] = device_option("every peer's"),
     dtype: Optional[str] = dtype_option(),
@@ -261,6 +269,10 @@ def simulate(
     setup_logging(log_level)
     errors = (SimError, ProtocolError, JoinError, TransferError, *EXPECTED_ERRORS)
     try:
+        task, task_options = with_data(task, parse_options(task_opt or [], "task option"), data, tokenizer, seq_len)
+        task = task or "charlm"
+        prepare_units(task, task_options)
+        task_opt = [f"{name}={value}" for name, value in task_options.items()]
         config, base = _sim_configs(
             peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor, transport=transport,
             processes=processes, ray=ray, bandwidth=bandwidth, latency_ms=latency_ms, loss=loss, churn=churn, seed=seed,
