@@ -335,12 +335,21 @@ class Trainer:
         source, blob = self.node.fetch_blob(STATE_BLOB, peers, deadline_s=deadline_s, stop=stop)
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)  # then to my device
         state.pop(PRIVATE_STATE, None)  # the donor's own residuals are not the joiner's
-        data = state.pop(DATA_STATE, None)
+        ledger = self._ledger_from(state.pop(DATA_STATE, None))  # checked before anything changes
         self.proto.load_state_dict(state)
-        if self.ledger is not None and data is not None:
-            self.ledger.load_state_dict(data)  # the swarm's data position: a joiner takes fresh units
+        if ledger is not None:
+            self.ledger = ledger  # the swarm's data position
         log.info("%s: joined from %s at step %d", self.node.peer_id, source, self.proto.step_count)
         return source
+
+    def _ledger_from(self, data: Any) -> UnitLedger | None:
+        """A ledger holding a saved or fetched data position (None if this task has no units or
+        none came); ValueError for one of another data set or a malformed one."""
+        if self.ledger is None or data is None:
+            return None
+        ledger = UnitLedger(self.ledger.units, self.ledger.seed, self.ledger.units_per_member)
+        ledger.load_state_dict(data)
+        return ledger
 
     def take_snapshot(self) -> None:
         import torch
@@ -453,9 +462,10 @@ class Trainer:
         if not same:
             raise CheckpointError(f"{checkpoint.state_path} was written by a swarm training {state.get('swarm')}, "
                                   f"not {self.spec.to_swarm_config()}")
+        ledger = self._ledger_from(state.get(DATA_STATE))
         self.proto.load_state_dict(state["protocol"])
-        if self.ledger is not None and state.get(DATA_STATE) is not None:
-            self.ledger.load_state_dict(state[DATA_STATE])
+        if ledger is not None:
+            self.ledger = ledger
         self._resumed_at = self.proto.step_count
         self.last_checkpoint = checkpoint
         if self.serve_state:
