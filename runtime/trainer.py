@@ -462,7 +462,11 @@ class Trainer:
         if not same:
             raise CheckpointError(f"{checkpoint.state_path} was written by a swarm training {state.get('swarm')}, "
                                   f"not {self.spec.to_swarm_config()}")
-        ledger = self._ledger_from(state.get(DATA_STATE))
+        try:
+            ledger = self._ledger_from(state.get(DATA_STATE))
+        except ValueError as exc:
+            raise CheckpointError(f"{checkpoint.state_path} holds a data position this task cannot take: "
+                                  f"{exc}") from None
         self.proto.load_state_dict(state["protocol"])
         if ledger is not None:
             self.ledger = ledger
