@@ -182,6 +182,9 @@ class AwakeDeadline:
         finally:
             if not fut.done():
                 fut.cancel()
+            # read its outcome whenever it ends: one that fails as it is cancelled (a send
+            # timing out) would be logged as never retrieved
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def sleep(self, seconds: float) -> None:
         """Sleep up to `seconds`, spending them from the budget (never past it)."""

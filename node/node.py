@@ -340,8 +340,11 @@ class Node:
             log.warning("close: %s", exc)
 
     async def _aclose(self) -> None:
-        for task in list(self._tasks):
+        spawned = list(self._tasks)
+        for task in spawned:
             task.cancel()
+        if spawned:  # let them end while the loop runs, so that what they end with is read
+            await asyncio.wait(spawned, timeout=1.0)
         self._pending.fail_all(rpc.RpcError("node closed"))
         if self._transport is not None:
             await self._transport.close()
@@ -571,6 +574,9 @@ class Node:
 
     def _spawn(self, coro: Any) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(_read_outcome(coro, self.peer_id))
+        # A task cancelled before it starts never starts `coro`: close it, or Python warns that
+        # it was never awaited (a closed node cancels what it spawned).
+        task.add_done_callback(lambda _: getattr(coro, "close", lambda: None)())
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
