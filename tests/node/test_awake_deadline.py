@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
@@ -152,3 +153,25 @@ def test_loop_lag_reports_a_stall_from_when_it_ended_and_forgets_it_after_its_wi
     assert since_later < 0.25  # a stall that ended before `since` is not counted
     assert forgotten < 0.25  # past the window
 
+
+
+def test_what_a_deadline_gives_up_on_is_read_even_if_it_fails_as_it_is_cancelled():
+    """A send that times out as it is cancelled ends with its error, not CancelledError: the
+    deadline reads it, so asyncio logs nothing as never retrieved."""
+    unread: list[dict] = []
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise ConnectionError("send timed out") from None
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unread.append(context))
+        with pytest.raises(asyncio.TimeoutError):
+            await AwakeDeadline(0.05, tick_s=0.01).wait(stubborn())
+        await asyncio.sleep(0.05)  # the cancelled task ends with its error
+
+    asyncio.run(main())
+    gc.collect()  # an unread exception is reported when its task is collected
+    assert not unread, unread
