@@ -336,8 +336,10 @@ class Node:
         self._state = "closed"
         try:
             self._net.run(self._aclose(), timeout_s=10)
+        except concurrent.futures.TimeoutError:
+            log.warning("%s: close did not finish within 10 s (a busy network thread)", self.peer_id)
         except Exception as exc:
-            log.warning("close: %s", exc)
+            log.warning("%s: close: %r", self.peer_id, exc)
 
     async def _aclose(self) -> None:
         spawned = list(self._tasks)
