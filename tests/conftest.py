@@ -259,3 +259,13 @@ def procs():
         p.wait(10)
         if p.stdout is not None:
             p.stdout.close()
+
+
+@pytest.fixture
+def text_corpus(tmp_path) -> Path:
+    """A folder of six small text files: a corpus for the gpt task (`--data`)."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for n in range(6):
+        (folder / f"doc{n}.txt").write_text(f"document {n}: " + "the quick brown fox jumps over the lazy dog. " * 20)
+    return folder

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from typer.testing import CliRunner
 
 from starling.cli.main import app
@@ -12,24 +11,15 @@ from starling.cli.main import app
 runner = CliRunner()
 
 
-@pytest.fixture
-def corpus(tmp_path):
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    for n in range(4):
-        (folder / f"notes{n}.md").write_text(f"# note {n}\n" + "starlings murmur over the reeds at dusk. " * 30)
-    return folder
-
-
-def _args(corpus, tmp_path, *more: str) -> list[str]:
-    return ["simulate", "--data", str(corpus), "--seq-len", "16", "--peers", "2", "--steps", "3",
+def _args(text_corpus, tmp_path, *more: str) -> list[str]:
+    return ["simulate", "--data", str(text_corpus), "--seq-len", "16", "--peers", "2", "--steps", "3",
             "--protocol", "allreduce", "--baseline", "none", "--json",
             "--task-opt", "batch_size=2", "--task-opt", "n_embd=16", "--task-opt", "n_layer=1",
             "--task-opt", f"cache_dir={tmp_path / 'tokens'}", *more]
 
 
-def test_simulate_trains_the_gpt_task_on_a_folder_of_text(corpus, tmp_path):
-    result = runner.invoke(app, _args(corpus, tmp_path))
+def test_simulate_trains_the_gpt_task_on_a_folder_of_text(text_corpus, tmp_path):
+    result = runner.invoke(app, _args(text_corpus, tmp_path))
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["task"] == "gpt" and summary["eval_loss"] > 0
@@ -44,12 +34,12 @@ def _one_line(result) -> str:
     return lines[0]
 
 
-def test_what_cannot_be_read_is_one_line_naming_it(corpus, tmp_path):
+def test_what_cannot_be_read_is_one_line_naming_it(text_corpus, tmp_path):
     assert "no such file or folder" in _one_line(runner.invoke(app, _args(tmp_path / "nowhere", tmp_path)))
-    (corpus / "broken.txt").write_bytes(b"fine, then \xff\xfe not utf-8")
-    assert "broken.txt" in _one_line(runner.invoke(app, _args(corpus, tmp_path)))
-    (corpus / "broken.txt").unlink()
-    line = _one_line(runner.invoke(app, _args(corpus, tmp_path, "--tokenizer", str(tmp_path / "tok.json"))))
+    (text_corpus / "broken.txt").write_bytes(b"fine, then \xff\xfe not utf-8")
+    assert "broken.txt" in _one_line(runner.invoke(app, _args(text_corpus, tmp_path)))
+    (text_corpus / "broken.txt").unlink()
+    line = _one_line(runner.invoke(app, _args(text_corpus, tmp_path, "--tokenizer", str(tmp_path / "tok.json"))))
     assert "tok.json" in line
     line = _one_line(runner.invoke(app, ["simulate", "--seq-len", "16", "--baseline", "none"]))
     assert "--data" in line

@@ -11,18 +11,9 @@ from starling.runtime import CheckpointConfig, Trainer, TrainSpec
 from starling.runtime.trainer import TrainSpecError
 
 
-@pytest.fixture
-def corpus(tmp_path):
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    for n in range(6):
-        (folder / f"doc{n}.txt").write_text(f"document {n}: " + "the quick brown fox jumps over the lazy dog. " * 20)
-    return folder
-
-
-def _spec(corpus, tmp_path, protocol: str = "diloco") -> TrainSpec:
+def _spec(text_corpus, tmp_path, protocol: str = "diloco") -> TrainSpec:
     return TrainSpec(protocol=protocol, task="gpt", options={"sync_every": 1000, "lr": 0.01},
-                     task_options={"data": str(corpus), "seq_len": "16", "batch_size": "2", "n_embd": "16",
+                     task_options={"data": str(text_corpus), "seq_len": "16", "batch_size": "2", "n_embd": "16",
                                    "n_layer": "1", "cache_dir": str(tmp_path / "tokens")}, seed=5)
 
 
@@ -43,9 +34,9 @@ def _train(trainer: Trainer, steps: int) -> list[int]:
     return units
 
 
-def test_a_lone_peer_trains_the_epoch_in_its_order_and_a_restart_goes_on_at_the_same_unit(make_node, corpus,
+def test_a_lone_peer_trains_the_epoch_in_its_order_and_a_restart_goes_on_at_the_same_unit(make_node, text_corpus,
                                                                                             tmp_path):
-    spec = _spec(corpus, tmp_path)
+    spec = _spec(text_corpus, tmp_path)
     whole = _trainer(make_node("inproc"), spec, serve_state=False)
     units = whole.ledger.units
     expected = _train(whole, units + 2)
@@ -66,9 +57,9 @@ def test_a_lone_peer_trains_the_epoch_in_its_order_and_a_restart_goes_on_at_the_
     second.close()
 
 
-def test_members_train_disjoint_units_and_a_joiner_takes_fresh_ones_from_the_swarms_position(make_node, corpus,
+def test_members_train_disjoint_units_and_a_joiner_takes_fresh_ones_from_the_swarms_position(make_node, text_corpus,
                                                                                               tmp_path):
-    spec = _spec(corpus, tmp_path)
+    spec = _spec(text_corpus, tmp_path)
     a = make_node("inproc")
     b = make_node("inproc", join=[a.address])
     assert wait_until(lambda: a.live_peers() == [b.peer_id] and b.live_peers() == [a.peer_id])
@@ -86,8 +77,8 @@ def test_members_train_disjoint_units_and_a_joiner_takes_fresh_ones_from_the_swa
         t.close()
 
 
-def test_a_task_with_units_refuses_audits_it_cannot_recompute(make_node, corpus, tmp_path):
-    spec = _spec(corpus, tmp_path, protocol="allreduce")
+def test_a_task_with_units_refuses_audits_it_cannot_recompute(make_node, text_corpus, tmp_path):
+    spec = _spec(text_corpus, tmp_path, protocol="allreduce")
     spec = TrainSpec(protocol="allreduce", task="gpt", options={"audit_rate": 0.5}, task_options=spec.task_options,
                      seed=5)
     with pytest.raises(TrainSpecError, match="hands out units"):
