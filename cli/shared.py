@@ -193,7 +193,6 @@ def extra_options(args: Sequence[str]) -> dict[str, Any]:
     return options
 
 
-
 def data_option() -> Any:
     return typer.Option(None, "--data", metavar="PATH_OR_NAME",
                         help="Train the gpt task on this text: a folder, a .txt/.jsonl/.csv/.parquet file or glob, or "
@@ -225,8 +224,9 @@ def with_data(task: str | None, task_options: dict[str, str], data: str | None, 
 
 def prepare_units(task: str | None, task_options: dict[str, str]) -> None:
     """For a task with units (the gpt task), read and tokenize its corpus now: a file that cannot
-    be read is one line before anything starts, and the peers find the token file made."""
-    if task != "gpt":
+    be read is one line before anything starts, and the peers find the token file made. (A
+    joiner that names no task learns it from the swarm, and reads its data as it starts.)"""
+    if task is None:
         return
     from starling.tasks import get_task
 

@@ -131,6 +131,13 @@ class NetworkThread:
         return self.submit(coro).result(timeout_s)
 
 
+def read_outcome(future: asyncio.Future[Any]) -> None:
+    """A done-callback that reads how `future` ended: one that fails as it is cancelled or given
+    up on (a send timing out) is otherwise logged by asyncio as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 class AwakeDeadline:
     """A time budget counted in the loop's awake time, for waits that must not expire while
     the loop itself was stalled.
@@ -182,9 +189,7 @@ class AwakeDeadline:
         finally:
             if not fut.done():
                 fut.cancel()
-            # read its outcome whenever it ends: one that fails as it is cancelled (a send
-            # timing out) would be logged as never retrieved
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            fut.add_done_callback(read_outcome)
 
     async def sleep(self, seconds: float) -> None:
         """Sleep up to `seconds`, spending them from the budget (never past it)."""

@@ -575,7 +575,7 @@ class Node:
         self._swarm.notify(change)
 
     def _spawn(self, coro: Any) -> asyncio.Future[Any]:
-        task = asyncio.ensure_future(_read_outcome(coro, self.peer_id))
+        task = asyncio.ensure_future(_logged(coro, self.peer_id))
         # A task cancelled before it starts never starts `coro`: close it, or Python warns that
         # it was never awaited (a closed node cancels what it spawned).
         task.add_done_callback(lambda _: getattr(coro, "close", lambda: None)())
@@ -587,7 +587,7 @@ class Node:
         self._tasks.discard(task)
 
 
-async def _read_outcome(coro: Any, peer_id: str) -> Any:
+async def _logged(coro: Any, peer_id: str) -> Any:
     """Run a background task's coroutine and log its failure here: a done-callback that reads
     it never runs when the node's loop stops first, and asyncio then logs it as never retrieved
     (hundreds of lines as a thousand simulated peers close)."""

@@ -459,7 +459,7 @@ class Relay:
         transport = self.outbox.transport
         # Only a relay this node reaches itself: a relay reached through another relay would
         # route through relays again, without end.
-        relays = [r for r in self.relays_for(dest) if r != dest and transport is not None and transport.can_send(r)]
+        relays = [r for r in self.relays_for(dest) if transport is not None and transport.can_send(r)]
         for relay in relays:
             try:
                 await self.outbox.send(relay, RELAY, body, payload, wait=wait, timeout_s=timeout_s)

@@ -24,12 +24,12 @@ import socket as pysocket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from starling.node.loop import read_outcome
 from starling.node.security import SecurityMode, ZapPolicy
 
 log = logging.getLogger(__name__)
@@ -38,11 +38,6 @@ log = logging.getLogger(__name__)
 # What running out of this process's own resources looks like (descriptors, the context's
 # sockets, memory); any other error opening a DEALER is about the address it was given.
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, zmq.EMTHREAD})
-
-
-def _read_outcome(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 class SendError(ConnectionError):
@@ -504,7 +499,7 @@ class Transport:
             sent = sock.send_multipart(frames, copy=False)
             # Its outcome is read also when the wait below gives up or is cancelled just as it
             # ends (a socket closed under it, at a node's close): else asyncio logs it unread.
-            sent.add_done_callback(_read_outcome)
+            sent.add_done_callback(read_outcome)
             await asyncio.wait_for(sent, timeout_s)
         except zmq.Again:
             raise SendError(f"peer {what} is not connected or its queue is full") from None
