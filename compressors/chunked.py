@@ -148,14 +148,15 @@ class Q2(Compressor):
 
     def _encode(self, flat, shape, seed, name) -> Encoded:
         x = flat.to(torch.float32)
-        mags, blocks = x.abs(), _block_ids(x.numel(), self.block, x.device)
-        nblocks = -(-x.numel() // self.block)
-        lo = torch.full((nblocks,), math.inf, device=x.device).scatter_reduce_(0, blocks, mags, "amin")
-        hi = torch.zeros(nblocks, device=x.device).scatter_reduce_(0, blocks, mags, "amax")
-        if nblocks and not bool(torch.isfinite(hi).all()):
+        mags = x.abs()
+        rows = _by_block(mags, self.block, pad=math.inf)  # views of whole blocks; a short tail block
+        lo = rows.amin(dim=1)  # is filled out so that it changes neither the min nor the max
+        hi = (_by_block(mags, self.block, pad=0.0) if x.numel() % self.block else rows).amax(dim=1)
+        if lo.numel() and not bool(torch.isfinite(hi).all()):
             raise NonFiniteError("q2: input holds NaN or Inf")
-        upper = (mags - lo[blocks]) * 2 > (hi - lo)[blocks]  # nearer the upper magnitude
-        codes = torch.signbit(x).to(torch.int64).mul_(2).add_(upper.to(torch.int64))
+        # nearer the upper magnitude than the lower, block by block
+        upper = rows.sub(lo.unsqueeze(1)).mul_(2).gt_((hi - lo).unsqueeze(1)).view(-1)[: x.numel()]
+        codes = torch.signbit(x).to(torch.uint8).mul_(2).add_(upper.to(torch.uint8))
         scales = torch.stack((lo, hi), dim=1).reshape(-1)
         return Encoded({"block": self.block}, (as_bytes(scales), pack_uints(codes, 2)))
 
@@ -169,10 +170,17 @@ class Q2(Compressor):
         if nblocks and not bool((torch.isfinite(scales) & (scales >= 0)).all() and
                                 (scales[:, 0] <= scales[:, 1]).all()):
             raise h.error("scales", "NaN, Inf or negative scale, or a lower magnitude above the upper")
-        codes = unpack_uints(buffers[1], n, 2)
-        mag = scales.to(device)[_block_ids(n, block, device), codes.to(device).bitwise_and(1)]
-        return torch.where(codes.to(device) >= 2, -mag, mag).to(dtype)
+        codes = _by_block(unpack_uints(buffers[1], n, 2).to(device), block, pad=0)
+        scales = scales.to(device)
+        mag = torch.where(codes.bitwise_and(1).bool(), scales[:, 1:], scales[:, :1])
+        return torch.where(codes >= 2, -mag, mag).view(-1)[:n].to(dtype)
 
 
-def _block_ids(n: int, block: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(n, device=device).div_(block, rounding_mode="floor")
+def _by_block(x: torch.Tensor, block: int, pad: float) -> torch.Tensor:
+    """`x` as rows of `block` values, the last row filled out with `pad` (a view when whole)."""
+    n = x.numel()
+    if n % block == 0:
+        return x.view(-1, block)
+    rows = x.new_full((-(-n // block) * block,), pad)
+    rows[:n] = x
+    return rows.view(-1, block)

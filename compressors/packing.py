@@ -43,14 +43,32 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return words.view(torch.uint8).view(-1)[:n] != 0
 
 
-def pack_uints(values: torch.Tensor, width: int, chunk: int = 1 << 16) -> torch.Tensor:
+def _chunk(device: torch.device, chunk: int | None) -> int:
+    """Values per pass of the general packing loop: cache-sized on the CPU, large elsewhere
+    (on an accelerator every op is a kernel launch, and a 64K chunk made thousands)."""
+    if chunk is not None:
+        return chunk
+    return 1 << 16 if device.type == "cpu" else 1 << 22
+
+
+def pack_uints(values: torch.Tensor, width: int, chunk: int | None = None) -> torch.Tensor:
     """Pack non-negative int64 ``values`` (each < 2**width) with ``width`` bits each."""
     k = values.numel()
     out = torch.empty((k * width + 7) // 8, dtype=torch.uint8, device=values.device)
     if k == 0:
         return out
+    if 8 % width == 0:  # 1, 2, 4 or 8 bits: whole values per byte, a few passes over the tensor
+        per = 8 // width
+        small = values.reshape(-1).to(torch.uint8)
+        if k % per:
+            small = torch.cat((small, small.new_zeros(per - k % per)))
+        columns = small.view(-1, per)
+        torch.bitwise_left_shift(columns[:, per - 1], width * (per - 1), out=out)
+        for j in range(per - 2, -1, -1):
+            out.bitwise_or_(columns[:, j].bitwise_left_shift(width * j) if j else columns[:, 0])
+        return out
     shifts = torch.arange(width, dtype=torch.int64, device=values.device)
-    step = chunk // 8 * 8  # whole bytes per chunk
+    step = _chunk(values.device, chunk) // 8 * 8  # whole bytes per chunk
     for lo in range(0, k, step):
         part = values[lo : lo + step]
         bits = part.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1).to(torch.uint8).view(-1)
@@ -60,13 +78,22 @@ def pack_uints(values: torch.Tensor, width: int, chunk: int = 1 << 16) -> torch.
     return out
 
 
-def unpack_uints(packed: torch.Tensor, k: int, width: int, chunk: int = 1 << 16) -> torch.Tensor:
+def unpack_uints(packed: torch.Tensor, k: int, width: int, chunk: int | None = None) -> torch.Tensor:
     """Inverse of ``pack_uints``: ``k`` int64 values of ``width`` bits."""
-    out = torch.empty(k, dtype=torch.int64, device=packed.device)
     if k == 0:
-        return out
+        return torch.empty(0, dtype=torch.int64, device=packed.device)
+    if 8 % width == 0:
+        per, mask = 8 // width, (1 << width) - 1
+        nbytes = (k * width + 7) // 8
+        source = packed[:nbytes]
+        columns = torch.empty(nbytes, per, dtype=torch.uint8, device=packed.device)
+        for j in range(per):
+            torch.bitwise_right_shift(source, width * j, out=columns[:, j])
+            columns[:, j].bitwise_and_(mask)
+        return columns.view(-1)[:k].to(torch.int64)
+    out = torch.empty(k, dtype=torch.int64, device=packed.device)
     shifts = torch.arange(width, dtype=torch.int64, device=packed.device)
-    step = chunk // 8 * 8
+    step = _chunk(packed.device, chunk) // 8 * 8
     for lo in range(0, k, step):
         count = min(step, k - lo)
         first = lo * width // 8

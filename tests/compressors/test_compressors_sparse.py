@@ -108,3 +108,28 @@ def test_topk_tensor_laid_out_against_the_sample() -> None:
     assert view[::stride].numel() > k  # the true top-k lies entirely inside the sample
     y = from_spec(f"topk:{fraction}").decode(from_spec(f"topk:{fraction}").encode(x))
     assert set(y.nonzero().view(-1).tolist()) == _exact_topk(x, k)
+
+
+def _reference_pack(values: list[int], width: int) -> bytes:
+    """The documented layout, one bit at a time: bit b of value i is bit (i*width+b) % 8 of
+    byte (i*width+b) // 8."""
+    out = bytearray((len(values) * width + 7) // 8)
+    for i, value in enumerate(values):
+        for b in range(width):
+            if value >> b & 1:
+                out[(i * width + b) // 8] |= 1 << ((i * width + b) % 8)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 7, 8, 12, 17])
+@pytest.mark.parametrize("k", [1, 3, 8, 9, 1000])
+def test_uint_packing_keeps_its_bit_layout_for_every_width(width: int, k: int) -> None:
+    from starling.compressors.packing import pack_uints, unpack_uints
+
+    gen = torch.Generator().manual_seed(width * 1000 + k)
+    values = torch.randint(0, 1 << width, (k,), generator=gen, dtype=torch.int64)
+    packed = pack_uints(values, width)
+    assert bytes(packed.tolist()) == _reference_pack(values.tolist(), width)
+    for chunk in (None, 8):  # a chunked loop (widths that do not divide a byte) gives the same
+        assert torch.equal(unpack_uints(packed, k, width, chunk=chunk), values)
+        assert torch.equal(pack_uints(values, width, chunk=chunk), packed)
