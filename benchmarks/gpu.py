@@ -3,6 +3,8 @@ there, pinned staging, and simulated swarms training on it.
 
     python benchmarks/gpu.py [--device cuda|cpu] [--quick] [--only SECTION,...] [--elements N]
                              [--check-elements N] [--steps N] [--codec-budget-s S]
+                             [--gpt-steps N] [--gpt-tokenizer FILE] [--write-tokenizer FOLDER]
+                             [--sparse-steps N]
 
 Prints one JSON row per measurement, then a summary row; every row names its ``section``:
 
@@ -29,6 +31,16 @@ Prints one JSON row per measurement, then a summary row; every row names its ``s
   (``--state-device cpu``) against the same run with it on the device: both run, and their
   losses match (``bit_identical`` says whether exactly). On an accelerator the same run on
   the CPU is reported beside them, for reference.
+- ``gpt``: the ``gpt`` task at GPT-2 small's shape (12 layers, 768 wide, 12 heads, a 50,257-id
+  byte-level BPE that `tokenizers` trains here on the stdlib tree: 124M parameters), trained
+  on the stdlib source, 4 peers
+  on one device in bf16 autocast, ``allreduce`` against ``streaming-diloco`` (int4 exchange),
+  the same units of the same tokens: eval loss, bytes per peer and step time of each, and
+  the ratios.
+- ``sparse``: SparseLoCo-style pseudo-gradients (``benchmarks/diloco.py``'s sparse spec and
+  outer loop) on a 10.6M-parameter ``charlm`` for ``--sparse-steps`` (2000) steps of 4 peers,
+  against ``allreduce`` and int4 ``streaming-diloco`` at the same tokens: eval losses, bytes,
+  bits per parameter per sync, and the sparse targets of ``benchmarks/diloco.py``.
 
 A section, or one measurement in it, that fails prints a row with ``error`` (type and message)
 and the end of its traceback, and the run goes on. ``--quick`` shrinks every size (a tiny
@@ -57,8 +69,12 @@ from starling.compressors import Packet, decode, from_spec, registered_codecs
 from starling.node.swim import Liveness
 from starling.runtime import SimConfig, SimResult, Simulation
 from starling.runtime.summary import busy_share
+from starling.tasks import get_task
 
-SECTIONS = ("device", "codecs", "staging", "simulate", "state_device")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import diloco  # (benchmarks/diloco.py: the sparse run's codec, outer loop and targets)
+
+SECTIONS = ("device", "codecs", "staging", "simulate", "state_device", "gpt", "sparse")
 SEED = 1  # every codec's seed: stochastic rounding, random-k and the sketches draw the same on each device
 TRACEBACK_CHARS = 1500
 # A lossy codec's relative L2 error on the device may exceed the CPU's on the same values by this
@@ -114,10 +130,10 @@ class Plan:
     """The sizes of one run: full on an accelerator, tiny with --quick."""
 
     elements: int = 1 << 26  # 64M values: 256 MB of float32
-    check_elements: int = 1 << 24  # the CPU reference encodes this many of them
+    check_elements: int = 1 << 22  # the CPU reference encodes this many of them
     cap_divisor: int = 1  # the capped sketches see their cap over this (a dense sketch is slow on a CPU)
     repeat: int = 5  # timed rounds (the best is kept)
-    codec_budget_s: float = 150.0  # codecs not reached by then are reported as skipped
+    codec_budget_s: float = 90.0  # codecs not reached by then are reported as skipped
     peers: int = 4
     steps: int = 40
     warmup_steps: int = 5  # a peer's first steps (CUDA's lazy start-up) are left out of step_s
@@ -128,12 +144,37 @@ class Plan:
     streaming: dict[str, Any] = field(default_factory=lambda: {"sync_every": 8, "fragments": 2,
                                                                 "overlap_steps": 1})
 
+    # gpt: GPT-2 small's shape; the vocabulary is a BPE trained here (no download)
+    gpt_vocab: int = 50_257
+    gpt_options: dict[str, Any] = field(default_factory=lambda: {
+        "n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 256, "batch_size": 8, "eval_batches": 8})
+    gpt_steps: int = 96
+    gpt_tokenizer: str = ""  # a tokenizer.json to use instead of training one
+    gpt_lr: float = 6e-4
+    gpt_streaming: dict[str, Any] = field(default_factory=lambda: {
+        "sync_every": 24, "fragments": 4, "overlap_steps": 1, "compressor": "int4"})
+    gpt_budget_s: float = 100.0  # per run
+    # sparse: a 10.6M-parameter charlm for 2000+ steps
+    sparse_options: dict[str, Any] = field(default_factory=lambda: {
+        "n_layer": 6, "n_head": 6, "n_embd": 384, "seq_len": 128, "batch_size": 16, "corpus_chars": 4_000_000})
+    sparse_steps: int = 2000
+    sparse_sync_every: int = 64
+    sparse_fragments: int = 4
+    sparse_lr: float = 1e-3
+    sparse_budget_s: float = 150.0  # per run
+
     @classmethod
     def quick(cls) -> Plan:
         return cls(elements=1 << 16, check_elements=1 << 16, cap_divisor=16, repeat=2, steps=3, warmup_steps=1,
                    run_budget_s=60.0,
                    task_options={"n_embd": 16, "batch_size": 2, "eval_batches": 1, "corpus_chars": 20_000},
-                   streaming={"sync_every": 2, "fragments": 2, "overlap_steps": 1})
+                   streaming={"sync_every": 2, "fragments": 2, "overlap_steps": 1},
+                   gpt_vocab=300, gpt_options={"n_layer": 1, "n_head": 2, "n_embd": 16, "seq_len": 16,
+                                               "batch_size": 2, "eval_batches": 1},
+                   gpt_steps=4, gpt_streaming={"sync_every": 2, "fragments": 2, "overlap_steps": 1,
+                                               "compressor": "int4"}, gpt_budget_s=60.0,
+                   sparse_options={"n_layer": 1, "n_head": 2, "n_embd": 16, "batch_size": 2, "corpus_chars": 20_000},
+                   sparse_steps=8, sparse_sync_every=4, sparse_fragments=2, sparse_budget_s=60.0)
 
 
 # ------------------------------------------------------------------ rows and their failures
@@ -471,6 +512,148 @@ def compare_runs(result: SimResult, reference: SimResult) -> dict[str, Any]:
             "matches": evals is not None and worst_step is not None and max(evals, worst_step) <= MATCH_RTOL}
 
 
+# ------------------------------------------------------------------ e. a 124M GPT on real text
+
+def stdlib_tree(recursive: bool) -> Iterator[str]:
+    """Every UTF-8 `*.py` file of the running Python's stdlib, under it or at its top (the
+    top-level files alone run out of merges before 50,257 ids)."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py") if recursive else root.glob("*.py")):
+        try:
+            yield path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue  # the test suite holds files in other encodings on purpose
+
+
+def train_bpe(vocab_size: int, folder: str, recursive: bool = True) -> tuple[str, float]:
+    """A byte-level BPE of `vocab_size` ids trained by `tokenizers` on the stdlib tree, saved
+    as folder/tokenizer.json; its path and the seconds training took."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    began = time.perf_counter()
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(stdlib_tree(recursive), trainer)
+    path = os.path.join(folder, "tokenizer.json")
+    tokenizer.save(path)
+    return path, time.perf_counter() - began
+
+
+def parameters_of(task: str, options: dict[str, Any]) -> int:
+    return sum(p.numel() for p in get_task(task, **options).make_model().parameters())
+
+
+def run_swarm(task: str, protocol: str, options: dict[str, Any], task_options: dict[str, Any], steps: int,
+              device: torch.device, budget_s: float, **where: str) -> tuple[SimResult, float]:
+    config = SimConfig(peers=4, protocol=protocol, task=task, steps=steps, options=options,
+                       task_options=task_options, liveness=BENCH_LIVENESS, duration_s=budget_s,
+                       device=str(device), **where)
+    began = time.perf_counter()
+    result = Simulation(config).run()
+    return result, time.perf_counter() - began
+
+
+def swarm_row(result: SimResult, seconds: float, steps: int, one_model: bool, warmup_steps: int) -> dict[str, Any]:
+    losses = [p.eval_loss for p in result.peers]
+    finite = all(loss is not None and math.isfinite(loss) for loss in losses)
+    steps_done = min(len(p.records) for p in result.peers)
+    row = {"steps": steps, "steps_done": steps_done, **step_times(result, warmup_steps),
+           "eval_loss": statistics.fmean(losses) if finite else losses, "eval_finite": finite,
+           "peers_agree": finite and len(set(losses)) == 1,
+           "bytes_sent_per_peer": round(result.summary["bytes_sent_per_peer"]),
+           "peer_status": sorted(set(result.summary["peer_status"].values())),
+           "train_s": round(result.summary["wall_s"], 3), "run_s": round(seconds, 3)}
+    row["ok"] = (finite and (row["peers_agree"] or not one_model) and row["peer_status"] == ["finished"]
+                 and steps_done == steps)
+    return row
+
+
+def gpt_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="starling-gpu-gpt-") as folder:
+        if plan.gpt_tokenizer:  # one trained before (the same BPE; saves the device's time)
+            tokenizer, train_s = plan.gpt_tokenizer, 0.0
+        else:
+            tokenizer, train_s = train_bpe(plan.gpt_vocab, folder, recursive=plan.gpt_vocab > 1000)
+        task_options = {**plan.gpt_options, "tokenizer": tokenizer, "cache_dir": folder}
+        task = get_task("gpt", **task_options)
+        began = time.perf_counter()
+        tokens = len(task.store)  # type: ignore[attr-defined]  # tokenizes the corpus once, for both runs
+        parameters = parameters_of("gpt", task_options)
+        yield {"section": "gpt", "parameters": parameters, "vocab": task.tokenizer.vocab_size,  # type: ignore[attr-defined]
+               "tokenizer_train_s": round(train_s, 1), "tokenize_s": round(time.perf_counter() - began, 1),
+               "tokens": tokens, **{k: v for k, v in plan.gpt_options.items()},
+               "tokens_per_run": 4 * plan.gpt_steps * plan.gpt_options["batch_size"] * plan.gpt_options["seq_len"]}
+        runs = (("allreduce", "allreduce", {"optimizer": "adamw", "lr": plan.gpt_lr}),
+                ("streaming-diloco", "streaming-diloco", {"lr": plan.gpt_lr, **plan.gpt_streaming}))
+        measured: dict[str, dict[str, Any]] = {}
+        for label, protocol, options in runs:
+            what = {"run": label, "protocol": protocol, "precision": "autocast-bf16", "device": str(device)}
+
+            def measure() -> dict[str, Any]:
+                result, seconds = run_swarm("gpt", protocol, options, task_options, plan.gpt_steps, device,
+                                            plan.gpt_budget_s, **PRECISIONS["autocast-bf16"])
+                free_device_memory()
+                return {**options, **swarm_row(result, seconds, plan.gpt_steps, True, plan.warmup_steps)}
+
+            row = guarded("gpt", what, measure)
+            measured[label] = row
+            yield row
+        base, mine = measured["allreduce"], measured["streaming-diloco"]
+        if base.get("ok") and mine.get("ok"):
+            yield {"section": "gpt", "compare": "streaming-diloco/allreduce", "parameters": parameters,
+                   "eval_loss_ratio": sig(mine["eval_loss"] / base["eval_loss"], 4),
+                   "bytes_ratio": sig(base["bytes_sent_per_peer"] / max(1, mine["bytes_sent_per_peer"])),
+                   "step_ratio": sig(mine["step_s"] / base["step_s"])}
+
+
+# ------------------------------------------------------------------ f. sparse pseudo-gradients at 10M+
+
+def sparse_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
+    task_options = dict(plan.sparse_options)
+    parameters = parameters_of("charlm", task_options)
+    steps, sync_every = plan.sparse_steps, plan.sparse_sync_every
+    streaming = {"lr": plan.sparse_lr, "sync_every": sync_every, "fragments": plan.sparse_fragments,
+                 "overlap_steps": 2, "alpha": 0.5, "outer_lr": 0.7, "outer_momentum": 0.9, "compressor": "int4"}
+    runs = (("allreduce", "allreduce", {"optimizer": "adamw", "lr": plan.sparse_lr}),
+            ("int4", "streaming-diloco", streaming),
+            ("sparse", "streaming-diloco", {**streaming, **diloco.SPARSE_OUTER, "compressor": diloco.SPARSE_SPEC}))
+    measured: dict[str, dict[str, Any]] = {}
+    for label, protocol, options in runs:
+        what = {"run": label, "protocol": protocol, "parameters": parameters, "device": str(device)}
+
+        def measure() -> dict[str, Any]:
+            result, seconds = run_swarm("charlm", protocol, options, task_options, steps, device,
+                                        plan.sparse_budget_s)
+            free_device_memory()
+            row = {**options, **swarm_row(result, seconds, steps, True, plan.warmup_steps)}
+            if protocol != "allreduce":
+                bits = 8.0 * row["bytes_sent_per_peer"] / parameters
+                row["bits_per_param_per_sync"] = sig(bits / (row["steps_done"] / sync_every))
+            return row
+
+        row = guarded("sparse", what, measure)
+        measured[label] = row
+        yield row
+    base, int4, mine = measured["allreduce"], measured["int4"], measured["sparse"]
+    if base.get("ok") and int4.get("ok") and mine.get("ok"):
+        gap, gap_int4 = mine["eval_loss"] / base["eval_loss"] - 1.0, mine["eval_loss"] / int4["eval_loss"] - 1.0
+        ratio = base["bytes_sent_per_peer"] / max(1, mine["bytes_sent_per_peer"])
+        yield {"section": "sparse", "compare": "sparse/allreduce/int4", "parameters": parameters, "steps": steps,
+               "loss_gap_allreduce": sig(gap), "loss_gap_int4": sig(gap_int4), "bytes_ratio_allreduce": sig(ratio),
+               "bits_per_param_per_sync": mine["bits_per_param_per_sync"],
+               "bits_met": mine["bits_per_param_per_sync"] <= diloco.SPARSE_BITS_TARGET,
+               "int4_loss_met": gap_int4 <= diloco.SPARSE_INT4_LOSS_TARGET,
+               "bytes_met": ratio >= diloco.SPARSE_BYTES_TARGET, "loss_met": gap <= diloco.LOSS_TARGET}
+
+
 # ------------------------------------------------------------------ the run
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -479,15 +662,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and a few steps (tests, smoke runs)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
     parser.add_argument("--elements", type=int, help="values in the codecs' tensor (default 64M; quick 64K)")
-    parser.add_argument("--check-elements", type=int, help="values the CPU reference encodes (default 16M)")
+    parser.add_argument("--check-elements", type=int, help="values the CPU reference encodes (default 4M)")
     parser.add_argument("--steps", type=int, help="steps of every simulated swarm (default 40; quick 3)")
     parser.add_argument("--codec-budget-s", type=float, help="seconds the codecs may take before the rest are skipped")
+    parser.add_argument("--gpt-steps", type=int, help="steps of each gpt run (default 96; quick 4)")
+    parser.add_argument("--gpt-tokenizer", help="gpt: this tokenizer.json instead of a BPE trained on the stdlib "
+                        "tree (write one with --write-tokenizer)")
+    parser.add_argument("--write-tokenizer", metavar="FOLDER",
+                        help="train the gpt section's BPE into FOLDER/tokenizer.json, print its path and exit")
+    parser.add_argument("--sparse-steps", type=int, help="steps of each sparse run (default 2000; quick 8)")
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown section {unknown[0]!r}; choose from {', '.join(SECTIONS)}")
-    for name in ("elements", "check_elements", "steps"):
+    for name in ("elements", "check_elements", "steps", "gpt_steps", "sparse_steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -495,7 +684,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def plan_of(args: argparse.Namespace) -> Plan:
     plan = Plan.quick() if args.quick else Plan()
-    given = {name: getattr(args, name) for name in ("elements", "check_elements", "steps", "codec_budget_s")
+    given = {name: getattr(args, name) for name in ("elements", "check_elements", "steps", "codec_budget_s",
+                                                    "gpt_steps", "sparse_steps", "gpt_tokenizer")
              if getattr(args, name) is not None}
     plan = replace(plan, **given)
     return replace(plan, check_elements=min(plan.check_elements, plan.elements),
@@ -505,12 +695,17 @@ def plan_of(args: argparse.Namespace) -> Plan:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = plan_of(args)
+    if args.write_tokenizer:
+        os.makedirs(args.write_tokenizer, exist_ok=True)
+        print(json.dumps(dict(zip(("tokenizer", "seconds"), train_bpe(plan.gpt_vocab, args.write_tokenizer)))))
+        return 0
     began = time.perf_counter()
     cache: dict[tuple[str, str], SimResult] = {}
     sections: dict[str, Callable[[torch.device, Plan], Iterator[dict[str, Any]]]] = {
         "device": device_rows, "codecs": codec_rows, "staging": staging_rows,
         "simulate": lambda d, p: simulate_rows(d, p, cache),
-        "state_device": lambda d, p: state_device_rows(d, p, cache)}
+        "state_device": lambda d, p: state_device_rows(d, p, cache),
+        "gpt": gpt_rows, "sparse": sparse_rows}
     failed: list[str] = []
     for name in args.sections:
         section_began = time.perf_counter()

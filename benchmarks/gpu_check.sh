@@ -8,9 +8,9 @@
 # 2. makes `starling` importable without `pip install -e`: .gpusite/starling/<room> links to
 #    each code folder, as pyproject.toml's package-dir maps them (starling is a namespace
 #    package, so no __init__.py);
-# 3. runs the tests that take another path where CUDA is present (at most GPU_TESTS_TIMEOUT_S
-#    seconds), into $OUT/tests.log;
-# 4. runs benchmarks/gpu.py (at most GPU_BENCH_TIMEOUT_S seconds) into $OUT/gpu.jsonl.
+# 3. runs benchmarks/gpu.py (at most GPU_BENCH_TIMEOUT_S seconds) into $OUT/gpu.jsonl;
+# 4. runs the tests that take another path where CUDA is present (at most GPU_TESTS_TIMEOUT_S
+#    seconds; GPU_TESTS_TIMEOUT_S=0 skips them), into $OUT/tests.log.
 # Every step runs even if the one before failed; $OUT/status.txt has each step's exit status.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,7 @@ export PYTHONPATH="$SITE:$PWD/.gpusite${PYTHONPATH:+:$PYTHONPATH}"
 
 # 2. `starling.<room>` -> ./<room>
 mkdir -p .gpusite/starling
-for room in cli runtime protocols collectives node compressors tasks common; do
+for room in cli runtime protocols collectives node compressors tasks data common; do
     ln -sfn "../../$room" ".gpusite/starling/$room"
 done
 {
@@ -47,14 +47,19 @@ EOF
 } 2>&1 | tee "$OUT/env.log"
 status imports "${PIPESTATUS[0]}"
 
-# 3. the tests whose path differs where CUDA is present (grep -l cuda tests/)
-timeout "${GPU_TESTS_TIMEOUT_S:-120}" python3 -m pytest -q -p no:cacheprovider \
-    tests/compressors/test_compressors_cuda.py tests/collectives/test_staging.py tests/runtime/test_placement.py \
-    tests/common/test_common_devices.py tests/cli/test_simulate.py 2>&1 | tee "$OUT/tests.log"
-status tests "${PIPESTATUS[0]}"
-
-# 4. the device, codecs, staging and simulated swarms on the GPU: one JSON row per measurement
+# 3. the device, codecs, staging and simulated swarms on the GPU: one JSON row per measurement
 timeout "${GPU_BENCH_TIMEOUT_S:-420}" python3 benchmarks/gpu.py "$@" 2> "$OUT/gpu.stderr" | tee "$OUT/gpu.jsonl"
 status bench "${PIPESTATUS[0]}"
+# 4. the tests whose path differs where CUDA is present (grep -l cuda tests/)
+if [ "${GPU_TESTS_TIMEOUT_S:-120}" != 0 ]; then
+    timeout "${GPU_TESTS_TIMEOUT_S:-120}" python3 -m pytest -q -p no:cacheprovider -n 4 \
+        tests/compressors/test_compressors_cuda.py tests/collectives/test_staging.py tests/runtime/test_placement.py \
+        tests/common/test_common_devices.py tests/cli/test_simulate.py tests/data/test_prefetch.py \
+        tests/tasks/test_tasks_cuda.py 2>&1 | tee "$OUT/tests.log"
+    status tests "${PIPESTATUS[0]}"
+else
+    status tests skipped
+fi
+
 tail -c 3000 "$OUT/gpu.stderr"
 cat "$OUT/status.txt"

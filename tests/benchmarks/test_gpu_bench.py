@@ -49,6 +49,16 @@ def test_a_quick_cpu_run_prints_every_section_without_errors(capsys):
     staging = next(r for r in rows if r.get("section") == "staging" and "codec" in r)
     assert not staging["staged"] and staging["pinned_mb"] == 0  # nothing to pin beside no accelerator
 
+    gpt = [r for r in rows if r.get("section") == "gpt"]
+    assert gpt[0]["vocab"] == 300 and gpt[0]["parameters"] > 0 and gpt[0]["tokens"] > 0
+    assert {r["run"] for r in gpt if "run" in r} == {"allreduce", "streaming-diloco"}
+    compare = next(r for r in gpt if "compare" in r)
+    assert compare["bytes_ratio"] > 1 and compare["eval_loss_ratio"] > 0  # int4 syncs every 2 steps, not fp32 every step
+    sparse = [r for r in rows if r.get("section") == "sparse"]
+    assert {r["run"] for r in sparse if "run" in r} == {"allreduce", "int4", "sparse"}
+    verdict = next(r for r in sparse if "compare" in r)
+    assert verdict["bytes_ratio_allreduce"] > 1 and {"bits_met", "loss_met", "bytes_met"} <= set(verdict)
+
 
 def test_a_failure_is_a_row_with_its_traceback_and_the_run_goes_on(capsys, monkeypatch):
     bench = load_bench()
