@@ -26,6 +26,10 @@ class ReduceResult:
     skipped: tuple[str, ...] = ()  # members missing from it that said they send nothing in it (not lost)
     # each contributor's share of the average, when their weights differed (sum to one); () when equal
     shares: tuple[tuple[str, float], ...] = ()
+    # members missing from every shard's average that came back: nothing of theirs counted (a
+    # joiner still fetching state, a peer that died unnoticed); this peer too, when its own parts
+    # are in none (or its round was late); () when no average came back
+    absent: tuple[str, ...] = ()
 
 
 def shares_in(reply: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:

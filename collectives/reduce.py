@@ -421,6 +421,8 @@ class ShardedReducer:
                results: list[_ShardResult]) -> ReduceResult:
         """Write each averaged chunk over the local values; collect who was missing."""
         me, synced, lost = self.node.peer_id, False, set()
+        missing: dict[str, int] = {}  # member -> averages it is missing from
+        averaged = 0
         skipped = self._skipped.get(t, frozenset())
         bounds = [b for chunks, _ in self._shards(members, t) for b in chunks]
         for (lo, hi), res in zip(bounds, results):
@@ -440,12 +442,18 @@ class ShardedReducer:
                 continue
             vector[lo:hi].copy_(avg)
             lost.update(set(members) - set(res.contributors))
+            averaged += 1  # (this peer's own absence is counted too: `lost` leaves it out below)
+            for member in set(members) - set(res.contributors):
+                missing[member] = missing.get(member, 0) + 1
             synced = synced or len(res.contributors) > 1
         lost.discard(me)
         ahead = max([t] + [r.owner_round for r in results])
         shares = next((r.shares for r in results if r.shares), ())
+        absent = {m for m, n in missing.items() if n == averaged} - skipped
+        if ahead > t:  # the owners had gone on: nothing of this peer's counted in this round
+            absent.add(me)
         return ReduceResult(t, synced, len(members) - len(lost), tuple(sorted(lost - skipped)), ahead,
-                            tuple(sorted(lost & skipped)), shares)
+                            tuple(sorted(lost & skipped)), shares, tuple(sorted(absent)))
 
     # ------------------------------------------------------------------ network thread
     async def _round(self, t: int, members: tuple[str, ...], slots: list[_Slot],

@@ -100,7 +100,10 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         self._serve()
 
     # ------------------------------------------------------------------ training thread
-    def step(self, loss_fn: LossFn) -> StepReport:
+    weightless_steps = True
+
+    def step(self, loss_fn: LossFn, weight: float | None = None) -> StepReport:
+        """One round; `weight` 0 takes part without counting (see `Protocol.weightless_steps`)."""
         clock = self._begin_step()
         with clock.computing():
             loss = self._backprop(loss_fn)
@@ -113,7 +116,7 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
                 raise ProtocolError("allreduce: audit_rate needs the runtime's batches (audit_data, which the "
                                     "Trainer sets)")
             recipe = self.auditor.before(t, members, self.audit_data)
-        result = self.reducer.start(t, members, grad, lend=True, recipe=recipe).wait()
+        result = self.reducer.start(t, members, grad, lend=True, recipe=recipe, weight=weight).wait()
         if len(members) > 1:
             self.flat.scatter_grads(grad)
         if recipe is not None and self.auditor is not None and self.audit_data is not None:
@@ -131,7 +134,8 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         self.step_count = max(self.step_count, t + 1)
         if result.lost:
             log.warning("%s: allreduce step %d went on without %s", self.node.peer_id, t, list(result.lost))
-        return self._report(t, loss, clock, synced=result.synced, peers=result.peers, lost=result.lost)
+        return self._report(t, loss, clock, synced=result.synced, peers=result.peers, lost=result.lost,
+                            absent=result.absent)
 
     # ------------------------------------------------------------------ hooks and state
     def describe(self) -> dict[str, Any]:

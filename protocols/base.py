@@ -61,6 +61,8 @@ class StepReport:
     synced: bool = False  # whether an exchange with peers completed during this step
     peers: int = 1  # peers whose contribution this step's update used (self included)
     lost_peers: tuple[str, ...] = ()  # peers dropped from a round because they died or timed out
+    # of those, the ones whose contribution is in no part of the update (nothing of theirs counted)
+    absent_peers: tuple[str, ...] = ()
     wall_s: float = 0.0
     compute_s: float = 0.0  # time spent in local compute (the rest was waiting on the network)
 
@@ -115,6 +117,10 @@ class Protocol(ABC):
     # (DiLoCo). Only such a protocol runs in a replica of many ranks: rank 0 runs it, the
     # others repeat its inner steps and take what it wrote besides (runtime/replica.py).
     local_inner_steps: ClassVar[bool] = False
+    # Whether `step(loss_fn, weight=0.0)` takes part in the round without counting: the peer's
+    # gradient is left out of the average (its weight is 0) and it applies the swarm's update
+    # like every member. A peer that the data ledger gave no unit in a round steps so.
+    weightless_steps: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, name: str | None = None, config_class: type[ProtocolConfig] | None = None,
                           topic_prefix: str | None = None, **kwargs: Any) -> None:
@@ -229,11 +235,12 @@ class Protocol(ABC):
         return StepClock()
 
     def _report(self, step: int, loss: float, clock: StepClock, *, synced: bool = False, peers: int = 1,
-                lost: tuple[str, ...] = ()) -> StepReport:
+                lost: tuple[str, ...] = (), absent: tuple[str, ...] = ()) -> StepReport:
         """This step's report, with the bytes `meter` counted since the last one."""
         sent, received = self.meter.take()
         return StepReport(step=step, loss=loss, bytes_sent=sent, bytes_received=received, synced=synced,
-                          peers=peers, lost_peers=lost, wall_s=clock.wall_s, compute_s=clock.compute_s)
+                          peers=peers, lost_peers=lost, absent_peers=absent, wall_s=clock.wall_s,
+                          compute_s=clock.compute_s)
 
 
 def _clone_once(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

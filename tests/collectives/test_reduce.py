@@ -97,6 +97,17 @@ def _reduce_weighted(reducer, members, vector, weight, t=0):
     result = reducer.start(t, members, average, weight=weight).wait()
     return average, result
 
+def test_a_peer_left_out_of_one_chunk_is_lost_but_not_absent(make_node):
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    reducers = [ShardedReducer(n, "test.part", 9, chunk_numel=2) for n in nodes]
+    vectors = [torch.full((9,), 1.0), torch.full((9,), 3.0), torch.full((9,), 5.0)]
+    vectors[2][0] = float("nan")  # one chunk of the third peer is refused; the rest of it counts
+    results = in_parallel([lambda r=r: reducers[r].reduce(1, members, vectors[r]) for r in range(3)])
+    assert results[0].lost == results[1].lost == (nodes[2].peer_id,)
+    assert results[0].absent == results[1].absent == ()
+
+
 def test_a_peer_with_non_finite_values_is_left_out_and_counted(make_node):
     nodes = swarm(make_node, 3)
     members = tuple(sorted(n.peer_id for n in nodes))
@@ -106,6 +117,7 @@ def test_a_peer_with_non_finite_values_is_left_out_and_counted(make_node):
     results = in_parallel([lambda r=r: reducers[r].reduce(1, members, vectors[r]) for r in range(3)])
     assert torch.equal(vectors[0], torch.full((9,), 2.0)) and torch.equal(vectors[1], vectors[0])
     assert results[0].lost == results[1].lost == (nodes[2].peer_id,)
+    assert results[0].absent == results[1].absent == (nodes[2].peer_id,)  # nothing of it counted anywhere
     # the third peer's chunks were refused everywhere, by itself as owner too: it keeps its values
     assert not results[2].synced and torch.isnan(vectors[2][1:]).all()
     rejected = sum(n.stats.rejected.get("test.nan.not_finite", 0) for n in nodes)
