@@ -13,7 +13,9 @@ Prints JSON rows:
   a slice of the stdlib source) in which one peer is SIGKILL-like killed and one joins every
   ``--churn-every`` steps, run until the first epoch is over: units of that epoch trained twice
   (target: at most 0.5% of those trained) and never trained (target: at most the units the
-  killed peers held in flight, one each).
+  killed peers held in flight, one each). A unit is trained when the swarm's update holds a
+  step's work on it; steps whose work counted nowhere (``steps_not_counted``: a late round,
+  a round that went on without the peer) are reported beside it, with ``stepped_twice``.
 
 The default corpus is the running Python's standard library source (no download), tokenized
 byte by byte into a fresh cache folder, so the first build is measured too.
@@ -69,8 +71,14 @@ def churn(args: argparse.Namespace) -> None:
         config = SimConfig(peers=peers, steps=steps, protocol="allreduce", task="gpt", transport="inproc",
                            churn=parse_churn(",".join(events)), task_options=options, seed=1)
         result = Simulation(config).run()
-        trained = collections.Counter(tuple(r["unit"]) for p in result.peers for r in p.records if "unit" in r)
+        records = [r for p in result.peers for r in p.records if "unit" in r]
+        # A unit is trained when the swarm's update holds the work of a step on it; a step whose
+        # work counted nowhere (the round went on without it, or its round was late) trained
+        # nothing, and its unit goes back to the pool. Steps on units are reported too.
+        trained = collections.Counter(tuple(r["unit"]) for r in records if r.get("unit_counted", True))
+        stepped = collections.Counter(tuple(r["unit"]) for r in records)
         epoch0 = {index: n for (epoch, index), n in trained.items() if epoch == 0}
+        stepped0 = {index: n for (epoch, index), n in stepped.items() if epoch == 0}
         over = any(epoch > 0 for epoch, _ in trained)
         kills = sum(1 for p in result.peers if p.status == "killed")
         twice = sum(n - 1 for n in epoch0.values())
@@ -79,7 +87,10 @@ def churn(args: argparse.Namespace) -> None:
               "kills": kills,
               "joins": len(result.peers) - peers, "epoch_over": over, "trained": sum(epoch0.values()),
               "trained_twice": twice, "twice_share": round(twice / max(1, sum(epoch0.values())), 4),
-              "never_trained": never, "never_bound": kills, "wall_s": round(result.summary["wall_s"], 1),
+              "never_trained": never, "never_bound": kills,
+              "steps_on_units": sum(stepped0.values()), "stepped_twice": sum(n - 1 for n in stepped0.values()),
+              "steps_not_counted": sum(stepped0.values()) - sum(epoch0.values()),
+              "wall_s": round(result.summary["wall_s"], 1),
               "met": over and twice <= REPEAT_TARGET * sum(epoch0.values()) and never is not None and never <= kills})
 
 

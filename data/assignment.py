@@ -7,10 +7,14 @@ and those members, so peers that agree on the members of each round hold the sam
 hand out the same units:
 
 1. settle the last round: a member of this round finished the units it held (it is here, so it
-   stepped); the units of a peer that is no longer a member go back to the pool;
-2. hand out: each member, in the order of their ids, takes `units_per_member` units, first from
-   the pool (lowest epoch position first), then fresh units from the epoch's cursor; when the
-   epoch is used up and the pool is empty, the next epoch begins.
+   stepped), unless the last round went on without it; the units of a peer that is no longer a
+   member, or whose work did not count, go back to the pool;
+2. hand out: each member takes `units_per_member` units, first from the pool (lowest epoch
+   position first), then fresh units from the epoch's cursor; when the epoch is used up and the
+   pool is empty, the next epoch begins. Members take their turn in the order they first became
+   members (the first ones, and those that join in the same round, in the order of their ids),
+   so that a joiner takes the next units after everyone else's: a peer that does not see the
+   joiner yet hands every other member the same units as a peer that does.
 
 So a dead peer's unfinished units go to whoever comes next, a joiner takes the next units in
 line (never a finished one), and a swarm of any size covers the epoch: the cursor moves by the
@@ -79,18 +83,23 @@ class UnitLedger:
         self.round = -1  # the last round advanced to
         self.pool: list[Unit] = []  # handed out to a peer that left before finishing them
         self.in_flight: dict[str, list[Unit]] = {}
+        self.order: list[str] = []  # the members, in the order they take their units
         self.done = 0  # units finished, over all epochs
         self.returned = 0  # units handed back to the pool, over all epochs
         self._order: tuple[int, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ the rule
-    def advance(self, round: int, members: Iterable[str], finished: Iterable[str] = ()) -> dict[str, list[Unit]]:
+    def advance(self, round: int, members: Iterable[str], finished: Iterable[str] = (),
+                unfinished: Iterable[str] = ()) -> dict[str, list[Unit]]:
         """Settle the last round and hand out this one's units; returns who holds what.
-        `finished`: peers that are no longer members but finished their units (a graceful leave)."""
+        `finished`: peers that are no longer members but finished their units (a graceful leave).
+        `unfinished`: members whose work of the last round did not count (the round went on
+        without them: a joiner still fetching state, a peer that died unnoticed): their units go
+        back to the pool though they are still members."""
         if round <= self.round:
             raise ValueError(f"round {round} is not after the ledger's round {self.round}")
         here = sorted(set(members))
-        done = set(here) | set(finished)
+        done = (set(here) | set(finished)) - set(unfinished)
         for peer in sorted(self.in_flight):
             held = self.in_flight[peer]
             if peer in done:
@@ -99,9 +108,27 @@ class UnitLedger:
                 self.pool.extend(held)
                 self.returned += len(held)
         self.pool.sort()
-        self.in_flight = {peer: [self._next() for _ in range(self.units_per_member)] for peer in here}
+        present = set(here)
+        self.order = [p for p in self.order if p in present] + [p for p in here if p not in set(self.order)]
+        self.in_flight = {peer: [self._next() for _ in range(self.units_per_member)] for peer in self.order}
         self.round = round
         return dict(self.in_flight)
+
+    def admit(self, peer: str) -> list[Unit]:
+        """Hand `peer`, a member this ledger's round left out (its author did not see it yet),
+        its units of the round now, after everyone else's; returns them. Ledgers that did not
+        admit it hand the same units out in their next round, so each costs one repeat at most."""
+        if peer not in self.in_flight:
+            self.order.append(peer)
+            self.in_flight[peer] = [self._next() for _ in range(self.units_per_member)]
+        return list(self.in_flight[peer])
+
+    def peek(self) -> Unit:
+        """The unit this ledger hands out next, without handing it out."""
+        if self.pool:
+            return self.pool[0]
+        epoch, position = (self.epoch + 1, 0) if self.cursor == self.units else (self.epoch, self.cursor)
+        return Unit(epoch, position, int(self._order_of(epoch)[position]))
 
     def units_of(self, peer: str) -> list[Unit]:
         """The units `peer` trains in the current round ([] if it is not a member)."""
@@ -134,7 +161,7 @@ class UnitLedger:
                 "epoch": self.epoch, "cursor": self.cursor, "round": self.round,
                 "pool": [u.to_wire() for u in self.pool],
                 "in_flight": {peer: [u.to_wire() for u in held] for peer, held in sorted(self.in_flight.items())},
-                "done": self.done, "returned": self.returned}
+                "order": list(self.order), "done": self.done, "returned": self.returned}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take a saved or fetched position; ValueError (and no change) if it is of another data
@@ -150,15 +177,21 @@ class UnitLedger:
             pool = sorted(Unit.from_wire(u) for u in state["pool"])
             in_flight = {str(peer): [Unit.from_wire(u) for u in held] for peer, held in state["in_flight"].items()}
             done, returned = int(state["done"]), int(state["returned"])
+            order = state.get("order", sorted(in_flight))  # a position saved before members had an order
+            distinct = isinstance(order, list) and len(set(order)) == len(order)
+            if not distinct or not all(isinstance(p, str) for p in order):
+                raise ValueError(f"a ledger's order is a list of distinct peer ids, got {order!r}")
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"malformed ledger state: {exc!r}") from None
         if any(not 0 <= u.index < self.units for u in (*pool, *(u for v in in_flight.values() for u in v))):
             raise ValueError("a ledger state names a unit out of range")
         self.epoch, self.cursor, self.round = epoch, cursor, round_
         self.pool, self.in_flight, self.done, self.returned = pool, in_flight, done, returned
+        self.order = list(order)
 
     def digest(self) -> str:
         """A short hash of what decides the units handed out next: equal on peers that agree."""
         stream = {"epoch": self.epoch, "cursor": self.cursor, "pool": [u.to_wire() for u in self.pool],
+                  "order": self.order,
                   "in_flight": {p: [u.to_wire() for u in v] for p, v in sorted(self.in_flight.items())}}
         return hashlib.sha256(json.dumps(stream, sort_keys=True).encode()).hexdigest()[:16]

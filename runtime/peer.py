@@ -169,6 +169,7 @@ class SimPeer:
         unit = self.trainer.last_unit if self.trainer is not None else None
         if unit is not None:  # the swarm's ledger handed this step's batch: which unit of which epoch
             record["unit"] = [unit.epoch, unit.index]
+            record["unit_counted"] = self.trainer.last_unit_counted  # type: ignore[union-attr]
         if self.config.eval_every and self.rank == 0 and self.step % self.config.eval_every == 0:
             record["eval_loss"] = float(self.trainer.evaluate()["eval_loss"])  # type: ignore[union-attr]
         self.result.records.append(record)

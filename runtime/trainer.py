@@ -26,6 +26,7 @@ import dataclasses
 import importlib
 import io
 import itertools
+import json
 import logging
 import threading
 import time
@@ -35,7 +36,7 @@ from typing import Any
 
 from starling.common import option_name, peer_hash
 from starling.data.assignment import Unit, UnitLedger
-from starling.node import Node
+from starling.node import Node, TransferError
 from starling.protocols import (
     PRIVATE_STATE,
     LossFn,
@@ -56,6 +57,12 @@ from starling.tasks import Task, get_task
 log = logging.getLogger(__name__)
 
 STATE_BLOB = "starling.train.state"
+# The data positions (UnitLedger states) of a unit task's last LEDGER_ROUNDS rounds, as JSON
+# {round: state}: a peer whose view of the members changed, or that caught up, takes one from
+# the round's most senior member, so that the swarm's ledgers agree again.
+LEDGER_BLOB = "starling.train.ledger"
+LEDGER_ROUNDS = 8
+LEDGER_FETCH_S = 1.5  # how long a peer waits for the reference's ledger before advancing its own
 DATA_STATE = "data"  # the state_dict key of the swarm's data position (a UnitLedger), next to the protocol's
 FETCH_STATE_DEADLINE_S = 120.0  # how long a joiner keeps trying to fetch the swarm's state
 # A protocol option that plans for the run's length (sketch-dp's privacy budget is spread over
@@ -230,6 +237,16 @@ class Trainer:
         units = self.task.data_units()
         self.ledger = UnitLedger(units, spec.seed) if units else None
         self.last_unit: Unit | None = None  # the unit of the batch `batches()` gave last
+        self._ledger_rounds: dict[int, dict[str, Any]] = {}  # round -> the ledger's state after advancing to it
+        self._ledger_blob = b"{}"  # those, as served (one reference swap: the network thread reads it)
+        self._ledger_members: tuple[str, ...] | None = None  # the members the ledger last advanced with
+        self._went_without: dict[int, tuple[str, ...]] = {}  # round -> members absent from its whole update
+        self.ledger_adopted = 0  # times this peer took the reference's ledger
+        self.last_unit_counted = True  # whether the last step's update held this peer's work on its unit
+        self._weightless_round: int | None = None  # a round the reference's ledger gave this peer no unit in
+        self._step_weight: float | None = None  # the weight of the next step (0: it takes part without counting)
+        self._readopt = False  # this peer's ledger may differ from the reference's: take it again next round
+        self._recheck = False  # the ledger came with a fetched state: take this round's from the reference
         # The newest checkpoint this peer wrote (durable) or resumed from: its age is a metric.
         self.last_checkpoint: Checkpoint | None = None
 
@@ -265,6 +282,8 @@ class Trainer:
         if self.serve_state:
             self.take_snapshot()
             self.node.serve_blob(STATE_BLOB, lambda: self._snapshot)
+        if self.ledger is not None:
+            self.node.serve_blob(LEDGER_BLOB, lambda: self._ledger_blob)
         return self.proto
 
     def _attach_recipes(self, proto: Protocol) -> None:
@@ -338,7 +357,8 @@ class Trainer:
         ledger = self._ledger_from(state.pop(DATA_STATE, None))  # checked before anything changes
         self.proto.load_state_dict(state)
         if ledger is not None:
-            self.ledger = ledger  # the swarm's data position
+            self.ledger = ledger  # the swarm's data position, as the donor saw it
+            self._recheck = True
         log.info("%s: joined from %s at step %d", self.node.peer_id, source, self.proto.step_count)
         return source
 
@@ -384,14 +404,88 @@ class Trainer:
         me = self.node.peer_id
         while True:
             round_ = self.proto.step_count
-            if round_ > self.ledger.round:
-                self.ledger.advance(round_, [me, *self.node.live_peers()])
+            if round_ > self.ledger.round or self._recheck:
+                self._advance_ledger(round_, tuple(sorted({me, *self.node.live_peers()})))
                 self.node.set_status_info(data=self.ledger.position())
             for unit in self.ledger.units_of(me):
                 self._batch_index, self.last_unit = unit.index, unit
                 yield self.task.unit_batch(unit.index)
+            if self._weightless_round == round_ and not self.ledger.units_of(me):
+                # no unit this round: step on the next one in line, weighing nothing, to keep in step
+                self.last_unit, self._step_weight = None, 0.0
+                yield self.task.unit_batch(self.ledger.peek().index)
             if self.proto.step_count == round_:  # not stepped (a caller that only reads batches)
                 return
+
+    def _advance_ledger(self, round_: int, members: tuple[str, ...]) -> None:
+        """The ledger at `round_`: advanced here with `members`, settling the last round (a member
+        absent from its whole update did not finish its units); or, when this peer skipped
+        rounds (it caught up), the members changed or the last round lost someone (views may
+        differ for a round), taken from the round's most senior member, which every peer that
+        sees the same members asks."""
+        assert self.ledger is not None
+        recheck, self._recheck = round_ == self.ledger.round, False  # a joiner's first round
+        jumped = recheck or round_ > self.ledger.round + 1
+        changed = self._ledger_members is not None and members != self._ledger_members
+        changed = changed or self.ledger.round in self._went_without or self._readopt  # or lost someone
+        self._readopt = False
+        self._ledger_members = members
+        # the reference: the round's most senior member (the first in the ledger's order that is
+        # still here), never a joiner, whose ledger has not caught up yet
+        present = set(members)
+        reference = next((p for p in self.ledger.order if p in present), members[0])
+        adopted = None
+        if (jumped or changed) and reference != self.node.peer_id:
+            adopted = self._reference_ledger(reference, round_)
+        if adopted is not None:
+            self.ledger = adopted
+            self.ledger_adopted += 1
+            # a peer that caught up or just joined may have been late in this round, which the
+            # others then settle without it: it takes the next round's ledger too
+            self._readopt = jumped
+        elif not recheck:
+            without = [p for p in self._went_without.get(self.ledger.round, ()) if p in members]
+            if len(without) > max(2, len(members) // 4):
+                # Most of the round looks absent: its members disagreed on who was in it (a shard
+                # layout of another view sends parts to other owners), and their work did count
+                # where it went. Only a few absences are taken for work that counted nowhere.
+                without = []
+            self.ledger.advance(round_, members, unfinished=without)
+        if self.node.peer_id not in self.ledger.in_flight:  # the ledger's author did not see this peer yet
+            log.info("%s: the ledger of round %d (%s) leaves this peer out", self.node.peer_id, round_,
+                     "from " + reference if adopted is not None else "fetched with the state")
+            self._readopt = True
+            if getattr(self.proto, "weightless_steps", False):
+                self._weightless_round = round_
+            else:  # a protocol that cannot step without counting: train the next unit in line
+                self.ledger.admit(self.node.peer_id)
+        self._went_without = {r: v for r, v in self._went_without.items() if r >= round_ - 1}
+        self._ledger_rounds[round_] = self.ledger.state_dict()
+        for old in [r for r in self._ledger_rounds if r <= round_ - LEDGER_ROUNDS]:
+            del self._ledger_rounds[old]
+        self._ledger_blob = json.dumps({str(r): v for r, v in self._ledger_rounds.items()}).encode()
+
+    def _reference_ledger(self, reference: str, round_: int) -> UnitLedger | None:
+        """`reference`'s ledger at `round_` (None if it has none for that round within
+        LEDGER_FETCH_S, or sends one that does not load: this peer then advances its own)."""
+        deadline = time.monotonic() + LEDGER_FETCH_S
+        while True:
+            try:
+                left = max(0.0, deadline - time.monotonic())
+                _, blob = self.node.fetch_blob(LEDGER_BLOB, [reference], deadline_s=left)
+                state = json.loads(blob).get(str(round_)) if blob.startswith(b"{") else None
+                if state is not None:
+                    ledger = self._ledger_from(state)
+                    if ledger is not None and ledger.round == round_:
+                        return ledger
+            except (TransferError, ValueError, AttributeError) as exc:
+                log.info("%s: no ledger of round %d from %s: %s", self.node.peer_id, round_, reference, exc)
+                return None
+            if time.monotonic() >= deadline:  # the reference has not reached the round
+                log.info("%s: %s had no ledger of round %d within %.1f s", self.node.peer_id, reference, round_,
+                         LEDGER_FETCH_S)
+                return None
+            time.sleep(0.02)
 
     def step(self, batch: Any) -> StepReport:
         """One protocol step on `batch`; refreshes the snapshot joiners fetch."""
@@ -399,7 +493,10 @@ class Trainer:
         assert proto is not None
         loss_fn = self._loss_of(batch)
         self.node.check_fault()
-        if self.replica is None:
+        weight, self._step_weight = self._step_weight, None
+        if weight is not None:  # a round this peer takes part in without counting (`_units`)
+            report = proto.step(loss_fn, weight=weight)  # type: ignore[call-arg]
+        elif self.replica is None:
             report = proto.step(loss_fn)
         else:
             try:
@@ -409,6 +506,10 @@ class Trainer:
             except Exception as exc:  # the ranks cannot agree on what comes next: the replica goes
                 raise self.replica.lost(exc) from exc
         self.node.check_fault()  # a step whose sockets failed under it may have "finished" alone
+        if self.ledger is not None:
+            if report.absent_peers or report.lost_peers:
+                self._went_without[report.step] = tuple(report.absent_peers)
+            self.last_unit_counted = self.node.peer_id not in report.absent_peers
         if self.serve_state and time.monotonic() - self._snapshot_at >= self.snapshot_every_s:
             self.take_snapshot()
         if self.checkpoint is not None and proto.step_count % self.checkpoint.every == 0:

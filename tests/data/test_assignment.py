@@ -171,3 +171,46 @@ def test_the_position_reports_what_node_status_shows():
     position = ledger.position()
     assert position == {**position, "epoch": 0, "units": 10, "done": 2, "returned": 2, "in_flight": 2,
                         "pool": 0, "fresh_left": 6, "round": 1}
+
+
+def test_a_member_the_round_went_on_without_gets_its_units_back_into_the_pool_not_counted_done():
+    # j is a member in every view (its join is known) but trains nothing yet: it is fetching state
+    ledgers = {p: UnitLedger(12, 3) for p in ("a", "b", "j")}
+    for peer in ("a", "b"):
+        ledgers[peer].advance(0, ["a", "b", "j"])
+    held = ledgers["a"].units_of("j")
+    for peer in ("a", "b"):
+        ledgers[peer].advance(1, ["a", "b", "j"], unfinished=["j"])  # round 0 went on without j
+    assert ledgers["a"].units_of("a") == held  # the pool comes first: a trains j's unit
+    assert ledgers["a"].done == 2 and ledgers["a"].returned == 1
+    assert ledgers["a"].digest() == ledgers["b"].digest()
+
+
+def test_a_joiner_seen_by_some_peers_only_changes_nobody_elses_units_that_round():
+    swarm = FakeSwarm(40, ["b", "c", "d"])
+    swarm.round()
+    swarm.join("a", from_peer="b")  # an id before everyone's: by id order it would take b's unit
+    swarm.round(views={"b": ["a", "b", "c", "d"], "a": ["a", "b", "c", "d"]}, finishing={"b", "c", "d"})
+    for peer in ("b", "c", "d"):  # b sees the joiner, c and d do not yet: all hand them the same units
+        assert swarm.ledgers["b"].units_of(peer) == swarm.ledgers["c"].units_of(peer)
+    assert sum(n - 1 for n in swarm.trained.values()) == 0
+    assert swarm.ledgers["b"].order == ["b", "c", "d", "a"]  # the joiner takes its turn last
+
+
+def test_a_member_left_out_of_a_round_is_admitted_after_everyone_else():
+    ledger = UnitLedger(10, 1)
+    ledger.advance(0, ["a", "b"])
+    taken = {u.position for held in ledger.in_flight.values() for u in held}
+    mine = ledger.admit("c")
+    assert [u.position for u in mine] == [max(taken) + 1] and ledger.order == ["a", "b", "c"]
+    assert ledger.admit("c") == mine  # once
+
+
+def test_peek_names_the_next_unit_without_handing_it_out():
+    ledger = UnitLedger(3, 1)
+    ledger.advance(0, ["a", "b"])
+    nxt = ledger.peek()
+    assert ledger.peek() == nxt and ledger.cursor == 2
+    ledger.advance(1, ["a", "b"])
+    assert ledger.units_of("a") == [nxt] and nxt.position == 2  # the last of epoch 0
+    assert ledger.units_of("b")[0].epoch == 1 and (ledger.peek().epoch, ledger.peek().position) == (1, 1)

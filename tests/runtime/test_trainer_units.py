@@ -77,6 +77,23 @@ def test_members_train_disjoint_units_and_a_joiner_takes_fresh_ones_from_the_swa
         t.close()
 
 
+def test_a_peer_that_skipped_rounds_takes_the_ledger_of_the_rounds_lowest_id_member(make_node, text_corpus, tmp_path):
+    spec = _spec(text_corpus, tmp_path)
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    assert wait_until(lambda: a.live_peers() == [b.peer_id] and b.live_peers() == [a.peer_id])
+    low, high = sorted((_trainer(a, spec), _trainer(b, spec)), key=lambda t: t.node.peer_id)
+    _train(low, 2), _train(high, 2)
+    _train(low, 2)  # the swarm goes on to round 4 while `high` is away
+    next(low.batches())  # `low` hands out round 4's units (and would train its own)
+    high.proto.step_count = 4  # it caught up (as a late peer learns the swarm's round from the owners)
+    trained = _train(high, 1)
+    assert high.ledger_adopted == 1 and high.ledger.digest() == low.ledger.digest()
+    assert trained == [u.index for u in low.ledger.units_of(high.node.peer_id)]  # its own unit of round 4
+    for t in (low, high):
+        t.close()
+
+
 def test_a_task_with_units_refuses_audits_it_cannot_recompute(make_node, text_corpus, tmp_path):
     spec = _spec(text_corpus, tmp_path, protocol="allreduce")
     spec = TrainSpec(protocol="allreduce", task="gpt", options={"audit_rate": 0.5}, task_options=spec.task_options,
