@@ -72,12 +72,16 @@ def epoch_order(units: int, seed: int, epoch: int) -> torch.Tensor:
 class UnitLedger:
     """The swarm's data position as one peer computes it (see the module's rule)."""
 
-    def __init__(self, units: int, seed: int, units_per_member: int = 1) -> None:
+    def __init__(self, units: int, seed: int, units_per_member: int = 1, newcomers_wait: bool = False) -> None:
+        """`newcomers_wait`: a member joining a running swarm gets no units in its first round
+        (its work there is often late, and peers may disagree on whether it counted); it then
+        takes part without counting (a weightless step). Off for protocols that cannot step so."""
         if units < 1:
             raise ValueError(f"a ledger needs at least one unit, got {units}")
         if units_per_member < 1:
             raise ValueError(f"units_per_member must be >= 1, got {units_per_member}")
         self.units, self.seed, self.units_per_member = units, seed, units_per_member
+        self.newcomers_wait = newcomers_wait
         self.epoch = 0
         self.cursor = 0  # the next fresh position of this epoch's order
         self.round = -1  # the last round advanced to
@@ -108,9 +112,11 @@ class UnitLedger:
                 self.pool.extend(held)
                 self.returned += len(held)
         self.pool.sort()
-        present = set(here)
-        self.order = [p for p in self.order if p in present] + [p for p in here if p not in set(self.order)]
-        self.in_flight = {peer: [self._next() for _ in range(self.units_per_member)] for peer in self.order}
+        present, known = set(here), set(self.order)
+        waiting = {p for p in here if p not in known} if self.newcomers_wait and known else set()
+        self.order = [p for p in self.order if p in present] + [p for p in here if p not in known]
+        self.in_flight = {peer: [] if peer in waiting else [self._next() for _ in range(self.units_per_member)]
+                          for peer in self.order}
         self.round = round
         return dict(self.in_flight)
 

@@ -268,6 +268,8 @@ class Trainer:
                                  f"follow the model's device), and this peer's model is on {', '.join(sorted(where))}; "
                                  "use --device cpu")
         self.proto = cls.create(self.node, model, self.spec.options)
+        if self.ledger is not None:  # a joiner waits a round where it can take part without counting
+            self.ledger.newcomers_wait = bool(getattr(cls, "weightless_steps", False))
         if full is not None:
             self.proto.start_from(full.to(device=self.placement.device) if self.placement.device else full)
             del full
@@ -367,7 +369,8 @@ class Trainer:
         none came); ValueError for one of another data set or a malformed one."""
         if self.ledger is None or data is None:
             return None
-        ledger = UnitLedger(self.ledger.units, self.ledger.seed, self.ledger.units_per_member)
+        ledger = UnitLedger(self.ledger.units, self.ledger.seed, self.ledger.units_per_member,
+                            self.ledger.newcomers_wait)
         ledger.load_state_dict(data)
         return ledger
 
@@ -451,7 +454,7 @@ class Trainer:
                 # where it went. Only a few absences are taken for work that counted nowhere.
                 without = []
             self.ledger.advance(round_, members, unfinished=without)
-        if self.node.peer_id not in self.ledger.in_flight:  # the ledger's author did not see this peer yet
+        if not self.ledger.in_flight.get(self.node.peer_id):  # it did not see this peer yet, or it is new
             log.info("%s: the ledger of round %d (%s) leaves this peer out", self.node.peer_id, round_,
                      "from " + reference if adopted is not None else "fetched with the state")
             self._readopt = True
@@ -478,7 +481,7 @@ class Trainer:
                     ledger = self._ledger_from(state)
                     if ledger is not None and ledger.round == round_:
                         return ledger
-            except (TransferError, ValueError, AttributeError) as exc:
+            except (TransferError, ValueError, AttributeError, RecursionError) as exc:
                 log.info("%s: no ledger of round %d from %s: %s", self.node.peer_id, round_, reference, exc)
                 return None
             if time.monotonic() >= deadline:  # the reference has not reached the round

@@ -214,3 +214,13 @@ def test_peek_names_the_next_unit_without_handing_it_out():
     ledger.advance(1, ["a", "b"])
     assert ledger.units_of("a") == [nxt] and nxt.position == 2  # the last of epoch 0
     assert ledger.units_of("b")[0].epoch == 1 and (ledger.peek().epoch, ledger.peek().position) == (1, 1)
+
+
+def test_a_newcomer_waits_its_first_round_when_the_swarm_can_step_without_counting():
+    ledger = UnitLedger(20, 2, newcomers_wait=True)
+    ledger.advance(0, ["a", "b"])  # the first members start at once
+    assert ledger.units_of("a") and ledger.units_of("b")
+    ledger.advance(1, ["a", "b", "c"])
+    assert ledger.units_of("c") == [] and ledger.order == ["a", "b", "c"]
+    ledger.advance(2, ["a", "b", "c"])
+    assert len(ledger.units_of("c")) == 1 and ledger.done == 4 and ledger.returned == 0
