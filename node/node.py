@@ -465,12 +465,12 @@ class Node:
 
     def fetch_blob(self, name: str, peers: Sequence[str] | None = None,
                    config: TransferConfig | None = None, *, deadline_s: float = 0.0,
-                   stop: threading.Event | None = None) -> tuple[str, bytes]:
+                   stop: threading.Event | None = None, max_bytes: int | None = None) -> tuple[str, bytes]:
         """Fetch a named blob in digest-checked chunks from the first peer that has it
         (default: every live peer, in random order so joiners spread over the swarm). Until
         `deadline_s` has passed, rounds over the peers (the live ones of that moment by
         default) repeat with backoff; setting `stop` ends that at once. Returns (peer,
-        bytes); raises TransferError."""
+        bytes); raises TransferError (also for a blob said to be over `max_bytes`)."""
         rng = random.Random()
 
         def candidates() -> list[str]:
@@ -481,7 +481,7 @@ class Node:
             return live
 
         return self._call(afetch_patiently(self, candidates, name, config or self.config.transfer, deadline_s, rng,
-                                            stop))
+                                            stop, max_bytes))
 
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
         """Start a coroutine on the network thread and return at once (for overlap)."""

@@ -183,14 +183,21 @@ class BlobServer:
                 log.info("dropped %d transfers of %s, which is %s", len(gone), change.peer_id, change.new.value)
 
 
-async def afetch(node: Node, peer: str, name: str, config: TransferConfig | None = None) -> bytes:
-    """Fetch blob `name` from `peer`, verifying every chunk and the whole."""
+MAX_CHUNK_BYTES = 1 << 26  # a chunk size a server may name (servers use TransferConfig.chunk_bytes)
+
+
+async def afetch(node: Node, peer: str, name: str, config: TransferConfig | None = None,
+                 max_bytes: int | None = None) -> bytes:
+    """Fetch blob `name` from `peer`, verifying every chunk and the whole; a blob said to be
+    larger than `max_bytes` (None: any size) is refused before anything is allocated."""
     cfg = config or TransferConfig()
     try:
         meta = (await node.arequest(peer, OPEN_TOPIC, {"name": name}, timeout_s=cfg.chunk_timeout_s)).body
         size, cb, digests = int(meta["size"]), int(meta["chunk_bytes"]), list(meta["chunk_digests"])
-        if cb <= 0 or len(digests) != (size + cb - 1) // cb:
+        if not 0 < cb <= MAX_CHUNK_BYTES or size < 0 or len(digests) != (size + cb - 1) // cb:
             raise TransferError(f"{peer} sent inconsistent transfer metadata")
+        if max_bytes is not None and size > max_bytes:
+            raise TransferError(f"{peer} offers {name!r} of {size} bytes, more than the {max_bytes} asked for")
         out = bytearray(size)
         window = asyncio.Semaphore(cfg.chunks_in_flight)
 
@@ -218,7 +225,7 @@ async def afetch(node: Node, peer: str, name: str, config: TransferConfig | None
 async def afetch_patiently(node: Node, candidates: Callable[[], Sequence[str]], name: str,
                            config: TransferConfig | None = None, deadline_s: float = 0.0,
                            rng: random.Random | None = None,
-                           stop: threading.Event | None = None) -> tuple[str, bytes]:
+                           stop: threading.Event | None = None, max_bytes: int | None = None) -> tuple[str, bytes]:
     """Fetch `name` from whichever peer can supply it: each of `candidates()` in turn, then,
     until `deadline_s` has passed, every peer again in rounds after a backoff that doubles
     (with jitter: joiners turned away together do not come back together). A busy source,
@@ -242,7 +249,7 @@ async def afetch_patiently(node: Node, candidates: Callable[[], Sequence[str]], 
             attempts += 1
             tried.add(peer)
             try:
-                return peer, await afetch(node, peer, name, cfg)
+                return peer, await afetch(node, peer, name, cfg, max_bytes)
             except TransferError as exc:
                 log.log(logging.INFO if exc.reason is Refusal.BUSY else logging.WARNING, "%s", exc)
                 last[peer] = exc

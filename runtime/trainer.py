@@ -63,6 +63,7 @@ STATE_BLOB = "starling.train.state"
 LEDGER_BLOB = "starling.train.ledger"
 LEDGER_ROUNDS = 8
 LEDGER_FETCH_S = 1.5  # how long a peer waits for the reference's ledger before advancing its own
+LEDGER_MAX_BYTES = 64 << 20  # a ledger blob said to be larger is refused (8 rounds of a very large swarm fit)
 DATA_STATE = "data"  # the state_dict key of the swarm's data position (a UnitLedger), next to the protocol's
 FETCH_STATE_DEADLINE_S = 120.0  # how long a joiner keeps trying to fetch the swarm's state
 # A protocol option that plans for the run's length (sketch-dp's privacy budget is spread over
@@ -475,7 +476,7 @@ class Trainer:
         while True:
             try:
                 left = max(0.0, deadline - time.monotonic())
-                _, blob = self.node.fetch_blob(LEDGER_BLOB, [reference], deadline_s=left)
+                _, blob = self.node.fetch_blob(LEDGER_BLOB, [reference], deadline_s=left, max_bytes=LEDGER_MAX_BYTES)
                 state = json.loads(blob).get(str(round_)) if blob.startswith(b"{") else None
                 if state is not None:
                     ledger = self._ledger_from(state)

@@ -26,6 +26,15 @@ def test_fetch_blob_in_chunks(make_node):
     assert peer == a.peer_id and got == blob
 
 
+def test_a_blob_over_the_size_asked_for_is_refused_before_it_is_fetched(make_node):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    a.serve_blob("big", lambda: b"x" * 5000)
+    with pytest.raises(TransferError, match="more than the 4096 asked for"):
+        b.fetch_blob("big", peers=[a.peer_id], max_bytes=4096)
+    assert b.fetch_blob("big", peers=[a.peer_id], max_bytes=5000)[1] == b"x" * 5000
+
+
 def test_empty_blob_and_unknown_name(make_node):
     a = make_node("inproc")
     b = make_node("inproc", join=[a.address])
