@@ -431,13 +431,21 @@ def step_times(result: SimResult, warmup_steps: int) -> dict[str, Any]:
 
 
 def describe_run(run: SwarmRun, result: SimResult, seconds: float, plan: Plan) -> dict[str, Any]:
+    return {"peers": plan.peers, "one_model_promised": run.one_model,
+            **describe(result, seconds, plan.steps, run.one_model, plan.warmup_steps)}
+
+
+def describe(result: SimResult, seconds: float, steps: int, one_model: bool, warmup_steps: int) -> dict[str, Any]:
+    """One swarm's row: steps done and their times, every peer's eval loss (and their mean),
+    bytes, how the peers ended, and whether it ran as promised (`ok`)."""
     losses = [p.eval_loss for p in result.peers]
     finite = all(loss is not None and math.isfinite(loss) for loss in losses)
     agree = finite and len(set(losses)) == 1
     info = result.summary.get("protocol_info") or {}
     steps_done = min(len(p.records) for p in result.peers)
-    row = {"peers": plan.peers, "steps": plan.steps, "steps_done": steps_done, **step_times(result, plan.warmup_steps),
-           "eval_loss": losses, "eval_finite": finite, "one_model_promised": run.one_model, "peers_agree": agree,
+    row = {"steps": steps, "steps_done": steps_done, **step_times(result, warmup_steps),
+           "eval_loss": losses, "eval_loss_mean": statistics.fmean(losses) if finite else None,
+           "eval_finite": finite, "peers_agree": agree,
            "eval_spread": (max(losses) - min(losses)) if finite else None,
            "train_loss": result.summary.get("train_loss"),
            "bytes_sent_per_peer": round(result.summary["bytes_sent_per_peer"]),
@@ -445,8 +453,7 @@ def describe_run(run: SwarmRun, result: SimResult, seconds: float, plan: Plan) -
            "train_s": round(result.summary["wall_s"], 3), "run_s": round(seconds, 3)}
     if "rounds" in info:
         row.update(rounds=info["rounds"], missed_rounds=info.get("missed_rounds"))
-    row["ok"] = (finite and (agree or not run.one_model) and row["peer_status"] == ["finished"]
-                 and steps_done == plan.steps)
+    row["ok"] = finite and (agree or not one_model) and row["peer_status"] == ["finished"] and steps_done == steps
     return row
 
 
@@ -559,21 +566,6 @@ def run_swarm(task: str, protocol: str, options: dict[str, Any], task_options: d
     return result, time.perf_counter() - began
 
 
-def swarm_row(result: SimResult, seconds: float, steps: int, one_model: bool, warmup_steps: int) -> dict[str, Any]:
-    losses = [p.eval_loss for p in result.peers]
-    finite = all(loss is not None and math.isfinite(loss) for loss in losses)
-    steps_done = min(len(p.records) for p in result.peers)
-    row = {"steps": steps, "steps_done": steps_done, **step_times(result, warmup_steps),
-           "eval_loss": statistics.fmean(losses) if finite else losses, "eval_finite": finite,
-           "peers_agree": finite and len(set(losses)) == 1,
-           "bytes_sent_per_peer": round(result.summary["bytes_sent_per_peer"]),
-           "peer_status": sorted(set(result.summary["peer_status"].values())),
-           "train_s": round(result.summary["wall_s"], 3), "run_s": round(seconds, 3)}
-    row["ok"] = (finite and (row["peers_agree"] or not one_model) and row["peer_status"] == ["finished"]
-                 and steps_done == steps)
-    return row
-
-
 def gpt_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
     import tempfile
 
@@ -601,7 +593,7 @@ def gpt_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
                 result, seconds = run_swarm("gpt", protocol, options, task_options, plan.gpt_steps, device,
                                             plan.gpt_budget_s, **PRECISIONS["autocast-bf16"])
                 free_device_memory()
-                return {**options, **swarm_row(result, seconds, plan.gpt_steps, True, plan.warmup_steps)}
+                return {**options, **describe(result, seconds, plan.gpt_steps, True, plan.warmup_steps)}
 
             row = guarded("gpt", what, measure)
             measured[label] = row
@@ -609,7 +601,7 @@ def gpt_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
         base, mine = measured["allreduce"], measured["streaming-diloco"]
         if base.get("ok") and mine.get("ok"):
             yield {"section": "gpt", "compare": "streaming-diloco/allreduce", "parameters": parameters,
-                   "eval_loss_ratio": sig(mine["eval_loss"] / base["eval_loss"], 4),
+                   "eval_loss_ratio": sig(mine["eval_loss_mean"] / base["eval_loss_mean"], 4),
                    "bytes_ratio": sig(base["bytes_sent_per_peer"] / max(1, mine["bytes_sent_per_peer"])),
                    "step_ratio": sig(mine["step_s"] / base["step_s"])}
 
@@ -633,7 +625,7 @@ def sparse_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
             result, seconds = run_swarm("charlm", protocol, options, task_options, steps, device,
                                         plan.sparse_budget_s)
             free_device_memory()
-            row = {**options, **swarm_row(result, seconds, steps, True, plan.warmup_steps)}
+            row = {**options, **describe(result, seconds, steps, True, plan.warmup_steps)}
             if protocol != "allreduce":
                 bits = 8.0 * row["bytes_sent_per_peer"] / parameters
                 row["bits_per_param_per_sync"] = sig(bits / (row["steps_done"] / sync_every))
@@ -644,7 +636,8 @@ def sparse_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
         yield row
     base, int4, mine = measured["allreduce"], measured["int4"], measured["sparse"]
     if base.get("ok") and int4.get("ok") and mine.get("ok"):
-        gap, gap_int4 = mine["eval_loss"] / base["eval_loss"] - 1.0, mine["eval_loss"] / int4["eval_loss"] - 1.0
+        loss = {label: row["eval_loss_mean"] for label, row in measured.items()}
+        gap, gap_int4 = loss["sparse"] / loss["allreduce"] - 1.0, loss["sparse"] / loss["int4"] - 1.0
         ratio = base["bytes_sent_per_peer"] / max(1, mine["bytes_sent_per_peer"])
         yield {"section": "sparse", "compare": "sparse/allreduce/int4", "parameters": parameters, "steps": steps,
                "loss_gap_allreduce": sig(gap), "loss_gap_int4": sig(gap_int4), "bytes_ratio_allreduce": sig(ratio),

@@ -441,9 +441,10 @@ class ShardedReducer:
                 lost.add(res.owner)
                 continue
             vector[lo:hi].copy_(avg)
-            lost.update(set(members) - set(res.contributors))
-            averaged += 1  # (this peer's own absence is counted too: `lost` leaves it out below)
-            for member in set(members) - set(res.contributors):
+            left_out = set(members) - set(res.contributors)
+            lost.update(left_out)
+            averaged += 1
+            for member in left_out:  # this peer too: `lost` drops it below, `absent` keeps it
                 missing[member] = missing.get(member, 0) + 1
             synced = synced or len(res.contributors) > 1
         lost.discard(me)

@@ -238,10 +238,11 @@ class Trainer:
         units = self.task.data_units()
         self.ledger = UnitLedger(units, spec.seed) if units else None
         self.last_unit: Unit | None = None  # the unit of the batch `batches()` gave last
-        self._ledger_rounds: dict[int, dict[str, Any]] = {}  # round -> the ledger's state after advancing to it
+        self._ledger_rounds: dict[int, str] = {}  # round -> the ledger's state after advancing to it, as JSON
         self._ledger_blob = b"{}"  # those, as served (one reference swap: the network thread reads it)
         self._ledger_members: tuple[str, ...] | None = None  # the members the ledger last advanced with
-        self._went_without: dict[int, tuple[str, ...]] = {}  # round -> members absent from its whole update
+        # round -> members absent from its whole update, for each round that lost someone
+        self._went_without: dict[int, tuple[str, ...]] = {}
         self.ledger_adopted = 0  # times this peer took the reference's ledger
         self.last_unit_counted = True  # whether the last step's update held this peer's work on its unit
         self._weightless_round: int | None = None  # a round the reference's ledger gave this peer no unit in
@@ -270,7 +271,7 @@ class Trainer:
                                  "use --device cpu")
         self.proto = cls.create(self.node, model, self.spec.options)
         if self.ledger is not None:  # a joiner waits a round where it can take part without counting
-            self.ledger.newcomers_wait = bool(getattr(cls, "weightless_steps", False))
+            self.ledger.newcomers_wait = cls.weightless_steps
         if full is not None:
             self.proto.start_from(full.to(device=self.placement.device) if self.placement.device else full)
             del full
@@ -456,18 +457,19 @@ class Trainer:
                 without = []
             self.ledger.advance(round_, members, unfinished=without)
         if not self.ledger.in_flight.get(self.node.peer_id):  # it did not see this peer yet, or it is new
-            log.info("%s: the ledger of round %d (%s) leaves this peer out", self.node.peer_id, round_,
-                     "from " + reference if adopted is not None else "fetched with the state")
+            log.info("%s: the ledger of round %d (%s) gives this peer no unit", self.node.peer_id, round_,
+                     "from " + reference if adopted is not None else "its own")
             self._readopt = True
-            if getattr(self.proto, "weightless_steps", False):
+            if self.proto is not None and self.proto.weightless_steps:
                 self._weightless_round = round_
             else:  # a protocol that cannot step without counting: train the next unit in line
                 self.ledger.admit(self.node.peer_id)
         self._went_without = {r: v for r, v in self._went_without.items() if r >= round_ - 1}
-        self._ledger_rounds[round_] = self.ledger.state_dict()
+        self._ledger_rounds[round_] = json.dumps(self.ledger.state_dict())  # each round's serialized once
         for old in [r for r in self._ledger_rounds if r <= round_ - LEDGER_ROUNDS]:
             del self._ledger_rounds[old]
-        self._ledger_blob = json.dumps({str(r): v for r, v in self._ledger_rounds.items()}).encode()
+        rounds = ", ".join(f'"{r}": {state}' for r, state in self._ledger_rounds.items())
+        self._ledger_blob = ("{" + rounds + "}").encode()
 
     def _reference_ledger(self, reference: str, round_: int) -> UnitLedger | None:
         """`reference`'s ledger at `round_` (None if it has none for that round within
