@@ -249,6 +249,10 @@ def simulate(
         1, "--nproc-per-replica", min=1, metavar="N",
         help="Every peer is a replica of N gloo ranks, each its own process: DDP inside a replica, the protocol "
              "between replicas (diloco, streaming-diloco; an allreduce baseline runs single-process peers)."),
+    shard_sync: bool = typer.Option(
+        False, "--shard-sync", help="With --nproc-per-replica N: FSDP2 inside each replica, and every rank syncs its "
+                                    "own shard of the model with the same rank of the other replicas (one sub-swarm "
+                                    "per rank), instead of rank 0 syncing the whole model."),
     max_dealers: Optional[int] = typer.Option(
         None, "--max-dealers", min=1, help="Sockets each simulated peer keeps open to others (default: the largest "
                                            "up to a real node's 64 that fits this process's descriptors)."),
@@ -279,7 +283,7 @@ def simulate(
             opt=opt or [], flags=ctx.args, lr=lr, task_opt=task_opt or [], eval_every=eval_every, baseline=baseline,
             extra={"device": device, "dtype": dtype, "autocast": autocast, "state_device": state_device,
                    "max_dealers": max_dealers, "peer_speed": parse_peer_speed(peer_speed, peers),
-                   "duration_s": duration, "nproc_per_replica": nproc_per_replica,
+                   "duration_s": duration, "nproc_per_replica": nproc_per_replica, "shard_sync": shard_sync,
                    "checkpoint_dir": None if checkpoint_dir is None else str(checkpoint_dir),
                    "checkpoint_every": checkpoint_every, "resume": resume})
     except errors as exc:

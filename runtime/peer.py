@@ -16,12 +16,15 @@ from starling.node.identity import Identity
 from starling.protocols import Protocol
 from starling.runtime.links import LinkEmulator
 from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaGroup
+from starling.runtime.shard_sync import sub_swarm_config
 from starling.runtime.simconfig import SimConfig, SimError, seeded_identity, sim_liveness, wait_for
 from starling.runtime.summary import PeerResult, json_data, sent_by_topic
 from starling.runtime.trainer import CheckpointConfig, Trainer, TrainSpec
 from starling.tasks import Task
 
 log = logging.getLogger(__name__)
+
+SHARD_IDENTITY_STRIDE = 1_000_003  # rank k of replica r has the seeded identity of r + k * this
 
 
 class SimPeer:
@@ -46,7 +49,12 @@ class SimPeer:
         liveness = config.liveness or sim_liveness(config.peers_per_process(), config.world)
         node_config = NodeConfig(liveness=liveness, join_timeout_s=config.join_timeout_s,
                                  join_deadline_s=config.join_deadline_s, transport=transport)
-        self.node = Node(identity or seeded_identity(config.seed, rank), config=node_config)
+        # With every rank syncing its own shard, each rank of a replica is a node of its own.
+        self.shard_sync = group is not None and config.shard_sync
+        if identity is None:
+            identity = seeded_identity(config.seed, rank + (group.rank * SHARD_IDENTITY_STRIDE if self.shard_sync
+                                                            and group is not None else 0))
+        self.node = Node(identity, config=node_config)
         self.emulator: LinkEmulator | None = None
         self.crashed = crashed if crashed is not None else set()
         if not config.link.is_ideal or any(e.kind == "kill" for e in config.churn):
@@ -62,6 +70,8 @@ class SimPeer:
     # ---------------------------------------------------------------- setup
     def start(self, join: list[str]) -> str:
         ranks = {REPLICA_RANKS_KEY: self.group.size} if self.group is not None else {}
+        if self.shard_sync and self.group is not None:
+            ranks = sub_swarm_config(self.group)
         self.node.start(self.listen, join, security="plaintext",
                         swarm_config={**self.spec().to_swarm_config(), "simulation": True, **ranks})
         return self.node.address
@@ -80,7 +90,8 @@ class SimPeer:
             (rank, world), ranks = self.group.shard(rank, world), self.group.size
         self.trainer = Trainer(self.node, self.spec(), rank, world, task=self.task,
                                serve_state=self._serve_state, snapshot_every_s=0.0, checkpoint=checkpoint,
-                               placement=self.config.placement(), replica_ranks=ranks)
+                               placement=self.config.placement(), replica_ranks=ranks,
+                               shard_group=self.group if self.shard_sync else None)
         self.proto = self.trainer.create_protocol()
         if self.config.resume and self.trainer.resume() is not None:
             self.step = self.proto.step_count
@@ -115,18 +126,26 @@ class SimPeer:
         torch.set_num_threads(1)
         trainer, config = self.trainer, self.config
         assert trainer is not None
-        if self.group is not None and trainer.replica is None:
+        if self.group is not None and trainer.replica is None and not self.shard_sync:
             trainer.attach_replica(self.group)  # its state, fetched or not, goes to the other ranks
         stop = config.stop_at(self.rank)
         batches = trainer.batches()
         slowdown = config.slowdown(self.rank)
         try:
-            while self.step < config.steps:
-                if stop is not None and self.step >= stop[1]:
-                    self._stop(stop[0])
-                    return
-                if config.duration_s and time.time() - t0 >= config.duration_s:
-                    self._out_of_time()
+            while True:
+                ending = None
+                if self.step < config.steps:
+                    if stop is not None and self.step >= stop[1]:
+                        ending = "stop"
+                    elif config.duration_s and time.time() - t0 >= config.duration_s:
+                        ending = "time"
+                # the ranks of a replica that each sync their own shard stop together, where the first does
+                if not trainer.agree(self.step < config.steps and ending is None):
+                    if ending == "stop":
+                        self._stop(stop[0])  # type: ignore[index]
+                        return
+                    if ending == "time":
+                        self._out_of_time()
                     break
                 report = trainer.step(next(batches))
                 # emulated slower hardware: the step's compute takes `slowdown` times as long

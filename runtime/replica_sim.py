@@ -32,8 +32,10 @@ from typing import Any
 
 import torch
 
+from starling.runtime.modelspec import state_digest
 from starling.runtime.peer import SimPeer
 from starling.runtime.replica import ReplicaGroup, follow
+from starling.runtime.shard_sync import held_bytes, peak_rss, peak_rss_reset
 from starling.runtime.sim_processes import ProgressFn
 from starling.runtime.simconfig import SimConfig, SimError, wait_for
 from starling.runtime.summary import PeerResult
@@ -54,12 +56,12 @@ def _rank_main(config: SimConfig, replica: int, rank: int, init_method: str, inb
     torch.set_num_threads(1)
     group = ReplicaGroup(rank, config.nproc_per_replica, init_method, config.replica_timeout_s)
     parent = multiprocessing.parent_process()
-    if rank == 0:
+    if rank == 0 or config.shard_sync:
         prepare_to_train()
     while not go.wait(_POLL_S * 4):
         if parent is not None and not parent.is_alive():
             return
-    if rank:
+    if rank and not config.shard_sync:
         try:
             out.put(("follower", replica, follow(group).to_json()))
         except Exception as exc:
@@ -67,51 +69,72 @@ def _rank_main(config: SimConfig, replica: int, rank: int, init_method: str, inb
         return
     try:
         group.init()
-        _lead(config, replica, group, inbox, out, start, t0, joining)
+        _lead(config, replica, group, inbox, out, start, t0, joining, peak_rss_reset())
     except Exception as exc:
-        log.exception("replica %d's leader failed", replica)
-        out.put(("error", replica, f"{type(exc).__name__}: {exc}"))
+        log.exception("replica %d's rank %d failed", replica, rank)
+        out.put(("error", replica, rank, f"{type(exc).__name__}: {exc}"))
     finally:
         group.close()
 
 
 def _lead(config: SimConfig, replica: int, group: ReplicaGroup, inbox: Any, out: Any, start: Any, t0: Any,
-          joining: bool) -> None:
-    # The parent SIGKILLs a rank for kill:R; the leader itself trains on until its group breaks.
+          joining: bool, rss_before: int | None = None) -> None:
+    """A replica's peer: its leader, or with shard sync any of its ranks (each in the sub-swarm
+    of its rank, reached through the same rank of the other replicas)."""
+    # The parent SIGKILLs a rank for kill:R; the others train on until their group breaks.
     own = replace(config, churn=tuple(e for e in config.churn if e.kind != "kill"))
+    rank = group.rank
     peer = SimPeer(own, get_task(config.task, **config.task_options), replica, "tcp://127.0.0.1:0",
-                   lambda rank, step: out.put(("step", rank, step)), group=group)
+                   (lambda r, step: out.put(("step", r, step))) if rank == 0 else None, group=group)
     try:
         if joining:
             addresses, expected = inbox.get(timeout=config.ready_timeout_s)
             if not peer.join_swarm(addresses, set(expected)):
-                out.put(("result", replica, peer.result, {}))
+                out.put(("result", replica, rank, peer.result, {}))
                 return
-            out.put(("address", replica, peer.node.address, peer.node.peer_id))
+            out.put(("address", replica, rank, peer.node.address, peer.node.peer_id))
             peer.train(t0.value)
         else:
             if replica == 0:
                 peer.start([])
-                out.put(("address", replica, peer.node.address, peer.node.peer_id))
+                out.put(("address", replica, rank, peer.node.address, peer.node.peer_id))
             else:
                 peer.start([inbox.get(timeout=config.ready_timeout_s)])
-                out.put(("address", replica, peer.node.address, peer.node.peer_id))
+                out.put(("address", replica, rank, peer.node.address, peer.node.peer_id))
             wait_for(lambda: len(peer.node.live_peers()) >= config.peers - 1, config.ready_timeout_s,
                      f"{config.peers} replicas to see each other")
             peer.create_protocol()
-            out.put(("ready", replica))
+            out.put(("ready", replica, rank))
             if not start.wait(config.ready_timeout_s):
                 raise SimError("the run did not start")
             peer.train(t0.value)
-        digests = peer.trainer.replica.digests() if peer.trainer and peer.trainer.replica \
-            and peer.result.status == "finished" else {}
+        peer.collect()
+        digests = _digests(peer, rss_before) if peer.result.status == "finished" else {}
         if peer.trainer is not None:
             peer.trainer.finish_replica()
         if config.stop_at(replica) is not None and peer.result.status == "failed":
             peer.result.status = "killed" if config.stop_at(replica)[0] == "kill" else "left"  # type: ignore[index]
-        out.put(("result", replica, peer.result, digests))
+        out.put(("result", replica, rank, peer.result, digests))
     finally:
         peer.close()
+
+
+def _digests(peer: SimPeer, rss_before: int | None) -> dict[str, Any]:
+    """What the rank ends holding: digests of its model and the swarm's (with shard sync, of
+    its chunks of them), the bytes it sent, the peers it still sees, and its memory: the
+    training state it holds (`held_bytes`) against how far its resident memory rose from
+    before its model was built to its peak."""
+    trainer = peer.trainer
+    if trainer is None or trainer.proto is None:
+        return {}
+    out = {"bytes_sent": peer.result.bytes_sent, "live_peers": len(peer.node.live_peers()),
+           "held_bytes": held_bytes(trainer.proto)}
+    peak = peak_rss()
+    if rss_before is not None and peak is not None:
+        out["peak_rss_growth_bytes"] = peak - rss_before
+    if trainer.sharded is not None:
+        return {"model": state_digest(trainer.sharded.view), "swarm": state_digest(trainer.proto.eval_model()), **out}
+    return {**(trainer.replica.digests() if trainer.replica is not None else {}), **out}
 
 
 class _Replicas:
@@ -127,18 +150,21 @@ class _Replicas:
         self.start, self.t0 = self.ctx.Event(), self.ctx.Value("d", 0.0)
         self.dir = tempfile.mkdtemp(prefix="starling-replicas-")
         self.procs: dict[int, list[Any]] = {}
-        self.inboxes: dict[int, Any] = {}
+        self.inboxes: dict[int, list[Any]] = {}  # one per rank (with shard sync, each rank joins its sub-swarm)
         self.go: dict[int, Any] = {}
-        self.addresses: dict[int, tuple[str, str]] = {}
-        self.results: dict[int, PeerResult] = {}
+        self.addresses: dict[tuple[int, int], tuple[str, str]] = {}  # (replica, rank) -> (address, peer id)
+        self.results: dict[int, PeerResult] = {}  # the replica's: its rank 0's (with the others' bytes added)
+        self.rank_results: dict[int, dict[int, PeerResult]] = {}  # with shard sync: ranks > 0
         self.digests: dict[int, list[dict[str, Any]]] = {}
-        self.ready: set[int] = set()
+        self.ready: set[tuple[int, int]] = set()
+        # the ranks of a replica that are peers of the swarm: all with shard sync, else its leader
+        self.peer_ranks = config.nproc_per_replica if config.shard_sync else 1
         self.furthest = 0
         self.heard = time.monotonic()
 
     def launch(self, replica: int, joining: bool) -> None:
         """Spawn the replica's ranks; a joiner's wait for `go` (see `join`)."""
-        inbox = self.inboxes[replica] = self.ctx.Queue()
+        inboxes = self.inboxes[replica] = [self.ctx.Queue() for _ in range(self.peer_ranks)]
         go = self.go[replica] = self.ctx.Event()
         if not joining:
             go.set()
@@ -147,15 +173,17 @@ class _Replicas:
         self.procs[replica] = []
         for rank in range(self.config.nproc_per_replica):
             proc = self.ctx.Process(target=_rank_main, name=f"replica-{replica}-rank-{rank}", daemon=True,
-                                    args=(self.config, replica, rank, init, inbox, self.out, self.start, self.t0,
+                                    args=(self.config, replica, rank, init, inboxes[min(rank, self.peer_ranks - 1)],
+                                          self.out, self.start, self.t0,
                                           go, joining, level))
             proc.start()
             self.procs[replica].append(proc)
 
     def join(self, replica: int) -> None:
-        """A spawned joiner's turn: it greets the live replicas' leaders."""
-        live = [r for r in self.addresses if r not in self.results]
-        self.inboxes[replica].put(([self.addresses[r][0] for r in live], [self.addresses[r][1] for r in live]))
+        """A spawned joiner's turn: each of its peer ranks greets the same rank of the live replicas."""
+        for rank, inbox in enumerate(self.inboxes[replica]):
+            live = [r for (r, k) in self.addresses if k == rank and r not in self.results]
+            inbox.put(([self.addresses[r, rank][0] for r in live], [self.addresses[r, rank][1] for r in live]))
         self.go[replica].set()
 
     def handle(self, message: tuple[Any, ...]) -> None:
@@ -166,21 +194,28 @@ class _Replicas:
             if self.progress is not None:
                 self.progress(self.furthest)
         elif kind == "address":
-            self.addresses[replica] = (message[2], message[3])
+            rank = message[2]
+            self.addresses[replica, rank] = (message[3], message[4])
             if replica == 0 and not self.start.is_set():
                 for other in range(1, self.config.peers):
-                    self.inboxes[other].put(message[2])
+                    self.inboxes[other][rank].put(message[3])
         elif kind == "ready":
-            self.ready.add(replica)
+            self.ready.add((replica, message[2]))
         elif kind == "follower":
             self.digests.setdefault(replica, []).append(message[2])
         elif kind == "result":
-            result, leader = message[2], message[3]
-            if leader:
-                self.digests.setdefault(replica, []).append({"rank": 0, **leader})
-            self.results[replica] = result
+            rank, result, digests = message[2], message[3], message[4]
+            if digests:
+                self.digests.setdefault(replica, []).append({"rank": rank, **digests})
+            if rank == 0:
+                self.results[replica] = result
+            else:
+                self.rank_results.setdefault(replica, {})[rank] = result
         elif kind == "error":
-            self.results[replica] = PeerResult(replica, "", status="failed", error=message[2])
+            if message[2] == 0:
+                self.results[replica] = PeerResult(replica, "", status="failed", error=message[3])
+            else:
+                log.warning("replica %d rank %d failed: %s", replica, message[2], message[3])
 
     def poll(self, timeout_s: float) -> None:
         try:
@@ -209,7 +244,7 @@ class _Replicas:
         joiners = iter(range(config.peers, config.world))
         for replica in range(config.peers, config.world):
             self.launch(replica, joining=True)
-        self._until(lambda: len(self.ready) == config.peers, "the replicas to form a swarm")
+        self._until(lambda: len(self.ready) == config.peers * self.peer_ranks, "the replicas to form a swarm")
         self.t0.value = t0 = time.time()
         self.start.set()
         churn = sorted((e for e in config.churn if e.kind in ("kill", "join")), key=lambda e: e.step)
@@ -228,10 +263,17 @@ class _Replicas:
             if time.monotonic() - self.heard > config.replica_timeout_s + config.ready_timeout_s:
                 raise SimError(f"no replica reported anything for {time.monotonic() - self.heard:.0f} s")
         self._wait_for_followers()
+        for replica, ranks in self.rank_results.items():  # a replica's bytes leave through all its ranks
+            result = self.results.get(replica)
+            if result is not None:
+                for other in ranks.values():
+                    result.bytes_sent += other.bytes_sent
+                    result.bytes_sent_total += other.bytes_sent_total
+                    result.bytes_received += other.bytes_received
         for replica, result in self.results.items():
             result.protocol_info = {**result.protocol_info, "replica": {
-                "ranks": config.nproc_per_replica, "digests": sorted(self.digests.get(replica, []),
-                                                                      key=lambda d: d["rank"])}}
+                "ranks": config.nproc_per_replica, "shard_sync": config.shard_sync,
+                "digests": sorted(self.digests.get(replica, []), key=lambda d: d["rank"])}}
         return [self.results[r] for r in sorted(self.results)], t0
 
     def _wait_for_followers(self) -> None:
@@ -259,8 +301,9 @@ class _Replicas:
                 if proc.is_alive():
                     proc.kill()
                     proc.join(timeout=5.0)
-        for inbox in self.inboxes.values():
-            inbox.cancel_join_thread()
+        for inboxes in self.inboxes.values():
+            for inbox in inboxes:
+                inbox.cancel_join_thread()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

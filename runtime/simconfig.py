@@ -123,6 +123,9 @@ class SimConfig:
     # their own processes (runtime/replica_sim.py), its rank 0 the swarm's peer.
     nproc_per_replica: int = 1
     replica_timeout_s: float = 60.0  # the replica's torch.distributed timeout
+    # With replicas of many ranks: every rank trains under FSDP2 and syncs its own shard with the
+    # same rank of the other replicas (runtime/shard_sync.py); False: rank 0 syncs the whole model.
+    shard_sync: bool = False
 
     def __post_init__(self) -> None:
         if self.peers < 1:
@@ -176,6 +179,9 @@ class SimConfig:
             if self.transport == "ipc":
                 raise ValueError("replicas of many ranks reach each other over tcp on loopback (drop --transport ipc)")
             object.__setattr__(self, "transport", "tcp")  # the default inproc cannot cross their processes
+        elif self.shard_sync:
+            raise ValueError("shard_sync splits a replica's model over its ranks: "
+                             "give it --nproc-per-replica 2 or more")
         self.placement()  # raises DeviceError (a ValueError) for a device or dtype this machine lacks
 
     def slowdown(self, rank: int) -> float:
@@ -246,7 +252,7 @@ class SimConfig:
         replicas = self.nproc_per_replica if getattr(cls, "local_inner_steps", False) else 1
         checkpoints = str(Path(self.checkpoint_dir) / "baseline") if self.checkpoint_dir else None
         return replace(self, protocol=protocol, compressor=None, options=options, nproc_per_replica=replicas,
-                       checkpoint_dir=checkpoints)
+                       shard_sync=self.shard_sync and replicas > 1, checkpoint_dir=checkpoints)
 
     def stop_at(self, rank: int) -> tuple[str, int] | None:
         """("kill" | "leave", step) if the churn spec stops peer `rank`."""
@@ -265,6 +271,7 @@ class SimConfig:
                 **({"peer_speed": list(self.peer_speed)} if self.peer_speed else {}),
                 **({"duration_s": self.duration_s} if self.duration_s else {}),
                 **({"nproc_per_replica": self.nproc_per_replica} if self.nproc_per_replica > 1 else {}),
+                **({"shard_sync": True} if self.shard_sync else {}),
                 "probe_interval_s": None if self.liveness is None else round(self.liveness.probe_interval_s, 3),
                 **({"checkpoint_dir": self.checkpoint_dir, "resume": self.resume} if self.checkpoint_dir else {}),
                 **({"placement": self.placement().describe()} if self.placement() != Placement() else {})}

@@ -50,8 +50,15 @@ from starling.runtime.checkpoint import BackgroundCheckpointer, Checkpoint, Chec
 from starling.runtime.modelspec import ARCHITECTURE_KEY, INITIAL_STATE_KEY, architecture, first_difference, state_digest
 from starling.runtime.placement import Placement
 from starling.runtime.recipes import BatchRecipes
-from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaGroup, ReplicaLeader, check_replica_ranks
+from starling.runtime.replica import (
+    REPLICA_RANKS_KEY,
+    ReplicaError,
+    ReplicaGroup,
+    ReplicaLeader,
+    check_replica_ranks,
+)
 from starling.runtime.restart import agree_on_step, holders_of
+from starling.runtime.shard_sync import SHARD_RANK_KEY, ShardedModel, check_shard_rank
 from starling.tasks import Task, get_task
 
 log = logging.getLogger(__name__)
@@ -207,13 +214,17 @@ class Trainer:
     def __init__(self, node: Node, spec: TrainSpec, rank: int, world: int, task: Task | None = None,
                  serve_state: bool = True, snapshot_every_s: float = 1.0,
                  checkpoint: CheckpointConfig | None = None, placement: Placement | None = None,
-                 replica_ranks: int = 1) -> None:
+                 replica_ranks: int = 1, shard_group: ReplicaGroup | None = None) -> None:
         """`placement`: this peer's device, parameter dtype, autocast and where the protocol
         keeps its outer state (default: the model as the task builds it). `replica_ranks`:
         the ranks of this peer's replica (`runtime/replica.py`); every replica of a swarm has
-        as many as its first peer's."""
+        as many as its first peer's. `shard_group`: this peer is one rank of a replica whose
+        ranks each sync their own shard (`runtime/shard_sync.py`; the group is initialized):
+        the model trains under FSDP2 and the protocol runs on this rank's chunks."""
         self.node, self.spec, self.rank, self.world = node, spec, rank, world
-        self.replica_ranks = replica_ranks
+        self.shard_group = shard_group
+        self.replica_ranks = shard_group.size if shard_group is not None else replica_ranks
+        self.sharded: ShardedModel | None = None  # with a shard group: the model under FSDP2, and its view
         # With a replica of many ranks: its leader (`attach_replica`), and the model the loss
         # runs through (the protocol's model under DDP, which averages the ranks' gradients).
         self.replica: ReplicaLeader | None = None
@@ -261,15 +272,25 @@ class Trainer:
         model = self.task.make_model()
         self._check_architecture(model)  # as the task builds it: peers may differ in device and dtype
         cls = resolve_protocol(self.spec.protocol)
+        if self.shard_group is not None and not cls.local_inner_steps:
+            raise TrainSpecError(f"protocol {self.spec.protocol!r} does not take its inner steps alone, so the ranks "
+                                 "of a replica cannot each sync their own shard; use diloco or streaming-diloco")
         # Cast to a lower precision, the model loses bits the protocol's float32 state keeps.
         full = copy.deepcopy(model) if self.placement.lowers_precision(model) else None
         model = self.placement.place(model)
+        if self.shard_group is not None:  # FSDP2 over the replica's ranks; the protocol gets my chunks
+            self.sharded = ShardedModel(model, self.shard_group)
+            self.forward_model = self.sharded.module
+            model = self.sharded.view
+            full = self.sharded.view_of(full) if full is not None else None
         where = {str(t.device) for t in model.parameters()}
         if where != {"cpu"} and not cls.runs_on_accelerators:
             raise TrainSpecError(f"protocol {self.spec.protocol!r} runs on the CPU only (its tensors do not yet "
                                  f"follow the model's device), and this peer's model is on {', '.join(sorted(where))}; "
                                  "use --device cpu")
         self.proto = cls.create(self.node, model, self.spec.options)
+        if self.sharded is not None:
+            self.sharded.attach(self.proto.optimizer)  # type: ignore[attr-defined]
         if self.ledger is not None:  # a joiner waits a round where it can take part without counting
             self.ledger.newcomers_wait = cls.weightless_steps
         if full is not None:
@@ -312,8 +333,11 @@ class Trainer:
         config = self.node.swarm_config or {}
         if REPLICA_RANKS_KEY not in config and self.replica_ranks > 1 and ARCHITECTURE_KEY not in config:
             self.node.swarm_config = {**config, REPLICA_RANKS_KEY: self.replica_ranks}
-            return
-        check_replica_ranks(config, self.replica_ranks)
+        else:
+            check_replica_ranks(config, self.replica_ranks)
+        if SHARD_RANK_KEY not in config and self.shard_group is not None and ARCHITECTURE_KEY not in config:
+            self.node.swarm_config = {**(self.node.swarm_config or {}), SHARD_RANK_KEY: self.shard_group.rank}
+        check_shard_rank(self.node.swarm_config, self.shard_group.rank if self.shard_group is not None else None)
 
     def attach_replica(self, group: ReplicaGroup) -> ReplicaLeader:
         """Lead this peer's replica from now on (after create_protocol and any fetch or resume):
@@ -500,7 +524,12 @@ class Trainer:
         loss_fn = self._loss_of(batch)
         self.node.check_fault()
         weight, self._step_weight = self._step_weight, None
-        if weight is not None:  # a round this peer takes part in without counting (`_units`)
+        if self.sharded is not None:
+            try:
+                report = proto.step(loss_fn)
+            except Exception as exc:  # a rank died under a collective: the replica leaves every sub-swarm
+                raise self._shard_lost(exc) from exc
+        elif weight is not None:  # a round this peer takes part in without counting (`_units`)
             report = proto.step(loss_fn, weight=weight)  # type: ignore[call-arg]
         elif self.replica is None:
             report = proto.step(loss_fn)
@@ -600,16 +629,42 @@ class Trainer:
             self.fetch_state(holders_of(self.node, agreed) or None)
         return self.proto.step_count
 
+    def _shard_lost(self, exc: BaseException) -> ReplicaError:
+        """A collective of this rank's replica failed: leave this sub-swarm cleanly and say so
+        (the replica's other ranks leave theirs as their collectives fail)."""
+        log.error("%s: a rank of this replica failed (%s: %s); leaving the sub-swarm", self.node.peer_id,
+                  type(exc).__name__, str(exc)[:300])
+        try:
+            self.node.leave()
+        except Exception as leave_exc:  # already closed: the others see it as a crash instead
+            log.warning("%s: could not leave cleanly: %r", self.node.peer_id, leave_exc)
+        why = str(exc) if isinstance(exc, ReplicaError) else \
+            f"a rank of this replica failed ({type(exc).__name__}: {str(exc)[:300]})"
+        return ReplicaError(f"{why}; this rank left its sub-swarm")
+
+    def agree(self, go: bool) -> bool:
+        """Whether to take the next step: `go`, and with a shard group, every rank's `go` (a
+        collective each rank calls before each step; a failed one leaves the sub-swarm)."""
+        if self.sharded is None:
+            return go
+        try:
+            return self.sharded.agree(go)
+        except Exception as exc:
+            raise self._shard_lost(exc) from exc
+
     def evaluate(self) -> dict[str, float]:
         assert self.proto is not None
+        if self.sharded is not None:  # every rank of the replica evaluates together
+            return self.sharded.evaluate(self.task, self.proto.eval_model())
         return self.task.evaluate(self.proto.eval_model())
 
     def run(self, steps: int | None, stop: threading.Event,
             on_report: Callable[[StepReport], None] | None = None) -> int:
-        """Train until the protocol's step count reaches `steps` (None: until `stop`)."""
+        """Train until the protocol's step count reaches `steps` (None: until `stop`); with a
+        shard group, until any rank of the replica stops."""
         assert self.proto is not None
         batches = self.batches()
-        while not stop.is_set() and (steps is None or self.proto.step_count < steps):
+        while self.agree(not stop.is_set() and (steps is None or self.proto.step_count < steps)):
             report = self.step(next(batches))
             if on_report is not None:
                 on_report(report)

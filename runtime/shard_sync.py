@@ -1,0 +1,277 @@
+"""Every rank syncs its own shard: FSDP2 inside a replica, one sub-swarm per shard rank.
+
+A replica of N ranks trains its model under `torch.distributed.fsdp.fully_shard` (FSDP2:
+NCCL on GPUs, gloo on the CPU): rank k holds dim-0 chunk k of every parameter, of its
+gradient and of its inner optimizer's state, and gathers a layer's whole parameters only
+while that layer computes. Each rank is its own Starling peer with its own node: rank k of
+every replica forms one sub-swarm (its swarm config names `shard_rank: k`, so a node of
+another rank is refused at join), and there it runs the protocol on its chunks alone. A
+DiLoCo-family protocol thus keeps outer parameters and momentum for its chunks only and
+averages them with rank k of the other replicas: a replica's outer-sync bytes leave through
+all its ranks, and no rank holds the whole model or the whole outer state.
+
+    model (FSDP2, DTensor parameters)  <- the loss runs through it (`ShardedModel.module`)
+      rank k's chunk of each parameter = the same storage as
+    view (plain module, local tensors) <- the protocol's model (`ShardedModel.view`)
+
+The view's parameters alias the chunks: the protocol's in-place writes (an outer merge, a
+joiner's fetched state) are what the next all-gather sends. Before each inner optimizer step
+the view's gradients are pointed at the chunks of FSDP2's reduce-scattered gradients, and
+after it both are dropped (as `zero_grad(set_to_none=True)` would): the inner step is plain
+FSDP2's, on the same tensors.
+
+Ranks of a replica must call the same collectives in the same order. Each step opens with
+one all-reduce of a flag (`agree`): every rank goes on only if all want to, so a rank that
+reached its step count, caught up past the others or was asked to stop ends the replica's
+run there for all. Evaluation is a collective too (`evaluate`: every rank writes its outer
+chunks into the model, the model runs, the chunks go back).
+
+A rank that dies breaks the group: the others' next collective fails, and each leaves its
+sub-swarm (`ReplicaError`), so the replica is gone from every shard's sub-swarm.
+
+Buffers (batch-norm statistics) are not sharded: each rank keeps the whole set, and its
+sub-swarm averages them as any peer's (the ranks of one replica may then hold slightly
+different statistics between syncs).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaError, ReplicaGroup
+
+log = logging.getLogger(__name__)
+
+SHARD_RANK_KEY = "shard_rank"  # in the swarm config: the shard rank of every peer of this sub-swarm
+
+
+def fsdp_unavailable(device: str = "cpu") -> str | None:
+    """Why FSDP2 cannot run on `device` with this torch (None: it can)."""
+    if not dist.is_available():
+        return "this torch was built without torch.distributed"
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as exc:
+        return f"this torch has no FSDP2 (torch.distributed.fsdp.fully_shard): {exc}"
+    if device == "cpu" and not dist.is_gloo_available():
+        return "this torch was built without gloo, which FSDP2 needs on the CPU"
+    return None
+
+
+def check_shard_rank(swarm_config: Mapping[str, Any] | None, shard_rank: int | None) -> None:
+    """ReplicaError unless this peer's shard rank (None: it syncs whole models) is the swarm's."""
+    swarm = (swarm_config or {}).get(SHARD_RANK_KEY)
+    if swarm is None and shard_rank is None:
+        return
+    if shard_rank is None:
+        raise ReplicaError(f"this swarm is the sub-swarm of shard rank {swarm} (every rank of a replica syncs its "
+                           "own shard); a peer that syncs whole models cannot join it: start it with --shard-sync")
+    if swarm != shard_rank:
+        where = "a swarm of whole models" if swarm is None else f"the sub-swarm of shard rank {swarm}"
+        raise ReplicaError(f"this is rank {shard_rank} of its replica, and {where} is not its own: "
+                           f"join rank {shard_rank} of a replica in the swarm")
+
+
+def local_chunk(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s chunk of `tensor` as FSDP2 shards it (`torch.chunk` along dim 0; a rank
+    past the last chunk holds an empty one)."""
+    if tensor.dim() == 0:
+        raise ValueError("FSDP2 cannot shard a scalar parameter")
+    chunks = torch.chunk(tensor, size, dim=0)
+    if rank < len(chunks):
+        return chunks[rank]
+    return tensor.new_empty((0, *tensor.shape[1:]))
+
+
+def _mirror(model: nn.Module, param_of: Any) -> nn.Module:
+    """A plain module tree with `model`'s names: `param_of(name, p)` for each parameter, the
+    model's own buffers (the same tensors)."""
+    root = nn.Module()
+    nodes = {"": root}
+    made: dict[int, nn.Parameter] = {}  # a tied parameter is one parameter of the view too
+    for name, module in model.named_modules():
+        if name:
+            parent, _, leaf = name.rpartition(".")
+            nodes[name] = nn.Module()
+            nodes[parent].add_module(leaf, nodes[name])
+        node = nodes[name]
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) not in made:
+                made[id(p)] = param_of(f"{name}.{pname}" if name else pname, p)
+            node.register_parameter(pname, made[id(p)])
+        for bname, b in module.named_buffers(recurse=False):
+            persistent = bname not in getattr(module, "_non_persistent_buffers_set", ())
+            node.register_buffer(bname, b, persistent=persistent)
+    return root
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """Which modules FSDP2 gathers one at a time: the model's direct children that own
+    parameters (a transformer's embedding, its blocks in a ModuleList, its head), then the
+    root for whatever is left. Each unit's parameters are all-gathered just before it runs.
+    A child that shares a parameter with another module (tied embeddings) stays in the root's
+    unit, which gathers it once for both."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    tied = {i for i, n in owners.items() if n > 1}
+
+    def shardable(module: nn.Module) -> bool:
+        params = list(module.parameters())
+        return bool(params) and not any(id(p) in tied for p in params)
+
+    units: list[nn.Module] = []
+    for child in model.children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 1:
+            units.extend(c for c in child if shardable(c))
+        elif shardable(child):
+            units.append(child)
+    return units
+
+
+class ShardedModel:
+    """A model under FSDP2 across its replica's ranks, and the view of this rank's chunks
+    that the protocol trains and syncs."""
+
+    def __init__(self, model: nn.Module, group: ReplicaGroup) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        why = fsdp_unavailable(next(model.parameters()).device.type)
+        if why is not None:
+            raise ReplicaError(why)
+        if any(p.dim() == 0 for p in model.parameters()):
+            raise ReplicaError("the model has a scalar parameter, which FSDP2 cannot shard: run its replicas "
+                               "without --shard-sync")
+        self.group = group
+        device = next(model.parameters()).device
+        self.mesh = init_device_mesh(device.type, (group.size,))
+        for unit in shard_units(model):
+            fully_shard(unit, mesh=self.mesh)
+        fully_shard(model, mesh=self.mesh)
+        self.module = model
+
+        def chunk(_name: str, p: torch.Tensor) -> nn.Parameter:
+            with torch.no_grad():
+                local = p.to_local() if hasattr(p, "to_local") else p
+            return nn.Parameter(local, requires_grad=p.requires_grad)
+
+        self.view = _mirror(model, chunk)
+        self.pairs = [(p, v) for p, v in zip(model.parameters(), self.view.parameters())]
+        self._control = torch.zeros(1, dtype=torch.int64, device=device if group.backend == "nccl" else None)
+
+    def view_of(self, full: nn.Module) -> nn.Module:
+        """A module like `view` holding this rank's chunks of `full`'s parameters (a model of
+        the same architecture, not under FSDP2)."""
+        rank, size = self.group.rank, self.group.size
+        return _mirror(full, lambda _n, p: nn.Parameter(local_chunk(p.detach(), rank, size),
+                                                        requires_grad=p.requires_grad))
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """The inner optimizer (over the view's parameters) steps on FSDP2's gradient chunks."""
+        optimizer.register_step_pre_hook(self._link_grads)
+        optimizer.register_step_post_hook(self._drop_grads)
+
+    def _link_grads(self, *_: Any) -> None:
+        for p, v in self.pairs:
+            g = p.grad
+            v.grad = None if g is None else (g.to_local() if hasattr(g, "to_local") else g)
+
+    def _drop_grads(self, *_: Any) -> None:
+        for p, v in self.pairs:
+            p.grad = None
+            v.grad = None
+
+    def agree(self, go: bool) -> bool:
+        """Every rank of the replica calls this before each step: True only if all want to
+        take it (a collective; ReplicaError if a rank is gone)."""
+        self._control.fill_(int(go))
+        try:
+            dist.all_reduce(self._control, op=dist.ReduceOp.MIN)
+        except Exception as exc:
+            raise ReplicaError(f"a rank of this replica failed ({type(exc).__name__}: {str(exc)[:300]})") from exc
+        return bool(self._control.item())
+
+    @torch.no_grad()
+    def evaluate(self, task: Any, swarm: nn.Module) -> dict[str, float]:
+        """The task's metrics of the swarm's model (`swarm`: a module like `view` holding this
+        rank's chunks of it), computed by every rank together through the sharded model."""
+        views = [v for _, v in self.pairs]
+        theirs = list(swarm.parameters())
+        if [t.shape for t in theirs] != [v.shape for v in views]:
+            raise ValueError("the swarm's model does not hold this rank's chunks")
+        saved = [v.detach().clone() for v in views]
+        try:
+            for v, t in zip(views, theirs):
+                v.copy_(t)
+            with torch.enable_grad():  # the task decides; FSDP2 runs the same either way
+                return task.evaluate(self.module)
+        finally:
+            self.reshard()
+            for v, s in zip(views, saved):
+                v.copy_(s)
+
+    def reshard(self) -> None:
+        """Free the gathered parameters a forward without backward leaves (FSDP2 keeps the
+        root's after its forward, for the backward): they would go stale when the protocol
+        writes the chunks, and the next forward would use them."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def chunk_bytes(self) -> int:
+        """Bytes of this rank's parameter chunks."""
+        return sum(v.numel() * v.element_size() for _, v in self.pairs)
+
+
+def sub_swarm_config(group: ReplicaGroup) -> dict[str, Any]:
+    """What a rank's node adds to its swarm config: its replica's size and its shard rank."""
+    return {REPLICA_RANKS_KEY: group.size, SHARD_RANK_KEY: group.rank}
+
+
+def held_bytes(proto: Any) -> dict[str, int]:
+    """The training state a peer holds, by kind: its model's parameters, its inner optimizer's
+    state, and a DiLoCo-family protocol's outer parameters and momentum (gradients come and go
+    within a step: as many bytes as the parameters, at most)."""
+    def size(tensors: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    optimizer = getattr(proto, "optimizer", None)
+    state = [v for s in optimizer.state.values() for v in s.values()] if optimizer is not None else []
+    return {"parameters": size(proto.model.parameters()), "optimizer": size(state),
+            "outer": size(getattr(proto, "outer", ())) + size(getattr(proto, "momentum", ()))}
+
+
+def peak_rss_reset() -> int | None:
+    """Reset this process's peak resident memory to what it holds now, and return that (bytes;
+    None where /proc cannot say, as off Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_bytes("VmRSS")
+    except OSError:
+        return None
+
+
+def peak_rss() -> int | None:
+    """This process's peak resident memory since the last `peak_rss_reset` (bytes), or None."""
+    try:
+        return _status_bytes("VmHWM")
+    except OSError:
+        return None
+
+
+def _status_bytes(field: str) -> int | None:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
