@@ -22,6 +22,7 @@ from typing import Any
 
 from starling.runtime.checkpoint import CheckpointError, CheckpointStore
 from starling.runtime.replica import REPLICA_RANKS_KEY
+from starling.runtime.shard_sync import SHARD_RANK_KEY
 from starling.runtime.trainer import TrainSpec, with_run_length
 
 DEFAULT_TASK = "charlm"  # what a first node that names no task trains
@@ -37,7 +38,8 @@ class NodeLaunch:
     directory of its checkpoints, when it restarts from them. `steps`: where it stops, which
     a protocol that plans over the run's length (sketch-dp) also plans for. `replica_ranks`:
     the ranks of this peer's replica (1 for a single process); every replica of a swarm has
-    as many as its first.
+    as many as its first. `shard_rank`: this process is that rank of a replica whose ranks
+    each sync their own shard (`runtime/shard_sync.py`), a peer of that rank's sub-swarm.
 
     A launch of many ranks that will not train is refused at construction (ValueError); call
     `resolve()` for the launch this peer starts with.
@@ -52,6 +54,7 @@ class NodeLaunch:
     joining: bool = False
     resume_from: str | Path | None = None
     replica_ranks: int = 1
+    shard_rank: int | None = None  # with every rank syncing its own shard: this rank's (its sub-swarm)
 
     def __post_init__(self) -> None:
         if self.replica_ranks < 1:
@@ -122,6 +125,8 @@ class NodeLaunch:
                     wanted["options"] = dict(self.options)
         if self.may_train:
             wanted[REPLICA_RANKS_KEY] = self.replica_ranks
+            if self.shard_rank is not None:  # a node of another rank is refused at hello
+                wanted[SHARD_RANK_KEY] = self.shard_rank
         return wanted or None
 
     def trains(self, swarm_config: Mapping[str, Any] | None) -> bool:

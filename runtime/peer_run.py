@@ -30,6 +30,7 @@ from starling.node import Node
 from starling.node.transfer import TransferError
 from starling.protocols import StepReport
 from starling.runtime.launch import NodeLaunch
+from starling.runtime.modelspec import state_digest
 from starling.runtime.placement import Placement
 from starling.runtime.trainer import CheckpointConfig, Trainer, TrainSpec, shard_for
 
@@ -91,22 +92,24 @@ class PeerRun:
 
     def run(self, node: Node, stop: threading.Event, on_record: Callable[[Record], None] | None = None, *,
             metrics: MetricsServer | None = None, board: TensorBoardLog | None = None,
-            group: ReplicaGroup | None = None) -> Record | None:
+            group: ReplicaGroup | None = None, shard_sync: bool = False) -> Record | None:
         """Run this peer on `node` (started with `launch.swarm_config()`) until its launch's
         steps or `stop`. Returns the "stopped" record, None for a peer that did not train or
         was stopped before it had the swarm's state.
 
         `metrics` exports the trainer and its progress, `board` gets the progress at each
         progress record, `group`: this process leads a replica of many ranks (each its own
-        shard). Raises TimeoutError when `min_peers` are not up in time, and what the
-        `Trainer` raises (TrainSpecError, ProtocolError, TransferError, CheckpointError, ...).
+        shard); with `shard_sync`, this process is one rank of such a replica, each of whose
+        ranks syncs its own shard (`runtime/shard_sync.py`). Raises TimeoutError when
+        `min_peers` are not up in time, and what the `Trainer` raises (TrainSpecError,
+        ProtocolError, TransferError, CheckpointError, ...).
         """
         if not self.launch.trains(node.swarm_config):
             while not stop.wait(IDLE_CHECK_S):
                 node.check_fault()  # a node whose sockets failed ends with the reason, not silently
             return None
         self._wait_for_peers(node, stop)
-        return self._train(node, stop, on_record or _ignore, metrics, board, group)
+        return self._train(node, stop, on_record or _ignore, metrics, board, group, shard_sync)
 
     def _wait_for_peers(self, node: Node, stop: threading.Event) -> None:
         deadline = time.monotonic() + self.min_peers_timeout_s
@@ -118,7 +121,7 @@ class PeerRun:
 
     def _train(self, node: Node, stop: threading.Event, on_record: Callable[[Record], None],
                metrics: MetricsServer | None, board: TensorBoardLog | None,
-               group: ReplicaGroup | None) -> Record | None:
+               group: ReplicaGroup | None, shard_sync: bool = False) -> Record | None:
         from starling.runtime.metrics import TrainingProgress
 
         spec = TrainSpec.from_swarm_config(node.swarm_config)
@@ -126,7 +129,8 @@ class PeerRun:
         if group is not None:
             rank, world = group.shard(rank, world)
         trainer = Trainer(node, spec, rank, world, checkpoint=self.checkpoints, placement=self.placement,
-                          replica_ranks=group.size if group is not None else 1)
+                          replica_ranks=group.size if group is not None else 1,
+                          shard_group=group if shard_sync else None)
         try:
             trainer.create_protocol()
             progress = TrainingProgress()
@@ -134,19 +138,23 @@ class PeerRun:
                 metrics.collector.attach(trainer, progress)
             if not self._start_from(trainer, node, stop):
                 return None
-            if group is not None:
+            if group is not None and not shard_sync:
                 trainer.attach_replica(group)  # the state it starts from goes to the other ranks
             assert trainer.proto is not None
             progress.step = trainer.proto.step_count  # a joiner's or resumed peer's
             reporter = _Reporter(node, trainer, progress, self.log_every, on_record, board)
             on_record({"event": "training", "protocol": spec.protocol, "task": spec.task, "shard": f"{rank}/{world}",
                        "step": progress.step, **trainer.placement.describe(),
-                       **({"replica_ranks": group.size} if group is not None else {})})
+                       **({"replica_ranks": group.size} if group is not None else {}),
+                       **({"shard_rank": group.rank} if shard_sync and group is not None else {})})
             final = trainer.run(self.launch.steps, stop, reporter)
             trainer.finish_replica()  # the other ranks stop here, and say what they hold
             stopped = {"event": "stopped", "step": final, **{k: round(v, 5) for k, v in trainer.evaluate().items()}}
             if trainer.replica is not None and trainer.replica.rank_digests is not None:
                 stopped["replica"] = trainer.replica.rank_digests.to_json()
+            if trainer.sharded is not None:  # what this rank's sub-swarm agreed on: its chunks of the swarm's model
+                stopped["shard"] = {"rank": group.rank, "ranks": group.size,  # type: ignore[union-attr]
+                                    "swarm": state_digest(trainer.proto.eval_model())}
             info = trainer.proto.describe()
             if "privacy" in info:  # what a private protocol (sketch-dp) has spent
                 stopped["privacy"] = info["privacy"]

@@ -128,7 +128,7 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
     units: list[nn.Module] = []
     for child in model.children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 1:
+        if isinstance(child, nn.ModuleList) or (isinstance(child, nn.Sequential) and len(child) > 1):
             units.extend(c for c in child if shardable(c))
         elif shardable(child):
             units.append(child)
@@ -152,9 +152,12 @@ class ShardedModel:
         self.group = group
         device = next(model.parameters()).device
         self.mesh = init_device_mesh(device.type, (group.size,))
-        for unit in shard_units(model):
-            fully_shard(unit, mesh=self.mesh)
-        fully_shard(model, mesh=self.mesh)
+        try:
+            for unit in shard_units(model):
+                fully_shard(unit, mesh=self.mesh)
+            fully_shard(model, mesh=self.mesh)
+        except (ValueError, TypeError, RuntimeError, AssertionError) as exc:
+            raise ReplicaError(f"FSDP2 cannot shard this model: {exc}"[:500]) from None
         self.module = model
 
         def chunk(_name: str, p: torch.Tensor) -> nn.Parameter:
@@ -201,21 +204,26 @@ class ShardedModel:
     @torch.no_grad()
     def evaluate(self, task: Any, swarm: nn.Module) -> dict[str, float]:
         """The task's metrics of the swarm's model (`swarm`: a module like `view` holding this
-        rank's chunks of it), computed by every rank together through the sharded model."""
+        rank's chunks of it), computed by every rank together through the sharded model: the
+        chunks of `swarm` and of the view trade places for the evaluation, and back."""
         views = [v for _, v in self.pairs]
         theirs = list(swarm.parameters())
         if [t.shape for t in theirs] != [v.shape for v in views]:
             raise ValueError("the swarm's model does not hold this rank's chunks")
-        saved = [v.detach().clone() for v in views]
+        self._swap(views, theirs)  # one parameter's copy at a time, not a second copy of the chunks
         try:
-            for v, t in zip(views, theirs):
-                v.copy_(t)
             with torch.enable_grad():  # the task decides; FSDP2 runs the same either way
                 return task.evaluate(self.module)
         finally:
             self.reshard()
-            for v, s in zip(views, saved):
-                v.copy_(s)
+            self._swap(views, theirs)
+
+    @staticmethod
+    def _swap(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+        for x, y in zip(a, b):
+            held = x.detach().clone()
+            x.copy_(y)
+            y.copy_(held)
 
     def reshard(self) -> None:
         """Free the gathered parameters a forward without backward leaves (FSDP2 keeps the
@@ -238,16 +246,24 @@ def sub_swarm_config(group: ReplicaGroup) -> dict[str, Any]:
 
 
 def held_bytes(proto: Any) -> dict[str, int]:
-    """The training state a peer holds, by kind: its model's parameters, its inner optimizer's
-    state, and a DiLoCo-family protocol's outer parameters and momentum (gradients come and go
-    within a step: as many bytes as the parameters, at most)."""
-    def size(tensors: Any) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    """The training state a peer holds, by kind (bytes): its model's parameters, their
+    gradients (as many bytes: they live through each step), its inner optimizer's state, a
+    DiLoCo-family protocol's outer parameters and momentum, and its error-feedback residuals."""
+    def size(obj: Any) -> int:
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, Mapping):
+            return sum(size(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(size(v) for v in obj)
+        return 0
 
     optimizer = getattr(proto, "optimizer", None)
-    state = [v for s in optimizer.state.values() for v in s.values()] if optimizer is not None else []
-    return {"parameters": size(proto.model.parameters()), "optimizer": size(state),
-            "outer": size(getattr(proto, "outer", ())) + size(getattr(proto, "momentum", ()))}
+    parameters = size(list(proto.model.parameters()))
+    return {"parameters": parameters, "gradients": parameters,
+            "optimizer": size(list(optimizer.state.values())) if optimizer is not None else 0,
+            "outer": size(list(getattr(proto, "outer", ()))) + size(list(getattr(proto, "momentum", ()))),
+            "feedback": size(proto.private_state())}
 
 
 def peak_rss_reset() -> int | None:
@@ -275,3 +291,86 @@ def _status_bytes(field: str) -> int | None:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return None
+
+
+# ---------------------------------------------------------------------- finding the sub-swarms
+# Every rank of a replica serves this blob: the signed peer records of all its replica's ranks
+# (msgpack, their wire form, by rank). A replica that joins knows only its seeds (other
+# replicas' rank 0); its rank 0 joins them, reads the blob from members, and tells its ranks
+# where the same rank of those replicas listens. Each record is signed by the rank it names:
+# a replica vouches for no address its ranks did not sign.
+RANKS_BLOB = "starling.replica.ranks"
+RANKS_BLOB_MAX_BYTES = 1 << 20
+RANKS_SOURCES = 3  # members whose replicas a joiner's ranks join through
+RANKS_FETCH_S = 10.0
+
+
+def share_rank_records(node: Any, group: ReplicaGroup) -> list[Any]:
+    """Every rank calls this once its node is up (a collective): gathers the replica's signed
+    records and serves them. Returns them (wire form, by rank; None for a rank that has none)."""
+    import msgpack
+
+    mine = node.record.to_wire() if node.record is not None else None
+    records: list[Any] = [None] * group.size
+    dist.all_gather_object(records, mine)
+    blob = msgpack.packb(records, use_bin_type=True)
+    node.serve_blob(RANKS_BLOB, lambda: blob)
+    return records
+
+
+def parse_rank_records(blob: bytes, size: int) -> list[tuple[str, ...]]:
+    """Each rank's addresses from a replica's ranks blob; ValueError for one that is not a list
+    of `size` records, each signed by the peer it names (None: a rank nobody can dial)."""
+    import msgpack
+
+    from starling.node.membership import PeerRecord
+
+    try:
+        records = msgpack.unpackb(blob, raw=False, max_bin_len=RANKS_BLOB_MAX_BYTES, max_array_len=4096)
+    except Exception as exc:
+        raise ValueError(f"not msgpack: {exc}") from None
+    if not isinstance(records, list) or len(records) != size:
+        raise ValueError(f"expected the records of {size} ranks")
+    out = []
+    for record in records:
+        if record is None:
+            out.append(())
+            continue
+        try:
+            out.append(PeerRecord.from_wire(record).addresses)
+        except Exception as exc:  # WireError: a bad field or signature
+            raise ValueError(str(exc)) from None
+    return out
+
+
+def rank_seeds(node: Any, group: ReplicaGroup, deadline_s: float = RANKS_FETCH_S) -> list[list[str]]:
+    """Rank 0 of a joining replica, once joined: where rank k of up to RANKS_SOURCES member
+    replicas listens, for each k (read from their ranks blobs; a member that sends a bad one
+    is skipped)."""
+    import time
+
+    seeds: list[list[str]] = [[] for _ in range(group.size)]
+    answered = 0
+    deadline = time.monotonic() + deadline_s
+    for peer in sorted(node.live_peers()):
+        if answered >= RANKS_SOURCES or time.monotonic() >= deadline:
+            break
+        try:
+            _, blob = node.fetch_blob(RANKS_BLOB, [peer], deadline_s=max(0.1, deadline - time.monotonic()),
+                                      max_bytes=RANKS_BLOB_MAX_BYTES)
+            addresses = parse_rank_records(blob, group.size)
+        except Exception as exc:
+            log.warning("%s: no ranks of %s's replica: %s", node.peer_id, peer, exc)
+            continue
+        answered += 1
+        for k, found in enumerate(addresses):
+            seeds[k].extend(a for a in found if a not in seeds[k])
+    return seeds
+
+
+def share_seeds(group: ReplicaGroup, seeds: list[list[str]] | None) -> list[str]:
+    """Rank 0 hands each rank its seeds (a collective: every rank calls it; the others pass None)."""
+    box: list[Any] = [seeds]
+    dist.broadcast_object_list(box, 0)
+    got = box[0]
+    return list(got[group.rank]) if got else []

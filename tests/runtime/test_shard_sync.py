@@ -143,3 +143,24 @@ def test_one_rank_group_trains_through_the_view_and_evaluates(make_node, tmp_pat
         assert trainer.proto.step_count == 4 and trainer.evaluate()["eval_loss"] < before
     finally:
         group.close()
+
+
+def test_a_replicas_rank_records_are_taken_only_as_their_ranks_signed_them():
+    import dataclasses
+
+    import msgpack
+
+    from starling.node.identity import Identity
+    from starling.node.membership import PeerRecord
+    from starling.runtime.shard_sync import parse_rank_records
+
+    records = [PeerRecord.create(Identity.generate(), [f"tcp://127.0.0.1:{4000 + k}"], 1) for k in range(2)]
+    blob = msgpack.packb([r.to_wire() for r in records], use_bin_type=True)
+    assert parse_rank_records(blob, 2) == [("tcp://127.0.0.1:4000",), ("tcp://127.0.0.1:4001",)]
+    assert parse_rank_records(msgpack.packb([records[0].to_wire(), None]), 2) == [("tcp://127.0.0.1:4000",), ()]
+    forged = dataclasses.replace(records[1], addresses=("tcp://10.0.0.9:4001",))  # rank 0 naming another address
+    for bad, why in ((msgpack.packb([records[0].to_wire(), forged.to_wire()]), "signature"),
+                     (blob, "records of 3 ranks"), (b"\xc1", "not msgpack"),
+                     (msgpack.packb([records[0].to_wire(), [1, 2]]), "7-item list")):
+        with pytest.raises(ValueError, match=why):
+            parse_rank_records(bad, 3 if why == "records of 3 ranks" else 2)
