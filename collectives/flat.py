@@ -26,7 +26,16 @@ class FlatModel:
         self.device = self.params[0].device
         self.sizes = [p.numel() for p in self.params]
         self.numel = sum(self.sizes)
-        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        # made at the first gather_grads: a protocol that never gathers them (DiLoCo's inner
+        # steps) would otherwise hold a float32 copy of the model for nothing
+        self._grad: torch.Tensor | None = None
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """The persistent flat gradient buffer (float32, on the parameters' device)."""
+        if self._grad is None:
+            self._grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        return self._grad
 
     def _chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(flat, self.sizes))
