@@ -196,9 +196,6 @@ def node_start(
         if shard_sync and group is None:
             raise ValueError("--shard-sync splits a replica's model over its ranks: give --nproc-per-replica 2 or "
                              "more (or run under torchrun)")
-        if shard_sync and (checkpoint_dir is not None or resume is not None):
-            raise ValueError("--shard-sync does not write checkpoints yet (each rank would hold only its own "
-                             "shard's): drop --checkpoint-dir and --resume")
         if group is not None and not group.is_leader and not shard_sync:  # a follower: the leader says what to train
             ignore_stop_signals()
             follow(group)

@@ -513,6 +513,22 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             self.buffer_sync.load_state_dict(state["buffers"])
         self._publish()
 
+    def restore_outer(self, step: int, outer: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+                      versions: Sequence[int]) -> None:
+        """Take this outer state as it was at `step` (fragment by fragment, as `outer` and
+        `momentum` read), with no round in flight: a checkpoint written in another layout (a
+        replica resharded over another rank count) restores through here."""
+        sizes = [fragment.view.numel for fragment in self.fragments]
+        if [t.numel() for t in outer] != sizes or [t.numel() for t in momentum] != sizes \
+                or len(versions) != len(sizes):
+            raise ProtocolError(f"{self.name}: outer state of fragments {[t.numel() for t in outer]} and "
+                                f"{len(versions)} versions; this model's fragments are {sizes}")
+        for fragment, o, m, v in zip(self.fragments, outer, momentum, versions):
+            fragment.load(o.reshape(-1), m.reshape(-1), int(v))
+            fragment.exchange = None
+        self.step_count = int(step)
+        self._publish()
+
     def eval_model(self) -> nn.Module:
         """A copy of the model holding the outer (global) parameters."""
         if self._eval is None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from starling.runtime.checkpoint import CheckpointError, CheckpointStore
 from starling.runtime.replica import REPLICA_RANKS_KEY
-from starling.runtime.shard_sync import SHARD_RANK_KEY
+from starling.runtime.shard_sync import SHARD_RANK_KEY, sharded_checkpoint_swarm
 from starling.runtime.trainer import TrainSpec, with_run_length
 
 DEFAULT_TASK = "charlm"  # what a first node that names no task trains
@@ -140,6 +140,8 @@ def newest_checkpoint_spec(directory: str | Path) -> TrainSpec:
     manifest; CheckpointError when no checkpoint there names it."""
     found = CheckpointStore(directory).list()
     swarm = found[0].meta.get("swarm") if found else None
+    if swarm is None:  # a replica's distributed checkpoint (every rank syncing its own shard)
+        swarm = sharded_checkpoint_swarm(directory)
     if not isinstance(swarm, dict) or not swarm.get("protocol"):
         raise CheckpointError(f"no checkpoint in {directory} names the swarm it trained; "
                               "give --protocol (and --task) to start afresh")

@@ -166,7 +166,9 @@ class PeerRun:
     def _start_from(self, trainer: Trainer, node: Node, stop: threading.Event) -> bool:
         """Load the state this peer starts from; False when `stop` came before it had it."""
         resumed = None
-        if self.launch.resume_from is not None:
+        if self.launch.resume_from is not None and trainer.sharded is not None:
+            resumed = trainer.resume_sharded()  # its own newest, whatever rank count wrote it
+        elif self.launch.resume_from is not None:
             resumed = trainer.resume_swarm(self.resume_quorum, self.resume_timeout_s)
         if resumed is None and self.launch.joining and node.live_peers():
             # the swarm's state, not this peer's own start (see initial_state_differs); the first

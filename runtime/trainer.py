@@ -58,7 +58,7 @@ from starling.runtime.replica import (
     check_replica_ranks,
 )
 from starling.runtime.restart import agree_on_step, holders_of
-from starling.runtime.shard_sync import SHARD_RANK_KEY, ShardedModel, check_shard_rank
+from starling.runtime.shard_sync import SHARD_RANK_KEY, ShardedCheckpoints, ShardedModel, check_shard_rank
 from starling.tasks import Task, get_task
 
 log = logging.getLogger(__name__)
@@ -225,6 +225,8 @@ class Trainer:
         self.shard_group = shard_group
         self.replica_ranks = shard_group.size if shard_group is not None else replica_ranks
         self.sharded: ShardedModel | None = None  # with a shard group: the model under FSDP2, and its view
+        self._sharded_checkpoints: ShardedCheckpoints | None = None  # ... and its checkpoints (DCP)
+        self._sharded_steps = 0  # steps every rank of the replica took together: when they checkpoint
         # With a replica of many ranks: its leader (`attach_replica`), and the model the loss
         # runs through (the protocol's model under DDP, which averages the ranks' gradients).
         self.replica: ReplicaLeader | None = None
@@ -281,6 +283,9 @@ class Trainer:
         if self.shard_group is not None:  # FSDP2 over the replica's ranks; the protocol gets my chunks
             self.sharded = ShardedModel(model, self.shard_group)
             self.forward_model = self.sharded.module
+            if self.checkpoint is not None:
+                self._sharded_checkpoints = ShardedCheckpoints(self.checkpoint.directory, self.checkpoint.keep,
+                                                               self.sharded)
             model = self.sharded.view
             full = self.sharded.view_of(full) if full is not None else None
         where = {str(t.device) for t in model.parameters()}
@@ -529,6 +534,7 @@ class Trainer:
                 report = proto.step(loss_fn)
             except Exception as exc:  # a rank died under a collective: the replica leaves every sub-swarm
                 raise self._shard_lost(exc) from exc
+            self._sharded_steps += 1
         elif weight is not None:  # a round this peer takes part in without counting (`_units`)
             report = proto.step(loss_fn, weight=weight)  # type: ignore[call-arg]
         elif self.replica is None:
@@ -547,7 +553,9 @@ class Trainer:
             self.last_unit_counted = self.node.peer_id not in report.absent_peers
         if self.serve_state and time.monotonic() - self._snapshot_at >= self.snapshot_every_s:
             self.take_snapshot()
-        if self.checkpoint is not None and proto.step_count % self.checkpoint.every == 0:
+        # the ranks of a sharded replica write together, at the steps they took together
+        count = self._sharded_steps if self.sharded is not None else proto.step_count
+        if self.checkpoint is not None and count % self.checkpoint.every == 0:
             self.save_checkpoint()
         return report
 
@@ -568,7 +576,11 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Hand a copy of the protocol's state to the writer thread; the training thread
         pays only for the copy (`state_dict()` clones)."""
-        assert self.proto is not None and self._writer is not None
+        assert self.proto is not None
+        if self._sharded_checkpoints is not None:  # every rank its chunks, at once (a collective)
+            self._sharded_checkpoints.save(self.proto, self.spec.to_swarm_config(), self._sharded_steps)
+            return
+        assert self._writer is not None
         state = {"protocol": self.proto.state_dict(), "swarm": self.spec.to_swarm_config(),
                  "rank": self.rank, "world": self.world}
         if self.ledger is not None:
@@ -612,6 +624,33 @@ class Trainer:
             self.take_snapshot()  # a peer that lacks this checkpoint may fetch it from here
         log.info("%s: resumed from %s at step %d", self.node.peer_id, checkpoint.state_path, self.proto.step_count)
         return checkpoint
+
+    def resume_sharded(self) -> int | None:
+        """A replica whose ranks each sync their own shard: load its newest checkpoint, whatever
+        rank count wrote it (torch's distributed checkpoint reshards; a collective). Returns the
+        step, or None when there is none. CheckpointError for one of another swarm."""
+        assert self.proto is not None and self._sharded_checkpoints is not None, "create_protocol() with checkpoints"
+        found = self._sharded_checkpoints.latest()
+        if found is None:
+            return None
+        path, manifest = found
+        try:
+            same = TrainSpec.from_swarm_config(manifest.get("swarm")).resolved() == self.spec.resolved()
+        except (TrainSpecError, ProtocolError, ValueError) as exc:
+            raise CheckpointError(f"{path} names a swarm this replica cannot run: {exc}") from None
+        if not same:
+            raise CheckpointError(f"{path} was written by a swarm training {manifest.get('swarm')}, "
+                                  f"not {self.spec.to_swarm_config()}")
+        try:
+            step = self._sharded_checkpoints.load(path, self.proto)
+        except (ValueError, RuntimeError, ProtocolError) as exc:
+            raise CheckpointError(f"{path} cannot be loaded into this replica: {str(exc)[:500]}") from None
+        self._sharded_steps = int(manifest.get("count", step))
+        if self.serve_state:
+            self.take_snapshot()
+        log.info("%s: resumed rank %d of %d from %s (written by %s ranks) at step %d", self.node.peer_id,
+                 self.sharded.group.rank, self.sharded.group.size, path, manifest.get("ranks"), step)  # type: ignore[union-attr]
+        return step
 
     def resume_swarm(self, quorum: int, timeout_s: float) -> int | None:
         """A whole-swarm restart: agree with `quorum` peers on the newest step they hold a

@@ -71,3 +71,23 @@ def test_shard_sync_without_ranks_is_one_clear_line():
     result = runner.invoke(app, ["node", "start", "--plaintext", "--protocol", "diloco", "--shard-sync"])
     assert result.exit_code != 0
     assert "--shard-sync splits a replica's model over its ranks" in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(fsdp_unavailable() is not None, reason=f"FSDP2 on the CPU: {fsdp_unavailable()}")
+def test_a_replica_of_two_ranks_resumes_as_three_from_its_distributed_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = subprocess.run(starling("--protocol", "streaming-diloco", "--opt", "sync_every=2", "--opt", "fragments=2",
+                                    "--nproc-per-replica", "2", "--shard-sync", "--steps", "8", "--checkpoint-dir",
+                                    str(ckpt), "--checkpoint-every", "4", *TINY),
+                           capture_output=True, text=True, timeout=200)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-0000000004", "step-0000000008"]
+    # what it trains comes from the checkpoint's manifest; three ranks now hold what two did
+    again = subprocess.run(starling("--resume", str(ckpt), "--nproc-per-replica", "3", "--shard-sync",
+                                    "--steps", "10"), capture_output=True, text=True, timeout=200)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stderr.count("written by 2 ranks") == 3  # every rank resumed its chunks
+    training, *_, stopped = events(again.stdout)
+    assert training["step"] == 8 and training["protocol"] == "streaming-diloco" and stopped["step"] == 10

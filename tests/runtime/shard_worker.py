@@ -1,6 +1,9 @@
 """One rank of a 2-rank gloo group for tests/runtime/test_shard_sync.py: the same model
 trained by plain FSDP2 and by `ShardedModel` (the protocol's view of this rank's chunks),
-compared step by step. Usage: shard_worker.py RANK SIZE RENDEZVOUS_DIR OUT_JSON."""
+compared step by step. Usage: shard_worker.py RANK SIZE RENDEZVOUS_DIR OUT_JSON; or
+shard_worker.py checkpoint RANK SIZE RENDEZVOUS_DIR CHECKPOINT_DIR OUT STEPS: train STEPS steps
+of streaming-diloco alone with a distributed checkpoint every 4 (after resuming from the
+newest one, whatever rank count wrote it) and save this rank's chunks of everything to OUT."""
 from __future__ import annotations
 
 import json
@@ -67,8 +70,39 @@ def main(rank: int, size: int, directory: str, out: str) -> None:
         json.dump(report, f)
 
 
+def checkpoint(rank: int, size: int, directory: str, checkpoints: str, out: str, steps: int) -> None:
+    import threading
+
+    from starling.node import Node
+    from starling.runtime.trainer import CheckpointConfig, Trainer, TrainSpec
+
+    torch.set_num_threads(1)
+    group = ReplicaGroup(rank, size, f"file://{directory}/rendezvous", timeout_s=60.0)
+    group.init()
+    node = Node().start("tcp://127.0.0.1:0", [], security="plaintext")
+    spec = TrainSpec("streaming-diloco", "charlm", {"sync_every": 2, "fragments": 2}, TINY)
+    trainer = Trainer(node, spec, rank, size, serve_state=False, shard_group=group,
+                      checkpoint=CheckpointConfig(checkpoints, every=4))
+    proto = trainer.create_protocol()
+    resumed = trainer.resume_sharded()
+    trainer.run(steps, threading.Event())
+    store = trainer._sharded_checkpoints
+    fragments = proto.fragments
+    torch.save({"resumed": resumed, "step": proto.step_count, "versions": proto.versions,
+                "model": [v.detach().clone() for _, v in trainer.sharded.pairs],
+                "outer": store._per_parameter(fragments, [f.outer for f in fragments]),
+                "momentum": store._per_parameter(fragments, [f.momentum for f in fragments]),
+                "exp_avg": [proto.optimizer.state[v]["exp_avg"].clone() for _, v in trainer.sharded.pairs],
+                "adam_step": [float(proto.optimizer.state[v]["step"]) for _, v in trainer.sharded.pairs]}, out)
+    node.close()
+    group.close()
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    if sys.argv[1] == "checkpoint":
+        checkpoint(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], int(sys.argv[7]))
+    else:
+        main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
     # gloo's threads can abort the interpreter's teardown after FSDP2 (std::terminate); the
     # report is written, so leave as multiprocessing's children do
     sys.stdout.flush()

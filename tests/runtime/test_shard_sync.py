@@ -164,3 +164,46 @@ def test_a_replicas_rank_records_are_taken_only_as_their_ranks_signed_them():
                      (msgpack.packb([records[0].to_wire(), [1, 2]]), "7-item list")):
         with pytest.raises(ValueError, match=why):
             parse_rank_records(bad, 3 if why == "records of 3 ranks" else 2)
+
+
+def _ranks_run(tmp_path, name: str, size: int, steps: int) -> list[dict]:
+    """`size` ranks of shard_worker.py's checkpoint mode; each rank's saved chunks, by rank."""
+    import torch
+
+    rendezvous = tmp_path / f"rv-{name}"
+    rendezvous.mkdir()
+    outs = [tmp_path / f"{name}-{rank}.pt" for rank in range(size)]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "checkpoint", str(rank), str(size), str(rendezvous),
+                               str(tmp_path / "ckpt"), str(outs[rank]), str(steps)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(size)]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out.decode()[-3000:]
+    return [torch.load(o, weights_only=True) for o in outs]
+
+
+def _whole(ranks: list[dict], key: str) -> list:
+    """Each parameter's tensor of `key`, put back together from the ranks' dim-0 chunks."""
+    import torch
+
+    return [torch.cat([r[key][i] for r in ranks]) for i in range(len(ranks[0][key]))]
+
+
+@pytest.mark.slow
+def test_a_replicas_checkpoint_resumes_on_another_rank_count(tmp_path):
+    import torch
+
+    written = _ranks_run(tmp_path, "two", 2, steps=8)  # checkpoints at 4 and 8
+    assert written[0]["resumed"] is None and written[0]["step"] == 8
+    for name, size in (("one", 1), ("three", 3)):  # read back resharded, before any step (steps=8: none left)
+        read = _ranks_run(tmp_path, name, size, steps=8)
+        assert all(r["resumed"] == 8 and r["step"] == 8 and r["versions"] == written[0]["versions"] for r in read)
+        for key in ("model", "outer", "momentum", "exp_avg"):
+            for a, b in zip(_whole(written, key), _whole(read, key)):
+                assert torch.equal(a, b), key
+        assert read[0]["adam_step"] == written[0]["adam_step"]
+    assert any(not torch.equal(a, b) for a, b in zip(_whole(written, "outer"), _whole(written, "model")))
+    # and it trains on from there, one rank holding what two did, and checkpoints again
+    (on,) = _ranks_run(tmp_path, "on", 1, steps=12)
+    assert on["resumed"] == 8 and on["step"] == 12
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir())[-1] == "step-0000000012"
