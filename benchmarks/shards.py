@@ -162,7 +162,7 @@ def outer_bytes(ranks: int, steps: int) -> None:
 
 
 def memory(ranks: int, steps: int, layers: tuple[int, int], width: int, fragments: int) -> None:
-    sync = {"sync_every": MEMORY_SYNC_EVERY, "fragments": fragments}
+    sync = {"sync_every": max(MEMORY_SYNC_EVERY, fragments), "fragments": fragments}
     for shard_sync in (False, True):
         by_depth = []
         for depth in layers:
