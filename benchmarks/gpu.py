@@ -37,6 +37,9 @@ Prints one JSON row per measurement, then a summary row; every row names its ``s
   on one device in bf16 autocast, ``allreduce`` against ``streaming-diloco`` (int4 exchange),
   the same units of the same tokens: eval loss, bytes per peer and step time of each, and
   the ratios.
+- ``shards``: `--shard-sync`'s FSDP2 path on the device, one rank (the only group one GPU can
+  hold; NCCL on CUDA): Starling's step against a plain FSDP2 step of the same model, and a
+  collective evaluation.
 - ``sparse``: SparseLoCo-style pseudo-gradients (``benchmarks/diloco.py``'s sparse spec and
   outer loop) on a 10.6M-parameter ``charlm`` for ``--sparse-steps`` (2000) steps of 4 peers,
   against ``allreduce`` and int4 ``streaming-diloco`` at the same tokens: eval losses, bytes,
@@ -74,7 +77,7 @@ from starling.tasks import get_task
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import diloco  # (benchmarks/diloco.py: the sparse run's codec, outer loop and targets)
 
-SECTIONS = ("device", "codecs", "staging", "simulate", "state_device", "gpt", "sparse")
+SECTIONS = ("device", "codecs", "staging", "simulate", "state_device", "gpt", "sparse", "shards")
 SEED = 1  # every codec's seed: stochastic rounding, random-k and the sketches draw the same on each device
 TRACEBACK_CHARS = 1500
 # A lossy codec's relative L2 error on the device may exceed the CPU's on the same values by this
@@ -162,6 +165,10 @@ class Plan:
     sparse_fragments: int = 4
     sparse_lr: float = 1e-3
     sparse_budget_s: float = 150.0  # per run
+    # shards: FSDP2 on the device (one rank: the only group one GPU can hold), Starling's step
+    # with every rank syncing its own shard against plain FSDP2's
+    shard_options: dict[str, Any] = field(default_factory=lambda: {"n_layer": 6, "n_embd": 512, "batch_size": 16})
+    shard_steps: int = 30
 
     @classmethod
     def quick(cls) -> Plan:
@@ -174,7 +181,8 @@ class Plan:
                    gpt_steps=4, gpt_streaming={"sync_every": 2, "fragments": 2, "overlap_steps": 1,
                                                "compressor": "int4"}, gpt_budget_s=60.0,
                    sparse_options={"n_layer": 1, "n_head": 2, "n_embd": 16, "batch_size": 2, "corpus_chars": 20_000},
-                   sparse_steps=8, sparse_sync_every=4, sparse_fragments=2, sparse_budget_s=60.0)
+                   sparse_steps=8, sparse_sync_every=4, sparse_fragments=2, sparse_budget_s=60.0,
+                   shard_options={"n_layer": 1, "n_embd": 16, "batch_size": 2, "corpus_chars": 20_000}, shard_steps=4)
 
 
 # ------------------------------------------------------------------ rows and their failures
@@ -647,6 +655,73 @@ def sparse_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
                "bytes_met": ratio >= diloco.SPARSE_BYTES_TARGET, "loss_met": gap <= diloco.LOSS_TARGET}
 
 
+def shard_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
+    """FSDP2 on the device through `--shard-sync`'s path (NCCL on CUDA, gloo on the CPU), one
+    rank: the DTensor chunks, the view that aliases them, the per-step agreement, a collective
+    evaluation. Starling's step (`Trainer.agree` + `Trainer.step` of diloco with no outer step in
+    the run) against a plain FSDP2 step on a copy of the model, alternating; medians."""
+    import tempfile
+
+    from torch.distributed.fsdp import fully_shard
+
+    from starling.node import Node
+    from starling.protocols.optim import make_optimizer
+    from starling.runtime import Trainer, TrainSpec
+    from starling.runtime.placement import Placement
+    from starling.runtime.replica import ReplicaGroup
+    from starling.runtime.shard_sync import shard_units
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    group = ReplicaGroup(0, 1, f"file://{tempfile.mkdtemp(prefix='starling-gpu-')}/rendezvous", 120.0, backend,
+                         device.index or 0)
+    group.init()
+    node = Node().start("tcp://127.0.0.1:0", [], security="plaintext")
+    try:
+        options = dict(plan.shard_options)
+        steps = plan.shard_steps
+        trainer = Trainer(node, TrainSpec("diloco", "charlm", {"sync_every": 10 * steps}, options), 0, 1,
+                          serve_state=False, placement=Placement(device=device), shard_group=group)
+        trainer.create_protocol()
+        task = trainer.task
+        plain = task.make_model().to(device)
+        for unit in shard_units(plain):
+            fully_shard(unit, mesh=trainer.sharded.mesh)  # type: ignore[union-attr]
+        fully_shard(plain, mesh=trainer.sharded.mesh)  # type: ignore[union-attr]
+        optimizer = make_optimizer(list(plain.parameters()), "adamw", 1e-3, 0.0, 0.0)
+        batches, mine = task.batches(1, 2, 0), trainer.batches()
+        placement = Placement(device=device)
+
+        def plain_step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            task.loss(plain, placement.batch(next(batches), plain)).backward()
+            optimizer.step()
+
+        def starling_step() -> None:
+            trainer.agree(True)
+            trainer.step(next(mine))
+
+        times: dict[str, list[float]] = {"fsdp2": [], "starling": []}
+        for i in range(plan.warmup_steps + steps):
+            for name, fn in ((("fsdp2", plain_step), ("starling", starling_step)) if i % 2 == 0 else
+                             (("starling", starling_step), ("fsdp2", plain_step))):
+                synchronize(device)
+                began = time.perf_counter()
+                fn()
+                synchronize(device)
+                if i >= plan.warmup_steps:
+                    times[name].append(time.perf_counter() - began)
+        loss = trainer.evaluate()["eval_loss"]
+        fsdp2, starling = statistics.median(times["fsdp2"]), statistics.median(times["starling"])
+        yield {"section": "shards", "ok": math.isfinite(loss), "device": str(device), "backend": backend,
+               "ranks": 1, **options, "parameters": parameters_of("charlm", options), "steps": steps,
+               "fsdp2_step_ms": sig(fsdp2 * 1e3), "starling_step_ms": sig(starling * 1e3),
+               "step_over_fsdp2": sig(starling / fsdp2), "target": 1.10, "met": starling / fsdp2 <= 1.10,
+               "eval_loss": sig(loss)}
+    finally:
+        node.close()
+        group.close()
+
+
 # ------------------------------------------------------------------ the run
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -698,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_rows, "codecs": codec_rows, "staging": staging_rows,
         "simulate": lambda d, p: simulate_rows(d, p, cache),
         "state_device": lambda d, p: state_device_rows(d, p, cache),
-        "gpt": gpt_rows, "sparse": sparse_rows}
+        "gpt": gpt_rows, "sparse": sparse_rows, "shards": shard_rows}
     failed: list[str] = []
     for name in args.sections:
         section_began = time.perf_counter()

@@ -55,7 +55,7 @@ if [ "${GPU_TESTS_TIMEOUT_S:-120}" != 0 ]; then
     timeout "${GPU_TESTS_TIMEOUT_S:-120}" python3 -m pytest -q -p no:cacheprovider -n 4 \
         tests/compressors/test_compressors_cuda.py tests/collectives/test_staging.py tests/runtime/test_placement.py \
         tests/common/test_common_devices.py tests/cli/test_simulate.py tests/data/test_prefetch.py \
-        tests/tasks/test_tasks_cuda.py 2>&1 | tee "$OUT/tests.log"
+        tests/tasks/test_tasks_cuda.py tests/runtime/test_shard_sync_cuda.py 2>&1 | tee "$OUT/tests.log"
     status tests "${PIPESTATUS[0]}"
 else
     status tests skipped
