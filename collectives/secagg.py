@@ -166,7 +166,7 @@ def graph_degree(members: int, security: float = 1.0) -> int:
     small round."""
     if members <= 8:
         return members - 1
-    k = int(math.ceil(3 * security * math.log2(members)))
+    k = math.ceil(3 * security * math.log2(members))
     return min(members - 1, k + (k % 2))
 
 
