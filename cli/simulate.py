@@ -58,6 +58,21 @@ def _run_steps(steps: Optional[int], duration_s: float, protocol: str, options: 
     return UNCAPPED_STEPS
 
 
+def partition_option(task: str, spec: str) -> str:
+    """`--partition SPEC` for `task`, checked: ValueError if the spec is malformed or the task's
+    samples have no labels to partition by."""
+    import dataclasses
+
+    from starling.tasks import get_task
+    from starling.tasks.partition import Partition
+
+    parsed = Partition.parse(spec)
+    config = getattr(get_task(task), "config", None)
+    if not (dataclasses.is_dataclass(config) and any(f.name == "partition" for f in dataclasses.fields(config))):
+        raise ValueError(f"task {task!r} has no labels to partition its data by; --partition applies to teacher")
+    return str(parsed)
+
+
 def _sim_configs(*, peers: int, protocol: str, task: str, steps: Optional[int], compressor: Optional[str],
                  transport: Optional[str], processes: int, ray: Optional[str] = None,
                  bandwidth: Optional[str], latency_ms: float,
@@ -249,6 +264,10 @@ def simulate(
         1, "--nproc-per-replica", min=1, metavar="N",
         help="Every peer is a replica of N gloo ranks, each its own process: DDP inside a replica, the protocol "
              "between replicas (diloco, streaming-diloco; an allreduce baseline runs single-process peers)."),
+    partition: Optional[str] = typer.Option(
+        None, "--partition", metavar="iid|dirichlet:ALPHA|shards:K",
+        help="How the peers' data differ, as Flower's partitioners define it: each peer's label distribution "
+             "(tasks whose samples have labels: teacher)."),
     shard_sync: bool = typer.Option(
         False, "--shard-sync", help="With --nproc-per-replica N: FSDP2 inside each replica, and every rank syncs its "
                                     "own shard of the model with the same rank of the other replicas (one sub-swarm "
@@ -275,6 +294,8 @@ def simulate(
     try:
         task, task_options = with_data(task, parse_options(task_opt or [], "task option"), data, tokenizer, seq_len)
         task = task or "charlm"
+        if partition is not None:
+            task_options = {**task_options, "partition": partition_option(task, partition)}
         prepare_units(task, task_options)
         task_opt = [f"{name}={value}" for name, value in task_options.items()]
         config, base = _sim_configs(

@@ -11,6 +11,9 @@ Label skew across peers (`non_iid` = a in [0, 1]): peer r draws each example's l
 then an input with that label. a = 0 is IID (plain teacher-labelled Gaussians); a = 1 gives each
 peer only its own classes. When world divides num_classes, or num_classes divides world, the
 peers' mixes average to the uniform distribution the held-out set is drawn from.
+
+Or `partition` (``iid``, ``dirichlet:ALPHA``, ``shards:K``): each peer's label distribution is
+the one Flower's partitioner of that name gives it (`tasks/partition.py`), drawn from `seed`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch.nn import functional as F
 from starling.common.devices import to_model_device
 
 from .base import Task, check_rank, evaluating, make_generator
+from .partition import Partition
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs (B, input_dim) float32, labels (B,) int64
 
@@ -41,6 +45,7 @@ class TeacherConfig:
     depth: int = 2  # student hidden layers
     batch_size: int = 64
     non_iid: float = 0.0
+    partition: str = ""  # iid, dirichlet:ALPHA or shards:K (tasks/partition.py); "" : non_iid's rule
     eval_size: int = 2048
 
     def __post_init__(self) -> None:
@@ -51,6 +56,10 @@ class TeacherConfig:
             raise ValueError(f"num_classes must be >= 2, got {self.num_classes}")
         if not 0.0 <= self.non_iid <= 1.0:
             raise ValueError(f"non_iid must be in [0, 1], got {self.non_iid}")
+        if self.partition:
+            Partition.parse(self.partition)
+            if self.non_iid:
+                raise ValueError("give partition or non_iid, not both")
 
 
 class Teacher:
@@ -115,6 +124,8 @@ class TeacherTask(Task):
         """Peer `rank`'s label distribution p_r (see the module docstring)."""
         check_rank(rank, world)
         c = self.config.num_classes
+        if self.config.partition:
+            return Partition.parse(self.config.partition).label_mixes(c, world, self.config.seed)[rank]
         own = [k for k in range(c) if k % world == rank] or [rank % c]
         skewed = torch.zeros(c)
         skewed[own] = 1.0 / len(own)
@@ -123,7 +134,7 @@ class TeacherTask(Task):
     def batches(self, rank: int, world: int, seed: int) -> Iterator[Batch]:
         check_rank(rank, world)
         g = make_generator("teacher.batches", seed, rank, world)
-        if self.config.non_iid == 0.0:
+        if self.config.non_iid == 0.0 and self.config.partition in ("", "iid"):
             return self._iid_batches(g)
         return self._skewed_batches(g, self.label_mix(rank, world))
 
