@@ -65,6 +65,7 @@ class StepReport:
     absent_peers: tuple[str, ...] = ()
     wall_s: float = 0.0
     compute_s: float = 0.0  # time spent in local compute (the rest was waiting on the network)
+    sampled: bool = True  # False: with client sampling, this peer was not drawn for the step's round
 
 
 class StepClock:
@@ -235,12 +236,12 @@ class Protocol(ABC):
         return StepClock()
 
     def _report(self, step: int, loss: float, clock: StepClock, *, synced: bool = False, peers: int = 1,
-                lost: tuple[str, ...] = (), absent: tuple[str, ...] = ()) -> StepReport:
+                lost: tuple[str, ...] = (), absent: tuple[str, ...] = (), sampled: bool = True) -> StepReport:
         """This step's report, with the bytes `meter` counted since the last one."""
         sent, received = self.meter.take()
         return StepReport(step=step, loss=loss, bytes_sent=sent, bytes_received=received, synced=synced,
                           peers=peers, lost_peers=lost, absent_peers=absent, wall_s=clock.wall_s,
-                          compute_s=clock.compute_s)
+                          compute_s=clock.compute_s, sampled=sampled)
 
 
 def _clone_once(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

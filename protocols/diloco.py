@@ -46,6 +46,7 @@ and carry their pseudo-gradient into the next round.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -81,6 +82,15 @@ log = logging.getLogger(__name__)
 TOPIC_PREFIX = "diloco."
 SYNC_TOPIC = "diloco.sync"  # outer parameters and momentum of some fragments, as a peer holds them now
 MISSES_BEFORE_WARNING = 3  # rounds in a row a peer misses before it says why that may keep happening
+
+
+def draw_clients(members: Sequence[str], k: int, config: DiLoCoConfig) -> tuple[str, ...]:
+    """Round k's clients: `members` ordered by a hash of (sample seed, k, id), the first
+    round(F x members) (at least 1) or `clients_per_round` of them; sorted."""
+    count = config.clients_per_round or max(1, round(config.sample_fraction * len(members)))
+    key = f"{config.sample_seed}:{k}:".encode()
+    order = sorted(members, key=lambda m: hashlib.sha256(key + m.encode()).digest())
+    return tuple(sorted(order[:count]))
 
 
 class SideRounds:
@@ -155,6 +165,10 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         self.last_shares: dict[str, float] = {}
         self._last_step_end: float | None = None
         self._eval: tuple[nn.Module, list[FragmentView]] | None = None
+        self._sample: tuple[int, tuple[str, ...]] | None = None  # (round, its drawn members)
+        # (version, members): with sampling, rounds merged without me since I last trained
+        self._behind: tuple[int, tuple[str, ...]] | None = None
+        self._last_loss = float("nan")  # reported by a step that trained nothing (not drawn)
         self._publish()
         self._serve({SYNC_TOPIC: self._on_sync})
 
@@ -217,13 +231,61 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         return self.optimizer
 
     # ------------------------------------------------------------------ training thread
+    # ------------------------------------------------------------------ client sampling
+    def round_members(self, k: int) -> tuple[str, ...]:
+        """The members of round k: every live member, or with client sampling the ones drawn
+        for it (from the sample seed and k, so every member draws the same set from the same
+        view; fixed at the first step of the round this peer takes)."""
+        if not self.config.samples:
+            return membership(self.node)
+        if self._sample is None or self._sample[0] != k:
+            self._sample = (k, draw_clients(membership(self.node), k, self.config))
+        return self._sample[1]
+
+    def sampled(self) -> bool:
+        """Whether this peer trains in the round in progress (the round of its next step)."""
+        k = self.step_count // self.config.sync_every
+        return not self.config.samples or self.node.peer_id in self.round_members(k)
+
+    def _wait_step(self, clock: StepClock) -> StepReport:
+        """A step of a round this peer was not drawn for: no compute and no traffic. It takes
+        the swarm's model when it is next drawn (`_catch_up_sampled`), or is evaluated."""
+        t = self.step_count
+        s = self.step_count = t + 1
+        members = self.round_members(t // self.config.sync_every)
+        for fragment, _ in self._sends_at(s):
+            fragment.exchange = None
+        for _, r in self._merges_at(s):
+            self._behind = (r + 1, members)  # the swarm merges round r without me
+            self.weight_log["rounds_waited"] = self.weight_log.get("rounds_waited", 0) + 1
+        self._last_step_end = time.time()
+        return self._report(t, self._last_loss, clock, peers=len(members), sampled=False)
+
+    def _catch_up_sampled(self) -> None:
+        """Take the model of the rounds that went on without me: the outer state at the version
+        they reached, from their members first (bounded by the round timeout)."""
+        if self._behind is None:
+            return
+        version, members = self._behind
+        self._behind = None
+        sources = [*members, *(m for m in membership(self.node) if m not in members)]
+        for fragment in self.fragments:
+            self._fetch_merged(fragment, version, sources)
+            fragment.take_outer()
+        self._publish()
+
     def step(self, loss_fn: LossFn) -> StepReport:
+        if self.config.samples:
+            if not self.sampled():
+                return self._wait_step(self._begin_step())
+            self._catch_up_sampled()
         clock, began = self._begin_step(), time.time()
         if self.clock is not None:
             self.clock.started(began)
         with clock.computing():
             loss = self._backprop(loss_fn)
             self.inner.step()
+        self._last_loss = loss
         if self.clock is not None:  # a step's time: from the last one's end (data, emulated slowness) to now
             self.clock.stepped(time.time() - (self._last_step_end or began))
 
@@ -266,7 +328,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         one folded in); training goes on until its merge. With a quorum, first ask the round's
         leader for its closing set."""
         part, weight = fragment.ledger.contribution(fragment.pseudo_gradient())
-        members = membership(self.node)
+        members = self.round_members(k)
         # a step count, whichever rounds: a checkpoint or a joiner takes it as it is
         merge_at = self.step_count + (self.clock.overlap() if self.clock else self.config.overlap_steps)
         if fragment.quorum is not None and len(members) > 1:
@@ -369,7 +431,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
     def _fetch_merged(self, fragment: OuterFragment, version: int, sources: Sequence[str]) -> None:
         """I missed the fragment's round: take its outer fragment from a member that merged it."""
         f = fragment.index
-        got = self._fetch([f], sources, lambda versions: versions[f] >= version)
+        got = self._fetch([f], sources, lambda versions: versions[f] >= version, at_least=version)
         if got is None:
             log.warning("%s: no peer had fragment %d at version %d; keeping mine", self.node.peer_id, f, version)
             return
@@ -404,7 +466,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                 other.skip(r)
 
     def _fetch(self, fragments: list[int], sources: Sequence[str],
-               ready: Callable[[tuple[int, ...]], bool]) -> Published | None:
+               ready: Callable[[tuple[int, ...]], bool], at_least: int = 0) -> Published | None:
         """Ask `sources` in turn for these fragments until one answers with `ready(versions)`
         true, or the round timeout (plus grace) has passed."""
         me, sizes = self.node.peer_id, [self.fragments[f].view.numel for f in fragments]
@@ -416,7 +478,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                 if remaining <= 0:
                     break
                 try:  # a bounded wait per peer, so that a dead one leaves time to ask the others
-                    msg = self.node.request(peer, SYNC_TOPIC, {"fragments": fragments},
+                    body = {"fragments": fragments, **({"at_least": at_least} if at_least else {})}
+                    msg = self.node.request(peer, SYNC_TOPIC, body,
                                             timeout_s=min(remaining, max(1.0, self.config.round_timeout_s / 4)))
                     got = read_sync_reply(msg, fragments, sizes, len(self.fragments))
                 except Exception as exc:  # dead, not up yet, or a malformed answer: ask another
@@ -439,8 +502,12 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             fragments = [int(f) for f in msg.body["fragments"]]
             if not all(0 <= f < len(state.outer) for f in fragments):
                 raise ValueError(fragments)
-        except (TypeError, KeyError, ValueError):
-            return refusal(Refusal.MALFORMED, f"body must be {{fragments: [0..{len(state.outer) - 1}]}}")
+            at_least = int(msg.body.get("at_least", 0))
+        except (TypeError, KeyError, ValueError, AttributeError):
+            return refusal(Refusal.MALFORMED, f"body must be {{fragments: [0..{len(state.outer) - 1}], at_least: int}}")
+        if any(state.versions[f] < at_least for f in fragments):  # not there yet: a short answer, not the state
+            return {"ok": False, "reason": f"at versions {[state.versions[f] for f in fragments]}, below {at_least}",
+                    "versions": list(state.versions)}
         payload = [t for f in fragments for t in (state.outer[f], state.momentum[f])]
         return Reply({"ok": True, "step": state.step, "versions": list(state.versions), "fragments": fragments},
                      payload)
@@ -530,7 +597,9 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         self._publish()
 
     def eval_model(self) -> nn.Module:
-        """A copy of the model holding the outer (global) parameters."""
+        """A copy of the model holding the outer (global) parameters (with client sampling, a
+        peer that waited out the last rounds takes the swarm's first)."""
+        self._catch_up_sampled()
         if self._eval is None:
             twin = copy.deepcopy(self.model)
             params = [p for p in twin.parameters() if p.requires_grad]
@@ -550,6 +619,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                 "fragment_sizes": [fragment.view.numel for fragment in self.fragments], "versions": self.versions,
                 "rounds": self.weight_log["rounds"], "missed_rounds": self.weight_log["missed"],
                 "mean_share": self.weight_log["share_sum"] / max(1, self.weight_log["rounds"]),
+                **({"rounds_waited": self.weight_log.get("rounds_waited", 0)} if self.config.samples else {}),
                 **({"overlap_now": self.clock.overlap()} if self.clock else {})}
 
 

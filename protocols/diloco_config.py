@@ -91,6 +91,18 @@ class DiLoCoConfig(ProtocolConfig):
     # compressor, K P per chunk keeps the union of the P parts' supports (one lossy hop for
     # support; see docs/architecture.md for the bytes).
     average_compressor: str = ""
+    # Client sampling (federated rounds): each round, only a subset of the members trains and
+    # contributes, drawn from `sample_seed` and the round number (every member draws the same);
+    # the others wait and take the merged model. sample_fraction F: round(F x members) of them
+    # (at least 1); clients_per_round K > 0: K of them. Rounds of the whole model only (fragments
+    # 1, no overlap, no quorum, step-based).
+    sample_fraction: float = 1.0
+    clients_per_round: int = 0
+    sample_seed: int = 0
+
+    @property
+    def samples(self) -> bool:
+        return self.sample_fraction < 1.0 or self.clients_per_round > 0
 
     def __post_init__(self) -> None:
         if self.check_every < 0:
@@ -122,6 +134,14 @@ class DiLoCoConfig(ProtocolConfig):
             raise ValueError("eager_updates needs overlap_steps >= 1: without overlap the average is there at once")
         if self.average_compressor:
             check_compressor_spec(self.average_compressor)
+        if not 0.0 < self.sample_fraction <= 1.0:
+            raise ValueError(f"sample_fraction must be in (0, 1], got {self.sample_fraction}")
+        if self.clients_per_round < 0:
+            raise ValueError(f"clients_per_round must be >= 0 (0: sample_fraction decides), got "
+                             f"{self.clients_per_round}")
+        if self.samples and (self.fragments != 1 or self.overlap_steps or self.quorum or self.sync_every_s):
+            raise ValueError("client sampling draws whole rounds of the model: it needs fragments 1, overlap_steps 0, "
+                             "no quorum and step-based rounds (sync_every, not sync_every_s)")
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,8 @@ class SimPeer:
                   "bytes_sent_total": sum(by_topic.values()), "bytes_by_topic": by_topic,
                   "synced": report.synced, "peers": report.peers, "step_wall_s": report.wall_s,
                   "compute_s": report.compute_s}
+        if not report.sampled:  # client sampling: this step's round did not draw this peer
+            record["sampled"] = False
         if self.config.peer_speed:  # emulated heterogeneity: the speed, and the compute it stood for
             record["speed"] = self.config.peer_speed[self.rank] if self.rank < len(self.config.peer_speed) else \
                 max(self.config.peer_speed)

@@ -90,7 +90,7 @@ def summarize(config: SimConfig, peers: list[PeerResult], t0: float) -> dict[str
         raise SimError("no peer finished the run")
     tails = []
     for p in finished:
-        losses = [r["loss"] for r in p.records]
+        losses = [r["loss"] for r in p.records if r.get("sampled", True)]  # steps it trained
         tail = losses[-max(1, len(losses) // 10):]
         if tail:
             tails.append(sum(tail) / len(tail))
@@ -114,7 +114,22 @@ def summarize(config: SimConfig, peers: list[PeerResult], t0: float) -> dict[str
         # lowest-ranked peer that finished
         "protocol_info": min(finished, key=lambda p: p.rank).protocol_info,
         **spsa_bytes(peers, min(finished, key=lambda p: p.rank).protocol_info),
+        **participation(peers),
     }
+
+
+def participation(peers: list[PeerResult]) -> dict[str, Any]:
+    """With client sampling: the share of the peers training at each step that were drawn for it,
+    its mean, least and most, and per step (the same for every step of one round). Empty without."""
+    if not any(r.get("sampled") is False for p in peers for r in p.records):
+        return {}
+    drawn: dict[int, list[bool]] = {}
+    for p in peers:
+        for r in p.records:
+            drawn.setdefault(int(r["step"]), []).append(r.get("sampled", True) is not False)
+    shares = [sum(v) / len(v) for _, v in sorted(drawn.items())]
+    return {"participation": {"mean": sum(shares) / len(shares), "min": min(shares), "max": max(shares),
+                              "clients_per_step": [sum(v) for _, v in sorted(drawn.items())][:1000]}}
 
 
 def busy_share(records: Iterable[Mapping[str, Any]]) -> float | None:
