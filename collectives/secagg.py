@@ -93,19 +93,19 @@ class IntegerCodec:
 
 
 def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a + b in Z / 2^32 (uint32 wraps)."""
-    return (a + b).astype(np.uint32)
+    """a + b in Z / 2^32 (uint32 wraps), into `a` when it is writable."""
+    return np.add(a, b, out=a) if a.flags.writeable else np.add(a, b, dtype=np.uint32)
 
 
 def sub(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a - b).astype(np.uint32)
+    return np.subtract(a, b, out=a) if a.flags.writeable else np.subtract(a, b, dtype=np.uint32)
 
 
 def prg(seed: bytes, n: int, round_id: bytes = b"") -> np.ndarray:
     """n uint32 values of the ChaCha20 stream keyed by HKDF(seed, round_id)."""
     key = HKDF(hashes.SHA256(), 32, salt=DOMAIN, info=b"prg" + round_id).derive(seed)
-    stream = Cipher(algorithms.ChaCha20(key, b"\0" * 16), None).encryptor().update(b"\0" * (4 * n))
-    return np.frombuffer(stream, dtype="<u4").astype(np.uint32)
+    stream = Cipher(algorithms.ChaCha20(key, b"\0" * 16), None).encryptor().update(bytes(4 * n))
+    return np.frombuffer(stream, dtype="<u4")  # read-only: callers add it into their own arrays
 
 
 # ---------------------------------------------------------------------- Shamir
@@ -298,7 +298,7 @@ class MaskingMember:
 
     def mask(self, part: np.ndarray, adverts: Mapping[str, Advert], verify: Verifier) -> np.ndarray:
         """My integer part plus my masks (uint32, wrapping)."""
-        masked = add(part, prg(self._seed, part.size, self.round_id))
+        masked = add(part.astype(np.uint32, copy=True), prg(self._seed, part.size, self.round_id))
         for other in self.mine:
             advert = adverts.get(other)
             if advert is None:
