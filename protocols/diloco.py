@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -81,6 +82,7 @@ log = logging.getLogger(__name__)
 
 TOPIC_PREFIX = "diloco."
 SYNC_TOPIC = "diloco.sync"  # outer parameters and momentum of some fragments, as a peer holds them now
+WAIT_POLL_S = 1.0  # a peer not drawn for a round asks a member this often whether it merged
 MISSES_BEFORE_WARNING = 3  # rounds in a row a peer misses before it says why that may keep happening
 
 
@@ -258,8 +260,30 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         for _, r in self._merges_at(s):
             self._behind = (r + 1, members)  # the swarm merges round r without me
             self.weight_log["rounds_waited"] = self.weight_log.get("rounds_waited", 0) + 1
+            self._await_round(r + 1, members)  # keep time with the round, without its traffic
         self._last_step_end = time.time()
         return self._report(t, self._last_loss, clock, peers=len(members), sampled=False)
+
+    def _await_round(self, version: int, members: Sequence[str]) -> None:
+        """Wait (bounded by the round timeout) until a member of the round reports the version it
+        merges to: a peer that was not drawn keeps time with the rounds instead of running ahead
+        of them. It asks one member at a time, every WAIT_POLL_S, for versions only."""
+        me = self.node.peer_id
+        drawn = sorted((m for m in members if m != me), key=lambda m: hashlib.sha256((me + m).encode()).digest())
+        deadline = time.monotonic() + self.config.round_timeout_s + self.config.reply_grace_s
+        for i in itertools.count():
+            if not drawn or not self._open or time.monotonic() >= deadline:
+                log.info("%s: round %d's members did not report it merged in time; going on", me, version - 1)
+                return
+            peer = drawn[i % len(drawn)]
+            try:
+                msg = self.node.request(peer, SYNC_TOPIC, {"fragments": [], "at_least": version},
+                                        timeout_s=max(0.1, min(WAIT_POLL_S, deadline - time.monotonic())))
+                if read_sync_reply(msg, [], [], len(self.fragments)).versions[0] >= version:
+                    return
+            except Exception as exc:  # not there yet, or gone: ask again, maybe another
+                log.debug("%s: waiting for round %d: %s", me, version - 1, exc)
+            time.sleep(max(0.0, min(WAIT_POLL_S, deadline - time.monotonic())))
 
     def _catch_up_sampled(self) -> None:
         """Take the model of the rounds that went on without me: the outer state at the version
@@ -505,7 +529,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             at_least = int(msg.body.get("at_least", 0))
         except (TypeError, KeyError, ValueError, AttributeError):
             return refusal(Refusal.MALFORMED, f"body must be {{fragments: [0..{len(state.outer) - 1}], at_least: int}}")
-        if any(state.versions[f] < at_least for f in fragments):  # not there yet: a short answer, not the state
+        if any(state.versions[f] < at_least for f in fragments or range(len(state.versions))):
+            # not there yet: a short answer, not the state
             return {"ok": False, "reason": f"at versions {[state.versions[f] for f in fragments]}, below {at_least}",
                     "versions": list(state.versions)}
         payload = [t for f in fragments for t in (state.outer[f], state.momentum[f])]
