@@ -603,13 +603,7 @@ class Trainer:
         if found is None:
             return None
         checkpoint, state = found
-        try:
-            same = TrainSpec.from_swarm_config(state.get("swarm")).resolved() == self.spec.resolved()
-        except (TrainSpecError, ProtocolError, ValueError) as exc:
-            raise CheckpointError(f"{checkpoint.state_path} names a swarm this peer cannot run: {exc}") from None
-        if not same:
-            raise CheckpointError(f"{checkpoint.state_path} was written by a swarm training {state.get('swarm')}, "
-                                  f"not {self.spec.to_swarm_config()}")
+        self._check_checkpoint_swarm(checkpoint.state_path, state.get("swarm"))
         try:
             ledger = self._ledger_from(state.get(DATA_STATE))
         except ValueError as exc:
@@ -625,6 +619,16 @@ class Trainer:
         log.info("%s: resumed from %s at step %d", self.node.peer_id, checkpoint.state_path, self.proto.step_count)
         return checkpoint
 
+    def _check_checkpoint_swarm(self, path: Any, swarm: Any) -> None:
+        """CheckpointError unless the checkpoint at `path` was written by a swarm training what
+        this one trains (`swarm`: its swarm config)."""
+        try:
+            same = TrainSpec.from_swarm_config(swarm).resolved() == self.spec.resolved()
+        except (TrainSpecError, ProtocolError, ValueError) as exc:
+            raise CheckpointError(f"{path} names a swarm this peer cannot run: {exc}") from None
+        if not same:
+            raise CheckpointError(f"{path} was written by a swarm training {swarm}, not {self.spec.to_swarm_config()}")
+
     def resume_sharded(self) -> int | None:
         """A replica whose ranks each sync their own shard: load its newest checkpoint, whatever
         rank count wrote it (torch's distributed checkpoint reshards; a collective). Returns the
@@ -634,13 +638,7 @@ class Trainer:
         if found is None:
             return None
         path, manifest = found
-        try:
-            same = TrainSpec.from_swarm_config(manifest.get("swarm")).resolved() == self.spec.resolved()
-        except (TrainSpecError, ProtocolError, ValueError) as exc:
-            raise CheckpointError(f"{path} names a swarm this replica cannot run: {exc}") from None
-        if not same:
-            raise CheckpointError(f"{path} was written by a swarm training {manifest.get('swarm')}, "
-                                  f"not {self.spec.to_swarm_config()}")
+        self._check_checkpoint_swarm(path, manifest.get("swarm"))
         try:
             step = self._sharded_checkpoints.load(path, self.proto)
         except (ValueError, RuntimeError, ProtocolError) as exc:
