@@ -2,7 +2,8 @@
 
     python benchmarks/secagg.py [--only arithmetic|sampling] [--clients 1000] [--fraction 0.1]
 
-Arithmetic (`arithmetic` row). One round of `collectives/secagg.py` for 16 members over a
+Arithmetic (`arithmetic` rows, a 32-bit ring and an 8-bit one holding 4-bit values). One round
+of `collectives/secagg.py` for 16 members over a
 vector the size of `charlm` (110,464 values), SecAgg+'s graph (12 neighbours, threshold 7),
 2 members dropped after dealing their shares: each member's dealing and masking, the owner's
 unmasking, against an int4 encode and decode of the same vector in the same run (the codec a
@@ -37,7 +38,10 @@ def emit(row: dict[str, Any]) -> None:
     print(json.dumps(row), flush=True)
 
 
-def arithmetic(members: int = 16, size: int = CHARLM_VALUES, dropped: int = 2) -> None:
+RINGS = {32: IntegerCodec(), 8: IntegerCodec(scale=2.0, clip=3.5, bits=8)}  # 8 bits: 4-bit values, <= 18 members
+
+
+def arithmetic(bits: int, members: int = 16, size: int = CHARLM_VALUES, dropped: int = 2) -> None:
     rng = random.Random(0)
     degree = graph_degree(members)
     threshold = degree // 2 + 1
@@ -45,8 +49,8 @@ def arithmetic(members: int = 16, size: int = CHARLM_VALUES, dropped: int = 2) -
     verify = record_verifier({m: ident.verify_key for m, ident in ids.items()})
     round_id = b"bench"
     g = torch.Generator().manual_seed(0)
-    xs = {m: torch.randn(size, generator=g) * 0.01 for m in ids}
-    codec = IntegerCodec()
+    codec = RINGS[bits]
+    xs = {m: torch.randn(size, generator=g) * (0.01 if bits == 32 else 1.0) for m in ids}
     began = time.perf_counter()
     clients = {m: MaskingMember(m, tuple(ids), round_id, threshold, degree, ident.sign,
                                 random_bytes=lambda k: rng.randbytes(k)) for m, ident in ids.items()}
@@ -62,16 +66,16 @@ def arithmetic(members: int = 16, size: int = CHARLM_VALUES, dropped: int = 2) -
         began = time.perf_counter()
         masked[m] = clients[m].mask(codec.encode(xs[m]), adverts, verify)
         mask_times.append(time.perf_counter() - began)
-    owner = Unmasker(tuple(ids), round_id, threshold, degree, size)
+    owner = Unmasker(tuple(ids), round_id, threshold, degree, size, bits=bits)
     began = time.perf_counter()
     for m in sending:
         owner.receive(m, masked[m])
     revealed = [s for m in owner.survivors() for s in clients[m].reveal(owner.survivors())]
     total = owner.unmask(adverts, revealed, verify)
     unmask_s = time.perf_counter() - began
-    plain = np.zeros(size, dtype=np.uint32)
+    plain = np.zeros(size, dtype=codec.dtype)
     for m in sending:
-        plain = (plain + codec.encode(xs[m])).astype(np.uint32)
+        plain = (plain + codec.encode(xs[m])).astype(codec.dtype)
     int4 = from_spec("int4")
     began = time.perf_counter()
     for m in sending:
@@ -80,7 +84,8 @@ def arithmetic(members: int = 16, size: int = CHARLM_VALUES, dropped: int = 2) -
     int4_s = (time.perf_counter() - began) / len(sending)
     int4_bytes = packet.nbytes
     mask_s = sorted(mask_times)[len(mask_times) // 2]
-    emit({"row": "arithmetic", "members": members, "values": size, "neighbours": degree, "threshold": threshold,
+    emit({"row": "arithmetic", "ring_bits": bits, "scale": codec.scale, "clip": codec.clip, "members": members,
+          "values": size, "neighbours": degree, "threshold": threshold,
           "dropped": dropped, "exact": bool(np.array_equal(total, plain)),
           "deal_ms_per_member": round(deal_s * 1e3, 2), "mask_ms_per_member": round(mask_s * 1e3, 2),
           "unmask_ms_owner": round(unmask_s * 1e3, 2), "int4_encode_decode_ms": round(int4_s * 1e3, 2),
@@ -122,7 +127,8 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.1)
     args = parser.parse_args()
     if args.only in (None, "arithmetic"):
-        arithmetic()
+        for bits in RINGS:
+            arithmetic(bits)
     if args.only in (None, "sampling"):
         sampling(args.clients, args.fraction)
 

@@ -3,14 +3,14 @@ al. 2020): members mask their integer-encoded parts so that an owner learns only
 
 One round, one owner, members M (sorted ids), each with a part x_i of n values:
 
-    encode:   q_i = round(clip(x_i) * scale) mod 2^32             (integers; sums exact below 2^31)
+    encode:   q_i = round(clip(x_i) * scale) mod 2^b              (b = 8, 16 or 32; sums exact below 2^(b-1))
     graph:    N(i), k neighbours of i on a ring shuffled by the round's seed (symmetric)
     keys:     i draws a mask key pair (X25519) and a self-mask seed b_i; it publishes its
               public mask key and SHA-256 commitments to both secrets, signed
     shares:   i splits its mask private key and b_i into Shamir shares (threshold t, over the
               prime 2^521 - 1) and gives one of each to every neighbour, each share signed
     mask:     y_i = q_i + PRG(b_i) + sum_{j in N(i), j > i} PRG(s_ij) - sum_{j in N(i), j < i} PRG(s_ij)
-              mod 2^32, where s_ij = HKDF(X25519(i, j), round) (so s_ij = s_ji)
+              mod 2^b, where s_ij = HKDF(X25519(i, j), round) (so s_ij = s_ji)
     owner:    Y = sum of the y_i that came (survivors S, dropped D)
     unmask:   survivors reveal, for each neighbour, the b share if it survived and the mask-key
               share if it dropped (never both for one member); with t shares of each, the owner
@@ -47,7 +47,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 PRIME = 2**521 - 1  # a Mersenne prime: secrets of 32 bytes (< 2^256) are field elements as they are
-MODULUS = 2**32  # masked values live in Z / 2^32
+RINGS = {8: np.uint8, 16: np.uint16, 32: np.uint32}  # ring bits -> the unsigned type that wraps modulo it
 DOMAIN = b"starling-secagg-v1"
 
 
@@ -59,20 +59,28 @@ class SecAggError(ValueError):
 # ---------------------------------------------------------------------- integers
 @dataclass(frozen=True)
 class IntegerCodec:
-    """Fixed point in Z / 2^32: a value v becomes round(clip(v, -clip, clip) * scale). The sum of
-    m members' parts is exact while m * clip * scale < 2^31; what it loses is the rounding,
-    at most 0.5 / scale per value and member (`max_error`)."""
+    """Fixed point in Z / 2^bits: a value v becomes round(clip(v, -clip, clip) * scale). The sum
+    of m members' parts is exact while m * clip * scale < 2^(bits - 1); what it loses is the
+    rounding, at most 0.5 / scale per value and member (`max_error`). A part takes bits / 8
+    bytes a value: 8 bits fit 4-bit values of up to 16 members."""
 
     scale: float = 2.0**16
     clip: float = 8.0
+    bits: int = 32
 
     def __post_init__(self) -> None:
         if not (self.scale > 0 and self.clip > 0 and math.isfinite(self.scale * self.clip)):
             raise ValueError(f"scale and clip must be positive and finite, got {self.scale}, {self.clip}")
+        if self.bits not in RINGS:
+            raise ValueError(f"bits must be one of {sorted(RINGS)}, got {self.bits}")
+
+    @property
+    def dtype(self) -> Any:
+        return RINGS[self.bits]
 
     def capacity(self) -> int:
         """How many members' parts can be summed without wrapping."""
-        return max(0, int((2**31 - 1) // math.ceil(self.clip * self.scale)))
+        return max(0, int((2 ** (self.bits - 1) - 1) // math.ceil(self.clip * self.scale)))
 
     def max_error(self, members: int) -> float:
         """The largest error the rounding can put in one value of the decoded sum."""
@@ -82,30 +90,32 @@ class IntegerCodec:
         if not bool(torch.isfinite(x).all()):
             raise SecAggError("a part with NaN or infinite values cannot be encoded")
         q = torch.round(x.detach().to(torch.float64).clamp(-self.clip, self.clip) * self.scale).to(torch.int64)
-        return (q.cpu().numpy() % MODULUS).astype(np.uint32)
+        return (q.cpu().numpy() % 2**self.bits).astype(self.dtype)
 
     def decode_sum(self, total: np.ndarray, members: int) -> torch.Tensor:
         if members > self.capacity():
             raise SecAggError(f"{members} members' parts overflow 2^31 at scale {self.scale:g}, clip {self.clip:g}")
         signed = total.astype(np.int64)
-        signed[signed >= 2**31] -= MODULUS
+        signed[signed >= 2 ** (self.bits - 1)] -= 2**self.bits
         return torch.from_numpy(signed.astype(np.float64) / self.scale).to(torch.float32)
 
 
 def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a + b in Z / 2^32 (uint32 wraps), into `a` when it is writable."""
-    return np.add(a, b, out=a) if a.flags.writeable else np.add(a, b, dtype=np.uint32)
+    """a + b modulo the ring of a's unsigned type (it wraps), into `a` when it is writable."""
+    return np.add(a, b, out=a) if a.flags.writeable else np.add(a, b, dtype=a.dtype)
 
 
 def sub(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.subtract(a, b, out=a) if a.flags.writeable else np.subtract(a, b, dtype=np.uint32)
+    return np.subtract(a, b, out=a) if a.flags.writeable else np.subtract(a, b, dtype=a.dtype)
 
 
-def prg(seed: bytes, n: int, round_id: bytes = b"") -> np.ndarray:
-    """n uint32 values of the ChaCha20 stream keyed by HKDF(seed, round_id)."""
+def prg(seed: bytes, n: int, round_id: bytes = b"", dtype: Any = np.uint32) -> np.ndarray:
+    """n values of `dtype` (an unsigned ring type) from the ChaCha20 stream keyed by
+    HKDF(seed, round_id)."""
     key = HKDF(hashes.SHA256(), 32, salt=DOMAIN, info=b"prg" + round_id).derive(seed)
-    stream = Cipher(algorithms.ChaCha20(key, b"\0" * 16), None).encryptor().update(bytes(4 * n))
-    return np.frombuffer(stream, dtype="<u4")  # read-only: callers add it into their own arrays
+    kind = np.dtype(dtype).newbyteorder("<")
+    stream = Cipher(algorithms.ChaCha20(key, b"\0" * 16), None).encryptor().update(bytes(kind.itemsize * n))
+    return np.frombuffer(stream, dtype=kind)  # read-only: callers add it into their own arrays
 
 
 # ---------------------------------------------------------------------- Shamir
@@ -297,14 +307,17 @@ class MaskingMember:
         self.held[share.dealer, share.kind] = share
 
     def mask(self, part: np.ndarray, adverts: Mapping[str, Advert], verify: Verifier) -> np.ndarray:
-        """My integer part plus my masks (uint32, wrapping)."""
-        masked = add(part.astype(np.uint32, copy=True), prg(self._seed, part.size, self.round_id))
+        """My integer part plus my masks (in its ring, wrapping)."""
+        if part.dtype not in [np.dtype(t) for t in RINGS.values()]:
+            raise SecAggError(f"a part must be of a ring type ({', '.join(np.dtype(t).name for t in RINGS.values())}), "
+                              f"got {part.dtype}")
+        masked = add(part.copy(), prg(self._seed, part.size, self.round_id, part.dtype))
         for other in self.mine:
             advert = adverts.get(other)
             if advert is None:
                 raise SecAggError(f"no advertised mask key of {other}")
             advert.check(self.round_id, verify)
-            stream = prg(_pair_seed(self._key, advert.public, self.round_id), part.size, self.round_id)
+            stream = prg(_pair_seed(self._key, advert.public, self.round_id), part.size, self.round_id, part.dtype)
             masked = add(masked, stream) if other > self.member else sub(masked, stream)
         return masked
 
@@ -332,20 +345,23 @@ class Unmasker:
     threshold: int
     degree: int
     size: int
+    bits: int = 32  # the ring (IntegerCodec.bits)
     rejected: int = 0
 
     def __post_init__(self) -> None:
         self.members = tuple(sorted(self.members))
         self.graph = neighbours(self.members, self.degree, self.round_id)
         self.parts: dict[str, np.ndarray] = {}
+        self.dtype = np.dtype(RINGS[self.bits])
 
     def receive(self, member: str, masked: np.ndarray) -> None:
         if member not in self.members or member in self.parts:
             self.rejected += 1
             raise SecAggError(f"a part from {member}, who is not a member or sent one already")
-        if masked.dtype != np.uint32 or masked.shape != (self.size,):
+        if masked.dtype != self.dtype or masked.shape != (self.size,):
             self.rejected += 1
-            raise SecAggError(f"{member}'s part is {masked.dtype} of {masked.shape}, expected uint32 of {self.size}")
+            raise SecAggError(f"{member}'s part is {masked.dtype} of {masked.shape}, expected {self.dtype} of "
+                              f"{self.size}")
         self.parts[member] = masked
 
     def survivors(self) -> tuple[str, ...]:
@@ -372,13 +388,13 @@ class Unmasker:
                 self.rejected += 1
                 continue
             shares.setdefault((share.dealer, share.kind), {})[share.x] = share.y
-        total = np.zeros(self.size, dtype=np.uint32)
+        total = np.zeros(self.size, dtype=self.dtype)
         for part in self.parts.values():
             total = add(total, part)
         for member in alive:  # its self mask
             advert = self._advert(adverts, member, verify)
             seed = self._rebuild(shares, member, "seed", 32, advert.commit_seed)
-            total = sub(total, prg(seed, self.size, self.round_id))
+            total = sub(total, prg(seed, self.size, self.round_id, self.dtype))
         for gone in dropped:  # the pair masks its surviving neighbours added for it
             advert = self._advert(adverts, gone, verify)
             key = X25519PrivateKey.from_private_bytes(self._rebuild(shares, gone, "key", 32, advert.commit_key))
@@ -386,7 +402,7 @@ class Unmasker:
                 if other not in self.parts:
                     continue
                 stream = prg(_pair_seed(key, self._advert(adverts, other, verify).public, self.round_id), self.size,
-                             self.round_id)
+                             self.round_id, self.dtype)
                 # `other` added +stream if gone > other, else -stream
                 total = sub(total, stream) if gone > other else add(total, stream)
         return total

@@ -56,17 +56,25 @@ def run_round(members, adverts, verify, xs, codec, sending, size, degree, thresh
     return owner, owner.unmask(adverts, revealed, verify)
 
 
-def test_the_masked_sum_is_the_plain_sum_of_the_integer_parts():
+@pytest.mark.parametrize("codec", [IntegerCodec(), IntegerCodec(scale=256.0, clip=4.0, bits=16),
+                                   IntegerCodec(scale=2.0, clip=3.0, bits=8)], ids=["32", "16", "8"])
+def test_the_masked_sum_is_the_plain_sum_of_the_integer_parts(codec):
     n, size, degree, threshold = 10, 1000, 6, 3
     members, adverts, verify = swarm(n, degree, threshold)
-    xs, codec = parts(n, size), IntegerCodec()
-    _, total = run_round(members, adverts, verify, xs, codec, list(members), size, degree, threshold)
-    plain = np.zeros(size, dtype=np.uint32)
+    xs = parts(n, size)
+    owner = Unmasker(tuple(members), ROUND, threshold, degree, size, bits=codec.bits)
+    for m in members:
+        owner.receive(m, members[m].mask(codec.encode(xs[m]), adverts, verify))
+    total = owner.unmask(adverts, [s for m in owner.survivors() for s in members[m].reveal(owner.survivors())],
+                         verify)
+    assert total.dtype == codec.dtype and total.nbytes == size * codec.bits // 8
+    plain = np.zeros(size, dtype=codec.dtype)
     for x in xs.values():
-        plain = (plain + codec.encode(x)).astype(np.uint32)
+        plain = (plain + codec.encode(x)).astype(codec.dtype)
     assert np.array_equal(total, plain)
-    decoded = codec.decode_sum(total, n)
-    assert torch.allclose(decoded, sum(xs.values()), atol=codec.max_error(n))
+    assert codec.capacity() >= n  # the sum does not wrap: decoding gives the clipped, rounded sum
+    clipped = sum(x.clamp(-codec.clip, codec.clip) for x in xs.values())
+    assert torch.allclose(codec.decode_sum(total, n), clipped, atol=codec.max_error(n) + 1e-6)
 
 
 def test_one_masked_part_alone_is_uniform_bytes():
@@ -165,6 +173,8 @@ def test_parts_that_do_not_fit_are_refused_and_counted():
     assert owner.rejected == 2 and owner.survivors() == ()
     with pytest.raises(SecAggError, match="NaN"):
         IntegerCodec().encode(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match="bits must be one of"):
+        IntegerCodec(bits=12)
 
 
 def test_shamir_needs_threshold_shares_and_the_graph_is_sparse_and_symmetric():
@@ -179,3 +189,4 @@ def test_shamir_needs_threshold_shares_and_the_graph_is_sparse_and_symmetric():
     assert all(m in graph[o] for m, v in graph.items() for o in v)
     codec = IntegerCodec(scale=2.0**16, clip=8.0)
     assert codec.capacity() == 4095 and codec.max_error(16) == 16 * 0.5 / 2**16
+    assert IntegerCodec(scale=2.0, clip=3.5, bits=8).capacity() == 18  # 4-bit values of up to 18 members
