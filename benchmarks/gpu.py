@@ -76,6 +76,7 @@ from starling.tasks import get_task
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import diloco  # (benchmarks/diloco.py: the sparse run's codec, outer loop and targets)
+from alternating import alternate  # benchmarks/alternating.py
 
 SECTIONS = ("device", "codecs", "staging", "simulate", "state_device", "gpt", "sparse", "shards")
 SEED = 1  # every codec's seed: stochastic rounding, random-k and the sketches draw the same on each device
@@ -700,16 +701,8 @@ def shard_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
             trainer.agree(True)
             trainer.step(next(mine))
 
-        times: dict[str, list[float]] = {"fsdp2": [], "starling": []}
-        for i in range(plan.warmup_steps + steps):
-            for name, fn in ((("fsdp2", plain_step), ("starling", starling_step)) if i % 2 == 0 else
-                             (("starling", starling_step), ("fsdp2", plain_step))):
-                synchronize(device)
-                began = time.perf_counter()
-                fn()
-                synchronize(device)
-                if i >= plan.warmup_steps:
-                    times[name].append(time.perf_counter() - began)
+        times = alternate(("fsdp2", plain_step), ("starling", starling_step), steps, plan.warmup_steps,
+                          lambda: synchronize(device))
         loss = trainer.evaluate()["eval_loss"]
         fsdp2, starling = statistics.median(times["fsdp2"]), statistics.median(times["starling"])
         yield {"section": "shards", "ok": math.isfinite(loss), "device": str(device), "backend": backend,

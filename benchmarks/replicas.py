@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 import torch
+from alternating import alternate  # benchmarks/alternating.py, beside this script
 from torch.nn.parallel import DistributedDataParallel
 
 from starling.node import Node
@@ -89,14 +90,7 @@ def _rank(rank: int, ranks: int, init: str, steps: int, warmup: int, out: Any) -
         else:
             follower = ReplicaFollower(group)
             starling = follower.step  # type: ignore[assignment]
-        times: dict[str, list[float]] = {"ddp": [], "starling": []}
-        for i in range(warmup + steps):
-            for name, fn in ((("ddp", plain), ("starling", starling)) if i % 2 == 0 else
-                             (("starling", starling), ("ddp", plain))):
-                began = time.perf_counter()
-                fn()
-                if i >= warmup:
-                    times[name].append(time.perf_counter() - began)
+        times = alternate(("ddp", plain), ("starling", starling), steps, warmup)
         # what an outer merge costs inside the replica: the state broadcast
         model = trainer.proto.model if rank == 0 else follower.model  # type: ignore[union-attr]
         swarm = trainer.proto.eval_model() if rank == 0 else follower.swarm  # type: ignore[union-attr]

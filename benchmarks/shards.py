@@ -36,10 +36,10 @@ import multiprocessing
 import os
 import statistics
 import tempfile
-import time
 from typing import Any
 
 import torch
+from alternating import alternate  # benchmarks/alternating.py, beside this script
 
 from starling.node import Node
 from starling.protocols.optim import make_optimizer
@@ -99,14 +99,7 @@ def _rank(rank: int, ranks: int, init: str, steps: int, warmup: int, out: Any) -
             trainer.agree(True)
             trainer.step(next(batches))
 
-        times: dict[str, list[float]] = {"fsdp2": [], "starling": []}
-        for i in range(warmup + steps):
-            for name, fn in ((("fsdp2", plain), ("starling", starling)) if i % 2 == 0 else
-                             (("starling", starling), ("fsdp2", plain))):
-                began = time.perf_counter()
-                fn()
-                if i >= warmup:
-                    times[name].append(time.perf_counter() - began)
+        times = alternate(("fsdp2", plain), ("starling", starling), steps, warmup)
         out.put({"rank": rank, **times, "parameters": sum(p.numel() for p in task.make_model().parameters())})
     finally:
         node.close()
