@@ -76,7 +76,7 @@ from starling.tasks import get_task
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import diloco  # (benchmarks/diloco.py: the sparse run's codec, outer loop and targets)
-from alternating import alternate  # benchmarks/alternating.py
+from step_compare import alternate, plain_step  # benchmarks/step_compare.py
 
 SECTIONS = ("device", "codecs", "staging", "simulate", "state_device", "gpt", "sparse", "shards")
 SEED = 1  # every codec's seed: stochastic rounding, random-k and the sketches draw the same on each device
@@ -689,19 +689,15 @@ def shard_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
             fully_shard(unit, mesh=trainer.sharded.mesh)  # type: ignore[union-attr]
         fully_shard(plain, mesh=trainer.sharded.mesh)  # type: ignore[union-attr]
         optimizer = make_optimizer(list(plain.parameters()), "adamw", 1e-3, 0.0, 0.0)
-        batches, mine = task.batches(1, 2, 0), trainer.batches()
-        placement = Placement(device=device)
-
-        def plain_step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            task.loss(plain, placement.batch(next(batches), plain)).backward()
-            optimizer.step()
+        placement, mine = Placement(device=device), trainer.batches()
+        batches = (placement.batch(b, plain) for b in task.batches(1, 2, 0))
 
         def starling_step() -> None:
             trainer.agree(True)
             trainer.step(next(mine))
 
-        times = alternate(("fsdp2", plain_step), ("starling", starling_step), steps, plan.warmup_steps,
+        times = alternate(("fsdp2", plain_step(task, plain, optimizer, batches, set_to_none=True)),
+                          ("starling", starling_step), steps, plan.warmup_steps,
                           lambda: synchronize(device))
         loss = trainer.evaluate()["eval_loss"]
         fsdp2, starling = statistics.median(times["fsdp2"]), statistics.median(times["starling"])

@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import statistics
-import tempfile
 import time
 from typing import Any
 
 import torch
-from alternating import alternate  # benchmarks/alternating.py, beside this script
+from step_compare import alternate, plain_step, run_ranks  # benchmarks/step_compare.py, beside this script
 from torch.nn.parallel import DistributedDataParallel
 
 from starling.node import Node
@@ -59,14 +57,7 @@ def _plain_ddp(task: Any, rank: int, world: int, seed: int) -> Any:
     ddp = DistributedDataParallel(model)
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], config.inner_optimizer,
                                config.lr, config.inner_momentum, config.weight_decay)
-    batches = task.batches(rank, world, seed)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=False)
-        task.loss(ddp, next(batches)).backward()
-        optimizer.step()
-
-    return step
+    return plain_step(task, ddp, optimizer, task.batches(rank, world, seed))
 
 
 def _rank(rank: int, ranks: int, init: str, steps: int, warmup: int, out: Any) -> None:
@@ -113,15 +104,7 @@ def _rank(rank: int, ranks: int, init: str, steps: int, warmup: int, out: Any) -
 
 
 def inner_steps(ranks: int, steps: int, warmup: int) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    init = f"file://{tempfile.mkdtemp(prefix='starling-bench-')}/rendezvous"
-    procs = [ctx.Process(target=_rank, args=(r, ranks, init, steps, warmup, out)) for r in range(ranks)]
-    for proc in procs:
-        proc.start()
-    by_rank = {got["rank"]: got for got in (out.get(timeout=600) for _ in procs)}
-    for proc in procs:
-        proc.join(timeout=30)
+    by_rank = run_ranks(_rank, ranks, steps, warmup)
     got = by_rank[0]
     ddp, starling = statistics.median(got["ddp"]), statistics.median(got["starling"])
     # every rank's ratio: a follower's step includes its wait for the leader's order

@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import statistics
-import tempfile
 from typing import Any
 
 import torch
-from alternating import alternate  # benchmarks/alternating.py, beside this script
+from step_compare import alternate, plain_step, run_ranks  # benchmarks/step_compare.py, beside this script
 
 from starling.node import Node
 from starling.protocols.optim import make_optimizer
@@ -72,14 +70,7 @@ def _plain_fsdp2(task: Any, mesh: Any, rank: int, world: int) -> Any:
     fully_shard(model, mesh=mesh)
     optimizer = make_optimizer(list(model.parameters()), config.inner_optimizer, config.lr, config.inner_momentum,
                                config.weight_decay)
-    batches = task.batches(rank, world, 0)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        task.loss(model, next(batches)).backward()
-        optimizer.step()
-
-    return step
+    return plain_step(task, model, optimizer, task.batches(rank, world, 0), set_to_none=True)
 
 
 def _rank(rank: int, ranks: int, init: str, steps: int, warmup: int, out: Any) -> None:
@@ -107,15 +98,7 @@ def _rank(rank: int, ranks: int, init: str, steps: int, warmup: int, out: Any) -
 
 
 def inner_steps(ranks: int, steps: int, warmup: int) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    init = f"file://{tempfile.mkdtemp(prefix='starling-bench-')}/rendezvous"
-    procs = [ctx.Process(target=_rank, args=(r, ranks, init, steps, warmup, out)) for r in range(ranks)]
-    for proc in procs:
-        proc.start()
-    by_rank = {got["rank"]: got for got in (out.get(timeout=600) for _ in procs)}
-    for proc in procs:
-        proc.join(timeout=30)
+    by_rank = run_ranks(_rank, ranks, steps, warmup)
     ratios = {r: statistics.median(g["starling"]) / statistics.median(g["fsdp2"]) for r, g in sorted(by_rank.items())}
     got = by_rank[0]
     emit({"row": "inner", "ranks": ranks, "steps": steps, "parameters": got["parameters"], **TASK_OPTIONS,
