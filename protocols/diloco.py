@@ -232,7 +232,6 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         """The inner optimizer (the paper's name for it): the one that takes the local steps."""
         return self.optimizer
 
-    # ------------------------------------------------------------------ training thread
     # ------------------------------------------------------------------ client sampling
     def round_members(self, k: int) -> tuple[str, ...]:
         """The members of round k: every live member, or with client sampling the ones drawn
@@ -298,6 +297,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             fragment.take_outer()
         self._publish()
 
+    # ------------------------------------------------------------------ training thread
     def step(self, loss_fn: LossFn) -> StepReport:
         if self.config.samples:
             if not self.sampled():
@@ -531,7 +531,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             return refusal(Refusal.MALFORMED, f"body must be {{fragments: [0..{len(state.outer) - 1}], at_least: int}}")
         if any(state.versions[f] < at_least for f in fragments or range(len(state.versions))):
             # not there yet: a short answer, not the state
-            return {"ok": False, "reason": f"at versions {[state.versions[f] for f in fragments]}, below {at_least}",
+            return {"ok": False, "reason": f"at versions {list(state.versions)}, not yet {at_least}",
                     "versions": list(state.versions)}
         payload = [t for f in fragments for t in (state.outer[f], state.momentum[f])]
         return Reply({"ok": True, "step": state.step, "versions": list(state.versions), "fragments": fragments},

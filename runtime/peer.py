@@ -51,9 +51,9 @@ class SimPeer:
                                  join_deadline_s=config.join_deadline_s, transport=transport)
         # With every rank syncing its own shard, each rank of a replica is a node of its own.
         self.shard_sync = group is not None and config.shard_sync
+        shard_rank = group.rank if self.shard_sync and group is not None else 0
         if identity is None:
-            identity = seeded_identity(config.seed, rank + (group.rank * SHARD_IDENTITY_STRIDE if self.shard_sync
-                                                            and group is not None else 0))
+            identity = seeded_identity(config.seed, rank + shard_rank * SHARD_IDENTITY_STRIDE)
         self.node = Node(identity, config=node_config)
         self.emulator: LinkEmulator | None = None
         self.crashed = crashed if crashed is not None else set()

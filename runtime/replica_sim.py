@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
+from starling.common.memory import peak_rss, peak_rss_reset
 from starling.runtime.modelspec import state_digest
 from starling.runtime.peer import SimPeer
 from starling.runtime.replica import ReplicaGroup, follow
-from starling.runtime.shard_sync import held_bytes, peak_rss, peak_rss_reset
+from starling.runtime.shard_sync import held_bytes
 from starling.runtime.sim_processes import ProgressFn
 from starling.runtime.simconfig import SimConfig, SimError, wait_for
 from starling.runtime.summary import PeerResult

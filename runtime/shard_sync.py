@@ -266,33 +266,6 @@ def held_bytes(proto: Any) -> dict[str, int]:
             "feedback": size(proto.private_state())}
 
 
-def peak_rss_reset() -> int | None:
-    """Reset this process's peak resident memory to what it holds now, and return that (bytes;
-    None where /proc cannot say, as off Linux)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _status_bytes("VmRSS")
-    except OSError:
-        return None
-
-
-def peak_rss() -> int | None:
-    """This process's peak resident memory since the last `peak_rss_reset` (bytes), or None."""
-    try:
-        return _status_bytes("VmHWM")
-    except OSError:
-        return None
-
-
-def _status_bytes(field: str) -> int | None:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
 # ---------------------------------------------------------------------- finding the sub-swarms
 # Every rank of a replica serves this blob: the signed peer records of all its replica's ranks
 # (msgpack, their wire form, by rank). A replica that joins knows only its seeds (other
@@ -445,30 +418,15 @@ class ShardedCheckpoints:
         if self.sharded.group.rank == 0:
             (path / self.MANIFEST).write_text(json.dumps({"step": proto.step_count, "count": count,
                                                           "ranks": self.sharded.group.size, "swarm": dict(spec)}))
-            for old in self._complete()[self.keep:]:
+            for old in _complete(self.root)[self.keep:]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
         return str(path)
 
     # ------------------------------------------------------------------ load
-    def _complete(self) -> list[Any]:
-        """Complete checkpoint directories, newest first."""
-        if not self.root.is_dir():
-            return []
-        return sorted((p for p in self.root.glob("step-*") if (p / self.MANIFEST).is_file()), reverse=True)
-
     def latest(self) -> tuple[str, dict[str, Any]] | None:
         """The newest complete checkpoint (rank 0 looks; every rank gets its answer: a collective)."""
-        import json
-
-        found: list[Any] = [None]
-        if self.sharded.group.rank == 0:
-            for path in self._complete():
-                try:
-                    found[0] = (str(path), json.loads((path / self.MANIFEST).read_text()))
-                    break
-                except (OSError, ValueError) as exc:
-                    log.warning("skipping checkpoint %s: %s", path, exc)
+        found: list[Any] = [newest_sharded_checkpoint(self.root) if self.sharded.group.rank == 0 else None]
         dist.broadcast_object_list(found, 0)
         return found[0]
 
@@ -518,17 +476,33 @@ class ShardedCheckpoints:
         return step
 
 
-def sharded_checkpoint_swarm(directory: Any) -> dict[str, Any] | None:
-    """The swarm config the newest complete distributed checkpoint in `directory` names, or None."""
-    import json
+def _complete(root: Any) -> list[Any]:
+    """The complete distributed-checkpoint directories under `root`, newest first."""
     import pathlib
 
-    root = pathlib.Path(directory)
-    for path in sorted(root.glob("step-*"), reverse=True) if root.is_dir() else ():
+    root = pathlib.Path(root)
+    return sorted((p for p in root.glob("step-*") if (p / ShardedCheckpoints.MANIFEST).is_file()),
+                  reverse=True) if root.is_dir() else []
+
+
+def newest_sharded_checkpoint(root: Any) -> tuple[str, dict[str, Any]] | None:
+    """(directory, manifest) of the newest complete distributed checkpoint under `root` whose
+    manifest reads, or None."""
+    import json
+
+    for path in _complete(root):
         try:
-            swarm = json.loads((path / ShardedCheckpoints.MANIFEST).read_text()).get("swarm")
-        except (OSError, ValueError, AttributeError):
+            manifest = json.loads((path / ShardedCheckpoints.MANIFEST).read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("skipping checkpoint %s: %s", path, exc)
             continue
-        if isinstance(swarm, dict):
-            return swarm
+        if isinstance(manifest, dict):
+            return str(path), manifest
     return None
+
+
+def sharded_checkpoint_swarm(directory: Any) -> dict[str, Any] | None:
+    """The swarm config the newest complete distributed checkpoint in `directory` names, or None."""
+    found = newest_sharded_checkpoint(directory)
+    swarm = found[1].get("swarm") if found is not None else None
+    return swarm if isinstance(swarm, dict) else None
