@@ -44,7 +44,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 PRIME = 2**521 - 1  # a Mersenne prime: secrets of 32 bytes (< 2^256) are field elements as they are
 RINGS = {8: np.uint8, 16: np.uint16, 32: np.uint32}  # ring bits -> the unsigned type that wraps modulo it
@@ -278,8 +278,6 @@ class MaskingMember:
                              self.sign(_keys_bytes(self.round_id, self.member, public, ck, cs)))
 
     def _key_bytes(self) -> bytes:
-        from cryptography.hazmat.primitives.serialization import NoEncryption, PrivateFormat
-
         return self._key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
 
     def deal(self) -> list[Share]:
@@ -429,11 +427,6 @@ class Unmasker:
             raise SecAggError(f"{member}'s {kind} rebuilt from its shares breaks its commitment: a wrong share or "
                               "mask seed (the round is dropped)")
         return secret
-
-
-def identity_signer(identity: Any) -> Signer:
-    """Sign with a node identity's Ed25519 key."""
-    return identity.sign
 
 
 def record_verifier(keys: Mapping[str, bytes]) -> Verifier:
