@@ -59,6 +59,9 @@ class ShardGroup:
     closing: bool = False  # being averaged: it takes no more parts
     # `reply` is set (a robust average, computed off the loop, comes after `done`)
     replied: asyncio.Event = field(default_factory=asyncio.Event)
+    # False: parts are kept, never summed here (masked integer parts: their owner sums them in
+    # their ring once the group closes, `collectives/secure.py`)
+    summing: bool = True
 
     def add(self, sender: str, part: torch.Tensor, owned: bool = False, weight: float = 1.0) -> None:
         """`owned`: nobody else holds `part` (it may become a lone part's sum as it is)."""
@@ -67,7 +70,8 @@ class ShardGroup:
         self.weights[sender] = weight
         if owned:
             self.owned.add(sender)
-        self._fold(closing=False)
+        if self.summing:
+            self._fold(closing=False)
 
     def _fold(self, closing: bool) -> None:
         """Add the parts whose turn has come; `closing`: skip the members that sent none."""

@@ -65,6 +65,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from starling.collectives.accumulator import ShardGroup, Verdict
@@ -83,6 +84,7 @@ from starling.collectives.defences import OUTLIER, Defences, OutlierWatch, Repla
 from starling.collectives.layout import DEFAULT_CHUNK_NUMEL, chunk_layout
 from starling.collectives.outcome import ReduceResult, ReduceTimeouts
 from starling.collectives.requests import request_patiently
+from starling.collectives.secure import SecureAggregation, SecureStage
 from starling.collectives.staging import HostStaging, to_device
 from starling.common.hashing import derive_seed, peer_hash
 from starling.compressors import Packet, decode
@@ -196,7 +198,8 @@ class ShardedReducer:
                  timeouts: ReduceTimeouts | None = None, is_open: Callable[[], bool] = lambda: True,
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, min_shard_numel: int = 1,
                  part_feedback: bool = True, average_compressor: str | None = None,
-                 part_feedback_decay: float = 1.0, defences: Defences | None = None) -> None:
+                 part_feedback_decay: float = 1.0, defences: Defences | None = None,
+                 secure: SecureAggregation | None = None) -> None:
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         if min_shard_numel < 1:
@@ -252,6 +255,16 @@ class ShardedReducer:
         # caller's thread, read by the network thread), and what they kept (network thread)
         self._keeping: dict[int, frozenset[str]] = {}
         self._kept: dict[int, dict[str, list[tuple[int, int, int, int, _Signed]]]] = {}
+        # Secure aggregation (collectives/secure.py): parts masked in a ring, owners learn only sums
+        self._secure: SecureStage | None = None
+        if secure is not None:
+            if compressor != "none" or average_compressor not in (None, "none"):
+                raise ValueError(f"{topic}: secure aggregation encodes parts itself; the compressor must be 'none'")
+            if self.defences.aggregator.robust or self._replicated:
+                raise ValueError(f"{topic}: secure aggregation hides the parts that a robust aggregator or "
+                                 "replicated owners must see")
+            self._secure = SecureStage(node, topic, secure, self._refuse, self._owner_set, self._resolve_view,
+                                       reveal_timeout_s=self.timeouts.reply_grace_s / 2)
         node.on(topic, self._on_part)
 
     # ------------------------------------------------------------------ caller's thread
@@ -286,6 +299,8 @@ class ShardedReducer:
                              f"got {vector.dtype} of shape {tuple(vector.shape)}")
         if len(members) <= 1:
             return PendingReduce(self, t, members, vector, None)
+        if self._secure is not None:
+            return self._start_secure(t, members, vector, weight, recipe)
         me = self.node.peer_id
         lend = lend and vector.is_contiguous()  # a strided vector's slices are not wire buffers
         # A vector on an accelerator is encoded there; only the encoded bytes cross to the host,
@@ -328,6 +343,40 @@ class ShardedReducer:
         wait_s = _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
         round_ = self._round(t, members, slots, own_private=not lend or on_device, weight=weight, recipe=recipe)
         return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s, lent)
+
+    def _start_secure(self, t: int, members: tuple[str, ...], vector: torch.Tensor, weight: float | None,
+                      recipe: Recipe | None) -> PendingReduce:
+        """`start` with secure aggregation: the whole vector masked once in its ring, each
+        chunk sent as the ring's 32-bit words (bytes only the owner's sum makes sense of), my
+        own part masked like the others (my pair masks must cancel in my own shard's sum too)."""
+        assert self._secure is not None
+        if recipe is not None:
+            raise ValueError(f"{self.topic}: secure aggregation carries its own recipe; audits cannot see its parts")
+        me, view = self.node.peer_id, view_digest(members)
+        masked = self._secure.mask(t, members, view, vector, weight)
+        ring = torch.from_numpy(masked.ring.view(np.int32)).view(torch.float32)  # the same bytes, a lossless frame
+        slots: list[_Slot] = []
+        for i, (chunks, owners) in enumerate(self._shards(members, t)):
+            for c, (lo, hi) in enumerate(chunks):
+                own = ring[lo:hi] if me in owners else None
+                packet = self.codec.encode(ring[lo:hi], copy=False) if any(o != me for o in owners) else None
+                slot = _Slot(i, c, owners, lo, hi - lo, own, packet)
+                if packet is not None:
+                    slot.sig = self._contributions.sign_part(t, i, c, view, weight, packet, masked.recipe)
+                slots.append(slot)
+        wait_s = _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
+        round_ = self._round(t, members, slots, own_private=True, weight=weight, recipe=masked.recipe,
+                             deals=masked.deals)
+        return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s)
+
+    def _owner_set(self, members: tuple[str, ...], t: int) -> set[str]:
+        return {o for _, owners in self._shards(members, t) for o in owners}
+
+    def _resolve_view(self, view: bytes) -> tuple[str, ...] | None:
+        try:
+            return self._known_views.resolve(view, self._current_view)
+        except ValueError:
+            return None
 
     @property
     def _replicated(self) -> bool:
@@ -459,10 +508,12 @@ class ShardedReducer:
     # ------------------------------------------------------------------ network thread
     async def _round(self, t: int, members: tuple[str, ...], slots: list[_Slot],
                      own_private: bool, weight: float | None = None,
-                     recipe: Recipe | None = None) -> list[_ShardResult]:
+                     recipe: Recipe | None = None, deals: Mapping[str, Any] | None = None) -> list[_ShardResult]:
         me = self.node.peer_id
         self._latest_round = max(self._latest_round, t)
         view = self._known_views.add(members)  # my parts name it by digest; owners know it from theirs
+        if deals and self._secure is not None:  # my mask seed's shares go to my neighbours before my parts
+            await self._secure.deal(deals)
         jobs = []
         for slot in slots:
             for owner in slot.owners:
@@ -703,7 +754,8 @@ class ShardedReducer:
         if group is None:
             others = {p for p in members if self._views.get((t, p), members) != members
                       or self._peer_round.get(p, t) > t}
-            group = ShardGroup(members, set(members) - self._gone - others - self._skipped.get(t, frozenset()))
+            group = ShardGroup(members, set(members) - self._gone - others - self._skipped.get(t, frozenset()),
+                               summing=self._secure is None)
             self._groups[key] = group
             # closes it round_timeout_s after its first part, in awake time: a part that came
             # while the loop was stalled is read before the group gives up on it
@@ -737,6 +789,9 @@ class ShardedReducer:
         t, members, i, c = key
         lo, hi = self._shards(members, t)[i][0][c]
         aggregator = self.defences.aggregator
+        if self._secure is not None:
+            self._spawn(self._finish_secure(key, group, (lo, hi)))
+            return
         if not aggregator.robust:
             self._answer(key, group, (lo, hi), group.average)
             return
@@ -753,9 +808,33 @@ class ShardedReducer:
                 self._answer(key, group, (lo, hi), failed)
             else:
                 self._answer(key, group, (lo, hi), lambda: result)
-        task = asyncio.ensure_future(off_thread())
+        self._spawn(off_thread())
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
         self._averaging.add(task)
         task.add_done_callback(self._averaging.discard)
+
+    async def _finish_secure(self, key: GroupKey, group: ShardGroup, bounds: tuple[int, int]) -> None:
+        """Unmask a closed group's sum with its survivors' revealed shares (collectives/secure.py),
+        then answer as any group does; a group that cannot be unmasked answers a refusal, and
+        every member keeps its local values for the chunk."""
+        assert self._secure is not None
+        t, members, i, c = key
+        recipes = {sender: signed.recipe for sender, signed in group.signed.items()}
+        try:
+            average, shares = await self._secure.unmask(t, members, view_digest(members), *bounds, group.received,
+                                                         group.weights, recipes)
+        except Exception as exc:
+            self._secure.dropped += 1
+            self._refuse.count("secagg_dropped", f"round {t} shard {i} chunk {c}: {exc}")
+            failure = exc
+
+            def failed() -> Any:
+                raise failure
+            self._answer(key, group, bounds, failed)
+        else:
+            self._answer(key, group, bounds, lambda: (average, shares, Verdict()))
 
     def _answer(self, key: GroupKey, group: ShardGroup, bounds: tuple[int, int],
                 average: Callable[[], tuple[torch.Tensor, dict[str, float] | None, Verdict]]) -> None:

@@ -109,13 +109,17 @@ def sub(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.subtract(a, b, out=a) if a.flags.writeable else np.subtract(a, b, dtype=a.dtype)
 
 
-def prg(seed: bytes, n: int, round_id: bytes = b"", dtype: Any = np.uint32) -> np.ndarray:
-    """n values of `dtype` (an unsigned ring type) from the ChaCha20 stream keyed by
-    HKDF(seed, round_id)."""
+def prg(seed: bytes, n: int, round_id: bytes = b"", dtype: Any = np.uint32, offset: int = 0) -> np.ndarray:
+    """Values offset .. offset + n of `dtype` (an unsigned ring type) from the ChaCha20 stream
+    keyed by HKDF(seed, round_id): an owner draws its shard's slice of a member's mask without
+    the rest (the stream seeks by its block counter)."""
     key = HKDF(hashes.SHA256(), 32, salt=DOMAIN, info=b"prg" + round_id).derive(seed)
     kind = np.dtype(dtype).newbyteorder("<")
-    stream = Cipher(algorithms.ChaCha20(key, b"\0" * 16), None).encryptor().update(bytes(kind.itemsize * n))
-    return np.frombuffer(stream, dtype=kind)  # read-only: callers add it into their own arrays
+    start = kind.itemsize * offset
+    block, skip = divmod(start, 64)  # ChaCha20's blocks are 64 bytes; its 16-byte nonce starts with the counter
+    nonce = block.to_bytes(4, "little") + b"\0" * 12
+    stream = Cipher(algorithms.ChaCha20(key, nonce), None).encryptor().update(bytes(skip + kind.itemsize * n))
+    return np.frombuffer(stream, dtype=kind, offset=skip)  # read-only: callers add it into their own arrays
 
 
 # ---------------------------------------------------------------------- Shamir

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
     Ed25519PublicKey,
 )
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from zmq.utils import z85
 
 __all__ = [
@@ -141,6 +141,12 @@ class Identity:
 
     def sign(self, data: bytes) -> bytes:
         return self.signing_key.sign(bytes(data))
+
+    def agree(self, curve_public: bytes) -> bytes:
+        """The raw X25519 secret shared with the owner of `curve_public` (ValueError for a
+        key that agrees on nothing: a small-order point gives all zeros)."""
+        return X25519PrivateKey.from_private_bytes(self.curve_secret).exchange(
+            X25519PublicKey.from_public_bytes(bytes(curve_public)))
 
     def __repr__(self) -> str:  # never print secrets
         return f"Identity(peer_id={self.peer_id!r})"

@@ -321,6 +321,16 @@ class Node:
         info = self._table.get(peer_id)
         return info is None or info.record.reachable
 
+    def key_agreement(self, peer_id: str) -> bytes | None:
+        """The X25519 secret this node shares with `peer_id`: its own curve key agreed with the
+        curve key of the peer's signed record (32 bytes, the same at both ends). Derive a key
+        per purpose from it (HKDF), never use it as it is. None for a peer not in the table
+        (callable from any thread)."""
+        info = self._table.get(peer_id)
+        if info is None:
+            return None
+        return self.identity.agree(info.record.curve_key)
+
     def leave(self) -> None:
         """Announce a graceful leave to every live peer, then close."""
         if self._state == "running":

@@ -70,6 +70,7 @@ class Refusal(str, enum.Enum):
     BAD_SIGNATURE = "bad_signature"  # a contribution its sender's key did not sign (altered, or not its own)
     OVERWEIGHT = "overweight"  # a contribution claiming more weight than the swarm allows
     REPLAYED = "replayed"  # a contribution the same as one its author sent in an earlier round
+    CONFLICT = "conflict"  # a request at odds with what this peer answered before (a secret's other half)
 
 
 class RpcError(Exception):

@@ -59,6 +59,10 @@ class AllReduceConfig(ProtocolConfig):
     # their signed averages; parts cost that many times the bytes)
     aggregator: str = "mean"
     owner_replication: int = 1
+    # Secure aggregation (collectives/secure.py, docs/security.md): "on" masks every part so that
+    # an owner learns only the sum of its shard ("on:scale=65536,clip=8,threshold=0.5"); needs
+    # compressor "none", the plain mean and one owner per shard; "off": parts in the clear
+    secure_aggregation: str = "off"
     # Audits by recomputation (protocols/audit.py): each round, each member audits one other with
     # this probability, recomputing its gradient on its stated batch (one more forward and backward
     # per audit, and a hash of the parameters every step); 0: off. Needs a lossless compressor and

@@ -70,6 +70,10 @@ class DiLoCoConfig(ProtocolConfig):
     # their signed averages; parts cost that many times the bytes)
     aggregator: str = "mean"
     owner_replication: int = 1
+    # Secure aggregation (collectives/secure.py, docs/security.md): "on" masks every part so that
+    # an owner learns only the sum of its shard ("on:scale=65536,clip=8,threshold=0.5"); needs
+    # compressor "none", the plain mean and one owner per shard; "off": parts in the clear
+    secure_aggregation: str = "off"
     # With a defence on, a part may claim at most weight_cap * sync_every inner steps (late
     # carries included): the most an honest peer computes in a round. Raise it for time-based
     # rounds (sync_every_s) whose fastest peer runs more than that many steps in a window.

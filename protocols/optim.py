@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from starling.collectives import ReduceTimeouts
 from starling.collectives.codec import check_compressor_spec
 from starling.collectives.defences import Defences
+from starling.collectives.secure import SecureAggregation, check_secure_config
 from starling.protocols.base import ProtocolError
 
 
@@ -23,6 +25,15 @@ def check_reduce_config(config: Any, optimizer: str = "optimizer", momentum: str
     check_round_timeouts(config)
     check_compressor_spec(config.compressor)
     make_defences(config)
+    check_secure_config(config)
+
+
+def make_secure(config: Any, unit: float = 1.0) -> SecureAggregation | None:
+    """The secure aggregation a config asks for (None: off), its parts' weights scaled against
+    `unit` (the most weight a part carries: 1 for a gradient, the round's step budget for a
+    pseudo-gradient)."""
+    secure = SecureAggregation.parse(config.secure_aggregation)
+    return None if secure is None else replace(secure, unit=unit)
 
 
 def make_defences(config: Any, max_weight: float | None = None) -> Defences:

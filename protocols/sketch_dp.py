@@ -108,6 +108,10 @@ class SketchDPConfig(ProtocolConfig):
     # their signed averages; parts cost that many times the bytes)
     aggregator: str = "mean"
     owner_replication: int = 1
+    # Secure aggregation (collectives/secure.py, docs/security.md): "on" masks every part so that
+    # an owner learns only the sum of its shard ("on:scale=65536,clip=8,threshold=0.5"); needs
+    # compressor "none", the plain mean and one owner per shard; "off": parts in the clear
+    secure_aggregation: str = "off"
 
     def __post_init__(self) -> None:
         sketch_codec(self.sketch)

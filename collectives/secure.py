@@ -1,0 +1,508 @@
+"""Secure aggregation inside a sharded all-reduce: each shard's owner learns only the sum of
+its members' parts (SecAgg+ over `collectives/secagg.py`'s arithmetic).
+
+One round t over members M (the view every part of a group names), per member i:
+
+    q_i   = round(clip(x_i * w_i / unit) * scale) mod 2^32          the whole vector, once
+    N(i)  = neighbours(M, k, rid)                                   rid = H(topic, t, view)
+    s_ij  = HKDF(X25519(i's curve key, j's curve key), rid)         from the signed peer records
+    b_i   = 32 fresh random bytes
+    y_i   = q_i + PRG(b_i) + sum_{j in N(i)} (+PRG(s_ij) if j > i else -PRG(s_ij))
+    deal  Shamir shares of b_i (threshold t) to N(i), each signed by i and sealed for its
+          holder (ChaCha20-Poly1305 under a key from X25519(i, j))
+    send  y_i[shard] to each shard's owner, as the reducer sends any part, with the signed
+          recipe (b"secagg", H(rid, b_i), H(rid, H(s_ij) for j in N(i)))
+
+An owner closes a group as usual (all parts in, or its timeout) with survivors S, dropped
+D = M - S. It asks each survivor j for its shares of b_n (n in N(j) & S) and its pair seeds
+s_jd (d in N(j) & D), with j's list of pair-seed hashes; rebuilds each b_n from t shares
+(dealer-signed, checked against n's signed commitment), checks each s_jd against j's signed
+hashes, and removes the masks from its slice of the stream:
+
+    sum_{i in S} q_i = sum y_i - sum_{n in S} PRG(b_n) - sum_{d in D, j in N(d) & S} (+-PRG(s_jd))
+
+The average is that sum decoded, times unit, over the survivors' weights.
+
+A holder answers only an owner of the round, only for its own neighbours, and never reveals
+both a member's self-mask share and its pair seed in one round, to any owner (a member one
+owner counts alive and another dropped costs the second owner's shard its average, not the
+member its privacy). An owner that cannot unmask (a survivor with fewer than t shares, a share
+or seed that breaks its commitment) drops its group: every member keeps its local values for
+that chunk, and the owner counts it.
+
+What it does not protect: a member's weight travels in clear, as with every part; the average
+every member receives is the survivors' mean, so with two members each learns the other's
+part (as any aggregate does).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from starling.collectives.secagg import (
+    DOMAIN,
+    PRIME,
+    IntegerCodec,
+    SecAggError,
+    Share,
+    add,
+    combine_shares,
+    graph_degree,
+    neighbours,
+    point_of,
+    prg,
+    split_secret,
+    sub,
+)
+from starling.node.rpc import Refusal, Refuser, refusal
+
+if TYPE_CHECKING:
+    from starling.node import Node
+
+log = logging.getLogger(__name__)
+
+RECIPE_TAG = b"secagg"
+_KEEP_ROUNDS = 8  # rounds whose secrets, shares and reveals a peer keeps (late owners ask within them)
+_SHARE_BYTES = 66  # a field element of 2^521 - 1
+_MAX_LIST = 1 << 16  # peer ids one reveal request may name
+
+
+@dataclass(frozen=True)
+class SecureAggregation:
+    """The secure stage's settings, which every peer of a swarm must share.
+
+    `scale`, `clip`: the fixed-point encoding (`IntegerCodec`, modulo 2^32): a value is clipped
+    to +-clip and rounded to 1/scale; the sum of m parts is exact while m * clip * scale <
+    2^31 (scale 2^16 and clip 8: 4095 members), and the average's rounding error is at most
+    0.5 / scale. `threshold`: the fraction of a member's neighbours whose shares rebuild its
+    secrets (SecAgg+'s t = ceil(threshold * k), at least 1); the secrets stay hidden from
+    fewer than t colluding neighbours, and a survivor needs t of its neighbours alive.
+    `degree`: neighbours per member (0: SecAgg+'s ~3 log2 n, everyone up to 8 members).
+    `unit`: the weight a part is scaled against (w / unit), set by the protocol from the most
+    weight a part can carry, so that weighted parts stay within the clip."""
+
+    scale: float = 2.0**16
+    clip: float = 8.0
+    threshold: float = 0.5
+    degree: int = 0
+    unit: float = 1.0
+
+    def __post_init__(self) -> None:
+        IntegerCodec(self.scale, self.clip, 32)  # raises for a bad scale or clip
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"secure aggregation's threshold must be in (0, 1], got {self.threshold}")
+        if self.degree < 0 or self.degree == 1:
+            raise ValueError(f"secure aggregation's degree must be 0 (automatic) or >= 2, got {self.degree}")
+        if not (math.isfinite(self.unit) and self.unit > 0):
+            raise ValueError(f"secure aggregation's unit must be a finite number > 0, got {self.unit}")
+
+    @classmethod
+    def parse(cls, spec: str) -> SecureAggregation | None:
+        """"off" (None), "on", or "on:scale=65536,clip=8,threshold=0.5,degree=0"."""
+        if not isinstance(spec, str):
+            raise ValueError(f"secure_aggregation must be a string, got {spec!r}")
+        name, _, params = spec.partition(":")
+        if name == "off" and not params:
+            return None
+        if name != "on":
+            raise ValueError(f"secure_aggregation must be 'off' or 'on[:scale=S,clip=C,threshold=T,degree=K]', "
+                             f"got {spec!r}")
+        kwargs: dict[str, Any] = {}
+        for item in filter(None, params.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq or key not in ("scale", "clip", "threshold", "degree"):
+                raise ValueError(f"secure_aggregation: unknown setting {item!r} (scale, clip, threshold, degree)")
+            try:
+                kwargs[key] = int(value) if key == "degree" else float(value)
+            except ValueError:
+                raise ValueError(f"secure_aggregation: {key} must be a number, got {value!r}") from None
+        return cls(**kwargs)
+
+    @property
+    def codec(self) -> IntegerCodec:
+        return IntegerCodec(self.scale, self.clip, 32)
+
+    def shape(self, members: int) -> tuple[int, int]:
+        """(k, t) for a round of `members`: neighbours per member and the share threshold."""
+        k = min(members - 1, self.degree) if self.degree else graph_degree(members)
+        return k, max(1, math.ceil(self.threshold * k))
+
+
+def check_secure_config(config: Any) -> SecureAggregation | None:
+    """For `__post_init__` of the configs of protocols that offer it: the parsed setting, or
+    ValueError naming what it cannot go with."""
+    secure = SecureAggregation.parse(config.secure_aggregation)
+    if secure is None:
+        return None
+    if getattr(config, "aggregator", "mean") != "mean":
+        raise ValueError("secure_aggregation hides each member's part from its owner, and a robust aggregator "
+                         f"({config.aggregator!r}) must see the parts to screen or clip them: use one or the other")
+    if getattr(config, "owner_replication", 1) != 1:
+        raise ValueError("secure_aggregation needs owner_replication 1: replicated owners compare averages of the "
+                         "same parts, and each owner's unmasking would draw on the members' secrets again")
+    if getattr(config, "audit_rate", 0.0) > 0.0:
+        raise ValueError("secure_aggregation and audit_rate exclude each other: an audit recomputes a member's part, "
+                         "which secure aggregation hides")
+    if config.compressor != "none":
+        raise ValueError(f"secure_aggregation encodes parts itself (integers modulo 2^32); set compressor 'none', "
+                         f"got {config.compressor!r}")
+    return secure
+
+
+def round_id(topic: str, t: int, view: bytes) -> bytes:
+    return hashlib.blake2b(b"|".join([DOMAIN, topic.encode(), str(t).encode(), view]), digest_size=32).digest()
+
+
+def _derive(secret: bytes, purpose: bytes, rid: bytes) -> bytes:
+    return HKDF(hashes.SHA256(), 32, salt=DOMAIN, info=purpose + rid).derive(secret)
+
+
+def _commit(secret: bytes, rid: bytes) -> bytes:
+    return hashlib.sha256(DOMAIN + b"commit" + rid + secret).digest()
+
+
+def _share_statement(rid: bytes, dealer: str, holder: str, x: int, y: int) -> bytes:
+    return b"|".join([DOMAIN, b"share", rid, dealer.encode(), holder.encode(), b"seed", str(x).encode(),
+                      str(y).encode()])
+
+
+@dataclass
+class _Mine:
+    """My secrets of one round: what I reveal to owners as a holder of my neighbours' shares."""
+
+    members: tuple[str, ...]
+    neighbours: tuple[str, ...]
+    pairs: dict[str, bytes]  # neighbour -> s_ij
+    commits: list[bytes]  # H(s_ij), neighbour by neighbour
+    seed_commit: bytes
+
+
+@dataclass
+class _Round:
+    """A holder's view of one round: shares dealt to me, and which kind I revealed of whom."""
+
+    shares: dict[str, Share] = field(default_factory=dict)
+    revealed: dict[str, str] = field(default_factory=dict)  # member -> "seed" | "pair"
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as shares arrive
+    mine: _Mine | None = None
+
+
+@dataclass
+class Masked:
+    """What `mask` gives the reducer: the masked ring vector, the recipe every part carries,
+    and the sealed shares to deal (holder -> body)."""
+
+    ring: np.ndarray
+    recipe: tuple[bytes, ...]
+    deals: dict[str, dict[str, Any]]
+
+
+class SecureStage:
+    """One reducer's secure aggregation: masking and dealing (a member), holding and revealing
+    shares (a neighbour), unmasking (an owner). `owners(members, t)` is the reducer's owners of
+    a round; `resolve(view)` a member list the reducer knows by digest."""
+
+    def __init__(self, node: Node, topic: str, config: SecureAggregation, refuse: Refuser,
+                 owners: Callable[[tuple[str, ...], int], set[str]],
+                 resolve: Callable[[bytes], tuple[str, ...] | None], reveal_timeout_s: float) -> None:
+        self.node, self.topic, self.config = node, topic, config
+        self.codec = config.codec
+        self.reveal_topic = f"{topic}.secagg"
+        self._refuse, self._owners, self._resolve = refuse, owners, resolve
+        self._reveal_timeout_s = reveal_timeout_s
+        self._rounds: OrderedDict[bytes, _Round] = OrderedDict()  # network thread
+        self._latest = -1
+        self.dropped = 0  # groups this owner could not unmask
+        node.on(self.reveal_topic, self._on_message)
+
+    # ------------------------------------------------------------------ member (caller's thread)
+    def mask(self, t: int, members: tuple[str, ...], view: bytes, vector: torch.Tensor,
+             weight: float | None) -> Masked:
+        me = self.node.peer_id
+        rid = round_id(self.topic, t, view)
+        k, threshold = self.config.shape(len(members))
+        if len(members) > self.codec.capacity():
+            raise SecAggError(f"{len(members)} members overflow secure aggregation's ring at scale "
+                              f"{self.config.scale:g} and clip {self.config.clip:g} (at most {self.codec.capacity()})")
+        mine = neighbours(members, k, rid)[me]
+        scaled = vector.detach().to("cpu", torch.float64)
+        if weight is not None:
+            scaled = scaled * (weight / self.config.unit)
+        ring = self.codec.encode(scaled)  # uint32, owned
+        seed = secrets.token_bytes(32)
+        add(ring, prg(seed, ring.size, rid))
+        pairs: dict[str, bytes] = {}
+        for other in mine:
+            agreed = self.node.key_agreement(other)
+            if agreed is None:
+                raise SecAggError(f"no signed record of {other}, a neighbour of this round: cannot mask with it")
+            pairs[other] = _derive(agreed, b"pair", rid)
+            stream = prg(pairs[other], ring.size, rid)
+            (add if other > me else sub)(ring, stream)
+        commits = [hashlib.sha256(pairs[o]).digest() for o in mine]
+        seed_commit = _commit(seed, rid)
+        recipe = (RECIPE_TAG, seed_commit, hashlib.sha256(b"".join(commits)).digest())
+        xs = [point_of(o, members) for o in mine]
+        deals = {}
+        shares = split_secret(int.from_bytes(seed, "big"), threshold, xs,
+                              lambda bound: int.from_bytes(secrets.token_bytes(80), "big") % bound)
+        for other, x in zip(mine, xs):
+            y = shares[x]
+            sig = self.node.trust.sign(_share_statement(rid, me, other, x, y))
+            box = _seal(self.node.key_agreement(other), rid, me, y.to_bytes(_SHARE_BYTES, "big") + sig)
+            deals[other] = {"deal": t, "view": view, "x": x, "box": box}
+        self.node.run(self._keep_mine(rid, _Mine(members, mine, pairs, commits, seed_commit), t))
+        return Masked(ring, recipe, deals)
+
+    async def _keep_mine(self, rid: bytes, mine: _Mine, t: int) -> None:
+        self._note_round(t)
+        self._round(rid).mine = mine
+
+    async def deal(self, deals: Mapping[str, dict[str, Any]]) -> None:
+        """Network thread, before my parts go: my seed's shares to my neighbours, one way."""
+        me = self.node.peer_id
+        for holder, body in deals.items():
+            if holder == me:
+                continue
+            self.node.send(holder, self.reveal_topic, body)
+
+    # ------------------------------------------------------------------ holder (network thread)
+    def _note_round(self, t: int) -> None:
+        self._latest = max(self._latest, t)
+
+    def _round(self, rid: bytes) -> _Round:
+        state = self._rounds.get(rid)
+        if state is None:
+            state = self._rounds[rid] = _Round()
+            while len(self._rounds) > 4 * _KEEP_ROUNDS:
+                self._rounds.popitem(last=False)
+        return state
+
+    async def _on_message(self, msg: Any) -> Any:
+        body = msg.body
+        if isinstance(body, dict) and "deal" in body:
+            self._on_deal(msg.sender, body)
+            return {"ok": True}
+        if isinstance(body, dict) and "reveal" in body:
+            return await self._on_reveal(msg.sender, body)
+        return self._refuse(Refusal.MALFORMED, "secure aggregation: neither a deal nor a reveal request")
+
+    def _on_deal(self, dealer: str, body: dict[str, Any]) -> None:
+        t, view, x, box = body.get("deal"), body.get("view"), body.get("x"), body.get("box")
+        if type(t) is not int or not isinstance(view, bytes) or len(view) != 16 or type(x) is not int \
+                or not isinstance(box, bytes) or len(box) > 512:
+            self._refuse.count("secagg_malformed", f"a deal from {dealer}")
+            return
+        if t < self._latest - _KEEP_ROUNDS or t > self._latest + _KEEP_ROUNDS:
+            self._refuse.count("secagg_stale", f"a deal of round {t} from {dealer}")
+            return
+        rid = round_id(self.topic, t, view)
+        agreed = self.node.key_agreement(dealer)
+        opened = _open(agreed, rid, dealer, box) if agreed is not None else None
+        if opened is None or len(opened) != _SHARE_BYTES + 64:
+            self._refuse.count("secagg_bad_share", f"a share from {dealer} that does not open")
+            return
+        y, sig = int.from_bytes(opened[:_SHARE_BYTES], "big"), opened[_SHARE_BYTES:]
+        share = Share(dealer, self.node.peer_id, "seed", x, y, sig)
+        if not 0 <= y < PRIME or not self.node.trust.verify(dealer, _share_statement(rid, dealer, self.node.peer_id,
+                                                                                      x, y), sig):
+            self._refuse.count("secagg_bad_share", f"a share from {dealer} not signed by it: tampered")
+            return
+        state = self._round(rid)
+        if dealer not in state.shares and len(state.shares) < 4 * _MAX_LIST:
+            state.shares[dealer] = share
+        state.arrived.set()
+        state.arrived = asyncio.Event()
+
+    async def _on_reveal(self, owner: str, body: dict[str, Any]) -> Any:
+        t, view, seeds, pairs = body.get("reveal"), body.get("view"), body.get("seeds"), body.get("pairs")
+        if type(t) is not int or not isinstance(view, bytes) or not _ids(seeds) or not _ids(pairs):
+            return self._refuse(Refusal.MALFORMED, "secure aggregation: a reveal request needs round, view, seeds, pairs")
+        members = self._resolve(view)
+        if members is None:
+            return refusal(Refusal.UNKNOWN_VIEW, "secure aggregation: no member list of that digest here")
+        if owner not in self._owners(members, t):
+            return self._refuse(Refusal.NOT_OWNER, f"secure aggregation: {owner} owns no shard of round {t}")
+        rid = round_id(self.topic, t, view)
+        state = self._round(rid)
+        mine = state.mine
+        if mine is None:
+            return refusal(Refusal.UNKNOWN_STEP, f"secure aggregation: I masked nothing in round {t} of that view")
+        wanted = set(seeds) | set(pairs)
+        if set(seeds) & set(pairs) or not wanted <= set(mine.neighbours):
+            return self._refuse(Refusal.MALFORMED, "secure aggregation: ask only for my neighbours, each once")
+        for member in seeds:  # never both kinds for one member, to any owner
+            if state.revealed.get(member, "seed") != "seed":
+                return self._refuse(Refusal.CONFLICT, f"{member} was reported dropped in this round already")
+        for member in pairs:
+            if state.revealed.get(member, "pair") != "pair":
+                return self._refuse(Refusal.CONFLICT, f"{member} was reported alive in this round already")
+        for member in seeds:
+            state.revealed[member] = "seed"
+        for member in pairs:
+            state.revealed[member] = "pair"
+        deadline = asyncio.get_running_loop().time() + self._reveal_timeout_s
+        while any(m not in state.shares for m in seeds):  # a share still on its way from its dealer
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait_for(state.arrived.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        shares = [[s.dealer, s.x, s.y.to_bytes(_SHARE_BYTES, "big"), s.signature]
+                  for m in seeds if (s := state.shares.get(m)) is not None]
+        return {"ok": True, "shares": shares, "pairs": [[m, mine.pairs[m]] for m in pairs], "commits": mine.commits}
+
+    # ------------------------------------------------------------------ owner (network thread)
+    async def unmask(self, t: int, members: tuple[str, ...], view: bytes, lo: int, hi: int,
+                     parts: Mapping[str, torch.Tensor], weights: Mapping[str, float],
+                     recipes: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float] | None]:
+        """The survivors' average over [lo, hi) from their masked parts (SecAggError when the
+        group cannot be unmasked: it is dropped, nothing of any part is learned)."""
+        me = self.node.peer_id
+        rid = round_id(self.topic, t, view)
+        k, threshold = self.config.shape(len(members))
+        graph = neighbours(members, k, rid)
+        alive = tuple(m for m in members if m in parts)
+        dropped = set(members) - set(alive)
+        commits: dict[str, tuple[bytes, bytes]] = {}
+        for member in alive:  # (seed commitment, pair-hash digest), as the member signed them
+            recipe = recipes.get(member)
+            if member == me:
+                mine = self._round(rid).mine
+                if mine is None:
+                    raise SecAggError(f"round {t}: my own secrets are gone")
+                recipe = (RECIPE_TAG, mine.seed_commit, hashlib.sha256(b"".join(mine.commits)).digest())
+            if not (isinstance(recipe, (tuple, list)) and len(recipe) == 3 and recipe[0] == RECIPE_TAG
+                    and all(isinstance(r, bytes) and len(r) == 32 for r in recipe[1:])):
+                raise SecAggError(f"{member}'s part carries no secure aggregation commitments")
+            commits[member] = (recipe[1], recipe[2])
+        asks = {j: ([n for n in graph[j] if n in parts], [d for d in graph[j] if d in dropped]) for j in alive}
+        replies = await asyncio.gather(*(self._ask(j, t, view, seeds, pairs) for j, (seeds, pairs) in asks.items()))
+        shares: dict[str, dict[int, int]] = {}
+        pair_seeds: dict[tuple[str, str], bytes] = {}
+        for j, reply in zip(alive, replies):
+            if reply is None:
+                continue
+            for dealer, x, y, sig in reply["shares"]:
+                if dealer not in asks[j][0] or x != point_of(j, members) or not 0 <= y < PRIME \
+                        or not self.node.trust.verify(dealer, _share_statement(rid, dealer, j, x, y), sig):
+                    self._refuse.count("secagg_bad_share", f"round {t}: {j} revealed a share of {dealer} that "
+                                       "its dealer did not sign")
+                    continue
+                shares.setdefault(dealer, {})[x] = y
+            hashes_ = reply["commits"]
+            if hashlib.sha256(b"".join(hashes_)).digest() != commits[j][1] or len(hashes_) != len(graph[j]):
+                if reply["pairs"]:
+                    self._refuse.count("secagg_bad_seed", f"round {t}: {j}'s pair-seed hashes break its commitment")
+                continue
+            index = {n: h for n, h in zip(graph[j], hashes_)}
+            for d, seed in reply["pairs"]:
+                if d not in asks[j][1] or hashlib.sha256(seed).digest() != index.get(d):
+                    self._refuse.count("secagg_bad_seed", f"round {t}: {j} revealed a wrong mask seed for {d}")
+                    continue
+                pair_seeds[j, d] = seed
+        n = hi - lo
+        total = np.zeros(n, dtype=np.uint32)
+        for member in alive:  # in member order
+            add(total, parts[member].contiguous().view(torch.int32).numpy().view(np.uint32))
+        for member in alive:
+            got = shares.get(member, {})
+            if len(got) < threshold:
+                raise SecAggError(f"round {t}: {len(got)} shares of {member}'s mask seed came, it needs {threshold}")
+            seed = _rebuilt(combine_shares(got, threshold))
+            if seed is None or _commit(seed, rid) != commits[member][0]:
+                self._refuse.count("secagg_bad_seed", f"round {t}: {member}'s rebuilt seed breaks its commitment")
+                raise SecAggError(f"round {t}: {member}'s mask seed rebuilt from its shares breaks its commitment")
+            sub(total, prg(seed, n, rid, offset=lo))
+        for gone in sorted(dropped):
+            for j in graph[gone]:
+                if j not in parts:
+                    continue
+                seed = pair_seeds.get((j, gone))
+                if seed is None:
+                    raise SecAggError(f"round {t}: {j} did not reveal its mask seed with dropped {gone}")
+                # j added +PRG(s_jd) when gone > j, else -PRG
+                (sub if gone > j else add)(total, prg(seed, n, rid, offset=lo))
+        decoded = self.codec.decode_sum(total, len(alive)).to(torch.float64)
+        weight = {m: weights.get(m, 1.0) for m in alive}
+        whole = sum(weight.values())
+        if whole <= 0.0:
+            return torch.zeros(n, dtype=torch.float32), None
+        average = (decoded * (self.config.unit / whole)).to(torch.float32)
+        shares_out = None if len(set(weight.values())) == 1 else {m: w / whole for m, w in weight.items()}
+        return average, shares_out
+
+    async def _ask(self, holder: str, t: int, view: bytes, seeds: Sequence[str],
+                   pairs: Sequence[str]) -> dict[str, Any] | None:
+        body = {"reveal": t, "view": view, "seeds": list(seeds), "pairs": list(pairs)}
+        try:
+            if holder == self.node.peer_id:
+                reply = await self._on_reveal(holder, body)
+            else:
+                reply = (await self.node.arequest(holder, self.reveal_topic, body,
+                                                  timeout_s=self._reveal_timeout_s + 1.0)).body
+        except Exception as exc:  # a survivor that died since: its shares are missing, no more
+            log.info("%s: %s round %d: %s revealed nothing: %s", self.node.peer_id, self.topic, t, holder, exc)
+            return None
+        return _reply(reply)
+
+
+def _reply(reply: Any) -> dict[str, Any] | None:
+    """A holder's answer, checked for shape (None for a refusal or a malformed one)."""
+    if not isinstance(reply, dict) or reply.get("ok") is not True:
+        return None
+    shares, pairs, commits = reply.get("shares"), reply.get("pairs"), reply.get("commits")
+    if not (isinstance(shares, list) and isinstance(pairs, list) and isinstance(commits, list)):
+        return None
+    good_shares = [s for s in shares if isinstance(s, list) and len(s) == 4 and isinstance(s[0], str)
+                   and type(s[1]) is int and isinstance(s[2], bytes) and len(s[2]) == _SHARE_BYTES
+                   and isinstance(s[3], bytes)]
+    good_pairs = [p for p in pairs if isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                  and isinstance(p[1], bytes) and len(p[1]) == 32]
+    if len(good_shares) != len(shares) or len(good_pairs) != len(pairs) \
+            or not all(isinstance(c, bytes) and len(c) == 32 for c in commits):
+        return None
+    return {"shares": [[d, x, int.from_bytes(y, "big"), sig] for d, x, y, sig in good_shares],
+            "pairs": good_pairs, "commits": commits}
+
+
+def _ids(value: Any) -> bool:
+    return isinstance(value, list) and len(value) <= _MAX_LIST and all(isinstance(v, str) for v in value)
+
+
+def _rebuilt(value: int) -> bytes | None:
+    return value.to_bytes(32, "big") if value < 2**256 else None
+
+
+def _seal(agreed: bytes | None, rid: bytes, dealer: str, data: bytes) -> bytes:
+    if agreed is None:
+        raise SecAggError("no key agreement with a neighbour")
+    key = _derive(agreed, b"seal", rid)
+    # both ends of a pair share the key: the dealer's id makes each direction's nonce its own
+    return ChaCha20Poly1305(key).encrypt(hashlib.sha256(dealer.encode()).digest()[:12], data, rid)
+
+
+def _open(agreed: bytes, rid: bytes, dealer: str, box: bytes) -> bytes | None:
+    try:
+        return ChaCha20Poly1305(_derive(agreed, b"seal", rid)).decrypt(hashlib.sha256(dealer.encode()).digest()[:12],
+                                                                      box, rid)
+    except Exception:
+        return None
+
+
+__all__ = ["SecureAggregation", "SecureStage", "check_secure_config"]

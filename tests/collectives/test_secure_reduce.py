@@ -1,0 +1,219 @@
+"""Secure aggregation inside the sharded all-reduce, over real sockets: the average equals the
+plain one within the encoding's rounding, an owner sees only masked bytes, dropouts are
+unmasked by the survivors' shares, and tampered shares or seeds are refused and counted."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import in_parallel, swarm
+
+from starling.collectives import ReduceTimeouts, ShardedReducer
+from starling.collectives.compact import view_digest
+from starling.collectives.secure import SecureAggregation, check_secure_config
+from starling.protocols.allreduce import AllReduceConfig
+
+SCALE = 2.0**16
+
+
+def reducers(nodes, numel, secure=SecureAggregation(), **kw):
+    return [ShardedReducer(n, "test.secure", numel, "none", secure=secure, **kw) for n in nodes]
+
+
+def test_the_masked_average_is_the_plain_one_and_replicas_agree(make_node):
+    world, numel = 5, 300
+    nodes = swarm(make_node, world)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    rs = reducers(nodes, numel, chunk_numel=64)
+    vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    mean = torch.stack(vectors).mean(0)
+    results = in_parallel([lambda r=r: rs[r].reduce(3, members, vectors[r]) for r in range(world)])
+    assert all(res.synced and res.peers == world and not res.lost for res in results)
+    torch.testing.assert_close(vectors[0], mean, rtol=0, atol=0.5 / SCALE + 1e-6)
+    assert all(torch.equal(v, vectors[0]) for v in vectors[1:])
+
+
+def test_weighted_parts_average_by_weight(make_node):
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    rs = reducers(nodes, 40, secure=SecureAggregation(unit=4.0))
+    vectors = [torch.full((40,), float(r + 1)) for r in range(3)]
+    weights = [1.0, 2.0, 4.0]
+    expected = sum(w * v for w, v in zip(weights, vectors)) / sum(weights)
+    pending = [rs[r].start(1, members, vectors[r], weight=weights[r]) for r in range(3)]
+    results = [p.wait() for p in pending]
+    assert all(r.synced for r in results)
+    torch.testing.assert_close(vectors[0], expected, rtol=0, atol=1e-4)
+    by_id = {nodes[r].peer_id: weights[r] / sum(weights) for r in range(3)}
+    assert dict(results[0].shares) == pytest.approx(by_id)
+
+
+def test_an_owner_sees_only_uniform_bytes(make_node, monkeypatch):
+    """What an owner holds of another member's part, for a part of all zeros, passes a
+    chi-square test of uniform bytes: it is mask, not data."""
+    import starling.collectives.accumulator as accumulator
+
+    seen = []
+    real_add = accumulator.ShardGroup.add
+
+    def spy(self, sender, part, owned=False, weight=1.0):
+        seen.append((sender, part.clone()))
+        return real_add(self, sender, part, owned, weight)
+
+    monkeypatch.setattr(accumulator.ShardGroup, "add", spy)
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    numel = 4096
+    rs = reducers(nodes, numel)
+    vectors = [torch.zeros(numel) for _ in range(3)]
+    in_parallel([lambda r=r: rs[r].reduce(1, members, vectors[r]) for r in range(3)])
+    assert all(torch.equal(v, torch.zeros(numel)) for v in vectors)
+    assert len(seen) == 3 * 3  # every member's part of every shard, the owners' own included
+    for _, part in seen:
+        data = part.contiguous().view(torch.uint8).numpy()
+        counts = np.bincount(data, minlength=256)
+        expected = data.size / 256
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 350, chi2  # 255 degrees of freedom: p < 1e-5 beyond ~350; zeros would give ~4M
+
+
+def test_a_dropped_member_is_unmasked_away_by_its_neighbours(make_node):
+    """A member that masked and dealt its shares but whose parts never reach an owner: the
+    survivors' pair seeds with it remove its masks, and the average is the survivors'."""
+    world, numel = 5, 100
+    nodes = swarm(make_node, world)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    timeouts = ReduceTimeouts(round_timeout_s=2.0, reply_grace_s=2.0)
+    rs = reducers(nodes, numel, timeouts=timeouts)
+    vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    gone = nodes.index(next(n for n in nodes if n.peer_id == members[-1]))
+    # the dropped member masks and deals its shares to its neighbours, then dies before its parts go
+    masked = rs[gone]._secure.mask(1, members, view_digest(members), vectors[gone], None)
+    nodes[gone].run(rs[gone]._secure.deal(masked.deals))
+    nodes[gone].close()
+    live = [r for r in range(world) if r != gone]
+    results = in_parallel([lambda r=r: rs[r].reduce(1, members, vectors[r]) for r in live])
+    mean = torch.stack([vectors[r] for r in live]).mean(0)
+    assert members[-1] in results[0].lost  # the dead member's own shard keeps local values
+    survivors_shards = [vectors[r] for r in live]
+    # every chunk owned by a survivor carries the survivors' mean
+    shards = rs[live[0]]._shards(members, 1)
+    for chunks, owners in shards:
+        if owners[0] == members[-1]:
+            continue
+        for lo, hi in chunks:
+            for v in survivors_shards:
+                torch.testing.assert_close(v[lo:hi], mean[lo:hi], rtol=0, atol=1e-4)
+
+
+def test_too_few_survivors_drop_the_round_and_nothing_is_unmasked(make_node):
+    """With threshold 1.0 every neighbour's share is needed: one member gone leaves its
+    neighbours' seeds short of shares, so every group is dropped and members keep their values."""
+    world, numel = 4, 60
+    nodes = swarm(make_node, world)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    timeouts = ReduceTimeouts(round_timeout_s=1.5, reply_grace_s=2.0)
+    rs = reducers(nodes, numel, secure=SecureAggregation(threshold=1.0), timeouts=timeouts)
+    gone = nodes.index(next(n for n in nodes if n.peer_id == members[-1]))
+    nodes[gone].close()
+    live = [r for r in range(world) if r != gone]
+    vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    before = [vectors[r].clone() for r in live]
+    in_parallel([lambda r=r: rs[r].reduce(1, members, vectors[r]) for r in live])
+    assert all(torch.equal(vectors[r], b) for r, b in zip(live, before))
+    assert sum(rs[r]._secure.dropped for r in live) >= 1
+    assert any(n.stats.rejected.get("test.secure.secagg_dropped", 0) for n in (nodes[r] for r in live))
+
+
+def test_secure_aggregation_refuses_what_must_see_the_parts():
+    with pytest.raises(ValueError, match="robust aggregator"):
+        AllReduceConfig(secure_aggregation="on", aggregator="median")
+    with pytest.raises(ValueError, match="compressor 'none'"):
+        AllReduceConfig(secure_aggregation="on", compressor="int8")
+    with pytest.raises(ValueError, match="unknown setting"):
+        AllReduceConfig(secure_aggregation="on:bits=8")
+    assert check_secure_config(AllReduceConfig(secure_aggregation="on:scale=1024")).scale == 1024
+
+
+def _tamper(stage, how):
+    """Make `stage` (a holder) alter what it reveals: `how(reply)` edits the answer."""
+    real = stage._on_reveal
+
+    async def altered(owner, body):
+        reply = await real(owner, body)
+        if isinstance(reply, dict) and reply.get("ok"):
+            how(reply)
+        return reply
+
+    stage._on_reveal = altered
+
+
+def test_a_tampered_share_is_refused_counted_and_the_others_unmask(make_node):
+    world, numel = 5, 80
+    nodes = swarm(make_node, world)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    rs = reducers(nodes, numel)  # k = 4, t = 2: one bad share leaves three good ones
+    liar = nodes.index(next(n for n in nodes if n.peer_id == members[0]))
+
+    def flip(reply):
+        for share in reply["shares"]:
+            share[2] = bytes([share[2][0] ^ 1]) + share[2][1:]
+
+    _tamper(rs[liar]._secure, flip)
+    vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    mean = torch.stack(vectors).mean(0)
+    results = in_parallel([lambda r=r: rs[r].reduce(1, members, vectors[r]) for r in range(world)])
+    assert all(res.synced and not res.lost for res in results)
+    torch.testing.assert_close(vectors[1], mean, rtol=0, atol=1e-4)
+    bad = sum(n.stats.rejected.get("test.secure.secagg_bad_share", 0) for n in nodes)
+    assert bad >= world - 1  # every other owner refused the liar's shares
+
+
+def test_a_wrong_mask_seed_is_refused_counted_and_changes_nothing(make_node):
+    """A survivor that reveals a wrong pair seed for a dropped neighbour: the seed breaks the
+    hash it signed with its part, the owner counts it and drops the group (an unmasking with
+    it would be garbage), and the members keep their local values."""
+    world, numel = 4, 40
+    nodes = swarm(make_node, world)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    timeouts = ReduceTimeouts(round_timeout_s=1.5, reply_grace_s=2.0)
+    rs = reducers(nodes, numel, timeouts=timeouts)
+    gone = nodes.index(next(n for n in nodes if n.peer_id == members[-1]))
+    masked = rs[gone]._secure.mask(1, members, view_digest(members), torch.zeros(numel), None)
+    nodes[gone].run(rs[gone]._secure.deal(masked.deals))
+    nodes[gone].close()
+    live = [r for r in range(world) if r != gone]
+
+    def wrong(reply):
+        for pair in reply["pairs"]:
+            pair[1] = bytes(32)
+
+    for r in live:
+        _tamper(rs[r]._secure, wrong)
+    vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    before = [vectors[r].clone() for r in live]
+    in_parallel([lambda r=r: rs[r].reduce(1, members, vectors[r]) for r in live])
+    assert all(torch.equal(vectors[r], b) for r, b in zip(live, before))
+    assert sum(n.stats.rejected.get("test.secure.secagg_bad_seed", 0) for n in (nodes[r] for r in live)) >= 1
+
+
+def test_a_holder_never_reveals_both_halves_of_a_members_secrets(make_node):
+    """An owner that asks one holder for a member's seed share and then for its pair seed (to
+    strip both its masks) is refused the second time, and the refusal is counted."""
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    rs = reducers(nodes, 10)
+    view = view_digest(members)
+    for r in range(3):
+        masked = rs[r]._secure.mask(7, members, view, torch.zeros(10), None)
+        nodes[r].run(rs[r]._secure.deal(masked.deals))
+    owner, holder = nodes[0], nodes[1]
+    victim = members[2] if members[2] != owner.peer_id and members[2] != holder.peer_id else \
+        next(m for m in members if m not in (owner.peer_id, holder.peer_id))
+    topic = rs[0]._secure.reveal_topic
+    rs[1]._known_views.add(members)
+    first = owner.request(holder.peer_id, topic, {"reveal": 7, "view": view, "seeds": [victim], "pairs": []}).body
+    assert first["ok"] and len(first["shares"]) == 1
+    second = owner.request(holder.peer_id, topic, {"reveal": 7, "view": view, "seeds": [], "pairs": [victim]}).body
+    assert second["ok"] is False and second["code"] == "conflict"
+    assert holder.stats.rejected.get("test.secure.conflict", 0) == 1
