@@ -57,7 +57,6 @@ from starling.collectives.secagg import (
     PRIME,
     IntegerCodec,
     SecAggError,
-    Share,
     add,
     combine_shares,
     graph_degree,
@@ -177,6 +176,16 @@ def _commit(secret: bytes, rid: bytes) -> bytes:
 def _share_statement(rid: bytes, dealer: str, holder: str, x: int, y: int) -> bytes:
     return b"|".join([DOMAIN, b"share", rid, dealer.encode(), holder.encode(), b"seed", str(x).encode(),
                       str(y).encode()])
+
+
+@dataclass(frozen=True)
+class Share:
+    """A holder's Shamir share (at point x) of a dealer's mask seed, signed by the dealer."""
+
+    dealer: str
+    x: int
+    y: int
+    signature: bytes
 
 
 @dataclass
@@ -316,7 +325,7 @@ class SecureStage:
             self._refuse.count("secagg_bad_share", f"a share from {dealer} that does not open")
             return
         y, sig = int.from_bytes(opened[:_SHARE_BYTES], "big"), opened[_SHARE_BYTES:]
-        share = Share(dealer, self.node.peer_id, "seed", x, y, sig)
+        share = Share(dealer, x, y, sig)
         if not 0 <= y < PRIME or not self.node.trust.verify(dealer, _share_statement(rid, dealer, self.node.peer_id,
                                                                                       x, y), sig):
             self._refuse.count("secagg_bad_share", f"a share from {dealer} not signed by it: tampered")
@@ -330,7 +339,7 @@ class SecureStage:
     async def _on_reveal(self, owner: str, body: dict[str, Any]) -> Any:
         t, view, seeds, pairs = body.get("reveal"), body.get("view"), body.get("seeds"), body.get("pairs")
         if type(t) is not int or not isinstance(view, bytes) or not _ids(seeds) or not _ids(pairs):
-            return self._refuse(Refusal.MALFORMED, "secure aggregation: a reveal request needs round, view, seeds, pairs")
+            return self._refuse(Refusal.MALFORMED, "secure aggregation: a reveal needs round, view, seeds, pairs")
         members = self._resolve(view)
         if members is None:
             return refusal(Refusal.UNKNOWN_VIEW, "secure aggregation: no member list of that digest here")

@@ -32,7 +32,7 @@ from starling.node.node import Node
 from starling.protocols.audit import Auditor
 from starling.protocols.backprop import BackpropProtocol
 from starling.protocols.base import LossFn, ProtocolConfig, ProtocolError, StepReport, register
-from starling.protocols.optim import check_reduce_config, make_defences, reduce_timeouts
+from starling.protocols.optim import check_reduce_config, make_defences, make_secure, reduce_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         super().__init__(node, model, config)
         # a gradient counts 1: a part claiming more is over the cap
         self.reducer = ShardedReducer(node, PART_TOPIC, self.flat.numel, config.compressor,
-                                      reduce_timeouts(config), self.is_open, defences=make_defences(config, 1.0))
+                                      reduce_timeouts(config), self.is_open, defences=make_defences(config, 1.0),
+                                      secure=make_secure(config, 1.0))
         self.reducers = [self.reducer]  # peer events reach it; its residuals are this peer's private state
         self.buffer_sync = None if config.local_buffers else BufferAverager(
             node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open)

@@ -67,7 +67,7 @@ from starling.protocols.base import LossFn, ProtocolError, StepClock, StepReport
 from starling.protocols.diloco_config import DiLoCoConfig, StreamingDiLoCoConfig
 from starling.protocols.fragments import FragmentSchedule, FragmentView, SyncClock, count_layers, split_fragments
 from starling.protocols.guard import DriftGuard, State
-from starling.protocols.optim import make_defences, make_optimizer, reduce_timeouts
+from starling.protocols.optim import make_defences, make_optimizer, make_secure, reduce_timeouts
 from starling.protocols.outer_sync import (
     Exchange,
     OuterFragment,
@@ -154,7 +154,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                                          self.is_open, part_feedback=config.error_feedback,
                                          average_compressor=config.average_compressor or None,
                                          part_feedback_decay=config.error_feedback_decay,
-                                         defences=make_defences(config, config.weight_cap * config.sync_every)),
+                                         defences=make_defences(config, config.weight_cap * config.sync_every),
+                                         secure=make_secure(config, config.sync_every)),
                           QuorumClose(node, f"{TOPIC_PREFIX}q{f}", config.quorum, config.quorum_grace_s, timeouts,
                                       self.is_open, salt=f) if config.quorum else None,
                           config, self.placement, node.peer_id,

@@ -57,7 +57,7 @@ from starling.compressors import CountSketch, GaussianSketch, from_spec, rng
 from starling.node.node import Node
 from starling.protocols.backprop import BackpropProtocol
 from starling.protocols.base import DivergedError, LossFn, ProtocolConfig, ProtocolError, StepReport, register
-from starling.protocols.optim import check_reduce_config, make_defences, reduce_timeouts
+from starling.protocols.optim import check_reduce_config, make_defences, make_secure, reduce_timeouts
 from starling.protocols.privacy import (
     MECHANISMS,
     UNITS,
@@ -227,7 +227,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
         self._warned_budget = False
         self.reducer = ShardedReducer(node, PART_TOPIC, self.sketches.size, config.compressor,
                                       reduce_timeouts(config), self.is_open, min_shard_numel=MIN_SHARD_NUMEL,
-                                      defences=make_defences(config, 1.0))
+                                      defences=make_defences(config, 1.0), secure=make_secure(config, 1.0))
         self.reducers = [self.reducer]
         self.guard = self._drift_guard("sketchdp.")
         self._serve()

@@ -77,38 +77,38 @@ def test_an_owner_sees_only_uniform_bytes(make_node, monkeypatch):
         assert chi2 < 350, chi2  # 255 degrees of freedom: p < 1e-5 beyond ~350; zeros would give ~4M
 
 
-def test_a_dropped_member_is_unmasked_away_by_its_neighbours(make_node):
-    """A member that masked and dealt its shares but whose parts never reach an owner: the
-    survivors' pair seeds with it remove its masks, and the average is the survivors'."""
-    world, numel = 5, 100
+def test_dropped_members_are_unmasked_away_by_survivors_with_t_shares(make_node):
+    """Two of six members mask and deal their shares, then die before their parts go: each
+    survivor keeps exactly t = 3 live neighbours, whose pair seeds with the dead remove their
+    masks, and every chunk a survivor owns carries the survivors' mean."""
+    world, numel = 6, 120
     nodes = swarm(make_node, world)
     members = tuple(sorted(n.peer_id for n in nodes))
     timeouts = ReduceTimeouts(round_timeout_s=2.0, reply_grace_s=2.0)
     rs = reducers(nodes, numel, timeouts=timeouts)
+    assert rs[0]._secure.config.shape(world) == (5, 3)
     vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-    gone = nodes.index(next(n for n in nodes if n.peer_id == members[-1]))
-    # the dropped member masks and deals its shares to its neighbours, then dies before its parts go
-    masked = rs[gone]._secure.mask(1, members, view_digest(members), vectors[gone], None)
-    nodes[gone].run(rs[gone]._secure.deal(masked.deals))
-    nodes[gone].close()
-    live = [r for r in range(world) if r != gone]
+    dead = [nodes.index(next(n for n in nodes if n.peer_id == m)) for m in members[-2:]]
+    for r in dead:
+        masked = rs[r]._secure.mask(1, members, view_digest(members), vectors[r], None)
+        nodes[r].run(rs[r]._secure.deal(masked.deals))
+        nodes[r].close()
+    live = [r for r in range(world) if r not in dead]
     results = in_parallel([lambda r=r: rs[r].reduce(1, members, vectors[r]) for r in live])
     mean = torch.stack([vectors[r] for r in live]).mean(0)
-    assert members[-1] in results[0].lost  # the dead member's own shard keeps local values
-    survivors_shards = [vectors[r] for r in live]
-    # every chunk owned by a survivor carries the survivors' mean
-    shards = rs[live[0]]._shards(members, 1)
-    for chunks, owners in shards:
-        if owners[0] == members[-1]:
+    assert set(members[-2:]) <= set(results[0].lost)  # the dead members' own shards keep local values
+    for chunks, owners in rs[live[0]]._shards(members, 1):
+        if owners[0] in members[-2:]:
             continue
         for lo, hi in chunks:
-            for v in survivors_shards:
-                torch.testing.assert_close(v[lo:hi], mean[lo:hi], rtol=0, atol=1e-4)
+            for r in live:
+                torch.testing.assert_close(vectors[r][lo:hi], mean[lo:hi], rtol=0, atol=1e-4)
 
 
-def test_too_few_survivors_drop_the_round_and_nothing_is_unmasked(make_node):
-    """With threshold 1.0 every neighbour's share is needed: one member gone leaves its
-    neighbours' seeds short of shares, so every group is dropped and members keep their values."""
+def test_t_minus_one_survivors_drop_the_round_and_nothing_is_unmasked(make_node):
+    """Threshold 1.0 over 3 neighbours (t = 3): one member gone leaves every survivor t - 1
+    live neighbours, short of shares of its seed, so every group is dropped and the members
+    keep their values."""
     world, numel = 4, 60
     nodes = swarm(make_node, world)
     members = tuple(sorted(n.peer_id for n in nodes))
