@@ -73,6 +73,18 @@ def _members(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+MAX_DEAL_BYTES = 256  # a sealed share: 66 bytes of field element, a 64-byte signature, a 16-byte tag
+
+
+def _deal(value: Any) -> tuple[int, bytes] | None:
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 2 and type(value[0]) is int and value[0] > 0
+            and isinstance(value[1], bytes) and len(value[1]) <= MAX_DEAL_BYTES):
+        raise BodyError(f"deal must be [point > 0, sealed share of at most {MAX_DEAL_BYTES} bytes]")
+    return value[0], value[1]
+
+
 def _header(obj: dict[str, Any]) -> dict[str, Any] | None:
     if "packet" not in obj:
         raise BodyError("packet header missing (None where the receiver rebuilds it)")
@@ -134,6 +146,8 @@ class Part:
     weight: float | None = None  # what the part counts for in the average; None counts 1
     sig: bytes | None = None  # the author's signature (collectives/contributions.py)
     recipe: tuple[int | bytes, ...] | None = None  # what the part was computed from, signed with it
+    # secure aggregation: the author's mask-seed share for the owner, sealed to it (collectives/secure.py)
+    deal: tuple[int, bytes] | None = None
 
     def __post_init__(self) -> None:
         if (self.view is None) == (self.members is None):
@@ -142,7 +156,7 @@ class Part:
     def with_members(self, members: tuple[str, ...]) -> Part:
         """The same part with its member list sent whole (for an owner that did not know the view)."""
         return Part(self.step, self.shard, self.chunk, self.header, members=members, weight=self.weight, sig=self.sig,
-                    recipe=self.recipe)
+                    recipe=self.recipe, deal=self.deal)
 
     def to_wire(self) -> dict[str, Any]:
         body: dict[str, Any] = {"step": self.step, "shard": self.shard, "chunk": self.chunk}
@@ -157,6 +171,8 @@ class Part:
             body["sig"] = self.sig
         if self.recipe is not None:
             body["recipe"] = list(self.recipe)
+        if self.deal is not None:
+            body["deal"] = list(self.deal)
         return body
 
     @classmethod
@@ -170,7 +186,8 @@ class Part:
             if not isinstance(view, bytes) or len(view) != VIEW_DIGEST_BYTES:
                 raise BodyError(f"view must be a {VIEW_DIGEST_BYTES}-byte digest (or send members)")
         weight = _weight(body["weight"]) if "weight" in body else None
-        return cls(step, shard, chunk, _header(body), view, members, weight, _sig(body), _recipe(body.get("recipe")))
+        return cls(step, shard, chunk, _header(body), view, members, weight, _sig(body), _recipe(body.get("recipe")),
+                   _deal(body.get("deal")))
 
 
 @dataclass(frozen=True)

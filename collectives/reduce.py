@@ -84,7 +84,7 @@ from starling.collectives.defences import OUTLIER, Defences, OutlierWatch, Repla
 from starling.collectives.layout import DEFAULT_CHUNK_NUMEL, chunk_layout
 from starling.collectives.outcome import ReduceResult, ReduceTimeouts
 from starling.collectives.requests import request_patiently
-from starling.collectives.secure import SecureAggregation, SecureStage
+from starling.collectives.secure import Masked, SecureAggregation, SecureStage
 from starling.collectives.staging import HostStaging, to_device
 from starling.common.hashing import derive_seed, peer_hash
 from starling.compressors import Packet, decode
@@ -366,7 +366,7 @@ class ShardedReducer:
                 slots.append(slot)
         wait_s = _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
         round_ = self._round(t, members, slots, own_private=True, weight=weight, recipe=masked.recipe,
-                             deals=masked.deals)
+                             masked=masked)
         return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s)
 
     def _owner_set(self, members: tuple[str, ...], t: int) -> set[str]:
@@ -508,12 +508,21 @@ class ShardedReducer:
     # ------------------------------------------------------------------ network thread
     async def _round(self, t: int, members: tuple[str, ...], slots: list[_Slot],
                      own_private: bool, weight: float | None = None,
-                     recipe: Recipe | None = None, deals: Mapping[str, Any] | None = None) -> list[_ShardResult]:
+                     recipe: Recipe | None = None, masked: Masked | None = None) -> list[_ShardResult]:
         me = self.node.peer_id
         self._latest_round = max(self._latest_round, t)
         view = self._known_views.add(members)  # my parts name it by digest; owners know it from theirs
-        if deals and self._secure is not None:  # my mask seed's shares go to my neighbours before my parts
-            await self._secure.deal(deals)
+        riding: dict[tuple[int, int, str], tuple[int, bytes]] = {}  # (shard, chunk, owner) -> my share for it
+        if masked is not None and self._secure is not None:
+            # My seed's shares: each rides on my first part to its holder where the holder owns a
+            # shard, the others go on their own, before my parts.
+            loose = dict(masked.deals)
+            for slot in slots:
+                for owner in slot.owners:
+                    deal = loose.pop(owner, None)
+                    if deal is not None:
+                        riding[slot.shard, slot.chunk, owner] = (deal["x"], deal["box"])
+            await self._secure.deal(masked, loose)
         jobs = []
         for slot in slots:
             for owner in slot.owners:
@@ -523,7 +532,8 @@ class ShardedReducer:
                                                  weight))
                 else:
                     assert slot.packet is not None and slot.sig is not None
-                    jobs.append(self._send_part(t, members, view, slot, owner, weight, recipe))
+                    jobs.append(self._send_part(t, members, view, slot, owner, weight, recipe,
+                                                riding.get((slot.shard, slot.chunk, owner))))
         results = iter(await asyncio.gather(*jobs))
         self._forget_before(t - _KEEP_CLOSED_ROUNDS)
         return [self._vote(t, view, slot, [next(results) for _ in slot.owners]) for slot in slots]
@@ -606,13 +616,14 @@ class ShardedReducer:
                             sig=average.sig)
 
     async def _send_part(self, t: int, members: tuple[str, ...], view: bytes, slot: _Slot, owner: str,
-                         weight: float | None = None, recipe: Recipe | None = None) -> _ShardResult:
+                         weight: float | None = None, recipe: Recipe | None = None,
+                         deal: tuple[int, bytes] | None = None) -> _ShardResult:
         i, c, numel, packet = slot.shard, slot.chunk, slot.numel, slot.packet
         assert packet is not None
         # Counted in awake time: an average that came while this loop was stalled is read, not dropped.
         deadline = AwakeDeadline(self.timeouts.round_timeout_s + self.timeouts.reply_grace_s)
         part = Part(t, i, c, self._part_headers.outgoing(packet.header, numel), view=view, weight=weight,
-                    sig=slot.sig, recipe=recipe)
+                    sig=slot.sig, recipe=recipe, deal=deal)
         try:
             msg = await request_patiently(self.node, owner, self.topic, part.to_wire(), packet.buffers, deadline,
                                           self.timeouts.retry_interval_s)
@@ -669,6 +680,8 @@ class ShardedReducer:
         if msg.sender not in members:
             return self._refuse(Refusal.MALFORMED, "members must include the sender")
         t, i, c = body.step, body.shard, body.chunk
+        if body.deal is not None and self._secure is not None:  # the sender's share of its mask seed, for me
+            self._secure.take_deal(msg.sender, t, view_digest(members), *body.deal)
         shards = self._shards(members, t)
         if i >= len(shards) or me not in shards[i][1]:
             return self._refuse(Refusal.NOT_OWNER, f"this peer does not own shard {i} of that member list")

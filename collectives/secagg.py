@@ -66,6 +66,10 @@ class IntegerCodec:
     def encode(self, x: torch.Tensor) -> np.ndarray:
         if not bool(torch.isfinite(x).all()):
             raise SecAggError("a part with NaN or infinite values cannot be encoded")
+        if self.bits == 32 and x.dtype == torch.float32 and self.clip * self.scale < 2**24:
+            # float32 holds every integer below 2^24 exactly, and int32's two's complement is Z / 2^32
+            q32 = torch.round(x.detach().clamp(-self.clip, self.clip) * self.scale).to(torch.int32)
+            return q32.cpu().numpy().view(np.uint32)
         q = torch.round(x.detach().to(torch.float64).clamp(-self.clip, self.clip) * self.scale).to(torch.int64)
         return (q.cpu().numpy() % 2**self.bits).astype(self.dtype)
 

@@ -52,6 +52,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from starling.collectives.compact import contributor_mask, contributors_of
 from starling.collectives.secagg import (
     DOMAIN,
     PRIME,
@@ -199,14 +200,21 @@ class _Mine:
     seed_commit: bytes
 
 
+_Secrets = tuple[dict[str, bytes], dict[tuple[str, str], bytes]]  # survivors' seeds, (survivor, dropped) pair seeds
+
+
 @dataclass
 class _Round:
-    """A holder's view of one round: shares dealt to me, and which kind I revealed of whom."""
+    """One round as a holder and an owner see it: shares dealt to me, which kind I revealed of
+    whom, my own secrets, and the secrets owners gathered or were passed (by survivor set)."""
 
     shares: dict[str, Share] = field(default_factory=dict)
     revealed: dict[str, str] = field(default_factory=dict)  # member -> "seed" | "pair"
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as shares arrive
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as shares or secrets arrive
     mine: _Mine | None = None
+    secrets: dict[tuple[bytes, tuple[str, ...]], _Secrets] = field(default_factory=dict)
+    passed: dict[tuple[bytes, tuple[str, ...]], dict[str, Any]] = field(default_factory=dict)
+    lists: dict[str, list[bytes]] = field(default_factory=dict)  # survivor -> its pair-seed hashes (as revealed)
 
 
 @dataclass
@@ -217,6 +225,9 @@ class Masked:
     ring: np.ndarray
     recipe: tuple[bytes, ...]
     deals: dict[str, dict[str, Any]]
+    round: int
+    rid: bytes
+    mine: _Mine
 
 
 class SecureStage:
@@ -247,8 +258,8 @@ class SecureStage:
             raise SecAggError(f"{len(members)} members overflow secure aggregation's ring at scale "
                               f"{self.config.scale:g} and clip {self.config.clip:g} (at most {self.codec.capacity()})")
         mine = neighbours(members, k, rid)[me]
-        scaled = vector.detach().to("cpu", torch.float64)
-        if weight is not None:
+        scaled = vector.detach().to("cpu", torch.float32)
+        if weight is not None and weight != self.config.unit:
             scaled = scaled * (weight / self.config.unit)
         ring = self.codec.encode(scaled)  # uint32, owned
         seed = secrets.token_bytes(32)
@@ -273,19 +284,15 @@ class SecureStage:
             sig = self.node.trust.sign(_share_statement(rid, me, other, x, y))
             box = _seal(self.node.key_agreement(other), rid, me, y.to_bytes(_SHARE_BYTES, "big") + sig)
             deals[other] = {"deal": t, "view": view, "x": x, "box": box}
-        self.node.run(self._keep_mine(rid, _Mine(members, mine, pairs, commits, seed_commit), t))
-        return Masked(ring, recipe, deals)
+        return Masked(ring, recipe, deals, t, rid, _Mine(members, mine, pairs, commits, seed_commit))
 
-    async def _keep_mine(self, rid: bytes, mine: _Mine, t: int) -> None:
-        self._note_round(t)
-        self._round(rid).mine = mine
-
-    async def deal(self, deals: Mapping[str, dict[str, Any]]) -> None:
-        """Network thread, before my parts go: my seed's shares to my neighbours, one way."""
-        me = self.node.peer_id
-        for holder, body in deals.items():
-            if holder == me:
-                continue
+    async def deal(self, masked: Masked, deals: Mapping[str, dict[str, Any]] | None = None) -> None:
+        """Network thread, before my parts go: keep my round's secrets (for the owners' reveal
+        requests), and send my seed's shares to my neighbours (`deals`: those that do not
+        ride on a part; all by default), one way."""
+        self._note_round(masked.round)
+        self._round(masked.rid).mine = masked.mine
+        for holder, body in (masked.deals if deals is None else deals).items():
             self.node.send(holder, self.reveal_topic, body)
 
     # ------------------------------------------------------------------ holder (network thread)
@@ -307,6 +314,9 @@ class SecureStage:
             return {"ok": True}
         if isinstance(body, dict) and "reveal" in body:
             return await self._on_reveal(msg.sender, body)
+        if isinstance(body, dict) and "unmasked" in body:
+            self._on_passed(msg.sender, body)
+            return {"ok": True}
         return self._refuse(Refusal.MALFORMED, "secure aggregation: neither a deal nor a reveal request")
 
     def _on_deal(self, dealer: str, body: dict[str, Any]) -> None:
@@ -315,6 +325,11 @@ class SecureStage:
                 or not isinstance(box, bytes) or len(box) > 512:
             self._refuse.count("secagg_malformed", f"a deal from {dealer}")
             return
+        self.take_deal(dealer, t, view, x, box)
+
+    def take_deal(self, dealer: str, t: int, view: bytes, x: int, box: bytes) -> None:
+        """A neighbour's sealed share of its mask seed for round t (on its own, or riding on
+        its part for a shard I own); network thread."""
         if t < self._latest - _KEEP_ROUNDS or t > self._latest + _KEEP_ROUNDS:
             self._refuse.count("secagg_stale", f"a deal of round {t} from {dealer}")
             return
@@ -324,11 +339,12 @@ class SecureStage:
         if opened is None or len(opened) != _SHARE_BYTES + 64:
             self._refuse.count("secagg_bad_share", f"a share from {dealer} that does not open")
             return
+        # Sealed under a key only the dealer and I derive: it is the dealer's. Its signature, which
+        # lets an owner hold a wrong share against its dealer, is checked by an owner that needs to.
         y, sig = int.from_bytes(opened[:_SHARE_BYTES], "big"), opened[_SHARE_BYTES:]
         share = Share(dealer, x, y, sig)
-        if not 0 <= y < PRIME or not self.node.trust.verify(dealer, _share_statement(rid, dealer, self.node.peer_id,
-                                                                                      x, y), sig):
-            self._refuse.count("secagg_bad_share", f"a share from {dealer} not signed by it: tampered")
+        if not 0 <= y < PRIME:
+            self._refuse.count("secagg_bad_share", f"a share from {dealer} outside the field")
             return
         state = self._round(rid)
         if dealer not in state.shares and len(state.shares) < 4 * _MAX_LIST:
@@ -382,16 +398,40 @@ class SecureStage:
                      recipes: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float] | None]:
         """The survivors' average over [lo, hi) from their masked parts (SecAggError when the
         group cannot be unmasked: it is dropped, nothing of any part is learned)."""
-        me = self.node.peer_id
         rid = round_id(self.topic, t, view)
         k, threshold = self.config.shape(len(members))
         graph = neighbours(members, k, rid)
         alive = tuple(m for m in members if m in parts)
-        dropped = set(members) - set(alive)
+        commits = self._commitments(t, rid, alive, recipes)
+        found = await self._secrets(t, members, view, rid, graph, alive, commits, threshold)
+        seeds, pair_seeds = found
+        n = hi - lo
+        total = np.zeros(n, dtype=np.uint32)
+        for member in alive:  # in member order
+            add(total, parts[member].contiguous().view(torch.int32).numpy().view(np.uint32))
+        for member in alive:
+            sub(total, prg(seeds[member], n, rid, offset=lo))
+        for gone in sorted(set(members) - set(alive)):
+            for j in graph[gone]:
+                if j in parts:  # j added +PRG(s_jd) when gone > j, else -PRG
+                    (sub if gone > j else add)(total, prg(pair_seeds[j, gone], n, rid, offset=lo))
+        decoded = self.codec.decode_sum(total, len(alive)).to(torch.float64)
+        weight = {m: weights.get(m, 1.0) for m in alive}
+        whole = sum(weight.values())
+        if whole <= 0.0:
+            return torch.zeros(n, dtype=torch.float32), None
+        average = (decoded * (self.config.unit / whole)).to(torch.float32)
+        shares_out = None if len(set(weight.values())) == 1 else {m: w / whole for m, w in weight.items()}
+        return average, shares_out
+
+    def _commitments(self, t: int, rid: bytes, alive: Sequence[str],
+                     recipes: Mapping[str, Any]) -> dict[str, tuple[bytes, bytes]]:
+        """Each survivor's (seed commitment, digest of its pair-seed hashes), as it signed them
+        with its parts (mine from my own round)."""
         commits: dict[str, tuple[bytes, bytes]] = {}
-        for member in alive:  # (seed commitment, pair-hash digest), as the member signed them
+        for member in alive:
             recipe = recipes.get(member)
-            if member == me:
+            if member == self.node.peer_id:
                 mine = self._round(rid).mine
                 if mine is None:
                     raise SecAggError(f"round {t}: my own secrets are gone")
@@ -400,20 +440,129 @@ class SecureStage:
                     and all(isinstance(r, bytes) and len(r) == 32 for r in recipe[1:])):
                 raise SecAggError(f"{member}'s part carries no secure aggregation commitments")
             commits[member] = (recipe[1], recipe[2])
-        asks = {j: ([n for n in graph[j] if n in parts], [d for d in graph[j] if d in dropped]) for j in alive}
+        return commits
+
+    def unmasker(self, members: tuple[str, ...], t: int) -> str:
+        """The owner that gathers round t's secrets from the holders and passes them on to the
+        other owners (who check them against the commitments in their own parts): one owner
+        asks, not every one. Rotates with the round."""
+        owners = sorted(self._owners(members, t))
+        return owners[t % len(owners)]
+
+    async def _secrets(self, t: int, members: tuple[str, ...], view: bytes, rid: bytes,
+                       graph: Mapping[str, tuple[str, ...]], alive: tuple[str, ...],
+                       commits: Mapping[str, tuple[bytes, bytes]], threshold: int) -> _Secrets:
+        """The survivors' mask seeds and their pair seeds with the dropped: from the round's
+        unmasker when it saw the same survivors (checked here), else gathered from the holders."""
+        me, key = self.node.peer_id, (rid, alive)
+        state = self._round(rid)
+        known = state.secrets.get(key)
+        if known is not None:
+            return known
+        unmasker = self.unmasker(members, t)
+        if unmasker != me:
+            passed = await self._passed_on(state, key, self._reveal_timeout_s)
+            if passed is not None:
+                checked = self._check_passed(t, rid, graph, alive, commits, passed)
+                if checked is not None:
+                    state.secrets[key] = checked
+                    return checked
+        found = await self._gather(t, members, view, rid, graph, alive, commits, threshold)
+        state.secrets[key] = found
+        if unmasker == me:
+            self._pass_on(t, members, view, rid, alive, found, graph)
+        return found
+
+    async def _passed_on(self, state: _Round, key: tuple[bytes, tuple[str, ...]],
+                         timeout_s: float) -> dict[str, Any] | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while key not in state.passed:
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            try:
+                await asyncio.wait_for(state.arrived.wait(), left)
+            except asyncio.TimeoutError:
+                return None
+        return state.passed[key]
+
+    def _pass_on(self, t: int, members: tuple[str, ...], view: bytes, rid: bytes, alive: tuple[str, ...],
+                 found: _Secrets, graph: Mapping[str, tuple[str, ...]]) -> None:
+        seeds, pairs = found
+        lists = {j for j, _ in pairs}
+        state = self._round(rid)
+        body = {"unmasked": t, "view": view, "alive": contributor_mask(members, alive),
+                "seeds": [[m, seeds[m]] for m in alive], "pairs": [[j, d, s] for (j, d), s in sorted(pairs.items())],
+                "lists": [[j, state.lists[j]] for j in sorted(lists) if j in state.lists]}
+        for owner in sorted(self._owners(members, t) - {self.node.peer_id}):
+            self.node.send(owner, self.reveal_topic, body)
+
+    def _on_passed(self, sender: str, body: dict[str, Any]) -> None:
+        t, view, mask = body.get("unmasked"), body.get("view"), body.get("alive")
+        if type(t) is not int or not isinstance(view, bytes):
+            self._refuse.count("secagg_malformed", f"secrets passed on by {sender}")
+            return
+        members = self._resolve(view)
+        if members is None or sender != self.unmasker(members, t):
+            self._refuse.count("secagg_not_unmasker", f"secrets of round {t} passed on by {sender}")
+            return
+        try:
+            alive = contributors_of(members, mask)
+        except ValueError as exc:
+            self._refuse.count("secagg_malformed", f"secrets passed on by {sender}: {exc}")
+            return
+        state = self._round(round_id(self.topic, t, view))
+        if len(state.passed) < 8:
+            state.passed[round_id(self.topic, t, view), alive] = body
+        state.arrived.set()
+        state.arrived = asyncio.Event()
+
+    def _check_passed(self, t: int, rid: bytes, graph: Mapping[str, tuple[str, ...]], alive: tuple[str, ...],
+                      commits: Mapping[str, tuple[bytes, bytes]], body: dict[str, Any]) -> _Secrets | None:
+        """The unmasker's secrets if every one keeps the commitment its member signed; None
+        (counted) if any does not, or some are missing."""
+        try:
+            seeds = {m: s for m, s in body["seeds"]}
+            pairs = {(j, d): s for j, d, s in body["pairs"]}
+            lists = {j: list(h) for j, h in body["lists"]}
+            if set(seeds) != set(alive) or any(_commit(seeds[m], rid) != commits[m][0] for m in alive):
+                raise ValueError("a seed that breaks its commitment")
+            for j, hashes_ in lists.items():
+                if hashlib.sha256(b"".join(hashes_)).digest() != commits[j][1]:
+                    raise ValueError(f"{j}'s pair-seed hashes break its commitment")
+            dropped = set(graph) - set(alive)
+            wanted = {(j, d) for d in dropped for j in graph[d] if j in seeds}
+            if set(pairs) != wanted:
+                raise ValueError("not the pair seeds of the dropped")
+            for (j, d), seed in pairs.items():
+                if hashlib.sha256(seed).digest() != lists[j][graph[j].index(d)]:
+                    raise ValueError(f"a wrong pair seed of {j} with {d}")
+        except Exception as exc:
+            self._refuse.count("secagg_bad_passed", f"round {t}: the unmasker's secrets: {exc}")
+            return None
+        return seeds, pairs
+
+    async def _gather(self, t: int, members: tuple[str, ...], view: bytes, rid: bytes,
+                      graph: Mapping[str, tuple[str, ...]], alive: tuple[str, ...],
+                      commits: Mapping[str, tuple[bytes, bytes]], threshold: int) -> _Secrets:
+        """Ask every survivor for its shares of its surviving neighbours' seeds and its pair
+        seeds with its dropped ones; rebuild and check them."""
+        dropped = set(members) - set(alive)
+        asks = {j: ([n for n in graph[j] if n in alive], [d for d in graph[j] if d in dropped]) for j in alive}
         replies = await asyncio.gather(*(self._ask(j, t, view, seeds, pairs) for j, (seeds, pairs) in asks.items()))
-        shares: dict[str, dict[int, int]] = {}
+        shares: dict[str, dict[int, tuple[str, int, bytes]]] = {}  # dealer -> x -> (holder, y, signature)
         pair_seeds: dict[tuple[str, str], bytes] = {}
+        state = self._round(rid)
         for j, reply in zip(alive, replies):
             if reply is None:
                 continue
             for dealer, x, y, sig in reply["shares"]:
-                if dealer not in asks[j][0] or x != point_of(j, members) or not 0 <= y < PRIME \
-                        or not self.node.trust.verify(dealer, _share_statement(rid, dealer, j, x, y), sig):
-                    self._refuse.count("secagg_bad_share", f"round {t}: {j} revealed a share of {dealer} that "
-                                       "its dealer did not sign")
+                if dealer not in asks[j][0] or x != point_of(j, members) or not 0 <= y < PRIME:
+                    self._refuse.count("secagg_bad_share", f"round {t}: {j} revealed a share of {dealer} it "
+                                       "does not hold")
                     continue
-                shares.setdefault(dealer, {})[x] = y
+                shares.setdefault(dealer, {})[x] = (j, y, sig)
             hashes_ = reply["commits"]
             if hashlib.sha256(b"".join(hashes_)).digest() != commits[j][1] or len(hashes_) != len(graph[j]):
                 if reply["pairs"]:
@@ -425,36 +574,39 @@ class SecureStage:
                     self._refuse.count("secagg_bad_seed", f"round {t}: {j} revealed a wrong mask seed for {d}")
                     continue
                 pair_seeds[j, d] = seed
-        n = hi - lo
-        total = np.zeros(n, dtype=np.uint32)
-        for member in alive:  # in member order
-            add(total, parts[member].contiguous().view(torch.int32).numpy().view(np.uint32))
-        for member in alive:
-            got = shares.get(member, {})
-            if len(got) < threshold:
-                raise SecAggError(f"round {t}: {len(got)} shares of {member}'s mask seed came, it needs {threshold}")
-            seed = _rebuilt(combine_shares(got, threshold))
-            if seed is None or _commit(seed, rid) != commits[member][0]:
-                self._refuse.count("secagg_bad_seed", f"round {t}: {member}'s rebuilt seed breaks its commitment")
-                raise SecAggError(f"round {t}: {member}'s mask seed rebuilt from its shares breaks its commitment")
-            sub(total, prg(seed, n, rid, offset=lo))
-        for gone in sorted(dropped):
+                state.lists[j] = hashes_
+        seeds = {m: self._rebuild(t, rid, m, shares.get(m, {}), threshold, commits[m][0]) for m in alive}
+        for gone in dropped:
             for j in graph[gone]:
-                if j not in parts:
-                    continue
-                seed = pair_seeds.get((j, gone))
-                if seed is None:
+                if j in seeds and (j, gone) not in pair_seeds:
                     raise SecAggError(f"round {t}: {j} did not reveal its mask seed with dropped {gone}")
-                # j added +PRG(s_jd) when gone > j, else -PRG
-                (sub if gone > j else add)(total, prg(seed, n, rid, offset=lo))
-        decoded = self.codec.decode_sum(total, len(alive)).to(torch.float64)
-        weight = {m: weights.get(m, 1.0) for m in alive}
-        whole = sum(weight.values())
-        if whole <= 0.0:
-            return torch.zeros(n, dtype=torch.float32), None
-        average = (decoded * (self.config.unit / whole)).to(torch.float32)
-        shares_out = None if len(set(weight.values())) == 1 else {m: w / whole for m, w in weight.items()}
-        return average, shares_out
+        return seeds, pair_seeds
+
+    def _rebuild(self, t: int, rid: bytes, member: str, got: dict[int, tuple[str, int, bytes]], threshold: int,
+                 commitment: bytes) -> bytes:
+        """A survivor's mask seed from t of the shares its neighbours revealed. The seed it
+        committed to in its signed parts says whether they were right; only when it is not
+        are the shares' signatures checked, and those not signed by the member (tampered by
+        their holder) counted and left out before trying again."""
+        if len(got) < threshold:
+            raise SecAggError(f"round {t}: {len(got)} shares of {member}'s mask seed came, it needs {threshold}")
+        seed = _rebuilt(combine_shares({x: y for x, (_, y, _) in got.items()}, threshold))
+        if seed is not None and _commit(seed, rid) == commitment:
+            return seed
+        good = {}
+        for x, (holder, y, sig) in got.items():
+            if self.node.trust.verify(member, _share_statement(rid, member, holder, x, y), sig):
+                good[x] = y
+            else:
+                self._refuse.count("secagg_bad_share", f"round {t}: {holder} revealed a share of {member}'s seed "
+                                   f"that {member} did not sign: tampered")
+        if len(good) >= threshold and len(good) < len(got):
+            seed = _rebuilt(combine_shares(good, threshold))
+            if seed is not None and _commit(seed, rid) == commitment:
+                return seed
+        self._refuse.count("secagg_bad_seed", f"round {t}: {member}'s seed rebuilt from its shares breaks its "
+                           "commitment")
+        raise SecAggError(f"round {t}: {member}'s mask seed rebuilt from its shares breaks its commitment")
 
     async def _ask(self, holder: str, t: int, view: bytes, seeds: Sequence[str],
                    pairs: Sequence[str]) -> dict[str, Any] | None:

@@ -127,6 +127,7 @@ class Node:
         config, stats, spawn = self.config, self.stats, self._spawn
         self._local = local
         self._table = PeerTable(local.peer_id, config.liveness, config.table)
+        self._agreed: dict[str, tuple[bytes, bytes]] = {}  # peer -> (its curve key, our X25519 secret)
         self._pending = rpc.PendingRequests()
         self._outbox = Outbox(local.peer_id, self._table, stats, self._pending,
                               request_timeout_s=config.request_timeout_s)
@@ -329,7 +330,14 @@ class Node:
         info = self._table.get(peer_id)
         if info is None:
             return None
-        return self.identity.agree(info.record.curve_key)
+        key = info.record.curve_key
+        cached = self._agreed.get(peer_id)
+        if cached is None or cached[0] != key:
+            cached = (key, self.identity.agree(key))
+            if len(self._agreed) >= 4096:  # any thread may add: dropping the lot is safe, and rare
+                self._agreed = {}
+            self._agreed[peer_id] = cached
+        return cached[1]
 
     def leave(self) -> None:
         """Announce a graceful leave to every live peer, then close."""

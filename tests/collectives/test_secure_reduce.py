@@ -91,7 +91,7 @@ def test_dropped_members_are_unmasked_away_by_survivors_with_t_shares(make_node)
     dead = [nodes.index(next(n for n in nodes if n.peer_id == m)) for m in members[-2:]]
     for r in dead:
         masked = rs[r]._secure.mask(1, members, view_digest(members), vectors[r], None)
-        nodes[r].run(rs[r]._secure.deal(masked.deals))
+        nodes[r].run(rs[r]._secure.deal(masked))
         nodes[r].close()
     live = [r for r in range(world) if r not in dead]
     results = in_parallel([lambda r=r: rs[r].reduce(1, members, vectors[r]) for r in live])
@@ -180,7 +180,7 @@ def test_a_wrong_mask_seed_is_refused_counted_and_changes_nothing(make_node):
     rs = reducers(nodes, numel, timeouts=timeouts)
     gone = nodes.index(next(n for n in nodes if n.peer_id == members[-1]))
     masked = rs[gone]._secure.mask(1, members, view_digest(members), torch.zeros(numel), None)
-    nodes[gone].run(rs[gone]._secure.deal(masked.deals))
+    nodes[gone].run(rs[gone]._secure.deal(masked))
     nodes[gone].close()
     live = [r for r in range(world) if r != gone]
 
@@ -206,7 +206,7 @@ def test_a_holder_never_reveals_both_halves_of_a_members_secrets(make_node):
     view = view_digest(members)
     for r in range(3):
         masked = rs[r]._secure.mask(7, members, view, torch.zeros(10), None)
-        nodes[r].run(rs[r]._secure.deal(masked.deals))
+        nodes[r].run(rs[r]._secure.deal(masked))
     owner, holder = nodes[0], nodes[1]
     victim = members[2] if members[2] != owner.peer_id and members[2] != holder.peer_id else \
         next(m for m in members if m not in (owner.peer_id, holder.peer_id))
