@@ -1,14 +1,23 @@
-"""Federated mode: secure aggregation's arithmetic, and sampled clients on non-IID data.
+"""Federated mode: secure aggregation inside the sharded all-reduce, dropouts killed with
+SIGKILL, and sampled clients on non-IID data.
 
-    python benchmarks/secagg.py [--only arithmetic|sampling] [--clients 1000] [--fraction 0.1]
+    python benchmarks/secagg.py [--only secure|dropout|sampling] [--protocols allreduce,streaming-diloco]
+                                [--peers 16] [--clients 1000] [--fraction 0.1]
 
-Arithmetic (`arithmetic` rows, a 32-bit ring and an 8-bit one holding 4-bit values). One round
-of `collectives/secagg.py` for 16 members over a
-vector the size of `charlm` (110,464 values), SecAgg+'s graph (12 neighbours, threshold 7),
-2 members dropped after dealing their shares: each member's dealing and masking, the owner's
-unmasking, against an int4 encode and decode of the same vector in the same run (the codec a
-DiLoCo part travels in today), and the bytes of a masked part against the int4 and float32
-parts. The secure sum must equal the plain sum of the survivors' integer parts.
+Secure (`secure` rows). `--peers` simulated peers train `charlm` with `allreduce` (30 steps)
+and `streaming-diloco` (40 steps, H 10, 2 fragments, compressor none: secure aggregation
+encodes parts itself), with `--secure-aggregation on` and without, twice each in alternating
+order: eval loss of each run (equal within the ring's rounding: at scale 2^16 an average moves
+by at most 0.5 / 2^16 a value), bytes sent per peer and the median step's wall time, and the
+ratios secure / plain. Targets: bytes <= 1.25x, step time <= 1.5x.
+
+Dropout (`dropout` rows). `--peers` real processes, one node each on loopback tcp, average a
+vector the size of `charlm`'s (110,464 values) with secure aggregation every round; in round 4
+two of them are SIGKILLed as soon as they have masked and dealt their shares (their parts on
+the wire). Each survivor checks every chunk it got back against the mean of the vectors of
+the members that could have contributed (every member draws every vector from a shared
+seed); the row reports whether the round of the kill and every later one completed with the
+survivors' sum, and the groups owners dropped.
 
 Sampling (`sampling` rows). `--clients` simulated peers (2 processes) train `diloco` (H 5, 20
 steps) on the `teacher` task partitioned `dirichlet:0.5`, with `--fraction` of them drawn per
@@ -19,80 +28,205 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
-from starling.collectives.secagg import IntegerCodec, MaskingMember, Unmasker, graph_degree, record_verifier
-from starling.compressors import from_spec
+from starling.collectives.secagg import IntegerCodec
 from starling.node.identity import Identity
 from starling.runtime import SimConfig, Simulation
-
-CHARLM_VALUES = 110_464
 
 
 def emit(row: dict[str, Any]) -> None:
     print(json.dumps(row), flush=True)
 
 
-RINGS = {32: IntegerCodec(), 8: IntegerCodec(scale=2.0, clip=3.5, bits=8)}  # 8 bits: 4-bit values, <= 18 members
+def step_wall(result: Any) -> float:
+    """The median step's wall time over every peer's steps after its first (which includes
+    the swarm settling)."""
+    walls = [r["step_wall_s"] for peer in result.peers for r in peer.records[1:] if "step_wall_s" in r]
+    return statistics.median(walls) if walls else float("nan")
 
 
-def arithmetic(bits: int, members: int = 16, size: int = CHARLM_VALUES, dropped: int = 2) -> None:
-    rng = random.Random(0)
-    degree = graph_degree(members)
-    threshold = degree // 2 + 1
-    ids = {f"m{i:02d}": Identity.generate() for i in range(members)}
-    verify = record_verifier({m: ident.verify_key for m, ident in ids.items()})
-    round_id = b"bench"
-    g = torch.Generator().manual_seed(0)
-    codec = RINGS[bits]
-    xs = {m: torch.randn(size, generator=g) * (0.01 if bits == 32 else 1.0) for m in ids}
-    began = time.perf_counter()
-    clients = {m: MaskingMember(m, tuple(ids), round_id, threshold, degree, ident.sign,
-                                random_bytes=lambda k: rng.randbytes(k)) for m, ident in ids.items()}
-    deals = {m: c.deal() for m, c in clients.items()}
-    for shares in deals.values():
-        for share in shares:
-            clients[share.holder].hold(share, verify)
-    deal_s = (time.perf_counter() - began) / members
-    adverts = {m: c.advert for m, c in clients.items()}
-    sending = list(ids)[dropped:]
-    masked, mask_times = {}, []
-    for m in sending:
-        began = time.perf_counter()
-        masked[m] = clients[m].mask(codec.encode(xs[m]), adverts, verify)
-        mask_times.append(time.perf_counter() - began)
-    owner = Unmasker(tuple(ids), round_id, threshold, degree, size, bits=bits)
-    began = time.perf_counter()
-    for m in sending:
-        owner.receive(m, masked[m])
-    revealed = [s for m in owner.survivors() for s in clients[m].reveal(owner.survivors())]
-    total = owner.unmask(adverts, revealed, verify)
-    unmask_s = time.perf_counter() - began
-    plain = np.zeros(size, dtype=codec.dtype)
-    for m in sending:
-        plain = (plain + codec.encode(xs[m])).astype(codec.dtype)
-    int4 = from_spec("int4")
-    began = time.perf_counter()
-    for m in sending:
-        packet = int4.encode(xs[m])
-        int4.decode(packet)
-    int4_s = (time.perf_counter() - began) / len(sending)
-    int4_bytes = packet.nbytes
-    mask_s = sorted(mask_times)[len(mask_times) // 2]
-    emit({"row": "arithmetic", "ring_bits": bits, "scale": codec.scale, "clip": codec.clip, "members": members,
-          "values": size, "neighbours": degree, "threshold": threshold,
-          "dropped": dropped, "exact": bool(np.array_equal(total, plain)),
-          "deal_ms_per_member": round(deal_s * 1e3, 2), "mask_ms_per_member": round(mask_s * 1e3, 2),
-          "unmask_ms_owner": round(unmask_s * 1e3, 2), "int4_encode_decode_ms": round(int4_s * 1e3, 2),
-          "mask_over_int4": round(mask_s / int4_s, 2),
-          "masked_part_bytes": int(masked[sending[0]].nbytes), "int4_part_bytes": int4_bytes,
-          "float32_part_bytes": size * 4, "masked_over_int4_bytes": round(masked[sending[0]].nbytes / int4_bytes, 2),
-          "max_error_of_sum": codec.max_error(len(sending)), "capacity_members": codec.capacity()})
+SECURE_RUNS = {
+    "allreduce": {"steps": 30, "options": {}},
+    "streaming-diloco": {"steps": 40, "options": {"compressor": "none", "sync_every": 10, "fragments": 2}},
+}
+
+
+def secure(protocol: str, peers: int = 16, repeats: int = 2) -> None:
+    """One protocol on `charlm` with and without secure aggregation, `repeats` times each in
+    alternating order (the machine is shared): eval loss, bytes per peer and the median step's
+    wall time of each, and the ratios."""
+    spec = SECURE_RUNS[protocol]
+    runs: dict[str, list[Any]] = {"plain": [], "secure": []}
+    for i in range(repeats):
+        for label in ("plain", "secure") if i % 2 == 0 else ("secure", "plain"):
+            options = {**spec["options"], **({"secure_aggregation": "on"} if label == "secure" else {})}
+            config = SimConfig(peers=peers, protocol=protocol, steps=spec["steps"], task="charlm", options=options)
+            runs[label].append(Simulation(config).run())
+    row: dict[str, Any] = {"row": "secure", "protocol": protocol, "peers": peers, "steps": spec["steps"],
+                           "options": spec["options"], "repeats": repeats}
+    for label, results in runs.items():
+        row[label] = {"eval_loss": [round(r.summary["eval_loss"], 5) for r in results],
+                      "bytes_sent_per_peer": round(statistics.mean(r.summary["bytes_sent_per_peer"] for r in results)),
+                      "step_wall_s": [round(step_wall(r), 4) for r in results],
+                      "final_peers": [r.summary["final_peers"] for r in results]}
+    plain, masked = runs["plain"], runs["secure"]
+    row["eval_loss_diff"] = round(max(abs(a.summary["eval_loss"] - b.summary["eval_loss"])
+                                      for a, b in zip(plain, masked)), 6)
+    row["bytes_ratio"] = round(row["secure"]["bytes_sent_per_peer"] / row["plain"]["bytes_sent_per_peer"], 4)
+    row["step_time_ratio"] = round(statistics.median(step_wall(r) for r in masked)
+                                   / statistics.median(step_wall(r) for r in plain), 3)
+    codec = IntegerCodec()
+    row["scale"], row["clip"], row["max_error_of_average"] = codec.scale, codec.clip, 0.5 / codec.scale
+    emit(row)
+
+
+DROPOUT_VALUES = 110_464  # charlm's parameters
+
+
+def _identity(rank: int) -> Identity:
+    return Identity.from_seed(f"secagg-dropout-{rank}")
+
+
+def _vector(t: int, rank: int) -> torch.Tensor:
+    return torch.randn(DROPOUT_VALUES, generator=torch.Generator().manual_seed(1000 * t + rank)) * 0.1
+
+
+def worker(rank: int, peers: int, port: int, rounds: int, kill_round: int, victims: set[int]) -> None:
+    """One dropout peer: a node on loopback tcp, a secure reducer, one JSON line per round."""
+    from starling.collectives import ReduceTimeouts, ShardedReducer
+    from starling.collectives.secure import SecureAggregation
+    from starling.node import Node
+    from starling.node.address import PeerAddress
+
+    identity = _identity(rank)
+    node = Node(identity)
+    first = PeerAddress(f"tcp://127.0.0.1:{port}", _identity(0).curve_public)
+    node.start(f"tcp://127.0.0.1:{port + rank}", [] if rank == 0 else [str(first)])
+    deadline = time.monotonic() + 180
+    while len(node.live_peers()) < peers - 1:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"rank {rank}: the swarm did not form")
+        time.sleep(0.05)
+    reducer = ShardedReducer(node, "bench.secure", DROPOUT_VALUES, "none",
+                             ReduceTimeouts(round_timeout_s=10.0, reply_grace_s=4.0), secure=SecureAggregation())
+    rank_of = {_identity(r).peer_id: r for r in range(peers)}
+    emit({"ready": rank})
+    sys.stdin.readline()  # the parent's go, once every peer is ready
+    for t in range(rounds):
+        members = tuple(sorted({*node.live_peers(), node.peer_id}))
+        vector = _vector(t, rank)
+        mine = vector.clone()
+        pending = reducer.start(t, members, vector)
+        emit({"masked": t, "rank": rank})
+        if rank in victims and t == kill_round:
+            time.sleep(600)  # the parent SIGKILLs this process now, its parts on the wire
+        result = pending.wait()
+        lost = sorted(result.lost)[:4]
+        means = {}
+        for k in range(1 << len(lost)):  # the members that may have contributed: all but some of the lost
+            left_out = {m for b, m in enumerate(lost) if k >> b & 1}
+            means[k] = torch.stack([_vector(t, rank_of[m]) for m in members if m not in left_out]).mean(0)
+        counts = {"sum": 0, "kept": 0, "wrong": 0}
+        without = set()
+        for chunks, _owners in reducer._shards(members, t):
+            for lo, hi in chunks:
+                got = vector[lo:hi]
+                if torch.equal(got, mine[lo:hi]):
+                    counts["kept"] += 1
+                    continue
+                match = next((k for k, mean in means.items()
+                              if float((got - mean[lo:hi]).abs().max()) <= 1e-4), None)
+                if match is None:
+                    counts["wrong"] += 1
+                else:
+                    counts["sum"] += 1
+                    without.add(bin(match).count("1"))
+        emit({"round": t, "rank": rank, "members": len(members), "peers": result.peers, "lost": len(result.lost),
+              "chunks": counts, "left_out": sorted(without)})
+        time.sleep(0.05)  # a little compute
+    emit({"done": rank, "dropped_groups": reducer._secure.dropped if reducer._secure else 0,
+          "rejected": {k: v for k, v in node.stats.rejected.items() if "secagg" in k}})
+    node.close()
+
+
+def dropout(peers: int = 16, kill: int = 2, rounds: int = 10, kill_round: int = 4,
+            timeout_s: float = 600.0) -> dict[str, Any]:
+    port = 20000 + random.randrange(0, 30000)
+    victims = set(range(peers - kill, peers))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, os.path.abspath(__file__), "--worker", "--peers", str(peers), "--port", str(port),
+            "--rounds", str(rounds), "--kill-round", str(kill_round), "--victims", ",".join(map(str, victims))]
+    procs = [subprocess.Popen([*args, "--rank", str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=env) for r in range(peers)]
+    lines: dict[int, list[dict[str, Any]]] = {r: [] for r in range(peers)}
+    ready, killed_at = threading.Semaphore(0), {}
+    began = time.monotonic()
+
+    def read(r: int) -> None:
+        assert procs[r].stdout is not None
+        for line in procs[r].stdout:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("masked") == kill_round and r in victims:
+                procs[r].send_signal(signal.SIGKILL)
+                killed_at[r] = time.monotonic() - began
+            lines[r].append(record)
+            if "ready" in record:
+                ready.release()
+
+    readers = [threading.Thread(target=read, args=(r,), daemon=True) for r in range(peers)]
+    for t in readers:
+        t.start()
+    try:
+        for _ in range(peers):
+            if not ready.acquire(timeout=timeout_s):
+                raise RuntimeError("the dropout swarm did not form")
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for r in range(peers):
+            if r not in victims:
+                procs[r].wait(timeout=timeout_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+    survivors = [r for r in range(peers) if r not in victims]
+    rounds_of = {r: [x for x in lines[r] if "round" in x] for r in survivors}
+    kill_rows = [x for r in survivors for x in rounds_of[r] if x["round"] == kill_round]
+    later = [x for r in survivors for x in rounds_of[r] if x["round"] > kill_round]
+    done = [x for r in survivors for x in lines[r] if "done" in x]
+    row = {"row": "dropout", "peers": peers, "killed": len(killed_at), "kill_round": kill_round, "rounds": rounds,
+           "survivors_finished": len(done) == len(survivors)
+           and all(len(rounds_of[r]) == rounds for r in survivors),
+           "wrong_chunks": sum(x["chunks"]["wrong"] for x in kill_rows + later),
+           "at_kill": {"chunks_with_survivors_sum": min(x["chunks"]["sum"] for x in kill_rows) if kill_rows else 0,
+                          "chunks_kept_local": max(x["chunks"]["kept"] for x in kill_rows) if kill_rows else 0,
+                          "left_out": sorted({n for x in kill_rows for n in x["left_out"]}),
+                          "peers": sorted({x["peers"] for x in kill_rows})},
+           "after": {"rounds": len({x["round"] for x in later}),
+                     "members": sorted({x["members"] for x in later}),
+                     "chunks_kept_local": sum(x["chunks"]["kept"] for x in later)},
+           "dropped_groups": sum(x["dropped_groups"] for x in done),
+           "rejected": {k: sum(x["rejected"].get(k, 0) for x in done) for x in done for k in x["rejected"]},
+           "seconds": round(time.monotonic() - began, 1)}
+    return row
 
 
 def sampling(clients: int, fraction: float, steps: int = 20) -> None:
@@ -122,13 +256,27 @@ def sampling(clients: int, fraction: float, steps: int = 20) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("arithmetic", "sampling"))
+    parser.add_argument("--only", choices=("secure", "dropout", "sampling"))
+    parser.add_argument("--protocols", default="allreduce,streaming-diloco")
+    parser.add_argument("--peers", type=int, default=16)
     parser.add_argument("--clients", type=int, default=1000)
     parser.add_argument("--fraction", type=float, default=0.1)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=10, help=argparse.SUPPRESS)
+    parser.add_argument("--kill-round", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--victims", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.only in (None, "arithmetic"):
-        for bits in RINGS:
-            arithmetic(bits)
+    if args.worker:
+        worker(args.rank, args.peers, args.port, args.rounds, args.kill_round,
+               {int(v) for v in args.victims.split(",") if v})
+        return
+    if args.only in (None, "secure"):
+        for protocol in args.protocols.split(","):
+            secure(protocol, args.peers)
+    if args.only in (None, "dropout"):
+        emit(dropout(args.peers))
     if args.only in (None, "sampling"):
         sampling(args.clients, args.fraction)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import in_parallel, swarm
+from conftest import in_parallel, load_benchmark, swarm
 
 from starling.collectives import ReduceTimeouts, ShardedReducer
 from starling.collectives.compact import view_digest
@@ -217,3 +217,14 @@ def test_a_holder_never_reveals_both_halves_of_a_members_secrets(make_node):
     second = owner.request(holder.peer_id, topic, {"reveal": 7, "view": view, "seeds": [], "pairs": [victim]}).body
     assert second["ok"] is False and second["code"] == "conflict"
     assert holder.stats.rejected.get("test.secure.conflict", 0) == 1
+
+
+@pytest.mark.slow
+def test_a_member_sigkilled_mid_round_leaves_the_survivors_sum():
+    """Real processes on tcp: one of four is SIGKILLed once it has masked and dealt (its parts
+    on the wire); every chunk a survivor owns comes back as the survivors' mean, and the
+    rounds after it run over the three."""
+    row = load_benchmark("secagg").dropout(peers=4, kill=1, rounds=5, kill_round=2, timeout_s=120)
+    assert row["killed"] == 1 and row["survivors_finished"] and row["wrong_chunks"] == 0
+    assert row["at_kill"]["chunks_with_survivors_sum"] >= 3 and row["at_kill"]["left_out"] == [1]
+    assert 3 in row["after"]["members"] and row["dropped_groups"] == 0
