@@ -274,7 +274,7 @@ class ShardedReducer:
         return self.start(t, members, vector, lend=True).wait()
 
     def start(self, t: int, members: tuple[str, ...], vector: torch.Tensor, lend: bool = False,
-              weight: float | None = None, recipe: Recipe | None = None) -> PendingReduce:
+              weight: float | None = None, recipe: Recipe | None = None, noise_std: float = 0.0) -> PendingReduce:
         """Encode my parts now and run round t on the network thread; `wait()` on the
         result writes the average into `vector`. Encoding and decoding happen on the
         caller's thread, so the network loop only moves bytes.
@@ -291,16 +291,20 @@ class ShardedReducer:
 
         `weight`: what my parts count for in the average (the tokens they were computed on;
         None counts 1). Owners average by the members' weights; equal ones give the plain average.
-        `recipe`: what my parts were computed from (plain data), signed with each of them."""
+        `recipe`: what my parts were computed from (plain data), signed with each of them.
+        `noise_std` (secure aggregation only): my share of the round's noise, added to my
+        integers before they are masked (see `SecureStage.mask`)."""
         if weight is not None and not (math.isfinite(weight) and weight >= 0.0):
             raise ValueError(f"{self.topic}: weight must be a finite number >= 0, got {weight!r}")
         if vector.dim() != 1 or vector.numel() != self.numel or vector.dtype != torch.float32:
             raise ValueError(f"{self.topic}: expected a 1-D float32 vector of {self.numel} values (on any device), "
                              f"got {vector.dtype} of shape {tuple(vector.shape)}")
+        if noise_std and self._secure is None:
+            raise ValueError(f"{self.topic}: noise in the ring needs secure aggregation")
         if len(members) <= 1:
             return PendingReduce(self, t, members, vector, None)
         if self._secure is not None:
-            return self._start_secure(t, members, vector, weight, recipe)
+            return self._start_secure(t, members, vector, weight, recipe, noise_std)
         me = self.node.peer_id
         lend = lend and vector.is_contiguous()  # a strided vector's slices are not wire buffers
         # A vector on an accelerator is encoded there; only the encoded bytes cross to the host,
@@ -345,7 +349,7 @@ class ShardedReducer:
         return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s, lent)
 
     def _start_secure(self, t: int, members: tuple[str, ...], vector: torch.Tensor, weight: float | None,
-                      recipe: Recipe | None) -> PendingReduce:
+                      recipe: Recipe | None, noise_std: float = 0.0) -> PendingReduce:
         """`start` with secure aggregation: the whole vector masked once in its ring, each
         chunk sent as the ring's 32-bit words (bytes only the owner's sum makes sense of), my
         own part masked like the others (my pair masks must cancel in my own shard's sum too)."""
@@ -353,7 +357,7 @@ class ShardedReducer:
         if recipe is not None:
             raise ValueError(f"{self.topic}: secure aggregation carries its own recipe; audits cannot see its parts")
         me, view = self.node.peer_id, view_digest(members)
-        masked = self._secure.mask(t, members, view, vector, weight)
+        masked = self._secure.mask(t, members, view, vector, weight, noise_std)
         ring = torch.from_numpy(masked.ring.view(np.int32)).view(torch.float32)  # the same bytes, a lossless frame
         slots: list[_Slot] = []
         for i, (chunks, owners) in enumerate(self._shards(members, t)):

@@ -60,6 +60,7 @@ from starling.collectives.secagg import (
     SecAggError,
     add,
     combine_shares,
+    discrete_gaussian,
     graph_degree,
     neighbours,
     point_of,
@@ -250,7 +251,10 @@ class SecureStage:
 
     # ------------------------------------------------------------------ member (caller's thread)
     def mask(self, t: int, members: tuple[str, ...], view: bytes, vector: torch.Tensor,
-             weight: float | None) -> Masked:
+             weight: float | None, noise_std: float = 0.0) -> Masked:
+        """My masked ring vector for round t, and my seed's shares. `noise_std` > 0: discrete
+        Gaussian noise of that standard deviation (in the vector's units) is added to my
+        integers before masking: my share of the round's noise (distributed DP)."""
         me = self.node.peer_id
         rid = round_id(self.topic, t, view)
         k, threshold = self.config.shape(len(members))
@@ -262,6 +266,9 @@ class SecureStage:
         if weight is not None and weight != self.config.unit:
             scaled = scaled * (weight / self.config.unit)
         ring = self.codec.encode(scaled)  # uint32, owned
+        if noise_std > 0.0:
+            sigma = noise_std * (1.0 if weight is None else weight / self.config.unit) * self.config.scale
+            add(ring, (discrete_gaussian(ring.size, sigma) % 2**32).astype(np.uint32))
         seed = secrets.token_bytes(32)
         add(ring, prg(seed, ring.size, rid))
         pairs: dict[str, bytes] = {}

@@ -42,6 +42,7 @@ class PrivacyReport:
     sample_rate: float  # q: Poisson rate of samples (1 for the peer unit: every peer, every round)
     rounds: int
     accountant: str
+    noise: str = "local"  # "distributed": members' shares, summed in a secure aggregation (noise_std is the sum's)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON data: an infinite epsilon (no noise) is the string "inf"."""

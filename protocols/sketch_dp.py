@@ -112,9 +112,19 @@ class SketchDPConfig(ProtocolConfig):
     # an owner learns only the sum of its shard ("on:scale=65536,clip=8,threshold=0.5"); needs
     # compressor "none", the plain mean and one owner per shard; "off": parts in the clear
     secure_aggregation: str = "off"
+    # Where the noise is added: "local", each peer's release carries all of it (N(0, sigma^2 C^2));
+    # "distributed" (needs secure_aggregation): each of n members adds a discrete Gaussian share
+    # of variance sigma^2 C^2 / n to its integers, so that only the sum carries the full noise
+    # (Kairouz et al. 2021): the same epsilon for the sum, sqrt(n) less noise in the mean
+    dp_noise: str = "local"
 
     def __post_init__(self) -> None:
         sketch_codec(self.sketch)
+        if self.dp_noise not in ("local", "distributed"):
+            raise ValueError(f"dp_noise must be 'local' or 'distributed', got {self.dp_noise!r}")
+        if self.dp_noise == "distributed" and self.secure_aggregation == "off":
+            raise ValueError("dp_noise='distributed' needs secure_aggregation: without it an owner sees each "
+                             "member's part with only its share of the noise")
         if self.check_every < 0:
             raise ValueError(f"check_every must be >= 0, got {self.check_every}")
         if not self.clip > 0.0:
@@ -281,7 +291,13 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
             self.last_release = y.clone()
 
         members = membership(self.node)
-        result = self.reducer.reduce(t, members, y)  # y becomes the mean of the peers' sketches
+        if self.distributed and len(members) <= 1 and self.sigma > 0.0:  # alone: all the noise is mine to add
+            y.add_(gaussian_noise(y.numel(), self.sigma * c.clip / self._per_release, self._secret))
+        elif self.distributed:  # my share of the sum's noise goes in with my integers
+            share = self.sigma * c.clip / math.sqrt(len(members)) / self._per_release
+            result = self.reducer.start(t, members, y, lend=True, noise_std=share).wait()
+        else:
+            result = self.reducer.reduce(t, members, y)  # y becomes the mean of the peers' sketches
         if result.ahead > t:
             log.info("%s: sketch-dp round %d was late; catching up to round %d", self.node.peer_id, t, result.ahead)
             self.step_count = result.ahead * c.local_steps
@@ -290,7 +306,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
             self.optimizer.step()
             if self.anchor is not None:
                 self.flat.read_params(self.anchor)
-            self.accountant.step(self.sigma, c.rate)
+            self.accountant.step(self._released_sigma(members, result), c.rate)
             self._check_budget()
         if self.guard is not None and self.guard.due(t) and len(members) > 1 and result.ahead <= t:
             self.guard.run(t, members)  # on x_{t+1}, which every peer holds
@@ -320,16 +336,36 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
         return self._release(rows), value
 
     def _release(self, rows: torch.Tensor) -> torch.Tensor:
-        """The sum of the sketched rows, each clipped to C, plus N(0, sigma^2 C^2)."""
+        """The sum of the sketched rows, each clipped to C, plus N(0, sigma^2 C^2) (with
+        distributed noise, the share goes in later, in the ring)."""
         c = self.config
         if math.isfinite(c.clip):
             clip_rows_(rows, c.clip)
         y = rows.sum(dim=0)
-        if self.sigma > 0.0:
+        if self.sigma > 0.0 and not self.distributed:
             y.add_(gaussian_noise(y.numel(), self.sigma * c.clip, self._secret))
-        if c.dp_unit == "sample":
-            y.div_(c.sample_rate * self.data.size)  # type: ignore[union-attr]
-        return y
+        return y.div_(self._per_release)
+
+    @property
+    def distributed(self) -> bool:
+        return self.config.dp_noise == "distributed"
+
+    @property
+    def _per_release(self) -> float:
+        """What a release is divided by: the expected batch under the sample unit (its mean)."""
+        c = self.config
+        return c.sample_rate * self.data.size if c.dp_unit == "sample" and self.data is not None else 1.0
+
+    def _released_sigma(self, members: tuple[str, ...], result: Any) -> float:
+        """The noise multiplier of what this round released. Local noise: sigma. Distributed:
+        sigma when every member's share went into every sum; a round that lost a member or an
+        owner counts as sigma / sqrt(n), what one member's share alone gives (a chunk that
+        kept my local values, or a sum with fewer shares, carries less than the full noise)."""
+        if not self.distributed or len(members) <= 1 or not (result.lost or result.skipped):
+            return self.sigma
+        log.warning("%s: sketch-dp round lost %s: accounted at sigma / sqrt(%d)", self.node.peer_id,
+                    list(result.lost or result.skipped), len(members))
+        return self.sigma / math.sqrt(len(members))
 
     def _local_step(self, loss_fn: LossFn) -> float:
         """One plain SGD step at lr on this peer's batch; the optimizer sees only the round's delta."""
@@ -372,6 +408,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
     def privacy(self) -> PrivacyReport:
         c = self.config
         return PrivacyReport(epsilon=self.accountant.epsilon(c.delta), delta=c.delta, noise_multiplier=self.sigma,
+                             noise=c.dp_noise,
                              noise_std=self.sigma * c.clip, clip=c.clip, dp_unit=c.dp_unit, sample_rate=c.rate,
                              rounds=self.accountant.rounds, accountant=c.accountant)
 

@@ -228,3 +228,20 @@ def test_a_member_sigkilled_mid_round_leaves_the_survivors_sum():
     assert row["killed"] == 1 and row["survivors_finished"] and row["wrong_chunks"] == 0
     assert row["at_kill"]["chunks_with_survivors_sum"] >= 3 and row["at_kill"]["left_out"] == [1]
     assert 3 in row["after"]["members"] and row["dropped_groups"] == 0
+
+
+def test_distributed_noise_shares_sum_to_the_full_noise_in_the_mean(make_node):
+    """Each of 8 members adds a discrete Gaussian share of std sigma / sqrt(8) to its integers:
+    the mean carries std sigma / 8 (the sum's sigma over 8), every member the same mean."""
+    world, numel, sigma = 8, 4096, 0.5
+    nodes = swarm(make_node, world)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    rs = reducers(nodes, numel)
+    vectors = [torch.zeros(numel) for _ in range(world)]
+    pending = [rs[r].start(1, members, vectors[r], noise_std=sigma / world**0.5) for r in range(world)]
+    assert all(p.wait().synced for p in pending)
+    assert all(torch.equal(v, vectors[0]) for v in vectors[1:])
+    assert vectors[0].std().item() == pytest.approx(sigma / world, rel=0.05)
+    assert abs(vectors[0].mean().item()) < 4 * sigma / world / numel**0.5
+    with pytest.raises(ValueError, match="needs secure aggregation"):
+        ShardedReducer(nodes[0], "test.plain", 4, "none").start(1, members, torch.zeros(4), noise_std=1.0)

@@ -350,3 +350,28 @@ def test_starling_simulate_runs_sketch_dp():
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["protocol"] == "sketch-dp" and math.isfinite(summary["eval_loss"])
+
+
+# ---------------------------------------------------------------- distributed noise
+def test_distributed_noise_needs_secure_aggregation():
+    with pytest.raises(ValueError, match="needs secure_aggregation"):
+        SketchDPConfig(noise_multiplier=1.0, dp_noise="distributed")
+    with pytest.raises(ValueError, match="dp_noise must be"):
+        SketchDPConfig(dp_noise="central")
+
+
+def test_distributed_noise_reports_the_central_epsilon_and_replicas_agree(make_node):
+    """With secure aggregation each peer adds only its share of the noise: the epsilon is
+    Opacus' for the full sigma (the sum carries it), and every replica decodes the same mean."""
+    options = {"noise_multiplier": 1.2, "sketch": "countsketch:1x256,hash=shift", "lr": 0.05,
+               "secure_aggregation": "on", "dp_noise": "distributed"}
+    protos = [create(n, options) for n in swarm(make_node, 3)]
+    train(protos, 3)
+    reference = RDPAccountant()
+    for _ in range(3):
+        reference.step(noise_multiplier=1.2, sample_rate=1.0)
+    first = flat_params(protos[0].model)
+    assert all(torch.equal(flat_params(p.model), first) for p in protos[1:])
+    for p in protos:
+        assert p.privacy.epsilon == pytest.approx(reference.get_epsilon(delta=1e-5), rel=1e-9)
+        assert p.privacy.noise == "distributed" and p.privacy.rounds == 3
