@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -38,9 +39,10 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
-from starling.collectives.secagg import IntegerCodec
+from starling.collectives.secagg import IntegerCodec, discrete_gaussian
 from starling.node.identity import Identity
 from starling.runtime import SimConfig, Simulation
 
@@ -88,6 +90,41 @@ def secure(protocol: str, peers: int = 16, repeats: int = 2) -> None:
                                    / statistics.median(step_wall(r) for r in plain), 3)
     codec = IntegerCodec()
     row["scale"], row["clip"], row["max_error_of_average"] = codec.scale, codec.clip, 0.5 / codec.scale
+    emit(row)
+
+
+def distributed_dp(peers: int = 16, sigma: float = 1.0, rounds: int = 100, steps: int = 30) -> None:
+    """Opacus' epsilon for the members' noise shares against the same total noise added
+    centrally, the shares' sum measured, and sketch-dp trained both ways."""
+    from opacus.accountants import RDPAccountant
+
+    codec = IntegerCodec()
+    share = sigma / math.sqrt(peers)  # each member's std, in the release's units (C = 1)
+    total = math.sqrt(peers * share**2)  # the sum's std: what the accountant is given
+    central, distributed = RDPAccountant(), RDPAccountant()
+    for _ in range(rounds):
+        central.step(noise_multiplier=sigma, sample_rate=1.0)
+        distributed.step(noise_multiplier=total, sample_rate=1.0)
+    rng = np.random.default_rng(0)
+    ring_share = share * codec.scale
+    summed = sum(discrete_gaussian(100_000, ring_share, rng) for _ in range(peers)) / codec.scale
+    # Kairouz et al. 2021 (Thm. 11): the sum of n discrete Gaussians is within tau of one in Renyi divergence
+    tau = 10 * sum(math.exp(-2 * math.pi**2 * ring_share**2 * k / (k + 1)) for k in range(1, peers))
+    row: dict[str, Any] = {"row": "distributed_dp", "peers": peers, "sigma": sigma, "rounds": rounds, "delta": 1e-5,
+                           "epsilon_central": central.get_epsilon(delta=1e-5),
+                           "epsilon_distributed": distributed.get_epsilon(delta=1e-5),
+                           "share_std": share, "sum_std_measured": round(float(summed.std()), 5),
+                           "sum_std_expected": sigma, "kairouz_tau": tau}
+    row["epsilon_equal"] = row["epsilon_central"] == row["epsilon_distributed"]
+    common = {"noise_multiplier": sigma, "sketch": "countsketch:1x4096,hash=shift", "lr": 0.05}
+    for label, options in (("local", common),
+                           ("distributed", {**common, "secure_aggregation": "on", "dp_noise": "distributed"})):
+        result = Simulation(SimConfig(peers=peers, protocol="sketch-dp", steps=steps, task="charlm",
+                                      options=options)).run()
+        privacy = result.peers[0].protocol_info.get("privacy", {})
+        row[label] = {"eval_loss": round(result.summary["eval_loss"], 4), "epsilon": privacy.get("epsilon"),
+                      "noise": privacy.get("noise"), "step_wall_s": round(step_wall(result), 4),
+                      "bytes_sent_per_peer": round(result.summary["bytes_sent_per_peer"])}
     emit(row)
 
 
@@ -256,7 +293,7 @@ def sampling(clients: int, fraction: float, steps: int = 20) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("secure", "dropout", "sampling"))
+    parser.add_argument("--only", choices=("secure", "dp", "dropout", "sampling"))
     parser.add_argument("--protocols", default="allreduce,streaming-diloco")
     parser.add_argument("--peers", type=int, default=16)
     parser.add_argument("--clients", type=int, default=1000)
@@ -275,6 +312,8 @@ def main() -> None:
     if args.only in (None, "secure"):
         for protocol in args.protocols.split(","):
             secure(protocol, args.peers)
+    if args.only in (None, "dp"):
+        distributed_dp(args.peers)
     if args.only in (None, "dropout"):
         emit(dropout(args.peers))
     if args.only in (None, "sampling"):
