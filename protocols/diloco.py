@@ -84,6 +84,11 @@ TOPIC_PREFIX = "diloco."
 SYNC_TOPIC = "diloco.sync"  # outer parameters and momentum of some fragments, as a peer holds them now
 WAIT_POLL_S = 1.0  # a peer not drawn for a round asks a member this often whether it merged
 MISSES_BEFORE_WARNING = 3  # rounds in a row a peer misses before it says why that may keep happening
+# With client sampling a round's members are a draw from a large swarm (100 of 1000): shards of
+# at least this many values, so that a small model's round is not members^2 requests over more
+# owners than a node keeps sockets open to (the simulator caps them near 13 per node at 1000
+# nodes on one box, and the connections churned until the rounds timed out).
+SAMPLED_MIN_SHARD_NUMEL = 512
 
 
 def draw_clients(members: Sequence[str], k: int, config: DiLoCoConfig) -> tuple[str, ...]:
@@ -152,6 +157,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             OuterFragment(FragmentView(self.flat.params, fragment),
                           ShardedReducer(node, f"{TOPIC_PREFIX}f{f}", fragment.numel, config.compressor, timeouts,
                                          self.is_open, part_feedback=config.error_feedback,
+                                         min_shard_numel=SAMPLED_MIN_SHARD_NUMEL if config.samples else 1,
                                          average_compressor=config.average_compressor or None,
                                          part_feedback_decay=config.error_feedback_decay,
                                          defences=make_defences(config, config.weight_cap * config.sync_every),
