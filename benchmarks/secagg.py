@@ -267,22 +267,30 @@ def dropout(peers: int = 16, kill: int = 2, rounds: int = 10, kill_round: int = 
 
 
 def sampling(clients: int, fraction: float, steps: int = 20) -> None:
+    """`clients` simulated peers, `fraction` of them drawn per round, against every one of
+    them drawn in every round (`clients_per_round` = all: the same rounds, the same shards)."""
     common = {"peers": clients, "protocol": "diloco", "steps": steps, "task": "teacher", "transport": "tcp",
               "processes": 2, "task_options": {"partition": "dirichlet:0.5", "batch_size": 16}}
     rows = {}
-    for label, options in (("sampled", {"sync_every": 5, "sample_fraction": fraction}), ("full", {"sync_every": 5})):
+    for label, options in (("sampled", {"sync_every": 5, "sample_fraction": fraction}),
+                           ("full", {"sync_every": 5, "clients_per_round": clients})):
         began = time.perf_counter()
         try:
-            summary = Simulation(SimConfig(**common, options=options)).run().summary
+            result = Simulation(SimConfig(**common, options=options)).run()
         except Exception as exc:  # a run that cannot finish here is a row that says so
             emit({"row": "sampling", "run": label, "clients": clients, "completed": False,
                   "error": f"{type(exc).__name__}: {str(exc)[:300]}", "seconds": round(time.perf_counter() - began)})
             continue
-        rows[label] = summary
+        summary = rows[label] = result.summary
+        # who actually contributed to each merge: the peers the drawn members' rounds counted
+        merged = [r["peers"] for peer in result.peers for r in peer.records
+                  if r.get("sampled", True) and r.get("synced") and "peers" in r]
         emit({"row": "sampling", "run": label, "clients": clients, "fraction": fraction if label == "sampled" else 1.0,
               "completed": summary["final_peers"] == clients,
               "participation": {k: v for k, v in summary.get("participation", {}).items() if k != "clients_per_step"},
               "clients_per_round": sorted(set(summary.get("participation", {}).get("clients_per_step", [clients]))),
+              "contributors_per_merge": {"median": statistics.median(merged) if merged else None,
+                                         "min": min(merged, default=None), "max": max(merged, default=None)},
               "eval_loss": summary["eval_loss"], "bytes_sent_per_peer": summary["bytes_sent_per_peer"],
               "wall_s": round(summary["wall_s"], 1), "seconds": round(time.perf_counter() - began)})
     if len(rows) == 2:
