@@ -206,10 +206,9 @@ _Secrets = tuple[dict[str, bytes], dict[tuple[str, str], bytes]]  # survivors' s
 
 @dataclass
 class _Round:
-    """One round as a holder and an owner see it: shares dealt to me, which kind I revealed of
-    whom, my own secrets, and the secrets owners gathered or were passed (by survivor set)."""
+    """One round as a holder and an owner see it: which kind I revealed of whom, my own
+    secrets, and the secrets owners gathered or were passed (by survivor set)."""
 
-    shares: dict[str, Share] = field(default_factory=dict)
     revealed: dict[str, str] = field(default_factory=dict)  # member -> "seed" | "pair"
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as shares or secrets arrive
     mine: _Mine | None = None
@@ -244,7 +243,9 @@ class SecureStage:
         self.reveal_topic = f"{topic}.secagg"
         self._refuse, self._owners, self._resolve = refuse, owners, resolve
         self._reveal_timeout_s = reveal_timeout_s
-        self._rounds: OrderedDict[bytes, _Round] = OrderedDict()  # network thread
+        self._rounds: OrderedDict[bytes, _Round] = OrderedDict()  # network thread: rounds I masked or own
+        self._held: dict[str, OrderedDict[bytes, Share]] = {}  # dealer -> round id -> its share for me
+        self._share_arrived = asyncio.Event()  # set (and replaced) as shares arrive
         self._latest = -1
         self.dropped = 0  # groups this owner could not unmask
         node.on(self.reveal_topic, self._on_message)
@@ -353,11 +354,20 @@ class SecureStage:
         if not 0 <= y < PRIME:
             self._refuse.count("secagg_bad_share", f"a share from {dealer} outside the field")
             return
-        state = self._round(rid)
-        if dealer not in state.shares and len(state.shares) < 4 * _MAX_LIST:
-            state.shares[dealer] = share
-        state.arrived.set()
-        state.arrived = asyncio.Event()
+        # Kept by dealer, the last few rounds of each: a member dealing for rounds that never
+        # come (another view, a far round) pushes out only its own shares.
+        # (A member that died keeps its last shares here: a part it sent before dying may be
+        # summed, and then its seed is rebuilt from them.)
+        held = self._held.setdefault(dealer, OrderedDict())
+        held.setdefault(rid, share)
+        while len(held) > 2 * _KEEP_ROUNDS:
+            held.popitem(last=False)
+        self._share_arrived.set()
+        self._share_arrived = asyncio.Event()
+
+    def _share_of(self, dealer: str, rid: bytes) -> Share | None:
+        held = self._held.get(dealer)
+        return None if held is None else held.get(rid)
 
     async def _on_reveal(self, owner: str, body: dict[str, Any]) -> Any:
         t, view, seeds, pairs = body.get("reveal"), body.get("view"), body.get("seeds"), body.get("pairs")
@@ -369,9 +379,9 @@ class SecureStage:
         if owner not in self._owners(members, t):
             return self._refuse(Refusal.NOT_OWNER, f"secure aggregation: {owner} owns no shard of round {t}")
         rid = round_id(self.topic, t, view)
-        state = self._round(rid)
-        mine = state.mine
-        if mine is None:
+        state = self._rounds.get(rid)  # only rounds I masked in: an owner's request creates none
+        mine = None if state is None else state.mine
+        if state is None or mine is None:
             return refusal(Refusal.UNKNOWN_STEP, f"secure aggregation: I masked nothing in round {t} of that view")
         wanted = set(seeds) | set(pairs)
         if set(seeds) & set(pairs) or not wanted <= set(mine.neighbours):
@@ -387,16 +397,16 @@ class SecureStage:
         for member in pairs:
             state.revealed[member] = "pair"
         deadline = asyncio.get_running_loop().time() + self._reveal_timeout_s
-        while any(m not in state.shares for m in seeds):  # a share still on its way from its dealer
+        while any(self._share_of(m, rid) is None for m in seeds):  # a share still on its way from its dealer
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 break
             try:
-                await asyncio.wait_for(state.arrived.wait(), left)
+                await asyncio.wait_for(self._share_arrived.wait(), left)
             except asyncio.TimeoutError:
                 break
         shares = [[s.dealer, s.x, s.y.to_bytes(_SHARE_BYTES, "big"), s.signature]
-                  for m in seeds if (s := state.shares.get(m)) is not None]
+                  for m in seeds if (s := self._share_of(m, rid)) is not None]
         return {"ok": True, "shares": shares, "pairs": [[m, mine.pairs[m]] for m in pairs], "commits": mine.commits}
 
     # ------------------------------------------------------------------ owner (network thread)
