@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import in_parallel, load_benchmark, swarm
+from conftest import in_parallel, load_benchmark, swarm, wait_until
 
 from starling.collectives import ReduceTimeouts, ShardedReducer
 from starling.collectives.compact import view_digest
@@ -245,3 +245,29 @@ def test_distributed_noise_shares_sum_to_the_full_noise_in_the_mean(make_node):
     assert abs(vectors[0].mean().item()) < 4 * sigma / world / numel**0.5
     with pytest.raises(ValueError, match="needs secure aggregation"):
         ShardedReducer(nodes[0], "test.plain", 4, "none").start(1, members, torch.zeros(4), noise_std=1.0)
+
+
+def test_bad_secure_aggregation_messages_are_refused_counted_and_change_nothing(make_node):
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    rs = reducers(nodes, 10)
+    a, b = nodes[0], nodes[1]
+    topic = rs[0]._secure.reveal_topic
+    view = view_digest(members)
+    rs[1]._known_views.add(members)
+    assert a.request(b.peer_id, topic, {"reveal": "x"}).body["code"] == "malformed"
+    assert a.request(b.peer_id, topic, [1, 2]).body["code"] == "malformed"
+    unknown = a.request(b.peer_id, topic, {"reveal": 1, "view": bytes(16), "seeds": [], "pairs": []}).body
+    assert unknown["code"] == "unknown_view"
+    nothing = a.request(b.peer_id, topic, {"reveal": 1, "view": view, "seeds": [], "pairs": []}).body
+    assert nothing["code"] == "unknown_step"  # b masked nothing in round 1: no round state is made for it
+    assert not rs[1]._secure._rounds
+    a.send(b.peer_id, topic, {"deal": 1, "view": view, "x": 2, "box": b"\0" * 146})  # not sealed by a
+    unmasker = rs[1]._secure.unmasker(members, 1)
+    liar = next(n for n in nodes if n.peer_id not in (unmasker, b.peer_id))
+    liar.send(b.peer_id, topic, {"unmasked": 1, "view": view, "alive": b"\x07", "seeds": [], "pairs": [],
+                                 "lists": []})
+    assert wait_until(lambda: b.stats.rejected.get("test.secure.secagg_bad_share", 0) == 1
+                      and b.stats.rejected.get("test.secure.secagg_not_unmasker", 0) == 1)
+    assert b.stats.rejected.get("test.secure.malformed", 0) == 2
+    assert not rs[1]._secure._held and not rs[1]._secure._rounds
