@@ -30,7 +30,7 @@ import argparse
 import json
 import math
 import os
-import random
+import queue
 import signal
 import statistics
 import subprocess
@@ -139,17 +139,17 @@ def _vector(t: int, rank: int) -> torch.Tensor:
     return torch.randn(DROPOUT_VALUES, generator=torch.Generator().manual_seed(1000 * t + rank)) * 0.1
 
 
-def worker(rank: int, peers: int, port: int, rounds: int, kill_round: int, victims: set[int]) -> None:
-    """One dropout peer: a node on loopback tcp, a secure reducer, one JSON line per round."""
+def worker(rank: int, peers: int, join: str, rounds: int, kill_round: int, victims: set[int]) -> None:
+    """One dropout peer: a node on loopback tcp (a port the system picks; rank 0 prints its
+    address for the others to join), a secure reducer, one JSON line per round."""
     from starling.collectives import ReduceTimeouts, ShardedReducer
     from starling.collectives.secure import SecureAggregation
     from starling.node import Node
-    from starling.node.address import PeerAddress
 
-    identity = _identity(rank)
-    node = Node(identity)
-    first = PeerAddress(f"tcp://127.0.0.1:{port}", _identity(0).curve_public)
-    node.start(f"tcp://127.0.0.1:{port + rank}", [] if rank == 0 else [str(first)])
+    node = Node(_identity(rank))
+    node.start("tcp://127.0.0.1:0", [join] if join else [])
+    if rank == 0:
+        emit({"address": node.address})
     deadline = time.monotonic() + 180
     while len(node.live_peers()) < peers - 1:
         if time.monotonic() > deadline:
@@ -199,16 +199,19 @@ def worker(rank: int, peers: int, port: int, rounds: int, kill_round: int, victi
 
 def dropout(peers: int = 16, kill: int = 2, rounds: int = 10, kill_round: int = 4,
             timeout_s: float = 600.0) -> dict[str, Any]:
-    port = 20000 + random.randrange(0, 30000)
     victims = set(range(peers - kill, peers))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, os.path.abspath(__file__), "--worker", "--peers", str(peers), "--port", str(port),
-            "--rounds", str(rounds), "--kill-round", str(kill_round), "--victims", ",".join(map(str, victims))]
-    procs = [subprocess.Popen([*args, "--rank", str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=env) for r in range(peers)]
+    args = [sys.executable, os.path.abspath(__file__), "--worker", "--peers", str(peers), "--rounds", str(rounds),
+            "--kill-round", str(kill_round), "--victims", ",".join(map(str, victims))]
     lines: dict[int, list[dict[str, Any]]] = {r: [] for r in range(peers)}
-    ready, killed_at = threading.Semaphore(0), {}
+    ready, killed_at, address = threading.Semaphore(0), {}, queue.Queue()
     began = time.monotonic()
+
+    def launch(r: int, join: str) -> subprocess.Popen:
+        return subprocess.Popen([*args, "--rank", str(r), "--join", join], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env=env)
+
+    procs = [launch(0, "")]
 
     def read(r: int) -> None:
         assert procs[r].stdout is not None
@@ -223,11 +226,18 @@ def dropout(peers: int = 16, kill: int = 2, rounds: int = 10, kill_round: int = 
             lines[r].append(record)
             if "ready" in record:
                 ready.release()
+            if "address" in record:
+                address.put(record["address"])
 
-    readers = [threading.Thread(target=read, args=(r,), daemon=True) for r in range(peers)]
-    for t in readers:
-        t.start()
+    def reader(r: int) -> None:
+        threading.Thread(target=read, args=(r,), daemon=True).start()
+
+    reader(0)
     try:
+        join = address.get(timeout=timeout_s)
+        for r in range(1, peers):
+            procs.append(launch(r, join))
+            reader(r)
         for _ in range(peers):
             if not ready.acquire(timeout=timeout_s):
                 raise RuntimeError("the dropout swarm did not form")
@@ -308,13 +318,13 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.1)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--join", default="", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--kill-round", type=int, default=4, help=argparse.SUPPRESS)
     parser.add_argument("--victims", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.rank, args.peers, args.port, args.rounds, args.kill_round,
+        worker(args.rank, args.peers, args.join, args.rounds, args.kill_round,
                {int(v) for v in args.victims.split(",") if v})
         return
     if args.only in (None, "secure"):

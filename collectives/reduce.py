@@ -840,8 +840,9 @@ class ShardedReducer:
         t, members, i, c = key
         recipes = {sender: signed.recipe for sender, signed in group.signed.items()}
         try:
-            average, shares = await self._secure.unmask(t, members, view_digest(members), *bounds, group.received,
-                                                         group.weights, recipes)
+            average, shares, summed = await self._secure.unmask(t, members, view_digest(members), *bounds,
+                                                                 group.received, group.weights, recipes)
+            group.contributors = [s for s in group.contributors if s in summed]
         except Exception as exc:
             self._secure.dropped += 1
             self._refuse.count("secagg_dropped", f"round {t} shard {i} chunk {c}: {exc}")

@@ -202,6 +202,7 @@ class _Mine:
 
 
 _Secrets = tuple[dict[str, bytes], dict[tuple[str, str], bytes]]  # survivors' seeds, (survivor, dropped) pair seeds
+_Unmasking = tuple[tuple[str, ...], dict[str, bytes], dict[tuple[str, str], bytes]]  # survivors summed, _Secrets
 
 
 @dataclass
@@ -212,7 +213,7 @@ class _Round:
     revealed: dict[str, str] = field(default_factory=dict)  # member -> "seed" | "pair"
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as shares or secrets arrive
     mine: _Mine | None = None
-    secrets: dict[tuple[bytes, tuple[str, ...]], _Secrets] = field(default_factory=dict)
+    secrets: dict[tuple[bytes, tuple[str, ...]], _Unmasking] = field(default_factory=dict)
     passed: dict[tuple[bytes, tuple[str, ...]], dict[str, Any]] = field(default_factory=dict)
     lists: dict[str, list[bytes]] = field(default_factory=dict)  # survivor -> its pair-seed hashes (as revealed)
 
@@ -412,34 +413,37 @@ class SecureStage:
     # ------------------------------------------------------------------ owner (network thread)
     async def unmask(self, t: int, members: tuple[str, ...], view: bytes, lo: int, hi: int,
                      parts: Mapping[str, torch.Tensor], weights: Mapping[str, float],
-                     recipes: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float] | None]:
-        """The survivors' average over [lo, hi) from their masked parts (SecAggError when the
-        group cannot be unmasked: it is dropped, nothing of any part is learned)."""
+                     recipes: Mapping[str, Any]
+                     ) -> tuple[torch.Tensor, dict[str, float] | None, tuple[str, ...]]:
+        """The survivors' average over [lo, hi) from their masked parts, with the weights'
+        shares and the survivors summed (a part the round's unmasker never got is left out).
+        SecAggError when the group cannot be unmasked: it is dropped, nothing of any part is
+        learned."""
         rid = round_id(self.topic, t, view)
         k, threshold = self.config.shape(len(members))
         graph = neighbours(members, k, rid)
         alive = tuple(m for m in members if m in parts)
         commits = self._commitments(t, rid, alive, recipes)
-        found = await self._secrets(t, members, view, rid, graph, alive, commits, threshold)
-        seeds, pair_seeds = found
+        alive, seeds, pair_seeds = await self._secrets(t, members, view, rid, graph, alive, commits, threshold)
         n = hi - lo
         total = np.zeros(n, dtype=np.uint32)
         for member in alive:  # in member order
             add(total, parts[member].contiguous().view(torch.int32).numpy().view(np.uint32))
         for member in alive:
             sub(total, prg(seeds[member], n, rid, offset=lo))
-        for gone in sorted(set(members) - set(alive)):
+        summed = set(alive)
+        for gone in sorted(set(members) - summed):
             for j in graph[gone]:
-                if j in parts:  # j added +PRG(s_jd) when gone > j, else -PRG
+                if j in summed:  # j added +PRG(s_jd) when gone > j, else -PRG
                     (sub if gone > j else add)(total, prg(pair_seeds[j, gone], n, rid, offset=lo))
         decoded = self.codec.decode_sum(total, len(alive)).to(torch.float64)
         weight = {m: weights.get(m, 1.0) for m in alive}
         whole = sum(weight.values())
         if whole <= 0.0:
-            return torch.zeros(n, dtype=torch.float32), None
+            return torch.zeros(n, dtype=torch.float32), None, alive
         average = (decoded * (self.config.unit / whole)).to(torch.float32)
         shares_out = None if len(set(weight.values())) == 1 else {m: w / whole for m, w in weight.items()}
-        return average, shares_out
+        return average, shares_out, alive
 
     def _commitments(self, t: int, rid: bytes, alive: Sequence[str],
                      recipes: Mapping[str, Any]) -> dict[str, tuple[bytes, bytes]]:
@@ -468,9 +472,10 @@ class SecureStage:
 
     async def _secrets(self, t: int, members: tuple[str, ...], view: bytes, rid: bytes,
                        graph: Mapping[str, tuple[str, ...]], alive: tuple[str, ...],
-                       commits: Mapping[str, tuple[bytes, bytes]], threshold: int) -> _Secrets:
-        """The survivors' mask seeds and their pair seeds with the dropped: from the round's
-        unmasker when it saw the same survivors (checked here), else gathered from the holders."""
+                       commits: Mapping[str, tuple[bytes, bytes]], threshold: int) -> _Unmasking:
+        """The survivors I sum, their mask seeds and their pair seeds with the dropped: from the
+        round's unmasker when it saw the same survivors or fewer (checked here), else gathered
+        from the holders."""
         me, key = self.node.peer_id, (rid, alive)
         state = self._round(rid)
         known = state.secrets.get(key)
@@ -478,23 +483,31 @@ class SecureStage:
             return known
         unmasker = self.unmasker(members, t)
         if unmasker != me:
-            passed = await self._passed_on(state, key, self._reveal_timeout_s)
+            passed = await self._passed_on(state, rid, alive, self._reveal_timeout_s)
             if passed is not None:
-                checked = self._check_passed(t, rid, graph, alive, commits, passed)
+                used, body = passed
+                checked = self._check_passed(t, rid, graph, used, commits, body)
                 if checked is not None:
-                    state.secrets[key] = checked
-                    return checked
+                    state.secrets[key] = (used, *checked)
+                    return state.secrets[key]
         found = await self._gather(t, members, view, rid, graph, alive, commits, threshold)
-        state.secrets[key] = found
+        state.secrets[key] = (alive, *found)
         if unmasker == me:
             self._pass_on(t, members, view, rid, alive, found, graph)
-        return found
+        return state.secrets[key]
 
-    async def _passed_on(self, state: _Round, key: tuple[bytes, tuple[str, ...]],
-                         timeout_s: float) -> dict[str, Any] | None:
+    async def _passed_on(self, state: _Round, rid: bytes, alive: tuple[str, ...],
+                         timeout_s: float) -> tuple[tuple[str, ...], dict[str, Any]] | None:
+        """The unmasker's secrets for my survivors, or for the most of them it saw: a member
+        whose part reached me and not the unmasker is left out of my sum too (its neighbours
+        revealed its pair seeds, and will not reveal its seed's shares now)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while key not in state.passed:
+        mine = set(alive)
+        while True:
+            fits = [(seen, body) for (r, seen), body in state.passed.items() if r == rid and set(seen) <= mine]
+            if fits:
+                return max(fits, key=lambda f: len(f[0]))
             left = deadline - loop.time()
             if left <= 0:
                 return None
@@ -502,7 +515,6 @@ class SecureStage:
                 await asyncio.wait_for(state.arrived.wait(), left)
             except asyncio.TimeoutError:
                 return None
-        return state.passed[key]
 
     def _pass_on(self, t: int, members: tuple[str, ...], view: bytes, rid: bytes, alive: tuple[str, ...],
                  found: _Secrets, graph: Mapping[str, tuple[str, ...]]) -> None:

@@ -222,11 +222,13 @@ def test_a_holder_never_reveals_both_halves_of_a_members_secrets(make_node):
 @pytest.mark.slow
 def test_a_member_sigkilled_mid_round_leaves_the_survivors_sum():
     """Real processes on tcp: one of four is SIGKILLed once it has masked and dealt (its parts
-    on the wire); every chunk a survivor owns comes back as the survivors' mean, and the
-    rounds after it run over the three."""
+    on the wire); every chunk a survivor owns comes back as the mean of the parts summed (the
+    survivors', and the killed member's where its part got there first), and the rounds after
+    it run over the three."""
     row = load_benchmark("secagg").dropout(peers=4, kill=1, rounds=5, kill_round=2, timeout_s=120)
     assert row["killed"] == 1 and row["survivors_finished"] and row["wrong_chunks"] == 0
-    assert row["at_kill"]["chunks_with_survivors_sum"] >= 3 and row["at_kill"]["left_out"] == [1]
+    # its parts reached the owners or not: either way each chunk is the mean of those summed
+    assert row["at_kill"]["chunks_with_survivors_sum"] >= 3 and set(row["at_kill"]["left_out"]) <= {0, 1}
     assert 3 in row["after"]["members"] and row["dropped_groups"] == 0
 
 
