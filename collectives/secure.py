@@ -541,9 +541,13 @@ class SecureStage:
         except ValueError as exc:
             self._refuse.count("secagg_malformed", f"secrets passed on by {sender}: {exc}")
             return
-        state = self._round(round_id(self.topic, t, view))
+        rid = round_id(self.topic, t, view)
+        state = self._rounds.get(rid)  # a round I masked in (every owner did): passes for others make nothing
+        if state is None:
+            self._refuse.count("secagg_stale", f"secrets of round {t} passed on by {sender}: not a round of mine")
+            return
         if len(state.passed) < 8:
-            state.passed[round_id(self.topic, t, view), alive] = body
+            state.passed[rid, alive] = body
         state.arrived.set()
         state.arrived = asyncio.Event()
 

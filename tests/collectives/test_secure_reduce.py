@@ -269,7 +269,12 @@ def test_bad_secure_aggregation_messages_are_refused_counted_and_change_nothing(
     liar = next(n for n in nodes if n.peer_id not in (unmasker, b.peer_id))
     liar.send(b.peer_id, topic, {"unmasked": 1, "view": view, "alive": b"\x07", "seeds": [], "pairs": [],
                                  "lists": []})
+    honest = next(n for n in nodes if n.peer_id == unmasker)  # the round's unmasker, for a round b never had
+    if honest is not b:
+        honest.send(b.peer_id, topic, {"unmasked": 1, "view": view, "alive": b"\x07", "seeds": [], "pairs": [],
+                                       "lists": []})
     assert wait_until(lambda: b.stats.rejected.get("test.secure.secagg_bad_share", 0) == 1
-                      and b.stats.rejected.get("test.secure.secagg_not_unmasker", 0) == 1)
+                      and b.stats.rejected.get("test.secure.secagg_not_unmasker", 0) == 1
+                      and b.stats.rejected.get("test.secure.secagg_stale", 0) == (honest is not b))
     assert b.stats.rejected.get("test.secure.malformed", 0) == 2
     assert not rs[1]._secure._held and not rs[1]._secure._rounds
