@@ -194,7 +194,6 @@ class Share:
 class _Mine:
     """My secrets of one round: what I reveal to owners as a holder of my neighbours' shares."""
 
-    members: tuple[str, ...]
     neighbours: tuple[str, ...]
     pairs: dict[str, bytes]  # neighbour -> s_ij
     commits: list[bytes]  # H(s_ij), neighbour by neighbour
@@ -293,7 +292,7 @@ class SecureStage:
             sig = self.node.trust.sign(_share_statement(rid, me, other, x, y))
             box = _seal(self.node.key_agreement(other), rid, me, y.to_bytes(_SHARE_BYTES, "big") + sig)
             deals[other] = {"deal": t, "view": view, "x": x, "box": box}
-        return Masked(ring, recipe, deals, t, rid, _Mine(members, mine, pairs, commits, seed_commit))
+        return Masked(ring, recipe, deals, t, rid, _Mine(mine, pairs, commits, seed_commit))
 
     async def deal(self, masked: Masked, deals: Mapping[str, dict[str, Any]] | None = None) -> None:
         """Network thread, before my parts go: keep my round's secrets (for the owners' reveal
