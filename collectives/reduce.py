@@ -343,10 +343,14 @@ class ShardedReducer:
             if slot.packet is not None:
                 slot.sig = self._contributions.sign_part(t, slot.shard, slot.chunk, view, weight, slot.packet,
                                                          recipe)
-        # A backstop only: the network side always ends a round by then (see AwakeDeadline).
-        wait_s = _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
         round_ = self._round(t, members, slots, own_private=not lend or on_device, weight=weight, recipe=recipe)
-        return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s, lent)
+        return PendingReduce(self, t, members, vector, self.node.submit(round_), self._backstop_s, lent)
+
+    @property
+    def _backstop_s(self) -> float:
+        """How long `wait()` waits at most. A backstop only: the network side always ends a
+        round by then (see AwakeDeadline)."""
+        return _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
 
     def _start_secure(self, t: int, members: tuple[str, ...], vector: torch.Tensor, weight: float | None,
                       recipe: Recipe | None, noise_std: float = 0.0) -> PendingReduce:
@@ -368,10 +372,9 @@ class ShardedReducer:
                 if packet is not None:
                     slot.sig = self._contributions.sign_part(t, i, c, view, weight, packet, masked.recipe)
                 slots.append(slot)
-        wait_s = _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
         round_ = self._round(t, members, slots, own_private=True, weight=weight, recipe=masked.recipe,
                              masked=masked)
-        return PendingReduce(self, t, members, vector, self.node.submit(round_), wait_s)
+        return PendingReduce(self, t, members, vector, self.node.submit(round_), self._backstop_s)
 
     def _owner_set(self, members: tuple[str, ...], t: int) -> set[str]:
         return {o for _, owners in self._shards(members, t) for o in owners}
