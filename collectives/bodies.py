@@ -376,3 +376,166 @@ class Closing:
         if peers != sorted(set(peers)):
             raise BodyError("peers must be sorted and unique")
         return cls(t, pairs, _signature(obj, "sig"))
+
+
+# ---------------------------------------------------------------------- secure aggregation
+# On `<topic>.secagg` (collectives/secure.py):
+#
+#     Deal      member -> neighbour  {"deal": round, "view", "x", "box"}       one way: a sealed share
+#     Reveal    owner -> survivor    {"reveal": round, "view", "seeds": [ids], "pairs": [ids]}
+#     Revealed  survivor -> owner    {"ok": True, "shares": [[dealer, x, y, sig]], "pairs": [[peer, seed]],
+#                                     "commits": [pair-seed hashes]}
+#     Passed    unmasker -> owners   {"unmasked": round, "view", "alive": contributor mask,
+#                                     "seeds": [[peer, seed]], "pairs": [[survivor, dropped, seed]],
+#                                     "lists": [[survivor, [pair-seed hashes]]]}         one way
+SHARE_BYTES = 66  # a field element of 2^521 - 1, big-endian
+SECRET_BYTES = 32  # a seed, or a hash of one
+MAX_IDS = 1 << 16  # peer ids one secure-aggregation body may name
+
+
+def _view(obj: dict[str, Any]) -> bytes:
+    view = obj.get("view")
+    if not isinstance(view, bytes) or len(view) != VIEW_DIGEST_BYTES:
+        raise BodyError(f"view must be a {VIEW_DIGEST_BYTES}-byte digest")
+    return view
+
+
+def _ids(value: Any, what: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > MAX_IDS or not all(isinstance(v, str) for v in value):
+        raise BodyError(f"{what} must be a list of at most {MAX_IDS} peer ids")
+    return tuple(value)
+
+
+def _secret(value: Any, what: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != SECRET_BYTES:
+        raise BodyError(f"{what} must be {SECRET_BYTES} bytes")
+    return value
+
+
+def _rows(value: Any, what: str, width: int) -> list[list[Any]]:
+    if not isinstance(value, list) or len(value) > MAX_IDS \
+            or not all(isinstance(row, list) and len(row) == width for row in value):
+        raise BodyError(f"{what} must be a list of at most {MAX_IDS} rows of {width}")
+    return value
+
+
+@dataclass(frozen=True)
+class Deal:
+    """A member's share of its round's self-mask seed, sealed for the neighbour it goes to."""
+
+    round: int
+    view: bytes
+    x: int
+    box: bytes
+
+    @staticmethod
+    def is_one(obj: Any) -> bool:
+        return isinstance(obj, dict) and "deal" in obj
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"deal": self.round, "view": self.view, "x": self.x, "box": self.box}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Deal:
+        body = _map(obj, "a deal")
+        x, box = body.get("x"), body.get("box")
+        if type(x) is not int or x < 1 or not isinstance(box, bytes) or len(box) > MAX_DEAL_BYTES:
+            raise BodyError(f"a deal needs a point x >= 1 and a sealed share of at most {MAX_DEAL_BYTES} bytes")
+        return cls(_whole(body, "deal"), _view(body), x, box)
+
+
+@dataclass(frozen=True)
+class Reveal:
+    """An owner asks a survivor for its shares of `seeds`' self-mask seeds (they survived) and
+    its pair seeds with `pairs` (they dropped)."""
+
+    round: int
+    view: bytes
+    seeds: tuple[str, ...]
+    pairs: tuple[str, ...]
+
+    @staticmethod
+    def is_one(obj: Any) -> bool:
+        return isinstance(obj, dict) and "reveal" in obj
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"reveal": self.round, "view": self.view, "seeds": list(self.seeds), "pairs": list(self.pairs)}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Reveal:
+        body = _map(obj, "a reveal request")
+        return cls(_whole(body, "reveal"), _view(body), _ids(body.get("seeds"), "seeds"),
+                   _ids(body.get("pairs"), "pairs"))
+
+
+@dataclass(frozen=True)
+class Revealed:
+    """A survivor's answer: the shares it holds (each as its dealer signed it), its pair seeds
+    with the dropped, and the hashes of all its pair seeds (which its parts committed to)."""
+
+    shares: tuple[tuple[str, int, int, bytes], ...]  # (dealer, x, y, dealer's signature)
+    pairs: tuple[tuple[str, bytes], ...]
+    commits: tuple[bytes, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"ok": True, "shares": [[d, x, y.to_bytes(SHARE_BYTES, "big"), s] for d, x, y, s in self.shares],
+                "pairs": [[p, seed] for p, seed in self.pairs], "commits": list(self.commits)}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Revealed:
+        body = _map(obj, "a reveal")
+        if body.get("ok") is not True:
+            raise BodyError(f"refused: {body.get('reason', body.get('code'))}")
+        shares = []
+        for dealer, x, y, sig in _rows(body.get("shares"), "shares", 4):
+            if not (isinstance(dealer, str) and type(x) is int and isinstance(y, bytes) and len(y) == SHARE_BYTES
+                    and isinstance(sig, bytes) and len(sig) == SIGNATURE_BYTES):
+                raise BodyError("a share must be [dealer, x, 66-byte y, 64-byte signature]")
+            shares.append((dealer, x, int.from_bytes(y, "big"), sig))
+        pairs = []
+        for peer, seed in _rows(body.get("pairs"), "pairs", 2):
+            if not isinstance(peer, str):
+                raise BodyError("a pair seed must be [peer id, seed]")
+            pairs.append((peer, _secret(seed, "a pair seed")))
+        commits = body.get("commits")
+        if not isinstance(commits, list) or len(commits) > MAX_IDS:
+            raise BodyError(f"commits must be a list of at most {MAX_IDS} hashes")
+        return cls(tuple(shares), tuple(pairs), tuple(_secret(c, "a pair-seed hash") for c in commits))
+
+
+@dataclass(frozen=True)
+class Passed:
+    """The round's unmasker passes on the secrets it gathered for the survivors `alive`."""
+
+    round: int
+    view: bytes
+    alive: bytes  # contributor mask over the view's members
+    seeds: tuple[tuple[str, bytes], ...]
+    pairs: tuple[tuple[str, str, bytes], ...]
+    lists: tuple[tuple[str, tuple[bytes, ...]], ...]
+
+    @staticmethod
+    def is_one(obj: Any) -> bool:
+        return isinstance(obj, dict) and "unmasked" in obj
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"unmasked": self.round, "view": self.view, "alive": self.alive,
+                "seeds": [list(s) for s in self.seeds], "pairs": [list(p) for p in self.pairs],
+                "lists": [[j, list(h)] for j, h in self.lists]}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Passed:
+        body = _map(obj, "passed-on secrets")
+        alive = body.get("alive")
+        if not isinstance(alive, bytes):
+            raise BodyError("alive must be a contributor mask")
+        seeds = tuple((_ids([m], "a seed's member")[0], _secret(s, "a seed"))
+                      for m, s in _rows(body.get("seeds"), "seeds", 2))
+        pairs = tuple((_ids([j, d], "a pair's members")[0], d, _secret(s, "a pair seed"))
+                      for j, d, s in _rows(body.get("pairs"), "pairs", 3))
+        lists = []
+        for j, hashes in _rows(body.get("lists"), "lists", 2):
+            if not isinstance(j, str) or not isinstance(hashes, list) or len(hashes) > MAX_IDS:
+                raise BodyError("a list must be [survivor, [pair-seed hashes]]")
+            lists.append((j, tuple(_secret(h, "a pair-seed hash") for h in hashes)))
+        return cls(_whole(body, "unmasked"), _view(body), alive, seeds, pairs, tuple(lists))

@@ -528,7 +528,7 @@ class ShardedReducer:
                 for owner in slot.owners:
                     deal = loose.pop(owner, None)
                     if deal is not None:
-                        riding[slot.shard, slot.chunk, owner] = (deal["x"], deal["box"])
+                        riding[slot.shard, slot.chunk, owner] = (deal.x, deal.box)
             await self._secure.deal(masked, loose)
         jobs = []
         for slot in slots:

@@ -52,6 +52,15 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from starling.collectives.bodies import (
+    SHARE_BYTES,
+    SIGNATURE_BYTES,
+    BodyError,
+    Deal,
+    Passed,
+    Reveal,
+    Revealed,
+)
 from starling.collectives.compact import contributor_mask, contributors_of
 from starling.collectives.secagg import (
     DOMAIN,
@@ -77,8 +86,6 @@ log = logging.getLogger(__name__)
 
 RECIPE_TAG = b"secagg"
 _KEEP_ROUNDS = 8  # rounds whose secrets, shares and reveals a peer keeps (late owners ask within them)
-_SHARE_BYTES = 66  # a field element of 2^521 - 1
-_MAX_LIST = 1 << 16  # peer ids one reveal request may name
 
 
 @dataclass(frozen=True)
@@ -224,7 +231,7 @@ class Masked:
 
     ring: np.ndarray
     recipe: tuple[bytes, ...]
-    deals: dict[str, dict[str, Any]]
+    deals: dict[str, Deal]
     round: int
     rid: bytes
     mine: _Mine
@@ -290,18 +297,18 @@ class SecureStage:
         for other, x in zip(mine, xs):
             y = shares[x]
             sig = self.node.trust.sign(_share_statement(rid, me, other, x, y))
-            box = _seal(self.node.key_agreement(other), rid, me, y.to_bytes(_SHARE_BYTES, "big") + sig)
-            deals[other] = {"deal": t, "view": view, "x": x, "box": box}
+            box = _seal(self.node.key_agreement(other), rid, me, y.to_bytes(SHARE_BYTES, "big") + sig)
+            deals[other] = Deal(t, view, x, box)
         return Masked(ring, recipe, deals, t, rid, _Mine(mine, pairs, commits, seed_commit))
 
-    async def deal(self, masked: Masked, deals: Mapping[str, dict[str, Any]] | None = None) -> None:
+    async def deal(self, masked: Masked, deals: Mapping[str, Deal] | None = None) -> None:
         """Network thread, before my parts go: keep my round's secrets (for the owners' reveal
         requests), and send my seed's shares to my neighbours (`deals`: those that do not
         ride on a part; all by default), one way."""
         self._note_round(masked.round)
         self._round(masked.rid).mine = masked.mine
         for holder, body in (masked.deals if deals is None else deals).items():
-            self.node.send(holder, self.reveal_topic, body)
+            self.node.send(holder, self.reveal_topic, body.to_wire())
 
     # ------------------------------------------------------------------ holder (network thread)
     def _note_round(self, t: int) -> None:
@@ -317,23 +324,19 @@ class SecureStage:
 
     async def _on_message(self, msg: Any) -> Any:
         body = msg.body
-        if isinstance(body, dict) and "deal" in body:
-            self._on_deal(msg.sender, body)
-            return {"ok": True}
-        if isinstance(body, dict) and "reveal" in body:
-            return await self._on_reveal(msg.sender, body)
-        if isinstance(body, dict) and "unmasked" in body:
-            self._on_passed(msg.sender, body)
-            return {"ok": True}
-        return self._refuse(Refusal.MALFORMED, "secure aggregation: neither a deal nor a reveal request")
-
-    def _on_deal(self, dealer: str, body: dict[str, Any]) -> None:
-        t, view, x, box = body.get("deal"), body.get("view"), body.get("x"), body.get("box")
-        if type(t) is not int or not isinstance(view, bytes) or len(view) != 16 or type(x) is not int \
-                or not isinstance(box, bytes) or len(box) > 512:
-            self._refuse.count("secagg_malformed", f"a deal from {dealer}")
-            return
-        self.take_deal(dealer, t, view, x, box)
+        try:
+            if Deal.is_one(body):
+                deal = Deal.from_wire(body)
+                self.take_deal(msg.sender, deal.round, deal.view, deal.x, deal.box)
+                return {"ok": True}
+            if Reveal.is_one(body):
+                return await self._on_reveal(msg.sender, Reveal.from_wire(body))
+            if Passed.is_one(body):
+                self._on_passed(msg.sender, Passed.from_wire(body))
+                return {"ok": True}
+        except BodyError as exc:
+            return self._refuse(Refusal.MALFORMED, f"secure aggregation: {exc}")
+        return self._refuse(Refusal.MALFORMED, "secure aggregation: neither a deal, a reveal request nor secrets")
 
     def take_deal(self, dealer: str, t: int, view: bytes, x: int, box: bytes) -> None:
         """A neighbour's sealed share of its mask seed for round t (on its own, or riding on
@@ -344,12 +347,12 @@ class SecureStage:
         rid = round_id(self.topic, t, view)
         agreed = self.node.key_agreement(dealer)
         opened = _open(agreed, rid, dealer, box) if agreed is not None else None
-        if opened is None or len(opened) != _SHARE_BYTES + 64:
+        if opened is None or len(opened) != SHARE_BYTES + SIGNATURE_BYTES:
             self._refuse.count("secagg_bad_share", f"a share from {dealer} that does not open")
             return
         # Sealed under a key only the dealer and I derive: it is the dealer's. Its signature, which
         # lets an owner hold a wrong share against its dealer, is checked by an owner that needs to.
-        y, sig = int.from_bytes(opened[:_SHARE_BYTES], "big"), opened[_SHARE_BYTES:]
+        y, sig = int.from_bytes(opened[:SHARE_BYTES], "big"), opened[SHARE_BYTES:]
         share = Share(dealer, x, y, sig)
         if not 0 <= y < PRIME:
             self._refuse.count("secagg_bad_share", f"a share from {dealer} outside the field")
@@ -369,10 +372,8 @@ class SecureStage:
         held = self._held.get(dealer)
         return None if held is None else held.get(rid)
 
-    async def _on_reveal(self, owner: str, body: dict[str, Any]) -> Any:
-        t, view, seeds, pairs = body.get("reveal"), body.get("view"), body.get("seeds"), body.get("pairs")
-        if type(t) is not int or not isinstance(view, bytes) or not _ids(seeds) or not _ids(pairs):
-            return self._refuse(Refusal.MALFORMED, "secure aggregation: a reveal needs round, view, seeds, pairs")
+    async def _on_reveal(self, owner: str, ask: Reveal) -> Any:
+        t, view, seeds, pairs = ask.round, ask.view, ask.seeds, ask.pairs
         members = self._resolve(view)
         if members is None:
             return refusal(Refusal.UNKNOWN_VIEW, "secure aggregation: no member list of that digest here")
@@ -405,9 +406,8 @@ class SecureStage:
                 await asyncio.wait_for(self._share_arrived.wait(), left)
             except asyncio.TimeoutError:
                 break
-        shares = [[s.dealer, s.x, s.y.to_bytes(_SHARE_BYTES, "big"), s.signature]
-                  for m in seeds if (s := self._share_of(m, rid)) is not None]
-        return {"ok": True, "shares": shares, "pairs": [[m, mine.pairs[m]] for m in pairs], "commits": mine.commits}
+        shares = tuple((s.dealer, s.x, s.y, s.signature) for m in seeds if (s := self._share_of(m, rid)) is not None)
+        return Revealed(shares, tuple((m, mine.pairs[m]) for m in pairs), tuple(mine.commits)).to_wire()
 
     # ------------------------------------------------------------------ owner (network thread)
     async def unmask(self, t: int, members: tuple[str, ...], view: bytes, lo: int, hi: int,
@@ -520,17 +520,14 @@ class SecureStage:
         seeds, pairs = found
         lists = {j for j, _ in pairs}
         state = self._round(rid)
-        body = {"unmasked": t, "view": view, "alive": contributor_mask(members, alive),
-                "seeds": [[m, seeds[m]] for m in alive], "pairs": [[j, d, s] for (j, d), s in sorted(pairs.items())],
-                "lists": [[j, state.lists[j]] for j in sorted(lists) if j in state.lists]}
+        body = Passed(t, view, contributor_mask(members, alive), tuple((m, seeds[m]) for m in alive),
+                      tuple((j, d, s) for (j, d), s in sorted(pairs.items())),
+                      tuple((j, tuple(state.lists[j])) for j in sorted(lists) if j in state.lists)).to_wire()
         for owner in sorted(self._owners(members, t) - {self.node.peer_id}):
             self.node.send(owner, self.reveal_topic, body)
 
-    def _on_passed(self, sender: str, body: dict[str, Any]) -> None:
-        t, view, mask = body.get("unmasked"), body.get("view"), body.get("alive")
-        if type(t) is not int or not isinstance(view, bytes):
-            self._refuse.count("secagg_malformed", f"secrets passed on by {sender}")
-            return
+    def _on_passed(self, sender: str, body: Passed) -> None:
+        t, view, mask = body.round, body.view, body.alive
         members = self._resolve(view)
         if members is None or sender != self.unmasker(members, t):
             self._refuse.count("secagg_not_unmasker", f"secrets of round {t} passed on by {sender}")
@@ -551,13 +548,13 @@ class SecureStage:
         state.arrived = asyncio.Event()
 
     def _check_passed(self, t: int, rid: bytes, graph: Mapping[str, tuple[str, ...]], alive: tuple[str, ...],
-                      commits: Mapping[str, tuple[bytes, bytes]], body: dict[str, Any]) -> _Secrets | None:
+                      commits: Mapping[str, tuple[bytes, bytes]], body: Passed) -> _Secrets | None:
         """The unmasker's secrets if every one keeps the commitment its member signed; None
         (counted) if any does not, or some are missing."""
         try:
-            seeds = {m: s for m, s in body["seeds"]}
-            pairs = {(j, d): s for j, d, s in body["pairs"]}
-            lists = {j: list(h) for j, h in body["lists"]}
+            seeds = dict(body.seeds)
+            pairs = {(j, d): s for j, d, s in body.pairs}
+            lists = {j: list(h) for j, h in body.lists}
             if set(seeds) != set(alive) or any(_commit(seeds[m], rid) != commits[m][0] for m in alive):
                 raise ValueError("a seed that breaks its commitment")
             for j, hashes_ in lists.items():
@@ -589,19 +586,19 @@ class SecureStage:
         for j, reply in zip(alive, replies):
             if reply is None:
                 continue
-            for dealer, x, y, sig in reply["shares"]:
+            for dealer, x, y, sig in reply.shares:
                 if dealer not in asks[j][0] or x != point_of(j, members) or not 0 <= y < PRIME:
                     self._refuse.count("secagg_bad_share", f"round {t}: {j} revealed a share of {dealer} it "
                                        "does not hold")
                     continue
                 shares.setdefault(dealer, {})[x] = (j, y, sig)
-            hashes_ = reply["commits"]
+            hashes_ = list(reply.commits)
             if hashlib.sha256(b"".join(hashes_)).digest() != commits[j][1] or len(hashes_) != len(graph[j]):
-                if reply["pairs"]:
+                if reply.pairs:
                     self._refuse.count("secagg_bad_seed", f"round {t}: {j}'s pair-seed hashes break its commitment")
                 continue
             index = {n: h for n, h in zip(graph[j], hashes_)}
-            for d, seed in reply["pairs"]:
+            for d, seed in reply.pairs:
                 if d not in asks[j][1] or hashlib.sha256(seed).digest() != index.get(d):
                     self._refuse.count("secagg_bad_seed", f"round {t}: {j} revealed a wrong mask seed for {d}")
                     continue
@@ -641,41 +638,22 @@ class SecureStage:
         raise SecAggError(f"round {t}: {member}'s mask seed rebuilt from its shares breaks its commitment")
 
     async def _ask(self, holder: str, t: int, view: bytes, seeds: Sequence[str],
-                   pairs: Sequence[str]) -> dict[str, Any] | None:
-        body = {"reveal": t, "view": view, "seeds": list(seeds), "pairs": list(pairs)}
+                   pairs: Sequence[str]) -> Revealed | None:
+        ask = Reveal(t, view, tuple(seeds), tuple(pairs))
         try:
             if holder == self.node.peer_id:
-                reply = await self._on_reveal(holder, body)
+                reply = await self._on_reveal(holder, ask)
             else:
-                reply = (await self.node.arequest(holder, self.reveal_topic, body,
+                reply = (await self.node.arequest(holder, self.reveal_topic, ask.to_wire(),
                                                   timeout_s=self._reveal_timeout_s + 1.0)).body
+            return Revealed.from_wire(reply)
+        except BodyError as exc:  # a refusal, or an answer that is not one: its shares are missing
+            if isinstance(reply, dict) and reply.get("ok") is not False:
+                self._refuse.count("secagg_malformed", f"round {t}: {holder}'s reveal: {exc}")
+            log.info("%s: %s round %d: %s revealed nothing: %s", self.node.peer_id, self.topic, t, holder, exc)
         except Exception as exc:  # a survivor that died since: its shares are missing, no more
             log.info("%s: %s round %d: %s revealed nothing: %s", self.node.peer_id, self.topic, t, holder, exc)
-            return None
-        return _reply(reply)
-
-
-def _reply(reply: Any) -> dict[str, Any] | None:
-    """A holder's answer, checked for shape (None for a refusal or a malformed one)."""
-    if not isinstance(reply, dict) or reply.get("ok") is not True:
         return None
-    shares, pairs, commits = reply.get("shares"), reply.get("pairs"), reply.get("commits")
-    if not (isinstance(shares, list) and isinstance(pairs, list) and isinstance(commits, list)):
-        return None
-    good_shares = [s for s in shares if isinstance(s, list) and len(s) == 4 and isinstance(s[0], str)
-                   and type(s[1]) is int and isinstance(s[2], bytes) and len(s[2]) == _SHARE_BYTES
-                   and isinstance(s[3], bytes)]
-    good_pairs = [p for p in pairs if isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
-                  and isinstance(p[1], bytes) and len(p[1]) == 32]
-    if len(good_shares) != len(shares) or len(good_pairs) != len(pairs) \
-            or not all(isinstance(c, bytes) and len(c) == 32 for c in commits):
-        return None
-    return {"shares": [[d, x, int.from_bytes(y, "big"), sig] for d, x, y, sig in good_shares],
-            "pairs": good_pairs, "commits": commits}
-
-
-def _ids(value: Any) -> bool:
-    return isinstance(value, list) and len(value) <= _MAX_LIST and all(isinstance(v, str) for v in value)
 
 
 def _rebuilt(value: int) -> bytes | None:
