@@ -111,3 +111,30 @@ def test_a_refusal_reads_as_refused_with_the_owners_round() -> None:
     assert Refused.from_wire(refusal(Refusal.BUSY)).owner_round == -1
     assert Refused.from_wire(["nope"]) == Refused("malformed reply: list")
     assert Refused.from_wire(Average(None, MEMBERS).to_wire(MEMBERS)) is None
+
+
+def test_secure_aggregation_bodies_round_trip_and_refuse_what_they_are_not():
+    from starling.collectives.bodies import Deal, Passed, Reveal, Revealed
+
+    view = bytes(16)
+    deal = Deal(3, view, 2, b"\1" * 146)
+    assert Deal.from_wire(deal.to_wire()) == deal
+    reveal = Reveal(3, view, ("a", "b"), ("c",))
+    assert Reveal.from_wire(reveal.to_wire()) == reveal
+    revealed = Revealed((("a", 1, 2**520, b"s" * 64),), (("c", b"p" * 32),), (b"h" * 32,))
+    assert Revealed.from_wire(revealed.to_wire()) == revealed
+    passed = Passed(3, view, b"\3", (("a", b"s" * 32),), (("a", "c", b"p" * 32),), (("a", (b"h" * 32,)),))
+    assert Passed.from_wire(passed.to_wire()) == passed
+    for bad, cls in [({"deal": 3, "view": view, "x": 0, "box": b""}, Deal),
+                     ({"deal": 3, "view": view, "x": 1, "box": b"\0" * 4096}, Deal),
+                     ({"deal": -1, "view": view, "x": 1, "box": b""}, Deal),
+                     ({"reveal": 3, "view": b"short", "seeds": [], "pairs": []}, Reveal),
+                     ({"reveal": 3, "view": view, "seeds": [1], "pairs": []}, Reveal),
+                     ({"ok": True, "shares": [["a", 1, b"y", b"s"]], "pairs": [], "commits": []}, Revealed),
+                     ({"ok": True, "shares": [], "pairs": [["c", b"short"]], "commits": []}, Revealed),
+                     ({"ok": False, "code": "conflict"}, Revealed),
+                     ({"unmasked": 3, "view": view, "alive": b"\3", "seeds": [["a"]], "pairs": [], "lists": []},
+                      Passed),
+                     ({"unmasked": 3, "view": view, "alive": "x", "seeds": [], "pairs": [], "lists": []}, Passed)]:
+        with pytest.raises(BodyError):
+            cls.from_wire(bad)
