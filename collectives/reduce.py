@@ -347,10 +347,18 @@ class ShardedReducer:
         return PendingReduce(self, t, members, vector, self.node.submit(round_), self._backstop_s, lent)
 
     @property
+    def _reply_within_s(self) -> float:
+        """How long a member waits for an owner's average: the group's timeout and the grace,
+        and with secure aggregation the owner's unmasking too (waiting for the round's
+        unmasker, then asking the survivors itself: a reveal timeout each)."""
+        unmasking = 0.0 if self._secure is None else 2 * self._secure.reveal_timeout_s + 1.0
+        return self.timeouts.round_timeout_s + self.timeouts.reply_grace_s + unmasking
+
+    @property
     def _backstop_s(self) -> float:
         """How long `wait()` waits at most. A backstop only: the network side always ends a
         round by then (see AwakeDeadline)."""
-        return _STRETCH * (self.timeouts.round_timeout_s + self.timeouts.reply_grace_s) + 5.0
+        return _STRETCH * self._reply_within_s + 5.0
 
     def _start_secure(self, t: int, members: tuple[str, ...], vector: torch.Tensor, weight: float | None,
                       recipe: Recipe | None, noise_std: float = 0.0) -> PendingReduce:
@@ -628,7 +636,7 @@ class ShardedReducer:
         i, c, numel, packet = slot.shard, slot.chunk, slot.numel, slot.packet
         assert packet is not None
         # Counted in awake time: an average that came while this loop was stalled is read, not dropped.
-        deadline = AwakeDeadline(self.timeouts.round_timeout_s + self.timeouts.reply_grace_s)
+        deadline = AwakeDeadline(self._reply_within_s)
         part = Part(t, i, c, self._part_headers.outgoing(packet.header, numel), view=view, weight=weight,
                     sig=slot.sig, recipe=recipe, deal=deal)
         try:

@@ -249,7 +249,7 @@ class SecureStage:
         self.codec = config.codec
         self.reveal_topic = f"{topic}.secagg"
         self._refuse, self._owners, self._resolve = refuse, owners, resolve
-        self._reveal_timeout_s = reveal_timeout_s
+        self.reveal_timeout_s = reveal_timeout_s
         self._rounds: OrderedDict[bytes, _Round] = OrderedDict()  # network thread: rounds I masked or own
         self._held: dict[str, OrderedDict[bytes, Share]] = {}  # dealer -> round id -> its share for me
         self._share_arrived = asyncio.Event()  # set (and replaced) as shares arrive
@@ -397,7 +397,7 @@ class SecureStage:
             state.revealed[member] = "seed"
         for member in pairs:
             state.revealed[member] = "pair"
-        deadline = asyncio.get_running_loop().time() + self._reveal_timeout_s
+        deadline = asyncio.get_running_loop().time() + self.reveal_timeout_s
         while any(self._share_of(m, rid) is None for m in seeds):  # a share still on its way from its dealer
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
@@ -482,7 +482,7 @@ class SecureStage:
             return known
         unmasker = self.unmasker(members, t)
         if unmasker != me:
-            passed = await self._passed_on(state, rid, alive, self._reveal_timeout_s)
+            passed = await self._passed_on(state, rid, alive, self.reveal_timeout_s)
             if passed is not None:
                 used, body = passed
                 checked = self._check_passed(t, rid, graph, used, commits, body)
@@ -645,7 +645,7 @@ class SecureStage:
                 reply = await self._on_reveal(holder, ask)
             else:
                 reply = (await self.node.arequest(holder, self.reveal_topic, ask.to_wire(),
-                                                  timeout_s=self._reveal_timeout_s + 1.0)).body
+                                                  timeout_s=self.reveal_timeout_s + 1.0)).body
             return Revealed.from_wire(reply)
         except BodyError as exc:  # a refusal, or an answer that is not one: its shares are missing
             if isinstance(reply, dict) and reply.get("ok") is not False:

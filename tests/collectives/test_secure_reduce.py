@@ -226,10 +226,10 @@ def test_a_member_sigkilled_mid_round_leaves_the_survivors_sum():
     survivors', and the killed member's where its part got there first), and the rounds after
     it run over the three."""
     row = load_benchmark("secagg").dropout(peers=4, kill=1, rounds=5, kill_round=2, timeout_s=120)
-    assert row["killed"] == 1 and row["survivors_finished"] and row["wrong_chunks"] == 0
+    assert row["killed"] == 1 and row["survivors_finished"] and row["wrong_chunks"] == 0, row
     # its parts reached the owners or not: either way each chunk is the mean of those summed
-    assert row["at_kill"]["chunks_with_survivors_sum"] >= 3 and set(row["at_kill"]["left_out"]) <= {0, 1}
-    assert 3 in row["after"]["members"] and row["dropped_groups"] == 0
+    assert row["at_kill"]["chunks_with_survivors_sum"] >= 3 and set(row["at_kill"]["left_out"]) <= {0, 1}, row
+    assert 3 in row["after"]["members"] and row["dropped_groups"] == 0, row
 
 
 def test_distributed_noise_shares_sum_to_the_full_noise_in_the_mean(make_node):
