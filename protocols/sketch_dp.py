@@ -232,7 +232,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
         # x_t, where this round's local steps started (public: every peer holds the same)
         self.anchor = self.flat.read_params() if config.local_steps > 1 else None
         self.data: PrivateData | None = None
-        self.last_release: torch.Tensor | None = None  # what this peer last sent (clipped + noised)
+        self.last_release: torch.Tensor | None = None  # what this peer last sent, clipped and noised (bar a share)
         self._secret = secret_generator()
         self._warned_budget = False
         self.reducer = ShardedReducer(node, PART_TOPIC, self.sketches.size, config.compressor,
@@ -291,13 +291,14 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
             self.last_release = y.clone()
 
         members = membership(self.node)
-        if self.distributed and len(members) <= 1 and self.sigma > 0.0:  # alone: all the noise is mine to add
-            y.add_(gaussian_noise(y.numel(), self.sigma * c.clip / self._per_release, self._secret))
-        elif self.distributed:  # my share of the sum's noise goes in with my integers
-            share = self.sigma * c.clip / math.sqrt(len(members)) / self._per_release
-            result = self.reducer.start(t, members, y, lend=True, noise_std=share).wait()
-        else:
-            result = self.reducer.reduce(t, members, y)  # y becomes the mean of the peers' sketches
+        share = 0.0  # distributed noise: my share of the sum's, added to my integers in the ring
+        if self.distributed and self.sigma > 0.0:
+            if len(members) <= 1:  # alone, nobody sums it: all the noise is mine to add
+                y.add_(gaussian_noise(y.numel(), self.sigma * c.clip / self._per_release, self._secret))
+            else:
+                share = self.sigma * c.clip / math.sqrt(len(members)) / self._per_release
+        # y becomes the mean of the peers' sketches
+        result = self.reducer.start(t, members, y, lend=True, noise_std=share).wait()
         if result.ahead > t:
             log.info("%s: sketch-dp round %d was late; catching up to round %d", self.node.peer_id, t, result.ahead)
             self.step_count = result.ahead * c.local_steps

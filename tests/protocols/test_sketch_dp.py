@@ -375,3 +375,17 @@ def test_distributed_noise_reports_the_central_epsilon_and_replicas_agree(make_n
     for p in protos:
         assert p.privacy.epsilon == pytest.approx(reference.get_epsilon(delta=1e-5), rel=1e-9)
         assert p.privacy.noise == "distributed" and p.privacy.rounds == 3
+
+
+def test_a_lone_member_with_distributed_noise_adds_all_of_it(make_node):
+    """Alone, nobody sums its part: a member adds the whole noise itself, and still steps."""
+    proto = create(make_node("inproc"), {"noise_multiplier": 1.5, "clip": 0.4, "lr": 0.0,
+                                         "secure_aggregation": "on", "dp_noise": "distributed"})
+    before = flat_params(proto.model)
+    report = proto.step(lambda: 0.0 * sum(p.sum() for p in proto.model.parameters()))
+    assert report.step == 0 and proto.privacy.rounds == 1 and torch.equal(flat_params(proto.model), before)
+    noise = []
+    for _ in range(4):  # lr 0 and a zero gradient: the update is the noise alone
+        proto.step(lambda: 0.0 * sum(p.sum() for p in proto.model.parameters()))
+        noise.append(proto.flat.gather_grads().clone())
+    assert torch.cat(noise).std().item() == pytest.approx(1.5 * 0.4, rel=0.05)
