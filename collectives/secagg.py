@@ -39,7 +39,7 @@ class IntegerCodec:
     """Fixed point in Z / 2^bits: a value v becomes round(clip(v, -clip, clip) * scale). The sum
     of m members' parts is exact while m * clip * scale < 2^(bits - 1); what it loses is the
     rounding, at most 0.5 / scale per value and member (`max_error`). A part takes bits / 8
-    bytes a value: 8 bits fit 4-bit values of up to 16 members."""
+    bytes a value: 8 bits fit 4-bit values of up to 18 members."""
 
     scale: float = 2.0**16
     clip: float = 8.0

@@ -14,10 +14,13 @@ One round t over members M (the view every part of a group names), per member i:
           recipe (b"secagg", H(rid, b_i), H(rid, H(s_ij) for j in N(i)))
 
 An owner closes a group as usual (all parts in, or its timeout) with survivors S, dropped
-D = M - S. It asks each survivor j for its shares of b_n (n in N(j) & S) and its pair seeds
-s_jd (d in N(j) & D), with j's list of pair-seed hashes; rebuilds each b_n from t shares
-(dealer-signed, checked against n's signed commitment), checks each s_jd against j's signed
-hashes, and removes the masks from its slice of the stream:
+D = M - S. One owner per round, the unmasker, asks each survivor j for its shares of b_n (n in
+N(j) & S) and its pair seeds s_jd (d in N(j) & D), with j's list of pair-seed hashes; rebuilds
+each b_n from t shares (dealer-signed, checked against n's signed commitment), checks each s_jd
+against j's signed hashes, and passes the secrets on to the other owners, who check them
+against the commitments in their own parts (an owner that holds a part the unmasker did not
+leaves it out; one that lacks a part the unmasker summed asks the survivors itself). Each owner
+removes the masks from its slice of the streams:
 
     sum_{i in S} q_i = sum y_i - sum_{n in S} PRG(b_n) - sum_{d in D, j in N(d) & S} (+-PRG(s_jd))
 
@@ -99,8 +102,9 @@ class SecureAggregation:
     secrets (SecAgg+'s t = ceil(threshold * k), at least 1); the secrets stay hidden from
     fewer than t colluding neighbours, and a survivor needs t of its neighbours alive.
     `degree`: neighbours per member (0: SecAgg+'s ~3 log2 n, everyone up to 8 members).
-    `unit`: the weight a part is scaled against (w / unit), set by the protocol from the most
-    weight a part can carry, so that weighted parts stay within the clip."""
+    `unit`: the weight a part is scaled against (w / unit; no weight counts 1), set by the
+    protocol to the weight a part usually carries (a gradient 1, a pseudo-gradient its round's
+    inner steps), so that weighted parts stay within the clip."""
 
     scale: float = 2.0**16
     clip: float = 8.0
@@ -217,10 +221,10 @@ class _Round:
     secrets, and the secrets owners gathered or were passed (by survivor set)."""
 
     revealed: dict[str, str] = field(default_factory=dict)  # member -> "seed" | "pair"
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as shares or secrets arrive
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as passed secrets arrive
     mine: _Mine | None = None
-    secrets: dict[tuple[bytes, tuple[str, ...]], _Unmasking] = field(default_factory=dict)
-    passed: dict[tuple[bytes, tuple[str, ...]], dict[str, Any]] = field(default_factory=dict)
+    secrets: dict[tuple[str, ...], _Unmasking] = field(default_factory=dict)  # by the survivors I hold
+    passed: dict[tuple[str, ...], Passed] = field(default_factory=dict)  # by the survivors the unmasker held
     lists: dict[str, list[bytes]] = field(default_factory=dict)  # survivor -> its pair-seed hashes (as revealed)
 
 
@@ -270,21 +274,23 @@ class SecureStage:
             raise SecAggError(f"{len(members)} members overflow secure aggregation's ring at scale "
                               f"{self.config.scale:g} and clip {self.config.clip:g} (at most {self.codec.capacity()})")
         mine = neighbours(members, k, rid)[me]
+        share = (1.0 if weight is None else weight) / self.config.unit  # as the owner counts it: no weight is 1
         scaled = vector.detach().to("cpu", torch.float32)
-        if weight is not None and weight != self.config.unit:
-            scaled = scaled * (weight / self.config.unit)
+        if share != 1.0:
+            scaled = scaled * share
         ring = self.codec.encode(scaled)  # uint32, owned
         if noise_std > 0.0:
-            sigma = noise_std * (1.0 if weight is None else weight / self.config.unit) * self.config.scale
-            add(ring, (discrete_gaussian(ring.size, sigma) % 2**32).astype(np.uint32))
+            add(ring, (discrete_gaussian(ring.size, noise_std * share * self.config.scale) % 2**32).astype(np.uint32))
         seed = secrets.token_bytes(32)
         add(ring, prg(seed, ring.size, rid))
         pairs: dict[str, bytes] = {}
+        agreed: dict[str, bytes] = {}
         for other in mine:
-            agreed = self.node.key_agreement(other)
-            if agreed is None:
+            secret = self.node.key_agreement(other)
+            if secret is None:
                 raise SecAggError(f"no signed record of {other}, a neighbour of this round: cannot mask with it")
-            pairs[other] = _derive(agreed, b"pair", rid)
+            agreed[other] = secret
+            pairs[other] = _derive(secret, b"pair", rid)
             stream = prg(pairs[other], ring.size, rid)
             (add if other > me else sub)(ring, stream)
         commits = [hashlib.sha256(pairs[o]).digest() for o in mine]
@@ -297,7 +303,7 @@ class SecureStage:
         for other, x in zip(mine, xs):
             y = shares[x]
             sig = self.node.trust.sign(_share_statement(rid, me, other, x, y))
-            box = _seal(self.node.key_agreement(other), rid, me, y.to_bytes(SHARE_BYTES, "big") + sig)
+            box = _seal(agreed[other], rid, me, y.to_bytes(SHARE_BYTES, "big") + sig)
             deals[other] = Deal(t, view, x, box)
         return Masked(ring, recipe, deals, t, rid, _Mine(mine, pairs, commits, seed_commit))
 
@@ -475,14 +481,14 @@ class SecureStage:
         """The survivors I sum, their mask seeds and their pair seeds with the dropped: from the
         round's unmasker when it saw the same survivors or fewer (checked here), else gathered
         from the holders."""
-        me, key = self.node.peer_id, (rid, alive)
+        me, key = self.node.peer_id, alive
         state = self._round(rid)
         known = state.secrets.get(key)
         if known is not None:
             return known
         unmasker = self.unmasker(members, t)
         if unmasker != me:
-            passed = await self._passed_on(state, rid, alive, self.reveal_timeout_s)
+            passed = await self._passed_on(state, alive, self.reveal_timeout_s)
             if passed is not None:
                 used, body = passed
                 checked = self._check_passed(t, rid, graph, used, commits, body)
@@ -495,8 +501,8 @@ class SecureStage:
             self._pass_on(t, members, view, rid, alive, found, graph)
         return state.secrets[key]
 
-    async def _passed_on(self, state: _Round, rid: bytes, alive: tuple[str, ...],
-                         timeout_s: float) -> tuple[tuple[str, ...], dict[str, Any]] | None:
+    async def _passed_on(self, state: _Round, alive: tuple[str, ...],
+                         timeout_s: float) -> tuple[tuple[str, ...], Passed] | None:
         """The unmasker's secrets for my survivors, or for the most of them it saw: a member
         whose part reached me and not the unmasker is left out of my sum too (its neighbours
         revealed its pair seeds, and will not reveal its seed's shares now)."""
@@ -504,7 +510,7 @@ class SecureStage:
         deadline = loop.time() + timeout_s
         mine = set(alive)
         while True:
-            fits = [(seen, body) for (r, seen), body in state.passed.items() if r == rid and set(seen) <= mine]
+            fits = [(seen, body) for seen, body in state.passed.items() if set(seen) <= mine]
             if fits:
                 return max(fits, key=lambda f: len(f[0]))
             left = deadline - loop.time()
@@ -543,7 +549,7 @@ class SecureStage:
             self._refuse.count("secagg_stale", f"secrets of round {t} passed on by {sender}: not a round of mine")
             return
         if len(state.passed) < 8:
-            state.passed[rid, alive] = body
+            state.passed[alive] = body
         state.arrived.set()
         state.arrived = asyncio.Event()
 
@@ -603,7 +609,8 @@ class SecureStage:
                     self._refuse.count("secagg_bad_seed", f"round {t}: {j} revealed a wrong mask seed for {d}")
                     continue
                 pair_seeds[j, d] = seed
-                state.lists[j] = hashes_
+            if reply.pairs:
+                state.lists[j] = hashes_  # what the other owners check my passed pair seeds against
         seeds = {m: self._rebuild(t, rid, m, shares.get(m, {}), threshold, commits[m][0]) for m in alive}
         for gone in dropped:
             for j in graph[gone]:
@@ -660,9 +667,7 @@ def _rebuilt(value: int) -> bytes | None:
     return value.to_bytes(32, "big") if value < 2**256 else None
 
 
-def _seal(agreed: bytes | None, rid: bytes, dealer: str, data: bytes) -> bytes:
-    if agreed is None:
-        raise SecAggError("no key agreement with a neighbour")
+def _seal(agreed: bytes, rid: bytes, dealer: str, data: bytes) -> bytes:
     key = _derive(agreed, b"seal", rid)
     # both ends of a pair share the key: the dealer's id makes each direction's nonce its own
     return ChaCha20Poly1305(key).encrypt(hashlib.sha256(dealer.encode()).digest()[:12], data, rid)

@@ -30,7 +30,7 @@ def check_reduce_config(config: Any, optimizer: str = "optimizer", momentum: str
 
 def make_secure(config: Any, unit: float = 1.0) -> SecureAggregation | None:
     """The secure aggregation a config asks for (None: off), its parts' weights scaled against
-    `unit` (the most weight a part carries: 1 for a gradient, the round's step budget for a
+    `unit` (the weight a part usually carries: 1 for a gradient, a round's inner steps for a
     pseudo-gradient)."""
     secure = SecureAggregation.parse(config.secure_aggregation)
     return None if secure is None else replace(secure, unit=unit)
