@@ -399,10 +399,12 @@ class SecureStage:
         for member in pairs:
             if state.revealed.get(member, "pair") != "pair":
                 return self._refuse(Refusal.CONFLICT, f"{member} was reported alive in this round already")
-        for member in seeds:
-            state.revealed[member] = "seed"
-        for member in pairs:
-            state.revealed[member] = "pair"
+        # What I reveal to another owner binds me for the round; asking myself reveals nothing I
+        # do not hold. A seed share binds me only once given (one still on its way may never come).
+        binding = owner != self.node.peer_id
+        if binding:
+            for member in pairs:
+                state.revealed[member] = "pair"
         deadline = asyncio.get_running_loop().time() + self.reveal_timeout_s
         while any(self._share_of(m, rid) is None for m in seeds):  # a share still on its way from its dealer
             left = deadline - asyncio.get_running_loop().time()
@@ -412,7 +414,11 @@ class SecureStage:
                 await asyncio.wait_for(self._share_arrived.wait(), left)
             except asyncio.TimeoutError:
                 break
-        shares = tuple((s.dealer, s.x, s.y, s.signature) for m in seeds if (s := self._share_of(m, rid)) is not None)
+        given = [s for m in seeds if state.revealed.get(m, "seed") == "seed" and (s := self._share_of(m, rid))]
+        if binding:  # (another owner may have been given a pair seed of one of them meanwhile: left out above)
+            for share in given:
+                state.revealed[share.dealer] = "seed"
+        shares = tuple((s.dealer, s.x, s.y, s.signature) for s in given)
         return Revealed(shares, tuple((m, mine.pairs[m]) for m in pairs), tuple(mine.commits)).to_wire()
 
     # ------------------------------------------------------------------ owner (network thread)
@@ -495,10 +501,10 @@ class SecureStage:
                 if checked is not None:
                     state.secrets[key] = (used, *checked)
                     return state.secrets[key]
-        found = await self._gather(t, members, view, rid, graph, alive, commits, threshold)
-        state.secrets[key] = (alive, *found)
+        used, seeds, pair_seeds = state.secrets[key] = await self._gather(t, members, view, rid, graph, alive,
+                                                                          commits, threshold)
         if unmasker == me:
-            self._pass_on(t, members, view, rid, alive, found, graph)
+            self._pass_on(t, members, view, rid, used, (seeds, pair_seeds), graph)
         return state.secrets[key]
 
     async def _passed_on(self, state: _Round, alive: tuple[str, ...],
@@ -580,9 +586,11 @@ class SecureStage:
 
     async def _gather(self, t: int, members: tuple[str, ...], view: bytes, rid: bytes,
                       graph: Mapping[str, tuple[str, ...]], alive: tuple[str, ...],
-                      commits: Mapping[str, tuple[bytes, bytes]], threshold: int) -> _Secrets:
+                      commits: Mapping[str, tuple[bytes, bytes]], threshold: int,
+                      retry: bool = True) -> _Unmasking:
         """Ask every survivor for its shares of its surviving neighbours' seeds and its pair
-        seeds with its dropped ones; rebuild and check them."""
+        seeds with its dropped ones; rebuild and check them. Returns the survivors summed (those
+        whose seed could be rebuilt) with the secrets."""
         dropped = set(members) - set(alive)
         asks = {j: ([n for n in graph[j] if n in alive], [d for d in graph[j] if d in dropped]) for j in alive}
         replies = await asyncio.gather(*(self._ask(j, t, view, seeds, pairs) for j, (seeds, pairs) in asks.items()))
@@ -611,12 +619,19 @@ class SecureStage:
                 pair_seeds[j, d] = seed
             if reply.pairs:
                 state.lists[j] = hashes_  # what the other owners check my passed pair seeds against
+        short = [m for m in alive if len(shares.get(m, {})) < threshold]
+        if short and retry and len(short) < len(alive):
+            # Its shares never reached enough holders (it died mid-send), or they gave its pair seeds
+            # to an owner that did not get its part: leave its part out, and unmask it as a dropout's.
+            log.info("%s: %s round %d: too few shares of %s; summing without", self.node.peer_id, self.topic, t, short)
+            left = tuple(m for m in alive if m not in short)
+            return await self._gather(t, members, view, rid, graph, left, commits, threshold, retry=False)
         seeds = {m: self._rebuild(t, rid, m, shares.get(m, {}), threshold, commits[m][0]) for m in alive}
         for gone in dropped:
             for j in graph[gone]:
                 if j in seeds and (j, gone) not in pair_seeds:
                     raise SecAggError(f"round {t}: {j} did not reveal its mask seed with dropped {gone}")
-        return seeds, pair_seeds
+        return alive, seeds, pair_seeds
 
     def _rebuild(self, t: int, rid: bytes, member: str, got: dict[int, tuple[str, int, bytes]], threshold: int,
                  commitment: bytes) -> bytes:
