@@ -58,9 +58,9 @@ def _run_steps(steps: Optional[int], duration_s: float, protocol: str, options: 
     return UNCAPPED_STEPS
 
 
-def partition_option(task: str, spec: str) -> str:
-    """`--partition SPEC` for `task`, checked: ValueError if the spec is malformed or the task's
-    samples have no labels to partition by."""
+def partition_options(task: str, spec: str, by: Optional[str]) -> dict[str, str]:
+    """The task options of `--partition SPEC` (and `--partition-by`) for `task`, checked:
+    ValueError if the spec is malformed or the task's samples have no labels to partition by."""
     import dataclasses
 
     from starling.tasks import get_task
@@ -68,9 +68,13 @@ def partition_option(task: str, spec: str) -> str:
 
     parsed = Partition.parse(spec)
     config = getattr(get_task(task), "config", None)
-    if not (dataclasses.is_dataclass(config) and any(f.name == "partition" for f in dataclasses.fields(config))):
-        raise ValueError(f"task {task!r} has no labels to partition its data by; --partition applies to teacher")
-    return str(parsed)
+    fields = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
+    if "partition" not in fields:
+        raise ValueError(f"task {task!r} has no labels to partition its data by; --partition applies to teacher, "
+                         "charlm and gpt (--data)")
+    if by is not None and "partition_by" not in fields:
+        raise ValueError(f"--partition-by goes with --data (the gpt task); task {task!r} has its own labels")
+    return {"partition": str(parsed), **({} if by is None else {"partition_by": by})}
 
 
 def _sim_configs(*, peers: int, protocol: str, task: str, steps: Optional[int], compressor: Optional[str],
@@ -267,7 +271,12 @@ def simulate(
     partition: Optional[str] = typer.Option(
         None, "--partition", metavar="iid|dirichlet:ALPHA|shards:K",
         help="How the peers' data differ, as Flower's partitioners define it: each peer's label distribution "
-             "(tasks whose samples have labels: teacher)."),
+             "(teacher: its classes; charlm: the stdlib file a window starts in; --data: see --partition-by). "
+             "Each peer then trains only its own part."),
+    partition_by: Optional[str] = typer.Option(
+        None, "--partition-by", metavar="document|folder|COLUMN",
+        help="With --data and --partition: what labels a document (default document: each its own; folder: a text "
+             "folder's subfolders; or a column of a table)."),
     shard_sync: bool = typer.Option(
         False, "--shard-sync", help="With --nproc-per-replica N: FSDP2 inside each replica, and every rank syncs its "
                                     "own shard of the model with the same rank of the other replicas (one sub-swarm "
@@ -295,7 +304,9 @@ def simulate(
         task, task_options = with_data(task, parse_options(task_opt or [], "task option"), data, tokenizer, seq_len)
         task = task or "charlm"
         if partition is not None:
-            task_options = {**task_options, "partition": partition_option(task, partition)}
+            task_options = {**task_options, **partition_options(task, partition, partition_by)}
+        elif partition_by is not None:
+            raise ValueError("--partition-by goes with --partition")
         prepare_units(task, task_options)
         task_opt = [f"{name}={value}" for name, value in task_options.items()]
         config, base = _sim_configs(

@@ -26,6 +26,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "install it with `pip install 'starling[data]'`"
@@ -44,6 +46,9 @@ HF_BUILDERS: dict[str, str] = {
 TABLE_SUFFIXES = frozenset({".json", ".jsonl", ".csv", ".parquet"})
 
 HF_BATCH_ROWS = 256
+
+DOCUMENT = "document"  # partition by: every document its own label
+FOLDER = "folder"  # partition by: a text file's folder (relative to the corpus's)
 
 
 class DataError(ValueError):
@@ -64,8 +69,23 @@ class Source(ABC):
     def fingerprint(self) -> str:
         """A hex string that changes when the content changes."""
 
+    def labels(self, by: str) -> np.ndarray:
+        """Each document's label (int64 codes, in document order) for a non-IID partition of the
+        corpus: `by` is ``document`` (every document its own label) or a kind this source knows
+        (a table's column, a folder's subfolder). DataError naming what it can do otherwise."""
+        if by == DOCUMENT:
+            return np.arange(sum(1 for _ in self.documents()), dtype=np.int64)
+        raise DataError(f"{self.name}: documents have no {by!r} to partition by; use {DOCUMENT!r}")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+
+def _codes(values: Sequence[str]) -> np.ndarray:
+    """Each value's index among the sorted distinct values (int64): the same labels on every
+    machine, whatever order the values first appear in."""
+    _, codes = np.unique(np.asarray(values, dtype=object).astype(str), return_inverse=True)
+    return codes.astype(np.int64).reshape(-1)
 
 
 def _sha256_json(value: Any) -> str:
@@ -142,6 +162,17 @@ class TextFolderSource(Source):
 
     def fingerprint(self) -> str:
         return _files_fingerprint(self._files())
+
+    def labels(self, by: str) -> np.ndarray:
+        """``document``: each file its own label; ``folder``: the folder holding the file
+        (relative to the corpus's; files at the top share one label)."""
+        files = self._files()
+        if by == DOCUMENT:
+            return np.arange(len(files), dtype=np.int64)
+        if by == FOLDER:
+            return _codes([relative.rpartition("/")[0] for relative, _ in files])
+        raise DataError(f"{self.name}: a folder of text files is partitioned by {DOCUMENT!r} or {FOLDER!r}, "
+                        f"not {by!r}")
 
 
 def stdlib_source() -> TextFolderSource:
@@ -240,6 +271,7 @@ class HFSource(Source):
         feature = dataset.features[text_field]
         if getattr(feature, "dtype", None) not in ("string", "large_string"):
             raise DataError(f"{spec}: column {text_field!r} holds {feature}, not text")
+        self._table = dataset
         self._dataset = dataset.select_columns([text_field])
 
     @staticmethod
@@ -260,6 +292,20 @@ class HFSource(Source):
         for batch in self._dataset.iter(batch_size=HF_BATCH_ROWS):
             for text in batch[self.text_field]:
                 yield "" if text is None else text
+
+    def labels(self, by: str) -> np.ndarray:
+        """``document``: each row its own label; else `by` names a column, whose distinct
+        values are the labels (None is one more value)."""
+        if by == DOCUMENT:
+            return np.arange(len(self._dataset), dtype=np.int64)
+        columns = [c for c in self._table.column_names if c != self.text_field]
+        if by not in columns:
+            raise DataError(f"{self.name}: no column {by!r} to partition by; its other columns are "
+                            f"{', '.join(columns) or 'none'} (or {DOCUMENT!r})")
+        values: list[str] = []
+        for batch in self._table.select_columns([by]).iter(batch_size=HF_BATCH_ROWS * 16):
+            values.extend(json.dumps(v, sort_keys=True, default=str) for v in batch[by])
+        return _codes(values)
 
     def fingerprint(self) -> str:
         # datasets' fingerprint covers the files (it hashes their paths and modification times)

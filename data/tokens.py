@@ -229,6 +229,12 @@ class TokenStore:
     def __repr__(self) -> str:
         return f"TokenStore({str(self._path)!r}, tokens={self.info.tokens}, source={self.info.source!r})"
 
+    def document_ends(self, eos_id: int, chunk: int = 1 << 24) -> np.ndarray:
+        """The position of each document's end token (int64, ascending), read `chunk` tokens
+        at a time: token p belongs to document `searchsorted(ends, p)`."""
+        found = [np.flatnonzero(self._tokens[lo:lo + chunk] == eos_id) + lo for lo in range(0, len(self), chunk)]
+        return np.concatenate(found).astype(np.int64) if found else np.zeros(0, dtype=np.int64)
+
     def rows(self, seq_len: int) -> int:
         """How many rows of `seq_len + 1` tokens fit with stride `seq_len`."""
         if seq_len < 1:

@@ -7,10 +7,16 @@ the text itself does depend on the Python version, like any stdlib file.
 
 The last `eval_fraction` of the corpus is held out. Of the rest, peer `rank` of `world` owns the
 `rank`-th contiguous slice and samples random windows from it, seeded by (seed, rank, world).
+
+With `partition` (``iid``, ``dirichlet:ALPHA``, ``shards:K``, `tasks/partition.py`) the training
+split is cut into blocks of `seq_len` characters instead, each labelled by the stdlib file it
+starts in, and peer `rank` samples windows that start at the blocks Flower's partitioner of that
+name gives it: with a small alpha each peer reads a few modules' code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sysconfig
@@ -28,6 +34,7 @@ from starling.common.devices import to_model_device
 
 from .base import Task, check_rank, evaluating, make_generator
 from .gpt import GPT, GPTConfig
+from .partition import Partition
 
 VOCAB = "\t\n" + "".join(chr(code) for code in range(32, 127))
 UNKNOWN_ID = len(VOCAB)
@@ -76,6 +83,18 @@ def load_corpus(corpus_chars: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=4)
 def _load_corpus(corpus_chars: int) -> torch.Tensor:
+    return encode("".join(_corpus_files(corpus_chars))[:corpus_chars])
+
+
+def corpus_file_starts(corpus_chars: int) -> np.ndarray:
+    """Where each of the corpus's files starts in it (int64, ascending, the first 0)."""
+    with _corpus_lock:
+        lengths = [len(text) for text in _corpus_files(corpus_chars)]
+    return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+
+@functools.lru_cache(maxsize=4)
+def _corpus_files(corpus_chars: int) -> tuple[str, ...]:
     parts: list[str] = []
     total = 0
     for path in stdlib_source_files():
@@ -89,7 +108,7 @@ def _load_corpus(corpus_chars: int) -> torch.Tensor:
             f"no Python sources found in the stdlib at {sysconfig.get_paths()['stdlib']!r}; "
             "the charlm task needs them as its corpus"
         )
-    return encode("".join(parts)[:corpus_chars])
+    return tuple(parts)
 
 
 @dataclass(frozen=True)
@@ -105,6 +124,7 @@ class CharLMConfig:
     dropout: float = 0.0
     tie_weights: bool = True
     eval_batches: int = 8
+    partition: str = ""  # iid, dirichlet:ALPHA or shards:K over blocks labelled by file; "": contiguous slices
 
     def __post_init__(self) -> None:
         for field in ("corpus_chars", "seq_len", "batch_size", "eval_batches"):
@@ -113,6 +133,8 @@ class CharLMConfig:
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
         self.gpt_config()  # validates the model fields
+        if self.partition:
+            Partition.parse(self.partition)
 
     def gpt_config(self) -> GPTConfig:
         return GPTConfig(
@@ -155,8 +177,39 @@ class CharLMTask(Task):
         return train[lo:hi]
 
     def batches(self, rank: int, world: int, seed: int) -> Iterator[Batch]:
+        if self.config.partition:
+            blocks = self.partition_blocks(rank, world, seed)
+            return self._block_windows(blocks, make_generator("charlm.partition", seed, rank, world))
         shard = self.shard(rank, world)  # checks rank and shard size now, not at the first next()
         return self.windows(shard, make_generator("charlm.batches", seed, rank, world))
+
+    def block_labels(self) -> np.ndarray:
+        """The file index each training block (`seq_len` characters from `k * seq_len`, a
+        whole window inside the training split) starts in."""
+        train, _ = self.splits()
+        blocks = max(0, (len(train) - 1) // self.config.seq_len)
+        starts = np.arange(blocks, dtype=np.int64) * self.config.seq_len
+        return np.searchsorted(corpus_file_starts(self.config.corpus_chars), starts, side="right") - 1
+
+    def partition_blocks(self, rank: int, world: int, seed: int) -> np.ndarray:
+        """The training blocks peer `rank` of `world` owns under `partition`; ValueError if none."""
+        check_rank(rank, world)
+        # a Dirichlet draw is redrawn until every peer holds a block (Flower's min_partition_size)
+        partition = dataclasses.replace(Partition.parse(self.config.partition), min_size=1)
+        mine = partition.indices(self.block_labels(), world, seed)[rank]
+        if not len(mine):
+            raise ValueError(f"partition {self.config.partition} over {world} peers leaves peer {rank} no block of "
+                             f"charlm's corpus: raise corpus_chars")
+        return mine
+
+    def _block_windows(self, blocks: np.ndarray, generator: torch.Generator) -> Iterator[Batch]:
+        train, _ = self.splits()
+        offsets = torch.arange(self.config.seq_len + 1)
+        starts_of = torch.from_numpy(blocks * self.config.seq_len)
+        while True:
+            starts = starts_of[torch.randint(len(blocks), (self.config.batch_size,), generator=generator)]
+            windows = train[starts[:, None] + offsets].long()
+            yield windows[:, :-1], windows[:, 1:]
 
     def windows(self, tokens: torch.Tensor, generator: torch.Generator) -> Iterator[Batch]:
         """Endless batches of `batch_size` random windows of `tokens` (a shard, or the whole

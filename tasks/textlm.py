@@ -9,10 +9,18 @@ rows, one step's batch. The last `eval_fraction` of the units is held out for ev
 Units are what a swarm hands out (`starling.data.assignment`): the runtime asks `unit_batch(i)`
 for the units its ledger gives this peer. `batches(rank, world, seed)` is for code that runs the
 task without a swarm's ledger: the epoch's order, every `world`-th unit from `rank`.
+
+`partition` (``iid``, ``dirichlet:ALPHA``, ``shards:K``, `tasks/partition.py`) makes the data
+federated: each peer trains only its own part of the units, as Flower's partitioner of that name
+cuts them by label, and there is no swarm ledger (`data_units()` is None: a peer that leaves
+takes its data with it). A unit's label is that of the document its first token belongs to, and
+`partition_by` says what labels a document: ``document`` (each its own), ``folder`` (a text
+folder's subfolders) or a column of a table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
@@ -20,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -27,12 +36,13 @@ from torch.nn import functional as F
 from starling.common.devices import to_model_device
 from starling.data.assignment import epoch_order
 from starling.data.prefetch import Prefetcher
-from starling.data.sources import open_source
+from starling.data.sources import DOCUMENT, DataError, Source, open_source
 from starling.data.tokenizer import Tokenizer, load_tokenizer
 from starling.data.tokens import TokenStore
 
 from .base import Task, check_rank, evaluating, make_generator
 from .gpt import GPT, GPTConfig
+from .partition import Partition
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs (B, T) and next-token targets (B, T), int64
 
@@ -52,6 +62,8 @@ class TextLMConfig:
     n_head: int = 4
     n_embd: int = 128
     seed: int = 0  # the model's initial weights
+    partition: str = ""  # iid, dirichlet:ALPHA or shards:K: each peer its own units; "": the swarm's ledger
+    partition_by: str = DOCUMENT  # what labels a document: document, folder, or a table's column
 
     def __post_init__(self) -> None:
         for field in ("seq_len", "batch_size", "eval_batches", "n_layer", "n_head", "n_embd"):
@@ -59,6 +71,10 @@ class TextLMConfig:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.partition:
+            Partition.parse(self.partition)
+        if not self.partition_by:
+            raise ValueError("partition_by must name what labels a document (document, folder or a column)")
 
 
 class TextLMTask(Task):
@@ -71,6 +87,8 @@ class TextLMTask(Task):
         self.config = config or TextLMConfig()
         self._lock = threading.Lock()  # the peers of a simulator share one task
         self._store: TokenStore | None = None
+        self._source: Source | None = None
+        self._parts: dict[tuple[int, int], list[np.ndarray]] = {}
 
     # ------------------------------------------------------------------ data
     @functools.cached_property
@@ -83,8 +101,9 @@ class TextLMTask(Task):
         with self._lock:
             if self._store is None:
                 cache = Path(self.config.cache_dir or Path.home() / ".cache" / "starling" / "tokens")
-                source = open_source(self.config.data, text_field=self.config.text_field, split=self.config.split)
-                self._store = TokenStore.build(source, self.tokenizer, cache)
+                self._source = open_source(self.config.data, text_field=self.config.text_field,
+                                           split=self.config.split)
+                self._store = TokenStore.build(self._source, self.tokenizer, cache)
             return self._store
 
     @functools.cached_property
@@ -98,8 +117,51 @@ class TextLMTask(Task):
                              "out and train on another (a smaller seq_len or batch_size?)")
         return total - held_out, held_out
 
-    def data_units(self) -> int:
+    def data_units(self) -> int | None:
+        """The training units the swarm's ledger hands out; None for a partitioned corpus (each
+        peer trains its own part), whose labels are read now: a bad `partition_by` fails here."""
+        if self.config.partition:
+            self.unit_labels()
+            return None
         return self._split[0]
+
+    def unit_labels(self) -> np.ndarray:
+        """The label of each training unit (int64): that of the document its first token is in."""
+        with self._lock:
+            cached = getattr(self, "_unit_labels", None)
+        if cached is not None:
+            return cached
+        store = self.store
+        source = self._source or open_source(self.config.data, text_field=self.config.text_field,
+                                             split=self.config.split)
+        labels = source.labels(self.config.partition_by)
+        ends = store.document_ends(self.tokenizer.eos_id)
+        if len(ends) != len(labels):
+            raise DataError(f"{source.name}: {len(labels)} documents but {len(ends)} end tokens in its token file "
+                            "(the text holds the tokenizer's end id?): cannot tell a unit's document")
+        starts = np.arange(self._split[0], dtype=np.int64) * self.config.batch_size * self.config.seq_len
+        unit_labels = labels[np.searchsorted(ends, starts, side="left")]
+        with self._lock:
+            self._unit_labels = unit_labels
+        return unit_labels
+
+    def partition_units(self, rank: int, world: int, seed: int) -> np.ndarray:
+        """The training units peer `rank` of `world` owns under `partition` (sorted); ValueError
+        if the draw leaves it none."""
+        check_rank(rank, world)
+        key = (world, seed)
+        with self._lock:
+            parts = self._parts.get(key)
+        if parts is None:
+            # a Dirichlet draw is redrawn until every peer holds a unit (Flower's min_partition_size)
+            partition = dataclasses.replace(Partition.parse(self.config.partition), min_size=1)
+            parts = partition.indices(self.unit_labels(), world, seed)
+            with self._lock:
+                self._parts[key] = parts
+        if not len(parts[rank]):
+            raise ValueError(f"partition {self.config.partition} of {self._split[0]} units over {world} peers "
+                             f"leaves peer {rank} none: more data, a larger alpha, or smaller units")
+        return parts[rank]
 
     def unit_batch(self, index: int) -> Batch:
         units = self._split[0]
@@ -113,10 +175,18 @@ class TextLMTask(Task):
 
     def batches(self, rank: int, world: int, seed: int) -> Iterator[Batch]:
         check_rank(rank, world)
+        if self.config.partition:
+            self.partition_units(rank, world, seed)  # a peer with no units is an error now, not in the prefetcher
         return Prefetcher(self._shard(rank, world, seed))
 
     def _shard(self, rank: int, world: int, seed: int) -> Iterator[Batch]:
-        units, epoch = self.data_units(), 0
+        if self.config.partition:
+            mine = self.partition_units(rank, world, seed)
+            generator = make_generator("gpt.partition", seed, rank, world)
+            while True:  # an epoch: this peer's units in a fresh order
+                for position in torch.randperm(len(mine), generator=generator).tolist():
+                    yield self._unit(int(mine[position]))
+        units, epoch = self._split[0], 0
         while True:
             order = epoch_order(units, seed, epoch)
             for position in range(rank, units, world):
