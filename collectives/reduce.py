@@ -199,7 +199,7 @@ class ShardedReducer:
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, min_shard_numel: int = 1,
                  part_feedback: bool = True, average_compressor: str | None = None,
                  part_feedback_decay: float = 1.0, defences: Defences | None = None,
-                 secure: SecureAggregation | None = None) -> None:
+                 secure: SecureAggregation | None = None, max_owners: int = 0) -> None:
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         if min_shard_numel < 1:
@@ -212,6 +212,13 @@ class ShardedReducer:
         # small vector over many peers (a 4096-value sketch over 1024 peers) otherwise cuts
         # into P shards of a few values each: P^2 requests a round, a million at 1024 peers.
         self.min_shard_numel = min_shard_numel  # every peer of a swarm must use the same
+        # Above 0: at most this many shards (owned by the first members). A member's part to an
+        # owner holds a socket until the owner's group closes, so a round with more owners than
+        # a node keeps sockets open (TransportConfig.max_open_dealers) cannot send all its parts
+        # at once, and the parts that found no socket are lost to the round.
+        if max_owners < 0:
+            raise ValueError(f"max_owners must be >= 0, got {max_owners}")
+        self.max_owners = max_owners  # every peer of a swarm must use the same
         self.timeouts = timeouts or ReduceTimeouts()
         self._is_open = is_open
         # part_feedback_decay < 1: SparseLoCo's decaying accumulator on my parts (owners' average
@@ -434,6 +441,8 @@ class ShardedReducer:
         """Shard by shard, the chunks of a round over `members` peers; shard i is owned by
         members[i] (zip with the members stops at the last shard)."""
         shards = members if self.min_shard_numel <= 1 else max(1, min(members, self.numel // self.min_shard_numel))
+        if self.max_owners:
+            shards = min(shards, self.max_owners)
         return chunk_layout(self.numel, shards, self.chunk_numel)
 
     def skip(self, t: int) -> None:

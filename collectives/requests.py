@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from starling.node.loop import AwakeDeadline
-from starling.node.rpc import NoHandlerError, RequestTimeout
+from starling.node.rpc import NoHandlerError, NoSocketError, RequestTimeout
 
 if TYPE_CHECKING:
     from starling.node import Node
@@ -17,7 +17,8 @@ async def request_patiently(node: Node, peer: str, topic: str, body: Any, payloa
                             deadline: AwakeDeadline, retry_s: float) -> Message:
     """A request within `deadline` (the loop's awake time: a reply read late because this loop
     was stalled still counts), retried every `retry_s` while the peer has no handler for the
-    topic yet (its protocol is not up). Raises RequestTimeout, or what the request raised."""
+    topic yet (its protocol is not up), or while every socket this node may open is busy
+    (another request's reply frees one). Raises RequestTimeout, or what the request raised."""
     while True:
         try:
             if deadline.expired():
@@ -26,7 +27,7 @@ async def request_patiently(node: Node, peer: str, topic: str, body: Any, payloa
                                                      timeout_s=max(deadline.wall_left(), 0.01)))
         except asyncio.TimeoutError:
             raise RequestTimeout(f"no reply from {peer} to {topic!r} within the round's time") from None
-        except NoHandlerError:
+        except (NoHandlerError, NoSocketError):
             if deadline.left <= retry_s:
                 raise
             await deadline.sleep(retry_s)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starling.node.stats import NodeStats
-from starling.node.transport import SendError
+from starling.node.transport import NoSocket, SendError
 from starling.node.wire import MAX_TOPIC_CHARS, Message, RejectReason, WireError
 
 REQUEST_TOPIC = "$req"
@@ -75,6 +75,11 @@ class Refusal(str, enum.Enum):
 
 class RpcError(Exception):
     """Base class for failed requests."""
+
+
+class NoSocketError(RpcError):
+    """Every socket this node may open to others is busy with a request awaiting its reply:
+    nothing was sent, and a socket may free in a moment."""
 
 
 class RemoteError(RpcError):
@@ -343,6 +348,8 @@ class PendingRequests:
                 raise asyncio.TimeoutError
             sending.result()
             return await asyncio.wait_for(fut, max(deadline - loop.time(), 0.0))
+        except NoSocket as exc:
+            raise NoSocketError(f"request {topic!r} to {peer}: {exc}") from None
         except SendError as exc:
             raise RpcError(f"request {topic!r} to {peer}: {exc}") from None
         except asyncio.TimeoutError:

@@ -31,7 +31,7 @@ from starling.compressors import from_spec
 from starling.node.node import Node
 from starling.protocols.audit import Auditor
 from starling.protocols.backprop import BackpropProtocol
-from starling.protocols.base import LossFn, ProtocolConfig, ProtocolError, StepReport, register
+from starling.protocols.base import MAX_OWNERS, LossFn, ProtocolConfig, ProtocolError, StepReport, register
 from starling.protocols.optim import check_reduce_config, make_defences, make_secure, reduce_timeouts
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class AllReduceConfig(ProtocolConfig):
     weight_decay: float = 0.0
     reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
     retry_interval_s: float = 0.05  # re-send a part to an owner whose protocol is not up yet
+    max_owners: int = MAX_OWNERS  # a round's shards are owned by its first this many members at most
     # Floating buffers (BatchNorm statistics) are averaged, integer ones set to their maximum, every
     # step after the gradients, in small lossless rounds of their own; True: each peer's own (FedBN).
     local_buffers: bool = False
@@ -93,7 +94,7 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         # a gradient counts 1: a part claiming more is over the cap
         self.reducer = ShardedReducer(node, PART_TOPIC, self.flat.numel, config.compressor,
                                       reduce_timeouts(config), self.is_open, defences=make_defences(config, 1.0),
-                                      secure=make_secure(config, 1.0))
+                                      secure=make_secure(config, 1.0), max_owners=config.max_owners)
         self.reducers = [self.reducer]  # peer events reach it; its residuals are this peer's private state
         self.buffer_sync = None if config.local_buffers else BufferAverager(
             node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open)

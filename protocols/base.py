@@ -98,6 +98,12 @@ class ProtocolConfig:
     round_timeout_s: float = 30.0  # a round closes without peers that have not delivered by then
 
 
+# The most shards (owners) a round of a sharded all-reduce has, by default: a member's part holds
+# a socket to its owner until the owner's group closes, and a node keeps 64 open
+# (TransportConfig.max_open_dealers); the rest is room for membership traffic and transfers.
+MAX_OWNERS = 48
+
+
 class Protocol(ABC):
     """One peer's side of a training algorithm.
 

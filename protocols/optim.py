@@ -23,6 +23,8 @@ def check_reduce_config(config: Any, optimizer: str = "optimizer", momentum: str
     ValueError naming the bad field."""
     check_optimizer(config, optimizer, momentum)
     check_round_timeouts(config)
+    if config.max_owners < 0:
+        raise ValueError(f"max_owners must be >= 0 (0: every member owns a shard), got {config.max_owners}")
     check_compressor_spec(config.compressor)
     make_defences(config)
     check_secure_config(config)

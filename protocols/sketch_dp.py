@@ -56,7 +56,15 @@ from starling.collectives import ShardedReducer, membership
 from starling.compressors import CountSketch, GaussianSketch, from_spec, rng
 from starling.node.node import Node
 from starling.protocols.backprop import BackpropProtocol
-from starling.protocols.base import DivergedError, LossFn, ProtocolConfig, ProtocolError, StepReport, register
+from starling.protocols.base import (
+    MAX_OWNERS,
+    DivergedError,
+    LossFn,
+    ProtocolConfig,
+    ProtocolError,
+    StepReport,
+    register,
+)
 from starling.protocols.optim import check_reduce_config, make_defences, make_secure, reduce_timeouts
 from starling.protocols.privacy import (
     MECHANISMS,
@@ -101,6 +109,7 @@ class SketchDPConfig(ProtocolConfig):
     weight_decay: float = 0.0
     reply_grace_s: float = 2.0
     retry_interval_s: float = 0.05
+    max_owners: int = MAX_OWNERS  # a round's shards are owned by its first this many members at most
     check_every: int = 100  # rounds between drift checks of x_t (guard.py), round 0 first; 0: never
     # Against members that cannot be trusted (collectives/defences.py, docs/security.md): how an
     # owner combines the parts (mean | centered_clip | trimmed_mean | median, with parameters:
@@ -237,7 +246,8 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
         self._warned_budget = False
         self.reducer = ShardedReducer(node, PART_TOPIC, self.sketches.size, config.compressor,
                                       reduce_timeouts(config), self.is_open, min_shard_numel=MIN_SHARD_NUMEL,
-                                      defences=make_defences(config, 1.0), secure=make_secure(config, 1.0))
+                                      defences=make_defences(config, 1.0), secure=make_secure(config, 1.0),
+                                      max_owners=config.max_owners)
         self.reducers = [self.reducer]
         self.guard = self._drift_guard("sketchdp.")
         self._serve()

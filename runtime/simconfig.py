@@ -12,6 +12,8 @@ from typing import Any
 from starling.common import option_name
 from starling.node.identity import Identity
 from starling.node.swim import Liveness
+from starling.node.transport import dealer_ceiling
+from starling.protocols.base import MAX_OWNERS
 from starling.runtime.churn import ChurnEvent, check_churn
 from starling.runtime.links import LinkModel
 from starling.runtime.placement import Placement
@@ -22,6 +24,9 @@ TRANSPORTS = ("inproc", "ipc", "tcp")
 # Quick enough that a crashed peer is noticed within a short run, slow enough for a loaded box.
 # A probe's answer may take a second on a box that runs many peers (its loop is busy with all of
 # them), and a suspicion 5 s at least: a loaded box stalls a process for seconds.
+# Sockets of a simulated node's cap kept from a round's owners, for membership probes and the
+# requests that go on during a round (a sampled peer's polls, a joiner's state).
+SOCKETS_SPARED = 3
 SIM_LIVENESS = Liveness(probe_interval_s=0.5, ack_timeout_s=1.0, suspicion_base_s=5.0)
 # Each peer probes one other per period and its updates ride on probes and answers, so a
 # peer's membership work per period is constant (node/swim.py) and a box of n simulated peers
@@ -217,6 +222,11 @@ class SimConfig:
         options = with_run_length(self.protocol, self.options, self.steps)
         if self.compressor is not None:
             options["compressor"] = self.compressor
+        if self.max_dealers is not None and not any(option_name(k) == "max_owners" for k in options):
+            # a round's parts each hold a socket until their owner's group closes: no more owners
+            # than the sockets every simulated node may hold, less room for membership traffic
+            if "max_owners" in {f.name for f in fields(resolve_protocol(self.protocol).config_class)}:
+                options["max_owners"] = max(1, min(MAX_OWNERS, dealer_ceiling(self.max_dealers) - SOCKETS_SPARED))
         return options
 
     def protocol_config(self) -> Any:

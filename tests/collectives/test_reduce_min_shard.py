@@ -52,3 +52,43 @@ def test_a_part_for_a_shard_past_the_owners_is_refused_and_counted(make_node):
 def test_min_shard_numel_must_be_positive(make_node):
     with pytest.raises(ValueError, match="min_shard_numel"):
         ShardedReducer(make_node("inproc"), "t.min", 12, min_shard_numel=0)
+
+
+def test_max_owners_caps_the_shards_and_the_first_members_own_them(make_node):
+    nodes = swarm(make_node, 5)
+    reducers = [CountingReducer(n, "t.cap", 20, max_owners=2) for n in nodes]
+    members = tuple(sorted(n.peer_id for n in nodes))
+    vectors = [torch.arange(20.0) * (i + 1) for i in range(5)]
+    results = in_parallel([lambda r=r, v=v: r.reduce(0, members, v) for r, v in zip(reducers, vectors)])
+    assert all(torch.equal(v, torch.arange(20.0) * 3) for v in vectors)
+    assert all(r.peers == 5 and r.lost == () for r in results)
+    parts_in = {n.peer_id: r.parts_in for n, r in zip(nodes, reducers)}
+    assert [parts_in[m] for m in members] == [4, 4, 0, 0, 0]
+    with pytest.raises(ValueError, match="max_owners"):
+        ShardedReducer(nodes[0], "t.bad", 12, max_owners=-1)
+
+
+@pytest.mark.parametrize("max_owners", [2, 0])
+def test_a_round_over_more_owners_than_sockets_holds_every_part(make_node, max_owners):
+    # every node may hold 2 sockets to others (3 while they are busy), and a part holds one
+    # until its owner's group closes. With 2 owners every part finds a socket; with an owner per
+    # member (5 others) a part that finds none waits for one to free instead of being lost
+    # (without either, this round lost parts)
+    from conftest import TEST_LIVENESS, wait_until
+
+    from starling.node import NodeConfig
+    from starling.node.transport import TransportConfig
+
+    config = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0,
+                        transport=TransportConfig(max_open_dealers=2))
+    first = make_node("inproc", config=config)
+    nodes = [first] + [make_node("inproc", join=[first.address], config=config) for _ in range(5)]
+    for node in nodes:
+        assert wait_until(lambda node=node: len(node.live_peers()) == 5)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    reducers = [ShardedReducer(n, "t.sockets", 64, max_owners=max_owners) for n in nodes]
+    for t in range(3):
+        vectors = [torch.full((64,), float(i + t)) for i in range(6)]
+        results = in_parallel([lambda r=r, v=v: r.reduce(t, members, v) for r, v in zip(reducers, vectors)])
+        assert all(r.peers == 6 and r.lost == () for r in results), [r.lost for r in results]
+        assert all(torch.equal(v, torch.full((64,), 2.5 + t)) for v in vectors)

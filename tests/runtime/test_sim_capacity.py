@@ -224,3 +224,23 @@ def test_the_summary_names_the_socket_cap_and_probe_interval_the_run_used():
     assert summary["max_dealers"] == 64 and summary["probe_interval_s"] == SIM_LIVENESS.probe_interval_s == 0.5
     capped = Simulation(SimConfig(peers=3, protocol="gossip", task="quadratic", steps=2, max_dealers=1)).run()
     assert capped.summary["max_dealers"] == 1 and all(p.status == "finished" for p in capped.peers)
+
+
+def test_a_rounds_owners_fit_the_sockets_every_simulated_node_may_hold():
+    # a part holds a socket to its owner until the owner's group closes: a run whose nodes may
+    # hold few sockets caps the owners of a round below them, unless it names max_owners itself
+    from starling.protocols.base import MAX_OWNERS
+    from starling.runtime import SimConfig
+
+    few = SimConfig(peers=1000, protocol="diloco", max_dealers=5)
+    assert few.protocol_options()["max_owners"] == 3  # 5, passed by one while busy, less 3 spared
+    assert few.protocol_config().max_owners == 3
+    many = SimConfig(peers=8, protocol="allreduce", max_dealers=64)
+    assert many.protocol_options()["max_owners"] == MAX_OWNERS
+    named = SimConfig(peers=8, protocol="sketch-dp", max_dealers=5, options={"max_owners": 7})
+    assert named.protocol_options()["max_owners"] == 7
+    assert "max_owners" not in SimConfig(peers=8, protocol="gossip", max_dealers=5).protocol_options()
+    from starling.protocols.base import ProtocolError
+
+    with pytest.raises(ProtocolError, match="max_owners must be >= 0"):
+        SimConfig(peers=8, protocol="allreduce", options={"max_owners": -1}).protocol_config()
