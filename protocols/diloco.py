@@ -82,13 +82,20 @@ log = logging.getLogger(__name__)
 
 TOPIC_PREFIX = "diloco."
 SYNC_TOPIC = "diloco.sync"  # outer parameters and momentum of some fragments, as a peer holds them now
-WAIT_POLL_S = 1.0  # a peer not drawn for a round asks a member this often whether it merged
+WAIT_POLL_S = 1.0  # a peer not drawn for a round asks a member this often whether it merged,
+WAIT_POLL_MAX_S = 3.0  # or less often, down to this, where many wait on few members
 MISSES_BEFORE_WARNING = 3  # rounds in a row a peer misses before it says why that may keep happening
 # With client sampling a round's members are a draw from a large swarm (100 of 1000): shards of
 # at least this many values, so that a small model's round is not members^2 requests over more
 # owners than a node keeps sockets open to (the simulator caps them near 13 per node at 1000
 # nodes on one box, and the connections churned until the rounds timed out).
 SAMPLED_MIN_SHARD_NUMEL = 512
+
+
+def spread(me: str, peers: Sequence[str]) -> list[str]:
+    """`peers` in an order of `me`'s own (a hash of the two ids): many peers that each ask the
+    same list in turn start with different ones."""
+    return sorted(peers, key=lambda m: hashlib.sha256((me + m).encode()).digest())
 
 
 def draw_clients(members: Sequence[str], k: int, config: DiLoCoConfig) -> tuple[str, ...]:
@@ -158,6 +165,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                           ShardedReducer(node, f"{TOPIC_PREFIX}f{f}", fragment.numel, config.compressor, timeouts,
                                          self.is_open, part_feedback=config.error_feedback,
                                          min_shard_numel=SAMPLED_MIN_SHARD_NUMEL if config.samples else 1,
+                                         max_owners=config.max_owners,
                                          average_compressor=config.average_compressor or None,
                                          part_feedback_decay=config.error_feedback_decay,
                                          defences=make_defences(config, config.weight_cap * config.sync_every),
@@ -273,9 +281,13 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
     def _await_round(self, version: int, members: Sequence[str]) -> None:
         """Wait (bounded by the round timeout) until a member of the round reports the version it
         merges to: a peer that was not drawn keeps time with the rounds instead of running ahead
-        of them. It asks one member at a time, every WAIT_POLL_S, for versions only."""
+        of them. It asks one member at a time, every WAIT_POLL_S (or a few seconds, where many wait
+        on few members), for versions only."""
         me = self.node.peer_id
-        drawn = sorted((m for m in members if m != me), key=lambda m: hashlib.sha256((me + m).encode()).digest())
+        drawn = [m for m in spread(me, members) if m != me]
+        # the swarm's waiting peers ask the round's members about once a second each between
+        # them, whatever the share drawn (900 waiting on 100 members: each asks every 3 s at most)
+        poll_s = min(WAIT_POLL_MAX_S, max(WAIT_POLL_S, len(membership(self.node)) / max(1, len(members)) / 3))
         deadline = time.monotonic() + self.config.round_timeout_s + self.config.reply_grace_s
         for i in itertools.count():
             if not drawn or not self._open or time.monotonic() >= deadline:
@@ -284,12 +296,12 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             peer = drawn[i % len(drawn)]
             try:
                 msg = self.node.request(peer, SYNC_TOPIC, {"fragments": [], "at_least": version},
-                                        timeout_s=max(0.1, min(WAIT_POLL_S, deadline - time.monotonic())))
+                                        timeout_s=max(0.1, min(poll_s, deadline - time.monotonic())))
                 if read_sync_reply(msg, [], [], len(self.fragments)).versions[0] >= version:
                     return
             except Exception as exc:  # not there yet, or gone: ask again, maybe another
                 log.debug("%s: waiting for round %d: %s", me, version - 1, exc)
-            time.sleep(max(0.0, min(WAIT_POLL_S, deadline - time.monotonic())))
+            time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
 
     def _catch_up_sampled(self) -> None:
         """Take the model of the rounds that went on without me: the outer state at the version
@@ -298,7 +310,9 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             return
         version, members = self._behind
         self._behind = None
-        sources = [*members, *(m for m in membership(self.node) if m not in members)]
+        # each peer asks the members in its own order: hundreds of peers drawn after waiting (or
+        # evaluated at the end) would otherwise all ask the first member first
+        sources = [*spread(self.node.peer_id, members), *(m for m in membership(self.node) if m not in members)]
         for fragment in self.fragments:
             self._fetch_merged(fragment, version, sources)
             fragment.take_outer()
