@@ -22,7 +22,9 @@ survivors' sum, and the groups owners dropped.
 Sampling (`sampling` rows). `--clients` simulated peers (2 processes) train `diloco` (H 5, 20
 steps) on the `teacher` task partitioned `dirichlet:0.5`, with `--fraction` of them drawn per
 round, against the same swarm with every peer in every round: whether the run completes, the
-participation the summary reports, eval loss and wall time of each.
+participation the summary reports, how many parts each merge held, eval loss and wall time of
+each; then the same rounds computed in one process (`fedavg`: every drawn part in every merge,
+unquantized) as the reference both networked runs are read against.
 """
 from __future__ import annotations
 
@@ -276,6 +278,54 @@ def dropout(peers: int = 16, kill: int = 2, rounds: int = 10, kill_round: int = 
     return row
 
 
+def fedavg(clients: int, drawn_per_round: int, rounds: int, sync_every: int = 5, lr: float = 1e-3,
+           seed: int = 0, task_options: dict[str, Any] | None = None) -> float:
+    """DiLoCo's rounds computed in one process, without a network: each round `drawn_per_round`
+    of `clients` (drawn by `draw_clients` from the round and a list every client shares) start
+    from the outer model, take `sync_every` AdamW steps on their own partition (each keeps its
+    own AdamW state, as a peer does), and the outer model takes one Nesterov step (DiLoCo's
+    outer_lr and momentum) on the exact mean of their pseudo-gradients. The eval loss of the
+    outer model after `rounds` rounds: what the networked run would reach if every merge held
+    every drawn member's part, unquantized."""
+    from starling.protocols.diloco import draw_clients
+    from starling.protocols.diloco_config import DiLoCoConfig
+    from starling.tasks import get_task
+
+    config = DiLoCoConfig(sync_every=sync_every, clients_per_round=drawn_per_round)
+    task = get_task("teacher", **(task_options or {}))
+    outer_model = task.make_model()
+    outer = torch.nn.utils.parameters_to_vector(outer_model.parameters()).detach().clone()
+    momentum = torch.zeros_like(outer)
+    ids = [f"client-{r:05d}" for r in range(clients)]
+    streams: dict[int, Any] = {}
+    locals_: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
+    for k in range(rounds):
+        drawn = [ids.index(m) for m in draw_clients(ids, k, config)]
+        delta = torch.zeros_like(outer)
+        for r in drawn:
+            if r not in locals_:
+                model = task.make_model()
+                locals_[r] = (model, torch.optim.AdamW(model.parameters(), lr=lr))
+                streams[r] = task.batches(r, clients, seed)
+            model, optimizer = locals_[r]
+            with torch.no_grad():  # a copy: vector_to_parameters would make the parameters views of `outer`
+                torch.nn.utils.parameters_to_vector(model.parameters())  # (checks the layout)
+                offset = 0
+                for param in model.parameters():
+                    param.copy_(outer[offset:offset + param.numel()].view_as(param))
+                    offset += param.numel()
+            for _ in range(sync_every):
+                optimizer.zero_grad()
+                task.loss(model, next(streams[r])).backward()
+                optimizer.step()
+            delta += outer - torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+        delta /= len(drawn)
+        momentum = momentum * config.outer_momentum + delta
+        outer = outer - config.outer_lr * (momentum * config.outer_momentum + delta)
+    torch.nn.utils.vector_to_parameters(outer, outer_model.parameters())
+    return float(task.evaluate(outer_model)["eval_loss"])
+
+
 def sampling(clients: int, fraction: float, steps: int = 20) -> None:
     """`clients` simulated peers, `fraction` of them drawn per round, against every one of
     them drawn in every round (`clients_per_round` = all: the same rounds, the same shards)."""
@@ -307,6 +357,15 @@ def sampling(clients: int, fraction: float, steps: int = 20) -> None:
         emit({"row": "sampling", "compare": "sampled/full", "clients": clients,
               "eval_loss_ratio": round(rows["sampled"]["eval_loss"] / rows["full"]["eval_loss"], 4),
               "bytes_ratio": round(rows["sampled"]["bytes_sent_per_peer"] / rows["full"]["bytes_sent_per_peer"], 4)})
+    # the same rounds computed in one process, every drawn part in every merge and unquantized:
+    # what the networked runs reach if their merges hold every part
+    drawn = max(1, round(fraction * clients))
+    reference = {label: fedavg(clients, count, steps // 5, task_options=common["task_options"])
+                 for label, count in (("sampled", drawn), ("full", clients))}
+    emit({"row": "sampling", "reference": "in-process FedAvg", "clients": clients, "drawn": drawn,
+          "eval_loss": {k: round(v, 4) for k, v in reference.items()},
+          "eval_loss_ratio": round(reference["sampled"] / reference["full"], 4),
+          "networked_over_reference": {k: round(rows[k]["eval_loss"] / reference[k], 4) for k in rows}})
 
 
 def main() -> None:
