@@ -87,7 +87,8 @@ class TextLMTask(Task):
         self.config = config or TextLMConfig()
         self._lock = threading.Lock()  # the peers of a simulator share one task
         self._store: TokenStore | None = None
-        self._source: Source | None = None
+        self._source: Source | None = None  # the corpus the store was built from
+        self._unit_labels: np.ndarray | None = None
         self._parts: dict[tuple[int, int], list[np.ndarray]] = {}
 
     # ------------------------------------------------------------------ data
@@ -127,23 +128,19 @@ class TextLMTask(Task):
 
     def unit_labels(self) -> np.ndarray:
         """The label of each training unit (int64): that of the document its first token is in."""
-        with self._lock:
-            cached = getattr(self, "_unit_labels", None)
-        if cached is not None:
-            return cached
+        if self._unit_labels is not None:
+            return self._unit_labels
         store = self.store
-        source = self._source or open_source(self.config.data, text_field=self.config.text_field,
-                                             split=self.config.split)
+        source = self._source
+        assert source is not None  # set with the store
         labels = source.labels(self.config.partition_by)
         ends = store.document_ends(self.tokenizer.eos_id)
         if len(ends) != len(labels):
             raise DataError(f"{source.name}: {len(labels)} documents but {len(ends)} end tokens in its token file "
                             "(the text holds the tokenizer's end id?): cannot tell a unit's document")
         starts = np.arange(self._split[0], dtype=np.int64) * self.config.batch_size * self.config.seq_len
-        unit_labels = labels[np.searchsorted(ends, starts, side="left")]
-        with self._lock:
-            self._unit_labels = unit_labels
-        return unit_labels
+        self._unit_labels = labels[np.searchsorted(ends, starts, side="left")]
+        return self._unit_labels
 
     def partition_units(self, rank: int, world: int, seed: int) -> np.ndarray:
         """The training units peer `rank` of `world` owns under `partition` (sorted); ValueError
