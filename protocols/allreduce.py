@@ -97,7 +97,7 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
                                       secure=make_secure(config, 1.0), max_owners=config.max_owners)
         self.reducers = [self.reducer]  # peer events reach it; its residuals are this peer's private state
         self.buffer_sync = None if config.local_buffers else BufferAverager(
-            node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open)
+            node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open, config.max_owners)
         if self.buffer_sync is not None:
             self.side_reducers += self.buffer_sync.reducers
         self.guard = self._drift_guard("allreduce.")

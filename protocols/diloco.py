@@ -151,7 +151,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                                config.overlap_window_share) if config.sync_every_s else None
         timeouts = reduce_timeouts(config)
         self.buffer_sync = None if config.local_buffers else BufferAverager(
-            node, model, f"{TOPIC_PREFIX}buffers", timeouts, self.is_open)
+            node, model, f"{TOPIC_PREFIX}buffers", timeouts, self.is_open, config.max_owners)
         if self.buffer_sync is not None:
             self.side_reducers += self.buffer_sync.reducers
         # the drift guard compares the outer state (see the _replica_* methods below)

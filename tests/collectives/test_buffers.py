@@ -71,7 +71,8 @@ def test_integers_survive_the_pieces_and_the_mean_exactly():
         assert torch.equal(_join(mean * members), values), members
 
 
-def test_the_maximum_is_taken_over_every_member_in_rounds_of_slots(make_node, monkeypatch):
+@pytest.mark.parametrize("max_owners", [0, 1])  # an owner per member, or one owner for all
+def test_the_maximum_is_taken_over_every_member_in_rounds_of_slots(make_node, monkeypatch, max_owners):
     monkeypatch.setattr(buffers, "SLOTS", 2)  # 3 members: two rounds of slots
     nodes = swarm(make_node, PEERS)
     members = tuple(sorted(n.peer_id for n in nodes))
@@ -83,7 +84,7 @@ def test_the_maximum_is_taken_over_every_member_in_rounds_of_slots(make_node, mo
         model.register_buffer("flag", torch.tensor([rank == 1, False]))
         model.register_buffer("mean", torch.full((2,), float(rank)))
         models.append(model)
-    syncs = [BufferAverager(n, m, "test.buffers", ReduceTimeouts(round_timeout_s=10.0), lambda: True)
+    syncs = [BufferAverager(n, m, "test.buffers", ReduceTimeouts(round_timeout_s=10.0), lambda: True, max_owners)
              for n, m in zip(nodes, models)]
     assert syncs[0].max_reducer is not None and syncs[0].max_reducer.numel == 2 * 7 * buffers.PIECES
     in_parallel([lambda s=s: s.sync(4, members) for s in syncs])
