@@ -23,7 +23,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 import zmq
+from torch import nn
 from zmq.utils import z85
 
 from starling.node.address import parse_address
@@ -162,6 +164,24 @@ def raw_dealer(address: str, identity: Identity | None = None) -> zmq.Socket:
         sock.curve_secretkey = ident.curve_secret_z85
     sock.connect(target.endpoint)
     return sock
+
+
+def linear() -> nn.Linear:
+    """The protocols' toy model: a 5 -> 3 linear layer, the same initial weights every call."""
+    torch.manual_seed(0)
+    return nn.Linear(5, 3)
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Peer `rank`'s batch at `step` for `linear()`: 8 inputs and targets scaled by rank + 1."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g) * (rank + 1)
+
+
+def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    """The mean squared error of `model` on peer `rank`'s batch at `step`."""
+    x, y = batch(rank, step)
+    return nn.functional.mse_loss(model(x), y)
 
 
 def in_parallel(fns: list) -> list:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import torch
-from conftest import in_parallel, swarm, wait_until
+from conftest import in_parallel, linear, swarm, wait_until
 from torch import nn
 
 from starling.collectives import ShardedReducer
@@ -50,11 +50,6 @@ def test_a_member_whose_view_the_others_do_not_share_does_not_wait_for_them(make
     assert time.monotonic() - start < TIMEOUT_S / 4
     assert torch.equal(va, torch.ones(12)) and torch.equal(vb, torch.ones(12))
     assert not rc.synced and set(rc.lost) == set(pair)  # c's round went without them, and says so
-
-
-def linear() -> nn.Linear:
-    torch.manual_seed(0)
-    return nn.Linear(5, 3)
 
 
 def train(proto, rank: int, until: int) -> None:

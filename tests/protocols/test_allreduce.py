@@ -6,18 +6,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import in_parallel, swarm, wait_until
+from conftest import in_parallel, linear, swarm, wait_until
 from torch import nn
 
 from starling.node.loop import AwakeDeadline
 from starling.protocols import get_protocol
 
 LR = 0.1
-
-
-def linear() -> nn.Linear:
-    torch.manual_seed(0)
-    return nn.Linear(5, 3)
 
 
 def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import in_parallel, swarm, wait_until
+from conftest import in_parallel, linear, loss_of, swarm, wait_until
 from torch import nn
 
 from starling.node.loop import AwakeDeadline
@@ -18,21 +18,6 @@ from starling.protocols.fragments import FragmentSchedule, FragmentView, count_l
 INNER_LR, OUTER_LR, MU = 0.1, 0.7, 0.9
 EXACT = {"compressor": "none", "inner_optimizer": "sgd", "lr": INNER_LR, "outer_lr": OUTER_LR,
          "outer_momentum": MU}
-
-
-def linear() -> nn.Linear:
-    torch.manual_seed(0)
-    return nn.Linear(5, 3)
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g) * (rank + 1)
-
-
-def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
-    x, y = batch(rank, step)
-    return nn.functional.mse_loss(model(x), y)
 
 
 def train(proto, rank: int, steps: int) -> list:

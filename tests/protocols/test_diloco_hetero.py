@@ -8,8 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import in_parallel, join_with_state, swarm, wait_until
-from torch import nn
+from conftest import in_parallel, join_with_state, linear, loss_of, swarm, wait_until
 
 from starling.protocols import ProtocolError, get_protocol
 from starling.protocols.base import PRIVATE_STATE
@@ -17,17 +16,6 @@ from starling.protocols.fragments import SyncClock
 from starling.protocols.outer_sync import TokenLedger
 
 EXACT = {"compressor": "none", "inner_optimizer": "sgd", "lr": 0.1, "check_every": 0}
-
-
-def linear() -> nn.Linear:
-    torch.manual_seed(0)
-    return nn.Linear(5, 3)
-
-
-def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g) * (rank + 1)
-    return nn.functional.mse_loss(model(x), y)
 
 
 def train(proto, rank: int, steps: int) -> list:

@@ -4,23 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import in_parallel, swarm
-from torch import nn
+from conftest import in_parallel, linear, loss_of, swarm
 
 from starling.protocols import get_protocol
 
 SCALE = 2.0**16
-
-
-def linear() -> nn.Linear:
-    torch.manual_seed(0)
-    return nn.Linear(5, 3)
-
-
-def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g) * (rank + 1)
-    return nn.functional.mse_loss(model(x), y)
 
 
 def run(make_node, protocol: str, options: dict, world: int = 3, steps: int = 6) -> list[torch.Tensor]:
