@@ -235,16 +235,22 @@ def _cli_tests_run_in_their_own_cwd(request, tmp_path_factory, monkeypatch):
         monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
 
 
+TAIL_SHARE = 0.2  # of each worker's share: short tests only, at its end, what idle workers steal
+
+
 def pytest_collection_modifyitems(config, items):
-    """The slow tests spread over the xdist workers, each at the head of a worker's share.
+    """The slow tests spread over the xdist workers, and through each worker's share.
 
     pytest-xdist's worksteal hands each worker one contiguous share of this list (each
     `len(left) // workers_left` long, in order) and lets an idle worker steal from the end of a
-    busy one's share. With the slow multi-process tests at the head of every share, each worker
-    starts on its part of them while the short tests fill the gaps and are what gets stolen; in
-    file order one share held most of them and the run ended on a tail of heavy tests. Tests
-    marked with one `xdist_group` stay together, on one worker: they share a module-scoped
-    fixture too costly to build once per worker (the Hugging Face example's run)."""
+    busy one's share. Each share gets its part of the slow multi-process tests (in file order
+    one share held most of them and the run ended on a tail of heavy tests), spread through
+    its first 80% between short tests: the slow ones are mostly processes importing torch
+    (CPU) and many short ones wait on timers (sleep), and run at once they fill both cores;
+    with the slow tests at the head of every share the box was saturated early and half idle
+    at the end. The last 20% of a share is short tests, what gets stolen. Tests marked with
+    one `xdist_group` stay together, on one worker: they share a module-scoped fixture too
+    costly to build once per worker (the Hugging Face example's run)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     groups: dict[object, list[pytest.Item]] = {}
     fast = []
@@ -254,17 +260,31 @@ def pytest_collection_modifyitems(config, items):
             groups.setdefault(group.args[0] if group else item.nodeid, []).append(item)
         else:
             fast.append(item)
-    heads: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    heads: list[list[list[pytest.Item]]] = [[] for _ in range(workers)]
     for group in groups.values():  # in file order, each to the share with the fewest so far
-        min(heads, key=len).extend(group)
+        min(heads, key=lambda head: sum(map(len, head))).append(group)
     ordered, left = [], len(items)
     for w, head in enumerate(heads):
         size = left // (workers - w)
-        take = max(0, size - len(head))
-        ordered += head + fast[:take]
+        take = max(0, size - sum(map(len, head)))
+        ordered += _spread(head, fast[:take])
         fast = fast[take:]
         left -= size
     items[:] = ordered + fast
+
+
+def _spread(slow: list[list[pytest.Item]], short: list[pytest.Item]) -> list[pytest.Item]:
+    """The slow groups, a slow one first, evenly between the short tests of the first
+    1 - TAIL_SHARE of `short`; the rest of `short` after them."""
+    body = len(short) - int(len(short) * TAIL_SHARE)
+    out: list[pytest.Item] = []
+    done = 0
+    for i, group in enumerate(slow):
+        out += group
+        upto = body * (i + 1) // len(slow)
+        out += short[done:upto]
+        done = upto
+    return out + short[done:]
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/byzantine.py: its main() on short runs of two attacks, checking the
+"""Smoke test of benchmarks/byzantine.py: its main() on short runs of one attack, checking the
 rows' shape and the clearest verdict (a member that scales its gradient by 100 is banned by
 every honest peer within a few rounds, and no honest peer is banned), not the other targets:
 those need the full run."""
@@ -15,15 +15,15 @@ RUN_KEYS = {"protocol", "attack", "attackers", "attacker_ranks", "defences", "st
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # four swarms of 8 peers on a busy 2-core box
+@pytest.mark.timeout(600)  # three swarms of 8 peers on a busy 2-core box
 def test_byzantine_bench_rows_and_a_scaled_gradient_is_banned(capsys):
     bench = load_benchmark("byzantine")
-    assert bench.main(["--quick", "--only", "scale,zeros", "--protocol", "allreduce", "--attackers", "1",
+    assert bench.main(["--quick", "--only", "scale", "--protocol", "allreduce", "--attackers", "1",
                        "--defences", "on"]) == 0
     got = bench_rows(capsys)
 
     runs = {(r["attack"], r["defences"]): r for r in got["run"]}
-    assert set(runs) == {("none", "off"), ("none", "on"), ("scale", "on"), ("zeros", "on")}
+    assert set(runs) == {("none", "off"), ("none", "on"), ("scale", "on")}
     for run in runs.values():
         assert RUN_KEYS <= set(run), RUN_KEYS - set(run)
         assert run["protocol"] == "allreduce" and run["rounds"] == run["steps"] > 0

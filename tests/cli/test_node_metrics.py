@@ -64,10 +64,10 @@ def test_a_scrape_names_every_metric_and_the_values_move_as_the_swarm_trains(tmp
     first = subprocess.Popen(starling("node", "start", *FAST, "--protocol", "allreduce", *train, "--metrics-port", "0",
                                       "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "20",
                                       "--probe-timeout-s", "1",
-                                      # dead long after a round gives up on a silent member (5 s): a first
+                                      # dead well after a round gives up on a silent member (5 s): a first
                                       # node starved on a loaded box for the whole dead-after time would
                                       # see the stopped peer dead before any round waited for it
-                                      "--suspicion-s", "20"),
+                                      "--suspicion-s", "12"),
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     joiner = None
     try:

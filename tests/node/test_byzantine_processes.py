@@ -1,4 +1,4 @@
-"""A swarm of real `starling node start` processes with one hostile member: seven honest
+"""A swarm of real `starling node start` processes with one hostile member: five honest
 peers and one that scales its gradient by 100 (tests/attacker_node.py runs the same command
 with an attack of benchmarks/attacks.py applied to its protocol). With a robust aggregator and
 replicated owners, every honest peer ends up banning it (as `node status` shows in its trust
@@ -21,7 +21,7 @@ from starling.node.client import query
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("byzantine")]
 
 TESTS = Path(__file__).resolve().parents[1]
-HONEST = 7
+HONEST = 5
 STEPS = 60
 FAST = ["--plaintext", "--probe-interval-s", "0.2", "--suspicion-s", "6"]
 # Every honest peer computes the same gradient (no per-peer offsets): what sets the attacker

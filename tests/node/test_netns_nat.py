@@ -123,21 +123,6 @@ def _swarm(keys: list[str], extra: list[str], lab=None) -> list[Peer]:
         raise
 
 
-def test_a_home_peer_cannot_be_dialled_but_can_dial_out(lab, keys):
-    peers = _swarm(keys, [], lab)
-    try:
-        for p in peers[2:]:
-            assert "joined as a client" in p.wait_for("starling node")
-        assert lab.can_connect("h1", lab.home_host(1), HOME_PORT)  # it does listen, at home
-        assert not lab.can_connect("pub", lab.home_host(1), HOME_PORT)  # no route in
-        assert not lab.can_connect("pub", "10.77.0.11", HOME_PORT)  # the router forwards nothing in
-        assert not lab.can_connect("h2", lab.home_host(1), HOME_PORT)
-        assert lab.can_connect("h1", lab.public_hosts[0], _port_of(peers[0]))  # out is fine
-    finally:
-        for p in peers:
-            p.kill()
-
-
 def test_two_keyed_home_peers_talk_and_fetch_state_through_a_relay(lab, keys):
     """Home to home, both started with key files: a request and a state fetch, each sealed
     for the other and carried by the public relay (the relay's sealing keys are the node's
@@ -176,11 +161,12 @@ def _port_of(peer: Peer) -> int:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("protocol", ["streaming-diloco", "allreduce"])
-def test_four_peers_across_nat_train_to_the_loss_of_four_on_loopback(lab, keys, protocol):
+def test_four_peers_across_nat_train_to_the_loss_of_four_on_loopback(lab, keys):
+    """allreduce, a round through the relays at every step (streaming-diloco trains across NAT
+    in the relay test below)."""
     losses = {}
     for where in ("nat", "loopback"):
-        peers = _swarm(keys, _train_args(protocol, 32), lab if where == "nat" else None)
+        peers = _swarm(keys, _train_args("allreduce", 16), lab if where == "nat" else None)
         try:
             losses[where] = [p.stopped()["eval_loss"] for p in peers]
         finally:
@@ -195,9 +181,17 @@ def test_four_peers_across_nat_train_to_the_loss_of_four_on_loopback(lab, keys, 
 
 
 @pytest.mark.timeout(900)
-def test_killing_the_relay_in_use_moves_home_peers_to_the_other_and_training_goes_on(lab, keys):
+def test_home_peers_cannot_be_dialled_and_move_to_the_other_relay_when_theirs_is_killed(lab, keys):
     peers = _swarm(keys, _train_args("streaming-diloco", 64), lab)
     try:
+        # the home peers listen at home, yet nobody outside can dial them: they joined as clients
+        for p in peers[2:]:
+            assert "joined as a client" in p.wait_for("starling node")
+        assert lab.can_connect("h1", lab.home_host(1), HOME_PORT)  # it does listen, at home
+        assert not lab.can_connect("pub", lab.home_host(1), HOME_PORT)  # no route in
+        assert not lab.can_connect("pub", "10.77.0.11", HOME_PORT)  # the router forwards nothing in
+        assert not lab.can_connect("h2", lab.home_host(1), HOME_PORT)
+        assert lab.can_connect("h1", lab.public_hosts[0], _port_of(peers[0]))  # out is fine
         ids = [Identity.load(k).peer_id for k in keys]
         for p, peer_id in zip(peers, ids):
             p.id = peer_id
@@ -230,6 +224,11 @@ def test_killing_the_relay_in_use_moves_home_peers_to_the_other_and_training_goe
             p.wait_for('"step": 32')
         finals = [p.stopped() for p in peers if p is not victim]
         assert all(f["step"] == 64 for f in finals)
+        # streaming-diloco across NAT trains, and the survivors end on one model (the drift guard,
+        # checking at every sync, repairs a peer whose early rounds closed without it)
+        losses = [f["eval_loss"] for f in finals]
+        assert max(losses) - min(losses) <= 0.03 * min(losses), losses
+        assert max(losses) < 3.6, losses  # charlm untrained scores 4.25; 64 steps reach about 2.8
     finally:
         for p in peers:
             p.kill()
