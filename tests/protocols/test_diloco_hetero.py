@@ -67,8 +67,11 @@ def quorum_swarm(make_node, n: int, **options):
     return nodes, [get_protocol("diloco").create(node, linear(), opts) for node in nodes]
 
 
-def test_a_round_closes_at_quorum_without_the_slow_peer_and_its_part_lands_once_later(make_node):
-    nodes, (pa, pb, pc) = quorum_swarm(make_node, 3)
+def slow_peer_rounds(make_node, **options) -> torch.Tensor:
+    """Three rounds of a quorum of 2 among 3 peers: in the first the slow peer is held back
+    until the two fast ones merged; in the next two all are on time. The shared outer
+    parameters at the end."""
+    nodes, (pa, pb, pc) = quorum_swarm(make_node, 3, **options)
     ids = [n.peer_id for n in nodes]
     slow_may_go = threading.Event()
 
@@ -102,6 +105,21 @@ def test_a_round_closes_at_quorum_without_the_slow_peer_and_its_part_lands_once_
     assert pa.versions == pb.versions == pc.versions == [3]
     assert torch.equal(outer(pa), outer(pc)) and torch.equal(outer(pb), outer(pc))
     assert torch.equal(pa.momentum[0], pc.momentum[0])
+    return outer(pa)
+
+
+def test_a_round_closes_at_quorum_without_the_slow_peer_and_its_part_lands_once_later(make_node):
+    slow_peer_rounds(make_node)
+
+
+def test_a_quorum_of_masked_parts_closes_and_carries_late_parts_as_the_plain_one_does(make_node):
+    """Secure aggregation under a quorum: the closing set's members mask among themselves,
+    the slow peer fetches the merged result, its late part rides along masked in the next
+    round; the same closings and, within the ring's rounding, the same model as in the clear."""
+    plain = slow_peer_rounds(make_node)
+    secure = slow_peer_rounds(make_node, secure_aggregation="on")
+    torch.testing.assert_close(secure, plain, rtol=0, atol=1e-3)
+    assert not torch.equal(secure, plain)  # the ring's rounding: the masked rounds did run
 
 
 def test_time_based_rounds_with_a_slow_peer_keep_outer_parameters_bit_identical(make_node):
