@@ -11,6 +11,9 @@ the frame's memory.
 (the header, which carries the body, is at most `max_header_bytes`; lists and maps nest at
 most `max_depth` deep, so nothing that reads a body later, `json.dumps` included, can hit
 Python's recursion limit), and raises only `WireError`, whose `reason` the node counts.
+
+torch is imported when the first tensor is framed or read, not with this module: a process
+that only talks to nodes (`starling node status`, `node watch`, `keys`) never loads it.
 """
 
 from __future__ import annotations
@@ -22,17 +25,20 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy
-import torch
 import zmq
 
 from starling.node.version import ENVELOPE_VERSION
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
-    "ALLOWED_DTYPES",
+    "ALLOWED_DTYPES",  # noqa: F822 (built on first read: the module's __getattr__)
     "ENVELOPE_BYTES",
     "ENVELOPE_VERSION",
     "HEADER_KEYS",
@@ -107,7 +113,11 @@ class Limits:
     max_depth: int = 32  # lists and maps inside one another, the header map counted as 1
 
 
+@cache
 def _allowed_dtypes() -> dict[str, torch.dtype]:
+    """The dtypes a tensor frame may carry, by their names on the wire (torch imported here)."""
+    import torch
+
     names = [
         "float32", "float16", "bfloat16", "float64",
         "int8", "uint8", "int16", "int32", "int64", "bool",
@@ -116,8 +126,16 @@ def _allowed_dtypes() -> dict[str, torch.dtype]:
     return {name: getattr(torch, name) for name in names if hasattr(torch, name)}
 
 
-ALLOWED_DTYPES: dict[str, torch.dtype] = _allowed_dtypes()
-_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in ALLOWED_DTYPES.items()}
+@cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {dtype: name for name, dtype in _allowed_dtypes().items()}
+
+
+def __getattr__(name: str) -> Any:
+    """`ALLOWED_DTYPES`, the wire's dtypes by name, built (importing torch) when first read."""
+    if name == "ALLOWED_DTYPES":
+        return _allowed_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -161,8 +179,9 @@ def encode(
 
     frames: list[bytes | memoryview] = []
     descriptors: list[list[Any]] = []
+    torch = sys.modules.get("torch")  # a process that never imported it holds no tensor
     for index, item in enumerate(payload):
-        if isinstance(item, torch.Tensor):
+        if torch is not None and isinstance(item, torch.Tensor):
             descriptor, frame = _tensor_frame(item, index)
         elif isinstance(item, (bytes, bytearray, memoryview)):
             frame = _bytes_frame(item)
@@ -191,7 +210,9 @@ def encode(
 
 
 def _tensor_frame(tensor: torch.Tensor, index: int) -> tuple[list[Any], memoryview]:
-    name = _DTYPE_NAMES.get(tensor.dtype)
+    import torch
+
+    name = _dtype_names().get(tensor.dtype)
     if name is None:
         raise ValueError(f"payload[{index}] has dtype {tensor.dtype}, which the wire does not carry")
     if tensor.layout != torch.strided:
@@ -423,7 +444,7 @@ def _decode_frame(
     if len(descriptor) != 3:
         raise _bad_field(field, "a tensor descriptor is ['t', dtype, shape]")
     dtype_name, shape = descriptor[1], descriptor[2]
-    dtype = ALLOWED_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    dtype = _allowed_dtypes().get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise WireError(
             RejectReason.BAD_DTYPE, f"{field}: dtype {_brief(dtype_name)} is not allowed", field
@@ -453,6 +474,8 @@ def _decode_frame(
 
 
 def _tensor_view(view: memoryview, dtype: torch.dtype, shape: list[int], field: str) -> torch.Tensor:
+    import torch
+
     if view.nbytes == 0:
         return torch.empty(shape, dtype=dtype)  # frombuffer refuses empty buffers
     if dtype == torch.bool and int(numpy.frombuffer(view, dtype=numpy.uint8).max()) > 1:

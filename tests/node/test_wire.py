@@ -474,3 +474,28 @@ def test_encode_rejects_bodies_the_receiver_would_reject():
         encode("t", "s", 0, {1: "int key"})
     with pytest.raises(TypeError, match="rejected"):
         encode("t", "s", 0, msgpack.ExtType(3, b"x"))
+
+
+# A process that only talks to nodes (`node status`, `node watch`, `keygen`) never loads torch;
+# the first tensor frame it reads loads it and decodes as in any other process.
+WITHOUT_TORCH = """
+import struct, sys
+import msgpack
+import starling.cli.main, starling.node.client
+from starling.node.wire import decode, encode
+assert "torch" not in sys.modules, "the CLI loaded torch"
+message = decode(encode("x", "me", 1, {"a": 1}, [b"raw"]))
+assert bytes(message.payload[0]) == b"raw" and "torch" not in sys.modules, "a bytes frame loaded torch"
+header = {"v": 1, "t": "x", "s": "me", "n": 2, "ts": 0.0, "b": None, "f": [["t", "float32", [2]]]}
+message = decode([msgpack.packb(header, use_bin_type=True), struct.pack("<2f", 1.0, 2.0)])
+assert "torch" in sys.modules and message.payload[0].tolist() == [1.0, 2.0], message
+print("ok")
+"""
+
+
+def test_a_process_that_only_talks_to_nodes_never_loads_torch():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", WITHOUT_TORCH], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
