@@ -19,7 +19,7 @@ RUN_KEYS = {"protocol", "attack", "attackers", "attacker_ranks", "defences", "st
 def test_byzantine_bench_rows_and_a_scaled_gradient_is_banned(capsys):
     bench = load_benchmark("byzantine")
     assert bench.main(["--quick", "--only", "scale", "--protocol", "allreduce", "--attackers", "1",
-                       "--defences", "on"]) == 0
+                       "--defences", "on", "--steps", "8"]) == 0
     got = bench_rows(capsys)
 
     runs = {(r["attack"], r["defences"]): r for r in got["run"]}
