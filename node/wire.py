@@ -13,7 +13,7 @@ most `max_depth` deep, so nothing that reads a body later, `json.dumps` included
 Python's recursion limit), and raises only `WireError`, whose `reason` the node counts.
 
 torch is imported when the first tensor is framed or read, not with this module: a process
-that only talks to nodes (`starling node status`, `node watch`, `keys`) never loads it.
+that only talks to nodes (`starling node status`, `node watch`, `keygen`) never loads it.
 """
 
 from __future__ import annotations
