@@ -192,6 +192,8 @@ def node_start(
                                                              lr=None if lr is None else str(lr)),
                             task_options, seed, steps, joining=bool(join),
                             resume_from=resume, replica_ranks=nproc_per_replica)
+        if nproc_per_replica > 1 and join and "WORLD_SIZE" not in os.environ:  # about to spawn its ranks
+            _check_replica_size(join, nproc_per_replica, key)
         group, followers = _replica_group(nproc_per_replica, replica_timeout_s, device, shard_sync)
         if shard_sync and group is None:
             raise ValueError("--shard-sync splits a replica's model over its ranks: give --nproc-per-replica 2 or "
@@ -200,7 +202,7 @@ def node_start(
             ignore_stop_signals()
             follow(group)
             return
-    except (ReplicaError, RuntimeError, *EXPECTED_ERRORS) as exc:
+    except (ReplicaError, RuntimeError, JoinError, *EXPECTED_ERRORS) as exc:
         fail(str(exc))
     metrics: Optional[MetricsServer] = None
     board: Optional[TensorBoardLog] = None
@@ -295,6 +297,35 @@ def node_start(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+SIZE_CHECK_SEEDS, SIZE_CHECK_TIMEOUT_S = 2, 3.0  # seeds asked before a replica spawns its ranks, each for so long
+
+
+def _check_replica_size(seeds: list[str], ranks: int, key: Optional[Path]) -> None:
+    """Before a replica spawns its ranks: the first seed that answers a status names the
+    replica size of its swarm, and a replica of another size stops here, with the line its
+    hello would get after its ranks had started (on a GPU box, each loading CUDA to be told
+    no). Where no seed answers (down, allowlisted, busy), the hello still checks."""
+    from starling.node.client import query
+    from starling.node.identity import Identity
+    from starling.node.swarm import SwarmConfigError, config_conflict_text, config_conflicts
+    from starling.runtime.replica import REPLICA_RANKS_KEY
+
+    identity = Identity.load(key) if key is not None else None
+    for seed in seeds[:SIZE_CHECK_SEEDS]:
+        try:
+            status = query(seed, identity=identity, timeout_s=SIZE_CHECK_TIMEOUT_S)
+        except Exception:  # anything from an address or a node: the hello decides
+            continue
+        config = status.get("config") if isinstance(status, dict) else None
+        swarm_ranks = config.get(REPLICA_RANKS_KEY) if isinstance(config, dict) else None
+        if isinstance(swarm_ranks, int) and not isinstance(swarm_ranks, bool):
+            conflicts = config_conflicts({REPLICA_RANKS_KEY: swarm_ranks}, {REPLICA_RANKS_KEY: ranks})
+            if conflicts:
+                raise SwarmConfigError(f"{config_conflict_text(conflicts)} (asked {seed} before starting "
+                                       "this replica's ranks)")
+        return
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:

@@ -50,13 +50,20 @@ def test_two_replicas_of_two_ranks_train_together_and_other_sizes_are_refused_at
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         address = address_of(first)
-        # a single process: refused at hello, never a member (a replica of another rank count is
-        # refused the same way: tests/runtime/test_replicas.py)
+        # a single process: refused at hello, never a member
         refused = subprocess.run(starling("--join", address, "--steps", "8"), capture_output=True, text=True,
                                  timeout=200, env=env)
         assert refused.returncode != 0
         assert "replica_ranks: swarm has 2, this node has 1" in refused.stderr, refused.stderr[-2000:]
         assert "training" not in refused.stdout
+        # a replica of 3: told so by the seed's status before it starts its ranks (its hello would
+        # refuse it too: tests/runtime/test_replicas.py)
+        bigger = subprocess.run(starling("--join", address, "--nproc-per-replica", "3", "--steps", "8"),
+                                capture_output=True, text=True, timeout=200, env=env)
+        assert bigger.returncode != 0
+        assert (f"replica_ranks: swarm has 2, this node has 3 (asked {address} before starting this replica's "
+                "ranks)") in bigger.stderr, bigger.stderr[-2000:]
+        assert "training" not in bigger.stdout
         assert query(address, timeout_s=30)["peers"] == []  # nobody counted toward --min-peers: the first still waits
         assert first.poll() is None
         second = subprocess.run(starling("--join", address, "--nproc-per-replica", "2", "--steps", "8",
