@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
-from nodeprocs import NodeProcess, kill_all
+from nodeprocs import NodeProcess, children_cpu_s, kill_all
 
 # The baseline: the same command in a process that imports torch before the CLI runs.
 TORCH_FIRST = "import runpy, sys, torch; sys.argv[0] = 'starling'; runpy.run_module('starling.cli.main', " \
@@ -30,10 +29,6 @@ TORCH_FIRST = "import runpy, sys, torch; sys.argv[0] = 'starling'; runpy.run_mod
 def emit(row: dict[str, Any]) -> None:
     print(json.dumps(row), flush=True)
 
-
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def timed(cmd: list[str]) -> tuple[float, float]:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import time
 from typing import Any
 
-from nodeprocs import NodeProcess, kill_all
+from nodeprocs import NodeProcess, children_cpu_s, kill_all
 
 FAST = ["--probe-interval-s", "0.3", "--suspicion-s", "6", "--log-level", "warning",
         "--plaintext"]
@@ -28,10 +27,6 @@ FAST = ["--probe-interval-s", "0.3", "--suspicion-s", "6", "--log-level", "warni
 def emit(row: dict[str, Any]) -> None:
     print(json.dumps(row), flush=True)
 
-
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def run(peers: int, steps: int, threads: int | None, timeout_s: float) -> dict[str, Any]:

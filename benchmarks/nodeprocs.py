@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -142,3 +143,9 @@ def kill_all() -> None:
     interrupted, or failed, leaves none behind)."""
     for node in NodeProcess.started:
         node.close()
+
+
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's children that have been waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
