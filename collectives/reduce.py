@@ -101,6 +101,7 @@ log = logging.getLogger(__name__)
 _KEEP_CLOSED_ROUNDS = 64  # how long an owner remembers finished rounds, to answer late parts
 _KEEP_SKIPS = 2 * _KEEP_CLOSED_ROUNDS  # rounds whose skips a reducer remembers (peers can send any round)
 _KEEP_ROUNDS = 4  # rounds whose parts `keep` holds for `take_kept` (rounds asked for and never taken go)
+_KEEP_ANSWERS = 2  # rounds whose closed groups' averages an owner still gives to a late part
 GroupKey = tuple[int, tuple[str, ...], int, int]  # (round, members, shard, chunk)
 OUTVOTED = "owner.outvoted"  # witness evidence: an owner outvoted with the same contributors as the majority
 _STRETCH = AwakeDeadline.STRETCH  # a round's timeouts count awake time, and end by this many times their length
@@ -199,7 +200,8 @@ class ShardedReducer:
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, min_shard_numel: int = 1,
                  part_feedback: bool = True, average_compressor: str | None = None,
                  part_feedback_decay: float = 1.0, defences: Defences | None = None,
-                 secure: SecureAggregation | None = None, max_owners: int = 0) -> None:
+                 secure: SecureAggregation | None = None, max_owners: int = 0,
+                 unaveraged: float | None = None) -> None:
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         if min_shard_numel < 1:
@@ -221,6 +223,12 @@ class ShardedReducer:
         self.max_owners = max_owners  # every peer of a swarm must use the same
         self.timeouts = timeouts or ReduceTimeouts()
         self._is_open = is_open
+        # A chunk that no owner averaged (its owner died before it answered, its owners disagree,
+        # its unmasking failed): None keeps each member's local values, which is right for state
+        # that is averaged (BatchNorm statistics) and wrong for an update, where every member would
+        # apply its own; a number is written there on every member alike (0: the chunk's update is
+        # skipped the same way everywhere, and the members stay identical).
+        self.unaveraged = unaveraged
         # part_feedback_decay < 1: SparseLoCo's decaying accumulator on my parts (owners' average
         # residuals never decay: what the second hop dropped is everyone's, owed in full)
         self.codec, self._part_feedback = make_codec(compressor, part_feedback_decay)
@@ -236,6 +244,10 @@ class ShardedReducer:
         # Network-thread state: open accumulators, finished keys, who used which view when.
         self._groups: dict[GroupKey, ShardGroup] = {}
         self._closed: dict[GroupKey, int] = {}
+        # the answers of the last _KEEP_ANSWERS rounds' closed groups: a member whose part came
+        # after its group closed gets the average the others got, not a refusal that would leave
+        # it alone with its own values for the chunk
+        self._answers: dict[GroupKey, tuple[dict[str, Any], tuple[torch.Tensor, ...]]] = {}
         self._views: dict[tuple[int, str], tuple[str, ...]] = {}
         self._peer_round: dict[str, int] = {}  # the latest round each peer is known to be in
         self._gone: set[str] = set()
@@ -492,25 +504,36 @@ class ShardedReducer:
 
     def _apply(self, t: int, members: tuple[str, ...], vector: torch.Tensor,
                results: list[_ShardResult]) -> ReduceResult:
-        """Write each averaged chunk over the local values; collect who was missing."""
+        """The round's outcome, decided here and nowhere else. Each chunk commits or is skipped,
+        the same way on every member: one that came back averaged is written over the local
+        values (every member decodes the same signed packet); one that did not (its owner died
+        or stalled before it answered, its owners disagreed, it could not be unmasked) takes
+        `unaveraged` on every member (0 for an update: nobody applies its own), or keeps the
+        local values where the reducer averages state. Then who was missing is collected."""
         me, synced, lost = self.node.peer_id, False, set()
         missing: dict[str, int] = {}  # member -> averages it is missing from
         averaged = 0
         skipped = self._skipped.get(t, frozenset())
         bounds = [b for chunks, _ in self._shards(members, t) for b in chunks]
         for (lo, hi), res in zip(bounds, results):
+            avg = None
             if res.packet is None:
-                log.info("%s: %s shard %d chunk %d keeps its local values: %s", me, self.topic, res.shard,
-                         res.chunk, res.reason)
-                lost.add(res.owner)
-                continue
-            try:
-                avg = _decode_flat(to_device(res.packet, vector.device))  # decoded where it is used
-                if avg.numel() != hi - lo:
-                    raise ValueError(f"{avg.numel()} values for a chunk of {hi - lo}")
-            except Exception as exc:  # a bad reply costs one chunk's average, not the round
-                log.warning("%s: bad average for %s shard %d chunk %d from %s: %s", me, self.topic, res.shard,
-                            res.chunk, res.owner, exc)
+                reason = res.reason
+            else:
+                try:
+                    avg = _decode_flat(to_device(res.packet, vector.device))  # decoded where it is used
+                    if avg.numel() != hi - lo:
+                        raise ValueError(f"{avg.numel()} values for a chunk of {hi - lo}")
+                except Exception as exc:  # a bad reply costs one chunk's average, not the round
+                    log.warning("%s: bad average for %s shard %d chunk %d from %s: %s", me, self.topic, res.shard,
+                                res.chunk, res.owner, exc)
+                    avg, reason = None, f"bad average: {exc}"
+            if avg is None:
+                log.info("%s: %s shard %d chunk %d of round %d was not averaged (%s): %s", me, self.topic, res.shard,
+                         res.chunk, t, reason, "keeps its local values" if self.unaveraged is None
+                         else f"every member writes {self.unaveraged:g}")
+                if self.unaveraged is not None:
+                    vector[lo:hi].fill_(self.unaveraged)
                 lost.add(res.owner)
                 continue
             vector[lo:hi].copy_(avg)
@@ -524,6 +547,8 @@ class ShardedReducer:
         ahead = max([t] + [r.owner_round for r in results])
         shares = next((r.shares for r in results if r.shares), ())
         absent = {m for m, n in missing.items() if n == averaged} - skipped
+        if not averaged and self.unaveraged is not None and len(members) > 1:
+            absent = set(members) - skipped  # every chunk skipped: nobody's part counted
         if ahead > t:  # the owners had gone on: nothing of this peer's counted in this round
             absent.add(me)
         return ReduceResult(t, synced, len(members) - len(lost), tuple(sorted(lost - skipped)), ahead,
@@ -715,7 +740,8 @@ class ShardedReducer:
         if body.members is not None:
             self._known_views.add(members)
         key = (t, members, i, c)
-        if key in self._closed or t < self._latest_round:
+        answer = self._answers.get(key)  # the group closed: a late part gets its average, once signed
+        if answer is None and (key in self._closed or t < self._latest_round):
             return refusal(Refusal.LATE, "the round already closed", step=self._latest_round)
         lo, hi = chunks[c]
         try:
@@ -728,6 +754,9 @@ class ShardedReducer:
         if content is None:  # altered on the way, or not its sender's: held against nobody
             self._trust.note(msg.sender, "bad_signature")
             return self._refuse(Refusal.BAD_SIGNATURE, f"round {t} shard {i} chunk {c}: not signed by its sender")
+        if answer is not None:  # late: the average the group's contributors got, without this part
+            self._saw_view(t, msg.sender, members)
+            return Reply(*answer)
         signed = _Signed(view, body.weight, packet, body.sig, content, body.recipe)  # type: ignore[arg-type]
         if self._contributions.overweight(body.weight):
             self._trust.note(msg.sender, "overweight")
@@ -786,8 +815,12 @@ class ShardedReducer:
         """Add a part to its group and wait for the group to close (all in, or timeout)."""
         t, members = key[0], key[1]
         group = self._groups.get(key)
-        if key in self._closed or (group is not None and group.closing):
-            return refusal(Refusal.LATE, "the round already closed"), ()
+        if group is not None and group.closing and sender not in group.contributors:
+            await group.replied.wait()  # late for a group being averaged: it gets what the others get
+            return group.reply if group.reply is not None else (refusal(Refusal.LATE, "the round already closed"), ())
+        if key in self._closed:
+            answer = self._answers.get(key)
+            return answer if answer is not None else (refusal(Refusal.LATE, "the round already closed"), ())
         if group is None:
             others = {p for p in members if self._views.get((t, p), members) != members
                       or self._peer_round.get(p, t) > t}
@@ -896,6 +929,9 @@ class ShardedReducer:
                 answer = Average(self._avg_headers.outgoing(packet.header, avg.numel()), contributors,
                                  tuple(sorted(shares.items())) if shares is not None else (), sig)
                 group.reply = (answer.to_wire(members), packet.buffers)
+                self._answers[key] = group.reply
+                for old in [k for k in self._answers if k[0] <= t - _KEEP_ANSWERS]:
+                    del self._answers[old]
         except Exception as exc:  # every contributor gets an answer, never a group that stays open
             log.exception("%s: %s shard %d chunk %d of round %d: averaging failed", self.node.peer_id,
                           self.topic, i, c, t)

@@ -5,14 +5,14 @@
     g = sharded_all_reduce(t, members, g)       # collectives/reduce.py: reduce-scatter by
                                                 # shard owners, 2(P-1)/P of g sent per peer
     optimizer.step() on the averaged gradient   # a shard whose owner did not answer in
-                                                # time keeps the local gradient
+                                                # time counts 0 on every member alike
 
 A peer that fell behind (a joiner whose state is a few rounds old) learns from the owners'
 refusals which round the swarm is in and jumps there, so it costs the swarm one round.
 
 Replicas are meant to be bit-identical. Every `check_every` steps the members compare digests
-of their parameters (`guard.py`); one that drifted (built with other initial weights, or left
-with its own values in a shard whose owner did not answer) takes the parameters and
+of their parameters (`guard.py`); one that drifted (built with other initial weights, or a
+round whose members' views differed) takes the parameters and
 optimizer state more than half of the members hold, and logs it.
 
 With `audit_rate` > 0, members audit each other's gradients by recomputing them
@@ -94,7 +94,8 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         # a gradient counts 1: a part claiming more is over the cap
         self.reducer = ShardedReducer(node, PART_TOPIC, self.flat.numel, config.compressor,
                                       reduce_timeouts(config), self.is_open, defences=make_defences(config, 1.0),
-                                      secure=make_secure(config, 1.0), max_owners=config.max_owners)
+                                      secure=make_secure(config, 1.0), max_owners=config.max_owners,
+                                      unaveraged=0.0)
         self.reducers = [self.reducer]  # peer events reach it; its residuals are this peer's private state
         self.buffer_sync = None if config.local_buffers else BufferAverager(
             node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open, config.max_owners)

@@ -169,7 +169,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                                          average_compressor=config.average_compressor or None,
                                          part_feedback_decay=config.error_feedback_decay,
                                          defences=make_defences(config, config.weight_cap * config.sync_every),
-                                         secure=make_secure(config, config.sync_every)),
+                                         secure=make_secure(config, config.sync_every), unaveraged=0.0),
                           QuorumClose(node, f"{TOPIC_PREFIX}q{f}", config.quorum, config.quorum_grace_s, timeouts,
                                       self.is_open, salt=f) if config.quorum else None,
                           config, self.placement, node.peer_id,

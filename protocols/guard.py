@@ -12,8 +12,9 @@ parameters of allreduce and sketch-dp, the outer parameters of DiLoCo.
             else: for each holder of D, in member order:
                       fetch its state ("<prefix>sync"); if its parameters hash to D: take it, log it, stop
 
-Peers drift apart when they were built with different initial weights, or when a round went
-on without an owner's average (its shard kept each peer's own values). The state taken is
+Peers drift apart when they were built with different initial weights, or when the members of
+a round saw different member lists (a join or a death in its middle) and averaged in groups
+of their own. The state taken is
 whatever the protocol says (its parameters and optimizer state; DiLoCo's outer parameters and
 momentum), so that the peers also step alike afterwards. A round that went on without a member
 gives no verdict: the next check decides.

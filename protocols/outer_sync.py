@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -237,7 +236,7 @@ class OuterFragment:
         """Round k's outer step with its average (a shard nobody averaged counts as 0), when
         this fragment's outer state is still at round k; then the merge into the local one."""
         if exchange is not None and exchange.average is not None and self.version == k:
-            self.outer_step(exchange.average.nan_to_num_(nan=0.0))
+            self.outer_step(exchange.average)
         self.merge_local(exchange.provisional if exchange is not None else None)
 
     # ------------------------------------------------------------------ the round in flight
@@ -268,10 +267,6 @@ class OuterFragment:
         average = delta.clone()
         before = self.reducer.state_dict() if not self.reducer.codec.lossless else None
         pending = self.reducer.start(k, members, average, weight=weight)
-        if len(members) > 1:
-            # start() has encoded my parts, so the buffer is free until wait(): any shard
-            # still NaN after it was not averaged
-            average.fill_(math.nan)
         return Exchange(k, members, delta, average, pending, before, weight=weight, merge_at=merge_at)
 
     def eager_update(self) -> None:

@@ -247,7 +247,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
         self.reducer = ShardedReducer(node, PART_TOPIC, self.sketches.size, config.compressor,
                                       reduce_timeouts(config), self.is_open, min_shard_numel=MIN_SHARD_NUMEL,
                                       defences=make_defences(config, 1.0), secure=make_secure(config, 1.0),
-                                      max_owners=config.max_owners)
+                                      max_owners=config.max_owners, unaveraged=0.0)
         self.reducers = [self.reducer]
         self.guard = self._drift_guard("sketchdp.")
         self._serve()
