@@ -1,4 +1,5 @@
-"""Real `starling node start` processes for the benchmarks that kill peers (crash.py, chaos.py).
+"""Real `starling node start` processes for the benchmarks that kill peers (crash.py, chaos.py,
+faults.py).
 
 A `NodeProcess` drains the node's stdout on a thread and stamps each line on arrival, so a
 benchmark reads when each step finished from its own clock (`time.monotonic()`), not from the
@@ -34,9 +35,11 @@ class NodeProcess:
 
     started: ClassVar[list[NodeProcess]] = []  # every one this process launched, for `kill_all`
 
-    def __init__(self, args: list[str], log: str | None = None, threads: int | None = 1) -> None:
+    def __init__(self, args: list[str], log: str | None = None, threads: int | None = 1,
+                 env_extra: dict[str, str] | None = None) -> None:
         env = dict(os.environ)
         env.pop("OMP_NUM_THREADS", None)
+        env.update(env_extra or {})
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         self.args = args
@@ -47,6 +50,7 @@ class NodeProcess:
                                      stdout=subprocess.PIPE, stderr=self.log or subprocess.DEVNULL, text=True,
                                      env=env)
         self.steps: list[Progress] = []
+        self.records: list[dict[str, Any]] = []  # every progress line, as printed
         self.training_at: float | None = None  # when it printed {"event": "training"}
         self.training: dict[str, Any] | None = None
         self.stopped: dict[str, Any] | None = None
@@ -84,6 +88,7 @@ class NodeProcess:
         elif record.get("event") == "stopped":
             self.stopped = record
         elif "step" in record and "loss" in record:
+            self.records.append(record)
             self.steps.append(Progress(now, int(record["step"]), float(record["loss"]),
                                        int(record.get("peers", 1)), int(record.get("lost", 0))))
 

@@ -101,6 +101,11 @@ def node_start(
     shard: Optional[str] = typer.Option(
         None, "--shard", help="This peer's data shard RANK/WORLD (default: picked from the peer id out of 16)."),
     log_every: int = typer.Option(10, "--log-every", help="Print a JSON progress line every N steps."),
+    log_digest: bool = typer.Option(
+        False, "--log-digest",
+        help="Each progress line carries 'synced': a digest of the state every member holds alike (allreduce's "
+             "parameters, DiLoCo's outer parameters), to check from outside that the members agree. Hashes the "
+             "model once a line."),
     min_peers: int = typer.Option(
         1, "--min-peers", min=1,
         help="Train only once this many peers (self included) are up: a swarm whose peers start together "
@@ -221,7 +226,7 @@ def node_start(
         check_seconds("--min-peers-timeout-s", min_peers_timeout_s)
         check_seconds("--state-fetch-timeout-s", state_fetch_timeout_s)
         check_seconds("--join-deadline-s", join_deadline_s)
-        peer_run = PeerRun(launch, shard=rank_world, log_every=log_every, min_peers=min_peers,
+        peer_run = PeerRun(launch, shard=rank_world, log_every=log_every, log_digest=log_digest, min_peers=min_peers,
                            min_peers_timeout_s=min_peers_timeout_s, checkpoint=checkpoints,
                            resume_quorum=resume_quorum, resume_timeout_s=resume_timeout_s,
                            state_fetch_timeout_s=state_fetch_timeout_s,

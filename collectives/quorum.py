@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 from starling.collectives.bodies import Ack, Ask, BodyError, Closing, Wait
 from starling.collectives.reduce import ReduceTimeouts
 from starling.collectives.requests import request_patiently
+from starling.common.faults import fault_point
 from starling.node.identity import peer_id_from_key
 from starling.node.loop import AwakeDeadline
 from starling.node.rpc import Refusal, Refuser, refusal
@@ -293,6 +294,7 @@ class QuorumClose:
     def _close(self, t: int, gathering: _Gathering) -> None:
         if gathering.closing is not None:
             return
+        fault_point("quorum.leader.closing", t)
         contributions = tuple(sorted(gathering.weights.items()))
         signature = self.trust.sign(close_statement(self.topic, t, contributions))
         gathering.closing = Closing(t, contributions, signature)

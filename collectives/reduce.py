@@ -86,6 +86,7 @@ from starling.collectives.outcome import ReduceResult, ReduceTimeouts
 from starling.collectives.requests import request_patiently
 from starling.collectives.secure import Masked, SecureAggregation, SecureStage
 from starling.collectives.staging import HostStaging, to_device
+from starling.common.faults import fault_point
 from starling.common.hashing import derive_seed, peer_hash
 from starling.compressors import Packet, decode
 from starling.node.loop import AwakeDeadline, close_in_time
@@ -706,6 +707,7 @@ class ShardedReducer:
             # for it too. A joiner that counts everyone in round t, which the others began before
             # they knew it, gets no part from them and would wait out the round timeout.
             self._saw_view(t, owner, ())
+        fault_point("reduce.member.first_average", t)
         return _ShardResult(i, c, owner, result, contributors, shares=average.shares, content=content,
                             sig=average.sig)
 
@@ -857,6 +859,8 @@ class ShardedReducer:
             return
         group.closing = True
         t, members, i, c = key
+        if any(s != self.node.peer_id for s in group.contributors):
+            fault_point("reduce.owner.closing", t)
         lo, hi = self._shards(members, t)[i][0][c]
         aggregator = self.defences.aggregator
         if self._secure is not None:

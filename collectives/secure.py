@@ -80,6 +80,7 @@ from starling.collectives.secagg import (
     split_secret,
     sub,
 )
+from starling.common.faults import fault_point
 from starling.node.rpc import Refusal, Refuser, refusal
 
 if TYPE_CHECKING:
@@ -504,6 +505,7 @@ class SecureStage:
         used, seeds, pair_seeds = state.secrets[key] = await self._gather(t, members, view, rid, graph, alive,
                                                                           commits, threshold)
         if unmasker == me:
+            fault_point("secure.unmasker.gathered", t)
             self._pass_on(t, members, view, rid, used, (seeds, pair_seeds), graph)
         return state.secrets[key]
 

@@ -88,6 +88,7 @@ class AllReduceConfig(ProtocolConfig):
 class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig, topic_prefix="allreduce."):
     config: AllReduceConfig
     runs_on_accelerators = True
+    replicas_agree = True
 
     def __init__(self, node: Node, model: nn.Module, config: AllReduceConfig) -> None:
         super().__init__(node, model, config)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from starling.collectives import FlatModel
+from starling.collectives.agreement import digest_bytes
 from starling.protocols.base import LossFn, Protocol, ProtocolConfig
 from starling.protocols.guard import DriftGuard, State
 from starling.protocols.optim import (
@@ -30,6 +31,9 @@ class BackpropProtocol(Protocol):
     Its `state_dict` holds the optimizer's state too, under `optimizer_key`."""
 
     optimizer_key: ClassVar[str] = "optimizer"
+    # Whether the members of a round hold the same `_replica_tensors()` bit for bit after it
+    # (allreduce, DiLoCo's outer parameters, sketch-dp), or each its own (gossip).
+    replicas_agree: ClassVar[bool] = False
 
     def __init__(self, node: Node, model: nn.Module, config: ProtocolConfig) -> None:
         super().__init__(node, model, config)
@@ -63,6 +67,14 @@ class BackpropProtocol(Protocol):
                            self._replica_state, self._take_replica_state, self._replica_tensors_of, what=what)
         self.side_reducers.append(guard.reducer)
         return guard
+
+    def synced_digest(self) -> str | None:
+        """A short digest of the state every member holds bit for bit after a round (what the
+        drift guard compares), for checking from outside that the members agree; None where
+        each peer holds its own. Hashes that state once (every parameter, on the host)."""
+        if not self.replicas_agree:
+            return None
+        return digest_bytes(self._replica_tensors(), 8).hex()
 
     def _replica_tensors(self) -> Sequence[torch.Tensor]:
         """What the guard compares: the parameters."""

@@ -135,6 +135,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
 
     config: DiLoCoConfig
     runs_on_accelerators = True
+    replicas_agree = True
     local_inner_steps = True
     optimizer_key = "inner_optimizer"
 

@@ -231,6 +231,7 @@ class SketchMap:
 @register
 class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, topic_prefix="sketchdp."):
     config: SketchDPConfig
+    replicas_agree = True
 
     def __init__(self, node: Node, model: nn.Module, config: SketchDPConfig) -> None:
         super().__init__(node, model, config)

@@ -14,7 +14,9 @@ stays a member until `stop`.
 
 What it has to say goes to `on_record` as JSON-ready records (the command prints them as its
 progress lines): `{"event": "training", ...}` once training starts; `{"step", "loss", "peers",
-"lost", "bytes_sent", "wall_s"}` every `log_every` steps; `{"event": "stopped", "step", ...}`
+"lost", "bytes_sent", "wall_s"}` every `log_every` steps (with `unit`, `[epoch, index]` of the unit the
+step trained, and `counted`, whether the update held it, for a task whose data is handed out
+in units); `{"event": "stopped", "step", ...}`
 with the evaluation once it stops.
 """
 from __future__ import annotations
@@ -52,7 +54,8 @@ class PeerRun:
     """How one peer runs: its `launch` (resolved), and what the command's run options say.
 
     `shard`: this peer's data shard (rank, world); None picks one of 16 from its peer id.
-    `log_every`: steps between progress records (0: none). `min_peers`: train only once this
+    `log_every`: steps between progress records (0: none); `log_digest`: each carries the
+    digest of the state the members hold alike (`synced`). `min_peers`: train only once this
     many peers (self included) are up, within `min_peers_timeout_s`. `checkpoint`: where and
     how often the training state goes to disk; a launch that resumes keeps checkpointing
     where it resumed from unless told otherwise. `resume_quorum`, `resume_timeout_s`: with a
@@ -64,6 +67,7 @@ class PeerRun:
     launch: NodeLaunch
     shard: tuple[int, int] | None = None
     log_every: int = 10
+    log_digest: bool = False
     min_peers: int = 1
     min_peers_timeout_s: float = 300.0
     checkpoint: CheckpointConfig | None = None
@@ -142,7 +146,7 @@ class PeerRun:
                 trainer.attach_replica(group)  # the state it starts from goes to the other ranks
             assert trainer.proto is not None
             progress.step = trainer.proto.step_count  # a joiner's or resumed peer's
-            reporter = _Reporter(node, trainer, progress, self.log_every, on_record, board)
+            reporter = _Reporter(node, trainer, progress, self.log_every, on_record, board, self.log_digest)
             on_record({"event": "training", "protocol": spec.protocol, "task": spec.task, "shard": f"{rank}/{world}",
                        "step": progress.step, **trainer.placement.describe(),
                        **({"replica_ranks": group.size} if group is not None else {}),
@@ -170,9 +174,13 @@ class PeerRun:
             resumed = trainer.resume_sharded()  # its own newest, whatever rank count wrote it
         elif self.launch.resume_from is not None:
             resumed = trainer.resume_swarm(self.resume_quorum, self.resume_timeout_s)
-        if resumed is None and self.launch.joining and node.live_peers():
+        if self.launch.joining and node.live_peers() and (resumed is None or _swarm_ahead_of(node, resumed)):
             # the swarm's state, not this peer's own start (see initial_state_differs); the first
-            # node (not joining) is where the swarm's state starts, whoever joined it meanwhile
+            # node (not joining) is where the swarm's state starts, whoever joined it meanwhile.
+            # A peer restarted into a swarm that trained on without it takes the swarm's state
+            # too: its checkpoint is behind, and its ledger names it the most senior member.
+            if resumed is not None:
+                log.info("resumed at step %d, but the swarm trained on: fetching its state", resumed)
             try:
                 trainer.fetch_state(deadline_s=self.state_fetch_timeout_s, stop=stop)
             except TransferError:
@@ -191,9 +199,9 @@ class _Reporter:
     digests for `node status`, and a progress record every `log_every` steps."""
 
     def __init__(self, node: Node, trainer: Trainer, progress: TrainingProgress, log_every: int,
-                 on_record: Callable[[Record], None], board: TensorBoardLog | None) -> None:
+                 on_record: Callable[[Record], None], board: TensorBoardLog | None, digest: bool = False) -> None:
         self.node, self.trainer, self.progress = node, trainer, progress
-        self.log_every, self.on_record, self.board = log_every, on_record, board
+        self.log_every, self.on_record, self.board, self.digest = log_every, on_record, board, digest
         self.start = time.monotonic()
 
     def __call__(self, report: StepReport) -> None:
@@ -205,11 +213,28 @@ class _Reporter:
             self.node.set_status_info(replica=replica.rank_digests.to_json())  # `node status`: do the ranks agree?
         if self.log_every and (report.step + 1) % self.log_every == 0:
             # lost: members of the step's exchange whose contribution its update lacks (died, timed out)
-            self.on_record({"step": report.step + 1, "loss": round(report.loss, 5), "peers": report.peers,
-                            "lost": len(report.lost_peers), "bytes_sent": progress.bytes_sent,
-                            "wall_s": round(time.monotonic() - self.start, 2)})
+            record: Record = {"step": report.step + 1, "loss": round(report.loss, 5), "peers": report.peers,
+                              "lost": len(report.lost_peers), "bytes_sent": progress.bytes_sent,
+                              "wall_s": round(time.monotonic() - self.start, 2)}
+            unit = self.trainer.last_unit
+            if self.trainer.ledger is not None:  # the unit this step trained, and whether the update held it
+                record["unit"] = None if unit is None else [unit.epoch, unit.index]
+                record["counted"] = self.trainer.last_unit_counted
+            if self.digest:
+                record["synced"] = getattr(self.trainer.proto, "synced_digest", lambda: None)()
+            self.on_record(record)
             if self.board is not None:
                 self.board.log(progress)
+
+
+def _swarm_ahead_of(node: Node, step: int) -> bool:
+    """Whether a live peer says, in its beats, that it trains past `step`."""
+    live = set(node.live_peers())
+    for view in node.peers:
+        theirs = view.meta.get("step") if view.id in live else None
+        if isinstance(theirs, int) and theirs > step:
+            return True
+    return False
 
 
 def _ignore(record: Record) -> None:

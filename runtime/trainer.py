@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starling.common import option_name, peer_hash
+from starling.common.faults import fault_point
 from starling.data.assignment import Unit, UnitLedger
 from starling.node import Node, TransferError
 from starling.protocols import (
@@ -262,6 +263,9 @@ class Trainer:
         self._step_weight: float | None = None  # the weight of the next step (0: it takes part without counting)
         self._readopt = False  # this peer's ledger may differ from the reference's: take it again next round
         self._recheck = False  # the ledger came with a fetched state: take this round's from the reference
+        # the ledger came from a checkpoint or a donor: until a reference's has been taken, this
+        # peer is never its own reference, even where that ledger names it the most senior member
+        self._ledger_fresh = False
         # The newest checkpoint this peer wrote (durable) or resumed from: its age is a metric.
         self.last_checkpoint: Checkpoint | None = None
 
@@ -385,13 +389,14 @@ class Trainer:
 
         assert self.proto is not None, "create_protocol() first"
         source, blob = self.node.fetch_blob(STATE_BLOB, peers, deadline_s=deadline_s, stop=stop)
+        fault_point("join.fetched")
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)  # then to my device
         state.pop(PRIVATE_STATE, None)  # the donor's own residuals are not the joiner's
         ledger = self._ledger_from(state.pop(DATA_STATE, None))  # checked before anything changes
         self.proto.load_state_dict(state)
         if ledger is not None:
             self.ledger = ledger  # the swarm's data position, as the donor saw it
-            self._recheck = True
+            self._recheck = self._ledger_fresh = True
         log.info("%s: joined from %s at step %d", self.node.peer_id, source, self.proto.step_count)
         return source
 
@@ -466,11 +471,14 @@ class Trainer:
         self._ledger_members = members
         # the reference: the round's most senior member (the first in the ledger's order that is
         # still here), never a joiner, whose ledger has not caught up yet
-        present = set(members)
-        reference = next((p for p in self.ledger.order if p in present), members[0])
+        me = self.node.peer_id
+        present = set(members) - ({me} if self._ledger_fresh and len(members) > 1 else set())
+        reference = next((p for p in self.ledger.order if p in present), min(present))
         adopted = None
-        if (jumped or changed) and reference != self.node.peer_id:
+        if (jumped or changed) and reference != me:
             adopted = self._reference_ledger(reference, round_)
+        if adopted is not None or len(members) == 1:
+            self._ledger_fresh = False
         if adopted is not None:
             self.ledger = adopted
             self.ledger_adopted += 1
@@ -528,6 +536,7 @@ class Trainer:
         assert proto is not None
         loss_fn = self._loss_of(batch)
         self.node.check_fault()
+        fault_point("train.step", proto.step_count)
         weight, self._step_weight = self._step_weight, None
         if self.sharded is not None:
             try:
@@ -610,8 +619,9 @@ class Trainer:
             raise CheckpointError(f"{checkpoint.state_path} holds a data position this task cannot take: "
                                   f"{exc}") from None
         self.proto.load_state_dict(state["protocol"])
-        if ledger is not None:
+        if ledger is not None:  # where this peer was: the swarm may have gone on without it
             self.ledger = ledger
+            self._recheck = self._ledger_fresh = True
         self._resumed_at = self.proto.step_count
         self.last_checkpoint = checkpoint
         if self.serve_state:
