@@ -1,0 +1,27 @@
+"""benchmarks/faults.py's quick case, which CI runs: four real `node start` processes train
+allreduce, and the one that owns a shard is SIGKILLed once it holds every part of round 4,
+before it answers any. Every survivor must hold the same parameters at every step from two
+rounds after the kill on (the shard is skipped alike, not kept local by each)."""
+from __future__ import annotations
+
+import pytest
+from conftest import load_benchmark
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_owner_killed_holding_every_part_leaves_the_survivors_with_one_model(tmp_path):
+    faults = load_benchmark("faults")
+    rows = faults.main(["--quick", "--log-dir", str(tmp_path)])
+    (row,) = rows
+    assert row["fired"], f"the victim never reached its fault point (logs in {tmp_path})"
+    assert row["survivors_finished"]
+    assert row["steps_compared"] >= 5
+    assert row["steps_diverged"] == 0 and row["final_agree"], row
+
+
+def test_a_case_replays_from_the_line_a_row_prints():
+    faults = load_benchmark("faults")
+    cases = faults.schedule(7, 5, 4, list(faults.PROTOCOLS), list(faults.POINTS))
+    assert cases == faults.schedule(7, 5, 4, list(faults.PROTOCOLS), list(faults.POINTS))  # seeded
+    assert [faults.Case.parse(str(c)) for c in cases] == cases
