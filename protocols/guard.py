@@ -6,25 +6,26 @@ parameters of allreduce and sketch-dp, the outer parameters of DiLoCo.
         if not same:                                          # every member reaches the same verdict
             d[m] = m's sha256 of its parameters, for every member m ("<prefix>digest", in parallel;
                    a member that does not answer holds none)
-            D = the digest more than half of the members hold, if any
-            if there is no D: nobody repairs, the next check decides (logged with the counts)
-            elif d[me] == D: keep my state, and serve a copy of it for round t
+            D = the digest more than half of the members hold, if any; else, among the digests
+                held by the most members, the one whose holder comes first in an order drawn
+                from (t, members)                             # donor_digest
+            if d[me] == D: keep my state, and serve a copy of it for round t
             else: for each holder of D, in member order:
                       fetch its state ("<prefix>sync"); if its parameters hash to D: take it, log it, stop
 
 Peers drift apart when they were built with different initial weights, or when the members of
 a round saw different member lists (a join or a death in its middle) and averaged in groups
-of their own. The state taken is
-whatever the protocol says (its parameters and optimizer state; DiLoCo's outer parameters and
-momentum), so that the peers also step alike afterwards. A round that went on without a member
-gives no verdict: the next check decides.
+of their own. The state taken is whatever the protocol says (its parameters and optimizer
+state; DiLoCo's outer parameters and momentum), so that the peers also step alike afterwards.
+A round that went on without a member gives no verdict: the next check decides.
 
-The state comes from the majority, never from whoever sorts first: a peer that chose a key to
-sort first cannot spread a drifted or poisoned state. Each member answers only its own digest,
-and a fetched state is taken only if it hashes to the majority's, so a member that claims the
-majority's digest and serves another state is skipped for the next holder. Swarms of two, and
-swarms split evenly or every peer apart, have no majority: they are warned at every check and
-never repaired.
+Where more than half of the members hold one state, it is the one taken. Where none is (a
+swarm of two that differs, one split evenly, every member apart), repair needs no majority:
+every member draws the same donor among the most-held states, from an order of the members
+seeded by the round and the member list, so that a peer cannot grind a key to be chosen, and
+the swarm holds one state after one check. Each member answers only its own digest, and a
+fetched state is taken only if it hashes to the chosen digest, so a member that claims it and
+serves another state is skipped for the next holder.
 """
 from __future__ import annotations
 
@@ -32,14 +33,16 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from starling.collectives import ReduceTimeouts
 from starling.collectives.agreement import AgreementCheck, digest_bytes
+from starling.collectives.compact import view_digest
 from starling.collectives.requests import request_patiently
+from starling.common.hashing import derive_seed, peer_hash
 from starling.node.loop import AwakeDeadline
 from starling.node.rpc import Refusal, Reply, refusal, refusal_of
 
@@ -52,15 +55,15 @@ log = logging.getLogger(__name__)
 # A protocol's state as it travels: a msgpack-able header and tensors.
 State = tuple[dict[str, Any], list[torch.Tensor]]
 
-DIGEST_SIZE = 32  # the whole sha256: a served state must not be forged to match the majority's
+DIGEST_SIZE = 32  # the whole sha256: a served state must not be forged to match the chosen one
 
 
 class DriftGuard:
     """Checks every `every` rounds that the members' `tensors()` agree; on a mismatch, every
-    member whose `tensors()` are not the majority's takes a majority holder's `snapshot()`
+    member whose `tensors()` are not the chosen ones (`donor_digest`) takes a holder's `snapshot()`
     through `adopt(header, tensors)` (which raises ValueError for a state it cannot take), once
     `tensors_of(header, tensors)` (what `tensors()` would give after adopting it, or ValueError)
-    hash to the majority's digest. Its logs call the tensors `what`."""
+    hash to the chosen digest. Its logs call the tensors `what`."""
 
     def __init__(self, node: Node, prefix: str, every: int, timeouts: ReduceTimeouts, is_open: Callable[[], bool],
                  tensors: Callable[[], Sequence[torch.Tensor]], snapshot: Callable[[], State],
@@ -103,29 +106,27 @@ class DriftGuard:
         self._checked = (t, mine)  # answered from now on: the others' decisions wait for it
         digests = {**self.node.run(self._digests(t, [m for m in members if m != me])), me: mine}
         counts = Counter(digests.get(m) for m in members)
-        majority = next((d for d, n in counts.items() if d is not None and 2 * n > len(members)), None)
-        if majority is None:
+        chosen, how = donor_digest(t, members, digests)
+        if chosen is None:
             self._served = (t, None)
-            log.warning("%s: %s differ across the swarm at round %d and no state is held by more than half "
-                        "of its %d members (%s); nobody repairs, the next check decides", me, self.what, t,
-                        len(members), _describe(counts))
+            log.warning("%s: %s differ across the swarm at round %d and no member gave a digest; the next check "
+                        "decides", me, self.what, t)
             return same
-        if mine == majority:
+        if mine == chosen:
             self._served = (t, self._snapshot())
-            log.warning("%s: %s differ across the swarm at round %d; mine are the majority's (%d of %d members), "
-                        "the others take them", me, self.what, t, counts[majority], len(members))
+            log.warning("%s: %s differ across the swarm at round %d (%s); mine are the %s, the others take them",
+                        me, self.what, t, _describe(counts), how)
             return same
-        self._served = (t, None)
-        holders = [m for m in members if m != me and digests.get(m) == majority]
-        log.warning("%s: my %s differ from the swarm's at round %d, which %d of %d members hold; taking theirs "
-                    "from %s", me, self.what, t, counts[majority], len(members), holders[0])
+        holders = [m for m in members if m != me and digests.get(m) == chosen]
+        log.warning("%s: my %s differ from the %s at round %d (%s); taking them from %s", me, self.what, how, t,
+                    _describe(counts), holders[0])
         for source in holders:
-            if self._fetch(t, source, majority):
+            if self._fetch(t, source, chosen):
                 self.repairs += 1
                 log.warning("%s: took %s's state for round %d", me, source, t)
                 return same
-        log.warning("%s: could not take the majority's state for round %d from any of %s; checking again at the "
-                    "next check", me, t, holders)
+        log.warning("%s: could not take the %s state for round %d from any of %s; checking again at the next "
+                    "check", me, how, t, holders)
         return same
 
     async def _digests(self, t: int, peers: list[str]) -> dict[str, bytes]:
@@ -153,9 +154,9 @@ class DriftGuard:
             await deadline.sleep(retry_s)
         return None
 
-    def _fetch(self, t: int, source: str, majority: bytes) -> bool:
+    def _fetch(self, t: int, source: str, chosen: bytes) -> bool:
         """Ask `source` for its state of round t until it serves it, refuses for good, or the
-        round's timeout (plus grace) has passed; take it if it hashes to `majority`."""
+        round's timeout (plus grace) has passed; take it if it hashes to `chosen`."""
         me = self.node.peer_id
         deadline = time.monotonic() + self._wait_s
         while time.monotonic() < deadline:
@@ -169,8 +170,8 @@ class DriftGuard:
                 if body.get("ok"):
                     header, tensors = body.get("state") or {}, list(msg.payload)
                     try:
-                        if digest_bytes(self._tensors_of(header, tensors), DIGEST_SIZE) != majority:
-                            log.warning("%s: %s claimed the majority's %s for round %d but served others; "
+                        if digest_bytes(self._tensors_of(header, tensors), DIGEST_SIZE) != chosen:
+                            log.warning("%s: %s claimed the chosen %s for round %d but served others; "
                                         "trying the next holder", me, source, self.what, t)
                             return False
                         self._adopt(header, tensors)
@@ -211,15 +212,33 @@ class DriftGuard:
 
     def _on_sync(self, msg: Message) -> Reply | dict[str, Any]:
         """Network thread: my state as it was at the round of a mismatch, for the others, when it
-        was the majority's."""
+        was the chosen one."""
         served_round, state = self._served
         t, refused = self._round_asked(msg, served_round)
         if refused is not None:
             return refused
         if state is None:
             return refusal(Refusal.NOT_FOUND, f"I serve no state for round {t}: no mismatch, or mine is not the "
-                           "majority's", step=served_round)
+                           "chosen one", step=served_round)
         return Reply({"ok": True, "round": t, "state": state[0]}, state[1])
+
+
+def donor_digest(t: int, members: tuple[str, ...], digests: Mapping[str, bytes]) -> tuple[bytes | None, str]:
+    """The state every member of round t converges on, and how it was chosen: the digest more
+    than half of the members hold; else, among the digests held by the most members, the one
+    whose holder comes first in an order drawn from the round and the member list (every member
+    with the same digests draws the same, and no member can place itself first by choosing its
+    key); None when no member gave one."""
+    counts = Counter(d for m in members if (d := digests.get(m)) is not None)
+    if not counts:
+        return None, ""
+    best, n = counts.most_common(1)[0]
+    if 2 * n > len(members):
+        return best, f"majority's ({n} of {len(members)} members)"
+    tied = {d for d, k in counts.items() if k == n}
+    seed = derive_seed("guard.donor", t, int.from_bytes(view_digest(members)[:8], "little"))
+    order = sorted((m for m in members if digests.get(m) in tied), key=lambda m: (derive_seed(seed, peer_hash(m)), m))
+    return digests[order[0]], f"donor's, drawn among {len(tied)} states held by {n} of {len(members)} members each"
 
 
 def _describe(counts: Counter[bytes | None]) -> str:

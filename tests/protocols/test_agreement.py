@@ -44,7 +44,7 @@ def _same(outers: list[list[torch.Tensor]]) -> bool:
 def test_a_first_member_that_started_apart_takes_the_majoritys_outer_parameters(make_node, caplog):
     repairs: list[int] = []
     assert _same(_outer_after_training(make_node, check_every=1, repairs=repairs))
-    assert "outer parameters differ from the swarm's" in caplog.text
+    assert "outer parameters differ from the majority's" in caplog.text
     assert repairs == [1, 0, 0]  # the first member, once; the others keep theirs: then they agree
 
 

@@ -15,9 +15,10 @@ from conftest import in_parallel, swarm, wait_until
 from torch import nn
 
 from starling.collectives import ReduceTimeouts
+from starling.collectives.agreement import digest_bytes
 from starling.node.rpc import Refusal, refusal_of
 from starling.protocols import get_protocol
-from starling.protocols.guard import DriftGuard
+from starling.protocols.guard import DIGEST_SIZE, DriftGuard, donor_digest
 from starling.protocols.optim import optimizer_from_wire, optimizer_to_wire
 
 PEERS = 3
@@ -76,7 +77,7 @@ def test_a_drifted_first_member_takes_the_majoritys_state_and_they_stay_identica
     protos = trained(make_node, variant, None)  # the default: step 0 is checked
     assert agree(protos)
     assert [p.guard.repairs for p in protos] == [1, 0, 0]  # the first member, once; the others keep theirs
-    assert "my parameters differ from the swarm's" in caplog.text
+    assert "my parameters differ from the majority's" in caplog.text
     assert f"took {protos[1].node.peer_id}'s state" in caplog.text  # the first holder of the majority's
     states = [optimizer_to_wire(p.optimizer) for p in protos]
     for header, tensors in states[1:]:
@@ -156,17 +157,35 @@ def test_a_member_that_claims_the_majoritys_digest_and_serves_another_state_is_s
     assert [r.value[0].item() for r in replicas] == [1.0] * 4  # rank 1 took the majority's, not 9.0
     assert [r.guard.repairs for r in replicas] == [0, 1, 0, 0]
     liar, honest = replicas[0].node.peer_id, replicas[2].node.peer_id
-    assert f"{liar} claimed the majority's parameters for round 0 but served others" in caplog.text
+    assert f"{liar} claimed the chosen parameters for round 0 but served others" in caplog.text
     assert f"took {honest}'s state for round 0" in caplog.text  # the next holder, in member order
 
 
-def test_an_even_split_repairs_nobody_and_warns_with_the_digest_counts(make_node, caplog):
+@pytest.mark.parametrize("values", [[1.0, 2.0, 1.0, 2.0], [1.0, 2.0, 3.0, 4.0], [1.0, 2.0]])
+def test_without_a_majority_every_member_takes_one_drawn_donors_state(make_node, caplog, values):
+    """An even split, every member apart, a pair that differs: no majority, and still one
+    state after one check, the one `donor_digest` draws (every member draws the same)."""
     caplog.set_level(logging.WARNING)
-    replicas, verdicts = checked(make_node, [1.0, 2.0, 1.0, 2.0], [None] * 4)
-    assert verdicts == [False] * 4
-    assert [r.value[0].item() for r in replicas] == [1.0, 2.0, 1.0, 2.0]
-    assert all(r.guard.repairs == 0 and r.node.stats.total_sent("test.sync") == 0 for r in replicas)
-    assert "no state is held by more than half of its 4 members (2 hold " in caplog.text
+    replicas, verdicts = checked(make_node, values, [None] * len(values))
+    assert verdicts == [False] * len(values)
+    (final,) = {r.value[0].item() for r in replicas}
+    members = tuple(r.node.peer_id for r in replicas)
+    digests = {r.node.peer_id: digest_bytes([torch.full((4,), v)], DIGEST_SIZE) for r, v in zip(replicas, values)}
+    chosen, how = donor_digest(0, members, digests)
+    assert "donor's, drawn among" in how
+    assert digest_bytes([replicas[0].value], DIGEST_SIZE) == chosen
+    assert sum(r.guard.repairs for r in replicas) == sum(v != final for v in values)
+
+
+def test_the_donor_is_drawn_from_the_round_and_members_not_from_the_sort_order():
+    members = tuple(f"peer{i:02d}" for i in range(8))
+    apart = {m: bytes([i]) * DIGEST_SIZE for i, m in enumerate(members)}
+    donors = {donor_digest(t, members, apart)[0] for t in range(40)}
+    assert len(donors) > 3  # not always the first member's
+    assert donor_digest(5, members, apart) == donor_digest(5, members, dict(reversed(apart.items())))
+    majority = {**apart, **{m: b"x" * DIGEST_SIZE for m in members[3:]}}
+    assert donor_digest(5, members, majority)[0] == b"x" * DIGEST_SIZE
+    assert donor_digest(5, members, {}) == (None, "")
 
 
 def test_a_check_that_agrees_costs_one_tiny_round_and_no_transfer(make_node):
