@@ -32,6 +32,7 @@ from starling.cli.shared import (
     with_data,
 )
 from starling.common import parse_options
+from starling.data.sources import DataError
 from starling.node.identity import Identity
 from starling.node.swim import Liveness
 from starling.node.transport import TransportConfig
@@ -188,7 +189,7 @@ def node_start(
     # replica's spawned ranks and its rendezvous folder); then it asks for a graceful leave.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     train_errors = (TrainSpecError, ProtocolError, TaskSpecError, TransferError, CheckpointError, RestartError,
-                    NodeFault, ReplicaError)
+                    NodeFault, ReplicaError, DataError)
     try:
         check_seconds("--replica-timeout-s", replica_timeout_s)
         task, task_options = with_data(task, parse_options(task_opt or [], "task option"), data, tokenizer, seq_len)

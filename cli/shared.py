@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import sys
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import typer
@@ -219,6 +220,9 @@ def with_data(task: str | None, task_options: dict[str, str], data: str | None, 
         return task, task_options
     if data is None:
         raise ValueError("--tokenizer and --seq-len go with --data (or pass them as --task-opt to your task)")
+    local = Path(data).expanduser()
+    if local.exists():  # the swarm's config names it absolute: a joiner elsewhere never reads a hub name
+        given["data"] = str(local.resolve())
     return task or "gpt", {**task_options, **given}
 
 

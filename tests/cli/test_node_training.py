@@ -120,3 +120,27 @@ def test_protocols_lists_every_protocol_and_its_hyper_parameters():
     options = runner.invoke(app, ["protocols", "gossip"])
     assert options.exit_code == 0 and "--topology" in options.output and "'complete'" in options.output
     assert runner.invoke(app, ["protocols", "nosuch"]).exit_code != 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_joiner_whose_copy_of_the_swarms_data_is_missing_is_one_line_and_exit_2(text_corpus, tmp_path, monkeypatch):
+    # the first node names its corpus relative to its own folder; the swarm's config holds it absolute
+    monkeypatch.chdir(text_corpus.parent)
+    first = subprocess.Popen(starling("node", "start", *FAST, "--protocol", "allreduce", "--data", text_corpus.name,
+                                      "--seq-len", "16", "--round-timeout-s", "5", "--log-every", "1"),
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        out = Lines(first)
+        address = out.address()
+        out.until(lambda r: r.get("event") == "training")
+        text_corpus.rename(tmp_path / "moved")  # the joiner's machine has no copy where the config says
+        joiner = subprocess.run(starling("node", "start", *FAST, "--join", address), capture_output=True,
+                                text=True, timeout=300, cwd=tmp_path)
+        lines = [line for line in joiner.stderr.splitlines() if line.strip() and not line.startswith("20")]
+        assert joiner.returncode == 2, joiner.stderr[-2000:]
+        assert len(lines) == 1 and lines[0].startswith("starling: error:"), lines
+        assert str(text_corpus) in lines[0]  # absolute: not read as a hub data set's name
+    finally:
+        first.kill()
+        first.wait(10)
