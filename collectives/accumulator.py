@@ -55,6 +55,7 @@ class ShardGroup:
     reply: tuple[dict[str, Any], tuple[torch.Tensor, ...]] | None = None  # every contributor's answer, as it goes out
     timer: asyncio.Future[None] | None = None  # closes the group when its time is up
     weights: dict[str, float] = field(default_factory=dict)  # each contributor's weight (1 if it named none)
+    states: dict[str, bytes] = field(default_factory=dict)  # the state digest each contributor's part named
     signed: dict[str, Any] = field(default_factory=dict)  # each remote part as its author signed it (evidence)
     closing: bool = False  # being averaged: it takes no more parts
     # `reply` is set (a robust average, computed off the loop, comes after `done`)

@@ -39,6 +39,8 @@ from typing import Any
 
 from starling.collectives.compact import VIEW_DIGEST_BYTES, contributor_mask, contributors_of
 
+STATE_DIGEST_BYTES = 8  # a part's digest of the state its author began the round with
+
 SIGNATURE_BYTES = 64  # Ed25519
 
 
@@ -148,6 +150,8 @@ class Part:
     recipe: tuple[int | bytes, ...] | None = None  # what the part was computed from, signed with it
     # secure aggregation: the author's mask-seed share for the owner, sealed to it (collectives/secure.py)
     deal: tuple[int, bytes] | None = None
+    # a short digest of the state the author began the round with (what the members hold alike)
+    state: bytes | None = None
 
     def __post_init__(self) -> None:
         if (self.view is None) == (self.members is None):
@@ -156,7 +160,7 @@ class Part:
     def with_members(self, members: tuple[str, ...]) -> Part:
         """The same part with its member list sent whole (for an owner that did not know the view)."""
         return Part(self.step, self.shard, self.chunk, self.header, members=members, weight=self.weight, sig=self.sig,
-                    recipe=self.recipe, deal=self.deal)
+                    recipe=self.recipe, deal=self.deal, state=self.state)
 
     def to_wire(self) -> dict[str, Any]:
         body: dict[str, Any] = {"step": self.step, "shard": self.shard, "chunk": self.chunk}
@@ -173,6 +177,8 @@ class Part:
             body["recipe"] = list(self.recipe)
         if self.deal is not None:
             body["deal"] = list(self.deal)
+        if self.state is not None:
+            body["state"] = self.state
         return body
 
     @classmethod
@@ -186,8 +192,11 @@ class Part:
             if not isinstance(view, bytes) or len(view) != VIEW_DIGEST_BYTES:
                 raise BodyError(f"view must be a {VIEW_DIGEST_BYTES}-byte digest (or send members)")
         weight = _weight(body["weight"]) if "weight" in body else None
+        state = body.get("state")
+        if state is not None and not (isinstance(state, bytes) and len(state) == STATE_DIGEST_BYTES):
+            raise BodyError(f"state must be a {STATE_DIGEST_BYTES}-byte digest")
         return cls(step, shard, chunk, _header(body), view, members, weight, _sig(body), _recipe(body.get("recipe")),
-                   _deal(body.get("deal")))
+                   _deal(body.get("deal")), state)
 
 
 @dataclass(frozen=True)
@@ -221,6 +230,8 @@ class Average:
     contributors: tuple[str, ...]  # in member order
     shares: tuple[tuple[str, float], ...] = ()  # sorted by peer; () for equal weights
     sig: bytes | None = None  # the owner's signature (collectives/contributions.py)
+    # the contributors began the round with different states (their parts' `state` digests differ)
+    diverged: bool = False
 
     def to_wire(self, members: Sequence[str]) -> dict[str, Any]:
         # "cm": a bit per member, not a list of ids, since it rides on every chunk's answer
@@ -229,6 +240,8 @@ class Average:
             body["shares"] = [[peer, share] for peer, share in self.shares]
         if self.sig is not None:
             body["sig"] = self.sig
+        if self.diverged:
+            body["dv"] = True
         return body
 
     @classmethod
@@ -242,7 +255,7 @@ class Average:
         except ValueError as exc:
             raise BodyError(str(exc)) from None
         shares = tuple(sorted(_pairs(body.get("shares") or [], "shares")))
-        return cls(_header(body), contributors, shares, _sig(body))
+        return cls(_header(body), contributors, shares, _sig(body), body.get("dv") is True)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,9 @@ class ReduceResult:
     # joiner still fetching state, a peer that died unnoticed); this peer too, when its own parts
     # are in none (or its round was late); () when no average came back
     absent: tuple[str, ...] = ()
+    # an owner saw the members begin this round with different states (their parts' digests
+    # differed): every member that got such an average checks and repairs them after the round
+    diverged: bool = False
 
 
 def shares_in(reply: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:

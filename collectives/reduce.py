@@ -120,6 +120,7 @@ class _ShardResult:
     shares: tuple[tuple[str, float], ...] = ()
     content: bytes | None = None  # the average's digest, for a vote among replicated owners
     sig: bytes | None = None  # the owner's signature of it
+    diverged: bool = False  # the owner saw its contributors begin the round with different states
 
 
 @dataclass
@@ -294,7 +295,8 @@ class ShardedReducer:
         return self.start(t, members, vector, lend=True).wait()
 
     def start(self, t: int, members: tuple[str, ...], vector: torch.Tensor, lend: bool = False,
-              weight: float | None = None, recipe: Recipe | None = None, noise_std: float = 0.0) -> PendingReduce:
+              weight: float | None = None, recipe: Recipe | None = None, noise_std: float = 0.0,
+              state: bytes | None = None) -> PendingReduce:
         """Encode my parts now and run round t on the network thread; `wait()` on the
         result writes the average into `vector`. Encoding and decoding happen on the
         caller's thread, so the network loop only moves bytes.
@@ -313,7 +315,10 @@ class ShardedReducer:
         None counts 1). Owners average by the members' weights; equal ones give the plain average.
         `recipe`: what my parts were computed from (plain data), signed with each of them.
         `noise_std` (secure aggregation only): my share of the round's noise, added to my
-        integers before they are masked (see `SecureStage.mask`)."""
+        integers before they are masked (see `SecureStage.mask`). `state`: a short digest
+        (`STATE_DIGEST_BYTES`) of the state I begin the round with, where the members should hold
+        the same: an owner whose contributors named different ones says so in its average, and
+        the result's `diverged` tells every member that got it."""
         if weight is not None and not (math.isfinite(weight) and weight >= 0.0):
             raise ValueError(f"{self.topic}: weight must be a finite number >= 0, got {weight!r}")
         if vector.dim() != 1 or vector.numel() != self.numel or vector.dtype != torch.float32:
@@ -324,7 +329,7 @@ class ShardedReducer:
         if len(members) <= 1:
             return PendingReduce(self, t, members, vector, None)
         if self._secure is not None:
-            return self._start_secure(t, members, vector, weight, recipe, noise_std)
+            return self._start_secure(t, members, vector, weight, recipe, noise_std, state)
         me = self.node.peer_id
         lend = lend and vector.is_contiguous()  # a strided vector's slices are not wire buffers
         # A vector on an accelerator is encoded there; only the encoded bytes cross to the host,
@@ -363,7 +368,8 @@ class ShardedReducer:
             if slot.packet is not None:
                 slot.sig = self._contributions.sign_part(t, slot.shard, slot.chunk, view, weight, slot.packet,
                                                          recipe)
-        round_ = self._round(t, members, slots, own_private=not lend or on_device, weight=weight, recipe=recipe)
+        round_ = self._round(t, members, slots, own_private=not lend or on_device, weight=weight, recipe=recipe,
+                             state=state)
         return PendingReduce(self, t, members, vector, self.node.submit(round_), self._backstop_s, lent)
 
     @property
@@ -381,7 +387,7 @@ class ShardedReducer:
         return _STRETCH * self._reply_within_s + 5.0
 
     def _start_secure(self, t: int, members: tuple[str, ...], vector: torch.Tensor, weight: float | None,
-                      recipe: Recipe | None, noise_std: float = 0.0) -> PendingReduce:
+                      recipe: Recipe | None, noise_std: float = 0.0, state: bytes | None = None) -> PendingReduce:
         """`start` with secure aggregation: the whole vector masked once in its ring, each
         chunk sent as the ring's 32-bit words (bytes only the owner's sum makes sense of), my
         own part masked like the others (my pair masks must cancel in my own shard's sum too)."""
@@ -401,7 +407,7 @@ class ShardedReducer:
                     slot.sig = self._contributions.sign_part(t, i, c, view, weight, packet, masked.recipe)
                 slots.append(slot)
         round_ = self._round(t, members, slots, own_private=True, weight=weight, recipe=masked.recipe,
-                             masked=masked)
+                             masked=masked, state=state)
         return PendingReduce(self, t, members, vector, self.node.submit(round_), self._backstop_s)
 
     def _owner_set(self, members: tuple[str, ...], t: int) -> set[str]:
@@ -552,13 +558,15 @@ class ShardedReducer:
             absent = set(members) - skipped  # every chunk skipped: nobody's part counted
         if ahead > t:  # the owners had gone on: nothing of this peer's counted in this round
             absent.add(me)
+        diverged = any(r.diverged for r in results if r.packet is not None)
         return ReduceResult(t, synced, len(members) - len(lost), tuple(sorted(lost - skipped)), ahead,
-                            tuple(sorted(lost & skipped)), shares, tuple(sorted(absent)))
+                            tuple(sorted(lost & skipped)), shares, tuple(sorted(absent)), diverged)
 
     # ------------------------------------------------------------------ network thread
     async def _round(self, t: int, members: tuple[str, ...], slots: list[_Slot],
                      own_private: bool, weight: float | None = None,
-                     recipe: Recipe | None = None, masked: Masked | None = None) -> list[_ShardResult]:
+                     recipe: Recipe | None = None, masked: Masked | None = None,
+                     state: bytes | None = None) -> list[_ShardResult]:
         me = self.node.peer_id
         self._latest_round = max(self._latest_round, t)
         view = self._known_views.add(members)  # my parts name it by digest; owners know it from theirs
@@ -579,11 +587,11 @@ class ShardedReducer:
                 if owner == me:
                     assert slot.own is not None
                     jobs.append(self._reduce_own(t, members, view, slot.shard, slot.chunk, slot.own, own_private,
-                                                 weight))
+                                                 weight, state))
                 else:
                     assert slot.packet is not None and slot.sig is not None
                     jobs.append(self._send_part(t, members, view, slot, owner, weight, recipe,
-                                                riding.get((slot.shard, slot.chunk, owner))))
+                                                riding.get((slot.shard, slot.chunk, owner)), state))
         results = iter(await asyncio.gather(*jobs))
         self._forget_before(t - _KEEP_CLOSED_ROUNDS)
         return [self._vote(t, view, slot, [next(results) for _ in slot.owners]) for slot in slots]
@@ -650,12 +658,13 @@ class ShardedReducer:
             "topic": self.topic, "shard": liar.shard, "chunk": liar.chunk, "view": view, "averages": signed}))
 
     async def _reduce_own(self, t: int, members: tuple[str, ...], view: bytes, i: int, c: int,
-                          part: torch.Tensor, private: bool, weight: float | None) -> _ShardResult:
+                          part: torch.Tensor, private: bool, weight: float | None,
+                          state: bytes | None = None) -> _ShardResult:
         me = self.node.peer_id
         # private: start() cloned it, so it may become the sum; else a view of the caller's
         # vector, which the group reads and never writes
         reply, buffers = await self._reduce((t, members, i, c), me, part, owned=private,
-                                            weight=1.0 if weight is None else weight)
+                                            weight=1.0 if weight is None else weight, state=state)
         refused = Refused.from_wire(reply)
         if refused is not None:
             return _ShardResult(i, c, me, None, reason=refused.reason)
@@ -663,17 +672,17 @@ class ShardedReducer:
         packet = Packet(self._avg_headers.incoming(average.header, part.numel()), buffers)
         return _ShardResult(i, c, me, packet, average.contributors, shares=average.shares,
                             content=content_digest(packet.header, packet.buffers) if self._replicated else None,
-                            sig=average.sig)
+                            sig=average.sig, diverged=average.diverged)
 
     async def _send_part(self, t: int, members: tuple[str, ...], view: bytes, slot: _Slot, owner: str,
                          weight: float | None = None, recipe: Recipe | None = None,
-                         deal: tuple[int, bytes] | None = None) -> _ShardResult:
+                         deal: tuple[int, bytes] | None = None, state: bytes | None = None) -> _ShardResult:
         i, c, numel, packet = slot.shard, slot.chunk, slot.numel, slot.packet
         assert packet is not None
         # Counted in awake time: an average that came while this loop was stalled is read, not dropped.
         deadline = AwakeDeadline(self._reply_within_s)
         part = Part(t, i, c, self._part_headers.outgoing(packet.header, numel), view=view, weight=weight,
-                    sig=slot.sig, recipe=recipe, deal=deal)
+                    sig=slot.sig, recipe=recipe, deal=deal, state=state)
         try:
             msg = await request_patiently(self.node, owner, self.topic, part.to_wire(), packet.buffers, deadline,
                                           self.timeouts.retry_interval_s)
@@ -709,7 +718,7 @@ class ShardedReducer:
             self._saw_view(t, owner, ())
         fault_point("reduce.member.first_average", t)
         return _ShardResult(i, c, owner, result, contributors, shares=average.shares, content=content,
-                            sig=average.sig)
+                            sig=average.sig, diverged=average.diverged)
 
     async def _on_part(self, msg: Message) -> Reply | dict[str, Any]:
         """An owner receives one member's part; its answer is the shard's average."""
@@ -787,7 +796,8 @@ class ShardedReducer:
         except Exception as exc:
             return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
         reply, buffers = await self._reduce(key, msg.sender, part, owned=not _shares_memory(part, packet),
-                                            weight=1.0 if body.weight is None else body.weight, signed=signed)
+                                            weight=1.0 if body.weight is None else body.weight, signed=signed,
+                                            state=body.state)
         return Reply(reply, buffers)
 
     def _signed_detail(self, i: int, c: int, signed: _Signed) -> dict[str, Any]:
@@ -812,7 +822,7 @@ class ShardedReducer:
         return tuple(sorted({*self.node.live_peers_here(), self.node.peer_id}))
 
     async def _reduce(self, key: GroupKey, sender: str, part: torch.Tensor, owned: bool = False,
-                      weight: float = 1.0, signed: _Signed | None = None
+                      weight: float = 1.0, signed: _Signed | None = None, state: bytes | None = None
                       ) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
         """Add a part to its group and wait for the group to close (all in, or timeout)."""
         t, members = key[0], key[1]
@@ -838,6 +848,8 @@ class ShardedReducer:
         group.add(sender, part, owned, weight)
         if signed is not None:  # kept until the group closes: the evidence, if the part turns out bad
             group.signed[sender] = signed
+        if state is not None:
+            group.states[sender] = state
         self._saw_view(t, sender, members)
         if group.complete():
             self._finish(key, group)
@@ -930,8 +942,9 @@ class ShardedReducer:
                 contributors = tuple(sorted(group.contributors))
                 sig = self._contributions.sign_average(t, i, c, view_digest(members), contributors, packet)
                 # shares only when weights differed: equal ones send what they always did
+                diverged = len({s for m in contributors if (s := group.states.get(m)) is not None}) > 1
                 answer = Average(self._avg_headers.outgoing(packet.header, avg.numel()), contributors,
-                                 tuple(sorted(shares.items())) if shares is not None else (), sig)
+                                 tuple(sorted(shares.items())) if shares is not None else (), sig, diverged)
                 group.reply = (answer.to_wire(members), packet.buffers)
                 self._answers[key] = group.reply
                 for old in [k for k in self._answers if k[0] <= t - _KEEP_ANSWERS]:

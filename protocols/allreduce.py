@@ -124,7 +124,8 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
                 raise ProtocolError("allreduce: audit_rate needs the runtime's batches (audit_data, which the "
                                     "Trainer sets)")
             recipe = self.auditor.before(t, members, self.audit_data)
-        result = self.reducer.start(t, members, grad, lend=True, recipe=recipe, weight=weight).wait()
+        state = self.guard.round_digest() if self.guard is not None and len(members) > 1 else None
+        result = self.reducer.start(t, members, grad, lend=True, recipe=recipe, weight=weight, state=state).wait()
         if len(members) > 1:
             self.flat.scatter_grads(grad)
         if recipe is not None and self.auditor is not None and self.audit_data is not None:
@@ -137,7 +138,8 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
             self.optimizer.step()
         if self.buffer_sync is not None and len(members) > 1:
             self.buffer_sync.sync(t, members)
-        if self.guard is not None and self.guard.due(t) and len(members) > 1 and result.ahead <= t:
+        if self.guard is not None and (self.guard.due(t) or result.diverged) and len(members) > 1 \
+                and result.ahead <= t:
             self.guard.run(t, members)  # (a peer that was late checks at the swarm's next check)
         self.step_count = max(self.step_count, t + 1)
         if result.lost:

@@ -21,9 +21,11 @@ version, all-reduce, quorum and the exchange it has in flight. `DiLoCo` below de
 each sends and merges; the fragment does the arithmetic.
 
 Every peer decodes the same averaged packets, so outer parameters stay bit-identical. A shard
-whose average did not come back (its owner died) counts as 0 on every peer that missed it,
-so survivors keep agreeing instead of each applying its own pseudo-gradient there. Every
-`check_every` syncs of fragment 0 the drift guard (`guard.py`) checks that they do.
+whose average did not come back (its owner died) counts as 0 on every member alike, so
+survivors keep agreeing instead of each applying its own pseudo-gradient there. Every
+`check_every` syncs of fragment 0 the drift guard (`guard.py`) checks that they do, and right
+after any round of fragment 0 whose owners saw its members begin it with different outer
+states (a round whose members' views differed, the round before).
 
 Elastic membership. A joiner loads a peer's `state_dict` (outer parameters, momentum, round,
 inner optimizer state, rounds in flight). For a round in flight it takes part in (its member
@@ -115,10 +117,12 @@ class SideRounds:
     def __init__(self, node: Node, buffers: BufferAverager | None, guard: DriftGuard | None) -> None:
         self.node, self.buffers, self.guard = node, buffers, guard
 
-    def after_merge(self, k: int, members: tuple[str, ...]) -> None:
+    def after_merge(self, k: int, members: tuple[str, ...], diverged: bool = False) -> None:
+        """`diverged`: an owner of the round saw its members begin it with different outer
+        states, so the guard checks now, due or not."""
         if self.buffers is not None:
             self.buffers.sync(k, members)
-        if self.guard is not None and self.guard.due(k):
+        if self.guard is not None and (self.guard.due(k) or diverged):
             self.guard.run(k, members)
 
     def skip(self, k: int) -> None:
@@ -175,7 +179,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                                       self.is_open, salt=f) if config.quorum else None,
                           config, self.placement, node.peer_id,
                           version=0 if self.clock else self.schedule.first_round(f),
-                          on_skip=self.side_rounds.skip if f == 0 else None)
+                          on_skip=self.side_rounds.skip if f == 0 else None,
+                          round_state=self.guard.round_digest if f == 0 and self.guard is not None else None)
             for f, fragment in enumerate(split)]
         self.reducers = [fragment.reducer for fragment in self.fragments]
         # my share of each round's average (0 in a round that closed without me): what I weigh
@@ -414,7 +419,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         with clock.computing():
             fragment.merge(exchange, k)
         if f == 0 and exchange is not None and exchange.pending is not None:  # the same members, the same rounds
-            self.side_rounds.after_merge(k, exchange.members)
+            self.side_rounds.after_merge(k, exchange.members, result is not None and result.diverged)
         return result
 
     def _missed(self, fragment: OuterFragment, exchange: Exchange) -> None:

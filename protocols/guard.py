@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from starling.collectives import ReduceTimeouts
-from starling.collectives.agreement import AgreementCheck, digest_bytes
+from starling.collectives.agreement import AgreementCheck, digest_bytes, sampled_digest
+from starling.collectives.bodies import STATE_DIGEST_BYTES
 from starling.collectives.compact import view_digest
 from starling.collectives.requests import request_patiently
 from starling.common.hashing import derive_seed, peer_hash
@@ -93,6 +94,14 @@ class DriftGuard:
 
     def due(self, t: int) -> bool:
         return self.every > 0 and t % self.every == 0
+
+    def round_digest(self) -> bytes:
+        """What a member's parts say of the state it begins a round with (`ShardedReducer.start`'s
+        `state`): a sampled digest, taken every round. An owner whose contributors named
+        different ones flags its average, and every member that gets it checks right after the
+        round (`run`, whatever `due` says): members that averaged apart in some round (their
+        views of it differed) find out in the next, and hold one state at its end."""
+        return sampled_digest(self._tensors(), STATE_DIGEST_BYTES)
 
     def run(self, t: int, members: tuple[str, ...]) -> bool | None:
         """Round t's check (training thread, every member of the round at once): the verdict,

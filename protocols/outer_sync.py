@@ -164,16 +164,20 @@ class OuterFragment:
     """One fragment in DiLoCo's outer loop: its outer parameters, momentum and version, the
     exchange it has in flight, and what starts, admits, steps and merges that exchange.
 
-    `on_skip` is told of every round of this fragment that I send nothing in (fragment 0's
-    carries the small rounds that ride on its merge: the buffers' average, the drift guard)."""
+    `round_state` gives the digest my parts name of the state I begin each round with (fragment
+    0's: the drift guard's, `DriftGuard.round_digest`). `on_skip` is told of every round of this
+    fragment that I send nothing in (fragment 0's carries the small rounds that ride on its
+    merge: the buffers' average, the drift guard)."""
 
     def __init__(self, view: FragmentView, reducer: ShardedReducer, quorum: QuorumClose | None,
                  config: DiLoCoConfig, placement: OuterPlacement, me: str, version: int,
-                 on_skip: Callable[[int], None] | None = None) -> None:
+                 on_skip: Callable[[int], None] | None = None,
+                 round_state: Callable[[], bytes] | None = None) -> None:
         self.index = view.fragment.index
         self.view, self.reducer, self.quorum = view, reducer, quorum
         self.config, self.placement, self.me = config, placement, me
         self.on_skip = on_skip
+        self.round_state = round_state  # the digest my parts name of the state I begin a round with
         self.outer = placement.placed(view.read())
         self.momentum = torch.zeros_like(self.outer)
         self.version = version  # the round this fragment merges next
@@ -266,7 +270,8 @@ class OuterFragment:
             return Exchange(k, members, delta, weight=weight, merge_at=merge_at)
         average = delta.clone()
         before = self.reducer.state_dict() if not self.reducer.codec.lossless else None
-        pending = self.reducer.start(k, members, average, weight=weight)
+        state = self.round_state() if self.round_state is not None and len(members) > 1 else None
+        pending = self.reducer.start(k, members, average, weight=weight, state=state)
         return Exchange(k, members, delta, average, pending, before, weight=weight, merge_at=merge_at)
 
     def eager_update(self) -> None:

@@ -14,6 +14,7 @@ MEMBERS = ("a", "b", "c")
 @pytest.mark.parametrize("body", [
     Part(3, 1, 0, {"codec": "none"}, members=MEMBERS),
     Part(3, 1, 2, None, view=view_digest(MEMBERS), weight=2.5),
+    Part(3, 1, 2, None, view=view_digest(MEMBERS), state=b"s" * 8),
     Skip(7),
     Ask(4, MEMBERS, 0.0),
     Wait(4),
@@ -25,6 +26,8 @@ def test_a_body_comes_back_as_it_went(body) -> None:
 def test_answers_come_back_as_they_went() -> None:
     average = Average(None, ("a", "c"), (("a", 0.25), ("c", 0.75)))
     assert Average.from_wire(average.to_wire(MEMBERS), MEMBERS) == average
+    flagged = Average(None, ("a", "c"), diverged=True)
+    assert Average.from_wire(flagged.to_wire(MEMBERS), MEMBERS) == flagged
     closing = Closing(2, (("a", 1.0), ("b", 3.0)), b"s" * 64)
     assert Closing.from_wire(closing.to_wire(), 2) == closing
     ack = Ack(2, b"s" * 64)
@@ -56,6 +59,7 @@ def test_a_part_names_its_members_one_way() -> None:
     ({"step": 0, "shard": 0, "chunk": 0, "members": ["a"]}, "packet"),
     ({"step": 0, "shard": 0, "chunk": 0, "members": ["a"], "packet": [1]}, "packet"),
     ({"step": 0, "shard": 0, "chunk": 0, "members": ["a"], "packet": None, "weight": float("nan")}, "weight"),
+    ({"step": 0, "shard": 0, "chunk": 0, "members": ["a"], "packet": None, "state": b"short"}, "state"),
     ({"step": 0, "shard": 0, "chunk": 0, "members": ["a"], "packet": None, "weight": -1}, "weight"),
 ])
 def test_a_bad_part_is_named(obj, what) -> None:

@@ -92,6 +92,34 @@ def test_without_the_guard_they_stay_apart(make_node, variant):
     assert not agree(protos) and all(p.guard is None for p in protos)
 
 
+@pytest.mark.parametrize("variant", ["allreduce", "sketch-dp"])
+def test_a_drift_between_checks_is_repaired_at_the_end_of_the_next_round(make_node, caplog, variant):
+    """The members began round 1 with different parameters (as after a round whose views
+    differed): the owners see their parts name different states, and every member checks
+    right after round 1, though the next scheduled check is round 100."""
+    nodes = in_member_order(swarm(make_node, PEERS))
+    protocol, options = OPTIONS[variant]
+    protos = [get_protocol(protocol).create(n, model_of(1), options) for n in nodes]
+    gens = [torch.Generator().manual_seed(r) for r in range(PEERS)]
+
+    def steps(n: int) -> None:
+        in_parallel([lambda r=r: [protos[r].step(lambda: loss_of(protos[r], r, gens[r])) for _ in range(n)]
+                     for r in range(PEERS)])
+
+    steps(1)  # round 0, checked: they agree
+    assert agree(protos) and [p.guard.repairs for p in protos] == [0, 0, 0]
+    with torch.no_grad():
+        protos[2].flat.params[0].add_(0.25)  # rank 2 drifts after the check
+    steps(1)  # round 1: not due (check_every 100), but its averages say the states differed
+    assert agree(protos)
+    assert [p.guard.repairs for p in protos] == [0, 0, 1]
+    assert "my parameters differ from the majority's (2 of 3 members) at round 1" in caplog.text
+    steps(2)  # and no check after rounds that began alike
+    assert agree(protos) and [p.guard.repairs for p in protos] == [0, 0, 1]
+    for proto in protos:
+        proto.close()
+
+
 def test_optimizer_state_that_does_not_fit_is_refused_and_changes_nothing():
     model = nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
