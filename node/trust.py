@@ -296,6 +296,31 @@ class Trust:
             except Exception:
                 log.exception("%s: a ban hook raised", self.local.peer_id)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The bans, with the signed accusations behind each, as plain data for this peer's
+        checkpoints: a swarm restarted from them still holds its bans."""
+        return {"bans": [{**ban.summary(), "peer": peer, "proofs": list(self._proofs.get(peer, ()))}
+                         for peer, ban in self.banned.items()]}
+
+    def load_state_dict(self, state: Any) -> int:
+        """Take the bans of this peer's own checkpoint (trusted as its own words; their proofs go
+        to joiners as before); returns how many were new. Network thread. ValueError for a
+        malformed state, which changes nothing."""
+        try:
+            bans = [(Ban(str(b["peer"]), str(b["kind"]), int(b["round"]), tuple(str(w) for w in b["witnesses"]),
+                         bool(b["verifiable"])), [dict(p) for p in b.get("proofs") or ()])
+                    for b in (state or {}).get("bans") or ()]
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
+            raise ValueError(f"a checkpoint's bans are malformed: {exc}") from None
+        new = 0
+        for ban, proofs in bans:
+            if ban.peer in self.banned or ban.peer == self.local.peer_id:
+                continue
+            self._ban(ban, Evidence(ban.kind, ban.peer, b"", ban.round, {"restored": True}))
+            self._proofs[ban.peer] = proofs[:max(1, self.witnesses)]
+            new += 1
+        return new
+
     def status(self) -> dict[str, Any]:
         """Plain data for `node status`: per-peer counts, bans, and who stands accused."""
         return {"counts": {p: dict(c) for p, c in self.counts.items()},

@@ -73,6 +73,7 @@ LEDGER_ROUNDS = 8
 LEDGER_FETCH_S = 1.5  # how long a peer waits for the reference's ledger before advancing its own
 LEDGER_MAX_BYTES = 64 << 20  # a ledger blob said to be larger is refused (8 rounds of a very large swarm fit)
 DATA_STATE = "data"  # the state_dict key of the swarm's data position (a UnitLedger), next to the protocol's
+BANS_STATE = "bans"  # a checkpoint's key of the node's bans (Trust.state_dict)
 FETCH_STATE_DEADLINE_S = 120.0  # how long a joiner keeps trying to fetch the swarm's state
 # A protocol option that plans for the run's length (sketch-dp's privacy budget is spread over
 # it); filled from the run's step count when the user leaves it unset.
@@ -594,6 +595,7 @@ class Trainer:
                  "rank": self.rank, "world": self.world}
         if self.ledger is not None:
             state[DATA_STATE] = self.ledger.state_dict()
+        state[BANS_STATE] = self.node.run(_trust_state(self.node))
         future = self._writer.save(self.proto.step_count, state,
                                    meta={"peer_id": self.node.peer_id, "swarm": self.spec.to_swarm_config()})
         future.add_done_callback(self._checkpoint_written)
@@ -619,6 +621,12 @@ class Trainer:
             raise CheckpointError(f"{checkpoint.state_path} holds a data position this task cannot take: "
                                   f"{exc}") from None
         self.proto.load_state_dict(state["protocol"])
+        try:
+            restored = self.node.run(_restore_bans(self.node, state.get(BANS_STATE)))
+        except ValueError as exc:
+            raise CheckpointError(f"{checkpoint.state_path}: {exc}") from None
+        if restored:
+            log.info("%s: %d bans restored from the checkpoint", self.node.peer_id, restored)
         if ledger is not None:  # where this peer was: the swarm may have gone on without it
             self.ledger = ledger
             self._recheck = self._ledger_fresh = True
@@ -732,3 +740,11 @@ class Trainer:
         self.finish_checkpoints()
         if self.proto is not None:
             self.proto.close()
+
+
+async def _trust_state(node: Node) -> dict[str, Any]:
+    return node.trust.state_dict()  # on the network thread, which bans
+
+
+async def _restore_bans(node: Node, state: Any) -> int:
+    return node.trust.load_state_dict(state)

@@ -17,7 +17,7 @@ def test_an_owner_killed_holding_every_part_leaves_the_survivors_with_one_model(
     assert row["fired"], f"the victim never reached its fault point (logs in {tmp_path})"
     assert row["survivors_finished"]
     assert row["steps_compared"] >= 5
-    assert row["steps_diverged"] == 0 and row["final_agree"], row
+    assert row["steps_diverged"] == 0 and row["final_agree"] and row["one_outcome"], row
 
 
 def test_a_case_replays_from_the_line_a_row_prints():

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import hold_against
 
+from starling.node.identity import Identity
 from starling.runtime import CheckpointConfig, CheckpointError, Trainer, TrainSpec
 
 SPEC = TrainSpec(protocol="diloco", task="quadratic", options={"sync_every": 3, "lr": 0.05}, seed=3)
@@ -60,3 +62,33 @@ def test_a_checkpoint_of_another_swarm_is_refused(make_node, tmp_path):
 def test_checkpoint_config_is_checked():
     with pytest.raises(ValueError, match="every"):
         CheckpointConfig("x", every=0)
+
+
+def test_a_restarted_peer_still_holds_the_bans_of_its_checkpoint(make_node, tmp_path):
+    config = CheckpointConfig(str(tmp_path / "ckpt"), every=5, keep=2)
+    first = _trainer(make_node, SPEC, config)
+    banned, accused = Identity.generate(), Identity.generate()
+    hold_against(first.node, banned, accused)
+    assert first.node.trust.is_banned(banned.peer_id)
+    _run(first, 5)
+    first.close()
+
+    second = _trainer(make_node, SPEC, config)  # a new node: it knows no ban of its own
+    assert not second.node.trust.is_banned(banned.peer_id)
+    second.resume()
+    assert second.node.trust.is_banned(banned.peer_id)  # the verifiable ban, with its round
+    assert second.node.trust.banned[banned.peer_id].round == 7
+    assert not second.node.trust.is_banned(accused.peer_id)  # an accusation is no ban
+    second.close()
+
+
+def test_malformed_bans_in_a_checkpoint_are_refused_and_change_nothing(make_node):
+    node = make_node("inproc")
+
+    async def load(state):
+        return node.trust.load_state_dict(state)
+
+    with pytest.raises(ValueError, match="bans are malformed"):
+        node.run(load({"bans": [{"peer": "x", "kind": "k"}]}))
+    assert node.trust.banned == {}
+    assert node.run(load(None)) == 0
