@@ -1,5 +1,8 @@
-"""What the drift guard (`check_every`) costs in bytes: each protocol's swarm run twice, with the
-guard off and on, the same seed, the same steps.
+"""What the drift guard (`check_every`) costs in bytes and time: each protocol's swarm run twice,
+with the guard off and on, the same seed, the same steps. With the guard on, every part also
+names a sampled digest of its author's state (the check that follows a round begun apart), so
+"on" includes that too; `time_ratio` is the runs' wall time on over off (the box's noise
+included: read it over several runs).
 
     python benchmarks/drift_guard.py [--peers P] [--diloco-check-every K] [--check-every K]
                                      [--sync-every H] [--fragments F] [--steps N]
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from typing import Any
 
 from starling.node.swim import Liveness
@@ -36,7 +40,9 @@ TASKS = {"diloco": "charlm", "streaming-diloco": "charlm", "allreduce": "charlm"
 def run(protocol: str, peers: int, steps: int, options: dict[str, Any]) -> dict[str, float]:
     config = SimConfig(peers=peers, protocol=protocol, task=TASKS[protocol], steps=steps, options=options,
                        liveness=BENCH_LIVENESS)
+    began = time.perf_counter()
     result = Simulation(config).run()
+    wall_s = time.perf_counter() - began
     failed = [p for p in result.peers if p.status != "finished"]
     if failed:
         raise RuntimeError(f"peer {failed[0].rank} {failed[0].status}: {failed[0].error}")
@@ -44,7 +50,7 @@ def run(protocol: str, peers: int, steps: int, options: dict[str, Any]) -> dict[
     guard = [sum(n for t, n in by.items() if t.endswith((".agree", ".digest", ".sync")) and "buffers" not in t)
              for by in topics]
     return {"bytes_per_peer": statistics.fmean(p.bytes_sent for p in result.peers),
-            "guard_bytes_per_peer": statistics.fmean(guard)}
+            "guard_bytes_per_peer": statistics.fmean(guard), "wall_s": wall_s}
 
 
 def measure(protocol: str, peers: int, steps: int, options: dict[str, Any], check_every: int) -> dict[str, Any]:
@@ -53,7 +59,9 @@ def measure(protocol: str, peers: int, steps: int, options: dict[str, Any], chec
     row = {"bench": "drift_guard", "protocol": protocol, "peers": peers, "steps": steps, **options,
            "check_every": check_every, "bytes_per_peer_off": off["bytes_per_peer"],
            "bytes_per_peer_on": on["bytes_per_peer"], "guard_bytes_per_peer": on["guard_bytes_per_peer"],
-           "overhead": on["bytes_per_peer"] / off["bytes_per_peer"] - 1.0}
+           "overhead": on["bytes_per_peer"] / off["bytes_per_peer"] - 1.0,
+           "wall_s_off": round(off["wall_s"], 2), "wall_s_on": round(on["wall_s"], 2),
+           "time_ratio": round(on["wall_s"] / off["wall_s"], 3)}
     print(json.dumps(row), flush=True)
     return row
 

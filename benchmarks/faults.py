@@ -16,16 +16,19 @@ DiLoCo's outer parameters). One of them, the victim, is told through `STARLING_F
     quorum.leader.closing        a quorum leader that decided a closing set, before telling it
     train.step                   a peer at the start of a step
     join.fetched                 a joiner that has the swarm's state, before it loads it (a
-                                 fresh joiner is the victim: it joins once the others train)
+                                 fresh joiner is the victim: it joins as the others start)
 
-and the action is `kill` (SIGKILL) or `stop` (SIGSTOP, then SIGKILL once the survivors went on
-without it: a stalled peer). The survivors train to `--steps` and stop. The invariant checked:
-at every step from `fault round + settle` on, every survivor's progress line at that step
-carries the same digest (a peer that missed a line is not compared there), and their final
-digests agree. In DiLoCo's family a member that fell behind holds a newer round's state at an
-earlier step, so there the check is that no survivor holds a state no other survivor held
-(`private_states`); `one_outcome` is the verdict. A run whose victim never reached its point
-is reported as such (`fired`: false).
+and the action is `kill` (SIGKILL), `pause` (SIGSTOP, then SIGCONT once the others went on
+without it: a stalled peer that comes back behind, and must end with the others' state; it is
+checked as a survivor) or `stop` (SIGSTOP, then SIGKILL once the survivors went on
+without it: a stalled peer). The survivors train to `--steps` and stop. The invariant
+checked, from the fault's round on: no survivor stays apart from the others for more than one
+round (`longest_apart_steps`; a round whose members' views split, or whose owner answered some
+members and not others, is repaired at the end of the next one), and their final digests
+agree. Apart means, where members step in lock-step (allreduce, sketch-dp), a different digest
+at the same step; in DiLoCo's family, where a member that fell behind holds a newer round's
+state at an earlier step, a digest no other survivor held. `one_outcome` is the verdict. A run
+whose victim never reached its point is reported as such (`fired`: false).
 
 A seeded schedule picks each run's protocol, point, round, action and victim, so one failing
 run is replayed with `--case` (each row prints its case). Rows are JSON; the last one sums up.
@@ -37,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -59,7 +63,6 @@ PROTOCOLS: dict[str, tuple[list[str], int]] = {
 }
 POINTS = ("reduce.owner.closing", "reduce.member.first_average", "train.step", "join.fetched",
           "quorum.leader.closing")
-SETTLE_ROUNDS = 2  # rounds after the fault before the survivors must agree at every step
 # Protocols whose members step in lock-step hold the same state at the same step. In DiLoCo's
 # family a member that fell behind takes the swarm's newer outer state, so at one step two
 # members may hold states of different rounds: there, no survivor may hold a state that no
@@ -103,7 +106,7 @@ def schedule(seed: int, runs: int, peers: int, protocols: list[str], points: lis
             victim = rng.randrange(peers)
         steps_per_round = 1 if protocol in ("allreduce", "sketch-dp") else 2
         round_ = rng.randrange(3, 6) if point != "train.step" else rng.randrange(3, 6) * steps_per_round
-        cases.append(Case(protocol, point, round_, rng.choice(["kill", "kill", "stop"]), victim))
+        cases.append(Case(protocol, point, round_, rng.choice(["kill", "kill", "stop", "pause"]), victim))
     return cases
 
 
@@ -112,8 +115,9 @@ def run_case(case: Case, peers: int, log_dir: str) -> dict[str, Any]:
     if case.victim == peers:  # long enough for a joiner to come while the swarm trains
         steps *= JOIN_STEPS_FACTOR
     protocol = case.protocol.removesuffix("-quorum")
-    fault = {"STARLING_FAULT": f"{case.point}@{case.round}:{case.action}"} if case.point != "join.fetched" \
-        else {"STARLING_FAULT": f"join.fetched:{case.action}"}
+    action = "stop" if case.action == "pause" else case.action
+    fault = {"STARLING_FAULT": f"{case.point}@{case.round}:{action}"} if case.point != "join.fetched" \
+        else {"STARLING_FAULT": f"join.fetched:{action}"}
 
     def start(i: int, args: list[str]) -> NodeProcess:
         return NodeProcess([*FAST, "--steps", str(steps), *args], os.path.join(log_dir, f"{i}.log"),
@@ -133,23 +137,27 @@ def run_case(case: Case, peers: int, log_dir: str) -> dict[str, Any]:
             procs.append(start(peers, ["--join", address]))
         victim = procs[case.victim]
         stopped_at = None
-        while any(p.alive() for p in procs if p is not victim):
+        comes_back = case.action == "pause"
+        while any(p.alive() for p in procs if p is not victim or comes_back):
             quit_early = [p for p in procs if p is not victim and not p.alive() and p.stopped is None]
             if quit_early:
                 raise RuntimeError(f"a survivor exited before it stopped training: {quit_early[0].log_tail()}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"survivors did not finish within 240 s: {case}")
-            if case.action == "stop" and victim.alive() and _stopped(victim.pid):
+            if case.action in ("stop", "pause") and victim.alive() and _stopped(victim.pid):
                 stopped_at = stopped_at or time.monotonic()
                 if time.monotonic() - stopped_at > 8.0:  # stalled long enough to be declared dead
-                    victim.kill()
-            if not victim.alive() and all(not p.alive() or p.stopped for p in procs):
+                    if comes_back:
+                        os.kill(victim.pid, signal.SIGCONT)
+                    else:
+                        victim.kill()
+            if not comes_back and not victim.alive() and all(not p.alive() or p.stopped for p in procs):
                 break
             time.sleep(0.1)
         for p in procs:
             p.wait(30)
         fired = any("fault point" in line and "reached" in line for line in _lines(victim))
-        survivors = [p for p in procs if p is not victim]
+        survivors = [p for p in procs if p is not victim or comes_back]
         wall_s = round(time.monotonic() - began, 1)
         return {"case": str(case), "fired": fired, **check(case, survivors), "wall_s": wall_s}
     finally:
@@ -158,28 +166,37 @@ def run_case(case: Case, peers: int, log_dir: str) -> dict[str, Any]:
 
 
 def check(case: Case, survivors: list[NodeProcess]) -> dict[str, Any]:
-    """The invariant: from `settle` on, the survivors' digests at each step agree."""
+    """The invariant: from the fault's round on, no survivor stays apart from the others for
+    more than one round (a round whose views split is repaired at the end of the next)."""
     by_step: dict[int, dict[int, str]] = defaultdict(dict)
     for i, p in enumerate(survivors):
         for record in p.records:
             if record.get("synced"):
                 by_step[int(record["step"])][i] = record["synced"]
-    per_round = 1 if case.protocol in ("allreduce", "sketch-dp") else 2
-    settle = (case.round + SETTLE_ROUNDS) * per_round if case.point != "train.step" else case.round + SETTLE_ROUNDS
-    compared = [s for s in sorted(by_step) if s >= settle and len(by_step[s]) > 1]
-    diverged = [s for s in compared if len(set(by_step[s].values())) > 1]
-    holders: dict[str, set[int]] = defaultdict(set)  # digest -> survivors that held it after settling
+    per_round = 1 if case.protocol in LOCKSTEP else 2  # steps between two rounds of fragment 0
+    start = case.round if case.point == "train.step" else case.round * per_round
+    compared = [s for s in sorted(by_step) if s >= start and len(by_step[s]) > 1]
+    diverged = {s for s in compared if len(set(by_step[s].values())) > 1}
+    holders: dict[str, set[int]] = defaultdict(set)  # digest -> survivors that held it at some compared step
     for s in compared:
         for i, digest in by_step[s].items():
             holders[digest].add(i)
-    private = sorted(d for d, who in holders.items() if len(who) == 1)
+    private = {d for d, who in holders.items() if len(who) == 1}
+    if case.protocol in LOCKSTEP:  # the same step, the same state
+        apart = [s in diverged for s in compared]
+    else:  # a step at which some survivor held a state no other survivor ever held
+        apart = [any(d in private for d in by_step[s].values()) for s in compared]
+    longest = run = 0
+    for is_apart in apart:
+        run = run + 1 if is_apart else 0
+        longest = max(longest, run)
     finals = [p.records[-1].get("synced") if p.records else None for p in survivors]
     finished = [p.stopped is not None for p in survivors]
-    lockstep = case.protocol in LOCKSTEP
-    return {"steps_compared": len(compared), "steps_diverged": len(diverged), "first_diverged": diverged[:3],
-            "private_states": len(private), "final_agree": len(set(finals)) == 1 and None not in finals,
+    agree = len(set(finals)) == 1 and None not in finals
+    return {"steps_compared": len(compared), "steps_diverged": len(diverged), "first_diverged": sorted(diverged)[:3],
+            "private_states": len(private), "longest_apart_steps": longest, "final_agree": agree,
             "survivors_finished": all(finished),
-            "one_outcome": (not diverged if lockstep else not private) and len(set(finals)) == 1 and all(finished)}
+            "one_outcome": longest <= per_round and agree and all(finished)}
 
 
 def _stopped(pid: int) -> bool:
