@@ -14,6 +14,8 @@ DiLoCo's outer parameters). One of them, the victim, is told through `STARLING_F
     reduce.owner.closing         an owner holding every part of a group, before it answers
     reduce.member.first_average  a member whose first average came back, the others still out
     quorum.leader.closing        a quorum leader that decided a closing set, before telling it
+    secure.unmasker.gathered     secure aggregation's unmasker, holding the round's secrets it
+                                 asked the holders for, before it passes them on
     train.step                   a peer at the start of a step
     join.fetched                 a joiner that has the swarm's state, before it loads it (a
                                  fresh joiner is the victim: it joins as the others start)
@@ -60,14 +62,15 @@ PROTOCOLS: dict[str, tuple[list[str], int]] = {
     "streaming-diloco": (["--sync-every", "4", "--fragments", "2", "--overlap-steps", "1"], 24),
     "sketch-dp": (["--opt", "noise_multiplier=0"], 14),
     "diloco-quorum": (["--sync-every", "2", "--opt", "quorum=2"], 20),
+    "allreduce-secure": (["--lr", "0.05", "--compressor", "none", "--opt", "secure_aggregation=on"], 14),
 }
 POINTS = ("reduce.owner.closing", "reduce.member.first_average", "train.step", "join.fetched",
-          "quorum.leader.closing")
+          "quorum.leader.closing", "secure.unmasker.gathered")
 # Protocols whose members step in lock-step hold the same state at the same step. In DiLoCo's
 # family a member that fell behind takes the swarm's newer outer state, so at one step two
 # members may hold states of different rounds: there, no survivor may hold a state that no
 # other survivor ever held.
-LOCKSTEP = ("allreduce", "sketch-dp")
+LOCKSTEP = ("allreduce", "sketch-dp", "allreduce-secure")
 JOIN_STEPS_FACTOR = 4  # a swarm that a joiner comes to trains this many times longer
 
 
@@ -100,11 +103,13 @@ def schedule(seed: int, runs: int, peers: int, protocols: list[str], points: lis
         protocol, point = rng.choice(protocols), rng.choice(points)
         if point == "quorum.leader.closing" and protocol != "diloco-quorum":
             point = "reduce.owner.closing"
+        if point == "secure.unmasker.gathered" and protocol != "allreduce-secure":
+            point = "reduce.member.first_average"
         if point == "join.fetched":
             victim = peers  # a joiner that comes once the others train
         else:
             victim = rng.randrange(peers)
-        steps_per_round = 1 if protocol in ("allreduce", "sketch-dp") else 2
+        steps_per_round = 1 if protocol in LOCKSTEP else 2
         round_ = rng.randrange(3, 6) if point != "train.step" else rng.randrange(3, 6) * steps_per_round
         cases.append(Case(protocol, point, round_, rng.choice(["kill", "kill", "stop", "pause"]), victim))
     return cases
@@ -114,10 +119,10 @@ def run_case(case: Case, peers: int, log_dir: str) -> dict[str, Any]:
     options, steps = PROTOCOLS[case.protocol]
     if case.victim == peers:  # long enough for a joiner to come while the swarm trains
         steps *= JOIN_STEPS_FACTOR
-    protocol = case.protocol.removesuffix("-quorum")
+    protocol = case.protocol.removesuffix("-quorum").removesuffix("-secure")
     action = "stop" if case.action == "pause" else case.action
-    fault = {"STARLING_FAULT": f"{case.point}@{case.round}:{action}"} if case.point != "join.fetched" \
-        else {"STARLING_FAULT": f"join.fetched:{action}"}
+    at = "" if case.point == "join.fetched" or case.round < 0 else f"@{case.round}"  # round -1: the first reached
+    fault = {"STARLING_FAULT": f"{case.point}{at}:{action}"}
 
     def start(i: int, args: list[str]) -> NodeProcess:
         return NodeProcess([*FAST, "--steps", str(steps), *args], os.path.join(log_dir, f"{i}.log"),

@@ -401,11 +401,15 @@ class SecureStage:
             if state.revealed.get(member, "pair") != "pair":
                 return self._refuse(Refusal.CONFLICT, f"{member} was reported alive in this round already")
         # What I reveal to another owner binds me for the round; asking myself reveals nothing I
-        # do not hold. A seed share binds me only once given (one still on its way may never come).
+        # do not hold, and neither does what an owner asks of its own secrets (its seed's shares,
+        # its pair seeds), which it holds: an unmasker that gathered its own seed's shares and
+        # died must not leave its holders bound to call it alive. A seed share binds me only once
+        # given (one still on its way may never come).
         binding = owner != self.node.peer_id
         if binding:
             for member in pairs:
-                state.revealed[member] = "pair"
+                if member != owner:
+                    state.revealed[member] = "pair"
         deadline = asyncio.get_running_loop().time() + self.reveal_timeout_s
         while any(self._share_of(m, rid) is None for m in seeds):  # a share still on its way from its dealer
             left = deadline - asyncio.get_running_loop().time()
@@ -418,7 +422,8 @@ class SecureStage:
         given = [s for m in seeds if state.revealed.get(m, "seed") == "seed" and (s := self._share_of(m, rid))]
         if binding:  # (another owner may have been given a pair seed of one of them meanwhile: left out above)
             for share in given:
-                state.revealed[share.dealer] = "seed"
+                if share.dealer != owner:
+                    state.revealed[share.dealer] = "seed"
         shares = tuple((s.dealer, s.x, s.y, s.signature) for s in given)
         return Revealed(shares, tuple((m, mine.pairs[m]) for m in pairs), tuple(mine.commits)).to_wire()
 

@@ -96,7 +96,7 @@ def test_dropped_members_are_unmasked_away_by_survivors_with_t_shares(make_node)
     live = [r for r in range(world) if r not in dead]
     results = in_parallel([lambda r=r: rs[r].reduce(1, members, vectors[r]) for r in live])
     mean = torch.stack([vectors[r] for r in live]).mean(0)
-    assert set(members[-2:]) <= set(results[0].lost)  # the dead members' own shards keep local values
+    assert set(members[-2:]) <= set(results[0].lost)  # the dead members own shards: skipped alike (0)
     for chunks, owners in rs[live[0]]._shards(members, 1):
         if owners[0] in members[-2:]:
             continue
@@ -217,6 +217,32 @@ def test_a_holder_never_reveals_both_halves_of_a_members_secrets(make_node):
     second = owner.request(holder.peer_id, topic, {"reveal": 7, "view": view, "seeds": [], "pairs": [victim]}).body
     assert second["ok"] is False and second["code"] == "conflict"
     assert holder.stats.rejected.get("test.secure.conflict", 0) == 1
+
+
+def test_an_owner_asking_for_its_own_secrets_binds_no_holder(make_node):
+    """An unmasker gathers its own seed's shares among the survivors', then dies: the holder
+    that gave it one still gives another owner its pair seed with the dead unmasker (an owner
+    learns nothing from its own secrets, so asking for them binds nobody), and the owners
+    without its part unmask their sums without it."""
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    rs = reducers(nodes, 10)
+    view = view_digest(members)
+    for r in range(3):
+        masked = rs[r]._secure.mask(7, members, view, torch.zeros(10), None)
+        nodes[r].run(rs[r]._secure.deal(masked))
+    unmasker, holder, other = nodes[0], nodes[1], nodes[2]
+    topic = rs[0]._secure.reveal_topic
+    rs[1]._known_views.add(members)
+    own = unmasker.request(holder.peer_id, topic,
+                           {"reveal": 7, "view": view, "seeds": [unmasker.peer_id], "pairs": []}).body
+    assert own["ok"] and len(own["shares"]) == 1
+    pair = other.request(holder.peer_id, topic, {"reveal": 7, "view": view, "seeds": [], "pairs": [unmasker.peer_id]}).body
+    assert pair["ok"] and len(pair["pairs"]) == 1  # the dead unmasker's pair seed: not refused as "alive"
+    # and the binding still holds for what another owner learns: both halves never go to one
+    seed = other.request(holder.peer_id, topic, {"reveal": 7, "view": view, "seeds": [unmasker.peer_id],
+                                                 "pairs": []}).body
+    assert seed["ok"] is False and seed["code"] == "conflict"
 
 
 @pytest.mark.slow
