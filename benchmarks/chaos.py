@@ -33,8 +33,8 @@ the initial peers never killed, averaged over them):
   starting up (no address yet) at the end dies of the SIGTERM: `startup_terminated`, not a hang.
 - committed_share, counted torchft's way: a step is committed unless a failure inside it kept
   its update from including a member. Starling never retries a step: a member that dies during
-  a round is left out of it (a shard it owned keeps each peer's local values in allreduce,
-  counts as 0 in DiLoCo) and every peer goes on. So a step is committed when its progress line
+  a round is left out of it (a shard it owned counts as 0 on every member, in allreduce as in
+  DiLoCo) and every peer goes on. So a step is committed when its progress line
   says `lost` = 0 (DiLoCo's steps without an exchange are local and always committed; a member
   that said it sends nothing in a round, a joiner catching up, is skipped, not lost).
 - its bound. With one kill and one join every T seconds and r steps per second, a kill leaves
