@@ -12,8 +12,10 @@ Reduce-scatter by shard owners (hivemind's butterfly all-reduce), one request pe
     owner of shard i, for each chunk c:
         sum the parts of (t, members, i, c) until every expected member has sent one,
             or round_timeout_s after the first part arrived
-        reply to every contributor with (sum / count, contributors)
-    chunk whose average did not come back in time: keep the local values (owner reported lost)
+        reply to every contributor with (sum / count, contributors); a part that comes after
+            the group closed gets the same reply (kept two rounds)
+    chunk whose average did not come back in time: `unaveraged` on every member alike (0 for
+        an update), or the local values where the reducer averages state (owner reported lost)
 
 Chunks pipeline the round (an owner sums and answers the first chunks while later ones are
 still on the wire), and keep the buffers a round allocates (encoded parts, received frames,
@@ -39,6 +41,10 @@ length in wall time.
 
 A member whose view of round t differs from an owner's hears so from that owner's answer (the
 owner is not among its shard's contributors) and stops waiting for the owner's part there.
+
+Each part may name a digest of the state its author began the round with (`state`); an owner
+whose contributors named different ones flags its average, and `ReduceResult.diverged` tells
+the members, whose drift guard then checks right after the round (`protocols/guard.py`).
 
 A member that will send nothing in round t says so (`skip(t)`): a joiner whose state was taken
 after the round began, or one that jumped past the round to catch up. Every live peer's groups
