@@ -197,9 +197,8 @@ def test_a_wrong_mask_seed_is_refused_counted_and_changes_nothing(make_node):
     assert sum(n.stats.rejected.get("test.secure.secagg_bad_seed", 0) for n in (nodes[r] for r in live)) >= 1
 
 
-def test_a_holder_never_reveals_both_halves_of_a_members_secrets(make_node):
-    """An owner that asks one holder for a member's seed share and then for its pair seed (to
-    strip both its masks) is refused the second time, and the refusal is counted."""
+def dealt_round_7(make_node):
+    """Three members that masked zeros in round 7 and dealt their seeds' shares."""
     nodes = swarm(make_node, 3)
     members = tuple(sorted(n.peer_id for n in nodes))
     rs = reducers(nodes, 10)
@@ -207,6 +206,13 @@ def test_a_holder_never_reveals_both_halves_of_a_members_secrets(make_node):
     for r in range(3):
         masked = rs[r]._secure.mask(7, members, view, torch.zeros(10), None)
         nodes[r].run(rs[r]._secure.deal(masked))
+    return nodes, members, rs, view
+
+
+def test_a_holder_never_reveals_both_halves_of_a_members_secrets(make_node):
+    """An owner that asks one holder for a member's seed share and then for its pair seed (to
+    strip both its masks) is refused the second time, and the refusal is counted."""
+    nodes, members, rs, view = dealt_round_7(make_node)
     owner, holder = nodes[0], nodes[1]
     victim = members[2] if members[2] != owner.peer_id and members[2] != holder.peer_id else \
         next(m for m in members if m not in (owner.peer_id, holder.peer_id))
@@ -224,13 +230,7 @@ def test_an_owner_asking_for_its_own_secrets_binds_no_holder(make_node):
     that gave it one still gives another owner its pair seed with the dead unmasker (an owner
     learns nothing from its own secrets, so asking for them binds nobody), and the owners
     without its part unmask their sums without it."""
-    nodes = swarm(make_node, 3)
-    members = tuple(sorted(n.peer_id for n in nodes))
-    rs = reducers(nodes, 10)
-    view = view_digest(members)
-    for r in range(3):
-        masked = rs[r]._secure.mask(7, members, view, torch.zeros(10), None)
-        nodes[r].run(rs[r]._secure.deal(masked))
+    nodes, members, rs, view = dealt_round_7(make_node)
     unmasker, holder, other = nodes[0], nodes[1], nodes[2]
     topic = rs[0]._secure.reveal_topic
     rs[1]._known_views.add(members)
