@@ -124,7 +124,7 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
                 raise ProtocolError("allreduce: audit_rate needs the runtime's batches (audit_data, which the "
                                     "Trainer sets)")
             recipe = self.auditor.before(t, members, self.audit_data)
-        state = self.guard.round_digest() if self.guard is not None and len(members) > 1 else None
+        state = self._round_state() if len(members) > 1 else None
         result = self.reducer.start(t, members, grad, lend=True, recipe=recipe, weight=weight, state=state).wait()
         if len(members) > 1:
             self.flat.scatter_grads(grad)
@@ -145,7 +145,7 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         if result.lost:
             log.warning("%s: allreduce step %d went on without %s", self.node.peer_id, t, list(result.lost))
         return self._report(t, loss, clock, synced=result.synced, peers=result.peers, lost=result.lost,
-                            absent=result.absent)
+                            absent=result.absent, diverged=result.diverged)
 
     # ------------------------------------------------------------------ hooks and state
     def describe(self) -> dict[str, Any]:

@@ -76,6 +76,14 @@ class BackpropProtocol(Protocol):
             return None
         return digest_bytes(self._replica_tensors(), 8).hex()
 
+    def _round_state(self) -> bytes | None:
+        """The digest my parts of a round name of the state I begin it with (the guard's, with
+        the runtime's `round_context`); None without a guard."""
+        guard: DriftGuard | None = getattr(self, "guard", None)
+        if guard is None:
+            return None
+        return guard.round_digest(self.round_context() if self.round_context is not None else b"")
+
     def _replica_tensors(self) -> Sequence[torch.Tensor]:
         """What the guard compares: the parameters."""
         return self.flat.params

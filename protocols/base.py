@@ -66,6 +66,9 @@ class StepReport:
     wall_s: float = 0.0
     compute_s: float = 0.0  # time spent in local compute (the rest was waiting on the network)
     sampled: bool = True  # False: with client sampling, this peer was not drawn for the step's round
+    # an owner of the step's round saw its members begin it apart (parameters or `round_context`):
+    # the runtime takes the data ledger from its reference at the next round
+    diverged: bool = False
 
 
 class StepClock:
@@ -151,6 +154,10 @@ class Protocol(ABC):
         # Set by the runtime: this peer's batch recipe and any member's batch, for protocols that
         # audit others' contributions by recomputing them (protocols/audit.py).
         self.audit_data: AuditData | None = None
+        # Set by the runtime: bytes of what else the members must hold alike at a round's start
+        # (the data ledger), added to the state digest a round's parts name: members whose
+        # ledgers differ are flagged apart like members whose parameters differ.
+        self.round_context: Callable[[], bytes] | None = None
         if self.topic_prefix is not None:  # counting from before any topic is served
             self.meter = ByteMeter(node, self.topic_prefix)
 
@@ -242,12 +249,13 @@ class Protocol(ABC):
         return StepClock()
 
     def _report(self, step: int, loss: float, clock: StepClock, *, synced: bool = False, peers: int = 1,
-                lost: tuple[str, ...] = (), absent: tuple[str, ...] = (), sampled: bool = True) -> StepReport:
+                lost: tuple[str, ...] = (), absent: tuple[str, ...] = (), sampled: bool = True,
+                diverged: bool = False) -> StepReport:
         """This step's report, with the bytes `meter` counted since the last one."""
         sent, received = self.meter.take()
         return StepReport(step=step, loss=loss, bytes_sent=sent, bytes_received=received, synced=synced,
                           peers=peers, lost_peers=lost, absent_peers=absent, wall_s=clock.wall_s,
-                          compute_s=clock.compute_s, sampled=sampled)
+                          compute_s=clock.compute_s, sampled=sampled, diverged=diverged)
 
 
 def _clone_once(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

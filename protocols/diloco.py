@@ -180,7 +180,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                           config, self.placement, node.peer_id,
                           version=0 if self.clock else self.schedule.first_round(f),
                           on_skip=self.side_rounds.skip if f == 0 else None,
-                          round_state=self.guard.round_digest if f == 0 and self.guard is not None else None)
+                          round_state=self._round_state if f == 0 and self.guard is not None else None)
             for f, fragment in enumerate(split)]
         self.reducers = [fragment.reducer for fragment in self.fragments]
         # my share of each round's average (0 in a round that closed without me): what I weigh
@@ -356,7 +356,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         self._last_step_end = time.time()
         if result is None:
             return self._report(t, loss, clock)
-        return self._report(t, loss, clock, synced=result.synced, peers=result.peers, lost=result.lost)
+        return self._report(t, loss, clock, synced=result.synced, peers=result.peers, lost=result.lost,
+                            diverged=result.diverged)
 
     def _sends_at(self, s: int) -> list[tuple[OuterFragment, int]]:
         """(fragment, round) pairs whose exchange starts after step s."""

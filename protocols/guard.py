@@ -30,6 +30,7 @@ serves another state is skipped for the next holder.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -95,13 +96,16 @@ class DriftGuard:
     def due(self, t: int) -> bool:
         return self.every > 0 and t % self.every == 0
 
-    def round_digest(self) -> bytes:
+    def round_digest(self, context: bytes = b"") -> bytes:
         """What a member's parts say of the state it begins a round with (`ShardedReducer.start`'s
         `state`): a sampled digest, taken every round. An owner whose contributors named
         different ones flags its average, and every member that gets it checks right after the
         round (`run`, whatever `due` says): members that averaged apart in some round (their
-        views of it differed) find out in the next, and hold one state at its end."""
-        return sampled_digest(self._tensors(), STATE_DIGEST_BYTES)
+        views of it differed) find out in the next, and hold one state at its end. `context`:
+        what else the members must hold alike (the runtime's data ledger), hashed in."""
+        sampled = sampled_digest(self._tensors(), DIGEST_SIZE)
+        return hashlib.sha256(sampled + context).digest()[:STATE_DIGEST_BYTES] if context else \
+            sampled[:STATE_DIGEST_BYTES]
 
     def run(self, t: int, members: tuple[str, ...]) -> bool | None:
         """Round t's check (training thread, every member of the round at once): the verdict,

@@ -310,8 +310,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
                 share = self.sigma * c.clip / math.sqrt(len(members)) / self._per_release
         # y becomes the mean of the peers' sketches
         # x_t, which every member should hold alike (local steps move the parameters off it)
-        state = self.guard.round_digest() if self.guard is not None and self.anchor is None and len(members) > 1 \
-            else None
+        state = self._round_state() if self.anchor is None and len(members) > 1 else None
         result = self.reducer.start(t, members, y, lend=True, noise_std=share, state=state).wait()
         if result.ahead > t:
             log.info("%s: sketch-dp round %d was late; catching up to round %d", self.node.peer_id, t, result.ahead)
@@ -329,7 +328,8 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
         self.step_count = max(self.step_count, s + 1)
         if result.lost:
             log.warning("%s: sketch-dp round %d went on without %s", self.node.peer_id, t, list(result.lost))
-        return self._report(s, loss, clock, synced=result.synced, peers=result.peers, lost=result.lost)
+        return self._report(s, loss, clock, synced=result.synced, peers=result.peers, lost=result.lost,
+                            diverged=result.diverged)
 
     def _private_sketch(self, loss_fn: LossFn, seed: int) -> tuple[torch.Tensor, float]:
         """This peer's release for the round: clipped in sketch space, then noised."""

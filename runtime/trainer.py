@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import hashlib
 import importlib
 import io
 import itertools
@@ -303,6 +304,8 @@ class Trainer:
             self.sharded.attach(self.proto.optimizer)  # type: ignore[attr-defined]
         if self.ledger is not None:  # a joiner waits a round where it can take part without counting
             self.ledger.newcomers_wait = cls.weightless_steps
+            # the round's ledger is part of what the members must hold alike at its start
+            self.proto.round_context = self._ledger_digest
         if full is not None:
             self.proto.start_from(full.to(device=self.placement.device) if self.placement.device else full)
             del full
@@ -509,6 +512,13 @@ class Trainer:
         rounds = ", ".join(f'"{r}": {state}' for r, state in self._ledger_rounds.items())
         self._ledger_blob = ("{" + rounds + "}").encode()
 
+    def _ledger_digest(self) -> bytes:
+        """The digest of the ledger of the round this peer is in (its serialized form, kept
+        anyway for the others to fetch); empty before the first round."""
+        assert self.ledger is not None
+        state = self._ledger_rounds.get(self.ledger.round)
+        return hashlib.sha256(state.encode()).digest() if state is not None else b""
+
     def _reference_ledger(self, reference: str, round_: int) -> UnitLedger | None:
         """`reference`'s ledger at `round_` (None if it has none for that round within
         LEDGER_FETCH_S, or sends one that does not load: this peer then advances its own)."""
@@ -560,6 +570,8 @@ class Trainer:
         if self.ledger is not None:
             if report.absent_peers or report.lost_peers:
                 self._went_without[report.step] = tuple(report.absent_peers)
+            if report.diverged:  # the members began the round apart (ledgers, or parameters): re-take it
+                self._readopt = True
             self.last_unit_counted = self.node.peer_id not in report.absent_peers
         if self.serve_state and time.monotonic() - self._snapshot_at >= self.snapshot_every_s:
             self.take_snapshot()

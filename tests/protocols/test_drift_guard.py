@@ -120,6 +120,28 @@ def test_a_drift_between_checks_is_repaired_at_the_end_of_the_next_round(make_no
         proto.close()
 
 
+def test_members_whose_round_context_differs_are_told_so_and_keep_their_parameters(make_node):
+    """The runtime's `round_context` (its data ledger's digest) is hashed into what a round's
+    parts name: a member whose ledger differs makes every member's report say `diverged`
+    (the runtime then re-takes its ledger), and the guard's check finds the parameters alike."""
+    nodes = in_member_order(swarm(make_node, PEERS))
+    protocol, options = OPTIONS["allreduce"]
+    protos = [get_protocol(protocol).create(n, model_of(1), options) for n in nodes]
+    for r, proto in enumerate(protos):
+        proto.round_context = (lambda r=r: b"ledger B" if r == 2 else b"ledger A")
+    gens = [torch.Generator().manual_seed(r) for r in range(PEERS)]
+    reports = in_parallel([lambda r=r: protos[r].step(lambda: loss_of(protos[r], r, gens[r]))
+                           for r in range(PEERS)])
+    assert [rep.diverged for rep in reports] == [True] * PEERS
+    assert agree(protos) and [p.guard.repairs for p in protos] == [0, 0, 0]
+    protos[2].round_context = lambda: b"ledger A"
+    reports = in_parallel([lambda r=r: protos[r].step(lambda: loss_of(protos[r], r, gens[r]))
+                           for r in range(PEERS)])
+    assert not any(rep.diverged for rep in reports)
+    for proto in protos:
+        proto.close()
+
+
 def test_optimizer_state_that_does_not_fit_is_refused_and_changes_nothing():
     model = nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
