@@ -34,6 +34,7 @@ class BackpropProtocol(Protocol):
     # Whether the members of a round hold the same `_replica_tensors()` bit for bit after it
     # (allreduce, DiLoCo's outer parameters, sketch-dp), or each its own (gossip).
     replicas_agree: ClassVar[bool] = False
+    guard: DriftGuard | None = None  # set by a protocol whose replicas agree (`_drift_guard`)
 
     def __init__(self, node: Node, model: nn.Module, config: ProtocolConfig) -> None:
         super().__init__(node, model, config)
@@ -79,10 +80,9 @@ class BackpropProtocol(Protocol):
     def _round_state(self) -> bytes | None:
         """The digest my parts of a round name of the state I begin it with (the guard's, with
         the runtime's `round_context`); None without a guard."""
-        guard: DriftGuard | None = getattr(self, "guard", None)
-        if guard is None:
+        if self.guard is None:
             return None
-        return guard.round_digest(self.round_context() if self.round_context is not None else b"")
+        return self.guard.round_digest(self.round_context() if self.round_context is not None else b"")
 
     def _replica_tensors(self) -> Sequence[torch.Tensor]:
         """What the guard compares: the parameters."""
