@@ -260,10 +260,11 @@ class LyingOwner(Attack):
     Patched: `reducer._answer(key, group, bounds, average)`, where an owner judges a closed
     group's parts, signs its average and answers the contributors; `average()` gives the
     (average, shares, verdict) it signs. The lie replaces that average; the owner's judgement
-    and its next CenteredClip centre keep the true one."""
+    (`reducer.screening.on_close`) and its next CenteredClip centre keep the true one."""
 
     def patch(self, reducer, proto):
-        answer, judge = reducer._answer, reducer._judge
+        answer, screening = reducer._answer, reducer.screening
+        judge = screening.on_close
         truth: dict[str, torch.Tensor] = {}
 
         def lying_answer(key: Any, group: Any, bounds: tuple[int, int], average: Callable[[], Any]) -> None:
@@ -273,13 +274,14 @@ class LyingOwner(Attack):
                 return (avg * LIE_FACTOR if avg.numel() else avg), shares, verdict
 
             answer(key, group, bounds, lie)
-            if bounds in reducer._centers and "avg" in truth:
-                reducer._centers[bounds] = truth["avg"]  # my next CenteredClip starts where the others' do
+            if bounds in screening.centers and "avg" in truth:
+                screening.centers[bounds] = truth["avg"]  # my next CenteredClip starts where the others' do
             truth.pop("avg", None)
             self.rounds += 1
 
         reducer._answer = lying_answer
-        reducer._judge = lambda t, i, c, group, verdict, avg: judge(t, i, c, group, verdict, truth.get("avg", avg))
+        screening.on_close = lambda t, i, c, bounds, group, verdict, avg: judge(t, i, c, bounds, group, verdict,
+                                                                               truth.get("avg", avg))
 
 
 class QuorumLeader(Attack):

@@ -178,7 +178,7 @@ def worker(rank: int, peers: int, join: str, rounds: int, kill_round: int, victi
             means[k] = torch.stack([_vector(t, rank_of[m]) for m in members if m not in left_out]).mean(0)
         counts = {"sum": 0, "kept": 0, "wrong": 0}
         without = set()
-        for chunks, _owners in reducer._shards(members, t):
+        for chunks, _owners in reducer.placement.shards(members, t):
             for lo, hi in chunks:
                 got = vector[lo:hi]
                 if torch.equal(got, mine[lo:hi]):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +54,27 @@ def _weight(weight: float | None) -> float:
 
 
 Recipe = tuple[int | bytes, ...]  # what an author says it computed a part from (plain data)
+
+
+@dataclass(frozen=True)
+class SignedPart:
+    """A part as its author signed it: what an owner keeps as evidence until the group closes
+    (and, for audits, past it)."""
+
+    view: bytes
+    weight: float | None
+    packet: Packet | None
+    sig: bytes
+    content: bytes
+    recipe: Recipe | None = None
+
+    def detail(self, topic: str, i: int, c: int) -> dict[str, Any]:
+        """The part's signed fields as evidence carries them (its bytes not included)."""
+        detail = {"topic": topic, "shard": i, "chunk": c, "view": self.view, "weight": _weight(self.weight),
+                  "content": self.content, "sig": self.sig}
+        if self.recipe is not None:
+            detail["recipe"] = list(self.recipe)
+        return detail
 
 
 def _part_statement(topic: str, t: int, i: int, c: int, view: bytes, weight: float, content: bytes,

@@ -24,9 +24,17 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starling.collectives.robust import AggregatorConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from starling.collectives.accumulator import ShardGroup, Verdict
+    from starling.collectives.contributions import SignedPart
+    from starling.collectives.outcome import ShardResult
+    from starling.compressors import Packet
 
 OUTLIER = "part.outlier"  # witness evidence: parts screened out round after round
 
@@ -108,4 +116,28 @@ class ReplayWatch:
             seen[content] = (t, record)
             while len(seen) > self.keep:
                 seen.pop(next(iter(seen)))
+        return None
+
+
+class RoundDefence:
+    """A seam of the round engine (`collectives/reduce.py`): what one defence sees of a round.
+    The engine calls every defence it holds, in order, and each hook is a no-op by default.
+
+    - `on_part`, on the owner, for a part whose signature verified, before it joins its group:
+      a refusal body turns the part away (counted, evidence already taken), None lets it in;
+    - `on_close`, on the owner, once a group is averaged and before its answer is signed: the
+      parts it kept (`group.received`, `group.signed`), the aggregator's verdict, the average;
+    - `on_chosen`, on a member, with the answer it took for each chunk it sent.
+
+    Network thread only."""
+
+    def on_part(self, sender: str, t: int, i: int, c: int, signed: SignedPart, packet: Packet
+                ) -> dict[str, Any] | None:
+        return None
+
+    def on_close(self, t: int, i: int, c: int, bounds: tuple[int, int], group: ShardGroup, verdict: Verdict,
+                 avg: torch.Tensor) -> None:
+        return None
+
+    def on_chosen(self, t: int, bounds: tuple[int, int], owners: tuple[str, ...], chosen: ShardResult) -> None:
         return None

@@ -1,10 +1,14 @@
 """What a round of the sharded all-reduce is given (its timeouts) and what it returns (its
-outcome): small types that the reducer, and what averages with it, share."""
+outcome, and each owner's answer on the way): small types that the round engine, its seams
+and what averages with it share."""
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from starling.compressors import Packet
 
 
 @dataclass(frozen=True)
@@ -38,3 +42,20 @@ class ReduceResult:
 def shares_in(reply: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
     """The contributors' shares an owner's reply names (none when their weights were equal)."""
     return tuple(sorted((str(peer), float(share)) for peer, share in reply.get("shares") or ()))
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """What one owner answered a member for one chunk of a round (or why it did not)."""
+
+    shard: int
+    chunk: int
+    owner: str
+    packet: Packet | None  # the averaged chunk; None: no average (the round's rule decides the chunk)
+    contributors: tuple[str, ...] = ()
+    reason: str = ""
+    owner_round: int = -1  # the owner's latest round, when it refused a part as late
+    shares: tuple[tuple[str, float], ...] = ()
+    content: bytes | None = None  # the average's digest, for a vote among replicated owners
+    sig: bytes | None = None  # the owner's signature of it
+    diverged: bool = False  # the owner saw its contributors begin the round with different states

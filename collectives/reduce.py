@@ -60,6 +60,19 @@ What members and owners send each other (parts, skips, averages) is typed in
 
 For audits (`protocols/audit.py`), an owner keeps the signed parts of the authors it will audit
 past their groups' close: `keep(t, authors)` before round t, `take_kept(t)` after its `wait()`.
+
+What this file holds is the round itself; the rest joins it at seams, each in its own file:
+
+    placement.py    who owns which chunks of round t over a member list
+    contributions   signatures on parts and averages, and the evidence they make
+    screening.py    RoundDefence: what an owner holds against the parts it sums, and the
+                    robust aggregator's centres (on_part, on_close, on_chosen)
+    retention.py    RoundDefence: signed parts kept past their close for audits (on_close)
+    voting.py       a member's vote among a chunk's replicated owners
+    secure.py       SecureStage: members mask their parts, an owner unmasks its group's sum
+                    (`close`) instead of averaging it
+
+and a round's outcome is decided in one method, `_apply`, which a reader can check alone.
 """
 from __future__ import annotations
 
@@ -68,7 +81,7 @@ import concurrent.futures
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -78,26 +91,21 @@ from starling.collectives.accumulator import ShardGroup, Verdict
 from starling.collectives.bodies import Average, BodyError, Part, Refused, Skip
 from starling.collectives.codec import encode, make_codec, packet_from_wire
 from starling.collectives.compact import HeaderTemplates, KnownViews, view_digest
-from starling.collectives.contributions import (
-    NOT_FINITE,
-    OVERWEIGHT,
-    REPLAYED,
-    Contributions,
-    Recipe,
-    content_digest,
-)
-from starling.collectives.defences import OUTLIER, Defences, OutlierWatch, ReplayWatch
-from starling.collectives.layout import DEFAULT_CHUNK_NUMEL, chunk_layout
-from starling.collectives.outcome import ReduceResult, ReduceTimeouts
+from starling.collectives.contributions import Contributions, Recipe, SignedPart, content_digest
+from starling.collectives.defences import Defences, RoundDefence
+from starling.collectives.layout import DEFAULT_CHUNK_NUMEL
+from starling.collectives.outcome import ReduceResult, ReduceTimeouts, ShardResult
+from starling.collectives.placement import Placement
 from starling.collectives.requests import request_patiently
+from starling.collectives.retention import KeptPart, Retention
+from starling.collectives.screening import Screening
 from starling.collectives.secure import Masked, SecureAggregation, SecureStage
 from starling.collectives.staging import HostStaging, to_device
+from starling.collectives.voting import OwnerVote
 from starling.common.faults import fault_point
-from starling.common.hashing import derive_seed, peer_hash
 from starling.compressors import Packet, decode
 from starling.node.loop import AwakeDeadline, close_in_time
 from starling.node.rpc import Refusal, Refuser, RemoteError, Reply, refusal, refusal_of
-from starling.node.trust import Evidence
 from starling.node.wire import Message
 
 if TYPE_CHECKING:
@@ -107,26 +115,9 @@ log = logging.getLogger(__name__)
 
 _KEEP_CLOSED_ROUNDS = 64  # how long an owner remembers finished rounds, to answer late parts
 _KEEP_SKIPS = 2 * _KEEP_CLOSED_ROUNDS  # rounds whose skips a reducer remembers (peers can send any round)
-_KEEP_ROUNDS = 4  # rounds whose parts `keep` holds for `take_kept` (rounds asked for and never taken go)
 _KEEP_ANSWERS = 2  # rounds whose closed groups' averages an owner still gives to a late part
 GroupKey = tuple[int, tuple[str, ...], int, int]  # (round, members, shard, chunk)
-OUTVOTED = "owner.outvoted"  # witness evidence: an owner outvoted with the same contributors as the majority
 _STRETCH = AwakeDeadline.STRETCH  # a round's timeouts count awake time, and end by this many times their length
-
-
-@dataclass(frozen=True)
-class _ShardResult:
-    shard: int
-    chunk: int
-    owner: str
-    packet: Packet | None  # the averaged chunk; None: keep the local values
-    contributors: tuple[str, ...] = ()
-    reason: str = ""
-    owner_round: int = -1  # the owner's latest round, when it refused a part as late
-    shares: tuple[tuple[str, float], ...] = ()
-    content: bytes | None = None  # the average's digest, for a vote among replicated owners
-    sig: bytes | None = None  # the owner's signature of it
-    diverged: bool = False  # the owner saw its contributors begin the round with different states
 
 
 @dataclass
@@ -144,37 +135,12 @@ class _Slot:
     sig: bytes | None = None
 
 
-@dataclass(frozen=True)
-class _Signed:
-    """A part as its author signed it: what an owner keeps as evidence until the group closes."""
-
-    view: bytes
-    weight: float | None
-    packet: Packet | None
-    sig: bytes
-    content: bytes
-    recipe: Recipe | None = None
-
-
-@dataclass(frozen=True)
-class KeptPart:
-    """A remote author's signed part of one chunk, kept past its group's close (`keep`): its
-    values as the owner summed them, and the signed form as part evidence carries it."""
-
-    shard: int
-    chunk: int
-    lo: int
-    hi: int
-    values: torch.Tensor
-    detail: dict[str, Any]  # topic, shard, chunk, view, weight, content, sig, recipe?, header, buffers
-
-
 class PendingReduce:
     """A round in flight. `wait()` (on the caller's thread) decodes the averages into the
     caller's vector and returns the outcome; `done()` says whether it would not block."""
 
     def __init__(self, reducer: ShardedReducer, t: int, members: tuple[str, ...], vector: torch.Tensor,
-                 future: concurrent.futures.Future[list[_ShardResult]] | None, wait_s: float = 0.0,
+                 future: concurrent.futures.Future[list[ShardResult]] | None, wait_s: float = 0.0,
                  lent: list[torch.Tensor] | None = None) -> None:
         self._reducer, self.round, self._members, self._vector = reducer, t, members, vector
         self._future, self._wait_s = future, wait_s
@@ -210,25 +176,14 @@ class ShardedReducer:
                  part_feedback_decay: float = 1.0, defences: Defences | None = None,
                  secure: SecureAggregation | None = None, max_owners: int = 0,
                  unaveraged: float | None = None) -> None:
-        if chunk_numel < 1:
-            raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
-        if min_shard_numel < 1:
-            raise ValueError(f"min_shard_numel must be >= 1, got {min_shard_numel}")
         self.node = node
         self.topic = topic
         self.numel = numel
-        self.chunk_numel = chunk_numel  # every peer of a swarm must use the same
-        # Above 1: shards of at least this many values, owned by the first members only. A
-        # small vector over many peers (a 4096-value sketch over 1024 peers) otherwise cuts
-        # into P shards of a few values each: P^2 requests a round, a million at 1024 peers.
-        self.min_shard_numel = min_shard_numel  # every peer of a swarm must use the same
-        # Above 0: at most this many shards (owned by the first members). A member's part to an
-        # owner holds a socket until the owner's group closes, so a round with more owners than
-        # a node keeps sockets open (TransportConfig.max_open_dealers) cannot send all its parts
-        # at once, and the parts that found no socket are lost to the round.
-        if max_owners < 0:
-            raise ValueError(f"max_owners must be >= 0, got {max_owners}")
-        self.max_owners = max_owners  # every peer of a swarm must use the same
+        self.defences = defences or Defences()
+        # who owns which chunks of a round (collectives/placement.py): every peer of a swarm must
+        # use the same chunk_numel, min_shard_numel, max_owners and owner replication
+        self.placement = Placement(numel, chunk_numel, min_shard_numel, max_owners,
+                                   self.defences.owner_replication, node.is_reachable)
         self.timeouts = timeouts or ReduceTimeouts()
         self._is_open = is_open
         # A chunk that no owner averaged (its owner died before it answered, its owners disagree,
@@ -264,24 +219,21 @@ class ShardedReducer:
         self._skipped: dict[int, frozenset[str]] = {}
         self._refuse = Refuser(node.stats, topic, node.peer_id)
         # Against members it cannot trust (collectives/defences.py): signatures on every part and
-        # average, the aggregator, replicated owners, and what an owner holds against members.
-        self.defences = defences or Defences()
+        # average (collectives/contributions.py), then the round's seams: what an owner holds
+        # against members and the robust aggregator's centres (screening.py), the parts kept for
+        # audits (retention.py), and each member's vote among replicated owners (voting.py).
         self._trust = node.trust
         self._contributions = Contributions(node, topic, self.defences.max_weight)
-        if self.defences.owner_replication > 1:
+        if self._replicated:
             # Replicated owners must send the same bits for the same parts: an average's error
             # feedback is an owner's own history (one that missed a part once would differ for good).
             self._avg_feedback = None
-        self._watch = OutlierWatch(self.defences.accuse_after)
-        self._replays = ReplayWatch()
-        self._centers: dict[tuple[int, int], torch.Tensor] = {}  # my chunks' last averages (CenteredClip)
-        self._averaging: set[asyncio.Future[None]] = set()  # robust averages running on worker threads
-        self._placements: dict[tuple[int, tuple[str, ...]], Any] = {}  # (round, members) -> replicated owners
-        self._outvoted = OutlierWatch(self.defences.accuse_after)  # owners outvoted round after round
-        # round -> authors whose signed parts my groups keep past their close (frozen: set by the
-        # caller's thread, read by the network thread), and what they kept (network thread)
-        self._keeping: dict[int, frozenset[str]] = {}
-        self._kept: dict[int, dict[str, list[tuple[int, int, int, int, _Signed]]]] = {}
+        self.screening = Screening(node.peer_id, topic, self._trust, self.defences, self._contributions,
+                                   self._refuse)
+        self.retention = Retention(node.peer_id, topic)
+        self._seams: tuple[RoundDefence, ...] = (self.screening, self.retention)
+        self._votes = OwnerVote(node.peer_id, topic, self._trust, self.defences.accuse_after)
+        self._averaging: set[asyncio.Future[None]] = set()  # averages running off the loop (robust, secure)
         # Secure aggregation (collectives/secure.py): parts masked in a ring, owners learn only sums
         self._secure: SecureStage | None = None
         if secure is not None:
@@ -290,7 +242,7 @@ class ShardedReducer:
             if self.defences.aggregator.robust or self._replicated:
                 raise ValueError(f"{topic}: secure aggregation hides the parts that a robust aggregator or "
                                  "replicated owners must see")
-            self._secure = SecureStage(node, topic, secure, self._refuse, self._owner_set, self._resolve_view,
+            self._secure = SecureStage(node, topic, secure, self._refuse, self.placement.owner_set, self._resolve_view,
                                        reveal_timeout_s=self.timeouts.reply_grace_s / 2)
         node.on(topic, self._on_part)
 
@@ -344,7 +296,7 @@ class ShardedReducer:
         on_device = HostStaging.needed(vector)
         slots: list[_Slot] = []  # shard by shard, chunk by chunk
         lent: list[torch.Tensor] = []
-        for i, (chunks, owners) in enumerate(self._shards(members, t)):
+        for i, (chunks, owners) in enumerate(self.placement.shards(members, t)):
             for c, (lo, hi) in enumerate(chunks):
                 own = packet = None
                 if me in owners:  # my own part never crosses the wire
@@ -404,7 +356,7 @@ class ShardedReducer:
         masked = self._secure.mask(t, members, view, vector, weight, noise_std)
         ring = torch.from_numpy(masked.ring.view(np.int32)).view(torch.float32)  # the same bytes, a lossless frame
         slots: list[_Slot] = []
-        for i, (chunks, owners) in enumerate(self._shards(members, t)):
+        for i, (chunks, owners) in enumerate(self.placement.shards(members, t)):
             for c, (lo, hi) in enumerate(chunks):
                 own = ring[lo:hi] if me in owners else None
                 packet = self.codec.encode(ring[lo:hi], copy=False) if any(o != me for o in owners) else None
@@ -416,9 +368,6 @@ class ShardedReducer:
                              masked=masked, state=state)
         return PendingReduce(self, t, members, vector, self.node.submit(round_), self._backstop_s)
 
-    def _owner_set(self, members: tuple[str, ...], t: int) -> set[str]:
-        return {o for _, owners in self._shards(members, t) for o in owners}
-
     def _resolve_view(self, view: bytes) -> tuple[str, ...] | None:
         try:
             return self._known_views.resolve(view, self._current_view)
@@ -428,47 +377,6 @@ class ShardedReducer:
     @property
     def _replicated(self) -> bool:
         return self.defences.owner_replication > 1
-
-    def _owners(self, members: tuple[str, ...]) -> tuple[str, ...]:
-        """Who owns shards: the members others can dial, in member order (every peer holds the
-        same signed records, so every peer agrees). A client (behind NAT) only sends parts, and
-        its answers come back down the connections it opened, so no shard's traffic is relayed.
-        If no member is reachable, all own shards and relays carry their parts."""
-        reachable = self.node.is_reachable
-        owners = tuple(m for m in members if reachable(m))
-        return owners or members
-
-    def _shards(self, members: tuple[str, ...], t: int) -> list[tuple[tuple[tuple[int, int], ...], tuple[str, ...]]]:
-        """(chunks, owners) of each shard of round t over `members`. One owner per shard: shard i
-        is owners[i]. With owner replication r, shard i's owners are r consecutive owners of an
-        order drawn afresh each round from the round and the member list (every peer draws the
-        same): members that ground their keys to sit side by side in member order would
-        otherwise share the owners of the same shards round after round, outvote the honest
-        third there, and have every member accuse it."""
-        owners = self._owners(members)
-        layout = self._layout(len(owners))
-        r = min(self.defences.owner_replication, len(owners))
-        if r > 1:
-            key = (t, members)
-            cached = self._placements.get(key)
-            if cached is not None:
-                return cached
-            seed = derive_seed("reduce.owners", t, int.from_bytes(view_digest(members)[:8], "little"))
-            owners = tuple(sorted(owners, key=lambda m: derive_seed(seed, peer_hash(m))))
-        shards = [(chunks, tuple(owners[(i + k) % len(owners)] for k in range(r))) for i, chunks in enumerate(layout)]
-        if r > 1:
-            self._placements[key] = shards
-            while len(self._placements) > 16:
-                self._placements.pop(next(iter(self._placements)))
-        return shards
-
-    def _layout(self, members: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-        """Shard by shard, the chunks of a round over `members` peers; shard i is owned by
-        members[i] (zip with the members stops at the last shard)."""
-        shards = members if self.min_shard_numel <= 1 else max(1, min(members, self.numel // self.min_shard_numel))
-        if self.max_owners:
-            shards = min(shards, self.max_owners)
-        return chunk_layout(self.numel, shards, self.chunk_numel)
 
     def skip(self, t: int) -> None:
         """This peer sends nothing in round t (it took the swarm's state after the round began,
@@ -483,40 +391,20 @@ class ShardedReducer:
 
     def keep(self, t: int, authors: frozenset[str] | set[str]) -> None:
         """Keep the signed parts that `authors` send my groups in round t past the groups' close,
-        for `take_kept(t)`. Call from the caller's thread before `start(t, ...)`; only the last
-        _KEEP_ROUNDS rounds asked for are kept (an audit that never takes them loses nothing)."""
-        self._keeping = {r: a for r, a in self._keeping.items() if r > t - _KEEP_ROUNDS} | {t: frozenset(authors)}
+        for `take_kept(t)` (collectives/retention.py). Call from the caller's thread before
+        `start(t, ...)`."""
+        self.retention.ask(t, authors)
 
     def take_kept(self, t: int) -> dict[str, list[KeptPart]]:
         """Caller's thread, after round t's `wait()`: each kept author's parts of round t, chunk by
         chunk, decoded; forgotten here once taken."""
-        kept = self.node.run(self._take_kept_here(t))
-        out: dict[str, list[KeptPart]] = {}
-        for author, parts in kept.items():
-            for i, c, lo, hi, signed in sorted(parts, key=lambda p: p[2]):
-                if signed.packet is None:
-                    continue
-                try:
-                    values = decode(signed.packet).reshape(-1)
-                except Exception as exc:  # the owner summed it once; whatever fails now proves nothing
-                    log.warning("%s: %s's kept part of round %d does not decode: %s", self.node.peer_id, author, t,
-                                exc)
-                    continue
-                detail = {**self._signed_detail(i, c, signed), "header": signed.packet.header,
-                          "buffers": [bytes(b.numpy()) for b in signed.packet.buffers]}
-                out.setdefault(author, []).append(KeptPart(i, c, lo, hi, values, detail))
-        return out
+        return self.retention.decoded(t, self.node.run(self._take_kept_here(t)))
 
-    async def _take_kept_here(self, t: int) -> dict[str, list[tuple[int, int, int, int, _Signed]]]:
-        # here, not on the caller's thread: a group closing meanwhile would drop round t's parts
-        self._keeping = {r: a for r, a in self._keeping.items() if r != t}
-        kept = self._kept.pop(t, {})
-        for old in [r for r in self._kept if r <= t - _KEEP_ROUNDS]:  # rounds asked for and never taken
-            del self._kept[old]
-        return kept
+    async def _take_kept_here(self, t: int) -> Any:
+        return self.retention.take(t)
 
     def _apply(self, t: int, members: tuple[str, ...], vector: torch.Tensor,
-               results: list[_ShardResult]) -> ReduceResult:
+               results: list[ShardResult]) -> ReduceResult:
         """The round's outcome, decided here and nowhere else. Each chunk commits or is skipped,
         the same way on every member: one that came back averaged is written over the local
         values (every member decodes the same signed packet); one that did not (its owner died
@@ -527,7 +415,7 @@ class ShardedReducer:
         missing: dict[str, int] = {}  # member -> averages it is missing from
         averaged = 0
         skipped = self._skipped.get(t, frozenset())
-        bounds = [b for chunks, _ in self._shards(members, t) for b in chunks]
+        bounds = self.placement.bounds(members, t)
         for (lo, hi), res in zip(bounds, results):
             avg = None
             if res.packet is None:
@@ -572,7 +460,7 @@ class ShardedReducer:
     async def _round(self, t: int, members: tuple[str, ...], slots: list[_Slot],
                      own_private: bool, weight: float | None = None,
                      recipe: Recipe | None = None, masked: Masked | None = None,
-                     state: bytes | None = None) -> list[_ShardResult]:
+                     state: bytes | None = None) -> list[ShardResult]:
         me = self.node.peer_id
         self._latest_round = max(self._latest_round, t)
         view = self._known_views.add(members)  # my parts name it by digest; owners know it from theirs
@@ -602,70 +490,17 @@ class ShardedReducer:
         self._forget_before(t - _KEEP_CLOSED_ROUNDS)
         return [self._vote(t, view, slot, [next(results) for _ in slot.owners]) for slot in slots]
 
-    def _vote(self, t: int, view: bytes, slot: _Slot, answers: list[_ShardResult]) -> _ShardResult:
-        """One chunk's average from its owners' signed answers. One owner: its answer. Several:
-        the average a majority of them sent, by digest (with two, both must agree). An owner
-        outvoted with the same contributors as the majority averaged the same parts to
-        something else; one outvoted so in `accuse_after` of its rounds in a row is accused by
-        this member as one witness (the others of the group see the same). A single vote is not
-        enough: two members that lie together outvote the honest third owner of a shard they
-        happen to share (owners are placed afresh each round, so it does not last).
-        No majority among those that answered: the chunk keeps its local values this round."""
-        chosen = self._choose(t, view, answers)
-        if (self.defences.aggregator.robust and not self._replicated and chosen.packet is not None
-                and self.node.peer_id in slot.owners):
-            # CenteredClip's next centre for the chunk I own: the average the members took. Owners
-            # placed afresh each round (replicated) start from the median instead: their last
-            # averages of a chunk would be of different rounds, and they must agree bit for bit.
-            try:
-                center = _decode_flat(chosen.packet).clone()
-            except Exception:
-                center = None
-            if center is not None and center.numel() == slot.numel:
-                lo, hi = slot.lo, slot.lo + slot.numel
-                for old in [b for b in self._centers if b[0] < hi and lo < b[1]]:  # another layout's
-                    del self._centers[old]
-                self._centers[(lo, hi)] = center
+    def _vote(self, t: int, view: bytes, slot: _Slot, answers: list[ShardResult]) -> ShardResult:
+        """One chunk's answer from its owners' signed ones (collectives/voting.py), shown to the
+        round's seams."""
+        chosen = self._votes.choose(t, view, answers)
+        for seam in self._seams:
+            seam.on_chosen(t, (slot.lo, slot.lo + slot.numel), slot.owners, chosen)
         return chosen
-
-    def _choose(self, t: int, view: bytes, answers: list[_ShardResult]) -> _ShardResult:
-        if len(answers) == 1:
-            return answers[0]
-        answered = [a for a in answers if a.packet is not None and a.content is not None]
-        if len(answered) <= 1:
-            return answered[0] if answered else answers[0]
-        votes: dict[bytes, list[_ShardResult]] = {}
-        for a in answered:
-            votes.setdefault(a.content, []).append(a)  # type: ignore[arg-type]
-        best = max(votes.values(), key=len)
-        if len(best) * 2 <= len(answers) and len(votes) > 1:  # no majority of the owners (two: they differ)
-            for a in answered:
-                self._trust.note(a.owner, "disputed")
-            log.warning("%s: %s shard %d chunk %d of round %d: owners disagree (%s); keeping local values",
-                        self.node.peer_id, self.topic, answers[0].shard, answers[0].chunk, t,
-                        ", ".join(f"{a.owner}: {a.content.hex()[:12] if a.content else '-'}" for a in answered))
-            return replace(answers[0], packet=None, reason="owners disagree")
-        chosen = best[0]
-        for a in answered:
-            lied = a.content != chosen.content and a.contributors == chosen.contributors  # same parts, other average
-            if a.content != chosen.content:
-                self._trust.note(a.owner, "disputed")
-            if self._outvoted.saw(a.owner, t, lied) and lied:
-                self._accuse_owner(t, view, a, best)
-        return chosen
-
-    def _accuse_owner(self, t: int, view: bytes, liar: _ShardResult, majority: list[_ShardResult]) -> None:
-        key = self._trust.key_of(liar.owner)
-        if key is None:
-            return
-        signed = [{"owner": a.owner, "contributors": list(a.contributors), "content": a.content, "sig": a.sig}
-                  for a in (liar, *majority)]
-        self._trust.accuse(Evidence(OUTVOTED, liar.owner, key, t, {
-            "topic": self.topic, "shard": liar.shard, "chunk": liar.chunk, "view": view, "averages": signed}))
 
     async def _reduce_own(self, t: int, members: tuple[str, ...], view: bytes, i: int, c: int,
                           part: torch.Tensor, private: bool, weight: float | None,
-                          state: bytes | None = None) -> _ShardResult:
+                          state: bytes | None = None) -> ShardResult:
         me = self.node.peer_id
         # private: start() cloned it, so it may become the sum; else a view of the caller's
         # vector, which the group reads and never writes
@@ -673,16 +508,16 @@ class ShardedReducer:
                                             weight=1.0 if weight is None else weight, state=state)
         refused = Refused.from_wire(reply)
         if refused is not None:
-            return _ShardResult(i, c, me, None, reason=refused.reason)
+            return ShardResult(i, c, me, None, reason=refused.reason)
         average = Average.from_wire(reply, members)  # my own group's answer: well formed
         packet = Packet(self._avg_headers.incoming(average.header, part.numel()), buffers)
-        return _ShardResult(i, c, me, packet, average.contributors, shares=average.shares,
+        return ShardResult(i, c, me, packet, average.contributors, shares=average.shares,
                             content=content_digest(packet.header, packet.buffers) if self._replicated else None,
                             sig=average.sig, diverged=average.diverged)
 
     async def _send_part(self, t: int, members: tuple[str, ...], view: bytes, slot: _Slot, owner: str,
                          weight: float | None = None, recipe: Recipe | None = None,
-                         deal: tuple[int, bytes] | None = None, state: bytes | None = None) -> _ShardResult:
+                         deal: tuple[int, bytes] | None = None, state: bytes | None = None) -> ShardResult:
         i, c, numel, packet = slot.shard, slot.chunk, slot.numel, slot.packet
         assert packet is not None
         # Counted in awake time: an average that came while this loop was stalled is read, not dropped.
@@ -696,25 +531,25 @@ class ShardedReducer:
                 msg = await request_patiently(self.node, owner, self.topic, part.with_members(members).to_wire(),
                                               packet.buffers, deadline, self.timeouts.retry_interval_s)
         except RemoteError as exc:
-            return _ShardResult(i, c, owner, None, reason=str(exc))
+            return ShardResult(i, c, owner, None, reason=str(exc))
         except Exception as exc:  # timeout, dead or unknown owner
-            return _ShardResult(i, c, owner, None, reason=f"{type(exc).__name__}: {exc}")
+            return ShardResult(i, c, owner, None, reason=f"{type(exc).__name__}: {exc}")
         refused = Refused.from_wire(msg.body)
         if refused is not None:
             if refused.owner_round > t:  # the owner has moved past this round: my groups stop waiting for it
                 self._saw_ahead(owner, refused.owner_round)
-            return _ShardResult(i, c, owner, None, reason=f"owner refused: {refused.reason}",
+            return ShardResult(i, c, owner, None, reason=f"owner refused: {refused.reason}",
                                 owner_round=refused.owner_round)
         try:
             average = Average.from_wire(msg.body, members)
             result = packet_from_wire(self._avg_headers.incoming(average.header, numel), msg.payload)
         except Exception as exc:
-            return _ShardResult(i, c, owner, None, reason=f"malformed average: {exc}")
+            return ShardResult(i, c, owner, None, reason=f"malformed average: {exc}")
         content = self._contributions.verify_average(owner, t, i, c, view, average.contributors, result, average.sig)
         if content is None:  # altered on the way, or not the owner's word: worth nothing
             self._trust.note(owner, "bad_signature")
             self._refuse.count("bad_average_signature", f"round {t} shard {i} chunk {c} from {owner}")
-            return _ShardResult(i, c, owner, None, reason="average not signed by its owner")
+            return ShardResult(i, c, owner, None, reason="average not signed by its owner")
         contributors = average.contributors
         if owner not in contributors:
             # An owner's group waits for the owner's own part unless it saw the owner take part
@@ -723,7 +558,7 @@ class ShardedReducer:
             # they knew it, gets no part from them and would wait out the round timeout.
             self._saw_view(t, owner, ())
         fault_point("reduce.member.first_average", t)
-        return _ShardResult(i, c, owner, result, contributors, shares=average.shares, content=content,
+        return ShardResult(i, c, owner, result, contributors, shares=average.shares, content=content,
                             sig=average.sig, diverged=average.diverged)
 
     async def _on_part(self, msg: Message) -> Reply | dict[str, Any]:
@@ -748,7 +583,7 @@ class ShardedReducer:
         t, i, c = body.step, body.shard, body.chunk
         if body.deal is not None and self._secure is not None:  # the sender's share of its mask seed, for me
             self._secure.take_deal(msg.sender, t, view_digest(members), *body.deal)
-        shards = self._shards(members, t)
+        shards = self.placement.shards(members, t)
         if i >= len(shards) or me not in shards[i][1]:
             return self._refuse(Refusal.NOT_OWNER, f"this peer does not own shard {i} of that member list")
         chunks = shards[i][0]
@@ -774,27 +609,11 @@ class ShardedReducer:
         if answer is not None:  # late: the average the group's contributors got, without this part
             self._saw_view(t, msg.sender, members)
             return Reply(*answer)
-        signed = _Signed(view, body.weight, packet, body.sig, content, body.recipe)  # type: ignore[arg-type]
-        if self._contributions.overweight(body.weight):
-            self._trust.note(msg.sender, "overweight")
-            self._accuse_part(OVERWEIGHT, msg.sender, t, i, c, signed, with_bytes=False)
-            return self._refuse(Refusal.OVERWEIGHT, f"weight {body.weight} over the swarm's cap "
-                                f"{self._contributions.max_weight}")
-        # Only where parts are fresh each round (gradients): a digest check sends the same few bytes
-        # every round it agrees, honestly.
-        earlier = (self._replays.seen(msg.sender, t, content, replace(signed, packet=None))
-                   if self.defences.aggregator.robust else None)
-        if earlier is not None:
-            try:
-                part = _decode_flat(packet)
-            except Exception as exc:
-                return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
-            if bool(part.abs().sum() > 0):  # zeros repeat honestly (a layer with no gradient)
-                self._trust.note(msg.sender, "replayed")
-                e_t, e_signed = earlier
-                self._accuse_part(REPLAYED, msg.sender, t, i, c, signed, with_bytes=True,
-                                  earlier={"round": e_t, **self._signed_detail(i, c, e_signed)})
-                return self._refuse(Refusal.REPLAYED, f"round {t}: the same part as in round {e_t}")
+        signed = SignedPart(view, body.weight, packet, body.sig, content, body.recipe)  # type: ignore[arg-type]
+        for seam in self._seams:  # a defence may turn the part away (and take its signature as evidence)
+            turned_away = seam.on_part(msg.sender, t, i, c, signed, packet)
+            if turned_away is not None:
+                return turned_away
         try:
             part = _decode_flat(packet)
             if part.numel() != hi - lo:
@@ -806,29 +625,11 @@ class ShardedReducer:
                                             state=body.state)
         return Reply(reply, buffers)
 
-    def _signed_detail(self, i: int, c: int, signed: _Signed) -> dict[str, Any]:
-        detail = {"topic": self.topic, "shard": i, "chunk": c, "view": signed.view,
-                  "weight": 1.0 if signed.weight is None else float(signed.weight), "content": signed.content,
-                  "sig": signed.sig}
-        if signed.recipe is not None:
-            detail["recipe"] = list(signed.recipe)
-        return detail
-
-    def _accuse_part(self, kind: str, sender: str, t: int, i: int, c: int, signed: _Signed, with_bytes: bool,
-                     **extra: Any) -> None:
-        if not self.defences.on:
-            return
-        evidence = self._contributions.part_evidence(kind, sender, t, i, c, signed.view, signed.weight,
-                                                     signed.packet if with_bytes else None, signed.sig,
-                                                     signed.content, signed.recipe, **extra)
-        if evidence is not None:
-            self._trust.accuse(evidence)
-
     def _current_view(self) -> tuple[str, ...]:
         return tuple(sorted({*self.node.live_peers_here(), self.node.peer_id}))
 
     async def _reduce(self, key: GroupKey, sender: str, part: torch.Tensor, owned: bool = False,
-                      weight: float = 1.0, signed: _Signed | None = None, state: bytes | None = None
+                      weight: float = 1.0, signed: SignedPart | None = None, state: bytes | None = None
                       ) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
         """Add a part to its group and wait for the group to close (all in, or timeout)."""
         t, members = key[0], key[1]
@@ -870,74 +671,53 @@ class ShardedReducer:
 
     def _finish(self, key: GroupKey, group: ShardGroup) -> None:
         """Close a group: average it and answer every contributor. The plain mean is one pass,
-        done here; a robust aggregator is many (sorts, clipping iterations: about a second for
-        64 parts of 1M values), so it runs on a worker thread while this loop keeps moving
-        other rounds' bytes, and the group takes no part meanwhile."""
+        done here. A robust aggregator is many (sorts, clipping iterations: about a second for
+        64 parts of 1M values), so it runs on a worker thread; secure aggregation first asks the
+        survivors for the shares that unmask the sum. Meanwhile this loop keeps moving other
+        rounds' bytes, and the group takes no part."""
         if group.reply is not None or group.closing:
             return
         group.closing = True
         t, members, i, c = key
         if any(s != self.node.peer_id for s in group.contributors):
             fault_point("reduce.owner.closing", t)
-        lo, hi = self._shards(members, t)[i][0][c]
+        bounds = self.placement.shards(members, t)[i][0][c]
         aggregator = self.defences.aggregator
         if self._secure is not None:
-            self._spawn(self._finish_secure(key, group, (lo, hi)))
-            return
-        if not aggregator.robust:
-            self._answer(key, group, (lo, hi), group.average)
-            return
-        center = self._centers.get((lo, hi))
+            self._answer_later(key, group, bounds, self._secure.close(t, members, view_digest(members), bounds, group))
+        elif aggregator.robust:
+            center = self.screening.center(bounds)
+            self._answer_later(key, group, bounds, asyncio.get_running_loop().run_in_executor(
+                None, group.average, aggregator, center))
+        else:
+            self._answer(key, group, bounds, group.average)
 
-        async def off_thread() -> None:
+    def _answer_later(self, key: GroupKey, group: ShardGroup, bounds: tuple[int, int], averaging: Any) -> None:
+        """Answer once `averaging` (an awaitable of what `group.average` returns) is done; one
+        that fails answers its failure, so that no group stays open."""
+        async def then() -> None:
             try:
-                result = await asyncio.get_running_loop().run_in_executor(None, group.average, aggregator, center)
+                result = await averaging
             except Exception as exc:
                 failure = exc
 
                 def failed() -> Any:
                     raise failure
-                self._answer(key, group, (lo, hi), failed)
+                self._answer(key, group, bounds, failed)
             else:
-                self._answer(key, group, (lo, hi), lambda: result)
-        self._spawn(off_thread())
-
-    def _spawn(self, work: Any) -> None:
-        task = asyncio.ensure_future(work)
+                self._answer(key, group, bounds, lambda: result)
+        task = asyncio.ensure_future(then())
         self._averaging.add(task)
         task.add_done_callback(self._averaging.discard)
-
-    async def _finish_secure(self, key: GroupKey, group: ShardGroup, bounds: tuple[int, int]) -> None:
-        """Unmask a closed group's sum with its survivors' revealed shares (collectives/secure.py),
-        then answer as any group does; a group that cannot be unmasked answers a refusal, and
-        every member keeps its local values for the chunk."""
-        assert self._secure is not None
-        t, members, i, c = key
-        recipes = {sender: signed.recipe for sender, signed in group.signed.items()}
-        try:
-            average, shares, summed = await self._secure.unmask(t, members, view_digest(members), *bounds,
-                                                                 group.received, group.weights, recipes)
-            group.contributors = [s for s in group.contributors if s in summed]
-        except Exception as exc:
-            self._secure.dropped += 1
-            self._refuse.count("secagg_dropped", f"round {t} shard {i} chunk {c}: {exc}")
-            failure = exc
-
-            def failed() -> Any:
-                raise failure
-            self._answer(key, group, bounds, failed)
-        else:
-            self._answer(key, group, bounds, lambda: (average, shares, Verdict()))
 
     def _answer(self, key: GroupKey, group: ShardGroup, bounds: tuple[int, int],
                 average: Callable[[], tuple[torch.Tensor, dict[str, float] | None, Verdict]]) -> None:
         """Judge the group's parts, sign its average and answer every contributor (network thread)."""
         t, members, i, c = key
-        lo, hi = bounds
         try:
             avg, shares, verdict = average()
-            self._judge(t, i, c, group, verdict, avg)
-            self._keep_signed(t, i, c, lo, hi, group.signed)
+            for seam in self._seams:
+                seam.on_close(t, i, c, bounds, group, verdict, avg)
             if not group.contributors:
                 group.reply = (refusal(Refusal.NOT_FINITE, "no part was finite"), ())
             else:
@@ -968,50 +748,6 @@ class ShardedReducer:
         group.replied.set()
         self._groups.pop(key, None)
         self._closed[key] = t
-
-    def _judge(self, t: int, i: int, c: int, group: ShardGroup, verdict: Verdict, avg: torch.Tensor) -> None:
-        """What a closed group holds against its members: non-finite parts (verifiable: their
-        signed bytes), parts screened out or pointing against the robust average (an outlier
-        watch: a witness once in a row too often), parts clipped (counted)."""
-        for sender in sorted(group.bad):
-            self._trust.note(sender, "not_finite")
-            signed = group.signed.get(sender)
-            if signed is not None:
-                self._accuse_part(NOT_FINITE, sender, t, i, c, signed, with_bytes=True)
-        for sender, why in verdict.screened.items():
-            self._trust.note(sender, "screened")
-            self._trust.note(sender, f"screened.{why}")
-        for sender in verdict.clipped:
-            self._trust.note(sender, "clipped")
-        if not self.defences.aggregator.robust:
-            return
-        norm = float(avg.norm()) if avg.numel() else 0.0
-        for sender, part in group.received.items():
-            if sender == self.node.peer_id or sender in group.bad:
-                continue
-            why = verdict.screened.get(sender)
-            if why is None and norm > 0.0:  # a part against the swarm's direction (a sign flip, say)
-                cosine = float(torch.dot(part, avg)) / (float(part.norm()) * norm + 1e-30)
-                if cosine < -self.defences.opposed_cos:
-                    why = "opposed"
-                    self._trust.note(sender, "opposed")
-            if self._watch.saw(sender, t, why is not None) and why is not None:
-                key = self._trust.key_of(sender)
-                if key is not None:
-                    self._trust.accuse(Evidence(OUTLIER, sender, key, t, {
-                        "topic": self.topic, "shard": i, "chunk": c, "rounds": self.defences.accuse_after,
-                        "why": why}))
-
-    def _keep_signed(self, t: int, i: int, c: int, lo: int, hi: int, signed: Mapping[str, _Signed]) -> None:
-        """A closing group's signed parts by the authors `keep(t, ...)` named, kept for `take_kept`."""
-        for old in [r for r in self._kept if r not in self._keeping]:  # asked for, then never taken
-            del self._kept[old]
-        authors = self._keeping.get(t)
-        if not authors:
-            return
-        kept = self._kept.setdefault(t, {})
-        for author in authors & signed.keys():
-            kept.setdefault(author, []).append((i, c, lo, hi, signed[author]))
 
     def _saw_skip(self, t: int, peer: str) -> None:
         """`peer` sends nothing in round t: no group of round t waits for it, nor will one made later."""

@@ -55,6 +55,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from starling.collectives.accumulator import Verdict
 from starling.collectives.bodies import (
     SHARE_BYTES,
     SIGNATURE_BYTES,
@@ -84,6 +85,7 @@ from starling.common.faults import fault_point
 from starling.node.rpc import Refusal, Refuser, refusal
 
 if TYPE_CHECKING:
+    from starling.collectives.accumulator import ShardGroup
     from starling.node import Node
 
 log = logging.getLogger(__name__)
@@ -428,6 +430,22 @@ class SecureStage:
         return Revealed(shares, tuple((m, mine.pairs[m]) for m in pairs), tuple(mine.commits)).to_wire()
 
     # ------------------------------------------------------------------ owner (network thread)
+    async def close(self, t: int, members: tuple[str, ...], view: bytes, bounds: tuple[int, int],
+                    group: ShardGroup) -> tuple[torch.Tensor, dict[str, float] | None, Verdict]:
+        """A closed group's average, unmasked with its survivors' revealed shares, as the round
+        engine answers it; the group's contributors become the survivors summed. A group that
+        cannot be unmasked is counted (`secagg_dropped`) and raises: it has no average."""
+        recipes = {sender: signed.recipe for sender, signed in group.signed.items()}
+        try:
+            average, shares, summed = await self.unmask(t, members, view, *bounds, group.received, group.weights,
+                                                        recipes)
+        except Exception as exc:
+            self.dropped += 1
+            self._refuse.count("secagg_dropped", f"round {t} chunk {bounds}: {exc}")
+            raise
+        group.contributors = [s for s in group.contributors if s in summed]
+        return average, shares, Verdict()
+
     async def unmask(self, t: int, members: tuple[str, ...], view: bytes, lo: int, hi: int,
                      parts: Mapping[str, torch.Tensor], weights: Mapping[str, float],
                      recipes: Mapping[str, Any]

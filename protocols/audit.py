@@ -56,7 +56,7 @@ from torch import nn
 from starling.collectives import ShardedReducer
 from starling.collectives.agreement import digest_bytes
 from starling.collectives.contributions import Recipe
-from starling.collectives.reduce import KeptPart
+from starling.collectives.retention import KeptPart
 from starling.common import derive_seed
 from starling.node.trust import Evidence
 from starling.protocols.base import LossFn

@@ -168,7 +168,7 @@ def test_owners_are_placed_afresh_each_round_and_every_peer_places_them_alike(ma
     members = tuple(sorted(n.peer_id for n in nodes))
     reducers = [ShardedReducer(n, "test.place", 20, timeouts=FAST, defences=Defences(owner_replication=3))
                 for n in nodes]
-    placements = [[tuple(owners for _, owners in r._shards(members, t)) for t in range(6)] for r in reducers]
+    placements = [[tuple(owners for _, owners in r.placement.shards(members, t)) for t in range(6)] for r in reducers]
     assert all(p == placements[0] for p in placements[1:])
     assert len(set(placements[0])) > 1  # not the same owners round after round
     for shards in placements[0]:
@@ -187,7 +187,7 @@ def test_two_owners_that_disagree_drop_the_shard_and_both_are_reported(make_node
     before = [v.clone() for v in vectors]
     in_parallel([lambda r=r: reducers[r].reduce(0, members, vectors[r]) for r in range(3)])
     liar_id = nodes[liar].peer_id
-    for i, (chunks, owners) in enumerate(reducers[1]._shards(members, 0)):
+    for i, (chunks, owners) in enumerate(reducers[1].placement.shards(members, 0)):
         (lo, hi), = chunks
         for r in (1, 2):
             if liar_id in owners:  # the two owners differ: every honest member keeps its own values

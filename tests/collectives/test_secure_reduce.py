@@ -97,7 +97,7 @@ def test_dropped_members_are_unmasked_away_by_survivors_with_t_shares(make_node)
     results = in_parallel([lambda r=r: rs[r].reduce(1, members, vectors[r]) for r in live])
     mean = torch.stack([vectors[r] for r in live]).mean(0)
     assert set(members[-2:]) <= set(results[0].lost)  # the dead members own shards: skipped alike (0)
-    for chunks, owners in rs[live[0]]._shards(members, 1):
+    for chunks, owners in rs[live[0]].placement.shards(members, 1):
         if owners[0] in members[-2:]:
             continue
         for lo, hi in chunks:

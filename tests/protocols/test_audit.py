@@ -87,7 +87,7 @@ def test_honest_peers_pass_every_audit_and_stay_identical(make_node):
             assert torch.equal(a, b)
     assert sum(p.describe()["audits"] for p in protos) >= 10 * WORLD - 4  # nearly every pair, every round
     for proto in protos:  # what owners kept for audits was taken, round by round
-        assert not proto.reducer._kept and not proto.reducer._keeping
+        assert not proto.reducer.retention.holding
     for node in nodes:
         assert not node.trust.banned
         assert not any(k.startswith("accused.") or k == "audit_failed" for c in node.trust.counts.values() for k in c)

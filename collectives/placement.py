@@ -1,0 +1,93 @@
+"""Who owns which values of a round: the shards and chunks of a sharded all-reduce over a
+member list, and their owners.
+
+    owners = the members others can dial, in member order (all members when none can be)
+    shards = P contiguous slices of the vector, P = |owners| (fewer: min_shard_numel, max_owners)
+    shard i's owners = owners[i]; with replication r, r consecutive owners of an order drawn
+                       afresh each round from the round and the member list
+
+Every peer computes the same placement from the same member list and round, so it is never
+sent. The draw for replicated owners is seeded by the round and the member list's digest: a
+member cannot grind a key that sits next to its accomplice's round after round, since the
+order changes with every round and every list.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from starling.collectives.compact import view_digest
+from starling.collectives.layout import chunk_layout
+from starling.common.hashing import derive_seed, peer_hash
+
+Shard = tuple[tuple[tuple[int, int], ...], tuple[str, ...]]  # (chunk bounds, owners)
+_KEEP_PLACEMENTS = 16  # replicated placements cached (a draw costs a hash per member)
+
+
+class Placement:
+    """The shards of one vector of `numel` values. Every peer of a swarm must use the same
+    `chunk_numel`, `min_shard_numel`, `max_owners` and `replication`; `reachable(peer)` says
+    whether others can dial a peer (from its signed record, the same everywhere)."""
+
+    def __init__(self, numel: int, chunk_numel: int, min_shard_numel: int = 1, max_owners: int = 0,
+                 replication: int = 1, reachable: Callable[[str], bool] = lambda _: True) -> None:
+        if chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
+        if min_shard_numel < 1:
+            raise ValueError(f"min_shard_numel must be >= 1, got {min_shard_numel}")
+        if max_owners < 0:
+            raise ValueError(f"max_owners must be >= 0, got {max_owners}")
+        self.numel, self.chunk_numel = numel, chunk_numel
+        # Above 1: shards of at least this many values, owned by the first members only. A
+        # small vector over many peers (a 4096-value sketch over 1024 peers) otherwise cuts
+        # into P shards of a few values each: P^2 requests a round, a million at 1024 peers.
+        self.min_shard_numel = min_shard_numel
+        # Above 0: at most this many shards (owned by the first members). A member's part to an
+        # owner holds a socket until the owner's group closes, so a round with more owners than
+        # a node keeps sockets open (TransportConfig.max_open_dealers) cannot send all its parts
+        # at once, and the parts that found no socket are lost to the round.
+        self.max_owners = max_owners
+        self.replication = replication
+        self._reachable = reachable
+        self._cache: dict[tuple[int, tuple[str, ...]], list[Shard]] = {}
+
+    def owners(self, members: tuple[str, ...]) -> tuple[str, ...]:
+        """Who owns shards: the members others can dial, in member order. A client (behind
+        NAT) only sends parts, and its answers come back down the connections it opened, so no
+        shard's traffic is relayed. If no member is reachable, all own shards and relays carry
+        their parts."""
+        owners = tuple(m for m in members if self._reachable(m))
+        return owners or members
+
+    def shards(self, members: tuple[str, ...], t: int) -> list[Shard]:
+        """(chunks, owners) of each shard of round t over `members`."""
+        owners = self.owners(members)
+        layout = self.layout(len(owners))
+        r = min(self.replication, len(owners))
+        if r <= 1:
+            return [(chunks, (owner,)) for chunks, owner in zip(layout, owners)]
+        key = (t, members)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        seed = derive_seed("reduce.owners", t, int.from_bytes(view_digest(members)[:8], "little"))
+        order = tuple(sorted(owners, key=lambda m: derive_seed(seed, peer_hash(m))))
+        shards = [(chunks, tuple(order[(i + k) % len(order)] for k in range(r))) for i, chunks in enumerate(layout)]
+        self._cache[key] = shards
+        while len(self._cache) > _KEEP_PLACEMENTS:
+            self._cache.pop(next(iter(self._cache)))
+        return shards
+
+    def owner_set(self, members: tuple[str, ...], t: int) -> set[str]:
+        return {o for _, owners in self.shards(members, t) for o in owners}
+
+    def bounds(self, members: tuple[str, ...], t: int) -> list[tuple[int, int]]:
+        """Every chunk's [lo, hi), shard by shard, chunk by chunk."""
+        return [b for chunks, _ in self.shards(members, t) for b in chunks]
+
+    def layout(self, owners: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Shard by shard, the chunks of a round with `owners` owners (fewer shards than owners
+        where min_shard_numel or max_owners cap them: the first owners own them)."""
+        shards = owners if self.min_shard_numel <= 1 else max(1, min(owners, self.numel // self.min_shard_numel))
+        if self.max_owners:
+            shards = min(shards, self.max_owners)
+        return chunk_layout(self.numel, shards, self.chunk_numel)
