@@ -91,6 +91,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECIPE_TAG = b"secagg"
+FIT_BITS = 29  # a fitted round's parts sum within +-2^29: the ring's top bits are the DP noise's
 _KEEP_ROUNDS = 8  # rounds whose secrets, shares and reveals a peer keeps (late owners ask within them)
 
 
@@ -100,23 +101,30 @@ class SecureAggregation:
 
     `scale`, `clip`: the fixed-point encoding (`IntegerCodec`, modulo 2^32): a value is clipped
     to +-clip and rounded to 1/scale; the sum of m parts is exact while m * clip * scale <
-    2^31 (scale 2^16 and clip 8: 4095 members), and the average's rounding error is at most
-    0.5 / scale. `threshold`: the fraction of a member's neighbours whose shares rebuild its
-    secrets (SecAgg+'s t = ceil(threshold * k), at least 1); the secrets stay hidden from
-    fewer than t colluding neighbours, and a survivor needs t of its neighbours alive.
+    2^31, and the average's rounding error is at most 0.5 / scale a value (its standard
+    deviation 1 / (scale sqrt(12 m))). `scale` 0 (the default) fits the ring to each round's
+    member count: the largest power of two with m * clip * scale <= 2^29, which leaves the
+    top bits to the members' DP noise (a round of 16 at clip 8: 2^22, 64 times finer than a
+    fixed 2^16, which fits 4095 members). Every member and owner of a round computes the same
+    scale from its member list, so nothing more is agreed. `threshold`: the fraction of a
+    member's neighbours whose shares rebuild its secrets (SecAgg+'s t = ceil(threshold * k),
+    at least 1); the secrets stay hidden from fewer than t colluding neighbours, and a
+    survivor needs t of its neighbours alive.
     `degree`: neighbours per member (0: SecAgg+'s ~3 log2 n, everyone up to 8 members).
     `unit`: the weight a part is scaled against (w / unit; no weight counts 1), set by the
     protocol to the weight a part usually carries (a gradient 1, a pseudo-gradient its round's
     inner steps), so that weighted parts stay within the clip."""
 
-    scale: float = 2.0**16
+    scale: float = 0.0
     clip: float = 8.0
     threshold: float = 0.5
     degree: int = 0
     unit: float = 1.0
 
     def __post_init__(self) -> None:
-        IntegerCodec(self.scale, self.clip, 32)  # raises for a bad scale or clip
+        if self.scale < 0 or not math.isfinite(self.scale):
+            raise ValueError(f"secure aggregation's scale must be 0 (fit each round) or > 0, got {self.scale}")
+        IntegerCodec(self.scale or 1.0, self.clip, 32)  # raises for a bad scale or clip
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"secure aggregation's threshold must be in (0, 1], got {self.threshold}")
         if self.degree < 0 or self.degree == 1:
@@ -126,7 +134,7 @@ class SecureAggregation:
 
     @classmethod
     def parse(cls, spec: str) -> SecureAggregation | None:
-        """"off" (None), "on", or "on:scale=65536,clip=8,threshold=0.5,degree=0"."""
+        """"off" (None), "on", or "on:scale=0,clip=8,threshold=0.5,degree=0" (scale 0: fit each round)."""
         if not isinstance(spec, str):
             raise ValueError(f"secure_aggregation must be a string, got {spec!r}")
         name, _, params = spec.partition(":")
@@ -146,9 +154,12 @@ class SecureAggregation:
                 raise ValueError(f"secure_aggregation: {key} must be a number, got {value!r}") from None
         return cls(**kwargs)
 
-    @property
-    def codec(self) -> IntegerCodec:
-        return IntegerCodec(self.scale, self.clip, 32)
+    def codec(self, members: int) -> IntegerCodec:
+        """The ring's encoding for a round of `members`."""
+        if self.scale:
+            return IntegerCodec(self.scale, self.clip, 32)
+        headroom = FIT_BITS - math.log2(max(1, members) * self.clip)
+        return IntegerCodec(2.0 ** math.floor(headroom), self.clip, 32)
 
     def shape(self, members: int) -> tuple[int, int]:
         """(k, t) for a round of `members`: neighbours per member and the share threshold."""
@@ -253,7 +264,6 @@ class SecureStage:
                  owners: Callable[[tuple[str, ...], int], set[str]],
                  resolve: Callable[[bytes], tuple[str, ...] | None], reveal_timeout_s: float) -> None:
         self.node, self.topic, self.config = node, topic, config
-        self.codec = config.codec
         self.reveal_topic = f"{topic}.secagg"
         self._refuse, self._owners, self._resolve = refuse, owners, resolve
         self.reveal_timeout_s = reveal_timeout_s
@@ -273,17 +283,18 @@ class SecureStage:
         me = self.node.peer_id
         rid = round_id(self.topic, t, view)
         k, threshold = self.config.shape(len(members))
-        if len(members) > self.codec.capacity():
+        codec = self.config.codec(len(members))
+        if len(members) > codec.capacity():
             raise SecAggError(f"{len(members)} members overflow secure aggregation's ring at scale "
-                              f"{self.config.scale:g} and clip {self.config.clip:g} (at most {self.codec.capacity()})")
+                              f"{codec.scale:g} and clip {codec.clip:g} (at most {codec.capacity()})")
         mine = neighbours(members, k, rid)[me]
         share = (1.0 if weight is None else weight) / self.config.unit  # as the owner counts it: no weight is 1
         scaled = vector.detach().to("cpu", torch.float32)
         if share != 1.0:
             scaled = scaled * share
-        ring = self.codec.encode(scaled)  # uint32, owned
+        ring = codec.encode(scaled)  # uint32, owned
         if noise_std > 0.0:
-            add(ring, (discrete_gaussian(ring.size, noise_std * share * self.config.scale) % 2**32).astype(np.uint32))
+            add(ring, (discrete_gaussian(ring.size, noise_std * share * codec.scale) % 2**32).astype(np.uint32))
         seed = secrets.token_bytes(32)
         add(ring, prg(seed, ring.size, rid))
         pairs: dict[str, bytes] = {}
@@ -471,7 +482,7 @@ class SecureStage:
             for j in graph[gone]:
                 if j in summed:  # j added +PRG(s_jd) when gone > j, else -PRG
                     (sub if gone > j else add)(total, prg(pair_seeds[j, gone], n, rid, offset=lo))
-        decoded = self.codec.decode_sum(total, len(alive)).to(torch.float64)
+        decoded = self.config.codec(len(members)).decode_sum(total, len(alive)).to(torch.float64)
         weight = {m: weights.get(m, 1.0) for m in alive}
         whole = sum(weight.values())
         if whole <= 0.0:

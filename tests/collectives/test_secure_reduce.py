@@ -13,8 +13,6 @@ from starling.collectives.compact import view_digest
 from starling.collectives.secure import SecureAggregation, check_secure_config
 from starling.protocols.allreduce import AllReduceConfig
 
-SCALE = 2.0**16
-
 
 def reducers(nodes, numel, secure=SecureAggregation(), **kw):
     return [ShardedReducer(n, "test.secure", numel, "none", secure=secure, **kw) for n in nodes]
@@ -29,7 +27,9 @@ def test_the_masked_average_is_the_plain_one_and_replicas_agree(make_node):
     mean = torch.stack(vectors).mean(0)
     results = in_parallel([lambda r=r: rs[r].reduce(3, members, vectors[r]) for r in range(world)])
     assert all(res.synced and res.peers == world and not res.lost for res in results)
-    torch.testing.assert_close(vectors[0], mean, rtol=0, atol=0.5 / SCALE + 1e-6)
+    scale = SecureAggregation().codec(world).scale  # fitted to 5 members: 2^23
+    assert scale == 2.0**23
+    torch.testing.assert_close(vectors[0], mean, rtol=0, atol=0.5 / scale + 1e-6)
     assert all(torch.equal(v, vectors[0]) for v in vectors[1:])
 
 
