@@ -105,8 +105,8 @@ def node_start(
     log_digest: bool = typer.Option(
         False, "--log-digest",
         help="Each progress line carries 'synced': a digest of the state every member holds alike (allreduce's "
-             "parameters, DiLoCo's outer parameters), to check from outside that the members agree. Hashes the "
-             "model once a line."),
+             "parameters, DiLoCo's outer parameters), and with units of data 'ledger', the data ledger's digest, to "
+             "check from outside that the members agree. Hashes the model once a line."),
     min_peers: int = typer.Option(
         1, "--min-peers", min=1,
         help="Train only once this many peers (self included) are up: a swarm whose peers start together "

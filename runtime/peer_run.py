@@ -222,6 +222,8 @@ class _Reporter:
                 record["counted"] = self.trainer.last_unit_counted
             if self.digest:
                 record["synced"] = getattr(self.trainer.proto, "synced_digest", lambda: None)()
+                if self.trainer.ledger is not None:
+                    record["ledger"] = self.trainer.ledger_digest
             self.on_record(record)
             if self.board is not None:
                 self.board.log(progress)

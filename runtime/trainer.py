@@ -512,6 +512,14 @@ class Trainer:
         rounds = ", ".join(f'"{r}": {state}' for r, state in self._ledger_rounds.items())
         self._ledger_blob = ("{" + rounds + "}").encode()
 
+    @property
+    def ledger_digest(self) -> str | None:
+        """The digest of the ledger of the round this peer is in, as hex (None without a ledger):
+        what every member of the round should hold alike."""
+        if self.ledger is None:
+            return None
+        return self._ledger_digest().hex()[:16] or None
+
     def _ledger_digest(self) -> bytes:
         """The digest of the ledger of the round this peer is in (its serialized form, kept
         anyway for the others to fetch); empty before the first round."""
