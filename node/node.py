@@ -447,6 +447,15 @@ class Node:
         banned = self.trust.banned
         return sorted(p.peer_id for p in self._table.live() if p.peer_id not in banned)
 
+    def share_bans(self) -> None:
+        """Any thread: send the accusations behind every ban to the live members again, at most
+        once every `SHARE_EVERY_S` (`Trust.share_bans`): a round whose members began it apart may
+        be one whose ban sets differ."""
+        self.submit(self._share_bans())
+
+    async def _share_bans(self) -> None:
+        self.trust.share_bans(self.live_peers_here(), time.monotonic())
+
     def on_ban(self, callback: Callable[[str], None]) -> None:
         """`callback(peer_id)` on the network thread when this node bans a peer (`node.trust`)."""
         self.trust.on_ban(callback)

@@ -17,6 +17,11 @@
                               `live_peers` (so it owns no shard and leads no round), the protocols'
                               `on_ban` hooks run, and the ban is logged with its evidence
 
+The ban set is part of what the members of a round must hold alike: `ban_digest` names it, the
+runtime folds it into each round's state digest, and a member whose round's owners saw the
+members begin apart shares every ban's accusations again (`share_bans`), so that a member that
+missed one bans as the others do by the next round.
+
 Evidence is plain data (`Evidence`): the kind, the accused, the accused's verify key (so that a
 check needs no peer table: the key must hash to the accused's id), the round and what the
 kind's check reads. The node knows no evidence kind itself: the collectives register a check
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +53,7 @@ from starling.node.wire import Message, RejectReason, WireError
 log = logging.getLogger(__name__)
 
 ACCUSE = "$accuse"
+SHARE_EVERY_S = 2.0  # `share_bans` sends at most this often
 _DOMAIN = "starling"
 
 
@@ -150,6 +157,8 @@ class Trust:
         # the signed accusations behind each ban, kept to show a joiner: at most `witnesses` per ban
         self._proofs: dict[str, list[dict[str, Any]]] = {}
         self._bodies: dict[tuple[str, str], dict[str, Any]] = {}  # (accused, witness) -> its signed accusation
+        self._ban_digest = b""  # of the sorted banned ids: replaced (never changed) at each ban, read by any thread
+        self._shared_at = -math.inf  # when `share_bans` last sent
 
     # ------------------------------------------------------------------ signing
     def sign(self, signed: bytes) -> bytes:
@@ -252,6 +261,30 @@ class Trust:
         self._keep_body(evidence.accused, witness, {"ev": body["ev"], "sig": body["sig"], "witness": witness})
         self._witness(witness, evidence, self.verifiable(evidence))
 
+    @property
+    def ban_digest(self) -> bytes:
+        """sha256 of the sorted ids this node bans (empty when none): what the members of a round
+        compare. Any thread."""
+        return self._ban_digest
+
+    def share_bans(self, peers: list[str], now: float, every_s: float = SHARE_EVERY_S) -> int:
+        """Send the accusations behind every ban to `peers` again (network thread), at most once
+        every `every_s`: a member whose ban set differs from the others' takes theirs, and gives
+        them its own. Returns how many accusations went."""
+        if now - self._shared_at < every_s or not self._proofs:
+            return 0
+        self._shared_at = now
+        sent = 0
+        for peer in peers:
+            if peer in self.banned:
+                continue
+            for accused, bodies in list(self._proofs.items()):
+                if accused != peer:
+                    for body in bodies:
+                        self._spawn(self._send(peer, ACCUSE, body))
+                        sent += 1
+        return sent
+
     def welcome(self, peer: str) -> None:
         """A member that just joined (network thread): send it the accusations behind every
         ban, each signed by its own witness, so that it bans as the swarm does."""
@@ -283,6 +316,7 @@ class Trust:
         if ban.peer in self.banned or ban.peer == self.local.peer_id:
             return
         self.banned[ban.peer] = ban
+        self._ban_digest = hashlib.sha256("\n".join(sorted(self.banned)).encode()).digest()
         self._accusers.pop(ban.peer, None)
         self._proofs[ban.peer] = [b for w in ban.witnesses if (b := self._bodies.pop((ban.peer, w), None))]
         for key in [k for k in self._bodies if k[0] == ban.peer]:

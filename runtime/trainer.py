@@ -304,8 +304,8 @@ class Trainer:
             self.sharded.attach(self.proto.optimizer)  # type: ignore[attr-defined]
         if self.ledger is not None:  # a joiner waits a round where it can take part without counting
             self.ledger.newcomers_wait = cls.weightless_steps
-            # the round's ledger is part of what the members must hold alike at its start
-            self.proto.round_context = self._ledger_digest
+        # the round's ledger and the ban set are part of what the members must hold alike at its start
+        self.proto.round_context = self._round_context
         if full is not None:
             self.proto.start_from(full.to(device=self.placement.device) if self.placement.device else full)
             del full
@@ -520,6 +520,12 @@ class Trainer:
             return None
         return self._ledger_digest().hex()[:16] or None
 
+    def _round_context(self) -> bytes:
+        """What the members of a round must hold alike besides the protocol's state: the ban set
+        and, with units of data, the round's ledger."""
+        ledger = self._ledger_digest() if self.ledger is not None else b""
+        return self.node.trust.ban_digest + ledger
+
     def _ledger_digest(self) -> bytes:
         """The digest of the ledger of the round this peer is in (its serialized form, kept
         anyway for the others to fetch); empty before the first round."""
@@ -575,6 +581,8 @@ class Trainer:
             except Exception as exc:  # the ranks cannot agree on what comes next: the replica goes
                 raise self.replica.lost(exc) from exc
         self.node.check_fault()  # a step whose sockets failed under it may have "finished" alone
+        if report.diverged:  # the members began the round apart: whatever bans differ, they share again
+            self.node.share_bans()
         if self.ledger is not None:
             if report.absent_peers or report.lost_peers:
                 self._went_without[report.step] = tuple(report.absent_peers)

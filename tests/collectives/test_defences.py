@@ -2,6 +2,8 @@
 aggregators, weight caps, replays, replicated owners, and the bans they lead to."""
 from __future__ import annotations
 
+import time
+
 import torch
 from conftest import in_parallel, swarm, wait_until
 
@@ -11,7 +13,7 @@ from starling.collectives.contributions import NOT_FINITE, OVERWEIGHT, REPLAYED,
 from starling.collectives.defences import Defences, OutlierWatch, ReplayWatch
 from starling.compressors import from_spec
 from starling.node import Refusal, refusal_of
-from starling.node.trust import Evidence
+from starling.node.trust import Evidence, statement
 
 ROBUST = Defences("centered_clip", max_weight=4.0)
 FAST = ReduceTimeouts(round_timeout_s=5.0, reply_grace_s=1.0)
@@ -323,3 +325,31 @@ def test_replicated_owners_agree_on_honest_parts_under_a_lossy_codec(make_node):
         assert all(torch.equal(vectors[0], v) for v in vectors[1:]), t
     counts = [kind for n in nodes for per in n.trust.counts.values() for kind in per]
     assert not {"disputed", "bad_signature", "screened", "not_finite"} & set(counts), counts
+
+
+def test_a_member_that_missed_a_ban_takes_it_when_the_others_share_their_bans(make_node):
+    """Ban sets are part of what a round's members hold alike (`Trust.ban_digest`): a member
+    whose ban the others never heard of (restored from its own checkpoint, or an accusation
+    lost on the way) shares the signed accusations behind it, and they ban as it does."""
+    a, b, c, cheat = swarm(make_node, 4)
+    evidence = Evidence("test.proof", cheat.peer_id, cheat.identity.verify_key, 3, {})
+    body = {"ev": evidence.to_wire(), "sig": a.trust.sign(statement("accuse", evidence.digest())),
+            "witness": a.peer_id}
+    state = {"bans": [{"peer": cheat.peer_id, "kind": "test.proof", "round": 3, "witnesses": [a.peer_id],
+                       "verifiable": True, "proofs": [body]}]}
+    for node in (b, c):
+        async def register(node=node):
+            node.trust.register_check("test.proof", lambda evidence: True)
+        node.run(register())
+
+    async def restore():
+        return a.trust.load_state_dict(state)
+    assert a.run(restore()) == 1
+    assert a.trust.ban_digest and not b.trust.ban_digest and cheat.peer_id not in c.trust.banned
+    a.share_bans()
+    assert wait_until(lambda: all(cheat.peer_id in n.trust.banned for n in (b, c)))
+    assert b.trust.ban_digest == c.trust.ban_digest == a.trust.ban_digest
+
+    async def again():
+        return a.trust.share_bans(a.live_peers_here(), time.monotonic())
+    assert a.run(again()) == 0  # at most once every SHARE_EVERY_S
