@@ -552,3 +552,31 @@ class Passed:
                 raise BodyError("a list must be [survivor, [pair-seed hashes]]")
             lists.append((j, tuple(_secret(h, "a pair-seed hash") for h in hashes)))
         return cls(_whole(body, "unmasked"), _view(body), alive, seeds, pairs, tuple(lists))
+
+
+@dataclass(frozen=True)
+class Held:
+    """An owner tells the round's unmasker whose parts one of its closed groups holds: the
+    unmasker sums only members every group holds, so that no member is alive at one owner and
+    dropped at another (which the holders would refuse, dropping a group)."""
+
+    round: int
+    view: bytes
+    shard: int
+    chunk: int
+    alive: bytes  # contributor mask over the view's members
+
+    @staticmethod
+    def is_one(obj: Any) -> bool:
+        return isinstance(obj, dict) and "held" in obj
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"held": self.round, "view": self.view, "shard": self.shard, "chunk": self.chunk, "alive": self.alive}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Held:
+        body = _map(obj, "a held set")
+        alive = body.get("alive")
+        if not isinstance(alive, bytes) or len(alive) > MAX_IDS // 8:
+            raise BodyError("alive must be a contributor mask")
+        return cls(_whole(body, "held"), _view(body), _whole(body, "shard"), _whole(body, "chunk"), alive)

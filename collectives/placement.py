@@ -80,6 +80,11 @@ class Placement:
     def owner_set(self, members: tuple[str, ...], t: int) -> set[str]:
         return {o for _, owners in self.shards(members, t) for o in owners}
 
+    def groups(self, members: tuple[str, ...], t: int) -> list[tuple[int, int, tuple[str, ...]]]:
+        """Every chunk of round t as (shard, chunk, its owners)."""
+        return [(i, c, owners) for i, (chunks, owners) in enumerate(self.shards(members, t))
+                for c in range(len(chunks))]
+
     def bounds(self, members: tuple[str, ...], t: int) -> list[tuple[int, int]]:
         """Every chunk's [lo, hi), shard by shard, chunk by chunk."""
         return [b for chunks, _ in self.shards(members, t) for b in chunks]

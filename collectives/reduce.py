@@ -243,7 +243,8 @@ class ShardedReducer:
                 raise ValueError(f"{topic}: secure aggregation hides the parts that a robust aggregator or "
                                  "replicated owners must see")
             self._secure = SecureStage(node, topic, secure, self._refuse, self.placement.owner_set, self._resolve_view,
-                                       reveal_timeout_s=self.timeouts.reply_grace_s / 2)
+                                       reveal_timeout_s=self.timeouts.reply_grace_s / 2, groups=self.placement.groups,
+                                       held_wait_s=self.timeouts.round_timeout_s)
         node.on(topic, self._on_part)
 
     # ------------------------------------------------------------------ caller's thread
@@ -333,9 +334,11 @@ class ShardedReducer:
     @property
     def _reply_within_s(self) -> float:
         """How long a member waits for an owner's average: the group's timeout and the grace,
-        and with secure aggregation the owner's unmasking too (waiting for the round's
-        unmasker, then asking the survivors itself: a reveal timeout each)."""
-        unmasking = 0.0 if self._secure is None else 2 * self._secure.reveal_timeout_s + 1.0
+        and with secure aggregation the owner's unmasking too (the round's unmasker waits up to
+        a round timeout for every group's held set, then each owner may wait for it and ask the
+        survivors itself: a reveal timeout each)."""
+        unmasking = 0.0 if self._secure is None else (self._secure.held_wait_s + 2 * self._secure.reveal_timeout_s
+                                                      + 1.0)
         return self.timeouts.round_timeout_s + self.timeouts.reply_grace_s + unmasking
 
     @property
@@ -684,7 +687,8 @@ class ShardedReducer:
         bounds = self.placement.shards(members, t)[i][0][c]
         aggregator = self.defences.aggregator
         if self._secure is not None:
-            self._answer_later(key, group, bounds, self._secure.close(t, members, view_digest(members), bounds, group))
+            self._answer_later(key, group, bounds, self._secure.close(t, members, view_digest(members), i, c, bounds,
+                                                                      group))
         elif aggregator.robust:
             center = self.screening.center(bounds)
             self._answer_later(key, group, bounds, asyncio.get_running_loop().run_in_executor(

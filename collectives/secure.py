@@ -13,8 +13,11 @@ One round t over members M (the view every part of a group names), per member i:
     send  y_i[shard] to each shard's owner, as the reducer sends any part, with the signed
           recipe (b"secagg", H(rid, b_i), H(rid, H(s_ij) for j in N(i)))
 
-An owner closes a group as usual (all parts in, or its timeout) with survivors S, dropped
-D = M - S. One owner per round, the unmasker, asks each survivor j for its shares of b_n (n in
+An owner closes a group as usual (all parts in, or its timeout) and tells the round's unmasker
+whose parts it holds (`Held`). The unmasker waits (up to a round timeout) until every live
+owner has said, and takes as survivors S the members whose parts every group holds, dropped
+D = M - S: a member whose part reached some owners and not others (it died in the middle of
+sending) is dropped at every owner alike. The unmasker asks each survivor j for its shares of b_n (n in
 N(j) & S) and its pair seeds s_jd (d in N(j) & D), with j's list of pair-seed hashes; rebuilds
 each b_n from t shares (dealer-signed, checked against n's signed commitment), checks each s_jd
 against j's signed hashes, and passes the secrets on to the other owners, who check them
@@ -61,6 +64,7 @@ from starling.collectives.bodies import (
     SIGNATURE_BYTES,
     BodyError,
     Deal,
+    Held,
     Passed,
     Reveal,
     Revealed,
@@ -91,6 +95,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECIPE_TAG = b"secagg"
+_GONE_POLL_S = 0.25  # how often an owner waiting for the unmasker's secrets checks that it is still alive
 FIT_BITS = 29  # a fitted round's parts sum within +-2^29: the ring's top bits are the DP noise's
 _KEEP_ROUNDS = 8  # rounds whose secrets, shares and reveals a peer keeps (late owners ask within them)
 
@@ -239,6 +244,8 @@ class _Round:
     mine: _Mine | None = None
     secrets: dict[tuple[str, ...], _Unmasking] = field(default_factory=dict)  # by the survivors I hold
     passed: dict[tuple[str, ...], Passed] = field(default_factory=dict)  # by the survivors the unmasker held
+    # the unmasker's: (shard, chunk) -> whose parts that group holds
+    held: dict[tuple[int, int], tuple[str, ...]] = field(default_factory=dict)
     lists: dict[str, list[bytes]] = field(default_factory=dict)  # survivor -> its pair-seed hashes (as revealed)
 
 
@@ -262,11 +269,17 @@ class SecureStage:
 
     def __init__(self, node: Node, topic: str, config: SecureAggregation, refuse: Refuser,
                  owners: Callable[[tuple[str, ...], int], set[str]],
-                 resolve: Callable[[bytes], tuple[str, ...] | None], reveal_timeout_s: float) -> None:
+                 resolve: Callable[[bytes], tuple[str, ...] | None], reveal_timeout_s: float,
+                 groups: Callable[[tuple[str, ...], int], list[tuple[int, int, tuple[str, ...]]]] | None = None,
+                 held_wait_s: float = 0.0) -> None:
         self.node, self.topic, self.config = node, topic, config
         self.reveal_topic = f"{topic}.secagg"
         self._refuse, self._owners, self._resolve = refuse, owners, resolve
         self.reveal_timeout_s = reveal_timeout_s
+        # every group of a round as (shard, chunk, owners), and how long the unmasker waits for
+        # the other owners to say whose parts their groups hold (a group closes by the round's
+        # timeout after its first part): without them, no held sets are gathered
+        self._groups, self.held_wait_s = groups, held_wait_s
         self._rounds: OrderedDict[bytes, _Round] = OrderedDict()  # network thread: rounds I masked or own
         self._held: dict[str, OrderedDict[bytes, Share]] = {}  # dealer -> round id -> its share for me
         self._share_arrived = asyncio.Event()  # set (and replaced) as shares arrive
@@ -353,6 +366,9 @@ class SecureStage:
                 return await self._on_reveal(msg.sender, Reveal.from_wire(body))
             if Passed.is_one(body):
                 self._on_passed(msg.sender, Passed.from_wire(body))
+                return {"ok": True}
+            if Held.is_one(body):
+                self._on_held(msg.sender, Held.from_wire(body))
                 return {"ok": True}
         except BodyError as exc:
             return self._refuse(Refusal.MALFORMED, f"secure aggregation: {exc}")
@@ -441,12 +457,14 @@ class SecureStage:
         return Revealed(shares, tuple((m, mine.pairs[m]) for m in pairs), tuple(mine.commits)).to_wire()
 
     # ------------------------------------------------------------------ owner (network thread)
-    async def close(self, t: int, members: tuple[str, ...], view: bytes, bounds: tuple[int, int],
+    async def close(self, t: int, members: tuple[str, ...], view: bytes, i: int, c: int, bounds: tuple[int, int],
                     group: ShardGroup) -> tuple[torch.Tensor, dict[str, float] | None, Verdict]:
         """A closed group's average, unmasked with its survivors' revealed shares, as the round
         engine answers it; the group's contributors become the survivors summed. A group that
-        cannot be unmasked is counted (`secagg_dropped`) and raises: it has no average."""
+        cannot be unmasked is counted (`secagg_dropped`) and raises: it has no average. First the
+        round's unmasker hears whose parts the group holds (`Held`)."""
         recipes = {sender: signed.recipe for sender, signed in group.signed.items()}
+        self._tell_held(t, members, view, i, c, tuple(m for m in members if m in group.received))
         try:
             average, shares, summed = await self.unmask(t, members, view, *bounds, group.received, group.weights,
                                                         recipes)
@@ -509,6 +527,69 @@ class SecureStage:
             commits[member] = (recipe[1], recipe[2])
         return commits
 
+    def _tell_held(self, t: int, members: tuple[str, ...], view: bytes, i: int, c: int,
+                   alive: tuple[str, ...]) -> None:
+        unmasker = self.unmasker(members, t)
+        if unmasker == self.node.peer_id:
+            self._note_held(self._round(round_id(self.topic, t, view)), i, c, alive)
+        elif self._groups is not None:
+            self.node.send(unmasker, self.reveal_topic, Held(t, view, i, c, contributor_mask(members, alive)).to_wire())
+
+    @staticmethod
+    def _note_held(state: _Round, i: int, c: int, alive: tuple[str, ...]) -> None:
+        state.held.setdefault((i, c), alive)
+        state.arrived.set()
+        state.arrived = asyncio.Event()
+
+    def _on_held(self, sender: str, body: Held) -> None:
+        """An owner's held set for one of its groups (I am the round's unmasker)."""
+        t, view = body.round, body.view
+        members = self._resolve(view)
+        if members is None or self._groups is None or self.unmasker(members, t) != self.node.peer_id:
+            self._refuse.count("secagg_not_unmasker", f"a held set of round {t} from {sender}")
+            return
+        if not any(i == body.shard and c == body.chunk and sender in owners
+                   for i, c, owners in self._groups(members, t)):
+            self._refuse.count("secagg_not_owner", f"a held set of round {t} from {sender}, which owns no such group")
+            return
+        try:
+            alive = contributors_of(members, body.alive)
+        except ValueError as exc:
+            self._refuse.count("secagg_malformed", f"a held set from {sender}: {exc}")
+            return
+        if t < self._latest - _KEEP_ROUNDS or t > self._latest + _KEEP_ROUNDS:
+            self._refuse.count("secagg_stale", f"a held set of round {t} from {sender}")
+            return
+        # (it may come before I masked in the round myself: an owner closed its group first)
+        self._note_held(self._round(round_id(self.topic, t, view)), body.shard, body.chunk, alive)
+
+    async def _held_by_all(self, t: int, members: tuple[str, ...], state: _Round,
+                           alive: tuple[str, ...]) -> tuple[str, ...]:
+        """The unmasker's survivors: those of `alive` whose parts every group of the round holds,
+        once every live owner said (or `held_wait_s` passed). A member whose part reached some
+        owners and not others (it died in the middle of sending) is then dropped at every owner
+        alike, and no holder is asked to call one member both alive and dropped."""
+        if self._groups is None:
+            return alive
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.held_wait_s
+        live = {*self.node.live_peers_here(), self.node.peer_id}
+        expected = [(i, c) for i, c, owners in self._groups(members, t) if any(o in live for o in owners)]
+        while True:
+            if all(g in state.held for g in expected):
+                break
+            left = deadline - loop.time()
+            if left <= 0:
+                log.info("%s: %s round %d: %d groups did not say whose parts they hold", self.node.peer_id,
+                         self.topic, t, sum(g not in state.held for g in expected))
+                break
+            try:
+                await asyncio.wait_for(state.arrived.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        held = [set(s) for s in state.held.values()]
+        return tuple(m for m in alive if all(m in s for s in held))
+
     def unmasker(self, members: tuple[str, ...], t: int) -> str:
         """The owner that gathers round t's secrets from the holders and passes them on to the
         other owners (who check them against the commitments in their own parts): one owner
@@ -528,8 +609,13 @@ class SecureStage:
         if known is not None:
             return known
         unmasker = self.unmasker(members, t)
-        if unmasker != me:
-            passed = await self._passed_on(state, alive, self.reveal_timeout_s)
+        if unmasker == me:
+            key = alive = await self._held_by_all(t, members, state, alive)
+            known = state.secrets.get(key)
+            if known is not None:
+                return known
+        else:
+            passed = await self._passed_on(state, alive, self.held_wait_s + self.reveal_timeout_s, unmasker)
             if passed is not None:
                 used, body = passed
                 checked = self._check_passed(t, rid, graph, used, commits, body)
@@ -543,11 +629,12 @@ class SecureStage:
             self._pass_on(t, members, view, rid, used, (seeds, pair_seeds), graph)
         return state.secrets[key]
 
-    async def _passed_on(self, state: _Round, alive: tuple[str, ...],
-                         timeout_s: float) -> tuple[tuple[str, ...], Passed] | None:
+    async def _passed_on(self, state: _Round, alive: tuple[str, ...], timeout_s: float,
+                         unmasker: str) -> tuple[tuple[str, ...], Passed] | None:
         """The unmasker's secrets for my survivors, or for the most of them it saw: a member
-        whose part reached me and not the unmasker is left out of my sum too (its neighbours
-        revealed its pair seeds, and will not reveal its seed's shares now)."""
+        whose part reached me and not every owner is left out of my sum too (its neighbours
+        revealed its pair seeds, and will not reveal its seed's shares now). None once the
+        unmasker is gone, or after `timeout_s`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         mine = set(alive)
@@ -556,12 +643,12 @@ class SecureStage:
             if fits:
                 return max(fits, key=lambda f: len(f[0]))
             left = deadline - loop.time()
-            if left <= 0:
+            if left <= 0 or unmasker not in self.node.live_peers_here():
                 return None
             try:
-                await asyncio.wait_for(state.arrived.wait(), left)
+                await asyncio.wait_for(state.arrived.wait(), min(left, _GONE_POLL_S))
             except asyncio.TimeoutError:
-                return None
+                pass
 
     def _pass_on(self, t: int, members: tuple[str, ...], view: bytes, rid: bytes, alive: tuple[str, ...],
                  found: _Secrets, graph: Mapping[str, tuple[str, ...]]) -> None:

@@ -9,7 +9,9 @@ import torch
 from conftest import in_parallel, load_benchmark, swarm, wait_until
 
 from starling.collectives import ReduceTimeouts, ShardedReducer
+from starling.collectives.bodies import Deal
 from starling.collectives.compact import view_digest
+from starling.collectives.outcome import ShardResult
 from starling.collectives.secure import SecureAggregation, check_secure_config
 from starling.protocols.allreduce import AllReduceConfig
 
@@ -102,6 +104,40 @@ def test_dropped_members_are_unmasked_away_by_survivors_with_t_shares(make_node)
             continue
         for lo, hi in chunks:
             for r in live:
+                torch.testing.assert_close(vectors[r][lo:hi], mean[lo:hi], rtol=0, atol=1e-4)
+
+
+def test_a_member_whose_part_reached_one_owner_only_is_left_out_alike_by_every_owner(make_node):
+    """A member whose part reached the round's unmasker and no other owner (it died in the
+    middle of sending): the unmasker hears whose parts every group holds and sums only those,
+    so no holder is asked to call the member alive for one owner and dropped for another, and
+    every chunk the others own carries the mean of the members every group holds."""
+    world, numel = 5, 200
+    nodes = swarm(make_node, world)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    rs = reducers(nodes, numel, timeouts=ReduceTimeouts(round_timeout_s=2.0, reply_grace_s=2.0), chunk_numel=32)
+    t = 1
+    unmasker = rs[0]._secure.unmasker(members, t)
+    half = next(r for r in range(world) if nodes[r].peer_id != unmasker)
+    real_send = rs[half]._send_part
+
+    async def to_the_unmasker_only(t, members, view, slot, owner, weight=None, recipe=None, deal=None, state=None):
+        if owner != unmasker:  # the part is lost; the share of its seed riding on it still arrives
+            if deal is not None:
+                nodes[half].send(owner, "test.secure.secagg", Deal(t, view, *deal).to_wire())
+            return ShardResult(slot.shard, slot.chunk, owner, None, reason="cut off")
+        return await real_send(t, members, view, slot, owner, weight, recipe, deal, state)
+    rs[half]._send_part = to_the_unmasker_only
+    vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    others = [r for r in range(world) if r != half]
+    mean = torch.stack([vectors[r] for r in others]).mean(0)
+    in_parallel([lambda r=r: rs[r].reduce(t, members, vectors[r]) for r in range(world)])
+    assert sum(rs[r]._secure.dropped for r in range(world)) == 0  # no group dropped
+    for chunks, owners in rs[0].placement.shards(members, t):
+        if owners[0] == nodes[half].peer_id:
+            continue  # its own shard holds its own part: not every group's
+        for lo, hi in chunks:
+            for r in others:
                 torch.testing.assert_close(vectors[r][lo:hi], mean[lo:hi], rtol=0, atol=1e-4)
 
 
