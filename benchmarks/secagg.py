@@ -202,6 +202,9 @@ def worker(rank: int, peers: int, join: str, rounds: int, kill_round: int, victi
     from starling.collectives.secure import SecureAggregation
     from starling.node import Node
 
+    if os.environ.get("STARLING_BENCH_LOG"):  # the workers' logs on stderr, at that level
+        import logging
+        logging.basicConfig(level=os.environ["STARLING_BENCH_LOG"], format=f"%(asctime)s r{rank} %(name)s %(message)s")
     node = Node(_identity(rank))
     node.start("tcp://127.0.0.1:0", [join] if join else [])
     if rank == 0:

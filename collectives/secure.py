@@ -280,6 +280,7 @@ class SecureStage:
         # the other owners to say whose parts their groups hold (a group closes by the round's
         # timeout after its first part): without them, no held sets are gathered
         self._groups, self.held_wait_s = groups, held_wait_s
+        self._silent: set[tuple[int, str]] = set()  # (round, holder) that gave no answer at all (gone)
         self._rounds: OrderedDict[bytes, _Round] = OrderedDict()  # network thread: rounds I masked or own
         self._held: dict[str, OrderedDict[bytes, Share]] = {}  # dealer -> round id -> its share for me
         self._share_arrived = asyncio.Event()  # set (and replaced) as shares arrive
@@ -527,6 +528,12 @@ class SecureStage:
             commits[member] = (recipe[1], recipe[2])
         return commits
 
+    @property
+    def unmask_within_s(self) -> float:
+        """How long the unmasker may take after its group closed: waiting for every group's held
+        set, then two rounds of asks (pair seeds, then seed shares), each up to a reveal timeout."""
+        return self.held_wait_s + 2 * (self.reveal_timeout_s + 1.0)
+
     def _tell_held(self, t: int, members: tuple[str, ...], view: bytes, i: int, c: int,
                    alive: tuple[str, ...]) -> None:
         unmasker = self.unmasker(members, t)
@@ -573,18 +580,19 @@ class SecureStage:
             return alive
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.held_wait_s
-        live = {*self.node.live_peers_here(), self.node.peer_id}
-        expected = [(i, c) for i, c, owners in self._groups(members, t) if any(o in live for o in owners)]
+        groups = self._groups(members, t)
         while True:
-            if all(g in state.held for g in expected):
+            live = {*self.node.live_peers_here(), self.node.peer_id}  # an owner found dead meanwhile says nothing
+            missing = [(i, c) for i, c, owners in groups if (i, c) not in state.held and any(o in live for o in owners)]
+            if not missing:
                 break
             left = deadline - loop.time()
             if left <= 0:
                 log.info("%s: %s round %d: %d groups did not say whose parts they hold", self.node.peer_id,
-                         self.topic, t, sum(g not in state.held for g in expected))
+                         self.topic, t, len(missing))
                 break
             try:
-                await asyncio.wait_for(state.arrived.wait(), left)
+                await asyncio.wait_for(state.arrived.wait(), min(left, _GONE_POLL_S))
             except asyncio.TimeoutError:
                 pass
         held = [set(s) for s in state.held.values()]
@@ -615,7 +623,7 @@ class SecureStage:
             if known is not None:
                 return known
         else:
-            passed = await self._passed_on(state, alive, self.held_wait_s + self.reveal_timeout_s, unmasker)
+            passed = await self._passed_on(state, alive, self.unmask_within_s + self.reveal_timeout_s, unmasker)
             if passed is not None:
                 used, body = passed
                 checked = self._check_passed(t, rid, graph, used, commits, body)
@@ -711,37 +719,24 @@ class SecureStage:
                       graph: Mapping[str, tuple[str, ...]], alive: tuple[str, ...],
                       commits: Mapping[str, tuple[bytes, bytes]], threshold: int,
                       retry: bool = True) -> _Unmasking:
-        """Ask every survivor for its shares of its surviving neighbours' seeds and its pair
-        seeds with its dropped ones; rebuild and check them. Returns the survivors summed (those
-        whose seed could be rebuilt) with the secrets."""
+        """First every survivor's pair seeds with its dropped neighbours (`_pairs_of_dropped`: a
+        survivor that cannot give them, dead since its part came, is dropped too), then the
+        survivors' shares of their surviving neighbours' seeds; rebuild and check them. Returns
+        the survivors summed (those whose seed could be rebuilt) with the secrets."""
+        alive, pair_seeds = await self._pairs_of_dropped(t, members, view, rid, graph, alive, commits)
         dropped = set(members) - set(alive)
-        asks = {j: ([n for n in graph[j] if n in alive], [d for d in graph[j] if d in dropped]) for j in alive}
-        replies = await asyncio.gather(*(self._ask(j, t, view, seeds, pairs) for j, (seeds, pairs) in asks.items()))
+        asks = {j: [n for n in graph[j] if n in alive] for j in alive}
+        replies = await asyncio.gather(*(self._ask(j, t, view, seeds, ()) for j, seeds in asks.items()))
         shares: dict[str, dict[int, tuple[str, int, bytes]]] = {}  # dealer -> x -> (holder, y, signature)
-        pair_seeds: dict[tuple[str, str], bytes] = {}
-        state = self._round(rid)
         for j, reply in zip(alive, replies):
             if reply is None:
                 continue
             for dealer, x, y, sig in reply.shares:
-                if dealer not in asks[j][0] or x != point_of(j, members) or not 0 <= y < PRIME:
+                if dealer not in asks[j] or x != point_of(j, members) or not 0 <= y < PRIME:
                     self._refuse.count("secagg_bad_share", f"round {t}: {j} revealed a share of {dealer} it "
                                        "does not hold")
                     continue
                 shares.setdefault(dealer, {})[x] = (j, y, sig)
-            hashes_ = list(reply.commits)
-            if hashlib.sha256(b"".join(hashes_)).digest() != commits[j][1] or len(hashes_) != len(graph[j]):
-                if reply.pairs:
-                    self._refuse.count("secagg_bad_seed", f"round {t}: {j}'s pair-seed hashes break its commitment")
-                continue
-            index = {n: h for n, h in zip(graph[j], hashes_)}
-            for d, seed in reply.pairs:
-                if d not in asks[j][1] or hashlib.sha256(seed).digest() != index.get(d):
-                    self._refuse.count("secagg_bad_seed", f"round {t}: {j} revealed a wrong mask seed for {d}")
-                    continue
-                pair_seeds[j, d] = seed
-            if reply.pairs:
-                state.lists[j] = hashes_  # what the other owners check my passed pair seeds against
         short = [m for m in alive if len(shares.get(m, {})) < threshold]
         if short and retry and len(short) < len(alive):
             # Its shares never reached enough holders (it died mid-send), or they gave its pair seeds
@@ -755,6 +750,51 @@ class SecureStage:
                 if j in seeds and (j, gone) not in pair_seeds:
                     raise SecAggError(f"round {t}: {j} did not reveal its mask seed with dropped {gone}")
         return alive, seeds, pair_seeds
+
+    async def _pairs_of_dropped(self, t: int, members: tuple[str, ...], view: bytes, rid: bytes,
+                                graph: Mapping[str, tuple[str, ...]], alive: tuple[str, ...],
+                                commits: Mapping[str, tuple[bytes, bytes]]
+                                ) -> tuple[tuple[str, ...], dict[tuple[str, str], bytes]]:
+        """Each survivor's pair seeds with its dropped neighbours, checked against its signed
+        hashes. Only a survivor can give them: one that does not (it died after its part came,
+        before the unmasking) is dropped as well, its part left out, and its own surviving
+        neighbours are asked for their pair seeds with it, until every survivor has answered.
+        No seed share is asked for before this ends, so no holder is asked to call a member
+        alive that then turns out dropped."""
+        state = self._round(rid)
+        pair_seeds: dict[tuple[str, str], bytes] = {}
+        for _ in range(len(members)):  # each pass drops at least one survivor, or ends
+            dropped = set(members) - set(alive)
+            asks = {j: [d for d in graph[j] if d in dropped and (j, d) not in pair_seeds] for j in alive}
+            asks = {j: pairs for j, pairs in asks.items() if pairs}
+            if not asks:
+                break
+            self._silent = {(r, j) for r, j in self._silent if r >= t - _KEEP_ROUNDS}
+            replies = await asyncio.gather(*(self._ask(j, t, view, (), pairs) for j, pairs in asks.items()))
+            silent = []
+            for j, reply in zip(asks, replies):
+                if reply is None:
+                    if (t, j) in self._silent:  # no answer at all: gone (a refusal drops the group below)
+                        silent.append(j)
+                    continue
+                hashes_ = list(reply.commits)
+                if hashlib.sha256(b"".join(hashes_)).digest() != commits[j][1] or len(hashes_) != len(graph[j]):
+                    self._refuse.count("secagg_bad_seed", f"round {t}: {j}'s pair-seed hashes break its commitment")
+                    continue
+                index = {n: h for n, h in zip(graph[j], hashes_)}
+                for d, seed in reply.pairs:
+                    if d not in asks[j] or hashlib.sha256(seed).digest() != index.get(d):
+                        self._refuse.count("secagg_bad_seed", f"round {t}: {j} revealed a wrong mask seed for {d}")
+                        continue
+                    pair_seeds[j, d] = seed
+                state.lists[j] = hashes_  # what the other owners check my passed pair seeds against
+            if not silent:
+                break
+            log.info("%s: %s round %d: %s gave no pair seeds (gone since its part came): summing without",
+                     self.node.peer_id, self.topic, t, silent)
+            alive = tuple(m for m in alive if m not in silent)
+            pair_seeds = {(j, d): seed for (j, d), seed in pair_seeds.items() if j in alive}
+        return alive, pair_seeds
 
     def _rebuild(self, t: int, rid: bytes, member: str, got: dict[int, tuple[str, int, bytes]], threshold: int,
                  commitment: bytes) -> bytes:
@@ -784,6 +824,7 @@ class SecureStage:
 
     async def _ask(self, holder: str, t: int, view: bytes, seeds: Sequence[str],
                    pairs: Sequence[str]) -> Revealed | None:
+        """The holder's answer; None if it refused or gave none (`_silent` holds the latter)."""
         ask = Reveal(t, view, tuple(seeds), tuple(pairs))
         try:
             if holder == self.node.peer_id:
@@ -798,6 +839,7 @@ class SecureStage:
             log.info("%s: %s round %d: %s revealed nothing: %s", self.node.peer_id, self.topic, t, holder, exc)
         except Exception as exc:  # a survivor that died since: its shares are missing, no more
             log.info("%s: %s round %d: %s revealed nothing: %s", self.node.peer_id, self.topic, t, holder, exc)
+            self._silent.add((t, holder))
         return None
 
 

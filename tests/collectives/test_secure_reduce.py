@@ -3,6 +3,8 @@ plain one within the encoding's rounding, an owner sees only masked bytes, dropo
 unmasked by the survivors' shares, and tampered shares or seeds are refused and counted."""
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -104,6 +106,40 @@ def test_dropped_members_are_unmasked_away_by_survivors_with_t_shares(make_node)
             continue
         for lo, hi in chunks:
             for r in live:
+                torch.testing.assert_close(vectors[r][lo:hi], mean[lo:hi], rtol=0, atol=1e-4)
+
+
+def test_a_survivor_gone_before_the_unmasking_is_dropped_too_and_the_round_completes(make_node):
+    """One member dies before its part goes (dropped); another sends its part, then answers no
+    reveal request (gone before the unmasking): only it could give its pair seed with the
+    dropped one, so the owners drop it too, before anyone is asked for seed shares, and every
+    chunk the others own carries the mean of the four left."""
+    world, numel = 6, 120
+    nodes = swarm(make_node, world)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    rs = reducers(nodes, numel, timeouts=ReduceTimeouts(round_timeout_s=2.0, reply_grace_s=2.0))
+    t = 1
+    unmasker = rs[0]._secure.unmasker(members, t)
+    ranks = [r for r in range(world) if nodes[r].peer_id != unmasker]
+    dead, gone = ranks[0], ranks[1]
+    vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    masked = rs[dead]._secure.mask(t, members, view_digest(members), vectors[dead], None)
+    nodes[dead].run(rs[dead]._secure.deal(masked))
+    nodes[dead].close()
+
+    async def silent(owner, ask):
+        await asyncio.sleep(30)
+    rs[gone]._secure._on_reveal = silent
+    live = [r for r in range(world) if r != dead]
+    in_parallel([lambda r=r: rs[r].reduce(t, members, vectors[r]) for r in live])
+    left = [r for r in live if r != gone]
+    mean = torch.stack([vectors[r] for r in left]).mean(0)
+    assert sum(rs[r]._secure.dropped for r in left) == 0
+    for chunks, owners in rs[left[0]].placement.shards(members, t):
+        if owners[0] in (nodes[dead].peer_id, nodes[gone].peer_id):
+            continue
+        for lo, hi in chunks:
+            for r in left:
                 torch.testing.assert_close(vectors[r][lo:hi], mean[lo:hi], rtol=0, atol=1e-4)
 
 
