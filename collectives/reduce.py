@@ -337,8 +337,9 @@ class ShardedReducer:
         and with secure aggregation the owner's unmasking too (the round's unmasker waits up to
         a round timeout for every group's held set, then each owner may wait for it and ask the
         survivors itself: a reveal timeout each)."""
-        unmasking = 0.0 if self._secure is None else (self._secure.held_wait_s + 2 * self._secure.reveal_timeout_s
-                                                      + 1.0)
+        # the unmasker's own time, then an owner's wait for it and its own two rounds of asks
+        unmasking = 0.0 if self._secure is None else (self._secure.unmask_within_s + self._secure.reveal_timeout_s
+                                                      + 2 * (self._secure.reveal_timeout_s + 1.0))
         return self.timeouts.round_timeout_s + self.timeouts.reply_grace_s + unmasking
 
     @property
