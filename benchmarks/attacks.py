@@ -41,6 +41,7 @@ A process that is wholly the attacker (a `starling node start` in a test) calls
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -57,6 +58,7 @@ SCALE = 100.0
 CLAIMED_WEIGHT = 1000.0
 REPLAY_LAG = 3  # rounds back
 LIE_FACTOR = -10.0  # the lying owner's averages
+COLLUDE_SCALE = 1.0  # colluders' crafted vector: minus the honest mean, at the honest median norm
 BOARD_WAIT_S = 5.0  # the longest an attacker waits for the honest vectors of its round
 
 
@@ -68,6 +70,7 @@ class Board:
         self.honest, self.keep_rounds = honest, keep_rounds
         self._vectors: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         self._cond = threading.Condition()
+        self.reducers: dict[tuple[str, str], Any] = {}  # (topic, peer) -> an honest peer's reducer (omniscience)
 
     def post(self, topic: str, t: int, peer: str, vector: torch.Tensor) -> None:
         with self._cond:
@@ -93,6 +96,7 @@ def tap(proto: Any, board: Board) -> None:
     """An honest peer posts a copy of every vector it starts a round with; it sends it unchanged."""
     for reducer in proto.reducers:
         original = reducer.start
+        board.reducers[reducer.topic, reducer.node.peer_id] = reducer
 
         def start(t: int, members: tuple[str, ...], vector: torch.Tensor, lend: bool = False,
                   weight: float | None = None, *, _original: Callable[..., Any] = original,
@@ -131,6 +135,7 @@ class Attack:
         def start(t: int, members: tuple[str, ...], vector: torch.Tensor, lend: bool = False,
                   weight: float | None = None, **more: Any) -> Any:
             honest = vector.detach().clone()
+            self.members = members
             sent, claimed = self.forge(reducer, t, honest, weight, history)
             history.append(honest)
             self.rounds += 1
@@ -338,6 +343,53 @@ class Slander(Attack):
                                                                   "rounds": 3, "why": "norm_high"}))
 
 
+class Collude(Attack):
+    """Two (or more) colluders send the same crafted vector, -COLLUDE_SCALE times the honest
+    mean scaled to the honest median norm (within the norm screen), in 2 of every 3 rounds
+    (`t % 3 != 2`), and their honest vector in the third: no owner sees them flagged 3 rounds
+    in a row."""
+
+    def poisons_round(self, t: int) -> bool:
+        return t % 3 != 2
+
+    def crafted(self, reducer: Any, t: int, honest: torch.Tensor, history: deque[torch.Tensor]) -> torch.Tensor:
+        mean, _ = self.honest_mean_std(reducer, t, honest, history)
+        vectors = self.board.honest_vectors(reducer.topic, t) if self.board is not None else []
+        norm = statistics.median(float(v.norm()) for v in vectors) if vectors else float(honest.norm())
+        return -COLLUDE_SCALE * mean * (norm / max(float(mean.norm()), 1e-30))
+
+    def forge(self, reducer, t, honest, weight, history):
+        if not self.poisons_round(t):
+            return None, weight
+        return self.crafted(reducer, t, honest, history).to(honest.device), weight
+
+
+class ColludeSkip(Collude):
+    """Colluders that read the owners' watch: every round they send the crafted vector on every
+    chunk but those whose owners flagged them in their last two rounds in a row there (an
+    owner accuses at three), and their honest values on those."""
+
+    def poisons_round(self, t: int) -> bool:
+        return True
+
+    def forge(self, reducer, t, honest, weight, history):
+        crafted = self.crafted(reducer, t, honest, history).to(honest.device)
+        me = reducer.node.peer_id
+        sent = crafted.clone()
+        for chunks, owners in reducer.placement.shards(self.members, t):
+            if any(self._flagged_twice(reducer.topic, owner, me) for owner in owners):
+                for lo, hi in chunks:
+                    sent[lo:hi] = honest[lo:hi]
+        return sent, weight
+
+    def _flagged_twice(self, topic: str, owner: str, me: str) -> bool:
+        theirs = self.board.reducers.get((topic, owner)) if self.board is not None else None
+        if theirs is None:
+            return False
+        recent = list(theirs.screening._watch._recent.get(me, ()))  # an omniscient attacker reads it
+        return len(recent) >= 2 and all(flagged for _, flagged in recent[-2:])
+
+
 ATTACKS: dict[str, Callable[[], Attack]] = {
     "sign_flip": lambda: SignFlip("sign_flip"),
     "scale": lambda: Scale("scale"),
@@ -351,8 +403,10 @@ ATTACKS: dict[str, Callable[[], Attack]] = {
     "lying_owner": lambda: LyingOwner("lying_owner"),
     "quorum_leader": lambda: QuorumLeader("quorum_leader", needs="quorum"),
     "slander": lambda: Slander("slander", poisons=False),
+    "collude": lambda: Collude("collude"),
+    "collude_skip": lambda: ColludeSkip("collude_skip"),
 }
-NEEDS_BOARD = ("alie", "ipm")
+NEEDS_BOARD = ("alie", "ipm", "collude", "collude_skip")
 
 
 def make(name: str) -> Attack:

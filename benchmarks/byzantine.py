@@ -279,6 +279,7 @@ def _row(protocol: str, attack_name: str | None, attackers: int, defences: str, 
         for peer, counts in trust[s.rank]["counts"].items():
             side = "attackers" if peer in attacker_ids else "honest"
             against[side].update(counts)
+    suspicion = _suspicion_of(proto, attacker_ids, ids)
     return {"bench": "run", "protocol": protocol, "attack": attack_name or "none", "attackers": len(bad),
             "attacker_ranks": bad, "placement": placement if bad else None, "defences": defences,
             "steps": steps, "rounds": rounds, "options": options,
@@ -288,8 +289,31 @@ def _row(protocol: str, attack_name: str | None, attackers: int, defences: str, 
             "banned_attackers": banned_attackers, "banned_by_some": banned_by_some,
             "honest_banned": sum(honest_banned.values()), "honest_banned_kinds": dict(honest_banned),
             "trust_counts": {side: dict(sorted(c.items())) for side, c in against.items()},
+            "suspicion": suspicion,
             "attack_rounds": sum(a.rounds for a in attack_objects),
             "attack_estimated": sum(a.estimated for a in attack_objects)}
+
+
+def _suspicion_of(proto: Any, attacker_ids: set[str], ids: dict[str, int]) -> dict[str, Any]:
+    """The running test of accumulated evidence (collectives/suspicion.py) as one honest peer
+    holds it, over its reducers: each member's flagged and scored rounds, its highest statistic,
+    and its whole-round cosines with the median (for calibration)."""
+    def key(member: str) -> str:
+        return f"{'attacker' if member in attacker_ids else 'honest'}:{ids.get(member)}"
+
+    out: dict[str, Any] = {"max_statistic": {}, "flags": {}, "rounds": {}, "cos_by_member": {}}
+    for reducer in getattr(proto, "reducers", []):
+        ledger = getattr(reducer, "suspicion", None)
+        if ledger is None:
+            continue
+        for _t, member, cos in ledger.history:
+            out["cos_by_member"].setdefault(key(member), []).append(round(cos, 3))
+        for member, stat in ledger.peak.items():
+            out["max_statistic"][key(member)] = round(max(stat, out["max_statistic"].get(key(member), 0.0)), 3)
+        for name, counts in (("flags", ledger.flags), ("rounds", ledger.rounds)):
+            for member, n in counts.items():
+                out[name][key(member)] = out[name].get(key(member), 0) + n
+    return out
 
 
 def drift_row(steps: int, seed: int = 0) -> dict[str, Any]:

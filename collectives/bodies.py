@@ -221,6 +221,23 @@ class Skip:
         return cls(body["skip"])
 
 
+def _scores(value: Any, contributors: int) -> tuple[float, tuple[tuple[float, float], ...]] | None:
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], list)
+            and len(value[1]) == contributors):
+        raise BodyError("scores must be [ref, [[dot, norm2], ...]] with one row per contributor")
+    rows = []
+    for row in value[1]:
+        if not (isinstance(row, list) and len(row) == 2 and all(type(v) is float and math.isfinite(v) for v in row)):
+            raise BodyError("a score must be two finite floats")
+        rows.append((row[0], row[1]))
+    ref = value[0]
+    if type(ref) is not float or not math.isfinite(ref) or ref < 0.0:
+        raise BodyError("a score's reference must be a finite float >= 0")
+    return ref, tuple(rows)
+
+
 @dataclass(frozen=True)
 class Average:
     """An owner's answer to a part: the chunk's average (its values travel as the message's
@@ -232,6 +249,9 @@ class Average:
     sig: bytes | None = None  # the owner's signature (collectives/contributions.py)
     # the contributors began the round with different states (their parts' `state` digests differ)
     diverged: bool = False
+    # |ref|^2 and each contributor's (<part, ref>, |part|^2) against the round's reference, in
+    # contributor order (collectives/suspicion.py); signed with the average
+    scores: tuple[float, tuple[tuple[float, float], ...]] | None = None
 
     def to_wire(self, members: Sequence[str]) -> dict[str, Any]:
         # "cm": a bit per member, not a list of ids, since it rides on every chunk's answer
@@ -242,6 +262,8 @@ class Average:
             body["sig"] = self.sig
         if self.diverged:
             body["dv"] = True
+        if self.scores is not None:
+            body["sc"] = [self.scores[0], [[d, n] for d, n in self.scores[1]]]
         return body
 
     @classmethod
@@ -255,7 +277,8 @@ class Average:
         except ValueError as exc:
             raise BodyError(str(exc)) from None
         shares = tuple(sorted(_pairs(body.get("shares") or [], "shares")))
-        return cls(_header(body), contributors, shares, _sig(body), body.get("dv") is True)
+        return cls(_header(body), contributors, shares, _sig(body), body.get("dv") is True,
+                   _scores(body.get("sc"), len(contributors)))
 
 
 @dataclass(frozen=True)

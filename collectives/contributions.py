@@ -54,6 +54,19 @@ def _weight(weight: float | None) -> float:
 
 
 Recipe = tuple[int | bytes, ...]  # what an author says it computed a part from (plain data)
+# What an owner says of a chunk's parts against the round's reference (collectives/suspicion.py):
+# |ref|^2 over the chunk's sampled coordinates, and each contributor's (<part, ref>, |part|^2),
+# in contributor order.
+Scores = tuple[float, tuple[tuple[float, float], ...]]
+
+
+def scores_wire(scores: Scores) -> list[Any]:
+    return [float(scores[0]), [[float(d), float(n)] for d, n in scores[1]]]
+
+
+def vote_key(content: bytes, scores: Scores | None) -> bytes:
+    """What replicated owners' answers are compared by: the packet's digest, and the scores'."""
+    return content if scores is None else digest(content, statement(scores_wire(scores)))
 
 
 @dataclass(frozen=True)
@@ -146,18 +159,24 @@ class Contributions:
 
     # ------------------------------------------------------------------ averages
     def average_statement(self, t: int, i: int, c: int, view: bytes, contributors: Sequence[str],
-                          content: bytes) -> bytes:
-        return statement("avg", self.topic, t, i, c, view, list(contributors), content)
+                          content: bytes, scores: Scores | None = None) -> bytes:
+        """An average without scores signs the same bytes as before scores existed."""
+        if scores is None:
+            return statement("avg", self.topic, t, i, c, view, list(contributors), content)
+        return statement("avg", self.topic, t, i, c, view, list(contributors), content, scores_wire(scores))
 
-    def sign_average(self, t: int, i: int, c: int, view: bytes, contributors: Sequence[str], packet: Packet) -> bytes:
+    def sign_average(self, t: int, i: int, c: int, view: bytes, contributors: Sequence[str], packet: Packet,
+                     scores: Scores | None = None) -> bytes:
         content = content_digest(packet.header, packet.buffers)
-        return self.trust.sign(self.average_statement(t, i, c, view, contributors, content))
+        return self.trust.sign(self.average_statement(t, i, c, view, contributors, content, scores))
 
     def verify_average(self, owner: str, t: int, i: int, c: int, view: bytes, contributors: Sequence[str],
-                       packet: Packet, sig: Any) -> bytes | None:
+                       packet: Packet, sig: Any, scores: Scores | None = None) -> bytes | None:
+        """What replicated owners' answers are compared by if `owner` signed this one (the
+        packet's digest, and the scores' with them), else None."""
         content = content_digest(packet.header, packet.buffers)
-        ok = self.trust.verify(owner, self.average_statement(t, i, c, view, contributors, content), sig)
-        return content if ok else None
+        ok = self.trust.verify(owner, self.average_statement(t, i, c, view, contributors, content, scores), sig)
+        return vote_key(content, scores) if ok else None
 
 
 # ---------------------------------------------------------------------- checks of evidence

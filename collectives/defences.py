@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from starling.collectives.robust import AggregatorConfig
+from starling.collectives.suspicion import SuspicionConfig
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +47,7 @@ class Defences:
     max_weight: float | None = None
     accuse_after: int = 3
     opposed_cos: float = 0.0
+    suspicion: SuspicionConfig = field(default_factory=SuspicionConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.aggregator, str):

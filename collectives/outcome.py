@@ -59,3 +59,4 @@ class ShardResult:
     content: bytes | None = None  # the average's digest, for a vote among replicated owners
     sig: bytes | None = None  # the owner's signature of it
     diverged: bool = False  # the owner saw its contributors begin the round with different states
+    scores: tuple[float, tuple[tuple[float, float], ...]] | None = None  # against the reference (suspicion.py)

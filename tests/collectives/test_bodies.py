@@ -28,6 +28,8 @@ def test_answers_come_back_as_they_went() -> None:
     assert Average.from_wire(average.to_wire(MEMBERS), MEMBERS) == average
     flagged = Average(None, ("a", "c"), diverged=True)
     assert Average.from_wire(flagged.to_wire(MEMBERS), MEMBERS) == flagged
+    scored = Average(None, ("a", "c"), scores=(2.0, ((1.5, 3.0), (-0.5, 1.0))))
+    assert Average.from_wire(scored.to_wire(MEMBERS), MEMBERS) == scored
     closing = Closing(2, (("a", 1.0), ("b", 3.0)), b"s" * 64)
     assert Closing.from_wire(closing.to_wire(), 2) == closing
     ack = Ack(2, b"s" * 64)
@@ -142,3 +144,17 @@ def test_secure_aggregation_bodies_round_trip_and_refuse_what_they_are_not():
                      ({"unmasked": 3, "view": view, "alive": "x", "seeds": [], "pairs": [], "lists": []}, Passed)]:
         with pytest.raises(BodyError):
             cls.from_wire(bad)
+
+
+@pytest.mark.parametrize("scores", [
+    [1.0, [[1.0, 2.0]]],  # one row for two contributors
+    [1.0, [[1.0, float("nan")], [0.0, 1.0]]],
+    [-1.0, [[1.0, 2.0], [0.0, 1.0]]],
+    [1.0, [[1, 2.0], [0.0, 1.0]]],  # an int where a float goes
+    "scores",
+])
+def test_malformed_scores_are_refused(scores) -> None:
+    body = Average(None, ("a", "c")).to_wire(MEMBERS)
+    body["sc"] = scores
+    with pytest.raises(BodyError):
+        Average.from_wire(body, MEMBERS)

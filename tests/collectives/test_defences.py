@@ -11,6 +11,7 @@ from starling.collectives import ReduceTimeouts, ShardedReducer
 from starling.collectives.compact import view_digest
 from starling.collectives.contributions import NOT_FINITE, OVERWEIGHT, REPLAYED, Contributions
 from starling.collectives.defences import Defences, OutlierWatch, ReplayWatch
+from starling.collectives.suspicion import SUSPECT, SuspicionConfig, SuspicionLedger, chunk_scores
 from starling.compressors import from_spec
 from starling.node import Refusal, refusal_of
 from starling.node.trust import Evidence, statement
@@ -353,3 +354,53 @@ def test_a_member_that_missed_a_ban_takes_it_when_the_others_share_their_bans(ma
     async def again():
         return a.trust.share_bans(a.live_peers_here(), time.monotonic())
     assert a.run(again()) == 0  # at most once every SHARE_EVERY_S
+
+
+def test_the_suspicion_ledger_accuses_a_member_flagged_two_rounds_in_three_and_nobody_else():
+    ledger = SuspicionLedger(SuspicionConfig())
+    honest = {m: (1.0, 1.0) for m in "abcd"}
+    accused_at = {}
+    for t in range(30):
+        flipped = t % 3 != 2
+        ledger.add(t, 1.0, {**honest, "x": (-1.0 if flipped else 1.0, 1.0), "y": (-1.0 if t == 7 else 1.0, 1.0)})
+        for member in ledger.close(t):
+            accused_at[member] = t
+    assert accused_at == {"x": 4}  # rounds 0-4: 1, 2, 1.5 (its honest round), 2.5, 3.5
+    assert ledger.flags["y"] == 1 and ledger.peak["y"] == 1.0
+
+
+def test_chunk_scores_are_against_the_coordinate_median():
+    parts = [torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, 2.0, 3.0, 6.0]),
+             torch.tensor([-100.0, -100.0, -100.0, -100.0])]
+    ref_norm2, rows = chunk_scores(parts, slice(0, 4, 2))  # coordinates 0 and 2
+    assert ref_norm2 == 1.0 + 9.0  # the median of each sampled coordinate: 1 and 3
+    assert rows[0] == (10.0, 10.0) and rows[2] == (-400.0, 20000.0)
+
+
+def test_colluders_poisoning_two_rounds_in_three_across_rotating_owners_are_accused_and_banned(make_node):
+    """Two members send the same vector against the honest direction in 2 of every 3 rounds,
+    under three owners per chunk placed afresh each round: no owner sees them flagged 3 rounds
+    in a row, but every member's test of the signed scores accuses both, and they are banned."""
+    world, numel = 7, 2048
+    nodes = swarm(make_node, world)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    reducers = [ShardedReducer(n, "test.suspect", numel, timeouts=FAST, chunk_numel=256,
+                               defences=Defences("centered_clip", owner_replication=3)) for n in nodes]
+    by_id = {n.peer_id: r for r, n in enumerate(nodes)}
+    colluders = {by_id[members[0]], by_id[members[1]]}
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(numel, generator=generator)
+    for t in range(8):
+        live = [r for r in range(world) if not any(nodes[r].peer_id in n.trust.banned for n in nodes)]
+        if colluders.isdisjoint(live):
+            break
+        round_members = tuple(sorted(nodes[r].peer_id for r in live))
+        vectors = {r: base + 0.5 * torch.randn(numel, generator=generator) for r in live}
+        for r in colluders & set(live):
+            if t % 3 != 2:
+                vectors[r] = -base * (float(vectors[r].norm()) / float(base.norm()))
+        in_parallel([lambda r=r: reducers[r].reduce(t, round_members, vectors[r]) for r in live])
+    honest = [n for r, n in enumerate(nodes) if r not in colluders]
+    assert wait_until(lambda: all(nodes[c].peer_id in n.trust.banned for c in colluders for n in honest))
+    assert all(n.trust.banned[nodes[c].peer_id].kind == SUSPECT for c in colluders for n in honest)
+    assert not any(h.peer_id in n.trust.banned for h in honest for n in honest)

@@ -1,0 +1,131 @@
+"""Accusation from accumulated evidence: every member's running test of every other member's
+parts against a reference a minority cannot pull.
+
+The reference of a chunk is the coordinate-wise median of its parts, over a strided sample of
+its coordinates (`sample_of`). An owner with a robust aggregator reports, in each chunk's signed
+answer, for every contributor c, <part_c, median> and |part_c|^2 over the sample, and
+|median|^2 there (`Scores`). Every member receives every chunk's answer, so every member sees the
+same signed reports and reaches the same verdicts.
+
+    cos_m(t) = sum_chunks <part_m, med> / sqrt(sum |part_m|^2 * sum |med|^2)   member m, round t
+    flag_m(t) = cos_m(t) < below                       (0: its round's parts point away from the median)
+    S_m(t)   = max(0, S_m(t-1) + 1) if flagged, else max(0, S_m(t-1) - drift)   (a CUSUM of flags)
+    accuse m when S_m(t) >= threshold
+
+Why a median: two colluders that send the same large vector against the honest mean pull any
+mean-like centre their way (a robust average after clipping, the mean of the others, the
+previous round's agreed average, which they pulled the round before), far enough that honest
+parts point against it. A coordinate's median moves by one rank per colluder, within the honest
+values' spread, so it keeps the honest direction while the colluders are a minority.
+
+A member that poisons some chunks every round, or every round but one in three, pulls its
+whole-round cosine below zero in every round it poisons: its statistic climbs whatever pattern
+it skips in, across owners and chunks (an owner's own watch sees only its chunks, three rounds
+in a row). Poisoning 2 rounds of 3 adds 1 + 1 - drift every 3 rounds: accused by round 4 at
+the default threshold 3 and drift 0.5. An honest member is flagged only where its own round's
+parts point away from the honest majority's median, which the benchmark measures (the
+false-accusation rate the threshold gives, from the flags honest members got, is stated in
+docs/benchmarks.md).
+
+What it cannot see: a part built to sit inside the honest spread ("a little is enough") scores
+like an honest one; recomputation (audits) is what catches it.
+
+Everything here is plain arithmetic on numbers: the reducer feeds it (collectives/reduce.py).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+SUSPECT = "part.suspect"  # witness evidence: a member whose parts point away from the agreed average
+SAMPLE_BUDGET = 1 << 18  # reference values kept per vector at most (1 MiB of float32)
+
+
+@dataclass(frozen=True)
+class SuspicionConfig:
+    below: float = 0.0  # a round whose whole-round cosine with the median is below this is flagged
+    drift: float = 0.5  # what a round without a flag takes off the statistic
+    threshold: float = 3.0  # accused at this statistic
+    min_members: int = 3  # fewer contributors: a median of too few parts to say anything
+
+
+def stride_for(numel: int, budget: int = SAMPLE_BUDGET) -> int:
+    """The sample's stride over a vector of `numel` values: at most `budget` values in all."""
+    return max(1, math.ceil(numel / budget))
+
+
+def sample_of(lo: int, hi: int, stride: int) -> slice | None:
+    """The sampled offsets within chunk [lo, hi) (every `stride`-th index of the vector); None if none."""
+    first = -(-lo // stride) * stride  # the first sampled index >= lo
+    return None if first >= hi else slice(first - lo, hi - lo, stride)
+
+
+def chunk_scores(parts: list[torch.Tensor], within: slice) -> tuple[float, list[tuple[float, float]]]:
+    """|median|^2 and each part's (<part, median>, |part|^2) over the sampled offsets, where
+    median is the coordinate-wise median of the parts (the lower one for an even count)."""
+    sampled = torch.stack([p[within] for p in parts]).to(torch.float64)
+    median = sampled.median(dim=0).values
+    dots = sampled @ median
+    norms = (sampled * sampled).sum(dim=1)
+    return float(median @ median), [(float(d), float(n)) for d, n in zip(dots, norms)]
+
+
+class SuspicionLedger:
+    """One member's running test of every contributor (network thread). `add` each chunk's
+    reported scores as the chosen answers come back; `close(t)` once round t's answers are in:
+    it returns the members whose statistic reached the threshold at round t."""
+
+    def __init__(self, config: SuspicionConfig | None = None, max_peers: int = 4096) -> None:
+        self.config = config or SuspicionConfig()
+        self.max_peers = max_peers
+        self.statistic: dict[str, float] = {}
+        self.peak: dict[str, float] = {}  # each member's highest statistic so far
+        self.flags: dict[str, int] = {}  # each member's flagged rounds so far
+        self.rounds: dict[str, int] = {}  # each member's scored rounds so far
+        self._rounds: dict[int, dict[str, list[float]]] = {}  # round -> member -> [dot, part^2, ref^2]
+        self.accused: set[str] = set()
+        self.history: deque[tuple[int, str, float]] = deque(maxlen=4096)  # (round, member, cos), newest last
+
+    def add(self, t: int, ref_norm2: float, scores: Mapping[str, tuple[float, float]]) -> None:
+        if not (math.isfinite(ref_norm2) and ref_norm2 > 0.0) or len(scores) < self.config.min_members:
+            return
+        sums = self._rounds.setdefault(t, {})
+        for member, (dot, norm2) in scores.items():
+            if not (math.isfinite(dot) and math.isfinite(norm2) and norm2 >= 0.0):
+                continue
+            acc = sums.setdefault(member, [0.0, 0.0, 0.0])
+            acc[0] += dot
+            acc[1] += norm2
+            acc[2] += ref_norm2
+        while len(self._rounds) > 4:  # rounds never closed (a round that failed) go
+            del self._rounds[min(self._rounds)]
+
+    def cosines(self, t: int) -> dict[str, float]:
+        sums = self._rounds.get(t, {})
+        return {m: d / math.sqrt(p * r) for m, (d, p, r) in sums.items() if p > 0.0 and r > 0.0}
+
+    def close(self, t: int) -> list[str]:
+        """Round t's verdict: the members whose statistic reached the threshold now."""
+        cos = self.cosines(t)
+        self._rounds.pop(t, None)
+        c = self.config
+        crossed = []
+        for member, value in cos.items():
+            if member not in self.statistic and len(self.statistic) >= self.max_peers:
+                continue
+            flagged = value < c.below
+            self.history.append((t, member, value))
+            before = self.statistic.get(member, 0.0)
+            s = before + 1.0 if flagged else max(0.0, before - c.drift)
+            self.statistic[member] = s
+            self.peak[member] = max(s, self.peak.get(member, 0.0))
+            self.flags[member] = self.flags.get(member, 0) + flagged
+            self.rounds[member] = self.rounds.get(member, 0) + 1
+            if s >= c.threshold and member not in self.accused:
+                self.accused.add(member)
+                crossed.append(member)
+        return crossed
