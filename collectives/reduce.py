@@ -523,7 +523,7 @@ class ShardedReducer:
             key = self._trust.key_of(member)
             if key is None or member == self.node.peer_id:
                 continue
-            log.warning("%s: %s: %s's parts point away from the agreed average, round after round (statistic "
+            log.warning("%s: %s: %s's parts point away from their chunks' median, round after round (statistic "
                         "%.1f at round %d): accused", self.node.peer_id, self.topic, member,
                         self.suspicion.statistic.get(member, 0.0), t)
             self._trust.accuse(Evidence(SUSPECT, member, key, t, {
