@@ -361,12 +361,14 @@ def test_the_suspicion_ledger_accuses_a_member_flagged_two_rounds_in_three_and_n
     honest = {m: (1.0, 1.0) for m in "abcd"}
     accused_at = {}
     for t in range(30):
-        flipped = t % 3 != 2
-        ledger.add(t, 1.0, {**honest, "x": (-1.0 if flipped else 1.0, 1.0), "y": (-1.0 if t == 7 else 1.0, 1.0)})
+        poisons = t % 3 != 2
+        ledger.add(t, 1.0, {**honest, "x": (-1.0 if poisons else 1.0, 1.0), "w": (-0.3 if poisons else 1.0, 1.0),
+                            "y": (-1.0 if t == 7 else 1.0, 1.0), "z": (-0.1 if t in (5, 9) else 1.0, 1.0)})
         for member in ledger.close(t):
             accused_at[member] = t
-    assert accused_at == {"x": 4}  # rounds 0-4: 1, 2, 1.5 (its honest round), 2.5, 3.5
-    assert ledger.flags["y"] == 1 and ledger.peak["y"] == 1.0
+    # x, against the median: 2 then 4; w, away from it: 1, 2, 1.5 (its honest round), 2.5, 3.5
+    assert accused_at == {"x": 1, "w": 4}
+    assert ledger.peak["y"] == 2.0 and ledger.peak["z"] == 1.0 and ledger.flags["z"] == 2
 
 
 def test_chunk_scores_are_against_the_coordinate_median():
