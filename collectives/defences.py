@@ -14,9 +14,10 @@ owner's watch on members whose parts it keeps leaving out.
   the batch's tokens, which the protocol knows. A part over it is refused, and its signature
   is evidence that bans its author.
 - `accuse_after`: an owner accuses a member, as one witness, once its parts were screened
-  out of that owner's groups, or pointed against the robust average (cosine below
-  `-opposed_cos`), in this many of its contributions in a row. Two witnesses ban
-  (`node.trust`), so one owner cannot ban a member alone.
+  out of that owner's groups in this many of its contributions in a row. Two witnesses ban
+  (`node.trust`), so one owner cannot ban a member alone. Parts pointing against the robust
+  average (cosine below `-opposed_cos`) are only counted; `suspicion` judges direction, against
+  each chunk's median, across owners and rounds (`collectives/suspicion.py`).
 
 Every peer of a swarm must use the same defences: the owners' averages are the swarm's.
 """

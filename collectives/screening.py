@@ -9,9 +9,12 @@ On each verified part (`on_part`):
 On each closed group (`on_close`):
 - a part that was not finite is evidence, with its signed bytes (`part.not_finite`);
 - parts the aggregator screened out or clipped are counted against their authors;
-- with a robust aggregator, a part screened out or pointing against the average (cosine below
-  `-opposed_cos`) is one flag at this owner; `accuse_after` flags in a row make this owner a
-  witness against the author (`part.outlier`).
+- with a robust aggregator, a part screened out is one flag at this owner; `accuse_after`
+  flags in a row make this owner a witness against the author (`part.outlier`). A part
+  pointing against the robust average (cosine below `-opposed_cos`) is counted (`opposed`),
+  not flagged: colluders pull the robust average far enough that honest parts point against
+  it as often as theirs do, and that watch banned honest members. Direction is judged by the
+  running test against each chunk's median instead (`collectives/suspicion.py`).
 
 On each chunk a member takes (`on_chosen`): CenteredClip's next centre for a chunk this peer
 owns is the average the members took.
@@ -93,10 +96,9 @@ class Screening(RoundDefence):
             if sender == self.me or sender in group.bad:
                 continue
             why = verdict.screened.get(sender)
-            if why is None and norm > 0.0:  # a part against the swarm's direction (a sign flip, say)
+            if why is None and norm > 0.0:  # a part against the swarm's direction: counted only (see above)
                 cosine = float(torch.dot(part, avg)) / (float(part.norm()) * norm + 1e-30)
                 if cosine < -self.defences.opposed_cos:
-                    why = "opposed"
                     self._trust.note(sender, "opposed")
             if self._watch.saw(sender, t, why is not None) and why is not None:
                 key = self._trust.key_of(sender)
