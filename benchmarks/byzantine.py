@@ -303,9 +303,10 @@ def _suspicion_of(proto: Any, attacker_ids: set[str], ids: dict[str, int]) -> di
 
     out: dict[str, Any] = {"max_statistic": {}, "flags": {}, "rounds": {}, "cos_by_member": {}}
     for reducer in getattr(proto, "reducers", []):
-        ledger = getattr(reducer, "suspicion", None)
-        if ledger is None:
+        suspicion = getattr(reducer, "suspicion", None)
+        if suspicion is None:
             continue
+        ledger = suspicion.ledger
         for _t, member, cos in ledger.history:
             out["cos_by_member"].setdefault(key(member), []).append(round(cos, 3))
         for member, stat in ledger.peak.items():

@@ -69,6 +69,8 @@ What this file holds is the round itself; the rest joins it at seams, each in it
                     robust aggregator's centres (on_part, on_close, on_chosen)
     retention.py    RoundDefence: signed parts kept past their close for audits (on_close)
     voting.py       a member's vote among a chunk's replicated owners
+    suspicion.py    owners score each part against its chunk's median in their signed
+                    averages; every member runs the same test on the scores
     secure.py       SecureStage: members mask their parts, an owner unmasks its group's sum
                     (`close`) instead of averaging it
 
@@ -91,7 +93,7 @@ from starling.collectives.accumulator import ShardGroup, Verdict
 from starling.collectives.bodies import Average, BodyError, Part, Refused, Skip
 from starling.collectives.codec import encode, make_codec, packet_from_wire
 from starling.collectives.compact import HeaderTemplates, KnownViews, view_digest
-from starling.collectives.contributions import Contributions, Recipe, Scores, SignedPart, content_digest, vote_key
+from starling.collectives.contributions import Contributions, Recipe, SignedPart, content_digest, vote_key
 from starling.collectives.defences import Defences, RoundDefence
 from starling.collectives.layout import DEFAULT_CHUNK_NUMEL
 from starling.collectives.outcome import ReduceResult, ReduceTimeouts, ShardResult
@@ -101,13 +103,12 @@ from starling.collectives.retention import KeptPart, Retention
 from starling.collectives.screening import Screening
 from starling.collectives.secure import Masked, SecureAggregation, SecureStage
 from starling.collectives.staging import HostStaging, to_device
-from starling.collectives.suspicion import SUSPECT, SuspicionLedger, chunk_scores, sample_of, stride_for
+from starling.collectives.suspicion import Suspicion
 from starling.collectives.voting import OwnerVote
 from starling.common.faults import fault_point
 from starling.compressors import Packet, decode
 from starling.node.loop import AwakeDeadline, close_in_time
 from starling.node.rpc import Refusal, Refuser, RemoteError, Reply, refusal, refusal_of
-from starling.node.trust import Evidence
 from starling.node.wire import Message
 
 if TYPE_CHECKING:
@@ -237,8 +238,8 @@ class ShardedReducer:
         self._votes = OwnerVote(node.peer_id, topic, self._trust, self.defences.accuse_after)
         # With a robust aggregator, owners score each part against its chunk's median and every
         # member runs the same test on the signed scores (collectives/suspicion.py).
-        self._sample_stride = stride_for(numel)
-        self.suspicion = SuspicionLedger(self.defences.suspicion) if self.defences.aggregator.robust else None
+        self.suspicion = (Suspicion(node.peer_id, topic, self._trust, numel, self.defences.suspicion)
+                          if self.defences.aggregator.robust else None)
         self._averaging: set[asyncio.Future[None]] = set()  # averages running off the loop (robust, secure)
         # Secure aggregation (collectives/secure.py): parts masked in a ring, owners learn only sums
         self._secure: SecureStage | None = None
@@ -500,7 +501,7 @@ class ShardedReducer:
         self._forget_before(t - _KEEP_CLOSED_ROUNDS)
         chosen = [self._vote(t, view, slot, [next(results) for _ in slot.owners]) for slot in slots]
         if self.suspicion is not None:
-            self._suspect(t)
+            self.suspicion.verdict(t)
         return chosen
 
     def _vote(self, t: int, view: bytes, slot: _Slot, answers: list[ShardResult]) -> ShardResult:
@@ -509,25 +510,9 @@ class ShardedReducer:
         chosen = self._votes.choose(t, view, answers)
         for seam in self._seams:
             seam.on_chosen(t, (slot.lo, slot.lo + slot.numel), slot.owners, chosen)
-        if self.suspicion is not None and chosen.packet is not None and chosen.scores is not None:
-            ref_norm2, rows = chosen.scores
-            self.suspicion.add(t, ref_norm2, dict(zip(chosen.contributors, rows)))
+        if self.suspicion is not None and chosen.packet is not None:
+            self.suspicion.take(t, chosen.contributors, chosen.scores)
         return chosen
-
-    def _suspect(self, t: int) -> None:
-        """Round t's verdict of this member's test: each member whose statistic crossed the
-        threshold is accused, this member one witness (every member sees the same signed
-        scores, so the others accuse with it)."""
-        assert self.suspicion is not None
-        for member in self.suspicion.close(t):
-            key = self._trust.key_of(member)
-            if key is None or member == self.node.peer_id:
-                continue
-            log.warning("%s: %s: %s's parts point away from their chunks' median, round after round (statistic "
-                        "%.1f at round %d): accused", self.node.peer_id, self.topic, member,
-                        self.suspicion.statistic.get(member, 0.0), t)
-            self._trust.accuse(Evidence(SUSPECT, member, key, t, {
-                "topic": self.topic, "statistic": round(self.suspicion.statistic.get(member, 0.0), 3)}))
 
     async def _reduce_own(self, t: int, members: tuple[str, ...], view: bytes, i: int, c: int,
                           part: torch.Tensor, private: bool, weight: float | None,
@@ -759,7 +744,8 @@ class ShardedReducer:
                 else:
                     packet = encode(self.average_codec, self._avg_feedback, avg, f"avg{i}.{c}/{len(members)}")
                 contributors = tuple(sorted(group.contributors))
-                scores = self._scores(t, bounds, group, contributors)
+                scores = (self.suspicion.scores(bounds, [group.received.get(m) for m in contributors])
+                          if self.suspicion is not None else None)
                 sig = self._contributions.sign_average(t, i, c, view_digest(members), contributors, packet, scores)
                 # shares only when weights differed: equal ones send what they always did
                 diverged = len({s for m in contributors if (s := group.states.get(m)) is not None}) > 1
@@ -782,19 +768,6 @@ class ShardedReducer:
         group.replied.set()
         self._groups.pop(key, None)
         self._closed[key] = t
-
-    def _scores(self, t: int, bounds: tuple[int, int], group: ShardGroup,
-                contributors: tuple[str, ...]) -> Scores | None:
-        """Each contributor's part against the chunk's coordinate-wise median over its sampled
-        coordinates (collectives/suspicion.py); None without a test, or with too few parts."""
-        if self.suspicion is None:
-            return None
-        within = sample_of(*bounds, self._sample_stride)
-        parts = [group.received.get(m) for m in contributors]
-        if within is None or len(parts) < 3 or any(p is None for p in parts):
-            return None
-        ref_norm2, rows = chunk_scores(parts, within)  # type: ignore[arg-type]
-        return ref_norm2, tuple(rows)
 
     def _saw_skip(self, t: int, peer: str) -> None:
         """`peer` sends nothing in round t: no group of round t waits for it, nor will one made later."""

@@ -36,12 +36,21 @@ Everything here is plain arithmetic on numbers: the reducer feeds it (collective
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from starling.node.trust import Evidence
+
+if TYPE_CHECKING:
+    from starling.node.trust import Trust
+
+log = logging.getLogger(__name__)
 
 SUSPECT = "part.suspect"  # witness evidence: a member whose parts point away from the agreed average
 SAMPLE_BUDGET = 1 << 18  # reference values kept per vector at most (1 MiB of float32)
@@ -136,3 +145,45 @@ class SuspicionLedger:
                 self.accused.add(member)
                 crossed.append(member)
         return crossed
+
+
+class Suspicion:
+    """One reducer's side of the test (its topic): the owner's `scores` for a closed group, a
+    member's `take` of each chunk answer it chose, and `verdict(t)` once round t's answers are
+    in, which accuses, as this member's witness, each member whose statistic reached the
+    threshold (every member sees the same signed scores, so the others accuse with it).
+    Network thread."""
+
+    def __init__(self, me: str, topic: str, trust: Trust, numel: int, config: SuspicionConfig | None = None) -> None:
+        self.me, self.topic, self._trust = me, topic, trust
+        self.stride = stride_for(numel)
+        self.ledger = SuspicionLedger(config)
+
+    def scores(self, bounds: tuple[int, int], parts: Sequence[torch.Tensor | None]
+               ) -> tuple[float, tuple[tuple[float, float], ...]] | None:
+        """A closed group's scores, its contributors' parts in contributor order; None with too
+        few parts (or one missing), or a chunk with no sampled coordinate."""
+        within = sample_of(*bounds, self.stride)
+        if within is None or len(parts) < self.ledger.config.min_members or any(p is None for p in parts):
+            return None
+        ref_norm2, rows = chunk_scores(parts, within)  # type: ignore[arg-type]
+        return ref_norm2, tuple(rows)
+
+    def take(self, t: int, contributors: Sequence[str],
+             scores: tuple[float, tuple[tuple[float, float], ...]] | None) -> None:
+        if scores is not None:
+            self.ledger.add(t, scores[0], dict(zip(contributors, scores[1])))
+
+    def verdict(self, t: int) -> list[str]:
+        accused = []
+        for member in self.ledger.close(t):
+            key = self._trust.key_of(member)
+            if key is None or member == self.me:
+                continue
+            statistic = self.ledger.statistic.get(member, 0.0)
+            log.warning("%s: %s: %s's parts point away from their chunks' median, round after round "
+                        "(statistic %.1f at round %d): accused", self.me, self.topic, member, statistic, t)
+            self._trust.accuse(Evidence(SUSPECT, member, key, t, {"topic": self.topic,
+                                                                  "statistic": round(statistic, 3)}))
+            accused.append(member)
+        return accused
