@@ -8,7 +8,7 @@ answer, for every contributor c, <part_c, median> and |part_c|^2 over the sample
 same signed reports and reaches the same verdicts.
 
     cos_m(t) = sum_chunks <part_m, med> / sqrt(sum |part_m|^2 * sum |med|^2)   member m, round t
-    flag_m(t) = cos_m(t) < below                       (0: its round's parts point away from the median)
+    flag_m(t) = cos_m(t) < below                       (-0.1: its round's parts point away from the median)
     S_m(t)   = S_m(t-1) + 1 if flagged (+ 2 if cos_m(t) < strong, -0.5), else max(0, S_m(t-1) - drift)
     accuse m when S_m(t) >= threshold
 
@@ -21,10 +21,12 @@ values' spread, so it keeps the honest direction while the colluders are a minor
 A member that poisons some chunks every round, or every round but one in three, pulls its
 whole-round cosine below zero in every round it poisons: its statistic climbs whatever pattern
 it skips in, across owners and chunks (an owner's own watch sees only its chunks, three rounds
-in a row). A part against the median (cosine below -0.5, where no honest member's round has
-been measured) counts twice: two such rounds and one more flag accuse. Poisoning 2 rounds of 3
-adds at least 1 + 1 - drift every 3 rounds: accused by round 4 at the default threshold 3 and
-drift 0.5, by round 1 when its parts point against the median. An honest member is flagged only where its own round's
+in a row). A part against the median (cosine below -0.5) counts twice: two such rounds accuse.
+Poisoning 2 rounds of 3 adds at least 1 + 1 - drift every 3 rounds: accused by round 6 at the
+default threshold 4 and drift 0.5, by round 1 when its parts point against the median. The
+threshold is 4 and `below` -0.1, not 3 and 0, because two "a little is enough" attackers shift
+the medians enough that an honest member's rounds went below -0.5 once, and slightly below 0
+round after round (its statistic reached 3 and 4). An honest member is flagged only where its own round's
 parts point away from the honest majority's median, which the benchmark measures (the
 false-accusation rate the threshold gives, from the flags honest members got, is stated in
 docs/benchmarks.md).
@@ -58,11 +60,11 @@ SAMPLE_BUDGET = 1 << 18  # reference values kept per vector at most (1 MiB of fl
 
 @dataclass(frozen=True)
 class SuspicionConfig:
-    below: float = 0.0  # a round whose whole-round cosine with the median is below this is flagged
+    below: float = -0.1  # a round whose whole-round cosine with the median is below this is flagged
     strong: float = -0.5  # ... and counts `strong_weight` when below this
     strong_weight: float = 2.0
     drift: float = 0.5  # what a round without a flag takes off the statistic
-    threshold: float = 3.0  # accused at this statistic
+    threshold: float = 4.0  # accused at this statistic
     min_members: int = 3  # fewer contributors: a median of too few parts to say anything
 
 

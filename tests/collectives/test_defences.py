@@ -363,12 +363,14 @@ def test_the_suspicion_ledger_accuses_a_member_flagged_two_rounds_in_three_and_n
     for t in range(30):
         poisons = t % 3 != 2
         ledger.add(t, 1.0, {**honest, "x": (-1.0 if poisons else 1.0, 1.0), "w": (-0.3 if poisons else 1.0, 1.0),
-                            "y": (-1.0 if t == 7 else 1.0, 1.0), "z": (-0.1 if t in (5, 9) else 1.0, 1.0)})
+                            "y": (-1.0 if t == 7 else 1.0, 1.0), "z": (-0.2 if t in (5, 9) else 1.0, 1.0),
+                            "v": (-0.05, 1.0)})
         for member in ledger.close(t):
             accused_at[member] = t
-    # x, against the median: 2 then 4; w, away from it: 1, 2, 1.5 (its honest round), 2.5, 3.5
-    assert accused_at == {"x": 1, "w": 4}
+    # x, against the median: 2 then 4; w, away from it: 1, 2, 1.5 (its honest round), 2.5, 3.5, 3, 4
+    assert accused_at == {"x": 1, "w": 6}
     assert ledger.peak["y"] == 2.0 and ledger.peak["z"] == 1.0 and ledger.flags["z"] == 2
+    assert ledger.flags["v"] == 0  # slightly away from the median, every round: not flagged
 
 
 def test_chunk_scores_are_against_the_coordinate_median():
