@@ -17,9 +17,11 @@ An owner closes a group as usual (all parts in, or its timeout) and tells the ro
 whose parts it holds (`Held`). The unmasker waits (up to a round timeout) until every live
 owner has said, and takes as survivors S the members whose parts every group holds, dropped
 D = M - S: a member whose part reached some owners and not others (it died in the middle of
-sending) is dropped at every owner alike. The unmasker asks each survivor j for its shares of b_n (n in
-N(j) & S) and its pair seeds s_jd (d in N(j) & D), with j's list of pair-seed hashes; rebuilds
-each b_n from t shares (dealer-signed, checked against n's signed commitment), checks each s_jd
+sending) is dropped at every owner alike. The unmasker first asks each survivor j for its pair
+seeds s_jd (d in N(j) & D), with j's list of pair-seed hashes (a survivor that gives no answer
+at all, gone since its part came, is dropped too, and the asks repeat for it); only then for its
+shares of b_n (n in N(j) & S), so no holder is asked to call alive a member that ends up
+dropped. It rebuilds each b_n from t shares (dealer-signed, checked against n's signed commitment), checks each s_jd
 against j's signed hashes, and passes the secrets on to the other owners, who check them
 against the commitments in their own parts (an owner that holds a part the unmasker did not
 leaves it out; one that lacks a part the unmasker summed asks the survivors itself). Each owner
