@@ -61,7 +61,7 @@ class AllReduceConfig(ProtocolConfig):
     aggregator: str = "mean"
     owner_replication: int = 1
     # Secure aggregation (collectives/secure.py, docs/security.md): "on" masks every part so that
-    # an owner learns only the sum of its shard ("on:scale=65536,clip=8,threshold=0.5"); needs
+    # an owner learns only the sum of its shard ("on:scale=0,clip=8,threshold=0.5"; scale 0 fits each round); needs
     # compressor "none", the plain mean and one owner per shard; "off": parts in the clear
     secure_aggregation: str = "off"
     # Audits by recomputation (protocols/audit.py): each round, each member audits one other with
