@@ -24,10 +24,9 @@ it skips in, across owners and chunks (an owner's own watch sees only its chunks
 in a row). A part against the median (cosine below -0.5) counts twice: two such rounds accuse.
 Poisoning 2 rounds of 3 adds at least 1 + 1 - drift every 3 rounds: accused by round 6 at the
 default threshold 4 and drift 0.5, by round 1 when its parts point against the median. The
-threshold is 4 and `below` -0.1, not 3 and 0, because two "a little is enough" attackers shift
-the medians enough that an honest member's rounds went below -0.5 once, and slightly below 0
-round after round (its statistic reached 3 and 4). An honest member is flagged only where its own round's
-parts point away from the honest majority's median, which the benchmark measures (the
+threshold is 4 and `below` -0.1 (not 0) because two "a little is enough" attackers can shift
+the medians enough that an honest member's rounds sit slightly below 0 round after round, and
+once below -0.5. An honest member is flagged only where its own round's parts point away from the honest majority's median, which the benchmark measures (the
 false-accusation rate the threshold gives, from the flags honest members got, is stated in
 docs/benchmarks.md).
 
