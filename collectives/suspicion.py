@@ -26,7 +26,8 @@ Poisoning 2 rounds of 3 adds at least 1 + 1 - drift every 3 rounds: accused by r
 default threshold 4 and drift 0.5, by round 1 when its parts point against the median. The
 threshold is 4 and `below` -0.1 (not 0) because two "a little is enough" attackers can shift
 the medians enough that an honest member's rounds sit slightly below 0 round after round, and
-once below -0.5. An honest member is flagged only where its own round's parts point away from the honest majority's median, which the benchmark measures (the
+once below -0.5. An honest member is flagged only where its own round's parts point away
+from the honest majority's median, which the benchmark measures (the
 false-accusation rate the threshold gives, from the flags honest members got, is stated in
 docs/benchmarks.md).
 
