@@ -103,7 +103,9 @@ DILOCO = {"lr": 3e-3, "sync_every": 4, "fragments": 2, "overlap_steps": 1, "alph
           "round_timeout_s": ROUND_TIMEOUT_S}
 QUORUM = 6  # streaming-diloco's quorum for the quorum leader's runs
 DEFENCES = {"off": {"aggregator": "mean", "owner_replication": 1},
-            "on": {"aggregator": "centered_clip", "owner_replication": 3}}
+            "on": {"aggregator": "centered_clip", "owner_replication": 3},
+            # one owner per shard, half of each round's chunks checked by a member drawn after it
+            "checked": {"aggregator": "centered_clip", "owner_replication": 1, "check_rate": 0.5}}
 # allreduce: a round per step; streaming-diloco (H = 4, F = 2): a round every 2 steps; 26 rounds
 # each. The whole default bench (92 swarms) takes about 20 minutes on a loaded 2-core box (30 and
 # 60 steps with 5 s round timeouts took 27).
@@ -289,7 +291,7 @@ def _row(protocol: str, attack_name: str | None, attackers: int, defences: str, 
             "banned_attackers": banned_attackers, "banned_by_some": banned_by_some,
             "honest_banned": sum(honest_banned.values()), "honest_banned_kinds": dict(honest_banned),
             "trust_counts": {side: dict(sorted(c.items())) for side, c in against.items()},
-            "suspicion": suspicion,
+            "suspicion": suspicion, "checks": _checks_of(proto),
             "attack_rounds": sum(a.rounds for a in attack_objects),
             "attack_estimated": sum(a.estimated for a in attack_objects)}
 
@@ -315,6 +317,16 @@ def _suspicion_of(proto: Any, attacker_ids: set[str], ids: dict[str, int]) -> di
             for member, n in counts.items():
                 out[name][key(member)] = out[name].get(key(member), 0) + n
     return out
+
+
+def _checks_of(proto: Any) -> dict[str, int]:
+    """One honest peer's checks of owners' averages (collectives/checking.py), over its reducers."""
+    out: Counter = Counter()
+    for reducer in getattr(proto, "reducers", []):
+        checks = getattr(reducer, "checks", None)
+        if checks is not None:
+            out.update(checks.counts)
+    return dict(out)
 
 
 def drift_row(steps: int, seed: int = 0) -> dict[str, Any]:
@@ -375,7 +387,7 @@ def targets(rows: list[dict[str, Any]], drift: dict[str, Any] | None) -> dict[st
     misses: dict[str, list[str]] = defaultdict(list)
     for r in attacked:
         tag = f"{r['protocol']}/{r['attack']}/{r['attackers']}"
-        if r["defences"] == "on":
+        if r["defences"] != "off":
             if r["eval_loss"] is None or r.get("loss_vs_clean") is None or r["loss_vs_clean"] > 1 + DEFENDED_LOSS:
                 misses["defended_loss"].append(f"{tag}: {r.get('loss_vs_clean')}")
             same = r.get("loss_vs_clean_same_defences")
@@ -396,18 +408,19 @@ def targets(rows: list[dict[str, Any]], drift: dict[str, Any] | None) -> dict[st
             misses["honest_banned"].append(f"{tag}/{r['defences']}: {r['honest_banned_kinds']}")
     costs = {}
     for protocol in sorted({r["protocol"] for r in rows}):
-        off, on = clean.get((protocol, "off")), clean.get((protocol, "on"))
-        if off and on:
-            costs[protocol] = _ratio(on["eval_loss"], off["eval_loss"])
-            if costs[protocol] is None or costs[protocol] > 1 + DEFENCES_COST:
-                misses["defences_cost"].append(f"{protocol}: {costs[protocol]}")
+        for mode in DEFENCES:
+            off, on = clean.get((protocol, "off")), clean.get((protocol, mode))
+            if mode != "off" and off and on:
+                costs[protocol, mode] = _ratio(on["eval_loss"], off["eval_loss"])
+                if costs[protocol, mode] is None or costs[protocol, mode] > 1 + DEFENCES_COST:
+                    misses["defences_cost"].append(f"{protocol}/{mode}: {costs[protocol, mode]}")
     for r in rows:
         if r["attack"] == "none" and r["honest_banned"]:
             misses["honest_banned"].append(f"{r['protocol']}/none/{r['defences']}: {r['honest_banned_kinds']}")
-    checked = {"defended_loss": any(r["defences"] == "on" for r in attacked),
-               "defended_loss_vs_defended_clean": any(r["defences"] == "on" for r in attacked),
+    checked = {"defended_loss": any(r["defences"] != "off" for r in attacked),
+               "defended_loss_vs_defended_clean": any(r["defences"] != "off" for r in attacked),
                "undefended_harm": any(r["defences"] == "off" and r["attack"] in MUST_HARM for r in attacked),
-               "banned_within": any(r["defences"] == "on" for r in attacked),
+               "banned_within": any(r["defences"] != "off" for r in attacked),
                "honest_banned": bool(rows), "defences_cost": bool(costs)}
     row = {"bench": "targets", **{f"{name}_met": (not misses.get(name)) if ran else None
                                   for name, ran in checked.items()},
@@ -425,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                         "'none' runs only the no-attacker runs, 'drift' the drift row")
     parser.add_argument("--protocol", default=",".join(PROTOCOLS), help="comma-separated protocols")
     parser.add_argument("--attackers", default="1,2", help="comma-separated attacker counts (1, 2)")
-    parser.add_argument("--defences", default="off,on", help="comma-separated: off, on")
+    parser.add_argument("--defences", default="off,on", help="comma-separated: off, on, checked")
     parser.add_argument("--steps", type=int, default=None, help="allreduce steps (rounds)")
     parser.add_argument("--diloco-steps", type=int, default=None, help="streaming-diloco steps")
     parser.add_argument("--drift-steps", type=int, default=None)
@@ -454,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--attackers takes 1, 2 or 1,2")
     modes = args.defences.split(",")
     if set(modes) - set(DEFENCES):
-        parser.error("--defences takes off, on or off,on")
+        parser.error(f"--defences takes a comma-separated list of {', '.join(DEFENCES)}")
 
     if args.allreduce_optimizer == "adamw":
         ALLREDUCE.update(ALLREDUCE_ADAMW)
@@ -470,9 +483,11 @@ def main(argv: list[str] | None = None) -> int:
                 row["loss_vs_clean"] = _ratio(row["eval_loss"], clean["off"]["eval_loss"])
                 emit(row)
                 rows.append(row)
-            if "on" in clean:
-                off, on = clean["off"], clean["on"]
-                emit({"bench": "cost", "protocol": protocol,
+            for mode in clean:
+                if mode == "off":
+                    continue
+                off, on = clean["off"], clean[mode]
+                emit({"bench": "cost", "protocol": protocol, "defences": mode,
                       "eval_loss_ratio": _ratio(on["eval_loss"], off["eval_loss"]),
                       "bytes_ratio": _ratio(on["bytes_per_peer"], off["bytes_per_peer"]),
                       "time_per_round_ratio": _ratio(on["s_per_round"], off["s_per_round"]),

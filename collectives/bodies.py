@@ -603,3 +603,80 @@ class Held:
         if not isinstance(alive, bytes) or len(alive) > MAX_IDS // 8:
             raise BodyError("alive must be a contributor mask")
         return cls(_whole(body, "held"), _view(body), _whole(body, "shard"), _whole(body, "chunk"), alive)
+
+
+# ---------------------------------------------------------------------- checks of an owner's averages
+MAX_PART_BUFFERS = 8  # a packet has one to three buffers
+
+
+@dataclass(frozen=True)
+class CheckAsk:
+    """A member asks an owner for the parts behind one chunk's average of a round it answered
+    (`collectives/checking.py`)."""
+
+    round: int
+    view: bytes
+    shard: int
+    chunk: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"check": self.round, "view": self.view, "shard": self.shard, "chunk": self.chunk}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> CheckAsk:
+        body = _map(obj, "a check")
+        return cls(_whole(body, "check"), _view(body), _whole(body, "shard"), _whole(body, "chunk"))
+
+
+@dataclass(frozen=True)
+class CheckedPart:
+    """One part as its author signed it, as the owner shows it to a checker; its bytes are the
+    next `buffers` frames of the answer."""
+
+    author: str
+    weight: float
+    sig: bytes
+    recipe: tuple[int | bytes, ...] | None
+    header: dict[str, Any]
+    buffers: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.author, self.weight, self.sig, None if self.recipe is None else list(self.recipe),
+                self.header, self.buffers]
+
+    @classmethod
+    def from_wire(cls, row: Any) -> CheckedPart:
+        if not (isinstance(row, list) and len(row) == 6 and isinstance(row[0], str)):
+            raise BodyError("a checked part must be [author, weight, sig, recipe, header, buffers]")
+        sig = _sig({"sig": row[2]})
+        if sig is None:
+            raise BodyError("a checked part must carry its author's signature")
+        if not isinstance(row[4], dict):
+            raise BodyError("a checked part's header must be a map")
+        if type(row[5]) is not int or not 0 <= row[5] <= MAX_PART_BUFFERS:
+            raise BodyError(f"a checked part has 0 to {MAX_PART_BUFFERS} buffers")
+        return cls(row[0], _weight(row[1]), sig, _recipe(row[3]), row[4], row[5])
+
+
+@dataclass(frozen=True)
+class Checked:
+    """An owner's answer to a check: every part its group received, in member order, and its
+    signature over which parts they are ("checked", topic, round, shard, chunk, view,
+    [[author, content digest], ...]), so that what it shows binds it."""
+
+    parts: tuple[CheckedPart, ...]
+    sig: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"ok": True, "parts": [p.to_wire() for p in self.parts], "sig": self.sig}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Checked:
+        body = _map(obj, "a checked answer")
+        rows = body.get("parts")
+        if not isinstance(rows, list) or len(rows) > MAX_IDS:
+            raise BodyError(f"parts must be a list of at most {MAX_IDS}")
+        sig = _sig(body)
+        if sig is None:
+            raise BodyError("a checked answer must be signed by its owner")
+        return cls(tuple(CheckedPart.from_wire(r) for r in rows), sig)

@@ -13,6 +13,10 @@ owner's watch on members whose parts it keeps leaving out.
 - `max_weight`: the most weight (tokens) a part may claim: the round's step budget times
   the batch's tokens, which the protocol knows. A part over it is refused, and its signature
   is evidence that bans its author.
+- `check_rate`: with one owner per shard, the share of a round's chunks that members check
+  after the round (`collectives/checking.py`): a member drawn from its own randomness asks the
+  owner for the chunk's signed parts and averages them again; an answer that the parts do not
+  give is evidence that bans the owner. Costs about `check_rate` of the vector a round in bytes.
 - `accuse_after`: an owner accuses a member, as one witness, once its parts were screened
   out of that owner's groups in this many of its contributions in a row. Two witnesses ban
   (`node.trust`), so one owner cannot ban a member alone. Parts pointing against the robust
@@ -49,12 +53,15 @@ class Defences:
     accuse_after: int = 3
     opposed_cos: float = 0.0
     suspicion: SuspicionConfig = field(default_factory=SuspicionConfig)
+    check_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.aggregator, str):
             object.__setattr__(self, "aggregator", AggregatorConfig.parse(self.aggregator))
         if self.owner_replication not in (1, 2, 3):
             raise ValueError(f"owner_replication must be 1, 2 or 3, got {self.owner_replication!r}")
+        if not 0.0 <= self.check_rate <= 1.0:
+            raise ValueError(f"check_rate must be in [0, 1], got {self.check_rate!r}")
         if self.accuse_after < 1:
             raise ValueError(f"accuse_after must be >= 1, got {self.accuse_after!r}")
 
@@ -63,7 +70,15 @@ class Defences:
         """Whether any defence is on. Off (the plain mean, one owner, no cap), owners still
         check signatures and leave non-finite parts out, but accuse nobody: a swarm that did
         not ask for defences is not one that bans a peer for a bf16 overflow."""
-        return self.aggregator.robust or self.owner_replication > 1 or self.max_weight is not None
+        return (self.aggregator.robust or self.owner_replication > 1 or self.max_weight is not None
+                or self.check_rate > 0.0)
+
+    @property
+    def fixed_answers(self) -> bool:
+        """Whether an owner's average must be a function of its parts alone, which another
+        peer can compute again: replicated owners compare theirs, checkers recompute them. Such
+        owners start CenteredClip from the median and send averages without error feedback."""
+        return self.owner_replication > 1 or self.check_rate > 0.0
 
 
 class OutlierWatch:

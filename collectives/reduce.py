@@ -69,6 +69,8 @@ What this file holds is the round itself; the rest joins it at seams, each in it
                     robust aggregator's centres (on_part, on_close, on_chosen)
     retention.py    RoundDefence: signed parts kept past their close for audits (on_close)
     voting.py       a member's vote among a chunk's replicated owners
+    checking.py     RoundDefence: an owner keeps its groups' parts (on_close) for members
+                    drawn after the round, who average them again (`Checks.after_round`)
     suspicion.py    owners score each part against its chunk's median in their signed
                     averages; every member runs the same test on the scores
     secure.py       SecureStage: members mask their parts, an owner unmasks its group's sum
@@ -91,6 +93,7 @@ import torch
 
 from starling.collectives.accumulator import ShardGroup, Verdict
 from starling.collectives.bodies import Average, BodyError, Part, Refused, Skip
+from starling.collectives.checking import Checks, Recount
 from starling.collectives.codec import encode, make_codec, packet_from_wire
 from starling.collectives.compact import HeaderTemplates, KnownViews, view_digest
 from starling.collectives.contributions import Contributions, Recipe, SignedPart, content_digest, vote_key
@@ -227,9 +230,10 @@ class ShardedReducer:
         # audits (retention.py), and each member's vote among replicated owners (voting.py).
         self._trust = node.trust
         self._contributions = Contributions(node, topic, self.defences.max_weight)
-        if self._replicated:
-            # Replicated owners must send the same bits for the same parts: an average's error
-            # feedback is an owner's own history (one that missed a part once would differ for good).
+        if self.defences.fixed_answers:
+            # Replicated owners must send the same bits for the same parts, and checkers must get
+            # them again from the parts: an average's error feedback is an owner's own history
+            # (one that missed a part once would differ for good).
             self._avg_feedback = None
         self.screening = Screening(node.peer_id, topic, self._trust, self.defences, self._contributions,
                                    self._refuse)
@@ -246,12 +250,21 @@ class ShardedReducer:
         if secure is not None:
             if compressor != "none" or average_compressor not in (None, "none"):
                 raise ValueError(f"{topic}: secure aggregation encodes parts itself; the compressor must be 'none'")
-            if self.defences.aggregator.robust or self._replicated:
-                raise ValueError(f"{topic}: secure aggregation hides the parts that a robust aggregator or "
-                                 "replicated owners must see")
+            if self.defences.aggregator.robust or self.defences.fixed_answers:
+                raise ValueError(f"{topic}: secure aggregation hides the parts that a robust aggregator, "
+                                 "replicated owners or checkers must see")
             self._secure = SecureStage(node, topic, secure, self._refuse, self.placement.owner_set, self._resolve_view,
                                        reveal_timeout_s=self.timeouts.reply_grace_s / 2, groups=self.placement.groups,
                                        held_wait_s=self.timeouts.round_timeout_s)
+        # With one owner per shard, members drawn after each round check its averages
+        # (collectives/checking.py): the owner keeps its groups' parts for them (on_close).
+        self.checks: Checks | None = None
+        if self.defences.check_rate > 0.0:
+            recount = Recount(topic, self.defences.aggregator, average_compressor or compressor, self.suspicion,
+                              self._contributions, self._chunk_bounds)
+            self.checks = Checks(node, topic, self.defences.check_rate, recount, self._refuse,
+                                 self._reply_within_s, self.timeouts.retry_interval_s)
+            self._seams += (self.checks,)
         node.on(topic, self._on_part)
 
     # ------------------------------------------------------------------ caller's thread
@@ -379,6 +392,12 @@ class ShardedReducer:
                              masked=masked, state=state)
         return PendingReduce(self, t, members, vector, self.node.submit(round_), self._backstop_s)
 
+    def _chunk_bounds(self, members: tuple[str, ...], t: int, i: int, c: int) -> tuple[int, int] | None:
+        shards = self.placement.shards(members, t)
+        if not (0 <= i < len(shards) and 0 <= c < len(shards[i][0])):
+            return None
+        return shards[i][0][c]
+
     def _resolve_view(self, view: bytes) -> tuple[str, ...] | None:
         try:
             return self._known_views.resolve(view, self._current_view)
@@ -500,6 +519,8 @@ class ShardedReducer:
         results = iter(await asyncio.gather(*jobs))
         self._forget_before(t - _KEEP_CLOSED_ROUNDS)
         chosen = [self._vote(t, view, slot, [next(results) for _ in slot.owners]) for slot in slots]
+        if self.checks is not None:
+            self.checks.after_round(t, members, chosen)
         if self.suspicion is not None:
             self.suspicion.verdict(t)
         return chosen
@@ -704,7 +725,8 @@ class ShardedReducer:
             self._answer_later(key, group, bounds, self._secure.close(t, members, view_digest(members), i, c, bounds,
                                                                       group))
         elif aggregator.robust:
-            center = self.screening.center(bounds)
+            # checked or replicated owners start from the median: their average is their parts' alone
+            center = None if self.defences.fixed_answers else self.screening.center(bounds)
             self._answer_later(key, group, bounds, asyncio.get_running_loop().run_in_executor(
                 None, group.average, aggregator, center))
         else:

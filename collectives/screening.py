@@ -125,8 +125,9 @@ class Screening(RoundDefence):
     # ------------------------------------------------------------------ member
     def on_chosen(self, t: int, bounds: tuple[int, int], owners: tuple[str, ...], chosen: ShardResult) -> None:
         # Owners placed afresh each round (replicated) start from the median instead: their last
-        # averages of a chunk would be of different rounds, and they must agree bit for bit.
-        if (not self.defences.aggregator.robust or self.defences.owner_replication > 1 or chosen.packet is None
+        # averages of a chunk would be of different rounds, and they must agree bit for bit; so
+        # do checked owners, whose averages a checker computes again from the parts alone.
+        if (not self.defences.aggregator.robust or self.defences.fixed_answers or chosen.packet is None
                 or self.me not in owners):
             return
         try:

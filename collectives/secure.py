@@ -186,6 +186,9 @@ def check_secure_config(config: Any) -> SecureAggregation | None:
     if getattr(config, "owner_replication", 1) != 1:
         raise ValueError("secure_aggregation needs owner_replication 1: replicated owners compare averages of the "
                          "same parts, and each owner's unmasking would draw on the members' secrets again")
+    if getattr(config, "check_rate", 0.0) > 0.0:
+        raise ValueError("secure_aggregation and check_rate exclude each other: a check averages an owner's parts "
+                         "again, which secure aggregation hides")
     if getattr(config, "audit_rate", 0.0) > 0.0:
         raise ValueError("secure_aggregation and audit_rate exclude each other: an audit recomputes a member's part, "
                          "which secure aggregation hides")

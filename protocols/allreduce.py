@@ -60,6 +60,10 @@ class AllReduceConfig(ProtocolConfig):
     # their signed averages; parts cost that many times the bytes)
     aggregator: str = "mean"
     owner_replication: int = 1
+    # With one owner per shard: the share of each round's chunks that members drawn after the
+    # round check, averaging the owner's signed parts again (collectives/checking.py); 0: off.
+    # An owner caught is banned on that one check. Costs about this share of the vector in bytes.
+    check_rate: float = 0.0
     # Secure aggregation (collectives/secure.py, docs/security.md): "on" masks every part so that
     # an owner learns only the sum of its shard ("on:scale=0,clip=8,threshold=0.5"; scale 0 fits each round); needs
     # compressor "none", the plain mean and one owner per shard; "off": parts in the clear

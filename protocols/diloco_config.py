@@ -71,10 +71,21 @@ class DiLoCoConfig(ProtocolConfig):
     # their signed averages; parts cost that many times the bytes)
     aggregator: str = "mean"
     owner_replication: int = 1
+    # With one owner per shard: the share of each round's chunks that members drawn after the
+    # round check, averaging the owner's signed parts again (collectives/checking.py); 0: off.
+    # An owner caught is banned on that one check. Costs about this share of the vector in bytes.
+    check_rate: float = 0.0
     # Secure aggregation (collectives/secure.py, docs/security.md): "on" masks every part so that
     # an owner learns only the sum of its shard ("on:scale=0,clip=8,threshold=0.5"; scale 0 fits each round); needs
     # compressor "none", the plain mean and one owner per shard; "off": parts in the clear
     secure_aggregation: str = "off"
+    # Checks of pseudo-gradients (protocols/verification.py): after each round, each member with
+    # this probability scores one other member's pseudo-gradient by the loss it takes off
+    # `verify_batches` of the batches its signed recipe names, against as many it had not seen
+    # (4 x verify_batches forward passes a check); an author failing round after round is accused.
+    # Needs a task whose peers read their own shard. 0: off.
+    verify_rate: float = 0.0
+    verify_batches: int = 4
     # With a defence on, a part may claim at most weight_cap * sync_every inner steps (late
     # carries included): the most an honest peer computes in a round. Raise it for time-based
     # rounds (sync_every_s) whose fastest peer runs more than that many steps in a window.
@@ -135,6 +146,13 @@ class DiLoCoConfig(ProtocolConfig):
             raise ValueError(f"error_feedback_decay must be in (0, 1], got {self.error_feedback_decay!r}")
         if not 0.0 <= self.staleness_weight <= 1.0:
             raise ValueError(f"staleness_weight must be in [0, 1], got {self.staleness_weight}")
+        if not 0.0 <= self.verify_rate <= 1.0:
+            raise ValueError(f"verify_rate must be in [0, 1], got {self.verify_rate}")
+        if type(self.verify_batches) is not int or self.verify_batches < 1:
+            raise ValueError(f"verify_batches must be a whole number >= 1, got {self.verify_batches!r}")
+        if self.verify_rate > 0.0 and self.secure_aggregation != "off":
+            raise ValueError("verify_rate and secure_aggregation exclude each other: a check scores a member's "
+                             "pseudo-gradient, which secure aggregation hides")
         if self.eager_updates and self.overlap_steps < 1:
             raise ValueError("eager_updates needs overlap_steps >= 1: without overlap the average is there at once")
         if self.average_compressor:

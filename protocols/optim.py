@@ -39,13 +39,14 @@ def make_secure(config: Any, unit: float = 1.0) -> SecureAggregation | None:
 
 
 def make_defences(config: Any, max_weight: float | None = None) -> Defences:
-    """The defences a config's `aggregator` and `owner_replication` ask for. `max_weight` (the
-    most weight a part can honestly claim, from the round's step budget) caps parts only with
-    a defence on: a swarm that asked for none is not one that bans a peer over its weights."""
-    defences = Defences(config.aggregator, config.owner_replication)
+    """The defences a config's `aggregator`, `owner_replication` and `check_rate` ask for.
+    `max_weight` (the most weight a part can honestly claim, from the round's step budget) caps
+    parts only with a defence on: a swarm that asked for none is not one that bans a peer over
+    its weights."""
+    defences = Defences(config.aggregator, config.owner_replication, check_rate=config.check_rate)
     if max_weight is None or not defences.on:
         return defences
-    return Defences(defences.aggregator, defences.owner_replication, max_weight)
+    return replace(defences, max_weight=max_weight)
 
 
 def check_optimizer(config: Any, optimizer: str, momentum: str) -> None:
