@@ -1,15 +1,21 @@
 """Audits by recomputation (BTARD-SGD's): a member checks another's gradient by computing it again.
 
     every round t, at the parameters x_t every member holds bit for bit:
-        seed  = derive_seed("audit", t, first 8 bytes of sha256(x_t))   # no member chooses it alone
-        pairs = for each member a, in member order: with probability audit_rate, (a, b) for one
-                other member b, both drawn from the seed (every peer computes the same pairs)
         each author states what its gradient was computed from, signed with every part:
                 recipe = (rank, world, batch index, sha256(x_t))
-        an auditor a of author b keeps b's signed parts of the shards a owns (`reducer.keep`)
-        after the round: g' = grad of loss(x_t, batch(rank, world, index)), on a's own copy of x_t
+        every owner keeps the signed parts its shards received (`reducer.keep`)
+        after the round, each member draws from its own randomness, with probability
+        audit_rate, one other member b to audit:
+                g' = grad of loss(x_t, batch(rank, world, index)), on its own copy of x_t
                 relative L2 distance |part - g'[shard]| / |g'[shard]| over b's kept chunks
                 > audit_tolerance: note(b, "audit_failed") and accuse(b, "audit.mismatch")
+
+The draw. It is made once the parts are signed and sent, from each auditor's own randomness
+(not from the round or the parameters, which every member knows beforehand): an author cannot
+tell which of its rounds are audited, so one that forges only where nobody looks cannot exist.
+The price is memory: an owner keeps every part its shards received until its own audit of the
+round is done (one round's worth of its shards, about the vector's size over the members, times
+the members).
 
 The batch recipe. A peer's batch index is the number of batches it trained on (from its start,
 or from the checkpoint it resumed), which differs from the round after a catch-up or a join,
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,7 +64,6 @@ from starling.collectives import ShardedReducer
 from starling.collectives.agreement import digest_bytes
 from starling.collectives.contributions import Recipe
 from starling.collectives.retention import KeptPart
-from starling.common import derive_seed
 from starling.node.trust import Evidence
 from starling.protocols.base import LossFn
 
@@ -85,35 +91,17 @@ class AuditData(typing.Protocol):
         runtime builds its own step's loss; None if it cannot make that batch."""
 
 
-def audit_seed(t: int, parameters: bytes) -> int:
-    """Round t's audit seed from the digest of the parameters every member holds at round t."""
-    return derive_seed("audit", t, int.from_bytes(parameters[:8], "big"))
-
-
-def audit_pairs(seed: int, members: Sequence[str], rate: float) -> tuple[tuple[str, str], ...]:
-    """(auditor, author) pairs of a round: each member in member order audits, with probability
-    `rate`, one other member; both draws come from `seed`, so every peer gets the same pairs."""
-    pairs = []
-    if len(members) < 2 or rate <= 0.0:
-        return ()
-    for k, auditor in enumerate(members):
-        if derive_seed(seed, k, 0) / float(1 << 63) < rate:
-            others = [m for m in members if m != auditor]
-            pairs.append((auditor, others[derive_seed(seed, k, 1) % len(others)]))
-    return tuple(pairs)
-
-
 @dataclass(frozen=True)
 class _Round:
     t: int
     parameters: bytes  # sha256 of x_t
-    authors: frozenset[str]  # whom this peer audits in round t
+    others: tuple[str, ...]  # the members this peer may audit in round t
 
 
 class Auditor:
     """One peer's audits of one reducer's gradient rounds (training thread): `before(t, members)`
-    picks the round's pairs and returns this peer's recipe for its parts; `after(t)` recomputes
-    and compares. Counts `audits`, `failed` and `skipped`."""
+    keeps the round's parts and returns this peer's recipe for its parts; `after(t)` draws whom
+    to audit, recomputes and compares. Counts `audits`, `failed` and `skipped`."""
 
     def __init__(self, node: Node, reducer: ShardedReducer, params: Sequence[nn.Parameter], model: nn.Module,
                  rate: float, tolerance: float) -> None:
@@ -121,29 +109,30 @@ class Auditor:
         self.rate, self.tolerance = rate, tolerance
         self.audits = self.failed = self.skipped = 0
         self._round: _Round | None = None
+        self._rng = random.SystemRandom()  # not the swarm's seeds: nobody may know the draw beforehand
 
     def before(self, t: int, members: tuple[str, ...], data: AuditData) -> Recipe:
-        """Round t's pairs (the parameters are x_t); the kept authors; my recipe."""
+        """Round t's parameters (x_t); every other member's parts kept; my recipe."""
         parameters = digest_bytes(self.params, DIGEST_BYTES)
-        me = self.node.peer_id
-        authors = frozenset(b for a, b in audit_pairs(audit_seed(t, parameters), members, self.rate) if a == me)
-        self._round = _Round(t, parameters, authors)
-        if authors:
-            self.reducer.keep(t, authors)
+        others = tuple(m for m in members if m != self.node.peer_id)
+        self._round = _Round(t, parameters, others)
+        if others and self.rate > 0.0:
+            self.reducer.keep(t, frozenset(others))
         rank, world, index = data.recipe()
         return (rank, world, index, parameters)
 
     def after(self, t: int, data: AuditData) -> None:
-        """Audit round t's authors on the parts my shards kept (after the round's `wait()`, the
-        parameters still x_t)."""
+        """Draw whether to audit round t, and whom, then audit it on the parts my shards kept
+        (after the round's `wait()`, the parameters still x_t)."""
         round_, self._round = self._round, None
-        if round_ is None or round_.t != t or not round_.authors:
+        if round_ is None or round_.t != t or not round_.others or self.rate <= 0.0:
             return
         kept = self.reducer.take_kept(t)
-        for author in sorted(round_.authors):
-            parts = kept.get(author)
-            if not parts:  # I own none of its shards, or it sent nothing in round t
-                continue
+        if self._rng.random() >= self.rate:
+            return
+        author = self._rng.choice(round_.others)
+        parts = kept.get(author)
+        if parts:  # else I own none of its shards, or it sent nothing in round t
             self._audit(t, author, parts, round_.parameters, data)
 
     def _audit(self, t: int, author: str, parts: list[KeptPart], parameters: bytes, data: AuditData) -> None:

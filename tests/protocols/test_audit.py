@@ -8,7 +8,7 @@ from conftest import in_parallel, swarm, wait_until
 from torch import nn
 
 from starling.protocols import get_protocol
-from starling.protocols.audit import MISMATCH, audit_pairs, audit_seed
+from starling.protocols.audit import MISMATCH
 from starling.runtime import Simulation
 from starling.runtime.simconfig import SimConfig
 
@@ -59,21 +59,28 @@ def audited_swarm(make_node, **options):
     return nodes, protos, data
 
 
-def test_pairs_are_the_same_on_every_peer_and_never_self():
-    members = tuple(sorted(f"peer{i}" for i in range(7)))
-    for t in range(50):
-        seed = audit_seed(t, bytes([t]) * 32)
-        pairs = audit_pairs(seed, members, 0.5)
-        assert pairs == audit_pairs(seed, list(members), 0.5)  # a pure function of the seed and members
-        assert all(a != b and a in members and b in members for a, b in pairs)
-        assert len({a for a, _ in pairs}) == len(pairs)  # one author per auditor
-    everyone = audit_pairs(audit_seed(3, b"\0" * 32), members, 1.0)
-    assert [a for a, _ in everyone] == list(members)
-    assert audit_pairs(audit_seed(3, b"\0" * 32), members, 0.0) == ()
-    assert audit_pairs(audit_seed(3, b"\0" * 32), members[:1], 1.0) == ()
-    # the parameters choose the pairs: another digest, other pairs (over many rounds)
-    assert any(audit_pairs(audit_seed(t, b"\1" * 32), members, 0.5) != audit_pairs(audit_seed(t, b"\2" * 32),
-                                                                                   members, 0.5) for t in range(10))
+def test_whom_a_member_audits_is_drawn_after_the_round_from_its_own_randomness(make_node):
+    """Two swarms run alike, every seed the swarm knows set alike, audit other authors: nothing
+    an author knows before it sends its parts tells it whether, or by whom, it is audited."""
+    drawn = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        nodes, protos, data = audited_swarm(make_node)
+        audited: list[tuple[int, str]] = []
+        auditor = protos[0].auditor
+        audit = auditor._audit
+
+        def spy(t, author, *args, audit=audit, audited=audited, members=[n.peer_id for n in nodes]):
+            audited.append((t, members.index(author)))
+            return audit(t, author, *args)
+        auditor._audit = spy
+        for _ in range(8):
+            in_parallel([d.step for d in data])
+        assert all(0 < a < WORLD for _, a in audited) and len(audited) == 8  # rate 1: one other a round
+        drawn.append(audited)
+        for node in nodes:
+            node.close()
+    assert drawn[0] != drawn[1]
 
 
 def test_honest_peers_pass_every_audit_and_stay_identical(make_node):
