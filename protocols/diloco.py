@@ -51,6 +51,7 @@ import copy
 import hashlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -79,6 +80,7 @@ from starling.protocols.outer_sync import (
     load_ledgers_state,
     read_sync_reply,
 )
+from starling.protocols.verification import PseudoVerifier
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +194,11 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         # (version, members): with sampling, rounds merged without me since I last trained
         self._behind: tuple[int, tuple[str, ...]] | None = None
         self._last_loss = float("nan")  # reported by a step that trained nothing (not drawn)
+        # Checks of the others' pseudo-gradients by the loss they take off their stated batches
+        # (verification.py): drawn after each round, before its outer step.
+        self.verifier = PseudoVerifier(node, model, config.verify_rate, config.verify_batches,
+                                       max_span=math.ceil(config.weight_cap * config.sync_every) + config.overlap_steps
+                                       ) if config.verify_rate > 0.0 else None
         self._publish()
         self._serve({SYNC_TOPIC: self._on_sync})
 
@@ -381,6 +388,13 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
         leader for its closing set."""
         part, weight = fragment.ledger.contribution(fragment.pseudo_gradient())
         members = self.round_members(k)
+        fragment.recipe = None
+        if self.verifier is not None and len(members) > 1:
+            if self.audit_data is None:
+                raise ProtocolError(f"{self.name}: verify_rate needs the runtime's batches (audit_data, which the "
+                                    "Trainer sets)")
+            fragment.recipe = self.verifier.recipe(fragment.index, fragment.outer, self.audit_data)
+            fragment.reducer.keep(k, frozenset(m for m in members if m != self.node.peer_id))
         # a step count, whichever rounds: a checkpoint or a joiner takes it as it is
         merge_at = self.step_count + (self.clock.overlap() if self.clock else self.config.overlap_steps)
         if fragment.quorum is not None and len(members) > 1:
@@ -417,8 +431,15 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                 log.warning("%s: %s round %d went on without %s", self.node.peer_id, fragment.reducer.topic, k,
                             list(result.lost))
             self._log_share(result, exchange.members)
+            if self.verifier is not None and self.audit_data is not None and fragment.recipe is not None:
+                kept = fragment.reducer.take_kept(k)
+                others = [m for m in exchange.members if m != self.node.peer_id]
+                with clock.computing():  # before the outer step: the outer parameters the authors started from
+                    self.verifier.after(f, k, others, kept, self.views, self.outer, self.audit_data)
         with clock.computing():
             fragment.merge(exchange, k)
+        if self.verifier is not None and self.audit_data is not None:
+            self.verifier.merged(f, self.audit_data)
         if f == 0 and exchange is not None and exchange.pending is not None:  # the same members, the same rounds
             self.side_rounds.after_merge(k, exchange.members, result is not None and result.diverged)
         return result

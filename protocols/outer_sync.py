@@ -185,6 +185,7 @@ class OuterFragment:
         self.exchange: Exchange | None = None  # the round in flight
         self.last_closing: Closing | None = None  # the latest closing set (None: none came, or no quorum)
         self.ledger = TokenLedger(config.staleness_weight)
+        self.recipe: tuple[int | bytes, ...] | None = None  # what my next parts say they came from, signed with them
 
     # ------------------------------------------------------------------ the outer state
     def place(self) -> None:
@@ -271,7 +272,7 @@ class OuterFragment:
         average = delta.clone()
         before = self.reducer.state_dict() if not self.reducer.codec.lossless else None
         state = self.round_state() if self.round_state is not None and len(members) > 1 else None
-        pending = self.reducer.start(k, members, average, weight=weight, state=state)
+        pending = self.reducer.start(k, members, average, weight=weight, state=state, recipe=self.recipe)
         return Exchange(k, members, delta, average, pending, before, weight=weight, merge_at=merge_at)
 
     def eager_update(self) -> None:

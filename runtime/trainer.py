@@ -325,17 +325,19 @@ class Trainer:
         return self.proto
 
     def _attach_recipes(self, proto: Protocol) -> None:
-        """Give the protocol this peer's batch recipes (`runtime/recipes.py`), for audits. A replica
-        of many ranks computes its gradient over their batches together, which no recipe names."""
+        """Give the protocol this peer's batch recipes (`runtime/recipes.py`), for audits and
+        checks of pseudo-gradients. A replica of many ranks computes its gradient over their
+        batches together, which no recipe names."""
+        checked = next((name for name in ("audit_rate", "verify_rate") if getattr(proto.config, name, 0.0) > 0.0), None)
         if self.ledger is not None:
-            if getattr(proto.config, "audit_rate", 0.0) > 0.0:
-                raise TrainSpecError(f"audit_rate needs a task whose peers read their own shard; {self.task.name!r} "
-                                     "hands out units, which an auditor does not yet recompute")
+            if checked is not None:
+                raise TrainSpecError(f"{checked} needs a task whose peers read their own shard; {self.task.name!r} "
+                                     "hands out units, which a checker does not yet recompute")
             return
         if self.replica_ranks > 1:
-            if getattr(proto.config, "audit_rate", 0.0) > 0.0:
-                raise TrainSpecError("audit_rate needs peers of one rank each: a replica's gradient is over "
-                                     "its ranks' batches together, which an auditor cannot recompute")
+            if checked is not None:
+                raise TrainSpecError(f"{checked} needs peers of one rank each: a replica's gradient is over "
+                                     "its ranks' batches together, which a checker cannot recompute")
             return
         proto.audit_data = BatchRecipes(self.task, self.spec.seed, self.rank, self.world,
                                         lambda: self._batch_index, self._loss_of)
