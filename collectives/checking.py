@@ -293,10 +293,10 @@ class Checks(RoundDefence):
             if part is None:
                 continue
             weight = float(group.weights.get(author, 1.0))
-            if author == me:  # may be a view of the caller's vector, which it writes after the round
-                parts.append((author, weight, None, part.clone()))
-            elif author in group.signed:
+            if author in group.signed:
                 parts.append((author, weight, group.signed[author], None))
+            elif author == me:  # may be a view of the caller's vector, which it writes after the round
+                parts.append((author, weight, None, part.clone()))
         self._kept[(t, view_digest(group.members), i, c)] = _Kept(group.members, parts)
         for key in [k for k in self._kept if k[0] <= t - KEEP_ROUNDS]:
             del self._kept[key]

@@ -325,7 +325,11 @@ class ShardedReducer:
                         own = vector[lo:hi].to("cpu")
                     else:
                         own = vector[lo:hi] if lend else vector[lo:hi].clone()
-                if any(o != me for o in owners):  # encoded once, for every other owner of the shard
+                # Encoded once, for every other owner of the shard; and, where checkers may ask
+                # for it, for myself: a lossy part I own is summed as the others see it, and shown
+                # as I signed it (not as float32, which would cost a check 8 times an int4 part).
+                shown = own is not None and self.checks is not None and not self.codec.lossless
+                if any(o != me for o in owners) or shown:
                     if lend and self.codec.zero_copy:  # lossless too: no error feedback to apply
                         packet = self.codec.encode(vector[lo:hi], copy=False)
                     else:
@@ -341,7 +345,7 @@ class ShardedReducer:
             self._staging.ready([vector.device])  # the network thread reads them next
         view = view_digest(members)
         for slot in slots:  # signed once the bytes are final (staged ones are, after `ready`)
-            if slot.own is None and me in slot.owners:  # a replicated owner sums my part as the others see it
+            if slot.own is None and me in slot.owners:  # an owner sums my part as the others see it
                 assert slot.packet is not None
                 slot.own = decode(slot.packet).reshape(-1)
             if slot.packet is not None:
@@ -510,8 +514,12 @@ class ShardedReducer:
             for owner in slot.owners:
                 if owner == me:
                     assert slot.own is not None
+                    signed = None  # my own part as I signed it, where checkers may ask for it
+                    if slot.packet is not None and slot.sig is not None and self.checks is not None:
+                        signed = SignedPart(view, weight, slot.packet, slot.sig,
+                                            content_digest(slot.packet.header, slot.packet.buffers), recipe)
                     jobs.append(self._reduce_own(t, members, view, slot.shard, slot.chunk, slot.own, own_private,
-                                                 weight, state))
+                                                 weight, state, signed))
                 else:
                     assert slot.packet is not None and slot.sig is not None
                     jobs.append(self._send_part(t, members, view, slot, owner, weight, recipe,
@@ -537,12 +545,12 @@ class ShardedReducer:
 
     async def _reduce_own(self, t: int, members: tuple[str, ...], view: bytes, i: int, c: int,
                           part: torch.Tensor, private: bool, weight: float | None,
-                          state: bytes | None = None) -> ShardResult:
+                          state: bytes | None = None, signed: SignedPart | None = None) -> ShardResult:
         me = self.node.peer_id
         # private: start() cloned it, so it may become the sum; else a view of the caller's
         # vector, which the group reads and never writes
         reply, buffers = await self._reduce((t, members, i, c), me, part, owned=private,
-                                            weight=1.0 if weight is None else weight, state=state)
+                                            weight=1.0 if weight is None else weight, state=state, signed=signed)
         refused = Refused.from_wire(reply)
         if refused is not None:
             return ShardResult(i, c, me, None, reason=refused.reason)

@@ -48,13 +48,15 @@ def _settled(reducers):
     return wait_until(lambda: all(not r.checks._running for r in reducers))
 
 
-@pytest.mark.parametrize("aggregator", ["mean", "centered_clip"])
-def test_honest_owners_pass_every_check(make_node, aggregator):
+@pytest.mark.parametrize("aggregator,compressor", [("mean", "none"), ("centered_clip", "none"),
+                                                  ("centered_clip", "int4"), ("mean", "randomk:0.25")])
+def test_honest_owners_pass_every_check(make_node, aggregator, compressor):
     """Weighted parts, several chunks per shard, every chunk checked on average: each check
-    averages the owner's signed parts again and gets its signed answer bit for bit."""
+    averages the owner's signed parts again and gets its signed answer bit for bit, lossy
+    parts (the owner's own as it signed it) and seeded codecs included."""
     nodes = swarm(make_node, 4)
     defences = Defences(aggregator, check_rate=1.0)
-    reducers = [ShardedReducer(n, "test.checked", 512, timeouts=FAST, chunk_numel=64, defences=defences)
+    reducers = [ShardedReducer(n, "test.checked", 512, compressor, timeouts=FAST, chunk_numel=64, defences=defences)
                 for n in nodes]
     _rounds(nodes, reducers, 6, 512)
     assert _settled(reducers)
