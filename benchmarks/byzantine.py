@@ -104,8 +104,13 @@ DILOCO = {"lr": 3e-3, "sync_every": 4, "fragments": 2, "overlap_steps": 1, "alph
 QUORUM = 6  # streaming-diloco's quorum for the quorum leader's runs
 DEFENCES = {"off": {"aggregator": "mean", "owner_replication": 1},
             "on": {"aggregator": "centered_clip", "owner_replication": 3},
-            # one owner per shard, half of each round's chunks checked by a member drawn after it
-            "checked": {"aggregator": "centered_clip", "owner_replication": 1, "check_rate": 0.5}}
+            # one owner per shard: the robust aggregator alone, then half of each round's chunks
+            # checked by a member drawn after the round
+            "clip": {"aggregator": "centered_clip", "owner_replication": 1},
+            "checked": {"aggregator": "centered_clip", "owner_replication": 1, "check_rate": 0.5},
+            # and recomputation: allreduce's audits, DiLoCo's checks of pseudo-gradients
+            "verified": {"aggregator": "centered_clip", "owner_replication": 1, "check_rate": 0.5}}
+RECOMPUTATION = {"allreduce": {"audit_rate": 0.5}, "streaming-diloco": {"verify_rate": 0.5}}
 # allreduce: a round per step; streaming-diloco (H = 4, F = 2): a round every 2 steps; 26 rounds
 # each. The whole default bench (92 swarms) takes about 20 minutes on a loaded 2-core box (30 and
 # 60 steps with 5 s round timeouts took 27).
@@ -129,7 +134,7 @@ def options_for(protocol: str, defences: str, attack: str | None) -> dict[str, A
     base = dict(ALLREDUCE if protocol == "allreduce" else DILOCO)
     if attack == "quorum_leader":
         base["quorum"] = QUORUM
-    return {**base, **DEFENCES[defences]}
+    return {**base, **DEFENCES[defences], **(RECOMPUTATION[protocol] if defences == "verified" else {})}
 
 
 def form(sims: list[SimPeer]) -> None:
@@ -320,12 +325,18 @@ def _suspicion_of(proto: Any, attacker_ids: set[str], ids: dict[str, int]) -> di
 
 
 def _checks_of(proto: Any) -> dict[str, int]:
-    """One honest peer's checks of owners' averages (collectives/checking.py), over its reducers."""
+    """One honest peer's checks of owners' averages (collectives/checking.py), over its reducers,
+    and its audits or checks of pseudo-gradients (protocols/audit.py, protocols/verification.py)."""
     out: Counter = Counter()
     for reducer in getattr(proto, "reducers", []):
         checks = getattr(reducer, "checks", None)
         if checks is not None:
             out.update(checks.counts)
+    auditor, verifier = getattr(proto, "auditor", None), getattr(proto, "verifier", None)
+    if auditor is not None:
+        out.update(auditor.counts())
+    if verifier is not None:
+        out.update(verifier.counts)
     return dict(out)
 
 
