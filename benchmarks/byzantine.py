@@ -324,7 +324,7 @@ def _suspicion_of(proto: Any, attacker_ids: set[str], ids: dict[str, int]) -> di
     return out
 
 
-def _checks_of(proto: Any) -> dict[str, int]:
+def _checks_of(proto: Any) -> dict[str, Any]:
     """One honest peer's checks of owners' averages (collectives/checking.py), over its reducers,
     and its audits or checks of pseudo-gradients (protocols/audit.py, protocols/verification.py)."""
     out: Counter = Counter()
@@ -337,6 +337,8 @@ def _checks_of(proto: Any) -> dict[str, int]:
         out.update(auditor.counts())
     if verifier is not None:
         out.update(verifier.counts)
+        margins = sorted(m for _, m in verifier.margins)
+        return {**out, "margins": [round(m, 5) for m in margins]}
     return dict(out)
 
 

@@ -680,3 +680,64 @@ class Checked:
         if sig is None:
             raise BodyError("a checked answer must be signed by its owner")
         return cls(tuple(CheckedPart.from_wire(r) for r in rows), sig)
+
+
+# ---------------------------------------------------------------------- an author's parts, gathered
+@dataclass(frozen=True)
+class KeptAsk:
+    """A member asks an owner for the parts one author sent its groups in a round that it kept
+    (`ShardedReducer.gather`): to check a whole pseudo-gradient, not the owner's shard of it."""
+
+    round: int
+    view: bytes
+    author: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kept": self.round, "view": self.view, "author": self.author}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> KeptAsk:
+        body = _map(obj, "a gather")
+        author = body.get("author")
+        if not isinstance(author, str) or not 0 < len(author) <= 64:
+            raise BodyError("author must be a peer id")
+        return cls(_whole(body, "kept"), _view(body), author)
+
+
+@dataclass(frozen=True)
+class KeptRow:
+    """One kept part: its chunk, what its author signed with it, its header; its bytes are the
+    next `buffers` frames of the answer."""
+
+    shard: int
+    chunk: int
+    weight: float
+    sig: bytes
+    recipe: tuple[int | bytes, ...] | None
+    header: dict[str, Any]
+    buffers: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.shard, self.chunk, self.weight, self.sig, None if self.recipe is None else list(self.recipe),
+                self.header, self.buffers]
+
+    @classmethod
+    def from_wire(cls, row: Any) -> KeptRow:
+        if not (isinstance(row, list) and len(row) == 7 and type(row[0]) is int and type(row[1]) is int
+                and row[0] >= 0 and row[1] >= 0 and isinstance(row[5], dict)):
+            raise BodyError("a kept part must be [shard, chunk, weight, sig, recipe, header, buffers]")
+        sig = _sig({"sig": row[3]})
+        if sig is None:
+            raise BodyError("a kept part must carry its author's signature")
+        if type(row[6]) is not int or not 0 <= row[6] <= MAX_PART_BUFFERS:
+            raise BodyError(f"a kept part has 0 to {MAX_PART_BUFFERS} buffers")
+        return cls(row[0], row[1], _weight(row[2]), sig, _recipe(row[4]), row[5], row[6])
+
+
+def kept_rows(obj: Any) -> tuple[KeptRow, ...]:
+    """The rows of an owner's answer to a `KeptAsk`: {"ok": True, "parts": [...]}."""
+    body = _map(obj, "a gathered answer")
+    rows = body.get("parts")
+    if not isinstance(rows, list) or len(rows) > MAX_IDS:
+        raise BodyError(f"parts must be a list of at most {MAX_IDS}")
+    return tuple(KeptRow.from_wire(r) for r in rows)

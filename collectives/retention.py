@@ -6,7 +6,9 @@ the round engine's retention defence (`RoundDefence`).
     reducer.take_kept(t)        # caller's thread, after round t's wait(): decoded, then forgotten
 
 Only the last `KEEP_ROUNDS` rounds asked for are kept: an audit that never takes its parts
-loses nothing, and memory stays bounded whatever the rounds.
+loses nothing, and memory stays bounded whatever the rounds. Once taken, a round's parts stay
+`SHOW_ROUNDS` rounds more for other members that gather an author's parts from every owner
+(`shown(t, author)`: DiLoCo's checks of a whole pseudo-gradient, `protocols/verification.py`).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KEEP_ROUNDS = 4  # rounds whose parts are held for `take` (rounds asked for and never taken go)
+SHOW_ROUNDS = 2  # rounds whose taken parts are still shown to members that gather them
 _Kept = tuple[int, int, int, int, SignedPart]  # (shard, chunk, lo, hi, part)
 
 
@@ -52,6 +55,7 @@ class Retention(RoundDefence):
         # caller's thread, read by the network thread), and what they kept (network thread)
         self._keeping: dict[int, frozenset[str]] = {}
         self._kept: dict[int, dict[str, list[_Kept]]] = {}
+        self._shown: dict[int, dict[str, list[_Kept]]] = {}  # taken, still shown to members that gather them
 
     @property
     def holding(self) -> bool:
@@ -79,7 +83,14 @@ class Retention(RoundDefence):
         kept = self._kept.pop(t, {})
         for old in [r for r in self._kept if r <= t - KEEP_ROUNDS]:  # rounds asked for and never taken
             del self._kept[old]
+        self._shown[t] = kept
+        for old in [r for r in self._shown if r <= t - SHOW_ROUNDS]:
+            del self._shown[old]
         return kept
+
+    def shown(self, t: int, author: str) -> list[_Kept]:
+        """Network thread: `author`'s parts of round t that my groups kept, taken or not."""
+        return list(self._kept.get(t, {}).get(author, ())) or list(self._shown.get(t, {}).get(author, ()))
 
     def decoded(self, t: int, kept: dict[str, list[_Kept]]) -> dict[str, list[KeptPart]]:
         """Caller's thread: each author's parts of round t, chunk by chunk, decoded."""

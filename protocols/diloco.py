@@ -62,6 +62,7 @@ from torch import nn
 from starling.collectives import ReduceResult, ShardedReducer, membership
 from starling.collectives.buffers import BufferAverager
 from starling.collectives.quorum import Closing, QuorumClose
+from starling.collectives.retention import KeptPart
 from starling.node.node import Node
 from starling.node.rpc import Refusal, Reply, refusal
 from starling.node.wire import Message
@@ -432,10 +433,15 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                             list(result.lost))
             self._log_share(result, exchange.members)
             if self.verifier is not None and self.audit_data is not None and fragment.recipe is not None:
-                kept = fragment.reducer.take_kept(k)
+                fragment.reducer.take_kept(k)  # my groups' parts, now shown to members that gather them
                 others = [m for m in exchange.members if m != self.node.peer_id]
+                members = exchange.members
+
+                def gather(author: str, fragment: OuterFragment = fragment) -> list[KeptPart]:
+                    return fragment.reducer.gather(k, members, author)
                 with clock.computing():  # before the outer step: the outer parameters the authors started from
-                    self.verifier.after(f, k, others, kept, self.views, self.outer, self.audit_data)
+                    self.verifier.after(f, k, others, gather, self.views, self.outer, self.audit_data,
+                                        exchange.average)
         with clock.computing():
             fragment.merge(exchange, k)
         if self.verifier is not None and self.audit_data is not None:

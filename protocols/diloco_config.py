@@ -81,8 +81,8 @@ class DiLoCoConfig(ProtocolConfig):
     secure_aggregation: str = "off"
     # Checks of pseudo-gradients (protocols/verification.py): after each round, each member with
     # this probability scores one other member's pseudo-gradient by the loss it takes off
-    # `verify_batches` of the batches its signed recipe names, against as many it had not seen
-    # (4 x verify_batches forward passes a check); an author failing round after round is accused.
+    # `verify_batches` of the batches its signed recipe names, against twice as many it had not seen
+    # (9 x verify_batches forward passes a check); an author failing round after round is accused.
     # Needs a task whose peers read their own shard. 0: off.
     verify_rate: float = 0.0
     verify_batches: int = 4

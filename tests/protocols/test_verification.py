@@ -59,7 +59,7 @@ class Regression:
         moved[own] -= delta[own]
         picked = [first + j % (last - first + 1) for j in range(batches)]
         unseen = [last + 1 + j for j in range(batches)]
-        return margin(lambda after: self.write(moved if after else start), [self.loss_fn(0, i) for i in picked],
+        return margin(lambda where: self.write(moved if where == "author" else start), [self.loss_fn(0, i) for i in picked],
                       [self.loss_fn(0, i) for i in unseen])
 
 
