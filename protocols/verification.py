@@ -19,7 +19,10 @@ comes from many inner steps and the author's private optimizer state. But it can
         x''    = x moved by the round's average pseudo-gradient on the same values
         margin = (own - other) - (own - other at x''): passed when > 0
     a running test per author (`Verdicts`): a failed check adds 1, a passed one takes `drift`
-    off, never below 0; at `threshold` the member accuses b (`pseudo.unverified`, a witness)
+    (0.5) off, never below 0; at `threshold` (8) the member accuses b (`pseudo.unverified`, a
+    witness). A cheater fails about half its checks and gains 0.25 a check: accused in about 32
+    checks. An honest author that fails one check in five loses 0.2 a check, and reaches 8 in
+    under 1 of 1,000 excursions; one that fails one in three is at risk (see the limits).
 
 Why it works: inner steps fit the batches they run on, so x' has a lower loss on those than on
 batches of the same shard it never saw, by a margin that grows with the dimension. The round's
@@ -125,7 +128,7 @@ class Verdicts:
     check adds 1, a passed one takes `drift` off, never below 0. `add` says when the statistic
     reaches `threshold` (once per crossing). Bounded: at most `max_peers` authors."""
 
-    def __init__(self, threshold: float = 4.0, drift: float = 0.5, max_peers: int = 4096) -> None:
+    def __init__(self, threshold: float = 8.0, drift: float = 0.5, max_peers: int = 4096) -> None:
         if not threshold > 0.0 or not drift > 0.0:
             raise ValueError(f"threshold and drift must be > 0, got {threshold!r} and {drift!r}")
         self.threshold, self.drift, self.max_peers = threshold, drift, max_peers
@@ -152,7 +155,7 @@ class PseudoVerifier:
     each send, `after` once a round is answered and before its outer step."""
 
     def __init__(self, node: Node, model: nn.Module, rate: float, batches: int, max_span: int,
-                 threshold: float = 4.0, drift: float = 0.5) -> None:
+                 threshold: float = 8.0, drift: float = 0.5) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"verify_rate must be in [0, 1], got {rate!r}")
         if batches < 1:
@@ -281,3 +284,4 @@ def _bad_recipe(recipe: Any, max_span: int) -> str | None:
     if not 0 <= first <= last or last - first + 1 > max_span:
         return f"batches {first} to {last} (at most {max_span} a round)"
     return None
+
