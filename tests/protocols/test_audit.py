@@ -69,9 +69,10 @@ def test_whom_a_member_audits_is_drawn_after_the_round_from_its_own_randomness(m
         audited: list[tuple[int, str]] = []
         auditor = protos[0].auditor
         audit = auditor._audit
+        ids = tuple(n.peer_id for n in nodes)
 
-        def spy(t, author, *args, audit=audit, audited=audited, members=[n.peer_id for n in nodes]):
-            audited.append((t, members.index(author)))
+        def spy(t, author, *args, audit=audit, audited=audited, ids=ids):
+            audited.append((t, ids.index(author)))
             return audit(t, author, *args)
         auditor._audit = spy
         for _ in range(8):
