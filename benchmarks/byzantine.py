@@ -2,7 +2,7 @@
 
     python benchmarks/byzantine.py [--quick] [--only ATTACK[,..]] [--protocol allreduce|streaming-diloco[,..]]
                                    [--attackers 1|2[,..]] [--defences off|on[,..]] [--steps N] [--diloco-steps N]
-                                   [--placement adjacent|spread] [--seed S]
+                                   [--placement adjacent|spread] [--seed S] [--straggler SPEED]
 
 Every run is a simulated swarm of 8 real nodes over inproc sockets (`starling.runtime`'s
 `SimPeer`, one training thread per peer, one shared network thread) training `charlm`; 1, then
@@ -50,6 +50,7 @@ before the ban. streaming-diloco's rows repeat within about 1%.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -162,8 +163,9 @@ def attacker_ranks(sims: list[SimPeer], count: int, placement: str) -> list[int]
 
 
 def run_swarm(protocol: str, attack_name: str | None, attackers: int, defences: str, steps: int,
-              placement: str = "adjacent", seed: int = 0) -> dict[str, Any]:
-    """One swarm to the end of the honest peers' steps; the row of what happened."""
+              placement: str = "adjacent", seed: int = 0, straggler: float = 1.0) -> dict[str, Any]:
+    """One swarm to the end of the honest peers' steps; the row of what happened. `straggler`
+    below 1: the honest peer whose id sorts last computes at that speed (0.33: 3x slower)."""
     options = options_for(protocol, defences, attack_name)
     config = SimConfig(peers=PEERS, protocol=protocol, task="charlm", steps=steps, options=options, seed=seed,
                        liveness=BENCH_LIVENESS)
@@ -178,6 +180,12 @@ def run_swarm(protocol: str, attack_name: str | None, attackers: int, defences: 
         form(sims)
         bad = attacker_ranks(sims, attackers, placement) if attack_name else []
         honest = [s for s in sims if s.rank not in bad]
+        slow = None
+        if straggler < 1.0:
+            slow = max(honest, key=lambda s: s.node.peer_id).rank
+            speeds = tuple(straggler if r == slow else 1.0 for r in range(PEERS))
+            for sim in sims:
+                sim.config = dataclasses.replace(sim.config, peer_speed=speeds)
         ids = {s.node.peer_id: s.rank for s in sims}
         bans: dict[tuple[int, str], tuple[int, float]] = {}  # (observer rank, banned id) -> (its step, time)
 
@@ -215,8 +223,9 @@ def run_swarm(protocol: str, attack_name: str | None, attackers: int, defences: 
             if sim.result.status == "finished":
                 sim.collect()
         trust = {s.rank: s.node.run(_trust_of(s.node)) for s in honest}
-        return _row(protocol, attack_name, attackers, defences, steps, placement, options, sims, bad, honest, ids,
-                    trust, bans, attack_objects, t0)
+        row = _row(protocol, attack_name, attackers, defences, steps, placement, options, sims, bad, honest, ids,
+                   trust, bans, attack_objects, t0)
+        return {**row, "straggler": {"rank": slow, "speed": straggler}} if slow is not None else row
     finally:
         for sim in sims:
             sim.close()
@@ -457,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drift-steps", type=int, default=None)
     parser.add_argument("--placement", choices=("adjacent", "spread"), default="adjacent")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--straggler", type=float, default=1.0,
+                        help="the speed of one honest peer against the others' (0.33: 3x slower); 1: none")
     parser.add_argument("--allreduce-optimizer", choices=("sgd", "adamw"), default="sgd",
                         help="allreduce's optimizer: sgd (momentum 0.9, lr 0.3; default) or adamw (lr 3e-3)")
     parser.add_argument("--no-clean", action="store_true",
@@ -478,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--attackers takes 1, 2 or 1,2")
     if not set(counts) <= {1, 2}:
         parser.error("--attackers takes 1, 2 or 1,2")
+    if not 0.0 < args.straggler <= 1.0:
+        parser.error(f"--straggler must be in (0, 1], got {args.straggler}")
     modes = args.defences.split(",")
     if set(modes) - set(DEFENCES):
         parser.error(f"--defences takes a comma-separated list of {', '.join(DEFENCES)}")
@@ -491,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         clean: dict[str, dict[str, Any]] = {}
         if not args.no_clean:
             for mode in dict.fromkeys(["off", *modes]):  # loss_vs_clean divides by the plain run
-                row = run_swarm(protocol, None, 0, mode, steps, seed=args.seed)
+                row = run_swarm(protocol, None, 0, mode, steps, seed=args.seed, straggler=args.straggler)
                 clean[mode] = row
                 row["loss_vs_clean"] = _ratio(row["eval_loss"], clean["off"]["eval_loss"])
                 emit(row)
@@ -515,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
             for count in counts:
                 for mode in modes:
                     try:
-                        row = run_swarm(protocol, name, count, mode, steps, args.placement, args.seed)
+                        row = run_swarm(protocol, name, count, mode, steps, args.placement, args.seed,
+                                        args.straggler)
                     except Exception as exc:  # one run that could not finish is a row, not the end of the bench
                         row = {"bench": "run", "protocol": protocol, "attack": name, "attackers": count,
                                "defences": mode, "error": f"{type(exc).__name__}: {exc}", "eval_loss": None,
