@@ -22,6 +22,7 @@ from (a protocol's audits read it: `protocols/audit.py`), signed with the part.
     Ack       leader -> member  {"ok": True, "round", "ack": signature}    the ask is in the round
     Wait      member -> leader  {"round", "wait": True}            answered when the round closes
     Closing   leader -> member  {"ok": True, "round", "closed": [[peer, weight], ...], "sig": signature}
+    Echo      member -> members {"echo": round, "leader", "closed", "sig"}    one way: the set I got
 
 An ask is answered by an Ack while its round is open, else by the Closing (see
 `collectives/quorum.py`); "ack" and "sig" are the leader's Ed25519 signatures over what
@@ -412,6 +413,33 @@ class Closing:
         if peers != sorted(set(peers)):
             raise BodyError("peers must be sorted and unique")
         return cls(t, pairs, _signature(obj, "sig"))
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A member shows others the closing set it got for a round, and from which leader
+    (`collectives/quorum.py`): two sets one leader signed for one round are evidence."""
+
+    leader: str
+    closing: Closing
+
+    @staticmethod
+    def is_one(obj: Any) -> bool:
+        return isinstance(obj, dict) and "echo" in obj
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"echo": self.closing.round, "leader": self.leader,
+                "closed": [[p, w] for p, w in self.closing.contributions], "sig": self.closing.signature}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Echo:
+        body = _map(obj, "an echo")
+        leader = body.get("leader")
+        if not isinstance(leader, str) or not 0 < len(leader) <= 64:
+            raise BodyError("leader must be a peer id")
+        t = _whole(body, "echo")
+        return cls(leader, Closing.from_wire({"ok": True, "round": t, "closed": body.get("closed"),
+                                              "sig": body.get("sig")}, t))
 
 
 # ---------------------------------------------------------------------- secure aggregation

@@ -45,6 +45,18 @@ the member holds it, checked, before it waits, with no second handler and no ord
 trust between a message and a reply; and an ask that closes the round or comes after the
 close still takes one trip. The wait overlaps the grace window that a member waits anyway.
 
+**A leader answers for what it signs.** Each member that gets a set shows it, one way, to
+`ECHO_FANOUT` (2) other members of its list (`Echo`), and keeps the sets of the last 64 rounds.
+A member that holds the set one leader signed for a round and is shown another set that the
+same leader signed for the same round holds proof that the leader equivocated: evidence
+`quorum.equivocated`, which every peer checks alone (`check_equivocation`: both signatures are
+the accused's, and the sets differ), and which bans it. A leader that splits its members in
+two halves is caught unless every member's picks stay within its own half. Sets of different
+leaders (members whose lists differed asked different leaders) are never compared. A leader
+that crashes after answering some members of a round, restarts with the same key and closes
+the same round again would sign a second set: its protocol resumes at the swarm's current
+round, whose members have moved on, so honest peers do not ask it that.
+
 A leader remembers its last 64 closed rounds, to answer late asks with their set; an ask
 for a round older than the ones it forgot is refused (`too_old`), never acknowledged, since
 the leader no longer knows whether it closed it. A leader that restarts with the same key
@@ -58,11 +70,12 @@ import asyncio
 import concurrent.futures
 import logging
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from starling.collectives.bodies import Ack, Ask, BodyError, Closing, Wait
+from starling.collectives.bodies import Ack, Ask, BodyError, Closing, Echo, Wait
 from starling.collectives.reduce import ReduceTimeouts
 from starling.collectives.requests import request_patiently
 from starling.common.faults import fault_point
@@ -77,12 +90,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OMITTED", "Closing", "QuorumClose", "ack_statement", "check_omission", "close_statement"]
+__all__ = ["EQUIVOCATED", "OMITTED", "Closing", "QuorumClose", "ack_statement", "check_equivocation",
+           "check_omission", "close_statement"]
 
 OMITTED = "quorum.omitted"  # evidence: a leader acked an ask, then signed the round's set without the asker
 _OMITTED_DETAIL = ("topic", "asker", "weight", "ack", "closed", "close_sig")
 _MAX_CLOSED = 1 << 16  # entries of a set in evidence: more than a peer table holds
 _KEEP_CLOSED_ROUNDS = 64  # closed rounds a leader remembers, to answer late asks with their set
+EQUIVOCATED = "quorum.equivocated"  # evidence: a leader signed two different sets for one round
+ECHO_FANOUT = 2  # members each member shows the set it got
+_KEEP_ECHOES = 4  # echoes of a round a member keeps until its own set comes
 _SILENT = object()  # no answer came from the leader
 
 
@@ -116,6 +133,29 @@ def check_omission(evidence: Evidence) -> bool:
         return False
     return (asker != evidence.accused and asker not in closing.members
             and evidence.signed_by_accused(acked, ack) and evidence.signed_by_accused(signed, closing.signature))
+
+
+def check_equivocation(evidence: Evidence) -> bool:
+    """Whether `evidence` (kind `quorum.equivocated`) proves by itself that the accused signed
+    two different sets for one round of one topic. Never raises; two signature checks."""
+    detail, t = evidence.detail, evidence.round
+    if not isinstance(detail, dict) or type(t) is not int or not isinstance(detail.get("topic"), str):
+        return False
+    try:
+        if peer_id_from_key(evidence.key) != evidence.accused:
+            return False
+        sets = []
+        for closed, sig in ((detail.get("a"), detail.get("a_sig")), (detail.get("b"), detail.get("b_sig"))):
+            if not isinstance(closed, list) or len(closed) > _MAX_CLOSED:
+                return False
+            closing = Closing.from_wire({"ok": True, "round": t, "closed": closed, "sig": sig}, t)
+            if not evidence.signed_by_accused(close_statement(detail["topic"], t, closing.contributions),
+                                              closing.signature):
+                return False
+            sets.append(closing.contributions)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return sets[0] != sets[1]
 
 
 @dataclass
@@ -152,6 +192,14 @@ class QuorumClose:
         # one check per kind per node: every quorum of the node registers the same function,
         # which reads the topic from the evidence
         self.trust.register_check(OMITTED, check_omission)
+        self.trust.register_check(EQUIVOCATED, check_equivocation)
+        # What members got (network thread): round -> (leader, its set), mine, and the sets
+        # others showed me for rounds whose set I do not have yet (a few per round).
+        self._got: dict[int, tuple[str, Closing]] = {}
+        self._echoes: dict[int, list[tuple[str, Closing]]] = {}
+        self._accused: set[str] = set()
+        self.echoes = 0  # sets other members showed me, with a good signature
+        self._rng = random.Random()
         node.on(topic, self._on_request)
 
     def leader(self, t: int, members: tuple[str, ...]) -> str:
@@ -190,7 +238,60 @@ class QuorumClose:
             return None
         if ack is not None and me not in closing.members:
             self._accuse_omission(leader, t, weight, ack, closing)
+        self._show(t, leader, members, closing)
         return closing
+
+    def _show(self, t: int, leader: str, members: tuple[str, ...], closing: Closing) -> None:
+        """Keep the set I got, hold it against what others showed me, and show it to a few
+        members: a leader that gives two members two sets of one round is caught when one of
+        them shows its set to a member that holds the other (with two members and ECHO_FANOUT
+        picks each among n, about 1 - (1 - 2/n)^4 of the time)."""
+        me = self.node.peer_id
+        self._got[t] = (leader, closing)
+        while len(self._got) > _KEEP_CLOSED_ROUNDS:
+            del self._got[min(self._got)]
+        for shower, shown in self._echoes.pop(t, []):
+            self._compare(t, leader, closing, shown, shower)
+        others = [m for m in members if m not in (me, leader)]
+        body = Echo(leader, closing).to_wire()
+        for peer in self._rng.sample(others, min(ECHO_FANOUT, len(others))):
+            self.node.send(peer, self.topic, body)  # one way: a peer that died meanwhile misses it
+
+    def _on_echo(self, msg: Message) -> dict[str, Any]:
+        """A member shows me the set it got."""
+        try:
+            echo = Echo.from_wire(msg.body)
+        except BodyError as exc:
+            return self._refuse(Refusal.MALFORMED, str(exc))
+        t, closing = echo.closing.round, echo.closing
+        if not self.trust.verify(echo.leader, close_statement(self.topic, t, closing.contributions),
+                                 closing.signature):
+            return self._refuse(Refusal.BAD_SIGNATURE, f"round {t}: a set that {echo.leader} did not sign")
+        self.echoes += 1
+        got = self._got.get(t)
+        if got is not None:
+            if got[0] == echo.leader:
+                self._compare(t, echo.leader, got[1], closing, msg.sender)
+        elif not self._got or t > min(self._got):  # a round I may still get the set of
+            shown = self._echoes.setdefault(t, [])
+            if len(shown) < _KEEP_ECHOES:
+                shown.append((echo.leader, closing))
+            while len(self._echoes) > _KEEP_CLOSED_ROUNDS:
+                del self._echoes[min(self._echoes)]
+        return {"ok": True}
+
+    def _compare(self, t: int, leader: str, mine: Closing, theirs: Closing, shower: str) -> None:
+        if theirs.contributions == mine.contributions or leader in self._accused:
+            return
+        key = self.trust.key_of(leader)
+        if key is None:
+            return
+        self._accused.add(leader)
+        log.warning("%s: %s round %d: %s signed two different sets (mine, and the one %s showed me)",
+                    self.node.peer_id, self.topic, t, leader, shower)
+        detail = {"topic": self.topic, "a": [[p, w] for p, w in mine.contributions], "a_sig": mine.signature,
+                  "b": [[p, w] for p, w in theirs.contributions], "b_sig": theirs.signature}
+        self.trust.accuse(Evidence(EQUIVOCATED, leader, key, t, detail))
 
     async def _answer(self, leader: str, t: int, body: dict[str, Any], deadline: AwakeDeadline) -> Any:
         """The leader's answer to `body` within the round's deadline, or _SILENT."""
@@ -216,6 +317,8 @@ class QuorumClose:
     async def _on_request(self, msg: Message) -> dict[str, Any]:
         if not self._is_open():
             return refusal(Refusal.CLOSED, "protocol closed")
+        if Echo.is_one(msg.body):
+            return self._on_echo(msg)
         if Wait.is_one(msg.body):
             try:
                 wait = Wait.from_wire(msg.body)

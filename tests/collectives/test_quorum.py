@@ -15,6 +15,7 @@ from starling.collectives.bodies import Ack, Closing
 from starling.collectives.quorum import (
     _KEEP_CLOSED_ROUNDS,
     _MAX_CLOSED,
+    ECHO_FANOUT,
     OMITTED,
     QuorumClose,
     ack_statement,
@@ -234,3 +235,42 @@ def test_the_omission_check_takes_only_evidence_that_proves_it(make_node):
 
 async def _verifiable(node, evidence: Evidence) -> bool:
     return node.trust.verifiable(evidence)
+
+
+def test_a_leader_that_gives_two_members_two_sets_of_one_round_is_banned(make_node):
+    """Members show a few others the set they got: a member holding another set that the
+    same leader signed for the same round holds proof, which every peer checks alone."""
+    nodes = swarm(make_node, 5)
+    members, leader, others = by_leader(nodes)
+    quorums = {n.peer_id: QuorumClose(n, "test.eq", 5, 0.0, TIMEOUTS) for n in nodes}
+    lead = quorums[leader.peer_id]
+    answer = lead._on_request
+    fooled = {others[0].peer_id, others[1].peer_id}
+
+    async def equivocating(msg):
+        reply = await answer(msg)
+        if msg.sender in fooled and isinstance(reply, dict) and "closed" in reply:
+            t = reply["round"]
+            other = tuple((p, 2.0 * w) for p, w in Closing.from_wire(reply, t).contributions)
+            return Closing(t, other, leader.trust.sign(close_statement("test.eq", t, other))).to_wire()
+        return reply
+    leader.on("test.eq", equivocating)
+    futures = [quorums[n.peer_id].ask(0, members, 1.0) for n in nodes]
+    closings = [f.result(timeout=30) for f in futures]
+    assert len({c.contributions for c in closings if c is not None}) == 2  # it did give two sets
+    honest = [n for n in nodes if n is not leader]
+    assert all(wait_until(lambda n=n: leader.peer_id in n.trust.banned) for n in honest)
+    ban = honest[0].trust.banned[leader.peer_id]
+    assert ban.kind == "quorum.equivocated" and ban.verifiable
+
+
+def test_members_that_show_each_other_one_leader_s_set_accuse_nobody(make_node):
+    nodes = swarm(make_node, 5)
+    members, _, _ = by_leader(nodes)
+    quorums = [QuorumClose(n, "test.same", 5, 0.0, TIMEOUTS) for n in nodes]
+    for t in range(3):
+        assert all(f.result(timeout=30) is not None for f in [q.ask(t, members, 1.0) for q in quorums])
+    # every member but each round's leader shows its set to ECHO_FANOUT others
+    assert wait_until(lambda: sum(q.echoes for q in quorums) == 3 * (len(nodes) - 1) * ECHO_FANOUT)
+    assert not any(n.trust.banned for n in nodes)
+    assert not any("accused.quorum.equivocated" in c for n in nodes for c in n.trust.counts.values())
