@@ -17,7 +17,10 @@ one owner per shard is held to account without two more owners to outvote it.
 
 On average `rate` of a round's chunks are checked, each by one member; a check moves the
 chunk's n parts, so checks cost each member about rate x n/(n-1) of the vector a round on top
-of the all-reduce's 2 (n-1)/n. Nobody knows which chunks are checked, or by whom, until the
+of the all-reduce's 2 (n-1)/n. The memory is the owner's: it holds every part its groups
+received for KEEP_ROUNDS rounds, n times its shard each (for a 100M-parameter model over 8
+peers, about 400 MB a round in float32 parts; compressed parts take what they take on the
+wire). Nobody knows which chunks are checked, or by whom, until the
 parts are sent and the averages signed: an owner cannot lie only where nobody looks, and a
 member cannot aim its poison at chunks nobody checks.
 
