@@ -135,7 +135,17 @@ def options_for(protocol: str, defences: str, attack: str | None) -> dict[str, A
     base = dict(ALLREDUCE if protocol == "allreduce" else DILOCO)
     if attack == "quorum_leader":
         base["quorum"] = QUORUM
-    return {**base, **DEFENCES[defences], **(RECOMPUTATION[protocol] if defences == "verified" else {})}
+    return {**base, **defences_of(defences), **(RECOMPUTATION[protocol] if defences == "verified" else {})}
+
+
+def defences_of(mode: str) -> dict[str, Any]:
+    """A mode's options: a name in DEFENCES, or "checked:RATE" (one owner, that check_rate)."""
+    if mode.startswith("checked:"):
+        rate = float(mode.split(":", 1)[1])
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(f"check rate must be in (0, 1], got {rate}")
+        return {**DEFENCES["checked"], "check_rate": rate}
+    return DEFENCES[mode]
 
 
 def form(sims: list[SimPeer]) -> None:
@@ -430,7 +440,7 @@ def targets(rows: list[dict[str, Any]], drift: dict[str, Any] | None) -> dict[st
             misses["honest_banned"].append(f"{tag}/{r['defences']}: {r['honest_banned_kinds']}")
     costs = {}
     for protocol in sorted({r["protocol"] for r in rows}):
-        for mode in DEFENCES:
+        for mode in sorted({r["defences"] for r in rows}):
             off, on = clean.get((protocol, "off")), clean.get((protocol, mode))
             if mode != "off" and off and on:
                 costs[protocol, mode] = _ratio(on["eval_loss"], off["eval_loss"])
@@ -460,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                         "'none' runs only the no-attacker runs, 'drift' the drift row")
     parser.add_argument("--protocol", default=",".join(PROTOCOLS), help="comma-separated protocols")
     parser.add_argument("--attackers", default="1,2", help="comma-separated attacker counts (1, 2)")
-    parser.add_argument("--defences", default="off,on", help="comma-separated: off, on, checked")
+    parser.add_argument("--defences", default="off,on",
+                        help="comma-separated: off, on, clip, checked, checked:RATE, verified")
     parser.add_argument("--steps", type=int, default=None, help="allreduce steps (rounds)")
     parser.add_argument("--diloco-steps", type=int, default=None, help="streaming-diloco steps")
     parser.add_argument("--drift-steps", type=int, default=None)
@@ -492,7 +503,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 < args.straggler <= 1.0:
         parser.error(f"--straggler must be in (0, 1], got {args.straggler}")
     modes = args.defences.split(",")
-    if set(modes) - set(DEFENCES):
+    try:
+        for mode in modes:
+            defences_of(mode)
+    except (KeyError, ValueError):
         parser.error(f"--defences takes a comma-separated list of {', '.join(DEFENCES)}")
 
     if args.allreduce_optimizer == "adamw":
