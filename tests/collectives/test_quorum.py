@@ -274,3 +274,22 @@ def test_members_that_show_each_other_one_leader_s_set_accuse_nobody(make_node):
     assert wait_until(lambda: sum(q.echoes for q in quorums) == 3 * (len(nodes) - 1) * ECHO_FANOUT)
     assert not any(n.trust.banned for n in nodes)
     assert not any("accused.quorum.equivocated" in c for n in nodes for c in n.trust.counts.values())
+
+
+def test_the_equivocation_check_takes_only_two_different_sets_the_accused_signed(make_node):
+    from starling.collectives.quorum import EQUIVOCATED, check_equivocation
+    (a,) = swarm(make_node, 1)
+    key = a.trust.key_of(a.peer_id)
+    one, two = (("p", 1.0), ("q", 1.0)), (("p", 1.0),)
+
+    def evidence(x, y, signer=a, topic="test.q", t=3):
+        sign = lambda c: signer.trust.sign(close_statement("test.q", t, c))  # noqa: E731
+        return Evidence(EQUIVOCATED, a.peer_id, key, t, {"topic": topic, "a": [list(p) for p in x], "a_sig": sign(x),
+                                                        "b": [list(p) for p in y], "b_sig": sign(y)})
+    assert check_equivocation(evidence(one, two))
+    assert not check_equivocation(evidence(one, one))  # the same set twice proves nothing
+    assert not check_equivocation(evidence(one, two, topic="test.other"))  # signed for another topic
+    bad = evidence(one, two)
+    bad.detail["b"] = [["p", 2.0]]  # a set other than the one signed
+    assert not check_equivocation(bad)
+    assert not check_equivocation(Evidence(EQUIVOCATED, a.peer_id, key, 3, {"topic": "test.q", "a": 5}))
