@@ -297,7 +297,7 @@ class Checks(RoundDefence):
                 continue
             weight = float(group.weights.get(author, 1.0))
             if author in group.signed:
-                parts.append((author, weight, group.signed[author], None))
+                parts.append((author, weight, group.signed[author].kept(), None))
             elif author == me:  # may be a view of the caller's vector, which it writes after the round
                 parts.append((author, weight, None, part.clone()))
         self._kept[(t, view_digest(group.members), i, c)] = _Kept(group.members, parts)

@@ -24,6 +24,8 @@ Evidence any peer can check from the evidence alone (checks registered on `node.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,6 +82,17 @@ class SignedPart:
     sig: bytes
     content: bytes
     recipe: Recipe | None = None
+
+    def kept(self) -> SignedPart:
+        """This part with bytes of its own. A received part's buffers may be the sender's
+        memory (ZeroMQ's inproc transport passes a zero-copy frame as it is, and a lent part
+        is a slice of its author's vector, which it writes once its round is over): what is
+        kept past the round must be copied before the owner answers, while they still hold
+        what was signed."""
+        if self.packet is None:
+            return self
+        packet = Packet(copy.deepcopy(self.packet.header), tuple(b.clone() for b in self.packet.buffers))
+        return dataclasses.replace(self, packet=packet)
 
     def detail(self, topic: str, i: int, c: int) -> dict[str, Any]:
         """The part's signed fields as evidence carries them (its bytes not included)."""

@@ -74,7 +74,7 @@ class Retention(RoundDefence):
             return
         kept = self._kept.setdefault(t, {})
         for author in authors & group.signed.keys():
-            kept.setdefault(author, []).append((i, c, *bounds, group.signed[author]))
+            kept.setdefault(author, []).append((i, c, *bounds, group.signed[author].kept()))
 
     def take(self, t: int) -> dict[str, list[_Kept]]:
         """Network thread (a group closing meanwhile would drop round t's parts): round t's kept

@@ -196,3 +196,32 @@ def test_checks_refuse_secure_aggregation_and_bad_rates():
     with pytest.raises(ValueError, match="check_rate"):
         Defences(check_rate=1.5)
     assert Defences(check_rate=0.5).on and Defences(check_rate=0.5).fixed_answers
+
+
+def test_a_check_after_the_authors_reuse_their_vectors_still_sees_what_they_signed(make_node):
+    """A lent part (`reduce`) is a slice of its author's vector, and an inproc frame of 64 KiB
+    or more is that memory as it is: the owner keeps its own copy when the group closes, so a
+    check made after every author has written its vector again still finds the signed bytes."""
+    nodes = swarm(make_node, 3)
+    defences = Defences("centered_clip", check_rate=1.0)
+    numel, chunk = 3 * 20_000, 20_000  # 80 KB parts: ZeroMQ sends them without a copy
+    reducers = [ShardedReducer(n, "test.reuse", numel, timeouts=FAST, chunk_numel=chunk, defences=defences)
+                for n in nodes]
+    drawn = {r: [] for r in range(3)}
+    for r, reducer in enumerate(reducers):  # hold the draws: check once the vectors are written again
+        reducer.checks.after_round = lambda t, members, chosen, r=r: drawn[r].append((t, members, list(chosen)))
+    members = tuple(sorted(n.peer_id for n in nodes))
+    vectors = [torch.randn(numel) for _ in nodes]
+    in_parallel([lambda r=r: reducers[r].reduce(0, members, vectors[r]) for r in range(3)])
+    for v in vectors:
+        v.copy_(torch.randn(numel) * 100)  # the next step's gradient, in the same memory
+    checked = 0
+    for r, reducer in enumerate(reducers):
+        for t, ms, chosen in drawn[r]:
+            for res in chosen:
+                if res.packet is not None and res.owner != nodes[r].peer_id:
+                    nodes[r].run(reducer.checks._check(t, ms, res))
+                    checked += 1
+    counts = [r.checks.counts for r in reducers]
+    assert checked == 6 and sum(c["checks_passed"] for c in counts) == checked, counts
+    assert not any(n.trust.banned for n in nodes)
