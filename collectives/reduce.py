@@ -112,6 +112,7 @@ from starling.common.faults import fault_point
 from starling.compressors import Packet, decode
 from starling.node.loop import AwakeDeadline, close_in_time
 from starling.node.rpc import Refusal, Refuser, RemoteError, Reply, refusal, refusal_of
+from starling.node.trust import Evidence
 from starling.node.wire import Message
 
 if TYPE_CHECKING:
@@ -121,6 +122,9 @@ log = logging.getLogger(__name__)
 
 _KEEP_CLOSED_ROUNDS = 64  # how long an owner remembers finished rounds, to answer late parts
 _KEEP_SKIPS = 2 * _KEEP_CLOSED_ROUNDS  # rounds whose skips a reducer remembers (peers can send any round)
+UNBOUNDED = "avg.unbounded"  # witness evidence: an average larger than its own signed scores allow
+MISSCORED = "avg.misscored"  # witness evidence: an owner signed a size of my part that is not its size
+LOSSY_AVERAGE_SLACK = 1.5  # a lossy average's |values|^2 may exceed the exact one's by this (int4: ~1.23)
 GATHER_SUFFIX = ".kept"  # a reducer's gathers of an author's kept parts travel on its topic with this suffix
 GATHERS_PER_ROUND = 2  # gathers one member may make of one owner per round
 _KEEP_ANSWERS = 2  # rounds whose closed groups' averages an owner still gives to a late part
@@ -538,6 +542,8 @@ class ShardedReducer:
                     log.warning("%s: bad average for %s shard %d chunk %d from %s: %s", me, self.topic, res.shard,
                                 res.chunk, res.owner, exc)
                     avg, reason = None, f"bad average: {exc}"
+                if avg is not None and not self._within_bound(t, (lo, hi), res, avg, vector[lo:hi]):
+                    avg, reason = None, "an average larger than its parts allow"
             if avg is None:
                 log.info("%s: %s shard %d chunk %d of round %d was not averaged (%s): %s", me, self.topic, res.shard,
                          res.chunk, t, reason, "keeps its local values" if self.unaveraged is None
@@ -564,6 +570,36 @@ class ShardedReducer:
         diverged = any(r.diverged for r in results if r.packet is not None)
         return ReduceResult(t, synced, len(members) - len(lost), tuple(sorted(lost - skipped)), ahead,
                             tuple(sorted(lost & skipped)), shares, tuple(sorted(absent)), diverged)
+
+    def _within_bound(self, t: int, bounds: tuple[int, int], res: ShardResult, avg: torch.Tensor,
+                      mine: torch.Tensor) -> bool:
+        """Caller's thread: whether an owner's robust average stays within what its signed
+        scores allow (`Suspicion.over_bound`), where its parts alone give it (checked or
+        replicated owners). Every member sees the same signed answer, so every member leaves an
+        answer over the bound out alike, and accuses its owner. A member whose own |part|^2 the
+        owner misstated (to widen the bound) accuses it too: only that member can tell."""
+        if (self.suspicion is None or not self.defences.fixed_answers or res.scores is None
+                or res.owner == self.node.peer_id):
+            return True
+        slack = 1.0 + 1e-5 if self.average_codec.lossless else LOSSY_AVERAGE_SLACK
+        me = self.node.peer_id
+        if (me in res.contributors and self.codec.lossless and mine.device.type == "cpu"
+                and self.suspicion.own_row_wrong(bounds, mine, res.scores[1][res.contributors.index(me)])):
+            log.warning("%s: %s round %d: %s signed a size of my part that is not my part's", me, self.topic, t,
+                        res.owner)
+            self.node.submit(self._accuse_owner(res.owner, t, MISSCORED, res))
+        if not self.suspicion.over_bound(bounds, avg, res.scores, slack):
+            return True
+        log.warning("%s: %s shard %d chunk %d of round %d: %s's average is larger than its parts allow; left out",
+                    me, self.topic, res.shard, res.chunk, t, res.owner)
+        self.node.submit(self._accuse_owner(res.owner, t, UNBOUNDED, res))
+        return False
+
+    async def _accuse_owner(self, owner: str, t: int, kind: str, res: ShardResult) -> None:
+        key = self._trust.key_of(owner)
+        if key is not None:
+            self._trust.accuse(Evidence(kind, owner, key, t, {"topic": self.topic, "shard": res.shard,
+                                                              "chunk": res.chunk}))
 
     # ------------------------------------------------------------------ network thread
     async def _round(self, t: int, members: tuple[str, ...], slots: list[_Slot],

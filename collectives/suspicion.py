@@ -50,6 +50,7 @@ import torch
 from starling.node.trust import Evidence
 
 if TYPE_CHECKING:
+    from starling.collectives.contributions import Scores
     from starling.node.trust import Trust
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,28 @@ class Suspicion:
             return None
         ref_norm2, rows = chunk_scores(parts, within)  # type: ignore[arg-type]
         return ref_norm2, tuple(rows)
+
+    def over_bound(self, bounds: tuple[int, int], average: torch.Tensor, scores: Scores, slack: float) -> bool:
+        """Whether an average is larger, over the sample, than its signed scores allow. A robust
+        average is a convex combination of the parts and their coordinate median (CenteredClip
+        from the median), or lies within the parts' range in each coordinate (trimmed mean,
+        median), so |average|^2 <= sum of the contributors' |part|^2 over the same coordinates;
+        `slack` covers a lossy average codec. An owner that widens the bound by raising a
+        contributor's |part|^2 signs a figure that contributor can check (`own_row_wrong`)."""
+        within = sample_of(*bounds, self.stride)
+        if within is None:
+            return False
+        values = average.reshape(-1)[within].to(torch.float64)
+        return float(values @ values) > slack * sum(n for _, n in scores[1])
+
+    def own_row_wrong(self, bounds: tuple[int, int], mine: torch.Tensor, row: tuple[float, float]) -> bool:
+        """Whether the |part|^2 an owner signed for my part is not my part's."""
+        within = sample_of(*bounds, self.stride)
+        if within is None:
+            return False
+        values = mine.reshape(-1)[within].to(torch.float64)
+        norm2 = float(values @ values)
+        return abs(row[1] - norm2) > 1e-6 * max(norm2, 1e-30) + 1e-30
 
     def take(self, t: int, contributors: Sequence[str],
              scores: tuple[float, tuple[tuple[float, float], ...]] | None) -> None:

@@ -72,7 +72,7 @@ def test_a_lying_owner_fails_a_check_and_is_banned_by_everyone_on_its_own_signat
     defences = Defences("centered_clip", check_rate=1.0)
     reducers = [ShardedReducer(n, "test.liar", 256, timeouts=FAST, chunk_numel=32, defences=defences) for n in nodes]
     liar = 2
-    _lying(reducers[liar], -3.0)
+    _lying(reducers[liar], -1.0)  # within what the parts allow: only a check can tell
     liar_id = nodes[liar].peer_id
     honest = [n for k, n in enumerate(nodes) if k != liar]
     for t in range(6):
@@ -92,7 +92,7 @@ def test_evidence_of_a_wrong_average_is_refused_once_altered(make_node):
     defences = Defences("mean", check_rate=1.0)
     reducers = [ShardedReducer(n, "test.evidence", 128, timeouts=FAST, chunk_numel=32, defences=defences)
                 for n in nodes]
-    _lying(reducers[0], 2.0)
+    _lying(reducers[0], -1.0)
     liar_id = nodes[0].peer_id
     for t in range(6):
         _rounds(nodes, reducers, 1, 128, seed=t, start=t)
@@ -225,3 +225,34 @@ def test_a_check_after_the_authors_reuse_their_vectors_still_sees_what_they_sign
     counts = [r.checks.counts for r in reducers]
     assert checked == 6 and sum(c["checks_passed"] for c in counts) == checked, counts
     assert not any(n.trust.banned for n in nodes)
+
+
+def test_an_average_larger_than_its_parts_allow_is_left_out_by_every_member(make_node):
+    """A robust average lies within what its parts' signed sizes allow: one ten times the
+    truth is taken by nobody (every member sees the same signed answer) and its owner is
+    accused by all of them, before any check."""
+    from starling.collectives.reduce import UNBOUNDED
+    nodes = swarm(make_node, 5)
+    defences = Defences("centered_clip", check_rate=0.01)
+    reducers = [ShardedReducer(n, "test.bound", 320, timeouts=FAST, chunk_numel=32, defences=defences)
+                for n in nodes]
+    liar = 1
+    _lying(reducers[liar], -10.0)
+    liar_id = nodes[liar].peer_id
+    members = tuple(sorted(n.peer_id for n in nodes))
+    generator = torch.Generator().manual_seed(3)
+    base = torch.randn(320, generator=generator)
+    vectors = [base + 0.3 * torch.randn(320, generator=generator) for _ in nodes]
+    sent = [v.clone() for v in vectors]
+    in_parallel([lambda r=r: reducers[r].reduce(0, members, vectors[r]) for r in range(5)])
+    lied = [b for i, (chunks, owners) in enumerate(reducers[0].placement.shards(members, 0))
+            if liar_id in owners for b in chunks]
+    honest = [r for r in range(5) if r != liar]
+    for r in honest:
+        for lo, hi in lied:  # not averaged: each keeps its own values (this reducer's rule)
+            assert torch.equal(vectors[r][lo:hi], sent[r][lo:hi])
+        others = [(lo, hi) for lo, hi in reducers[0].placement.bounds(members, 0) if (lo, hi) not in lied]
+        assert all(torch.equal(vectors[r][lo:hi], vectors[honest[0]][lo:hi]) for lo, hi in others)
+    assert all(wait_until(lambda r=r: liar_id in nodes[r].trust.banned) for r in honest)
+    assert all(nodes[r].trust.banned[liar_id].kind == UNBOUNDED for r in honest)
+    assert not any(nodes[h].peer_id in nodes[r].trust.banned for h in honest for r in honest)
