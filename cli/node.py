@@ -32,6 +32,7 @@ from starling.cli.shared import (
     with_data,
 )
 from starling.common import parse_options
+from starling.common.lifeline import die_with_parent
 from starling.data.sources import DataError
 from starling.node.identity import Identity
 from starling.node.swim import Liveness
@@ -351,6 +352,8 @@ def _replica_group(nproc: int, timeout_s: float, device: Optional[str],
 
     backend = "nccl" if device is not None and device.startswith("cuda") else "gloo"
     group = ReplicaGroup.from_env(timeout_s=timeout_s, backend=backend)
+    if os.environ.get(SPAWNED_RANK_ENV):
+        die_with_parent()  # a rank `_spawn_ranks` started ends with the `node start` that started it
     if group is not None:
         if nproc > 1 and not os.environ.get(SPAWNED_RANK_ENV):
             raise ValueError("under torchrun the replica's ranks are torchrun's (--nproc-per-node): drop "

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from starling.common.lifeline import die_with_parent
 from starling.runtime.modelspec import state_digest
 from starling.runtime.placement import Placement
 from starling.tasks import get_task
@@ -431,6 +432,7 @@ def ignore_stop_signals() -> None:
 
 
 def _follower_main(group: ReplicaGroup, log_level: int) -> None:
+    die_with_parent()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ignore_stop_signals()
     try:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from starling.common.lifeline import die_with_parent
 from starling.common.memory import peak_rss, peak_rss_reset
 from starling.runtime.modelspec import state_digest
 from starling.runtime.peer import SimPeer
@@ -53,6 +54,7 @@ def _rank_main(config: SimConfig, replica: int, rank: int, init_method: str, inb
     """One rank's process: rank 0 leads the replica as a simulated peer, the others follow it.
     A joining replica's ranks are spawned with the others (importing torch takes seconds) and
     wait for `go`, set at their join step."""
+    die_with_parent()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     group = ReplicaGroup(rank, config.nproc_per_replica, init_method, config.replica_timeout_s)

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from starling.common.lifeline import die_with_parent
 from starling.runtime.peer import SimPeer, raise_if_faulted, start_together, sync_with_seed
 from starling.runtime.simconfig import SimConfig, SimError, endpoint_for
 from starling.runtime.summary import PeerResult
@@ -82,6 +83,7 @@ def placement(peers: int, processes: int) -> list[list[int]]:
 def worker_main(config: SimConfig, index: int, ranks: list[int], inbox: Any, link: WorkerLink, ipc_dir: str,
                 log_level: int, host: str = "127.0.0.1") -> None:
     """One worker, from start to its peers' results: run `ranks`, listening on `host` over tcp."""
+    die_with_parent()  # a parent killed outright must not leave its workers training (common/lifeline.py)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     prepare_to_train()
