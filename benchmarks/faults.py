@@ -32,6 +32,10 @@ at the same step; in DiLoCo's family, where a member that fell behind holds a ne
 state at an earlier step, a digest no other survivor held. `one_outcome` is the verdict. A run
 whose victim never reached its point is reported as such (`fired`: false).
 
+Nobody in these runs attacks, so each row also counts the survivors' false accusations (a ban,
+or an average that failed its check: `false_accusations`, which must be 0); the `-checked`
+protocols run one owner per shard whose averages members check after every round.
+
 A seeded schedule picks each run's protocol, point, round, action and victim, so one failing
 run is replayed with `--case` (each row prints its case). Rows are JSON; the last one sums up.
 `--quick` is the one case CI runs: allreduce, an owner SIGKILLed holding every part of round 4.
@@ -63,6 +67,10 @@ PROTOCOLS: dict[str, tuple[list[str], int]] = {
     "sketch-dp": (["--opt", "noise_multiplier=0"], 14),
     "diloco-quorum": (["--sync-every", "2", "--opt", "quorum=2"], 20),
     "allreduce-secure": (["--lr", "0.05", "--compressor", "none", "--opt", "secure_aggregation=on"], 14),
+    # one owner, its averages checked by members drawn after each round (collectives/checking.py)
+    "allreduce-checked": (["--lr", "0.05", "--opt", "aggregator=centered_clip", "--opt", "check_rate=1.0"], 14),
+    "streaming-diloco-checked": (["--sync-every", "4", "--fragments", "2", "--overlap-steps", "1", "--opt",
+                                  "aggregator=centered_clip", "--opt", "check_rate=1.0"], 24),
 }
 POINTS = ("reduce.owner.closing", "reduce.member.first_average", "train.step", "join.fetched",
           "quorum.leader.closing", "secure.unmasker.gathered")
@@ -70,7 +78,7 @@ POINTS = ("reduce.owner.closing", "reduce.member.first_average", "train.step", "
 # family a member that fell behind takes the swarm's newer outer state, so at one step two
 # members may hold states of different rounds: there, no survivor may hold a state that no
 # other survivor ever held.
-LOCKSTEP = ("allreduce", "sketch-dp", "allreduce-secure")
+LOCKSTEP = ("allreduce", "sketch-dp", "allreduce-secure", "allreduce-checked")
 JOIN_STEPS_FACTOR = 4  # a swarm that a joiner comes to trains this many times longer
 
 
@@ -119,7 +127,7 @@ def run_case(case: Case, peers: int, log_dir: str) -> dict[str, Any]:
     options, steps = PROTOCOLS[case.protocol]
     if case.victim == peers:  # long enough for a joiner to come while the swarm trains
         steps *= JOIN_STEPS_FACTOR
-    protocol = case.protocol.removesuffix("-quorum").removesuffix("-secure")
+    protocol = case.protocol.removesuffix("-quorum").removesuffix("-secure").removesuffix("-checked")
     action = "stop" if case.action == "pause" else case.action
     at = "" if case.point == "join.fetched" or case.round < 0 else f"@{case.round}"  # round -1: the first reached
     fault = {"STARLING_FAULT": f"{case.point}{at}:{action}"}
@@ -164,7 +172,11 @@ def run_case(case: Case, peers: int, log_dir: str) -> dict[str, Any]:
         fired = any("fault point" in line and "reached" in line for line in victim.log_tail(lines=1 << 20))
         survivors = [p for p in procs if p is not victim or comes_back]
         wall_s = round(time.monotonic() - began, 1)
-        return {"case": str(case), "fired": fired, **check(case, survivors), "wall_s": wall_s}
+        # nobody here attacks: a ban, or an average that failed its check, is a false accusation
+        logged = [line for p in survivors for line in p.log_tail(lines=1 << 20)]
+        false = sum(1 for line in logged if ": banned " in line or "fails its check" in line)
+        return {"case": str(case), "fired": fired, **check(case, survivors), "false_accusations": false,
+                "wall_s": wall_s}
     finally:
         for p in procs:
             p.close()
