@@ -88,6 +88,12 @@ def _deal(value: Any) -> tuple[int, bytes] | None:
     return value[0], value[1]
 
 
+def _state(value: Any) -> bytes | None:
+    if value is not None and not (isinstance(value, bytes) and len(value) == STATE_DIGEST_BYTES):
+        raise BodyError(f"state must be a {STATE_DIGEST_BYTES}-byte digest")
+    return value
+
+
 def _header(obj: dict[str, Any]) -> dict[str, Any] | None:
     if "packet" not in obj:
         raise BodyError("packet header missing (None where the receiver rebuilds it)")
@@ -193,9 +199,7 @@ class Part:
             if not isinstance(view, bytes) or len(view) != VIEW_DIGEST_BYTES:
                 raise BodyError(f"view must be a {VIEW_DIGEST_BYTES}-byte digest (or send members)")
         weight = _weight(body["weight"]) if "weight" in body else None
-        state = body.get("state")
-        if state is not None and not (isinstance(state, bytes) and len(state) == STATE_DIGEST_BYTES):
-            raise BodyError(f"state must be a {STATE_DIGEST_BYTES}-byte digest")
+        state = _state(body.get("state"))
         return cls(step, shard, chunk, _header(body), view, members, weight, _sig(body), _recipe(body.get("recipe")),
                    _deal(body.get("deal")), state)
 
@@ -667,15 +671,16 @@ class CheckedPart:
     recipe: tuple[int | bytes, ...] | None
     header: dict[str, Any]
     buffers: int
+    state: bytes | None = None
 
     def to_wire(self) -> list[Any]:
         return [self.author, self.weight, self.sig, None if self.recipe is None else list(self.recipe),
-                self.header, self.buffers]
+                self.header, self.buffers, self.state]
 
     @classmethod
     def from_wire(cls, row: Any) -> CheckedPart:
-        if not (isinstance(row, list) and len(row) == 6 and isinstance(row[0], str)):
-            raise BodyError("a checked part must be [author, weight, sig, recipe, header, buffers]")
+        if not (isinstance(row, list) and len(row) == 7 and isinstance(row[0], str)):
+            raise BodyError("a checked part must be [author, weight, sig, recipe, header, buffers, state]")
         sig = _sig({"sig": row[2]})
         if sig is None:
             raise BodyError("a checked part must carry its author's signature")
@@ -683,7 +688,7 @@ class CheckedPart:
             raise BodyError("a checked part's header must be a map")
         if type(row[5]) is not int or not 0 <= row[5] <= MAX_PART_BUFFERS:
             raise BodyError(f"a checked part has 0 to {MAX_PART_BUFFERS} buffers")
-        return cls(row[0], _weight(row[1]), sig, _recipe(row[3]), row[4], row[5])
+        return cls(row[0], _weight(row[1]), sig, _recipe(row[3]), row[4], row[5], _state(row[6]))
 
 
 @dataclass(frozen=True)
@@ -744,22 +749,23 @@ class KeptRow:
     recipe: tuple[int | bytes, ...] | None
     header: dict[str, Any]
     buffers: int
+    state: bytes | None = None
 
     def to_wire(self) -> list[Any]:
         return [self.shard, self.chunk, self.weight, self.sig, None if self.recipe is None else list(self.recipe),
-                self.header, self.buffers]
+                self.header, self.buffers, self.state]
 
     @classmethod
     def from_wire(cls, row: Any) -> KeptRow:
-        if not (isinstance(row, list) and len(row) == 7 and type(row[0]) is int and type(row[1]) is int
+        if not (isinstance(row, list) and len(row) == 8 and type(row[0]) is int and type(row[1]) is int
                 and row[0] >= 0 and row[1] >= 0 and isinstance(row[5], dict)):
-            raise BodyError("a kept part must be [shard, chunk, weight, sig, recipe, header, buffers]")
+            raise BodyError("a kept part must be [shard, chunk, weight, sig, recipe, header, buffers, state]")
         sig = _sig({"sig": row[3]})
         if sig is None:
             raise BodyError("a kept part must carry its author's signature")
         if type(row[6]) is not int or not 0 <= row[6] <= MAX_PART_BUFFERS:
             raise BodyError(f"a kept part has 0 to {MAX_PART_BUFFERS} buffers")
-        return cls(row[0], row[1], _weight(row[2]), sig, _recipe(row[4]), row[5], row[6])
+        return cls(row[0], row[1], _weight(row[2]), sig, _recipe(row[4]), row[5], row[6], _state(row[7]))
 
 
 def kept_rows(obj: Any) -> tuple[KeptRow, ...]:

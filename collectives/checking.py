@@ -83,10 +83,11 @@ _MAX_NUMEL = 1 << 24  # values a part or an average in evidence may decode to
 @dataclass
 class _Kept:
     """One closed group as its owner shows it to checkers: the members, and each part's
-    (author, weight, signed part or None for the owner's own, the owner's own values)."""
+    (author, weight, signed part or None for the owner's own, the owner's own values, the
+    state digest the owner's own part names)."""
 
     members: tuple[str, ...]
-    parts: list[tuple[str, float, SignedPart | None, torch.Tensor | None]]
+    parts: list[tuple[str, float, SignedPart | None, torch.Tensor | None, bytes | None]]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class Shown:
     sig: bytes
     recipe: tuple[int | bytes, ...] | None
     packet: Packet
+    state: bytes | None = None
 
 
 class Recount:
@@ -132,7 +134,7 @@ class Recount:
             if peer_id_from_key(p.key) != p.author:
                 return None  # not proven: the checker named a key that is not the author's
             signed = self.contributions.part_statement(t, i, c, view, p.weight, content_digest(
-                p.packet.header, p.packet.buffers), p.recipe)
+                p.packet.header, p.packet.buffers), p.recipe, p.state)
             if not verify_signature(p.key, signed, p.sig):
                 return f"a part {p.author} did not sign"
             v = _decoded(p.packet)
@@ -202,7 +204,7 @@ def _parse(evidence: Evidence, recount: Recount) -> tuple[Any, ...] | None:
         rows = d["parts"]
         if average is None or not isinstance(rows, list) or len(rows) > len(members):
             return None
-        if sum(len(b) for b in d["average"][1]) + sum(len(b) for r in rows if isinstance(r, list) and len(r) == 7
+        if sum(len(b) for b in d["average"][1]) + sum(len(b) for r in rows if isinstance(r, list) and len(r) == 8
                                                    and isinstance(r[6], list) for b in r[6]
                                                    if isinstance(b, bytes)) > MAX_EVIDENCE_BYTES:
             return None
@@ -212,14 +214,15 @@ def _parse(evidence: Evidence, recount: Recount) -> tuple[Any, ...] | None:
             return None
         parts = []
         for row in rows:
-            if not (isinstance(row, list) and len(row) == 7 and isinstance(row[0], str) and isinstance(row[1], bytes)
+            if not (isinstance(row, list) and len(row) == 8 and isinstance(row[0], str) and isinstance(row[1], bytes)
                     and type(row[2]) is float and isinstance(row[3], bytes)
-                    and (row[4] is None or isinstance(row[4], list))):
+                    and (row[4] is None or isinstance(row[4], list)) and (row[7] is None or isinstance(row[7], bytes))):
                 return None
             packet = _packet([row[5], row[6]])
             if packet is None:
                 return None
-            parts.append(Shown(row[0], row[1], row[2], row[3], None if row[4] is None else tuple(row[4]), packet))
+            parts.append(Shown(row[0], row[1], row[2], row[3], None if row[4] is None else tuple(row[4]), packet,
+                               row[7]))
         listed = [[p.author, content_digest(p.packet.header, p.packet.buffers)] for p in parts]
         if not evidence.signed_by_accused(statement("checked", recount.topic, t, i, c, view, listed), d["listed"]):
             return None
@@ -290,16 +293,16 @@ class Checks(RoundDefence):
     def on_close(self, t: int, i: int, c: int, bounds: tuple[int, int], group: ShardGroup, verdict: Verdict,
                  avg: torch.Tensor) -> None:
         me = self.node.peer_id
-        parts: list[tuple[str, float, SignedPart | None, torch.Tensor | None]] = []
+        parts: list[tuple[str, float, SignedPart | None, torch.Tensor | None, bytes | None]] = []
         for author in group.members:
             part = group.received.get(author)
             if part is None:
                 continue
             weight = float(group.weights.get(author, 1.0))
             if author in group.signed:
-                parts.append((author, weight, group.signed[author].kept(), None))
+                parts.append((author, weight, group.signed[author].kept(), None, None))
             elif author == me:  # may be a view of the caller's vector, which it writes after the round
-                parts.append((author, weight, None, part.clone()))
+                parts.append((author, weight, None, part.clone(), group.states.get(me)))
         self._kept[(t, view_digest(group.members), i, c)] = _Kept(group.members, parts)
         for key in [k for k in self._kept if k[0] <= t - KEEP_ROUNDS]:
             del self._kept[key]
@@ -324,16 +327,17 @@ class Checks(RoundDefence):
             return self._refuse(Refusal.BUSY, f"at most {budget} checks of round {t} per member")
         self._asked[asked] = self._asked.get(asked, 0) + 1
         rows, buffers, listed = [], [], []
-        for k, (author, weight, signed, own) in enumerate(kept.parts):
+        for k, (author, weight, signed, own, state) in enumerate(kept.parts):
             if signed is None:  # my own part, signed the first time anyone asks
                 assert own is not None
                 packet = self._plain.encode(own)
-                sig = self.recount.contributions.sign_part(t, i, c, view, weight, packet)
-                signed = SignedPart(view, weight, packet, sig, content_digest(packet.header, packet.buffers))
-                kept.parts[k] = (author, weight, signed, None)
+                sig = self.recount.contributions.sign_part(t, i, c, view, weight, packet, None, state)
+                signed = SignedPart(view, weight, packet, sig, content_digest(packet.header, packet.buffers), None,
+                                    state)
+                kept.parts[k] = (author, weight, signed, None, None)
             assert signed.packet is not None
             rows.append(CheckedPart(author, weight, signed.sig, signed.recipe, signed.packet.header,
-                                    len(signed.packet.buffers)))
+                                    len(signed.packet.buffers), signed.state))
             buffers.extend(signed.packet.buffers)
             listed.append([author, signed.content])
         sig = self.node.trust.sign(statement("checked", self.topic, t, i, c, view, listed))
@@ -373,7 +377,7 @@ class Checks(RoundDefence):
                 if key is None:
                     raise RuntimeError(f"no key of {row.author} here")
                 packet = packet_from_wire(row.header, frames)
-                parts.append(Shown(row.author, key, row.weight, row.sig, row.recipe, packet))
+                parts.append(Shown(row.author, key, row.weight, row.sig, row.recipe, packet, row.state))
             if at != len(msg.payload):
                 raise BodyError(f"{len(msg.payload)} frames for {at} buffers")
         except Exception as exc:
@@ -412,5 +416,5 @@ class Checks(RoundDefence):
         if size <= MAX_EVIDENCE_BYTES:  # else the checker's word, one witness of two
             detail["average"] = _wire(res.packet)
             detail["parts"] = [[p.author, p.key, p.weight, p.sig, None if p.recipe is None else list(p.recipe),
-                                *_wire(p.packet)] for p in parts]
+                                *_wire(p.packet), p.state] for p in parts]
         trust.accuse(Evidence(MISAVERAGED, owner, key, t, detail))

@@ -3,9 +3,10 @@ all-reduce's parts and averages, and the evidence they make.
 
     member: part of chunk c of shard i of round t, under member list `view` (its digest):
         content = sha256(canonical packet header, buffers)
-        sig     = sign("part", topic, t, i, c, view, weight, content[, recipe])
+        sig     = sign("part", topic, t, i, c, view, weight, content[, recipe][, state])
                   (recipe: what the author says it computed the part from, for audits that
-                  recompute it; only when the protocol states one)
+                  recompute it; only when the protocol states one. state: the digest of the
+                  state its author began the round with, where the protocol names one)
     owner:  a part whose signature does not verify is refused (`bad_signature`) and counted
             against nobody (a relay or a stranger may have made it); one that verifies is the
             author's word, and what is wrong with it is evidence against the author
@@ -19,8 +20,11 @@ Evidence any peer can check from the evidence alone (checks registered on `node.
 
     part.not_finite   a signed part whose values are not all finite
     part.overweight   a signed part claiming more weight than the swarm's cap allows
-    part.replayed     two signed parts of one author with the same non-zero content in two
-                      rounds (gradients of two rounds are never bit for bit the same)
+
+A witness's word (two ban): `part.replayed`, two signed parts of one author with the same
+non-zero content in two rounds, begun from states it signed as different. Not proof: a chunk
+that nobody averaged keeps its parameters while the rest of the state moves on, and a loss
+that is separable and deterministic there gives it the same gradient again.
 """
 from __future__ import annotations
 
@@ -82,6 +86,7 @@ class SignedPart:
     sig: bytes
     content: bytes
     recipe: Recipe | None = None
+    state: bytes | None = None  # the digest of the state its author began the round with, signed
 
     def kept(self) -> SignedPart:
         """This part with bytes of its own. A received part's buffers may be the sender's
@@ -100,15 +105,20 @@ class SignedPart:
                   "content": self.content, "sig": self.sig}
         if self.recipe is not None:
             detail["recipe"] = list(self.recipe)
+        if self.state is not None:
+            detail["state"] = self.state
         return detail
 
 
 def _part_statement(topic: str, t: int, i: int, c: int, view: bytes, weight: float, content: bytes,
-                    recipe: Recipe | None) -> bytes:
-    """A part without a recipe signs the same bytes as before recipes existed."""
-    if recipe is None:
-        return statement("part", topic, t, i, c, view, weight, content)
-    return statement("part", topic, t, i, c, view, weight, content, list(recipe))
+                    recipe: Recipe | None, state: bytes | None = None) -> bytes:
+    """A part without a recipe or a state signs the same bytes as before they existed."""
+    fields: list[Any] = ["part", topic, t, i, c, view, weight, content]
+    if recipe is not None or state is not None:
+        fields.append(None if recipe is None else list(recipe))
+    if state is not None:
+        fields.append(state)
+    return statement(*fields)
 
 
 class Contributions:
@@ -124,26 +134,26 @@ class Contributions:
         # One check per kind per node: several reducers register the same function of the
         # evidence (each check reads the topic from the evidence, and the cap is swarm config).
         self.trust.register_check(NOT_FINITE, _check_not_finite)
-        self.trust.register_check(REPLAYED, _check_replayed)
         if max_weight is not None:
             self.trust.register_check(OVERWEIGHT, self._check_overweight)
 
     # ------------------------------------------------------------------ parts
     def part_statement(self, t: int, i: int, c: int, view: bytes, weight: float | None, content: bytes,
-                       recipe: Recipe | None = None) -> bytes:
-        return _part_statement(self.topic, t, i, c, view, _weight(weight), content, recipe)
+                       recipe: Recipe | None = None, state: bytes | None = None) -> bytes:
+        return _part_statement(self.topic, t, i, c, view, _weight(weight), content, recipe, state)
 
     def sign_part(self, t: int, i: int, c: int, view: bytes, weight: float | None, packet: Packet,
-                  recipe: Recipe | None = None) -> bytes:
+                  recipe: Recipe | None = None, state: bytes | None = None) -> bytes:
         """Any thread: the identity's key signs without shared state."""
-        return self.trust.sign(self.part_statement(t, i, c, view, weight, content_digest(packet.header,
-                                                                                          packet.buffers), recipe))
+        content = content_digest(packet.header, packet.buffers)
+        return self.trust.sign(self.part_statement(t, i, c, view, weight, content, recipe, state))
 
     def verify_part(self, sender: str, t: int, i: int, c: int, view: bytes, weight: float | None,
-                    packet: Packet, sig: Any, recipe: Recipe | None = None) -> bytes | None:
+                    packet: Packet, sig: Any, recipe: Recipe | None = None,
+                    state: bytes | None = None) -> bytes | None:
         """The part's content digest if `sender` signed it, else None."""
         content = content_digest(packet.header, packet.buffers)
-        ok = self.trust.verify(sender, self.part_statement(t, i, c, view, weight, content, recipe), sig)
+        ok = self.trust.verify(sender, self.part_statement(t, i, c, view, weight, content, recipe, state), sig)
         return content if ok else None
 
     def overweight(self, weight: float | None) -> bool:
@@ -151,7 +161,7 @@ class Contributions:
 
     def part_evidence(self, kind: str, sender: str, t: int, i: int, c: int, view: bytes, weight: float | None,
                       packet: Packet | None, sig: bytes, content: bytes, recipe: Recipe | None = None,
-                      **extra: Any) -> Evidence | None:
+                      state: bytes | None = None, **extra: Any) -> Evidence | None:
         """Evidence of `kind` against a part's author; None if its key is unknown here."""
         key = self.trust.key_of(sender)
         if key is None:
@@ -160,6 +170,8 @@ class Contributions:
                   "content": content, "sig": sig, **extra}
         if recipe is not None:
             detail["recipe"] = list(recipe)
+        if state is not None:
+            detail["state"] = state
         if packet is not None:
             detail["header"] = packet.header
             detail["buffers"] = [bytes(b.numpy()) for b in packet.buffers]
@@ -195,12 +207,12 @@ class Contributions:
 # ---------------------------------------------------------------------- checks of evidence
 def _signed_part(evidence: Evidence, d: dict[str, Any], t: int) -> bool:
     """Whether the accused signed the part `d` describes (in round t). Never raises."""
-    recipe = d.get("recipe")
-    if recipe is not None and not isinstance(recipe, list):
+    recipe, state = d.get("recipe"), d.get("state")
+    if (recipe is not None and not isinstance(recipe, list)) or (state is not None and not isinstance(state, bytes)):
         return False
     try:
         signed = _part_statement(d["topic"], t, d["shard"], d["chunk"], d["view"], float(d["weight"]),
-                                 d["content"], None if recipe is None else tuple(recipe))
+                                 d["content"], None if recipe is None else tuple(recipe), state)
     except (KeyError, TypeError, ValueError):
         return False
     return (isinstance(d.get("topic"), str) and isinstance(d.get("content"), bytes)
@@ -245,17 +257,3 @@ def _check_not_finite(evidence: Evidence) -> bool:
     return values is not None and not bool(torch.isfinite(values).all())
 
 
-def _check_replayed(evidence: Evidence) -> bool:
-    """detail: the part of `evidence.round` (with its bytes) and `earlier`, the same author's
-    signed part of another round with the same content digest."""
-    d = evidence.detail
-    earlier = d.get("earlier")
-    if not isinstance(earlier, dict) or type(earlier.get("round")) is not int:
-        return False
-    if earlier["round"] == evidence.round or earlier.get("content") != d.get("content"):
-        return False
-    if not (_signed_part(evidence, d, evidence.round) and _signed_part(evidence, earlier, earlier["round"])):
-        return False
-    packet = _packet_of(d)
-    values = None if packet is None else _values(packet)
-    return values is not None and bool(torch.isfinite(values).all()) and bool(values.abs().sum() > 0)

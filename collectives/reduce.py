@@ -358,7 +358,7 @@ class ShardedReducer:
                 slot.own = decode(slot.packet).reshape(-1)
             if slot.packet is not None:
                 slot.sig = self._contributions.sign_part(t, slot.shard, slot.chunk, view, weight, slot.packet,
-                                                         recipe)
+                                                         recipe, state)
         round_ = self._round(t, members, slots, own_private=not lend or on_device, weight=weight, recipe=recipe,
                              state=state)
         return PendingReduce(self, t, members, vector, self.node.submit(round_), self._backstop_s, lent)
@@ -398,7 +398,7 @@ class ShardedReducer:
                 packet = self.codec.encode(ring[lo:hi], copy=False) if any(o != me for o in owners) else None
                 slot = _Slot(i, c, owners, lo, hi - lo, own, packet)
                 if packet is not None:
-                    slot.sig = self._contributions.sign_part(t, i, c, view, weight, packet, masked.recipe)
+                    slot.sig = self._contributions.sign_part(t, i, c, view, weight, packet, masked.recipe, state)
                 slots.append(slot)
         round_ = self._round(t, members, slots, own_private=True, weight=weight, recipe=masked.recipe,
                              masked=masked, state=state)
@@ -475,13 +475,13 @@ class ShardedReducer:
                         continue  # not a chunk that owner owns in that round
                     packet = packet_from_wire(row.header, frames)
                     content = self._contributions.verify_part(author, t, row.shard, row.chunk, view, row.weight,
-                                                              packet, row.sig, row.recipe)
+                                                              packet, row.sig, row.recipe, row.state)
                     if content is None:
                         self._trust.note(owner, "bad_signature")
                         continue
                     lo, hi = shards[row.shard][0][row.chunk]
                     out.append((row.shard, row.chunk, lo, hi,
-                                SignedPart(view, row.weight, packet, row.sig, content, row.recipe)))
+                                SignedPart(view, row.weight, packet, row.sig, content, row.recipe, row.state)))
                 return out
             except Exception as exc:
                 log.info("%s: %s: no parts of %s in round %d from %s: %s", me, self.topic, author, t, owner, exc)
@@ -511,8 +511,9 @@ class ShardedReducer:
         for i, c, _, _, signed in self.retention.shown(ask.round, ask.author):
             if signed.view != ask.view or signed.packet is None:
                 continue
-            rows.append(KeptRow(i, c, 1.0 if signed.weight is None else float(signed.weight), signed.sig,
-                                signed.recipe, signed.packet.header, len(signed.packet.buffers)).to_wire())
+            weight = 1.0 if signed.weight is None else float(signed.weight)
+            rows.append(KeptRow(i, c, weight, signed.sig, signed.recipe, signed.packet.header,
+                                len(signed.packet.buffers), signed.state).to_wire())
             buffers.extend(signed.packet.buffers)
         return Reply({"ok": True, "parts": rows}, tuple(buffers))
 
@@ -628,7 +629,7 @@ class ShardedReducer:
                     signed = None  # my own part as I signed it, where checkers may ask for it
                     if slot.packet is not None and slot.sig is not None and self.checks is not None:
                         signed = SignedPart(view, weight, slot.packet, slot.sig,
-                                            content_digest(slot.packet.header, slot.packet.buffers), recipe)
+                                            content_digest(slot.packet.header, slot.packet.buffers), recipe, state)
                     jobs.append(self._reduce_own(t, members, view, slot.shard, slot.chunk, slot.own, own_private,
                                                  weight, state, signed))
                 else:
@@ -759,14 +760,15 @@ class ShardedReducer:
             return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
         view = body.view if body.view is not None else view_digest(members)
         content = self._contributions.verify_part(msg.sender, t, i, c, view, body.weight, packet, body.sig,
-                                                  body.recipe)
+                                                  body.recipe, body.state)
         if content is None:  # altered on the way, or not its sender's: held against nobody
             self._trust.note(msg.sender, "bad_signature")
             return self._refuse(Refusal.BAD_SIGNATURE, f"round {t} shard {i} chunk {c}: not signed by its sender")
         if answer is not None:  # late: the average the group's contributors got, without this part
             self._saw_view(t, msg.sender, members)
             return Reply(*answer)
-        signed = SignedPart(view, body.weight, packet, body.sig, content, body.recipe)  # type: ignore[arg-type]
+        signed = SignedPart(view, body.weight, packet, body.sig, content, body.recipe,  # type: ignore[arg-type]
+                            body.state)
         for seam in self._seams:  # a defence may turn the part away (and take its signature as evidence)
             turned_away = seam.on_part(msg.sender, t, i, c, signed, packet)
             if turned_away is not None:

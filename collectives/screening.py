@@ -4,7 +4,8 @@ memory: the round engine's screening defence (`RoundDefence`).
 On each verified part (`on_part`):
 - a weight over the swarm's cap is refused, and its signature is evidence (`part.overweight`);
 - with a robust aggregator, a part with the same non-zero content as one of its author's parts
-  of another round is refused, and both signatures are evidence (`part.replayed`).
+  of another round, begun from another signed state, makes this owner a witness against its
+  author (`part.replayed`); the part is taken (an honest one can repeat, see `on_part`).
 
 On each closed group (`on_close`):
 - a part that was not finite is evidence, with its signed bytes (`part.not_finite`);
@@ -62,8 +63,12 @@ class Screening(RoundDefence):
             # bytes every round it agrees, honestly.
             return None
         earlier = self._replays.seen(sender, t, signed.content, SignedPart(
-            signed.view, signed.weight, None, signed.sig, signed.content, signed.recipe))
+            signed.view, signed.weight, None, signed.sig, signed.content, signed.recipe, signed.state))
         if earlier is None:
+            return None
+        if signed.state is not None and signed.state == earlier[1].state:
+            # Begun from the state it began the earlier round with: nothing it trains on moved.
+            self._trust.note(sender, "repeated")
             return None
         try:
             part = decode(packet, copy=False).reshape(-1)
@@ -71,11 +76,16 @@ class Screening(RoundDefence):
             return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
         if not bool(part.abs().sum() > 0):  # zeros repeat honestly (a layer with no gradient)
             return None
+        # The same gradient from another state is a replay, or honest: a chunk that nobody
+        # averaged keeps its parameters while the rest moves on, and a loss that is separable
+        # and deterministic there (a full batch) gives it the same gradient again. So the part
+        # is taken (a stale gradient is what the robust aggregator bounds anyway), and this
+        # owner is one witness: a replayer repeats at every owner it sends to.
         self._trust.note(sender, "replayed")
         e_t, e_signed = earlier
-        self.accuse_part(REPLAYED, sender, t, i, c, signed, with_bytes=True,
+        self.accuse_part(REPLAYED, sender, t, i, c, signed, with_bytes=False,
                          earlier={"round": e_t, **e_signed.detail(self.topic, i, c)})
-        return self._refuse(Refusal.REPLAYED, f"round {t}: the same part as in round {e_t}")
+        return None
 
     def on_close(self, t: int, i: int, c: int, bounds: tuple[int, int], group: ShardGroup, verdict: Verdict,
                  avg: torch.Tensor) -> None:
@@ -115,7 +125,7 @@ class Screening(RoundDefence):
             return
         evidence = self._contributions.part_evidence(kind, sender, t, i, c, signed.view, signed.weight,
                                                      signed.packet if with_bytes else None, signed.sig,
-                                                     signed.content, signed.recipe, **extra)
+                                                     signed.content, signed.recipe, signed.state, **extra)
         if evidence is not None:
             self._trust.accuse(evidence)
 

@@ -20,14 +20,16 @@ ROBUST = Defences("centered_clip", max_weight=4.0)
 FAST = ReduceTimeouts(round_timeout_s=5.0, reply_grace_s=1.0)
 
 
-def _signed_body(node, topic, t, members, values, weight=None, tamper=False):
+def _signed_body(node, topic, t, members, values, weight=None, tamper=False, state=None):
     packet = from_spec("none").encode(values)
-    sig = Contributions(node, topic).sign_part(t, 0, 0, view_digest(members), weight, packet)
+    sig = Contributions(node, topic).sign_part(t, 0, 0, view_digest(members), weight, packet, None, state)
     if tamper:
         sig = bytes([sig[0] ^ 1]) + sig[1:]
     body = {"step": t, "shard": 0, "chunk": 0, "members": list(members), "packet": packet.header, "sig": sig}
     if weight is not None:
         body["weight"] = weight
+    if state is not None:
+        body["state"] = state
     return body, [bytes(b.numpy()) for b in packet.buffers]
 
 
@@ -72,7 +74,10 @@ def test_an_overclaimed_weight_is_refused_and_its_signature_bans_the_author(make
     assert all(liar.peer_id not in n.live_peers() for n in honest)  # it owns no shard and leads no round
 
 
-def test_a_replayed_part_is_refused_and_bans_its_author_but_repeated_zeros_do_not(make_node):
+def test_a_replayed_part_makes_its_owner_a_witness_but_repeated_zeros_do_not(make_node):
+    """The same non-zero part again, from another state, is a replay or an honest repeat (a
+    chunk nobody averaged, a deterministic loss): the part is taken and its owner is one
+    witness against the author, which alone bans nobody."""
     nodes = swarm(make_node, 3)
     members = tuple(sorted(n.peer_id for n in nodes))
     for n in nodes:
@@ -83,12 +88,30 @@ def test_a_replayed_part_is_refused_and_bans_its_author_but_repeated_zeros_do_no
         body, frames = _signed_body(cheat, "test.replay", t, members, torch.zeros(4))
         assert refusal_of(cheat.request(owner.peer_id, "test.replay", body, frames).body) is None
     values = torch.tensor([1.0, -2.0, 3.0, 0.5])
-    body, frames = _signed_body(cheat, "test.replay", 2, members, values)
+    body, frames = _signed_body(cheat, "test.replay", 2, members, values, state=b"\x01" * 8)
     assert refusal_of(cheat.request(owner.peer_id, "test.replay", body, frames).body) is None
-    body, frames = _signed_body(cheat, "test.replay", 3, members, values)  # round 2's part again, re-signed
-    assert refusal_of(cheat.request(owner.peer_id, "test.replay", body, frames).body) is Refusal.REPLAYED
-    assert wait_until(lambda: all(cheat.peer_id in n.trust.banned for n in nodes if n is not cheat))
-    assert owner.trust.banned[cheat.peer_id].kind == REPLAYED
+    body, frames = _signed_body(cheat, "test.replay", 3, members, values, state=b"\x02" * 8)  # round 2's again
+    assert refusal_of(cheat.request(owner.peer_id, "test.replay", body, frames).body) is None  # taken
+    counts = owner.trust.counts[cheat.peer_id]
+    assert counts["replayed"] == 1 and counts[f"accused.{REPLAYED}"] == 1 and counts["repeated"] == 0
+    assert cheat.peer_id not in owner.trust.banned  # one witness
+
+
+def test_a_part_repeated_from_the_same_state_is_taken_and_accuses_nobody(make_node):
+    """A part begun from the state its author signed for the earlier round is honest when it
+    repeats: nothing it trains on moved."""
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    for n in nodes:
+        ShardedReducer(n, "test.repeat", 12, timeouts=ReduceTimeouts(round_timeout_s=0.3, reply_grace_s=0.5),
+                       defences=ROBUST)
+    owner, author = _owner_and_other(nodes, members)
+    values = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    for t in (0, 1, 2):
+        body, frames = _signed_body(author, "test.repeat", t, members, values, state=b"\x01" * 8)
+        assert refusal_of(author.request(owner.peer_id, "test.repeat", body, frames).body) is None
+    counts = owner.trust.counts[author.peer_id]
+    assert counts["repeated"] == 2 and counts["replayed"] == 0 and not owner.trust.banned
 
 
 def test_evidence_checks_refuse_what_does_not_prove_the_fault(make_node):
