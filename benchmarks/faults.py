@@ -67,10 +67,12 @@ PROTOCOLS: dict[str, tuple[list[str], int]] = {
     "sketch-dp": (["--opt", "noise_multiplier=0"], 14),
     "diloco-quorum": (["--sync-every", "2", "--opt", "quorum=2"], 20),
     "allreduce-secure": (["--lr", "0.05", "--compressor", "none", "--opt", "secure_aggregation=on"], 14),
-    # one owner, its averages checked by members drawn after each round (collectives/checking.py)
-    "allreduce-checked": (["--lr", "0.05", "--opt", "aggregator=centered_clip", "--opt", "check_rate=1.0"], 14),
+    # one owner, its averages checked by members drawn after each round (collectives/checking.py);
+    # the plain mean: quadratic's peers each fit their own target, which a robust aggregator's
+    # running test reads as parts pointing away from the others' (docs/security.md, the gaps)
+    "allreduce-checked": (["--lr", "0.05", "--opt", "check_rate=1.0"], 14),
     "streaming-diloco-checked": (["--sync-every", "4", "--fragments", "2", "--overlap-steps", "1", "--opt",
-                                  "aggregator=centered_clip", "--opt", "check_rate=1.0"], 24),
+                                  "check_rate=1.0"], 24),
 }
 POINTS = ("reduce.owner.closing", "reduce.member.first_average", "train.step", "join.fetched",
           "quorum.leader.closing", "secure.unmasker.gathered")
