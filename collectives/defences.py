@@ -129,6 +129,8 @@ class ReplayWatch:
             seen = self._seen[peer] = {}
         earlier = seen.get(content)
         if earlier is not None and earlier[0] != t:
+            if earlier[0] < t:  # the latest round it came in: a repeat round after round stays a repeat
+                seen[content] = (t, record)
             return earlier
         if earlier is None:
             seen[content] = (t, record)

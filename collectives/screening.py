@@ -4,8 +4,9 @@ memory: the round engine's screening defence (`RoundDefence`).
 On each verified part (`on_part`):
 - a weight over the swarm's cap is refused, and its signature is evidence (`part.overweight`);
 - with a robust aggregator, a part with the same non-zero content as one of its author's parts
-  of another round, begun from another signed state, makes this owner a witness against its
-  author (`part.replayed`); the part is taken (an honest one can repeat, see `on_part`).
+  of some rounds back, begun from another signed state, is refused and makes this owner a
+  witness against its author (`part.replayed`); the same part as last round, or one begun from
+  the same state, is taken (an honest one repeats, see `on_part`).
 
 On each closed group (`on_close`):
 - a part that was not finite is evidence, with its signed bytes (`part.not_finite`);
@@ -66,8 +67,12 @@ class Screening(RoundDefence):
             signed.view, signed.weight, None, signed.sig, signed.content, signed.recipe, signed.state))
         if earlier is None:
             return None
-        if signed.state is not None and signed.state == earlier[1].state:
-            # Begun from the state it began the earlier round with: nothing it trains on moved.
+        e_t, e_signed = earlier
+        if (signed.state is not None and signed.state == e_signed.state) or e_t == t - 1:
+            # Begun from the state of the earlier round (nothing it trains on moved), or the same
+            # part as last round: a chunk that nobody averaged keeps its parameters while the
+            # rest moves on, and a loss that is separable and deterministic there (a full batch)
+            # gives it the same gradient again, round after round until the chunk is averaged.
             self._trust.note(sender, "repeated")
             return None
         try:
@@ -76,16 +81,13 @@ class Screening(RoundDefence):
             return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
         if not bool(part.abs().sum() > 0):  # zeros repeat honestly (a layer with no gradient)
             return None
-        # The same gradient from another state is a replay, or honest: a chunk that nobody
-        # averaged keeps its parameters while the rest moves on, and a loss that is separable
-        # and deterministic there (a full batch) gives it the same gradient again. So the part
-        # is taken (a stale gradient is what the robust aggregator bounds anyway), and this
-        # owner is one witness: a replayer repeats at every owner it sends to.
+        # A part of some rounds back, in between which the author sent others: a replay. Not
+        # proof (two signed parts of one content are also an honest repeat's), so this owner
+        # is one witness; a replayer repeats at every owner it sends to.
         self._trust.note(sender, "replayed")
-        e_t, e_signed = earlier
         self.accuse_part(REPLAYED, sender, t, i, c, signed, with_bytes=False,
                          earlier={"round": e_t, **e_signed.detail(self.topic, i, c)})
-        return None
+        return self._refuse(Refusal.REPLAYED, f"round {t}: the same part as in round {e_t}")
 
     def on_close(self, t: int, i: int, c: int, bounds: tuple[int, int], group: ShardGroup, verdict: Verdict,
                  avg: torch.Tensor) -> None:

@@ -74,10 +74,11 @@ def test_an_overclaimed_weight_is_refused_and_its_signature_bans_the_author(make
     assert all(liar.peer_id not in n.live_peers() for n in honest)  # it owns no shard and leads no round
 
 
-def test_a_replayed_part_makes_its_owner_a_witness_but_repeated_zeros_do_not(make_node):
-    """The same non-zero part again, from another state, is a replay or an honest repeat (a
-    chunk nobody averaged, a deterministic loss): the part is taken and its owner is one
-    witness against the author, which alone bans nobody."""
+def test_a_replayed_part_is_refused_and_makes_its_owner_a_witness_but_repeats_do_not(make_node):
+    """A part of some rounds back, with others in between, is refused, and its owner is one
+    witness against the author (two signed parts of one content are not proof: an honest part
+    repeats). Zeros repeat honestly, and so does last round's part (a chunk that nobody
+    averaged keeps its parameters, and a deterministic loss its gradient)."""
     nodes = swarm(make_node, 3)
     members = tuple(sorted(n.peer_id for n in nodes))
     for n in nodes:
@@ -88,12 +89,13 @@ def test_a_replayed_part_makes_its_owner_a_witness_but_repeated_zeros_do_not(mak
         body, frames = _signed_body(cheat, "test.replay", t, members, torch.zeros(4))
         assert refusal_of(cheat.request(owner.peer_id, "test.replay", body, frames).body) is None
     values = torch.tensor([1.0, -2.0, 3.0, 0.5])
-    body, frames = _signed_body(cheat, "test.replay", 2, members, values, state=b"\x01" * 8)
-    assert refusal_of(cheat.request(owner.peer_id, "test.replay", body, frames).body) is None
-    body, frames = _signed_body(cheat, "test.replay", 3, members, values, state=b"\x02" * 8)  # round 2's again
-    assert refusal_of(cheat.request(owner.peer_id, "test.replay", body, frames).body) is None  # taken
+    for t, part, state in ((2, values, 2), (3, values, 3), (4, values * 2, 4)):  # round 3 repeats round 2
+        body, frames = _signed_body(cheat, "test.replay", t, members, part, state=bytes([state]) * 8)
+        assert refusal_of(cheat.request(owner.peer_id, "test.replay", body, frames).body) is None
+    body, frames = _signed_body(cheat, "test.replay", 5, members, values, state=b"\x05" * 8)  # rounds 2-3's again
+    assert refusal_of(cheat.request(owner.peer_id, "test.replay", body, frames).body) is Refusal.REPLAYED
     counts = owner.trust.counts[cheat.peer_id]
-    assert counts["replayed"] == 1 and counts[f"accused.{REPLAYED}"] == 1 and counts["repeated"] == 0
+    assert counts["repeated"] == 2 and counts["replayed"] == 1 and counts[f"accused.{REPLAYED}"] == 1  # zeros, round 3
     assert cheat.peer_id not in owner.trust.banned  # one witness
 
 
