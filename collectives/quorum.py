@@ -54,15 +54,16 @@ the accused's, and the sets differ), and which bans it. A leader that splits its
 two halves is caught unless every member's picks stay within its own half. Sets of different
 leaders (members whose lists differed asked different leaders) are never compared. A leader
 that crashes after answering some members of a round, restarts with the same key and closes
-the same round again would sign a second set: its protocol resumes at the swarm's current
-round, whose members have moved on, so honest peers do not ask it that.
+the same round again would sign a second set: so a protocol that takes a state tells its
+quorums (`resume_at`), which refuse every round before it as too old.
 
 A leader remembers its last 64 closed rounds, to answer late asks with their set; an ask
 for a round older than the ones it forgot is refused (`too_old`), never acknowledged, since
 the leader no longer knows whether it closed it. A leader that restarts with the same key
-has forgotten every round it closed before: a member that asks it again for one of those
-gets an ack that, with the earlier set, reads as an omission. Its protocol resumes at the
-swarm's current round, so honest members never ask that; a hostile one could.
+has forgotten every round it closed before; its protocol takes the swarm's state at some round
+and tells its quorums (`resume_at`), so an ask for an earlier round is refused as too old, not
+acknowledged (which, with the earlier set, would read as an omission) nor closed again. An ask
+that reaches it in the moment between its start and that state is the one gap.
 """
 from __future__ import annotations
 
@@ -206,6 +207,13 @@ class QuorumClose:
         return members[(t + self.salt) % len(members)]
 
     # ------------------------------------------------------------------ caller's thread
+    def resume_at(self, t: int) -> None:
+        """This peer took a state at round t (a restart from a checkpoint, a join): rounds before
+        t closed without this leader's memory of them, so an ask for one is refused as too old,
+        never acknowledged or closed again (a second set for a round it may have closed before a
+        crash would read as an equivocation, an ack as an omission)."""
+        self._forgotten = max(self._forgotten, t - 1)
+
     def ask(self, t: int, members: tuple[str, ...], weight: float) -> concurrent.futures.Future[Closing | None]:
         if not (math.isfinite(weight) and weight >= 0.0):
             raise ValueError(f"{self.topic}: weight must be a finite number >= 0, got {weight!r}")

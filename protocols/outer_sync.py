@@ -193,16 +193,21 @@ class OuterFragment:
         self.outer, self.momentum = self.placement.placed(self.outer), self.placement.placed(self.momentum)
 
     def load(self, outer: torch.Tensor, momentum: torch.Tensor, version: int) -> None:
-        """Take this outer state (a copy, placed)."""
+        """Take this outer state (a copy, placed); rounds before `version` closed elsewhere, and
+        this peer's quorum never closes one of them again."""
         self.outer = self.placement.placed(outer.detach().clone())
         self.momentum = self.placement.placed(momentum.detach().clone())
         self.version = version
+        if self.quorum is not None:
+            self.quorum.resume_at(version)
 
     def adopt(self, outer: torch.Tensor, momentum: torch.Tensor, version: int) -> None:
         """A peer's outer state, fetched: taken unless mine is newer."""
         if version >= self.version:
             self.outer, self.momentum = self.placement.placed(outer), self.placement.placed(momentum)
             self.version = version
+            if self.quorum is not None:
+                self.quorum.resume_at(version)
 
     def take_outer(self) -> None:
         """The local fragment becomes the outer one (my local progress is dropped)."""

@@ -293,3 +293,16 @@ def test_the_equivocation_check_takes_only_two_different_sets_the_accused_signed
     bad.detail["b"] = [["p", 2.0]]  # a set other than the one signed
     assert not check_equivocation(bad)
     assert not check_equivocation(Evidence(EQUIVOCATED, a.peer_id, key, 3, {"topic": "test.q", "a": 5}))
+
+
+def test_a_leader_that_took_a_state_at_round_k_refuses_every_round_before_it(make_node):
+    """A restarted leader remembers no set it closed: once its protocol takes the swarm's state
+    at round k, an ask for an earlier round is too old, never acknowledged or closed again."""
+    a, b = swarm(make_node, 2)
+    members, leader, (asker,) = by_leader([a, b], t=4)
+    QuorumClose(leader, "test.resume", 2, 0.0, TIMEOUTS).resume_at(6)
+    for t in (2, 4):  # rounds this leader (of the even rounds) may have closed before it restarted
+        body = {"round": t, "members": list(members), "weight": 1.0}
+        assert refusal_of(asker.request(leader.peer_id, "test.resume", body).body) is Refusal.TOO_OLD
+    body = {"round": 6, "members": list(members), "weight": 1.0}
+    assert refusal_of(asker.request(leader.peer_id, "test.resume", body).body) is None  # acknowledged
