@@ -660,10 +660,31 @@ class CheckAsk:
         return cls(_whole(body, "check"), _view(body), _whole(body, "shard"), _whole(body, "chunk"))
 
 
+# A part as its author signed it, shown on: [weight, sig, recipe, header, buffers, state], its
+# bytes being the next `buffers` frames of the answer (checks, gathers).
+_Signed = tuple[float, bytes, tuple[int | bytes, ...] | None, dict[str, Any], int, bytes | None]
+
+
+def _signed_wire(weight: float, sig: bytes, recipe: tuple[int | bytes, ...] | None, header: dict[str, Any],
+                 buffers: int, state: bytes | None) -> list[Any]:
+    return [weight, sig, None if recipe is None else list(recipe), header, buffers, state]
+
+
+def _signed(fields: list[Any], what: str) -> _Signed:
+    weight, sig, recipe, header, buffers, state = fields
+    signature = _sig({"sig": sig})
+    if signature is None:
+        raise BodyError(f"{what} must carry its author's signature")
+    if not isinstance(header, dict):
+        raise BodyError(f"{what}'s header must be a map")
+    if type(buffers) is not int or not 0 <= buffers <= MAX_PART_BUFFERS:
+        raise BodyError(f"{what} has 0 to {MAX_PART_BUFFERS} buffers")
+    return _weight(weight), signature, _recipe(recipe), header, buffers, _state(state)
+
+
 @dataclass(frozen=True)
 class CheckedPart:
-    """One part as its author signed it, as the owner shows it to a checker; its bytes are the
-    next `buffers` frames of the answer."""
+    """One part of a checked group, as its author signed it."""
 
     author: str
     weight: float
@@ -674,21 +695,13 @@ class CheckedPart:
     state: bytes | None = None
 
     def to_wire(self) -> list[Any]:
-        return [self.author, self.weight, self.sig, None if self.recipe is None else list(self.recipe),
-                self.header, self.buffers, self.state]
+        return [self.author, *_signed_wire(self.weight, self.sig, self.recipe, self.header, self.buffers, self.state)]
 
     @classmethod
     def from_wire(cls, row: Any) -> CheckedPart:
         if not (isinstance(row, list) and len(row) == 7 and isinstance(row[0], str)):
             raise BodyError("a checked part must be [author, weight, sig, recipe, header, buffers, state]")
-        sig = _sig({"sig": row[2]})
-        if sig is None:
-            raise BodyError("a checked part must carry its author's signature")
-        if not isinstance(row[4], dict):
-            raise BodyError("a checked part's header must be a map")
-        if type(row[5]) is not int or not 0 <= row[5] <= MAX_PART_BUFFERS:
-            raise BodyError(f"a checked part has 0 to {MAX_PART_BUFFERS} buffers")
-        return cls(row[0], _weight(row[1]), sig, _recipe(row[3]), row[4], row[5], _state(row[6]))
+        return cls(row[0], *_signed(row[1:], "a checked part"))
 
 
 @dataclass(frozen=True)
@@ -739,8 +752,7 @@ class KeptAsk:
 
 @dataclass(frozen=True)
 class KeptRow:
-    """One kept part: its chunk, what its author signed with it, its header; its bytes are the
-    next `buffers` frames of the answer."""
+    """One part an owner kept of one author, at its chunk, as the author signed it."""
 
     shard: int
     chunk: int
@@ -752,20 +764,15 @@ class KeptRow:
     state: bytes | None = None
 
     def to_wire(self) -> list[Any]:
-        return [self.shard, self.chunk, self.weight, self.sig, None if self.recipe is None else list(self.recipe),
-                self.header, self.buffers, self.state]
+        return [self.shard, self.chunk,
+                *_signed_wire(self.weight, self.sig, self.recipe, self.header, self.buffers, self.state)]
 
     @classmethod
     def from_wire(cls, row: Any) -> KeptRow:
         if not (isinstance(row, list) and len(row) == 8 and type(row[0]) is int and type(row[1]) is int
-                and row[0] >= 0 and row[1] >= 0 and isinstance(row[5], dict)):
+                and row[0] >= 0 and row[1] >= 0):
             raise BodyError("a kept part must be [shard, chunk, weight, sig, recipe, header, buffers, state]")
-        sig = _sig({"sig": row[3]})
-        if sig is None:
-            raise BodyError("a kept part must carry its author's signature")
-        if type(row[6]) is not int or not 0 <= row[6] <= MAX_PART_BUFFERS:
-            raise BodyError(f"a kept part has 0 to {MAX_PART_BUFFERS} buffers")
-        return cls(row[0], row[1], _weight(row[2]), sig, _recipe(row[4]), row[5], row[6], _state(row[7]))
+        return cls(row[0], row[1], *_signed(row[2:], "a kept part"))
 
 
 def kept_rows(obj: Any) -> tuple[KeptRow, ...]:

@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from conftest import in_parallel, swarm, wait_until
+from conftest import in_parallel, lying, swarm, wait_until
 
 from starling.collectives import ReduceTimeouts, ShardedReducer
 from starling.collectives.bodies import BodyError, CheckAsk, Checked
@@ -16,21 +16,6 @@ from starling.node import Refusal, refusal_of
 from starling.node.trust import Evidence
 
 FAST = ReduceTimeouts(round_timeout_s=5.0, reply_grace_s=1.0)
-
-
-def _lying(reducer, factor):
-    """The owner behind `reducer` scales every average it signs (a test-only patch)."""
-    finish = reducer._finish
-
-    def lie(key, group):
-        average = group.average
-
-        def scaled(*args, **kwargs):
-            avg, shares, verdict = average(*args, **kwargs)
-            return avg * factor, shares, verdict
-        group.average = scaled
-        finish(key, group)
-    reducer._finish = lie
 
 
 def _rounds(nodes, reducers, rounds, numel, seed=0, start=0):
@@ -72,7 +57,7 @@ def test_a_lying_owner_fails_a_check_and_is_banned_by_everyone_on_its_own_signat
     defences = Defences("centered_clip", check_rate=1.0)
     reducers = [ShardedReducer(n, "test.liar", 256, timeouts=FAST, chunk_numel=32, defences=defences) for n in nodes]
     liar = 2
-    _lying(reducers[liar], -1.0)  # within what the parts allow: only a check can tell
+    lying(reducers[liar], -1.0)  # within what the parts allow: only a check can tell
     liar_id = nodes[liar].peer_id
     honest = [n for k, n in enumerate(nodes) if k != liar]
     for t in range(6):
@@ -92,7 +77,7 @@ def test_evidence_of_a_wrong_average_is_refused_once_altered(make_node):
     defences = Defences("mean", check_rate=1.0)
     reducers = [ShardedReducer(n, "test.evidence", 128, timeouts=FAST, chunk_numel=32, defences=defences)
                 for n in nodes]
-    _lying(reducers[0], -1.0)
+    lying(reducers[0], -1.0)
     liar_id = nodes[0].peer_id
     for t in range(6):
         _rounds(nodes, reducers, 1, 128, seed=t, start=t)
@@ -237,7 +222,7 @@ def test_an_average_larger_than_its_parts_allow_is_left_out_by_every_member(make
     reducers = [ShardedReducer(n, "test.bound", 320, timeouts=FAST, chunk_numel=32, defences=defences)
                 for n in nodes]
     liar = 1
-    _lying(reducers[liar], -10.0)
+    lying(reducers[liar], -10.0)
     liar_id = nodes[liar].peer_id
     members = tuple(sorted(n.peer_id for n in nodes))
     generator = torch.Generator().manual_seed(3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
-from conftest import in_parallel, swarm, wait_until
+from conftest import in_parallel, lying, swarm, wait_until
 
 from starling.collectives import ReduceTimeouts, ShardedReducer
 from starling.collectives.compact import view_digest
@@ -153,21 +153,6 @@ def test_evidence_checks_refuse_what_does_not_prove_the_fault(make_node):
         assert not a.trust.verifiable(evidence), evidence.detail.keys()
 
 
-def _lying(reducer, factor):
-    """The owner behind `reducer` scales every average it hands out (a test-only patch)."""
-    finish = reducer._finish
-
-    def lie(key, group):
-        average = group.average
-
-        def scaled(*args, **kwargs):
-            avg, shares, verdict = average(*args, **kwargs)
-            return avg * factor, shares, verdict
-        group.average = scaled
-        finish(key, group)
-    reducer._finish = lie
-
-
 def test_a_lying_owner_is_outvoted_by_three_owners_and_banned_on_two_witnesses(make_node):
     """Members take the majority's signed average; an owner outvoted with the same contributors
     in 3 of its rounds in a row is accused by every member that saw it, and banned on their word."""
@@ -176,7 +161,7 @@ def test_a_lying_owner_is_outvoted_by_three_owners_and_banned_on_two_witnesses(m
     defences = Defences("mean", owner_replication=3)
     reducers = [ShardedReducer(n, "test.liar3", 16, timeouts=FAST, defences=defences) for n in nodes]
     liar = 1
-    _lying(reducers[liar], -10.0)
+    lying(reducers[liar], -10.0)
     honest = [r for r in range(4) if r != liar]
     liar_id = nodes[liar].peer_id
     for t in range(3):
@@ -210,7 +195,7 @@ def test_two_owners_that_disagree_drop_the_shard_and_both_are_reported(make_node
     defences = Defences("mean", owner_replication=2)
     reducers = [ShardedReducer(n, "test.liar2", 12, timeouts=FAST, defences=defences) for n in nodes]
     liar = 0
-    _lying(reducers[liar], 3.0)
+    lying(reducers[liar], 3.0)
     vectors = [torch.full((12,), float(k + 1)) for k in range(3)]
     before = [v.clone() for v in vectors]
     in_parallel([lambda r=r: reducers[r].reduce(0, members, vectors[r]) for r in range(3)])
