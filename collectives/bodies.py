@@ -732,7 +732,7 @@ class Checked:
 @dataclass(frozen=True)
 class KeptAsk:
     """A member asks an owner for the parts one author sent its groups in a round that it kept
-    (`ShardedReducer.gather`): to check a whole pseudo-gradient, not the owner's shard of it."""
+    (`collectives/gathering.py`): to check a whole pseudo-gradient, not the owner's shard of it."""
 
     round: int
     view: bytes

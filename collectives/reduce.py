@@ -68,6 +68,7 @@ What this file holds is the round itself; the rest joins it at seams, each in it
     screening.py    RoundDefence: what an owner holds against the parts it sums, and the
                     robust aggregator's centres (on_part, on_close, on_chosen)
     retention.py    RoundDefence: signed parts kept past their close for audits (on_close)
+    gathering.py    an author's kept parts, gathered from every owner that kept them
     voting.py       a member's vote among a chunk's replicated owners
     checking.py     RoundDefence: an owner keeps its groups' parts (on_close) for members
                     drawn after the round, who average them again (`Checks.after_round`)
@@ -92,12 +93,13 @@ import numpy as np
 import torch
 
 from starling.collectives.accumulator import ShardGroup, Verdict
-from starling.collectives.bodies import Average, BodyError, KeptAsk, KeptRow, Part, Refused, Skip, kept_rows
+from starling.collectives.bodies import Average, BodyError, Part, Refused, Skip
 from starling.collectives.checking import Checks, Recount
 from starling.collectives.codec import encode, make_codec, packet_from_wire
 from starling.collectives.compact import HeaderTemplates, KnownViews, view_digest
 from starling.collectives.contributions import Contributions, Recipe, SignedPart, content_digest, vote_key
 from starling.collectives.defences import Defences, RoundDefence
+from starling.collectives.gathering import Gathering
 from starling.collectives.layout import DEFAULT_CHUNK_NUMEL
 from starling.collectives.outcome import ReduceResult, ReduceTimeouts, ShardResult
 from starling.collectives.placement import Placement
@@ -125,8 +127,6 @@ _KEEP_SKIPS = 2 * _KEEP_CLOSED_ROUNDS  # rounds whose skips a reducer remembers 
 UNBOUNDED = "avg.unbounded"  # witness evidence: an average larger than its own signed scores allow
 MISSCORED = "avg.misscored"  # witness evidence: an owner signed a size of my part that is not its size
 LOSSY_AVERAGE_SLACK = 1.5  # a lossy average's |values|^2 may exceed the exact one's by this (int4: ~1.23)
-GATHER_SUFFIX = ".kept"  # a reducer's gathers of an author's kept parts travel on its topic with this suffix
-GATHERS_PER_ROUND = 2  # gathers one member may make of one owner per round
 _KEEP_ANSWERS = 2  # rounds whose closed groups' averages an owner still gives to a late part
 GroupKey = tuple[int, tuple[str, ...], int, int]  # (round, members, shard, chunk)
 _STRETCH = AwakeDeadline.STRETCH  # a round's timeouts count awake time, and end by this many times their length
@@ -271,8 +271,9 @@ class ShardedReducer:
             self.checks = Checks(node, topic, self.defences.check_rate, recount, self._refuse,
                                  self._reply_within_s, self.timeouts.retry_interval_s)
             self._seams += (self.checks,)
-        self._gathers: dict[tuple[str, int], int] = {}  # (member, round) -> its gathers answered
-        node.on(topic + GATHER_SUFFIX, self._on_gather)
+        # an author's kept parts, gathered from every owner (collectives/gathering.py)
+        self.gathering = Gathering(node, topic, self.placement, self.retention, self._contributions,
+                                   self.timeouts, self._refuse, self._resolve_view)
         node.on(topic, self._on_part)
 
     # ------------------------------------------------------------------ caller's thread
@@ -444,78 +445,6 @@ class ShardedReducer:
 
     async def _take_kept_here(self, t: int) -> Any:
         return self.retention.take(t)
-
-    def gather(self, t: int, members: tuple[str, ...], author: str) -> list[KeptPart]:
-        """Caller's thread, after round t's `wait()` (with `keep(t, ...)` asked before it on every
-        owner): `author`'s signed parts of round t from every owner that kept them, mine too,
-        each checked against the author's signature and the chunk's owner, decoded. An owner
-        that does not answer within the reply grace leaves its chunks out."""
-        kept = self.node.run(self._gather(t, members, author))
-        return self.retention.decoded(t, {author: kept}).get(author, [])
-
-    async def _gather(self, t: int, members: tuple[str, ...], author: str) -> list[Any]:
-        me, view = self.node.peer_id, view_digest(members)
-        shards = self.placement.shards(members, t)
-        mine = [k for k in self.retention.shown(t, author) if k[4].view == view]
-        deadline = AwakeDeadline(self.timeouts.reply_grace_s)
-
-        async def ask(owner: str) -> list[Any]:
-            try:
-                msg = await request_patiently(self.node, owner, self.topic + GATHER_SUFFIX,
-                                              KeptAsk(t, view, author).to_wire(), (), deadline,
-                                              self.timeouts.retry_interval_s)
-                if Refused.from_wire(msg.body) is not None:
-                    return []
-                rows, at, out = kept_rows(msg.body), 0, []
-                for row in rows:
-                    frames = msg.payload[at:at + row.buffers]
-                    at += row.buffers
-                    if not (row.shard < len(shards) and owner in shards[row.shard][1]
-                            and row.chunk < len(shards[row.shard][0])):
-                        continue  # not a chunk that owner owns in that round
-                    packet = packet_from_wire(row.header, frames)
-                    content = self._contributions.verify_part(author, t, row.shard, row.chunk, view, row.weight,
-                                                              packet, row.sig, row.recipe, row.state)
-                    if content is None:
-                        self._trust.note(owner, "bad_signature")
-                        continue
-                    lo, hi = shards[row.shard][0][row.chunk]
-                    out.append((row.shard, row.chunk, lo, hi,
-                                SignedPart(view, row.weight, packet, row.sig, content, row.recipe, row.state)))
-                return out
-            except Exception as exc:
-                log.info("%s: %s: no parts of %s in round %d from %s: %s", me, self.topic, author, t, owner, exc)
-                return []
-        owners = sorted(self.placement.owner_set(members, t) - {me, author})
-        gathered = await asyncio.gather(*(ask(o) for o in owners))
-        return mine + [k for got in gathered for k in got]
-
-    async def _on_gather(self, msg: Message) -> Reply | dict[str, Any]:
-        """A member asks for the parts one author sent my groups in a round (`gather`)."""
-        try:
-            ask = KeptAsk.from_wire(msg.body)
-        except BodyError as exc:
-            return self._refuse(Refusal.MALFORMED, str(exc))
-        members = self._resolve_view(ask.view)
-        if members is None:
-            return refusal(Refusal.NOT_FOUND, "no member list of that digest here")
-        if msg.sender not in members:
-            return self._refuse(Refusal.MALFORMED, "only the round's members gather its parts")
-        asked = (msg.sender, ask.round)
-        if self._gathers.get(asked, 0) >= GATHERS_PER_ROUND:  # each costs me my shards of one vector
-            return self._refuse(Refusal.BUSY, f"at most {GATHERS_PER_ROUND} gathers of round {ask.round} per member")
-        self._gathers[asked] = self._gathers.get(asked, 0) + 1
-        while len(self._gathers) > 4 * _KEEP_CLOSED_ROUNDS * max(1, len(members)):
-            self._gathers.pop(next(iter(self._gathers)))
-        rows, buffers = [], []
-        for i, c, _, _, signed in self.retention.shown(ask.round, ask.author):
-            if signed.view != ask.view or signed.packet is None:
-                continue
-            weight = 1.0 if signed.weight is None else float(signed.weight)
-            rows.append(KeptRow(i, c, weight, signed.sig, signed.recipe, signed.packet.header,
-                                len(signed.packet.buffers), signed.state).to_wire())
-            buffers.extend(signed.packet.buffers)
-        return Reply({"ok": True, "parts": rows}, tuple(buffers))
 
     def _apply(self, t: int, members: tuple[str, ...], vector: torch.Tensor,
                results: list[ShardResult]) -> ReduceResult:

@@ -438,7 +438,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                 members = exchange.members
 
                 def gather(author: str, fragment: OuterFragment = fragment) -> list[KeptPart]:
-                    return fragment.reducer.gather(k, members, author)
+                    return fragment.reducer.gathering.gather(k, members, author)
                 with clock.computing():  # before the outer step: the outer parameters the authors started from
                     self.verifier.after(f, k, others, gather, self.views, self.outer, self.audit_data,
                                         exchange.average)

@@ -183,7 +183,7 @@ class PseudoVerifier:
               views: Sequence[FragmentView], outer: Sequence[torch.Tensor], data: AuditData,
               average: torch.Tensor | None = None) -> Margin | None:
         """Draw whether to check round k of fragment f and whose pseudo-gradient; gather its
-        parts from every owner (`ShardedReducer.gather`) and check it."""
+        parts from every owner (`collectives/gathering.py`) and check it."""
         if not others or self._rng.random() >= self.rate:
             return None
         author = self._rng.choice(list(others))

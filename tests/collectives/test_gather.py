@@ -8,7 +8,8 @@ from conftest import in_parallel, swarm
 from starling.collectives import ReduceTimeouts, ShardedReducer
 from starling.collectives.bodies import KeptAsk, kept_rows
 from starling.collectives.compact import view_digest
-from starling.collectives.reduce import GATHER_SUFFIX, GATHERS_PER_ROUND
+from starling.collectives.gathering import GATHERS_PER_ROUND
+from starling.collectives.gathering import SUFFIX as GATHER_SUFFIX
 from starling.node import Refusal, refusal_of
 
 FAST = ReduceTimeouts(round_timeout_s=5.0, reply_grace_s=1.0)
@@ -31,7 +32,7 @@ def test_a_gathered_author_is_its_whole_vector_checked_against_its_signatures(ma
     reducers = [ShardedReducer(n, "test.gather", 96, timeouts=FAST, chunk_numel=8) for n in nodes]
     members, vectors = _round(nodes, reducers, 3, 96)
     author = 2
-    parts = reducers[0].gather(3, members, nodes[author].peer_id)
+    parts = reducers[0].gathering.gather(3, members, nodes[author].peer_id)
     # every owner but the author's own shard (never sent) and mine (kept here): all the others
     got = torch.zeros(96)
     covered = torch.zeros(96, dtype=torch.bool)
@@ -57,7 +58,7 @@ def test_a_gather_is_refused_past_its_budget_and_tampered_parts_are_dropped(make
     assert kept_rows(answers[0].body)
     assert refusal_of(answers[-1].body) is Refusal.BUSY
 
-    serve = reducers[1]._on_gather
+    serve = reducers[1].gathering._serve
 
     async def tampered(msg):
         reply = await serve(msg)
@@ -65,8 +66,8 @@ def test_a_gather_is_refused_past_its_budget_and_tampered_parts_are_dropped(make
         payload[0] = bytes([payload[0][0] ^ 1]) + payload[0][1:]
         return type(reply)(reply.body, tuple(payload))
     owner.on("test.gather2" + GATHER_SUFFIX, tampered)
-    reducers[1]._gathers.clear()
-    parts = reducers[0].gather(0, members, author.peer_id)
+    reducers[1].gathering._asked.clear()
+    parts = reducers[0].gathering.gather(0, members, author.peer_id)
     owned_by_owner = {(i, c) for i, (chunks, owners) in enumerate(reducers[0].placement.shards(members, 0))
                       if owner.peer_id in owners for c in range(len(chunks))}
     got = {(p.shard, p.chunk) for p in parts}
