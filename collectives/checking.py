@@ -380,21 +380,19 @@ class Checks(RoundDefence):
                 parts.append(Shown(row.author, key, row.weight, row.sig, row.recipe, packet, row.state))
             if at != len(msg.payload):
                 raise BodyError(f"{len(msg.payload)} frames for {at} buffers")
-        except Exception as exc:
+            listed = [[p.author, content_digest(p.packet.header, p.packet.buffers)] for p in parts]
+            if not trust.verify(owner, statement("checked", self.topic, t, i, c, view, listed), answer.sig):
+                raise BodyError("an answer its owner did not sign")
+            assert res.packet is not None
+            contributors = tuple(res.contributors)
+            why = await asyncio.get_running_loop().run_in_executor(
+                None, self.recount.wrong, t, i, c, members, contributors, res.packet, res.scores, parts)
+        except Exception as exc:  # whatever the owner answered, no check, and nothing held against it
             self.counts["checks_unanswered"] += 1
             trust.note(owner, "check_unanswered")
             log.info("%s: %s: no check of %s's shard %d chunk %d of round %d: %s", self.node.peer_id, self.topic,
                      owner, i, c, t, exc)
             return
-        listed = [[p.author, content_digest(p.packet.header, p.packet.buffers)] for p in parts]
-        if not trust.verify(owner, statement("checked", self.topic, t, i, c, view, listed), answer.sig):
-            self.counts["checks_unanswered"] += 1
-            trust.note(owner, "check_unanswered")
-            return
-        assert res.packet is not None
-        contributors = tuple(res.contributors)
-        why = await asyncio.get_running_loop().run_in_executor(
-            None, self.recount.wrong, t, i, c, members, contributors, res.packet, res.scores, parts)
         self.counts["checks"] += 1
         if why is None:
             self.counts["checks_passed"] += 1
