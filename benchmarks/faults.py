@@ -73,6 +73,8 @@ PROTOCOLS: dict[str, tuple[list[str], int]] = {
     "allreduce-checked": (["--lr", "0.05", "--opt", "check_rate=1.0"], 14),
     "streaming-diloco-checked": (["--sync-every", "4", "--fragments", "2", "--overlap-steps", "1", "--opt",
                                   "check_rate=1.0"], 24),
+    # CenteredClip and its watches (replays, outliers), with one checked owner
+    "allreduce-robust": (["--lr", "0.05", "--opt", "aggregator=centered_clip", "--opt", "check_rate=1.0"], 14),
 }
 POINTS = ("reduce.owner.closing", "reduce.member.first_average", "train.step", "join.fetched",
           "quorum.leader.closing", "secure.unmasker.gathered")
@@ -80,7 +82,7 @@ POINTS = ("reduce.owner.closing", "reduce.member.first_average", "train.step", "
 # family a member that fell behind takes the swarm's newer outer state, so at one step two
 # members may hold states of different rounds: there, no survivor may hold a state that no
 # other survivor ever held.
-LOCKSTEP = ("allreduce", "sketch-dp", "allreduce-secure", "allreduce-checked")
+LOCKSTEP = ("allreduce", "sketch-dp", "allreduce-secure", "allreduce-checked", "allreduce-robust")
 JOIN_STEPS_FACTOR = 4  # a swarm that a joiner comes to trains this many times longer
 
 
@@ -129,7 +131,7 @@ def run_case(case: Case, peers: int, log_dir: str) -> dict[str, Any]:
     options, steps = PROTOCOLS[case.protocol]
     if case.victim == peers:  # long enough for a joiner to come while the swarm trains
         steps *= JOIN_STEPS_FACTOR
-    protocol = case.protocol.removesuffix("-quorum").removesuffix("-secure").removesuffix("-checked")
+    protocol = case.protocol.split("-checked")[0].split("-robust")[0].removesuffix("-quorum").removesuffix("-secure")
     action = "stop" if case.action == "pause" else case.action
     at = "" if case.point == "join.fetched" or case.round < 0 else f"@{case.round}"  # round -1: the first reached
     fault = {"STARLING_FAULT": f"{case.point}{at}:{action}"}

@@ -20,6 +20,19 @@ def test_an_owner_killed_holding_every_part_leaves_the_survivors_with_one_model(
     assert row["steps_diverged"] == 0 and row["final_agree"] and row["one_outcome"], row
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_checked_owner_paused_holding_every_part_comes_back_and_bans_nobody(tmp_path):
+    """CenteredClip with one checked owner: the owner is stopped holding every part of round 4
+    and resumed once the others went on. Its chunk went unaveraged, so each member's gradient
+    there is the same in round 5 (quadratic's loss is deterministic): a repeat, not a replay.
+    The survivors keep one model and nobody is banned."""
+    faults = load_benchmark("faults")
+    row = faults.run_case(faults.Case.parse("allreduce-robust/reduce.owner.closing@4:pause/1"), 4, str(tmp_path))
+    assert row["fired"], f"the victim never reached its fault point (logs in {tmp_path})"
+    assert row["one_outcome"] and row["false_accusations"] == 0, row
+
+
 def test_a_case_replays_from_the_line_a_row_prints():
     faults = load_benchmark("faults")
     cases = faults.schedule(7, 5, 4, list(faults.PROTOCOLS), list(faults.POINTS))
