@@ -34,7 +34,8 @@ whose victim never reached its point is reported as such (`fired`: false).
 
 Nobody in these runs attacks, so each row also counts the survivors' false accusations (a ban,
 or an average that failed its check: `false_accusations`, which must be 0); the `-checked`
-protocols run one owner per shard whose averages members check after every round.
+protocols run one owner per shard whose averages members check after every round, and
+`allreduce-robust` the same with CenteredClip and its watches.
 
 A seeded schedule picks each run's protocol, point, round, action and victim, so one failing
 run is replayed with `--case` (each row prints its case). Rows are JSON; the last one sums up.
