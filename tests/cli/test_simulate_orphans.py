@@ -50,16 +50,16 @@ def _cpu_s(pid: int) -> float:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_a_simulation_killed_with_sigkill_leaves_no_worker_alive():
     """Killed while its workers form their swarm, where they read nothing from the parent for
-    seconds: before the lifeline, a 128-peer run's workers outlived it by about 10 s, and at
+    seconds: before the lifeline, such a run's workers outlived it by about 10 s, and at
     1024 peers for more than 13 minutes."""
-    proc = subprocess.Popen([sys.executable, "-m", "starling.cli.main", "simulate", "--peers", "128", "--processes", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "starling.cli.main", "simulate", "--peers", "96", "--processes", "2",
                              "--protocol", "gossip", "--task", "quadratic", "--steps", "1000000"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         # both workers (and multiprocessing's resource tracker) up, and busy past their imports
         assert wait_until(lambda: len(_children(proc.pid)) >= 3, timeout_s=120), _children(proc.pid)
         workers = _children(proc.pid)
-        assert wait_until(lambda: sum(_cpu_s(w) for w in workers) > 4.0, timeout_s=120)
+        assert wait_until(lambda: sum(_cpu_s(w) for w in workers) > 3.0, timeout_s=120)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
