@@ -63,8 +63,11 @@ from starling.node.swim import (
     DEAD,
     LEFT,
     MAX_LIVE,
+    NEWS,
     RECORD,
+    ROUTINE,
     SUSPECT,
+    URGENT,
     Awareness,
     Broadcasts,
     Liveness,
@@ -223,6 +226,7 @@ class Swarm:
         transport = self.outbox.transport
         assert transport is not None and self.local.record is not None
         if self.learn(record) and hello.want_table:
+            self.spread_record(record)  # to the members no announce reaches, in O(log n) periods
             for p in self.table.live():
                 if p.peer_id != record.peer_id and (transport.is_open(p.peer_id)
                                                     or (not p.record.reachable and transport.can_send(p.peer_id))):
@@ -337,11 +341,13 @@ class Swarm:
             raise WireError(RejectReason.BAD_FIELD, "announce body must be a list of records", field="body")
         for raw in msg.body:
             try:
-                # Kept, not passed on: in a mass join a member hears hundreds of announces, and
-                # passing each on competes with refutations for the room in every message. A
-                # member the seed did not reach learns the joiner from the seed's gossip,
-                # `$want` on its beats, or anti-entropy.
-                self.learn(self.record_from(raw), told_by=msg.sender)
+                # Passed on as news, as from gossip: the members a seed announces to are the
+                # ones it holds sockets to, and so the ones its own gossip goes to; kept to
+                # themselves, the epidemic would stop at its first hop. News has its own share of
+                # every message, so a mass join's records do not hold back refutations.
+                record = self.record_from(raw)
+                if self.learn(record, told_by=msg.sender):
+                    self._spread([RECORD, record.to_wire()], NEWS)
             except WireError as exc:
                 self._reject(exc.reason, str(exc))
 
@@ -499,7 +505,7 @@ class Swarm:
         change = self.table.left(msg.sender, body[0])
         if change is not None:
             self.notify(change)
-            self._spread([LEFT, msg.sender, body[0], body[1]], urgent=True)  # for members it missed
+            self._spread([LEFT, msg.sender, body[0], body[1]], URGENT)  # for members it missed
 
     # ---------------------------------------------------------------- dropped connections
     def connection_lost(self, peer_id: str) -> None:
@@ -547,7 +553,7 @@ class Swarm:
             log.info("%s: %s did not answer a probe within %.2g s of its connection dropping",
                      self.local.peer_id, peer_id, timeout_s)
             self.notify(change)
-            self._spread(sign_claim(self.local.identity, DEAD, peer_id, *at), urgent=True)
+            self._spread(sign_claim(self.local.identity, DEAD, peer_id, *at), URGENT)
 
     # ---------------------------------------------------------------- failure detection (SWIM)
     async def run(self) -> None:
@@ -821,12 +827,14 @@ class Swarm:
             raise WireError(RejectReason.BAD_FIELD, "membership body must be a map {u: updates, ...}", field="body")
         return parse_updates(body.get("u", []))
 
-    def _take(self, urgent_only: bool = False) -> list[list[Any]]:
+    def _take(self, eager_only: bool = False) -> list[list[Any]]:
         lv = self.liveness
-        return self.broadcasts.take(lv.piggyback_bytes, lv.retransmit_limit(self.members()), urgent_only=urgent_only)
+        return self.broadcasts.take(lv.piggyback_bytes, lv.retransmit_limit(self.members()), eager_only=eager_only)
 
-    def _spread(self, update: list[Any], *, urgent: bool) -> None:
-        """Queue an update to be sent on (each key holds the newest update about one thing)."""
+    def _spread(self, update: list[Any], priority: int) -> None:
+        """Queue an update to be sent on (each key holds the newest update about one thing):
+        `URGENT` claims, refutations and leaves, `NEWS` joins and our own new meta, `ROUTINE`
+        beats passed on (`node.swim.Broadcasts`)."""
         kind = update[0]
         if kind == ALIVE:
             key: tuple[Any, ...] = (ALIVE, update[1][0])
@@ -836,7 +844,7 @@ class Swarm:
             key = (SUSPECT, update[1], update[4])  # one per claimant: confirmations spread too
         else:
             key = (kind, update[1])
-        self.broadcasts.add(key, update, urgent=urgent)
+        self.broadcasts.add(key, update, priority)
 
     async def _gossip_loop(self) -> None:
         """Urgent changes (claims, refutations, joins, leaves) to a few random members every
@@ -854,7 +862,7 @@ class Swarm:
                     suspicion.pardon(late)
             self._expire_suspicions(now)
             self._sign_meta(now)  # here too: a probe can take several timeouts under load
-            if not self.broadcasts.urgent:
+            if not self.broadcasts.eager:
                 continue
             # To members we hold a socket to, most rounds: past the socket cap, a send to anyone
             # else opens a socket and closes another, or is refused while all are busy (and the
@@ -867,7 +875,7 @@ class Swarm:
             for peer_id in targets:
                 if sent >= lv.gossip_fanout or not self._helper(peer_id):
                     continue
-                updates = self._take(urgent_only=True)
+                updates = self._take(eager_only=True)
                 if not updates:
                     break
                 sent += 1
@@ -929,7 +937,7 @@ class Swarm:
         self._live = live + 1
         self.awareness.apply(1)
         log.info("%s: refuting a claim that it is down (liveness incarnation %d)", self.local.peer_id, self._live)
-        self._spread([ALIVE, self._own_beat()], urgent=True)
+        self._spread([ALIVE, self._own_beat()], URGENT)
 
     def _remind(self, peer_id: str) -> None:
         """Send `peer_id` our current beat (it holds a claim we refuted already), at most once
@@ -963,9 +971,9 @@ class Swarm:
         if signed is None or (signed[3] is not self.local.meta
                               and now - self._beat_signed_at >= self.liveness.meta_interval_s):
             self._meta_seq += 1
-            # A new meta is urgent at its source: the member gossips it to a few others at once
+            # A new meta is news at its source: the member gossips it to a few others at once
             # (to the whole of a small swarm); they pass it on with their probes and answers.
-            self._spread([ALIVE, self._own_beat()], urgent=signed is not None)
+            self._spread([ALIVE, self._own_beat()], NEWS if signed is not None else ROUTINE)
 
     def _own_beat(self) -> list[Any]:
         """Our beat, signed once per counter and meta (a node replaces its meta, never edits it)."""
@@ -981,8 +989,9 @@ class Swarm:
         return signed
 
     def spread_record(self, record: PeerRecord) -> None:
-        """A peer joined through us: its record goes out with the next probes and gossip."""
-        self._spread([RECORD, record.to_wire()], urgent=True)
+        """A peer joined through us: its record goes out with the next probes and gossip, as
+        news, which every member that learns it from them passes on in turn."""
+        self._spread([RECORD, record.to_wire()], NEWS)
 
     # ---------------------------------------------------------------- applying updates
     def _apply(self, sender: str | None, updates: list[list[Any]]) -> None:
@@ -1008,10 +1017,10 @@ class Swarm:
                 if change is not None:
                     self._suspicions.pop(entry[0], None)
                     self.notify(change, refuted=True)
-                self._spread([ALIVE, entry], urgent=change is not None)
+                self._spread([ALIVE, entry], URGENT if change is not None else ROUTINE)
         elif kind == RECORD:
             if self.learn(self.record_from(update[1]), told_by=sender):
-                self._spread(update, urgent=True)
+                self._spread(update, NEWS)
         elif kind in (SUSPECT, DEAD):
             self._apply_claim(update, mine=False, sender=sender)
         else:
@@ -1026,7 +1035,7 @@ class Swarm:
             change = table.left(peer_id, incarnation)
             if change is not None:
                 self.notify(change)
-                self._spread(update, urgent=True)
+                self._spread(update, URGENT)
 
     def _apply_claim(self, claim: list[Any], *, mine: bool, sender: str | None = None) -> None:
         """A signed suspect or dead claim [kind, peer, incarnation, live, claimant, signature]:
@@ -1073,7 +1082,7 @@ class Swarm:
                 log.info("%s: %s declared %s dead", self.local.peer_id, claimant, peer_id)
             if change is not None:
                 self.notify(change)
-            self._spread(claim, urgent=True)
+            self._spread(claim, URGENT)
             if not mine and self._rng.random() < self.liveness.gossip_fanout / self.members():
                 # Gossip to the accused: a member that holds it suspect or dead no longer sends it
                 # anything, so if the claimant's one message to it was lost it would never refute.
@@ -1082,7 +1091,7 @@ class Swarm:
         elif status is PeerStatus.SUSPECT:
             suspicion = self._suspicions.get(peer_id)
             if suspicion is not None and suspicion.at == (incarnation, live) and suspicion.confirm(claimant):
-                self._spread(claim, urgent=True)
+                self._spread(claim, URGENT)
 
     async def _anti_entropy(self) -> None:
         """One page of a random member's table, from a random point: what gossip missed (a

@@ -236,59 +236,85 @@ class ProbeOrder:
         return None
 
 
+# What an update is to its queue (`Broadcasts`), most pressing first:
+URGENT = 0  # claims (suspect, dead), refutations, leaves: a false death waits on these
+NEWS = 1  # joins (records) and a member's own new meta: sent eagerly, in room claims cannot take
+ROUTINE = 2  # beats passed on: whatever room is left
+NEWS_SHARE = 3  # with news waiting, claims take at most (NEWS_SHARE - 1) / NEWS_SHARE of a message
+
+
 class Broadcasts:
     """Updates waiting to be sent on, one per key (a newer update about the same peer replaces
-    the older), the least-sent first, urgent ones before the rest; each is dropped after
-    `limit` sends. Bounded: past `max_items`, the most-sent half is dropped."""
+    the older), by priority (`URGENT`, `NEWS`, `ROUTINE`), the least-sent first within one;
+    each is dropped after `limit` sends. Claims go first, but while news (a join) waits they
+    leave it a third of each message: a storm of suspicions does not stall a join, nor a mass
+    join a refutation. Bounded: past `max_items`, the most-sent half of the least pressing is
+    dropped."""
 
     def __init__(self, max_items: int = 1024) -> None:
         self.max_items = max_items
-        self._items: dict[Any, list[Any]] = {}  # key -> [rank, sends, seq, key, update, nbytes]
-        self._heap: list[tuple[int, int, int, Any]] = []
+        self._items: dict[Any, list[Any]] = {}  # key -> [priority, sends, seq, key, update, nbytes]
+        self._heaps: tuple[list[tuple[int, int, Any]], ...] = ([], [], [])  # per priority: (sends, seq, key)
+        self._counts = [0, 0, 0]
         self._seq = itertools.count()
-        self.urgent = 0  # urgent items queued
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, key: Any, update: list[Any], *, urgent: bool = False) -> None:
+    @property
+    def eager(self) -> int:
+        """Urgent and news items queued: what the gossip fan-out sends on its own."""
+        return self._counts[URGENT] + self._counts[NEWS]
+
+    def count(self, priority: int) -> int:
+        return self._counts[priority]
+
+    def add(self, key: Any, update: list[Any], priority: int = ROUTINE) -> None:
+        if priority not in (URGENT, NEWS, ROUTINE):
+            raise ValueError(f"priority must be URGENT, NEWS or ROUTINE, got {priority!r}")
         nbytes = len(msgpack.packb(update, use_bin_type=True))
         seq = -next(self._seq)  # newest first among equals
-        rank = 0 if urgent else 1
         self._drop(key)
-        self._items[key] = [rank, 0, seq, key, update, nbytes]
-        self.urgent += urgent
-        heapq.heappush(self._heap, (rank, 0, seq, key))
-        if len(self._items) > self.max_items:  # shed the most-sent half, non-urgent first (amortized O(1))
+        self._items[key] = [priority, 0, seq, key, update, nbytes]
+        self._counts[priority] += 1
+        heap = self._heaps[priority]
+        heapq.heappush(heap, (0, seq, key))
+        if len(self._items) > self.max_items:  # shed the most-sent half, least pressing first (amortized O(1))
             ranked = sorted(self._items.values(), key=lambda item: (item[0], item[1], item[2]))
             for item in ranked[self.max_items // 2:]:
                 self._drop(item[3])
-        if len(self._heap) > 4 * self.max_items + 64:
-            self._heap = [(i[0], i[1], i[2], i[3]) for i in self._items.values()]
-            heapq.heapify(self._heap)
+        if len(heap) > 4 * self.max_items + 64:
+            self._heaps[priority][:] = [(i[1], i[2], i[3]) for i in self._items.values() if i[0] == priority]
+            heapq.heapify(self._heaps[priority])
 
     def _drop(self, key: Any) -> None:
         item = self._items.pop(key, None)
-        if item is not None and item[0] == 0:
-            self.urgent -= 1
+        if item is not None:
+            self._counts[item[0]] -= 1
 
-    def take(self, budget_bytes: int, limit: int, *, urgent_only: bool = False) -> list[list[Any]]:
+    def take(self, budget_bytes: int, limit: int, *, eager_only: bool = False) -> list[list[Any]]:
         """Updates to piggyback on one message, at most `budget_bytes` of them; each taken counts
-        one send, and one sent `limit` times is dropped."""
+        one send, and one sent `limit` times is dropped. `eager_only`: urgent and news only."""
         out: list[list[Any]] = []
-        again: list[tuple[int, int, int, Any]] = []
         spent = 0
-        heap, items = self._heap, self._items
+        for priority in ((URGENT, NEWS) if eager_only else (URGENT, NEWS, ROUTINE)):
+            room = budget_bytes
+            if priority == URGENT and self._counts[NEWS]:
+                room = budget_bytes * (NEWS_SHARE - 1) // NEWS_SHARE
+            spent = self._take_from(priority, room, limit, out, spent)
+        return out
+
+    def _take_from(self, priority: int, room: int, limit: int, out: list[list[Any]], spent: int) -> int:
+        heap, items = self._heaps[priority], self._items
+        again: list[tuple[int, int, Any]] = []
         while heap and len(out) < MAX_UPDATES:
-            rank, sends, seq, key = heap[0]
+            sends, seq, key = heap[0]
             item = items.get(key)
-            if item is None or item[1] != sends or item[2] != seq:
+            if item is None or item[0] != priority or item[1] != sends or item[2] != seq:
                 heapq.heappop(heap)  # replaced or dropped since
                 continue
-            if urgent_only and rank != 0:
-                break
-            if spent + item[5] > budget_bytes:
-                if spent == 0 and item[5] > budget_bytes:
+            if spent + item[5] > room:
+                if spent == 0 and item[5] > room:
                     heapq.heappop(heap)  # never fits: drop it rather than block the queue
                     self._drop(key)
                     continue
@@ -300,10 +326,10 @@ class Broadcasts:
             if item[1] >= limit:
                 self._drop(key)
             else:
-                again.append((item[0], item[1], item[2], key))
+                again.append((item[1], item[2], key))
         for entry in again:
             heapq.heappush(heap, entry)
-        return out
+        return spent
 
 
 # ---------------------------------------------------------------- claims about other peers

@@ -55,7 +55,7 @@ from starling.node.swarm import (
     SYNC,
     WANT,
 )
-from starling.node.swim import ALIVE, DEAD, LEFT, MAX_UPDATES, RECORD, SUSPECT, sign_claim
+from starling.node.swim import ALIVE, DEAD, LEFT, MAX_UPDATES, RECORD, SUSPECT, URGENT, sign_claim
 from starling.node.transfer import CHUNK_TOPIC, OPEN_TOPIC, TransferConfig
 from starling.node.wire import ENVELOPE_BYTES, ENVELOPE_VERSION, MAX_TOPIC_CHARS, decode
 
@@ -969,7 +969,7 @@ def test_a_probe_is_answered_with_a_bounded_piggyback(swarm, speakers, caplog):
 
     async def queue() -> None:  # leaves of peers nobody knows: news the members ignore
         for i in range(4 * MAX_UPDATES):
-            a._swarm._spread([LEFT, f"gone-{i}", 1, bytes(64)], urgent=True)
+            a._swarm._spread([LEFT, f"gone-{i}", 1, bytes(64)], URGENT)
 
     a.run(queue())
     for _ in range(20):
@@ -1206,7 +1206,7 @@ def test_a_malformed_answer_to_a_probe_is_refused_and_probing_goes_on(fresh_swar
     def probes_sent() -> int:
         return a.stats.snapshot()["bytes_sent"].get(other.peer_id, {}).get(PROBE, 0)
 
-    m._swarm._take = lambda urgent_only=False: [[ALIVE]]  # its probes and answers now carry [["a"]]
+    m._swarm._take = lambda eager_only=False: [[ALIVE]]  # its probes and answers now carry [["a"]]
     time.sleep(15 * TEST_LIVENESS.probe_interval_s)  # the target probes the member several times
     del m._swarm._take
     start = probes_sent()

@@ -553,3 +553,27 @@ def test_members_that_hear_a_claim_pass_it_to_the_accused_so_it_refutes_though_t
     assert wait_until(lambda: statuses(c).get(b.peer_id) != "alive", timeout_s=10)
     # c (every holder, in a swarm of 3: fanout / n is 1) passes the claim to b, which refutes
     assert wait_until(lambda: statuses(c)[b.peer_id] == "alive", timeout_s=20)
+
+
+def test_a_join_reaches_the_members_no_announce_reached_by_gossip_in_a_few_periods(make_node):
+    """Past the socket cap, a seed's announce reaches only the members it holds a socket to; the
+    rest learn a joiner from the seed's gossip, passed on by each member that learns it, in
+    O(log n) periods (not from anti-entropy, which is off here, nor from the joiner's probes,
+    one member a period)."""
+    period = 1.0
+    config = NodeConfig(liveness=Liveness(probe_interval_s=period, suspicion_base_s=30.0, sync_interval_s=3600.0),
+                        transport=TransportConfig(max_open_dealers=4), request_timeout_s=5.0)
+    members = [make_node("inproc", config=config) for _ in range(40)]
+    records = [m.record.to_wire() for m in members]
+    for m in members:  # formed without 40 joins: each is handed every record, as a simulator's workers do
+        assert m.add_records([r for r in records if r[0] != m.peer_id], told_by=members[0].peer_id) == 39
+    joiner = make_node("inproc", join=[members[1].address], config=config)
+
+    def knowing() -> int:
+        return sum(joiner.peer_id in m.live_peers() for m in members)
+
+    # nine in ten within 10 periods (the seed's announce alone reaches about 5); before gossip
+    # passed joins on, 25 of 40 knew it 10 periods in. Then every member, the last ones from a
+    # member's gossip that happens to reach them, or a probe.
+    assert wait_until(lambda: knowing() >= 0.9 * len(members), timeout_s=10 * period), knowing()
+    assert wait_until(lambda: knowing() == len(members), timeout_s=60 * period), knowing()

@@ -13,7 +13,10 @@ from starling.node.identity import Identity
 from starling.node.node import NodeConfig
 from starling.node.swim import (
     DEAD,
+    NEWS,
+    NEWS_SHARE,
     SUSPECT,
+    URGENT,
     Awareness,
     Broadcasts,
     IdSet,
@@ -91,12 +94,12 @@ def test_broadcasts_send_each_update_a_bounded_number_of_times_least_sent_and_ur
     assert lv.retransmit_limit(5) == 3 and lv.retransmit_limit(128) == 9 and lv.retransmit_limit(4096) == 12
     q = Broadcasts()
     q.add(("a", "x"), ["a", ["x", 1, 1, {}, b"s" * 64]])
-    q.add(("d", "y"), ["d", "y", 1, 0, "z", b"s" * 64], urgent=True)
-    assert q.urgent == 1
+    q.add(("d", "y"), ["d", "y", 1, 0, "z", b"s" * 64], URGENT)
+    assert q.eager == 1
     first = q.take(10_000, limit=2)
     assert [u[0] for u in first] == ["d", "a"]  # urgent first
     assert [u[0] for u in q.take(10_000, limit=2)] == ["d", "a"]
-    assert q.take(10_000, limit=2) == [] and len(q) == 0 and q.urgent == 0  # each sent `limit` times
+    assert q.take(10_000, limit=2) == [] and len(q) == 0 and q.eager == 0  # each sent `limit` times
     # a newer update about the same thing replaces the older, and starts its count again
     q.add(("a", "x"), ["a", ["x", 1, 1, {}, b"s" * 64]])
     q.take(10_000, limit=3)
@@ -107,12 +110,38 @@ def test_broadcasts_send_each_update_a_bounded_number_of_times_least_sent_and_ur
         q.add(("a", str(i)), ["a", [str(i), 1, 1, {}, b"s" * 64]])
     taken = q.take(300, limit=3)
     assert 1 <= len(taken) < 20
-    assert q.take(300, limit=3, urgent_only=True) == []
+    assert q.take(300, limit=3, eager_only=True) == []
     # bounded: past max_items the most-sent half goes
     small = Broadcasts(max_items=8)
     for i in range(20):
         small.add(("a", str(i)), ["a", [str(i), 1, 1, {}, b"s" * 64]])
     assert len(small) <= 8
+
+
+def test_news_keeps_its_share_of_every_message_whatever_the_claims_waiting():
+    """A storm of claims does not stall a join, nor a mass join a claim: with news waiting,
+    claims take at most (NEWS_SHARE - 1) / NEWS_SHARE of a message, and news the rest."""
+    q = Broadcasts()
+    for i in range(200):  # far more claims than one message holds
+        q.add(("s", str(i)), ["s", str(i), 1, 0, "z", b"s" * 64], URGENT)
+    q.add(("r", "joiner"), ["r", {"id": "joiner", "pad": b"r" * 100}], NEWS)
+    q.add(("a", "x"), ["a", ["x", 1, 1, {}, b"s" * 64]])  # a routine beat: only in room left over
+    taken = q.take(1200, limit=3)
+    kinds = [u[0] for u in taken]
+    assert "r" in kinds and kinds.count("s") >= 1
+    claims_bytes = sum(len(__import__("msgpack").packb(u, use_bin_type=True)) for u in taken if u[0] == "s")
+    assert claims_bytes <= 1200 * (NEWS_SHARE - 1) // NEWS_SHARE
+    # once the news is sent its `limit` times, claims take whole messages again
+    q.take(1200, limit=3), q.take(1200, limit=3)
+    assert q.count(NEWS) == 0
+    assert sum(1 for u in q.take(1200, limit=3) if u[0] == "s") > kinds.count("s")
+    # and news alone goes out on the gossip fan-out, ahead of routine beats
+    fresh = Broadcasts()
+    fresh.add(("a", "x"), ["a", ["x", 1, 1, {}, b"s" * 64]])
+    fresh.add(("r", "j"), ["r", {"id": "j"}], NEWS)
+    assert fresh.eager == 1 and [u[0] for u in fresh.take(1200, limit=3, eager_only=True)] == ["r"]
+    with pytest.raises(ValueError):
+        fresh.add(("a", "y"), ["a"], 7)
 
 
 def test_claims_are_signed_by_their_claimant():
@@ -174,7 +203,7 @@ def test_a_suspected_peer_refutes_with_a_higher_liveness_incarnation(make_node):
     async def suspect():  # A claims B suspect (signed by A), as after a probe nobody answered
         a._swarm._suspect(b.peer_id)
     a.run(suspect())
-    assert wait_until(lambda: a._swarm.broadcasts.urgent == 0 and statuses(a)[b.peer_id] == "alive", timeout_s=10)
+    assert wait_until(lambda: a._swarm.broadcasts.eager == 0 and statuses(a)[b.peer_id] == "alive", timeout_s=10)
     assert wait_until(lambda: statuses(c)[b.peer_id] == "alive", timeout_s=10)
     assert b._swarm._live >= 1  # it signed a beat of a higher liveness incarnation
     assert "dead" not in changes
