@@ -9,8 +9,10 @@ receives (a hello's config is only checked against its own).
 Liveness is SWIM with Lifeguard's refinements (`node.swim` holds the arithmetic): each period
 a node probes one member (`$probe`, a request), asks a few others to try (`$probe-via`) when it
 gets no answer, and then claims the member suspect; changes (joins, beats, claims, leaves) ride
-on probes and their answers, and urgent ones on a small gossip fan-out (`$gossip`), so a node's
-work per period is constant however large the swarm. A beat naming a peer a node has no record
+on probes and their answers, and claims and news (joins, a member's own new meta) on a small
+gossip fan-out (`$gossip`), so a node's work per period is constant however large the swarm. A
+joiner's record is news at its seed and at every member that learns it, from gossip or from the
+seed's announce, so a join reaches the swarm in O(log n) periods. A beat naming a peer a node has no record
 of is asked about (WANT); `$sync` pages are anti-entropy. A graceful leave is a signed
 broadcast. The connection monitor stays the fast path: a member whose connection to a peer
 drops probes it at once and, unanswered, claims it dead.

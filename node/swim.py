@@ -13,7 +13,9 @@ the arithmetic, on an injected clock, with no sockets.
   process slows its own verdicts instead of declaring others dead.
 - Changes ride on probes, their answers and a small gossip fan-out (`Broadcasts`), each sent on
   about `retransmit_mult * log10(n)` times by every member that hears it, so one member's work
-  per period is constant however large the swarm.
+  per period is constant however large the swarm. Claims and refutations go first; joins are
+  news, with a third of every message kept for them while they wait; beats passed on take what
+  is left.
 
 Everything here is state and arithmetic; `node.swarm` sends and receives the messages.
 """
