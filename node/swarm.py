@@ -106,6 +106,10 @@ class JoinError(Exception):
     """Could not join the swarm through any of the given addresses."""
 
 
+class RefusedAgain(WireError):
+    """A record whose (id, incarnation) the allowlist refused before: refused again."""
+
+
 class SwarmConfigError(JoinError):
     """The swarm runs a config this node cannot run."""
 
@@ -388,13 +392,15 @@ class Swarm:
         policy = self.local.policy
         if policy is None or record.peer_id == self.local.peer_id or policy.admits(record.curve_key):
             return
-        if self._refused.get(record.peer_id) != record.incarnation:
-            log.warning("%s: refused the record of %s: its key %s is not on the allowlist", self.local.peer_id,
-                        record.peer_id, z85.encode(record.curve_key).decode())
-            self._refused.pop(record.peer_id, None)
-            if len(self._refused) >= MAX_REFUSED:
-                del self._refused[next(iter(self._refused))]  # the oldest refusal
-            self._refused[record.peer_id] = record.incarnation
+        if self._refused.get(record.peer_id) == record.incarnation:
+            raise RefusedAgain(RejectReason.NOT_ALLOWED, f"peer record for {record.peer_id}: its key is not on this "
+                               "node's allowlist (refused before)", field="record")
+        log.warning("%s: refused the record of %s: its key %s is not on the allowlist", self.local.peer_id,
+                    record.peer_id, z85.encode(record.curve_key).decode())
+        self._refused.pop(record.peer_id, None)
+        if len(self._refused) >= MAX_REFUSED:
+            del self._refused[next(iter(self._refused))]  # the oldest refusal
+        self._refused[record.peer_id] = record.incarnation
         raise WireError(RejectReason.NOT_ALLOWED,
                         f"peer record for {record.peer_id}: its key is not on this node's allowlist", field="record")
 
@@ -1000,6 +1006,8 @@ class Swarm:
         for update in updates:
             try:
                 self._apply_one(update, sender)
+            except RefusedAgain:
+                continue  # gossip passes a join on several times: its refusal was counted once
             except WireError as exc:  # a forged or malformed update: that one only
                 self._reject(exc.reason, str(exc))
 
