@@ -11,7 +11,11 @@ SIM_PROBES_PER_S times a second). Every node sets its meta every 0.5 s, as a tra
 progress does. Per size it prints one JSON row:
 - join_s: until every node sees at least 99% of the others;
 - per peer, over a window of `--window-s` once joined: membership messages and bytes sent per
-  second, and per probe period (the scaling claim: constant per period, whatever N);
+  second, and per probe period (the scaling claim: constant per period, whatever N); and the
+  sends that had to open a socket to their peer, per probe period, by topic (past the socket
+  cap, a send to a member not used lately opens one and closes another);
+- sockets_opened_per_peer_joining: the same opens per peer, by topic, from the start until
+  that window;
 - a separate process joins (join_seen_p99_s: until 99% of the nodes know it), then is SIGKILLed;
   dead_median_s and dead_max_s: until each node holds it dead (most nodes hold no connection
   to it: they learn it from the claims of those that do, or from their own probes);
@@ -122,7 +126,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
                         if topic in sent:
                             sent[topic] += nbytes
                 msgs = sum(snap["messages_sent_by_topic"].get(t, 0) for t in MEMBERSHIP_TOPICS)
-                out.append((msgs, sum(sent.values())))
+                out.append((msgs, sum(sent.values()), snap["sockets_opened_by_topic"]))
             conn.send(out)
         elif cmd == "seen":  # arg: a peer id; per node here: the first time it was alive, dead
             conn.send([(seen.get(n.peer_id, {}).get(arg, {}).get("alive"),
@@ -192,7 +196,7 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
         row["join_s"] = round(time.monotonic() - started, 1)
         print(f"membership: {n} joined in {row['join_s']} s", file=sys.stderr, flush=True)
 
-        def stats() -> list[tuple[int, int]]:
+        def stats() -> list[tuple[int, int, dict[str, int]]]:
             for conn in conns:
                 conn.send(("stats", None))
             return [s for conn in conns for s in conn.recv()]
@@ -208,6 +212,20 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
         row["bytes_per_peer_s"] = round(statistics.mean(nbytes), 1)
         row["msgs_per_peer_period"] = round(statistics.mean(msgs) * lv.probe_interval_s, 2)
         row["bytes_per_peer_period"] = round(statistics.mean(nbytes) * lv.probe_interval_s, 1)
+        # sends that opened a socket (past the socket cap, most sends to a member not used lately)
+        opened: dict[str, float] = {}
+        for a, b in zip(after, before):
+            for topic, count in a[2].items():
+                opened[topic] = opened.get(topic, 0.0) + (count - b[2].get(topic, 0)) / span / n
+        row["sockets_opened_per_peer_period"] = round(sum(opened.values()) * lv.probe_interval_s, 2)
+        row["sockets_opened_by_topic"] = {t: round(v * lv.probe_interval_s, 3) for t, v in
+                                          sorted(opened.items(), key=lambda kv: -kv[1]) if v > 0}
+        formation = {}
+        for a in before:
+            for topic, count in a[2].items():
+                formation[topic] = formation.get(topic, 0) + count
+        row["sockets_opened_per_peer_joining"] = {t: round(c / n, 1) for t, c in
+                                                  sorted(formation.items(), key=lambda kv: -kv[1])}
 
         victim = subprocess.Popen([sys.executable, "-c", VICTIM, f"ipc://{ipc_dir}/victim", rng.choice(addresses),
                                    json.dumps(liveness)], stdout=subprocess.PIPE, text=True)

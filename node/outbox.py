@@ -82,6 +82,8 @@ class Outbox:
         # Emulated links shape protocol traffic only; membership keeps its own timing.
         if not (stats_topic or topic).startswith("$") and not await self.admitted(peer, frames):
             return
+        if self.transport.would_open(peer):
+            self.stats.count_socket_opened(stats_topic or topic)
         try:
             await self.send_frames(peer, frames, wait=wait, timeout_s=timeout_s)
         except SendError:

@@ -26,6 +26,8 @@ class NodeStats:
     messages_sent: int = 0
     messages_received: int = 0
     messages_sent_by_topic: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # sends that had to open a socket (a DEALER, and its monitor) to their peer, by topic
+    sockets_opened_by_topic: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     rejected: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     send_failures: int = 0
     stalls: int = 0  # times this node's own liveness loop woke late (see Swarm.run)
@@ -46,6 +48,11 @@ class NodeStats:
             self._add(self.bytes_sent, peer, topic, nbytes)
             self.messages_sent += 1
             by_topic = self.messages_sent_by_topic
+            by_topic[topic if topic in by_topic or len(by_topic) < self.max_topics else OTHERS] += 1
+
+    def count_socket_opened(self, topic: str) -> None:
+        with self._lock:
+            by_topic = self.sockets_opened_by_topic
             by_topic[topic if topic in by_topic or len(by_topic) < self.max_topics else OTHERS] += 1
 
     def count_received(self, peer: str, topic: str, nbytes: int) -> None:
@@ -82,6 +89,7 @@ class NodeStats:
                 "bytes_received": {p: dict(t) for p, t in self.bytes_received.items()},
                 "messages_sent": self.messages_sent,
                 "messages_sent_by_topic": dict(self.messages_sent_by_topic),
+                "sockets_opened_by_topic": dict(self.sockets_opened_by_topic),
                 "messages_received": self.messages_received,
                 "rejected": dict(self.rejected),
                 "send_failures": self.send_failures,

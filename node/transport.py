@@ -419,6 +419,11 @@ class Transport:
         what can go to an open socket should."""
         return self.exhausted > 0
 
+    def would_open(self, key: str) -> bool:
+        """Whether a send to `key` now opens a DEALER (none is open, and it is one we dial)."""
+        route = self._routes.get(key)
+        return key not in self._dealers and key not in self._attached and route is not None and bool(route[0])
+
     def is_open(self, key: str) -> bool:
         return key in self._dealers
 
