@@ -60,26 +60,9 @@ from starling.node.membership import (
 from starling.node.outbox import Outbox, Spawn, UnknownPeerError
 from starling.node.security import SecurityMode
 from starling.node.stats import NodeStats
-from starling.node.swim import (
-    ALIVE,
-    DEAD,
-    LEFT,
-    MAX_LIVE,
-    NEWS,
-    RECORD,
-    ROUTINE,
-    SUSPECT,
-    URGENT,
-    Awareness,
-    Broadcasts,
-    Liveness,
-    ProbeOrder,
-    Suspicion,
-    claim_is_signed,
-    parse_updates,
-    sign_claim,
-)
+from starling.node.swim import NEWS, ROUTINE, URGENT, Awareness, Broadcasts, Liveness, ProbeOrder, Suspicion
 from starling.node.transport import Inbound, NoSocket, SendError
+from starling.node.updates import DEAD, MAX_LIVE, SUSPECT, Beat, Claim, Leave, Record, Update, parse_updates
 from starling.node.wire import ENVELOPE_BYTES, Message, RejectReason, WireError, frame_nbytes
 
 log = logging.getLogger(__name__)
@@ -157,7 +140,7 @@ class Swarm:
         self._order = ProbeOrder(self._rng)
         self._suspicions: dict[str, Suspicion] = {}
         self._probes_via = 0
-        self._unverified: dict[str, list[tuple[list[Any], str]]] = {}  # claimant -> its claims we could not check yet
+        self._unverified: dict[str, list[tuple[Claim, str]]] = {}  # claimant -> its claims we could not check yet
         self._unknown_to: set[str] = set()  # peers that refused our probe as a stranger's
         self._reminded: dict[str, float] = {}  # peer id -> when we last sent it our beat against a stale claim
         self._rechecked: dict[str, float] = {}  # peer id -> when we last probed it, held dead, on a member's word
@@ -353,7 +336,7 @@ class Swarm:
                 # every message, so a mass join's records do not hold back refutations.
                 record = self.record_from(raw)
                 if self.learn(record, told_by=msg.sender):
-                    self._spread([RECORD, record.to_wire()], NEWS)
+                    self._spread(Record(record.to_wire()), NEWS)
             except WireError as exc:
                 self._reject(exc.reason, str(exc))
 
@@ -454,8 +437,8 @@ class Swarm:
         if change.old is PeerStatus.DEAD and change.new is PeerStatus.ALIVE and not refuted:
             at = self.table.live_at(change.peer_id)
             if at is not None:
-                claim = sign_claim(self.local.identity, SUSPECT, change.peer_id, *at)
-                self._spawn(self._send_quietly(change.peer_id, GOSSIP, {"u": [claim]}))
+                claim = Claim.sign(self.local.identity, SUSPECT, change.peer_id, *at)
+                self._spawn(self._send_quietly(change.peer_id, GOSSIP, {"u": [claim.to_wire()]}))
         if change.new in (PeerStatus.ALIVE, PeerStatus.SUSPECT) and change.old in (None, PeerStatus.DEAD):
             self._order.add(change.peer_id)  # probed this pass too
         waiting = self._unverified.pop(change.peer_id, None) if change.old is None else None
@@ -513,7 +496,7 @@ class Swarm:
         change = self.table.left(msg.sender, body[0])
         if change is not None:
             self.notify(change)
-            self._spread([LEFT, msg.sender, body[0], body[1]], URGENT)  # for members it missed
+            self._spread(Leave(msg.sender, body[0], body[1]), URGENT)  # for members it missed
 
     # ---------------------------------------------------------------- dropped connections
     def connection_lost(self, peer_id: str) -> None:
@@ -561,7 +544,7 @@ class Swarm:
             log.info("%s: %s did not answer a probe within %.2g s of its connection dropping",
                      self.local.peer_id, peer_id, timeout_s)
             self.notify(change)
-            self._spread(sign_claim(self.local.identity, DEAD, peer_id, *at), URGENT)
+            self._spread(Claim.sign(self.local.identity, DEAD, peer_id, *at), URGENT)
 
     # ---------------------------------------------------------------- failure detection (SWIM)
     async def run(self) -> None:
@@ -747,7 +730,7 @@ class Swarm:
         if info is None or record is None or (info.told_by is None and peer_id not in self._unknown_to):
             return []
         self._unknown_to.discard(peer_id)
-        return [[RECORD, record.to_wire()]]
+        return [Record(record.to_wire()).to_wire()]
 
     def _helper(self, peer_id: str) -> bool:
         info = self.table.get(peer_id)
@@ -783,10 +766,10 @@ class Swarm:
         from a stranger is refused, and nothing of it applied."""
         updates = self._updates_of(body)
         if member is None:
-            if not updates or updates[0][0] != RECORD:
+            if not updates or not isinstance(updates[0], Record):
                 raise WireError(RejectReason.UNKNOWN_PEER, "a probe from a peer we do not know must carry its record",
                                 field="sender")
-            record = self.record_from(updates[0][1])
+            record = self.record_from(updates[0].record)
             if self.local.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
                 raise WireError(RejectReason.SPOOFED_SENDER, "probe record's key does not own this connection",
                                 field="record")
@@ -830,7 +813,7 @@ class Swarm:
                                       self.awareness.scale(self.liveness.ack_timeout_s)))
 
     @staticmethod
-    def _updates_of(body: Any) -> list[list[Any]]:
+    def _updates_of(body: Any) -> list[Update]:
         if not isinstance(body, dict) or set(body) - {"u", "t", "ack"}:
             raise WireError(RejectReason.BAD_FIELD, "membership body must be a map {u: updates, ...}", field="body")
         return parse_updates(body.get("u", []))
@@ -839,20 +822,11 @@ class Swarm:
         lv = self.liveness
         return self.broadcasts.take(lv.piggyback_bytes, lv.retransmit_limit(self.members()), eager_only=eager_only)
 
-    def _spread(self, update: list[Any], priority: int) -> None:
+    def _spread(self, update: Update, priority: int) -> None:
         """Queue an update to be sent on (each key holds the newest update about one thing):
         `URGENT` claims, refutations and leaves, `NEWS` joins and our own new meta, `ROUTINE`
         beats passed on (`node.swim.Broadcasts`)."""
-        kind = update[0]
-        if kind == ALIVE:
-            key: tuple[Any, ...] = (ALIVE, update[1][0])
-        elif kind == RECORD:
-            key = (RECORD, update[1][0])
-        elif kind == SUSPECT:
-            key = (SUSPECT, update[1], update[4])  # one per claimant: confirmations spread too
-        else:
-            key = (kind, update[1])
-        self.broadcasts.add(key, update, priority)
+        self.broadcasts.add(update.key, update.to_wire(), priority)
 
     async def _gossip_loop(self) -> None:
         """Urgent changes (claims, refutations, joins, leaves) to a few random members every
@@ -902,9 +876,9 @@ class Swarm:
         at = self.table.live_at(peer_id)
         if at is None:
             return
-        claim = sign_claim(self.local.identity, SUSPECT, peer_id, *at)
+        claim = Claim.sign(self.local.identity, SUSPECT, peer_id, *at)
         self._apply_claim(claim, mine=True)
-        self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [claim]}))
+        self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [claim.to_wire()]}))
 
     def _expire_suspicions(self, now: float) -> None:
         for peer_id, suspicion in list(self._suspicions.items()):
@@ -921,7 +895,7 @@ class Swarm:
                 log.info("%s: %s outlived its suspicion here; asking it to refute", self.local.peer_id, peer_id)
                 suspicion.start = now
                 self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [
-                    sign_claim(self.local.identity, SUSPECT, peer_id, *at)]}))
+                    Claim.sign(self.local.identity, SUSPECT, peer_id, *at).to_wire()]}))
                 continue
             if not suspicion.last_probe:
                 # one probe of our own before the verdict: a suspect whose refutation has not
@@ -933,9 +907,9 @@ class Swarm:
                 self._spawn(self._ask(peer_id, PROBE, {"u": self._introduce(peer_id)}, timeout))
                 continue
             del self._suspicions[peer_id]
-            claim = sign_claim(self.local.identity, DEAD, peer_id, *at)
+            claim = Claim.sign(self.local.identity, DEAD, peer_id, *at)
             self._apply_claim(claim, mine=True)
-            self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [claim]}))  # if it lives, it refutes
+            self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [claim.to_wire()]}))  # if it lives, it refutes
 
     def _refute(self, live: int) -> None:
         """A member claims we are suspect or dead at liveness incarnation `live`: sign a beat
@@ -945,7 +919,7 @@ class Swarm:
         self._live = live + 1
         self.awareness.apply(1)
         log.info("%s: refuting a claim that it is down (liveness incarnation %d)", self.local.peer_id, self._live)
-        self._spread([ALIVE, self._own_beat()], URGENT)
+        self._spread(Beat(self._own_beat()), URGENT)
 
     def _remind(self, peer_id: str) -> None:
         """Send `peer_id` our current beat (it holds a claim we refuted already), at most once
@@ -956,7 +930,7 @@ class Swarm:
         if len(self._reminded) >= MAX_WANTED:
             self._reminded.clear()
         self._reminded[peer_id] = now
-        self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [[ALIVE, self._own_beat()]]}))
+        self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [Beat(self._own_beat()).to_wire()]}))
 
     def _recheck(self, peer_id: str) -> None:
         """Probe a peer we hold dead whose record a member just passed us as alive (a table
@@ -981,7 +955,7 @@ class Swarm:
             self._meta_seq += 1
             # A new meta is news at its source: the member gossips it to a few others at once
             # (to the whole of a small swarm); they pass it on with their probes and answers.
-            self._spread([ALIVE, self._own_beat()], NEWS if signed is not None else ROUTINE)
+            self._spread(Beat(self._own_beat()), NEWS if signed is not None else ROUTINE)
 
     def _own_beat(self) -> list[Any]:
         """Our beat, signed once per counter and meta (a node replaces its meta, never edits it)."""
@@ -999,10 +973,10 @@ class Swarm:
     def spread_record(self, record: PeerRecord) -> None:
         """A peer joined through us: its record goes out with the next probes and gossip, as
         news, which every member that learns it from them passes on in turn."""
-        self._spread([RECORD, record.to_wire()], NEWS)
+        self._spread(Record(record.to_wire()), NEWS)
 
     # ---------------------------------------------------------------- applying updates
-    def _apply(self, sender: str | None, updates: list[list[Any]]) -> None:
+    def _apply(self, sender: str | None, updates: list[Update]) -> None:
         for update in updates:
             try:
                 self._apply_one(update, sender)
@@ -1011,10 +985,10 @@ class Swarm:
             except WireError as exc:  # a forged or malformed update: that one only
                 self._reject(exc.reason, str(exc))
 
-    def _apply_one(self, update: list[Any], sender: str | None) -> None:
-        kind, table, me = update[0], self.table, self.local.peer_id
-        if kind == ALIVE:
-            entry = parse_beat(update[1])
+    def _apply_one(self, update: Update, sender: str | None) -> None:
+        table, me = self.table, self.local.peer_id
+        if isinstance(update, Beat):
+            entry = parse_beat(update.entry)
             if entry[0] == me:
                 return
             news = table.is_news(entry)
@@ -1027,31 +1001,33 @@ class Swarm:
                 if change is not None:
                     self._suspicions.pop(entry[0], None)
                     self.notify(change, refuted=True)
-                self._spread([ALIVE, entry], URGENT if change is not None else ROUTINE)
-        elif kind == RECORD:
-            if self.learn(self.record_from(update[1]), told_by=sender):
+                self._spread(Beat(entry), URGENT if change is not None else ROUTINE)
+        elif isinstance(update, Record):
+            if self.learn(self.record_from(update.record), told_by=sender):
                 self._spread(update, NEWS)
-        elif kind in (SUSPECT, DEAD):
+        elif isinstance(update, Claim):
             self._apply_claim(update, mine=False, sender=sender)
         else:
-            peer_id, incarnation, signature = update[1], update[2], update[3]
-            if peer_id == me:
+            if update.peer_id == me:
                 return
-            info = table.get(peer_id)
-            if info is None or info.status is PeerStatus.LEFT or incarnation < info.record.incarnation:
+            info = table.get(update.peer_id)
+            if info is None or info.status is PeerStatus.LEFT or update.incarnation < info.record.incarnation:
                 return
-            if not verify_signature(info.record.verify_key, leave_statement(peer_id, incarnation), signature):
-                raise WireError(RejectReason.BAD_SIGNATURE, f"leave of {peer_id} is not signed by it", field="body")
-            change = table.left(peer_id, incarnation)
+            if not verify_signature(info.record.verify_key, leave_statement(update.peer_id, update.incarnation),
+                                    update.signature):
+                raise WireError(RejectReason.BAD_SIGNATURE, f"leave of {update.peer_id} is not signed by it",
+                                field="body")
+            change = table.left(update.peer_id, update.incarnation)
             if change is not None:
                 self.notify(change)
                 self._spread(update, URGENT)
 
-    def _apply_claim(self, claim: list[Any], *, mine: bool, sender: str | None = None) -> None:
+    def _apply_claim(self, claim: Claim, *, mine: bool, sender: str | None = None) -> None:
         """A signed suspect or dead claim [kind, peer, incarnation, live, claimant, signature]:
         one this node just made (`mine`), or one heard, checked against its claimant's key
         (ours too: a member cannot pass a claim off as this node's own)."""
-        kind, peer_id, incarnation, live, claimant = claim[0], claim[1], claim[2], claim[3], claim[4]
+        kind, peer_id, incarnation, live, claimant = claim.kind, claim.peer_id, claim.incarnation, claim.live, \
+            claim.claimant
         me, table = self.local.peer_id, self.table
         if not mine:
             key = self.local.identity.verify_key if claimant == me else None
@@ -1068,7 +1044,7 @@ class Swarm:
                         self.want_from(sender, claimant)
                     return
                 key = author.record.verify_key
-            if not claim_is_signed(claim, key):
+            if not claim.is_signed(key):
                 raise WireError(RejectReason.BAD_SIGNATURE, f"{kind!r} claim about {peer_id} is not signed by "
                                 f"{claimant}", field="body")
         if peer_id == me:
@@ -1097,7 +1073,7 @@ class Swarm:
                 # Gossip to the accused: a member that holds it suspect or dead no longer sends it
                 # anything, so if the claimant's one message to it was lost it would never refute.
                 # Each holder sends it the claim with probability fanout / n: about `fanout` copies.
-                self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [claim]}))
+                self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [claim.to_wire()]}))
         elif status is PeerStatus.SUSPECT:
             suspicion = self._suspicions.get(peer_id)
             if suspicion is not None and suspicion.at == (incarnation, live) and suspicion.confirm(claimant):

@@ -31,14 +31,7 @@ from typing import Any
 
 import msgpack
 
-from starling.node.identity import Identity, verify_signature
-from starling.node.wire import RejectReason, WireError
-
-SIGNATURE_BYTES = 64
-
-# Update kinds, the first item of each update on the wire.
-ALIVE, RECORD, SUSPECT, DEAD, LEFT = "a", "r", "s", "d", "l"
-MAX_UPDATES = 64  # updates one message may carry (its sender bounds their bytes much lower)
+from starling.node.updates import MAX_UPDATES
 
 
 @dataclass(frozen=True)
@@ -332,71 +325,3 @@ class Broadcasts:
         for entry in again:
             heapq.heappush(heap, entry)
         return spent
-
-
-# ---------------------------------------------------------------- claims about other peers
-def claim_statement(kind: str, peer_id: str, incarnation: int, beat: int) -> bytes:
-    """What a member signs to say it suspects (or declares dead) one incarnation of a peer."""
-    return msgpack.packb(["starling-claim-v1", kind, peer_id, incarnation, beat], use_bin_type=True)
-
-
-def sign_claim(identity: Identity, kind: str, peer_id: str, incarnation: int, beat: int) -> list[Any]:
-    """A suspect or dead update: [kind, peer_id, incarnation, beat, claimant, signature]."""
-    return [kind, peer_id, incarnation, beat, identity.peer_id,
-            identity.sign(claim_statement(kind, peer_id, incarnation, beat))]
-
-
-# Claims checked, process-wide, by (key, statement, signature): a simulation's nodes share them.
-_CHECKED: dict[tuple[bytes, bytes, bytes], bool] = {}
-_MAX_CHECKED = 16384
-MAX_LIVE = 2**31 - 1  # a liveness incarnation a claim may name: one above it still fits a beat counter
-
-
-def claim_is_signed(update: list[Any], verify_key: bytes) -> bool:
-    """Whether the claimant (whose key is `verify_key`) signed this claim; remembered per key,
-    statement and signature, since every node of a simulated swarm hears each claim once."""
-    key = (verify_key, claim_statement(*update[:4]), update[5])
-    known = _CHECKED.get(key)
-    if known is not None:
-        return known
-    ok = verify_signature(verify_key, key[1], key[2])
-    if len(_CHECKED) >= _MAX_CHECKED:
-        _CHECKED.pop(next(iter(_CHECKED)))
-    _CHECKED[key] = ok
-    return ok
-
-
-def parse_updates(raw: Any) -> list[list[Any]]:
-    """The updates a message carries, each one's shape and ranges checked (raises WireError):
-    ["a", beat] (a peer's own signed beat), ["r", record] (a peer's signed record),
-    ["s" | "d", peer_id, incarnation, live, claimant, signature] (a member's signed claim about
-    a liveness incarnation below MAX_LIVE, so the refutation's beat still fits its counter),
-    ["l", peer_id, incarnation, signature] (a peer's signed leave). Signatures are checked by
-    whoever applies the update, against the key of the peer that signed it."""
-    if not isinstance(raw, list) or len(raw) > MAX_UPDATES:
-        raise WireError(RejectReason.BAD_FIELD, f"updates must be a list of at most {MAX_UPDATES}", field="body")
-    for update in raw:
-        if not (type(update) is list and update and update[0] in (ALIVE, RECORD, SUSPECT, DEAD, LEFT)):
-            raise WireError(RejectReason.BAD_FIELD, "each update must be a list starting with its kind",
-                            field="body")
-        kind = update[0]
-        if kind in (ALIVE, RECORD):
-            ok = len(update) == 2 and type(update[1]) is list
-        elif kind in (SUSPECT, DEAD):
-            ok = (len(update) == 6 and _is_id(update[1]) and _is_count(update[2]) and _is_count(update[3])
-                  and update[3] < MAX_LIVE and _is_id(update[4]) and type(update[5]) is bytes
-                  and len(update[5]) == SIGNATURE_BYTES)
-        else:
-            ok = (len(update) == 4 and _is_id(update[1]) and _is_count(update[2]) and type(update[3]) is bytes
-                  and len(update[3]) == SIGNATURE_BYTES)
-        if not ok:
-            raise WireError(RejectReason.BAD_FIELD, f"malformed {kind!r} update", field="body")
-    return raw
-
-
-def _is_id(value: Any) -> bool:
-    return type(value) is str and 0 < len(value) <= 64
-
-
-def _is_count(value: Any) -> bool:
-    return type(value) is int and 0 <= value < 2**63

@@ -55,8 +55,9 @@ from starling.node.swarm import (
     SYNC,
     WANT,
 )
-from starling.node.swim import ALIVE, DEAD, LEFT, MAX_UPDATES, RECORD, SUSPECT, URGENT, sign_claim
+from starling.node.swim import URGENT
 from starling.node.transfer import CHUNK_TOPIC, OPEN_TOPIC, TransferConfig
+from starling.node.updates import ALIVE, DEAD, LEFT, MAX_UPDATES, RECORD, SUSPECT, Leave, sign_claim
 from starling.node.wire import ENVELOPE_BYTES, ENVELOPE_VERSION, MAX_TOPIC_CHARS, decode
 
 # Strangers are rate-limited before their messages are even decoded (tests/node/test_flood_fuzz.py
@@ -969,7 +970,7 @@ def test_a_probe_is_answered_with_a_bounded_piggyback(swarm, speakers, caplog):
 
     async def queue() -> None:  # leaves of peers nobody knows: news the members ignore
         for i in range(4 * MAX_UPDATES):
-            a._swarm._spread([LEFT, f"gone-{i}", 1, bytes(64)], URGENT)
+            a._swarm._spread(Leave(f"gone-{i}", 1, bytes(64)), URGENT)
 
     a.run(queue())
     for _ in range(20):

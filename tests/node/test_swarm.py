@@ -15,8 +15,9 @@ from starling.node.identity import Identity
 from starling.node.membership import PeerStatus
 from starling.node.node import NodeConfig, SwarmConfigError, UnknownPeerError
 from starling.node.rpc import RemoteError, Reply, RequestTimeout, RpcError
-from starling.node.swim import Liveness, sign_claim
+from starling.node.swim import Liveness
 from starling.node.transport import TransportConfig
+from starling.node.updates import sign_claim
 from starling.node.wire import encode
 
 TRANSPORTS = ["tcp", "ipc", "inproc"]

@@ -12,10 +12,8 @@ from conftest import TEST_LIVENESS, statuses, wait_until
 from starling.node.identity import Identity
 from starling.node.node import NodeConfig
 from starling.node.swim import (
-    DEAD,
     NEWS,
     NEWS_SHARE,
-    SUSPECT,
     URGENT,
     Awareness,
     Broadcasts,
@@ -23,11 +21,9 @@ from starling.node.swim import (
     Liveness,
     ProbeOrder,
     Suspicion,
-    claim_is_signed,
-    parse_updates,
-    sign_claim,
 )
 from starling.node.transport import TransportConfig
+from starling.node.updates import DEAD, SUSPECT, Claim, claim_is_signed, parse_updates, sign_claim
 from starling.node.wire import RejectReason, WireError
 
 
@@ -147,11 +143,34 @@ def test_news_keeps_its_share_of_every_message_whatever_the_claims_waiting():
 def test_claims_are_signed_by_their_claimant():
     claimant, other = Identity.generate(), Identity.generate()
     claim = sign_claim(claimant, SUSPECT, "victim", 3, 1)
-    assert parse_updates([claim]) == [claim]
+    assert [u.to_wire() for u in parse_updates([claim])] == [claim]
     assert claim_is_signed(claim, claimant.verify_key)
     forged = sign_claim(other, DEAD, "victim", 3, 1)
     forged[4] = claimant.peer_id  # another member's claim passed off as the claimant's
     assert not claim_is_signed(forged, claimant.verify_key)
+
+
+def test_typed_updates_round_trip_and_name_what_they_are_about():
+    peer = Identity.generate()
+    claim = Claim.sign(peer, SUSPECT, "victim", 3, 1)
+    wire = [["a", ["p", 1, 2, {"step": 3}, bytes(64)]], ["r", ["p", b"k" * 32, b"c" * 32, [], 1, bytes(64), False]],
+            claim.to_wire(), ["d", "victim", 3, 1, "c", bytes(64)], ["l", "p", 4, bytes(64)]]
+    updates = parse_updates(wire)
+    assert [type(u).__name__ for u in updates] == ["Beat", "Record", "Claim", "Claim", "Leave"]
+    assert [u.to_wire() for u in updates] == wire  # compact on the wire, as before
+    assert [u.key for u in updates] == [("a", "p"), ("r", "p"), ("s", "victim", peer.peer_id), ("d", "victim"),
+                                        ("l", "p")]
+    assert updates[2] == claim and claim.is_signed(peer.verify_key)
+    with pytest.raises(ValueError):
+        Claim.sign(peer, "l", "victim", 3, 1)
+
+
+@pytest.mark.parametrize("raw", [[["a", "beat", 1]], [["r", {}]], [["s", "p", 1, 2**31 - 1, "c", bytes(64)]],
+                                 [["s", "p", True, 1, "c", bytes(64)]], [["l", "p", 1, bytes(63)]],
+                                 [["l", "p", 1, bytes(64), "extra"]], [[5, "p"]], [["d", "p", 1, 1, "", bytes(64)]]])
+def test_typed_updates_refuse_malformed_fields(raw):
+    with pytest.raises(WireError, match="update"):
+        parse_updates(raw)
 
 
 @pytest.mark.parametrize("raw", [None, "x", [["q"]], [[]], [["a"]], [["a", "beat"]], [["s", "p", 1, 1, "c", b"x"]],
