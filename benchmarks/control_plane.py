@@ -723,7 +723,7 @@ def member_pull_rate(seed: Any, member: Any, sock: Raw, identities: list[Any], q
     20 ms; the seed's byte counters say what it sent that member. The figure is the rate
     after the first second (what a budget's burst lets through is spent by then); the whole
     window's rate is printed beside it."""
-    from starling.node.swarm import MAX_WANT, SYNC, WANT
+    from starling.node.table_sync import MAX_WANT, SYNC, WANT
 
     warm_s, seconds = 1.0, (1.0 if quick else 4.0)
     ids = [ident.peer_id for ident in identities[:MAX_WANT]]

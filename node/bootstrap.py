@@ -341,7 +341,7 @@ class Bootstrap:
         following = reply.body.get("next")
         if isinstance(following, str):  # the table goes on past what a hello's answer may carry
             try:
-                await self.swarm.sync(responder.peer_id, after=following)
+                await self.swarm.tables.sync(responder.peer_id, after=following)
             except Exception as exc:  # the digests' WANTs find the rest, only slower
                 log.info("%s: could not page the table of %s: %s", self.local.peer_id, responder.peer_id, exc)
 

@@ -145,9 +145,9 @@ class Node:
                                     rejoin_interval_s=config.rejoin_interval_s)
         self._relay = Relay(local, self._table, self._outbox, spawn, config.relay, max_frames=config.limits.max_frames,
                             reject=self._dispatch.reject, deliver=self._dispatch.on_opened,
-                            want_from=self._swarm.want_from, home=self._swarm.home_relays)
+                            want_from=self._swarm.tables.want_from, home=self._swarm.relays.home)
         self._outbox.route_through_relays(self._relay.send)
-        self._swarm.relays_kept = config.relay.max_relays + 1  # the ones `$via` names, and a spare
+        self._swarm.relays.kept = config.relay.max_relays + 1  # the ones `$via` names, and a spare
         self._swarm.loop_lag = self._net.lag.worst_since
         self._dispatch.notify = self._swarm.notify
         self._swarm.ticks[:] = [self._bootstrap.tick, self._relay.tick]
@@ -302,7 +302,7 @@ class Node:
             await self._bootstrap.join(joins)
             # a client is reachable through a relay only once the relay has had a message from
             # it on its own connection: one is on its way before the join returns
-            await self._swarm.greet_relays()
+            await self._swarm.relays.greet()
 
     @staticmethod
     def _needs_dial_back(endpoints: list[str]) -> bool:
@@ -397,7 +397,7 @@ class Node:
         elsewhere, or through the same seed at the same time). The future gives how many
         records were news. `collect`: a list the records pulled are appended to, as they came
         on the wire, to hand to other nodes (`add_records`)."""
-        return self._net.submit(self._swarm.sync(peer, collect=collect))
+        return self._net.submit(self._swarm.tables.sync(peer, collect=collect))
 
     def add_records(self, records: list[Any], told_by: str | None = None) -> int:
         """Learn peer records in their wire form, handed to this node rather than sent to it
@@ -407,7 +407,7 @@ class Node:
         return self._call(self._add_records(records, told_by))
 
     async def _add_records(self, records: list[Any], told_by: str | None) -> int:
-        return self._swarm.add_records(records, told_by)
+        return self._swarm.tables.add_records(records, told_by)
 
     def set_meta(self, **meta: Any) -> None:
         """Metadata (e.g. the protocol round) carried to every peer in this node's beats: signed

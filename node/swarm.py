@@ -28,7 +28,6 @@ The table itself (records, statuses, the failure detector's arithmetic) is
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import random
@@ -40,7 +39,7 @@ import msgpack
 from zmq.utils import z85
 
 from starling.node import rpc
-from starling.node.admission import AdmissionConfig, TokenBucket
+from starling.node.admission import AdmissionConfig
 from starling.node.dispatch import Dispatcher
 from starling.node.hello import MAX_TURNED_AWAY, Hello, PeerVersions, mismatch_text
 from starling.node.identity import verify_signature
@@ -58,31 +57,24 @@ from starling.node.membership import (
     sign_beat,
 )
 from starling.node.outbox import Outbox, Spawn, UnknownPeerError
+from starling.node.relay_keeping import RelayKeeper
 from starling.node.security import SecurityMode
 from starling.node.stats import NodeStats
 from starling.node.swim import NEWS, ROUTINE, URGENT, Awareness, Broadcasts, Liveness, ProbeOrder, Suspicion
+from starling.node.table_sync import ANNOUNCE, MAX_WANTED, SYNC, WANT, TableSync
 from starling.node.transport import Inbound, NoSocket, SendError
 from starling.node.updates import DEAD, MAX_LIVE, SUSPECT, Beat, Claim, Leave, Record, Update, parse_updates
 from starling.node.wire import ENVELOPE_BYTES, Message, RejectReason, WireError, frame_nbytes
 
 log = logging.getLogger(__name__)
 
-HELLO, ANNOUNCE, LEAVE = "$hello", "$announce", "$leave"
+HELLO, LEAVE = "$hello", "$leave"
 PROBE, PROBE_VIA, GOSSIP = "$probe", "$probe-via", "$gossip"
 MAX_PROBES_VIA = 16  # indirect probes this node runs for others at once
 MAX_UNVERIFIED = 64  # claimants whose claims wait for their record
 NO_SOCKET: Any = object()  # `_ask`'s answer when this node had no socket to send on
-WANT = "$want"  # asks a member for records it gossiped that we lack; answered with ANNOUNCE
-# A member asks another for its whole table (anti-entropy, as memberlist's push-pull): peers
-# that joined through one seed at the same time learn each other in one round trip, not over
-# the many heartbeat intervals their digests take to spread in a big swarm.
-SYNC = "$sync"
-MAX_WANT = 256
-MAX_WANTED = 4096  # ids asked for and not yet forgotten (see `want_from`)
 MAX_ANNOUNCE = 256
 MAX_REFUSED = 1024  # refused records remembered, so that beats naming them are not asked about
-MAX_SYNC_PAGES = 4096  # pages one `sync` reads before it stops (a table past that is not honest)
-SYNC_BUSY_RETRIES = 5  # pulls a peer turned down over its budget, waited out and sent again
 
 
 class JoinError(Exception):
@@ -147,25 +139,28 @@ class Swarm:
         # the longest this node's loop fell behind since a time (`LoopLag.worst_since`): wired by
         # the node; a probe unanswered while the loop was that late is no verdict
         self.loop_lag: Callable[[float], float] = lambda since: 0.0
-        self.relays_kept = 4  # a client's relays (`keep_relays`): the node sets its `$via` count plus a spare
-        self._relays: list[str] = []
-        self._next_sync = time.monotonic() + liveness.sync_interval_s * self._rng.random()
-        self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
+        # a client's relays (`node.relay_keeping`), kept once a period
+        self.relays = RelayKeeper(local, table, outbox, spawn, self._rng,
+                                  touch=lambda r: self._send_quietly(r, GOSSIP, {"u": []}),
+                                  probe=lambda r: self._ask(r, PROBE, {"u": self._take()},
+                                                            self.awareness.scale(self.liveness.ack_timeout_s)))
         self._acked: dict[str, float] = {}  # peer id -> when we last probed it back on its asking
         self._probing: set[str] = set()  # peers whose dropped connection is being probed
         self._refused: dict[str, int] = {}  # peer id -> incarnation whose record the allowlist refused
         self._signed_beat: list[Any] | None = None  # our current beat, signed (see `_own_beat`)
-        self._pulls: dict[str, TokenBucket] = {}  # member id -> the bytes its table pulls may still take
+        # `$sync` pages and `$want`, under each member's pull budget (`node.table_sync`)
+        self.tables = TableSync(local, table, outbox, stats, spawn, self._rng, liveness=liveness, admission=admission,
+                                learn=self.learn, record_from=self.record_from, reject=reject, helper=self._helper)
 
     def register(self, dispatch: Dispatcher) -> None:
         """Serve the membership topics on the node's dispatcher."""
         dispatch.on_internal_request(HELLO, self.on_hello, public=True)  # a joiner is not a member yet
-        dispatch.on_internal_request(SYNC, self.on_sync, plain_answers=True)
+        dispatch.on_internal_request(SYNC, self.tables.on_sync, plain_answers=True)
         # public: a member that learned of us before we learned of it (both joined a moment ago)
         # probes with its own record, which we learn as from a hello (see `on_probe`)
         dispatch.on_internal_request(PROBE, self.on_probe, public=True, plain_answers=True)
         dispatch.on_internal_request(PROBE_VIA, self.on_probe_via, plain_answers=True)
-        for topic, handler in ((GOSSIP, self.on_gossip), (WANT, self.on_want), (LEAVE, self.on_leave),
+        for topic, handler in ((GOSSIP, self.on_gossip), (WANT, self.tables.on_want), (LEAVE, self.on_leave),
                                (ANNOUNCE, self.on_announce)):
             dispatch.on_internal_message(topic, handler)
 
@@ -225,105 +220,8 @@ class Swarm:
         if hello.want_table:  # a re-announce asks for no table
             budget = (self.admission.stranger_reply_factor * frame_nbytes(inbound.frames)
                       - len(msgpack.packb(reply, use_bin_type=True)) - ENVELOPE_BYTES)
-            reply["peers"], reply["next"], _ = self._page(None, budget, but=record.peer_id)
+            reply["peers"], reply["next"], _ = self.tables.page(None, budget, but=record.peer_id)
         return reply
-
-    def on_sync(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
-        """A member asks for a page of our table: the records of peers alive to us, in id order
-        from after `after`, at most `table_page_bytes` of them, and `next` to go on from (None
-        at the end). Each member's pulls share `member_pull_bytes_per_s`; past it the pull is
-        turned down (busy) and may be sent again later."""
-        if body is None:
-            after = None
-        elif isinstance(body, dict) and set(body) == {"after"} and isinstance(body["after"], str) \
-                and len(body["after"]) <= 64:
-            after = body["after"]
-        else:
-            raise WireError(RejectReason.BAD_FIELD, "sync body must be empty or {after: peer id}", field="body")
-        assert member is not None  # `$sync` is answered to members only
-        admission, now = self.admission, time.monotonic()
-        bucket = self._pull_bucket(member, now)
-        if bucket.available(now) < -admission.table_page_bytes:
-            raise rpc.Unanswered(f"{member} pulls on past its budget's refusals")
-        budget = min(admission.table_page_bytes, bucket.available(now) - ENVELOPE_BYTES)
-        peers, following, nbytes = self._page(after, budget)
-        if not peers and (following is not None or budget < 0):
-            # the refusal is charged too, so pulling faster only puts the next page further off;
-            # a member deep in that debt is not answered at all
-            bucket.charge(ENVELOPE_BYTES, now)
-            raise rpc.BusyError(f"table pulls over {admission.member_pull_bytes_per_s:.0f} bytes/s; try again later")
-        bucket.charge(nbytes + ENVELOPE_BYTES, now)  # an empty page costs its envelope too
-        return {"peers": peers, "next": following}
-
-    def _pull_bucket(self, member: str, now: float) -> TokenBucket:
-        bucket = self._pulls.get(member)
-        if bucket is None:
-            admission = self.admission
-            bucket = self._pulls[member] = TokenBucket(admission.member_pull_bytes_per_s,
-                                                       admission.member_pull_burst_bytes, now)
-        return bucket
-
-    def _page(self, after: str | None, budget: float, but: str | None = None) -> tuple[list[Any], str | None, int]:
-        """Records of live peers with ids above `after` (all, for None), in id order, that fit in
-        `budget` bytes; the id to go on from (None if none are left); and their bytes."""
-        live = sorted((p for p in self.table.live() if p.peer_id != but and (after is None or p.peer_id > after)),
-                      key=lambda p: p.peer_id)
-        page: list[Any] = []
-        nbytes = 0
-        for p in live:
-            size = _record_bytes(p.record)
-            if nbytes + size > budget:
-                return page, (page[-1][0] if page else after or ""), nbytes
-            page.append(p.record.to_wire())
-            nbytes += size
-        return page, None, nbytes
-
-    async def sync(self, peer_id: str, after: str | None = None, pages: int = MAX_SYNC_PAGES,
-                   collect: list[Any] | None = None) -> int:
-        """Learn the table of `peer_id` (a member), page by page from after `after`, at most
-        `pages` of them: the number of records that were news. A page turned down as over our
-        pull budget is waited for. `collect`: the records that checked out are appended to it
-        as they came on the wire (to hand to other nodes, `Node.add_records`)."""
-        learned, busy = 0, 0
-        for _ in range(min(pages, MAX_SYNC_PAGES)):
-            try:
-                reply = await self.outbox.request(peer_id, SYNC, None if after is None else {"after": after})
-            except rpc.BusyError:
-                busy += 1
-                if busy > SYNC_BUSY_RETRIES:
-                    raise
-                await asyncio.sleep(1.0)
-                continue
-            body = reply.body
-            if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
-                raise WireError(RejectReason.BAD_FIELD, "malformed sync reply", field="body")
-            for raw in body["peers"]:
-                try:
-                    learned += self.learn(self.record_from(raw), told_by=peer_id)
-                except WireError as exc:
-                    self.stats.count_rejected(exc.reason.value)
-                    continue
-                if collect is not None:
-                    collect.append(raw)
-            following = body.get("next")
-            if following is None:
-                return learned
-            if not isinstance(following, str) or (after is not None and following <= after):
-                raise WireError(RejectReason.BAD_FIELD, "sync reply: next must come after the page asked for",
-                                field="body")
-            after = following
-        return learned
-
-    def add_records(self, records: list[Any], told_by: str | None) -> int:
-        """Learn records handed to this node (`Node.add_records`), each checked as one relayed
-        by `told_by`; one that does not check out is counted and skipped. Returns the news."""
-        learned = 0
-        for raw in records:
-            try:
-                learned += self.learn(self.record_from(raw), told_by=told_by)
-            except WireError as exc:
-                self._reject(exc.reason, f"record handed to this node: {exc}")
-        return learned
 
     def on_announce(self, msg: Message) -> None:
         if not isinstance(msg.body, list) or len(msg.body) > MAX_ANNOUNCE:
@@ -401,7 +299,7 @@ class Swarm:
         if self.table.evicted:  # made room: their sockets go too
             for gone in self.table.evicted:
                 transport.disconnect(gone)
-                self._pulls.pop(gone, None)
+                self.tables.forget(gone)
             self.table.evicted.clear()
         known = self.table.get(record.peer_id)
         if known is not None and held is record and told_by is not None and known.status is PeerStatus.DEAD:
@@ -574,77 +472,26 @@ class Swarm:
             target = self._next_target()
             if target is not None:
                 await self._probe(target)
-            self.keep_relays()
+            self.relays.keep()
             now = time.monotonic()
-            if now >= self._next_sync:
-                self._next_sync = now + self.awareness.scale(lv.sync_interval(self.members())) * \
+            if now >= self.tables.next_anti_entropy:
+                self.tables.next_anti_entropy = now + self.awareness.scale(lv.sync_interval(self.members())) * \
                     (0.5 + self._rng.random())
-                self._spawn(self._anti_entropy())
+                self._spawn(self.tables.anti_entropy())
             for tick in self.ticks:
                 tick(now)
             periods += 1
             if periods % 16 == 0:  # walks the table: not every period
-                self._wanted = {k: t for k, t in self._wanted.items() if now - t < self.forget_after_s}
+                self.tables.expire(now, self.forget_after_s)
                 self._unverified.clear()  # claimants whose records never came: made up, or gone
                 for gone in self.table.forget(self.forget_after_s, now):
-                    self._pulls.pop(gone, None)
+                    self.tables.forget(gone)
                     if self.outbox.transport is not None:
                         self.outbox.transport.disconnect(gone)
             period = self.awareness.scale(lv.probe_interval_s)
             wait = max(0.0, period - (time.monotonic() - now))
             wake_at = time.monotonic() + wait
             await asyncio.sleep(wait)
-
-    def _client(self) -> bool:
-        record = self.local.record
-        return record is not None and not record.reachable
-
-    def _is_relay(self, peer_id: str, *statuses: PeerStatus) -> bool:
-        info = self.table.get(peer_id)
-        return info is not None and info.status in statuses and info.record.relay and info.record.reachable
-
-    def _home_relays(self) -> list[str]:
-        """The relays a client keeps (`relays_kept`): those it kept that are still alive, topped
-        up from the others (ones that already answered it first, then at random, so that the
-        clients of a swarm spread over its relays). Only a short list walks the table."""
-        # a suspect is kept until it is dead (most suspicions are refuted); new ones must be alive
-        kept = [r for r in self._relays if self._is_relay(r, PeerStatus.ALIVE, PeerStatus.SUSPECT)]
-        if len(kept) < self.relays_kept:
-            transport = self.outbox.transport
-            others = [p.peer_id for p in self.table.live()
-                      if p.peer_id not in kept and self._is_relay(p.peer_id, PeerStatus.ALIVE)]
-            self._rng.shuffle(others)
-            others.sort(key=lambda r: not (transport is not None and transport.heard(r)))
-            kept += others[: self.relays_kept - len(kept)]
-        self._relays = kept
-        return kept
-
-    def home_relays(self) -> list[str]:
-        """The relays this client keeps (empty for a node that can be dialled)."""
-        return list(self._relays) if self._client() else []
-
-    def keep_relays(self) -> None:
-        """A client's relays must hear from it every period: each message it sends them refreshes
-        the connection they reach it on (`Transport.attach`). One that has not answered down that
-        connection yet is probed, since the answer is what lets the client name it in `$via`.
-        A client keeps a few relays (`relays_kept`), not every relay of the swarm."""
-        transport = self.outbox.transport
-        if transport is None or not self._client():
-            return
-        for relay in self._home_relays():
-            if transport.heard(relay):
-                self._spawn(self._send_quietly(relay, GOSSIP, {"u": []}))
-            else:
-                self._spawn(self._ask(relay, PROBE, {"u": self._take()},
-                                      self.awareness.scale(self.liveness.ack_timeout_s)))
-
-    async def greet_relays(self) -> None:
-        """A client that just joined: a message to each relay it keeps, handed to their
-        connections before this returns (then probes, as every period: `keep_relays`)."""
-        if not self._client():
-            return
-        await asyncio.gather(*(self._send_quietly(r, GOSSIP, {"u": []}) for r in self._home_relays()))
-        self.keep_relays()
 
     def _can_probe(self, info: PeerInfo) -> bool:
         transport = self.outbox.transport
@@ -994,7 +841,7 @@ class Swarm:
             news = table.is_news(entry)
             if news is None:
                 if sender is not None and self._refused.get(entry[0]) != entry[1]:
-                    self.want_from(sender, entry[0])
+                    self.tables.want_from(sender, entry[0])
                 return
             if news:
                 change = table.heartbeat(entry, time.monotonic())
@@ -1041,7 +888,7 @@ class Swarm:
                         waiting = self._unverified.setdefault(claimant, [])
                         if len(waiting) < 8:
                             waiting.append((claim, sender))
-                        self.want_from(sender, claimant)
+                        self.tables.want_from(sender, claimant)
                     return
                 key = author.record.verify_key
             if not claim.is_signed(key):
@@ -1078,52 +925,3 @@ class Swarm:
             suspicion = self._suspicions.get(peer_id)
             if suspicion is not None and suspicion.at == (incarnation, live) and suspicion.confirm(claimant):
                 self._spread(claim, URGENT)
-
-    async def _anti_entropy(self) -> None:
-        """One page of a random member's table, from a random point: what gossip missed (a
-        record whose announcement was lost) comes back over time, at a bounded cost."""
-        helpers = [h for h in self.table.live_ids.sample(self._rng, 3) if self._helper(h)]
-        if not helpers:
-            return
-        after = self._rng.choice(list(self.table.live_ids.sample(self._rng, 1)) or [None])
-        try:
-            await self.sync(helpers[0], after=after, pages=1)
-        except Exception as exc:  # anti-entropy is best effort; the next round tries another member
-            log.debug("%s: anti-entropy with %s failed: %s", self.local.peer_id, helpers[0], exc)
-
-    def want_from(self, peer_id: str, unknown: str) -> None:
-        """Ask `peer_id` for the record of `unknown`, at most once an interval per id, and with a
-        bounded memory of ids asked for (names a peer makes up must not grow it)."""
-        now = time.monotonic()
-        if len(self._wanted) >= MAX_WANTED or now - self._wanted.get(unknown, -math.inf) < \
-                self.liveness.probe_interval_s:
-            return
-        self._wanted[unknown] = now
-        self._spawn(self.outbox.send(peer_id, WANT, [unknown]))
-
-    def on_want(self, msg: Message) -> None:
-        """Send a member the records it asked for, out of the same budget as its `$sync` pulls:
-        what does not fit now is left out (it asks again when beats name those ids)."""
-        body = msg.body
-        if not isinstance(body, list) or len(body) > MAX_WANT or not all(isinstance(x, str) for x in body):
-            raise WireError(RejectReason.BAD_FIELD, f"want body must be a list of at most {MAX_WANT} ids",
-                            field="body")
-        now = time.monotonic()
-        bucket = self._pull_bucket(msg.sender, now)
-        records = []
-        for peer_id in dict.fromkeys(body):
-            info = self.table.get(peer_id)
-            if info is not None and info.status in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
-                if not bucket.spend(_record_bytes(info.record), now):
-                    self._reject(RejectReason.RATE_LIMITED, f"want from {msg.sender}: over its budget")
-                    break
-                records.append(info.record.to_wire())
-        if records:
-            bucket.charge(ENVELOPE_BYTES, now)
-            self._spawn(self.outbox.send(msg.sender, ANNOUNCE, records))
-
-
-@functools.lru_cache(maxsize=16384)
-def _record_bytes(record: PeerRecord) -> int:
-    """Bytes of a record on the wire (records are immutable and shared: sized once each)."""
-    return len(msgpack.packb(record.to_wire(), use_bin_type=True))

@@ -298,7 +298,7 @@ def assert_sound(s: Swarm, before: Baseline, caplog: pytest.LogCaptureFixture) -
     assert a.live_peers() == sorted(before.peers)
     # what a remote peer can make the node hold is bounded
     swarm, dispatch, transport = a._swarm, a._dispatch, a._transport
-    assert len(swarm._wanted) <= MAX_WANTED
+    assert len(swarm.tables._wanted) <= MAX_WANTED
     assert set(swarm._acked) <= before.peers and not swarm._refused
     assert dispatch.admission.tracked <= dispatch.admission.config.tracked_connections
     assert wait_until(lambda: dispatch.admission.in_flight() == 0, ANSWER_WITHIN_S)
@@ -1130,7 +1130,7 @@ def test_beats_naming_made_up_peers_keep_the_ids_asked_for_within_their_bound(fr
         member.sync()
     finally:
         member.close()
-    assert MAX_WANTED // 2 <= len(a._swarm._wanted) <= MAX_WANTED
+    assert MAX_WANTED // 2 <= len(a._swarm.tables._wanted) <= MAX_WANTED
     time.sleep(0.5)  # the wants already spawned go out
     assert wants_sent() - start <= MAX_WANTED * (ENVELOPE_BYTES + 64)
     assert a.fault is None and sorted(a.live_peers()) == sorted([m.peer_id, s.other.peer_id])

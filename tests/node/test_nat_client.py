@@ -195,7 +195,7 @@ def test_a_client_keeps_a_few_relays_and_replaces_one_that_dies(nodes):
 
 
 async def _home_relays(node: Node) -> list[str]:
-    return list(node._swarm._home_relays())
+    return list(node._swarm.relays.choose())
 
 
 def test_the_seed_dials_a_joiner_back_and_authenticates_its_key(nodes):

@@ -1,0 +1,229 @@
+"""Table sync: how members learn one another's records besides gossip, under budgets.
+
+- `$sync`: a member pages through another member's table (the records of the peers alive to
+  it, in id order, at most `table_page_bytes` a page, and where to go on from). A joiner takes
+  the whole table so, once a member (`node.bootstrap`); every member takes one page of a random
+  member's table, from a random point, every `sync_interval` (anti-entropy, as memberlist's
+  push-pull), so a record whose announcement was lost comes back over time.
+- `$want`: a beat names a peer we hold no record of; we ask the member that passed it on for
+  the record (at most once a probe period per id), and it answers with `$announce`.
+- Each member's pulls (`$sync` pages and `$want` answers) share one token bucket of
+  `member_pull_bytes_per_s`: past it a page is turned down as busy (and the refusal charged
+  too), and a member deep in that debt is not answered at all.
+
+Records that come back are checked as relayed ones (allowlist, signature, table room) by the
+membership protocol (`node.swarm`), which lends `learn` and `record_from`.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from starling.node import rpc
+from starling.node.admission import AdmissionConfig, TokenBucket
+from starling.node.local import LocalPeer
+from starling.node.membership import PeerRecord, PeerStatus, PeerTable
+from starling.node.outbox import Outbox, Spawn
+from starling.node.stats import NodeStats
+from starling.node.swim import Liveness
+from starling.node.transport import Inbound
+from starling.node.wire import ENVELOPE_BYTES, Message, RejectReason, WireError
+
+log = logging.getLogger(__name__)
+
+ANNOUNCE = "$announce"  # records, pushed: a seed's joiner to the members, and answers to WANT
+WANT = "$want"  # asks a member for records it gossiped that we lack; answered with ANNOUNCE
+# A member asks another for its whole table (anti-entropy, as memberlist's push-pull): peers
+# that joined through one seed at the same time learn each other in one round trip, not over
+# the many heartbeat intervals their digests take to spread in a big swarm.
+SYNC = "$sync"
+MAX_WANT = 256
+MAX_WANTED = 4096  # ids asked for and not yet forgotten (see `want_from`)
+MAX_SYNC_PAGES = 4096  # pages one `sync` reads before it stops (a table past that is not honest)
+SYNC_BUSY_RETRIES = 5  # pulls a peer turned down over its budget, waited out and sent again
+
+
+class TableSync:
+    """One node's side of `$sync` and `$want`, over its peer table."""
+
+    def __init__(self, local: LocalPeer, table: PeerTable, outbox: Outbox, stats: NodeStats, spawn: Spawn,
+                 rng: random.Random, *, liveness: Liveness, admission: AdmissionConfig,
+                 learn: Callable[..., bool], record_from: Callable[[Any], PeerRecord],
+                 reject: Callable[[RejectReason, str], None], helper: Callable[[str], bool]) -> None:
+        self._local = local
+        self.table = table
+        self.outbox = outbox
+        self.stats = stats
+        self.liveness = liveness
+        self.admission = admission
+        self._spawn = spawn
+        self._rng = rng
+        self._learn = learn
+        self._record_from = record_from
+        self._reject = reject
+        self._helper = helper
+        self._pulls: dict[str, TokenBucket] = {}  # member id -> the bytes its table pulls may still take
+        self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
+        self.next_anti_entropy = time.monotonic() + liveness.sync_interval_s * rng.random()
+
+    def forget(self, peer_id: str) -> None:
+        """A peer left the table: its pull budget goes too."""
+        self._pulls.pop(peer_id, None)
+
+    def expire(self, now: float, forget_after_s: float) -> None:
+        """Forget the ids asked for longer ago than `forget_after_s`."""
+        self._wanted = {k: t for k, t in self._wanted.items() if now - t < forget_after_s}
+
+    def on_sync(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
+        """A member asks for a page of our table: the records of peers alive to us, in id order
+        from after `after`, at most `table_page_bytes` of them, and `next` to go on from (None
+        at the end). Each member's pulls share `member_pull_bytes_per_s`; past it the pull is
+        turned down (busy) and may be sent again later."""
+        if body is None:
+            after = None
+        elif isinstance(body, dict) and set(body) == {"after"} and isinstance(body["after"], str) \
+                and len(body["after"]) <= 64:
+            after = body["after"]
+        else:
+            raise WireError(RejectReason.BAD_FIELD, "sync body must be empty or {after: peer id}", field="body")
+        assert member is not None  # `$sync` is answered to members only
+        admission, now = self.admission, time.monotonic()
+        bucket = self.pull_bucket(member, now)
+        if bucket.available(now) < -admission.table_page_bytes:
+            raise rpc.Unanswered(f"{member} pulls on past its budget's refusals")
+        budget = min(admission.table_page_bytes, bucket.available(now) - ENVELOPE_BYTES)
+        peers, following, nbytes = self.page(after, budget)
+        if not peers and (following is not None or budget < 0):
+            # the refusal is charged too, so pulling faster only puts the next page further off;
+            # a member deep in that debt is not answered at all
+            bucket.charge(ENVELOPE_BYTES, now)
+            raise rpc.BusyError(f"table pulls over {admission.member_pull_bytes_per_s:.0f} bytes/s; try again later")
+        bucket.charge(nbytes + ENVELOPE_BYTES, now)  # an empty page costs its envelope too
+        return {"peers": peers, "next": following}
+
+    def pull_bucket(self, member: str, now: float) -> TokenBucket:
+        bucket = self._pulls.get(member)
+        if bucket is None:
+            admission = self.admission
+            bucket = self._pulls[member] = TokenBucket(admission.member_pull_bytes_per_s,
+                                                       admission.member_pull_burst_bytes, now)
+        return bucket
+
+    def page(self, after: str | None, budget: float, but: str | None = None) -> tuple[list[Any], str | None, int]:
+        """Records of live peers with ids above `after` (all, for None), in id order, that fit in
+        `budget` bytes; the id to go on from (None if none are left); and their bytes."""
+        live = sorted((p for p in self.table.live() if p.peer_id != but and (after is None or p.peer_id > after)),
+                      key=lambda p: p.peer_id)
+        page: list[Any] = []
+        nbytes = 0
+        for p in live:
+            size = _record_bytes(p.record)
+            if nbytes + size > budget:
+                return page, (page[-1][0] if page else after or ""), nbytes
+            page.append(p.record.to_wire())
+            nbytes += size
+        return page, None, nbytes
+
+    async def sync(self, peer_id: str, after: str | None = None, pages: int = MAX_SYNC_PAGES,
+                   collect: list[Any] | None = None) -> int:
+        """Learn the table of `peer_id` (a member), page by page from after `after`, at most
+        `pages` of them: the number of records that were news. A page turned down as over our
+        pull budget is waited for. `collect`: the records that checked out are appended to it
+        as they came on the wire (to hand to other nodes, `Node.add_records`)."""
+        learned, busy = 0, 0
+        for _ in range(min(pages, MAX_SYNC_PAGES)):
+            try:
+                reply = await self.outbox.request(peer_id, SYNC, None if after is None else {"after": after})
+            except rpc.BusyError:
+                busy += 1
+                if busy > SYNC_BUSY_RETRIES:
+                    raise
+                await asyncio.sleep(1.0)
+                continue
+            body = reply.body
+            if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
+                raise WireError(RejectReason.BAD_FIELD, "malformed sync reply", field="body")
+            for raw in body["peers"]:
+                try:
+                    learned += self._learn(self._record_from(raw), told_by=peer_id)
+                except WireError as exc:
+                    self.stats.count_rejected(exc.reason.value)
+                    continue
+                if collect is not None:
+                    collect.append(raw)
+            following = body.get("next")
+            if following is None:
+                return learned
+            if not isinstance(following, str) or (after is not None and following <= after):
+                raise WireError(RejectReason.BAD_FIELD, "sync reply: next must come after the page asked for",
+                                field="body")
+            after = following
+        return learned
+
+    def add_records(self, records: list[Any], told_by: str | None) -> int:
+        """Learn records handed to this node (`Node.add_records`), each checked as one relayed
+        by `told_by`; one that does not check out is counted and skipped. Returns the news."""
+        learned = 0
+        for raw in records:
+            try:
+                learned += self._learn(self._record_from(raw), told_by=told_by)
+            except WireError as exc:
+                self._reject(exc.reason, f"record handed to this node: {exc}")
+        return learned
+
+    async def anti_entropy(self) -> None:
+        """One page of a random member's table, from a random point: what gossip missed (a
+        record whose announcement was lost) comes back over time, at a bounded cost."""
+        helpers = [h for h in self.table.live_ids.sample(self._rng, 3) if self._helper(h)]
+        if not helpers:
+            return
+        after = self._rng.choice(list(self.table.live_ids.sample(self._rng, 1)) or [None])
+        try:
+            await self.sync(helpers[0], after=after, pages=1)
+        except Exception as exc:  # anti-entropy is best effort; the next round tries another member
+            log.debug("%s: anti-entropy with %s failed: %s", self._local.peer_id, helpers[0], exc)
+
+    def want_from(self, peer_id: str, unknown: str) -> None:
+        """Ask `peer_id` for the record of `unknown`, at most once an interval per id, and with a
+        bounded memory of ids asked for (names a peer makes up must not grow it)."""
+        now = time.monotonic()
+        if len(self._wanted) >= MAX_WANTED or now - self._wanted.get(unknown, -math.inf) < \
+                self.liveness.probe_interval_s:
+            return
+        self._wanted[unknown] = now
+        self._spawn(self.outbox.send(peer_id, WANT, [unknown]))
+
+    def on_want(self, msg: Message) -> None:
+        """Send a member the records it asked for, out of the same budget as its `$sync` pulls:
+        what does not fit now is left out (it asks again when beats name those ids)."""
+        body = msg.body
+        if not isinstance(body, list) or len(body) > MAX_WANT or not all(isinstance(x, str) for x in body):
+            raise WireError(RejectReason.BAD_FIELD, f"want body must be a list of at most {MAX_WANT} ids",
+                            field="body")
+        now = time.monotonic()
+        bucket = self.pull_bucket(msg.sender, now)
+        records = []
+        for peer_id in dict.fromkeys(body):
+            info = self.table.get(peer_id)
+            if info is not None and info.status in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
+                if not bucket.spend(_record_bytes(info.record), now):
+                    self._reject(RejectReason.RATE_LIMITED, f"want from {msg.sender}: over its budget")
+                    break
+                records.append(info.record.to_wire())
+        if records:
+            bucket.charge(ENVELOPE_BYTES, now)
+            self._spawn(self.outbox.send(msg.sender, ANNOUNCE, records))
+
+
+@functools.lru_cache(maxsize=16384)
+def _record_bytes(record: PeerRecord) -> int:
+    """Bytes of a record on the wire (records are immutable and shared: sized once each)."""
+    return len(msgpack.packb(record.to_wire(), use_bin_type=True))
