@@ -693,13 +693,12 @@ class Swarm:
             self._sign_meta(now)  # here too: a probe can take several timeouts under load
             if not self.broadcasts.eager:
                 continue
-            # To members we hold a socket to, most rounds: past the socket cap, a send to anyone
-            # else opens a socket and closes another, or is refused while all are busy (and the
-            # update counted as sent). Which sockets are open changes with every probe, so the
-            # targets stay spread over the swarm; one round in four picks from everyone.
-            # A process out of descriptors sends only on the sockets it holds: every socket it
-            # opens closes another, and the churn starves what others open to it.
-            targets = self._sample_members(lv.gossip_fanout + 2, open_share=0.75)
+            # Past the socket cap, to members we hold a socket to: a send to anyone else opens a
+            # socket and closes another (its monitor too, a third of a simulated box's
+            # membership CPU when a quarter of the rounds went to anyone), or is refused while
+            # all are busy. Which sockets are open changes with every probe, which goes round
+            # the whole swarm, so the targets stay spread over it.
+            targets = self._sample_members(lv.gossip_fanout + 2, open_share=1.0)
             sent = 0
             for peer_id in targets:
                 if sent >= lv.gossip_fanout or not self._helper(peer_id):
