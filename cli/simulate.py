@@ -356,9 +356,9 @@ def simulate(
         typer.echo(json.dumps(summary))
         return
     _print_table(summary)
-    from starling.runtime import busy_note, spsa_bytes_note
+    from starling.runtime import busy_note, liveness_note, spsa_bytes_note
 
-    busy = [("", busy_note(summary))]
+    busy = [("", liveness_note(summary)), ("", busy_note(summary))]
     if "baseline" in results:  # a run that is its own baseline has one line
         busy.append(("baseline ", busy_note(results["baseline"].summary)))
     for label, line in busy:

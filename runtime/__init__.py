@@ -27,7 +27,15 @@ from starling.runtime.simconfig import (
     seeded_identity,
     wait_for,
 )
-from starling.runtime.summary import PeerResult, SimResult, busy_note, busy_share, spsa_bytes_note, summarize
+from starling.runtime.summary import (
+    PeerResult,
+    SimResult,
+    busy_note,
+    busy_share,
+    liveness_note,
+    spsa_bytes_note,
+    summarize,
+)
 from starling.runtime.trainer import (
     CheckpointConfig,
     Trainer,
@@ -70,6 +78,7 @@ __all__ = [
     "check_config",
     "endpoint_for",
     "format_rate",
+    "liveness_note",
     "newest_checkpoint_spec",
     "parse_churn",
     "parse_rate",

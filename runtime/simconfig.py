@@ -211,6 +211,12 @@ class SimConfig:
         ready = max(self.ready_timeout_s, 10 * liveness.probe_interval_s + 0.1 * self.world)
         return replace(self, liveness=liveness, ready_timeout_s=ready)
 
+    def probe_period_scaled(self) -> bool:
+        """Whether this (sized) config's probe period is the simulator's, stretched past
+        SIM_LIVENESS's so that the box probes about SIM_PROBES_PER_S times a second."""
+        return (self.liveness is not None and self.liveness.probe_interval_s > SIM_LIVENESS.probe_interval_s
+                and self.liveness == sim_liveness(self.peers_per_process(), self.world))
+
     @property
     def world(self) -> int:
         """Every peer that will ever run (initial peers plus joiners)."""
@@ -283,6 +289,8 @@ class SimConfig:
                 **({"nproc_per_replica": self.nproc_per_replica} if self.nproc_per_replica > 1 else {}),
                 **({"shard_sync": True} if self.shard_sync else {}),
                 "probe_interval_s": None if self.liveness is None else round(self.liveness.probe_interval_s, 3),
+                **({"probe_interval_scaled_from_s": SIM_LIVENESS.probe_interval_s}
+                   if self.probe_period_scaled() else {}),
                 **({"checkpoint_dir": self.checkpoint_dir, "resume": self.resume} if self.checkpoint_dir else {}),
                 **({"placement": self.placement().describe()} if self.placement() != Placement() else {})}
 

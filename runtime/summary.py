@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from starling.node import Node
-from starling.runtime.simconfig import SimConfig, SimError
+from starling.runtime.simconfig import SIM_PROBES_PER_S, SimConfig, SimError
 
 # What spsa's summary calls near one byte per projected gradient (docs/benchmarks.md, SPSA).
 SPSA_TARGET_BYTES = 2.0
@@ -143,6 +143,17 @@ def busy_share(records: Iterable[Mapping[str, Any]]) -> float | None:
         compute += record["compute_s"]
         wall += record["step_wall_s"]
     return compute / wall if wall > 0.0 else None
+
+
+def liveness_note(summary: Mapping[str, Any]) -> str | None:
+    """One line for a run summary whose probe period the simulator stretched to what the box
+    carries (None otherwise)."""
+    base, period = summary.get("probe_interval_scaled_from_s"), summary.get("probe_interval_s")
+    if base is None or period is None:
+        return None
+    return (f"probe period {period:g} s, not {base:g} s: stretched so that this box's {summary.get('peers')} peers "
+            f"probe about {SIM_PROBES_PER_S} times a second in all (deaths take that much longer to be seen; "
+            "SimConfig.liveness sets it)")
 
 
 def busy_note(summary: Mapping[str, Any]) -> str | None:

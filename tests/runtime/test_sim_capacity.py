@@ -244,3 +244,18 @@ def test_a_rounds_owners_fit_the_sockets_every_simulated_node_may_hold():
 
     with pytest.raises(ProtocolError, match="max_owners must be >= 0"):
         SimConfig(peers=8, protocol="allreduce", options={"max_owners": -1}).protocol_config()
+
+
+def test_a_simulation_that_stretches_its_probe_period_says_so_in_its_summary():
+    from starling.runtime import SimConfig, liveness_note
+    from starling.runtime.simconfig import SIM_LIVENESS, SIM_PROBES_PER_S
+
+    big = SimConfig(peers=1024, processes=8, transport="ipc", protocol="gossip", task="quadratic").sized_for_swarm()
+    summary = {"peers": 1024, **big.describe()}
+    assert summary["probe_interval_s"] == 1024 / SIM_PROBES_PER_S > SIM_LIVENESS.probe_interval_s
+    assert summary["probe_interval_scaled_from_s"] == SIM_LIVENESS.probe_interval_s
+    assert "probe period 4 s, not 0.5 s" in liveness_note(summary)
+    small = SimConfig(peers=4).sized_for_swarm().describe()
+    assert "probe_interval_scaled_from_s" not in small and liveness_note(small) is None
+    mine = SimConfig(peers=1024, processes=8, transport="ipc", liveness=Liveness(probe_interval_s=8.0)).describe()
+    assert "probe_interval_scaled_from_s" not in mine  # the user's own period is not the simulator's doing
