@@ -474,10 +474,9 @@ class Swarm:
                 await self._probe(target)
             self.relays.keep()
             now = time.monotonic()
-            if now >= self.tables.next_anti_entropy:
-                self.tables.next_anti_entropy = now + self.awareness.scale(lv.sync_interval(self.members())) * \
-                    (0.5 + self._rng.random())
-                self._spawn(self.tables.anti_entropy())
+            if self.tables.anti_entropy_due(now):
+                self._spawn(self.tables.anti_entropy(self.awareness.scale(lv.probe_interval_s),
+                                                     self.awareness.scale(lv.sync_interval(self.members()))))
             for tick in self.ticks:
                 tick(now)
             periods += 1

@@ -3,8 +3,9 @@
 - `$sync`: a member pages through another member's table (the records of the peers alive to
   it, in id order, at most `table_page_bytes` a page, and where to go on from). A joiner takes
   the whole table so, once a member (`node.bootstrap`); every member takes one page of a random
-  member's table, from a random point, every `sync_interval` (anti-entropy, as memberlist's
-  push-pull), so a record whose announcement was lost comes back over time.
+  member's table, from a random point, now and then (anti-entropy, as memberlist's push-pull):
+  every probe period while pulls bring news (a swarm that is forming), backing off to
+  `sync_interval` while they bring none, so a record whose announcement was lost comes back.
 - `$want`: a beat names a peer we hold no record of; we ask the member that passed it on for
   the record (at most once a probe period per id), and it answers with `$announce`.
 - Each member's pulls (`$sync` pages and `$want` answers) share one token bucket of
@@ -72,7 +73,10 @@ class TableSync:
         self._helper = helper
         self._pulls: dict[str, TokenBucket] = {}  # member id -> the bytes its table pulls may still take
         self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
-        self.next_anti_entropy = time.monotonic() + liveness.sync_interval_s * rng.random()
+        # the first pull a period or two in (a joiner's table is the seed's, as of its join);
+        # then sooner while pulls bring news, later while they bring none (`anti_entropy`)
+        self._quiet_s = liveness.probe_interval_s
+        self.next_anti_entropy = time.monotonic() + liveness.probe_interval_s * (1 + rng.random())
 
     def forget(self, peer_id: str) -> None:
         """A peer left the table: its pull budget goes too."""
@@ -179,17 +183,34 @@ class TableSync:
                 self._reject(exc.reason, f"record handed to this node: {exc}")
         return learned
 
-    async def anti_entropy(self) -> None:
+    def anti_entropy_due(self, now: float) -> bool:
+        """Whether the next anti-entropy pull is due (none is while one is in flight)."""
+        return now >= self.next_anti_entropy
+
+    async def anti_entropy(self, soon_s: float, ceiling_s: float) -> int:
         """One page of a random member's table, from a random point: what gossip missed (a
-        record whose announcement was lost) comes back over time, at a bounded cost."""
+        record whose announcement was lost, the joiners of a mass join) comes back over time,
+        at a bounded cost. Returns the records that were news.
+
+        The next pull comes `soon_s` after one that brought news, and after twice the last
+        wait (up to `ceiling_s`) after one that brought none: a swarm that is forming pulls
+        every period until its tables agree, one at rest every `ceiling_s` (memberlist's
+        push-pull interval). A record is news to a member once, so what a forming swarm pulls
+        is what it had to learn anyway, a page per message rather than a few records riding on
+        gossip, each sent on a dozen times."""
+        self.next_anti_entropy = math.inf  # until this pull ends
+        learned = 0
         helpers = [h for h in self.table.live_ids.sample(self._rng, 3) if self._helper(h)]
-        if not helpers:
-            return
-        after = self._rng.choice(list(self.table.live_ids.sample(self._rng, 1)) or [None])
         try:
-            await self.sync(helpers[0], after=after, pages=1)
+            if helpers:
+                after = self._rng.choice(list(self.table.live_ids.sample(self._rng, 1)) or [None])
+                learned = await self.sync(helpers[0], after=after, pages=1)
         except Exception as exc:  # anti-entropy is best effort; the next round tries another member
             log.debug("%s: anti-entropy with %s failed: %s", self._local.peer_id, helpers[0], exc)
+        finally:
+            self._quiet_s = soon_s if learned else min(ceiling_s, max(soon_s, 2 * self._quiet_s))
+            self.next_anti_entropy = time.monotonic() + self._quiet_s * (0.5 + self._rng.random())
+        return learned
 
     def want_from(self, peer_id: str, unknown: str) -> None:
         """Ask `peer_id` for the record of `unknown`, at most once an interval per id, and with a
