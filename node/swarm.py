@@ -615,7 +615,7 @@ class Swarm:
             if not updates or not isinstance(updates[0], Record):
                 raise WireError(RejectReason.UNKNOWN_PEER, "a probe from a peer we do not know must carry its record",
                                 field="sender")
-            record = self.record_from(updates[0].record)
+            record = self.record_from(updates[0].body)
             if self.local.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
                 raise WireError(RejectReason.SPOOFED_SENDER, "probe record's key does not own this connection",
                                 field="record")
@@ -833,7 +833,7 @@ class Swarm:
     def _apply_one(self, update: Update, sender: str | None) -> None:
         table, me = self.table, self.local.peer_id
         if isinstance(update, Beat):
-            entry = parse_beat(update.entry)
+            entry = parse_beat(update.body)
             if entry[0] == me:
                 return
             news = table.is_news(entry)
@@ -848,7 +848,7 @@ class Swarm:
                     self.notify(change, refuted=True)
                 self._spread(Beat(entry), URGENT if change is not None else ROUTINE)
         elif isinstance(update, Record):
-            if self.learn(self.record_from(update.record), told_by=sender):
+            if self.learn(self.record_from(update.body), told_by=sender):
                 self._spread(update, NEWS)
         elif isinstance(update, Claim):
             self._apply_claim(update, mine=False, sender=sender)

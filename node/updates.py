@@ -19,7 +19,7 @@ Each update also names the thing it is about (`key`): a queue of updates to send
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import msgpack
 
@@ -53,55 +53,43 @@ def _is_signature(value: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class Beat:
-    """A peer's own signed beat, as `node.membership.parse_beat` reads it (its fields are checked
-    when it is applied: most relayed beats are old news)."""
+class _OwnWord:
+    """An update that carries one signed list of its subject's own, relayed verbatim: its first
+    item is the subject's peer id (checked, with the rest, when it is applied)."""
 
-    entry: list[Any]  # [peer_id, incarnation, beat, meta, signature]
-    kind: ClassVar[str] = ALIVE
-
-    @property
-    def peer_id(self) -> Any:
-        return self.entry[0] if self.entry else None
-
-    @property
-    def key(self) -> tuple[Any, ...]:
-        return (ALIVE, self.peer_id)
-
-    def to_wire(self) -> list[Any]:
-        return [ALIVE, self.entry]
-
-    @classmethod
-    def from_wire(cls, update: list[Any]) -> Beat:
-        if len(update) != 2 or type(update[1]) is not list:
-            raise _malformed(ALIVE)
-        return cls(update[1])
-
-
-@dataclass(frozen=True)
-class Record:
-    """A peer's signed record in its wire form (`node.membership.PeerRecord.from_wire` reads it,
-    with the allowlist, when it is applied)."""
-
-    record: list[Any]
-    kind: ClassVar[str] = RECORD
+    body: list[Any]
+    kind: ClassVar[str]
 
     @property
     def peer_id(self) -> Any:
-        return self.record[0] if self.record else None
+        return self.body[0] if self.body else None
 
     @property
     def key(self) -> tuple[Any, ...]:
-        return (RECORD, self.peer_id)
+        return (self.kind, self.peer_id)
 
     def to_wire(self) -> list[Any]:
-        return [RECORD, self.record]
+        return [self.kind, self.body]
 
     @classmethod
-    def from_wire(cls, update: list[Any]) -> Record:
+    def from_wire(cls, update: list[Any]) -> Self:
         if len(update) != 2 or type(update[1]) is not list:
-            raise _malformed(RECORD)
+            raise _malformed(cls.kind)
         return cls(update[1])
+
+
+class Beat(_OwnWord):
+    """A peer's own signed beat, [peer_id, incarnation, beat, meta, signature], as
+    `node.membership.parse_beat` reads it when it is applied: most relayed beats are old news."""
+
+    kind = ALIVE
+
+
+class Record(_OwnWord):
+    """A peer's signed record in its wire form, which `node.membership.PeerRecord.from_wire`
+    reads, with the allowlist, when it is applied."""
+
+    kind = RECORD
 
 
 def claim_statement(kind: str, peer_id: str, incarnation: int, live: int) -> bytes:
