@@ -243,9 +243,11 @@ class Swarm:
         exact record already (joins relay whole tables, so re-verifying would cost O(n^2) per
         join)."""
         record = PeerRecord.from_wire(raw, verify=False)
+        known = self.table.get(record.peer_id)
+        if known is not None and known.record is record:
+            return record  # this very record passed every check when we took it
         self._check_inproc(record)
         self._check_allowed(record)
-        known = self.table.get(record.peer_id)
         if known is None or known.record != record:
             record = record.verified()
         return record

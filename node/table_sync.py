@@ -132,7 +132,7 @@ class TableSync:
             size = _record_bytes(p.record)
             if nbytes + size > budget:
                 return page, (page[-1][0] if page else after or ""), nbytes
-            page.append(p.record.to_wire())
+            page.append(_record_wire(p.record))
             nbytes += size
         return page, None, nbytes
 
@@ -248,3 +248,10 @@ class TableSync:
 def _record_bytes(record: PeerRecord) -> int:
     """Bytes of a record on the wire (records are immutable and shared: sized once each)."""
     return len(msgpack.packb(record.to_wire(), use_bin_type=True))
+
+
+@functools.lru_cache(maxsize=16384)
+def _record_wire(record: PeerRecord) -> tuple[Any, ...]:
+    """A record's wire form, made once (a forming swarm pages its table every period): a tuple,
+    which msgpack writes as the list `to_wire` gives, and nobody can change in place."""
+    return tuple(record.to_wire())
