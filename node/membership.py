@@ -46,6 +46,11 @@ class PeerStatus(str, enum.Enum):
     LEFT = "left"
 
 
+class RefusedAgain(WireError):
+    """A relayed record whose (id, incarnation) this node's allowlist refused before: refused
+    again, and counted once (gossip and table pulls bring a refused joiner's record often)."""
+
+
 @dataclass(frozen=True)
 class PeerRecord:
     """What a peer says about itself, signed with its Ed25519 key.

@@ -51,6 +51,7 @@ from starling.node.membership import (
     PeerRecord,
     PeerStatus,
     PeerTable,
+    RefusedAgain,
     StatusChange,
     leave_statement,
     parse_beat,
@@ -79,10 +80,6 @@ MAX_REFUSED = 1024  # refused records remembered, so that beats naming them are 
 
 class JoinError(Exception):
     """Could not join the swarm through any of the given addresses."""
-
-
-class RefusedAgain(WireError):
-    """A record whose (id, incarnation) the allowlist refused before: refused again."""
 
 
 class SwarmConfigError(JoinError):
@@ -235,6 +232,8 @@ class Swarm:
                 record = self.record_from(raw)
                 if self.learn(record, told_by=msg.sender):
                     self._spread(Record(record.to_wire()), NEWS)
+            except RefusedAgain:
+                continue  # counted when it was first refused
             except WireError as exc:
                 self._reject(exc.reason, str(exc))
 
@@ -695,10 +694,9 @@ class Swarm:
             if not self.broadcasts.eager:
                 continue
             # Past the socket cap, to members we hold a socket to: a send to anyone else opens a
-            # socket and closes another (its monitor too, a third of a simulated box's
-            # membership CPU when a quarter of the rounds went to anyone), or is refused while
-            # all are busy. Which sockets are open changes with every probe, which goes round
-            # the whole swarm, so the targets stay spread over it.
+            # socket and its monitor and closes another (the costliest thing a simulated box's
+            # membership does), or is refused while all are busy. Which sockets are open changes
+            # with every probe, which goes round the whole swarm, so the targets stay spread.
             targets = self._sample_members(lv.gossip_fanout + 2, open_share=1.0)
             sent = 0
             for peer_id in targets:

@@ -31,7 +31,7 @@ import msgpack
 from starling.node import rpc
 from starling.node.admission import AdmissionConfig, TokenBucket
 from starling.node.local import LocalPeer
-from starling.node.membership import PeerRecord, PeerStatus, PeerTable
+from starling.node.membership import PeerRecord, PeerStatus, PeerTable, RefusedAgain
 from starling.node.outbox import Outbox, Spawn
 from starling.node.stats import NodeStats
 from starling.node.swim import Liveness
@@ -158,6 +158,8 @@ class TableSync:
             for raw in body["peers"]:
                 try:
                     learned += self._learn(self._record_from(raw), told_by=peer_id)
+                except RefusedAgain:
+                    continue  # counted when it was first refused: a page may bring it every period
                 except WireError as exc:
                     self.stats.count_rejected(exc.reason.value)
                     continue
@@ -179,6 +181,8 @@ class TableSync:
         for raw in records:
             try:
                 learned += self._learn(self._record_from(raw), told_by=told_by)
+            except RefusedAgain:
+                continue  # counted when it was first refused
             except WireError as exc:
                 self._reject(exc.reason, f"record handed to this node: {exc}")
         return learned

@@ -573,8 +573,8 @@ def test_a_join_reaches_the_members_no_announce_reached_by_gossip_in_a_few_perio
     def knowing() -> int:
         return sum(joiner.peer_id in m.live_peers() for m in members)
 
-    # nine in ten within 10 periods (the seed's announce alone reaches about 5); before gossip
-    # passed joins on, 25 of 40 knew it 10 periods in. Then every member, the last ones from a
+    # nine in ten within 10 periods (the seed's announce alone reaches about 5; the joiner's own
+    # probes, one member a period, would reach 10). Then every member, the last ones from a
     # member's gossip that happens to reach them, or a probe.
     assert wait_until(lambda: knowing() >= 0.9 * len(members), timeout_s=10 * period), knowing()
     assert wait_until(lambda: knowing() == len(members), timeout_s=60 * period), knowing()
