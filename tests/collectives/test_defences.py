@@ -18,6 +18,7 @@ from starling.node.trust import Evidence, statement
 
 ROBUST = Defences("centered_clip", max_weight=4.0)
 FAST = ReduceTimeouts(round_timeout_s=5.0, reply_grace_s=1.0)
+SHORT = ReduceTimeouts(round_timeout_s=0.3, reply_grace_s=0.5)  # rounds that close while the test goes on
 
 
 def _signed_body(node, topic, t, members, values, weight=None, tamper=False, state=None):
@@ -36,6 +37,16 @@ def _signed_body(node, topic, t, members, values, weight=None, tamper=False, sta
 def _owner_and_other(nodes, members):
     owner = next(n for n in nodes if n.peer_id == members[0])
     return owner, next(n for n in nodes if n is not owner)
+
+
+def _three_robust(make_node, topic, timeouts=FAST):
+    """Three nodes with a robust reducer on `topic` each: (nodes, members, the first shard's owner,
+    another)."""
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    for n in nodes:
+        ShardedReducer(n, topic, 12, timeouts=timeouts, defences=ROBUST)
+    return (nodes, members, *_owner_and_other(nodes, members))
 
 
 def test_a_tampered_signature_is_refused_counted_and_held_against_nobody(make_node):
@@ -57,11 +68,7 @@ def test_a_tampered_signature_is_refused_counted_and_held_against_nobody(make_no
 
 
 def test_an_overclaimed_weight_is_refused_and_its_signature_bans_the_author(make_node):
-    nodes = swarm(make_node, 3)
-    members = tuple(sorted(n.peer_id for n in nodes))
-    for n in nodes:
-        ShardedReducer(n, "test.weight", 12, timeouts=FAST, defences=ROBUST)
-    owner, liar = _owner_and_other(nodes, members)
+    nodes, members, owner, liar = _three_robust(make_node, "test.weight")
     body, frames = _signed_body(liar, "test.weight", 0, members, torch.ones(4), weight=1000.0)
     reply = liar.request(owner.peer_id, "test.weight", body, frames).body
     assert refusal_of(reply) is Refusal.OVERWEIGHT
@@ -79,12 +86,7 @@ def test_a_replayed_part_is_refused_and_makes_its_owner_a_witness_but_repeats_do
     witness against the author (two signed parts of one content are not proof: an honest part
     repeats). Zeros repeat honestly, and so does last round's part (a chunk that nobody
     averaged keeps its parameters, and a deterministic loss its gradient)."""
-    nodes = swarm(make_node, 3)
-    members = tuple(sorted(n.peer_id for n in nodes))
-    for n in nodes:
-        ShardedReducer(n, "test.replay", 12, timeouts=ReduceTimeouts(round_timeout_s=0.3, reply_grace_s=0.5),
-                       defences=ROBUST)
-    owner, cheat = _owner_and_other(nodes, members)
+    _, members, owner, cheat = _three_robust(make_node, "test.replay", SHORT)
     for t in (0, 1):  # zeros twice: a layer with no gradient, honestly
         body, frames = _signed_body(cheat, "test.replay", t, members, torch.zeros(4))
         assert refusal_of(cheat.request(owner.peer_id, "test.replay", body, frames).body) is None
@@ -102,12 +104,7 @@ def test_a_replayed_part_is_refused_and_makes_its_owner_a_witness_but_repeats_do
 def test_a_part_repeated_from_the_same_state_is_taken_and_accuses_nobody(make_node):
     """A part begun from the state its author signed for the earlier round is honest when it
     repeats: nothing it trains on moved."""
-    nodes = swarm(make_node, 3)
-    members = tuple(sorted(n.peer_id for n in nodes))
-    for n in nodes:
-        ShardedReducer(n, "test.repeat", 12, timeouts=ReduceTimeouts(round_timeout_s=0.3, reply_grace_s=0.5),
-                       defences=ROBUST)
-    owner, author = _owner_and_other(nodes, members)
+    _, members, owner, author = _three_robust(make_node, "test.repeat", SHORT)
     values = torch.tensor([1.0, -2.0, 3.0, 0.5])
     for t in (0, 1, 2):
         body, frames = _signed_body(author, "test.repeat", t, members, values, state=b"\x01" * 8)
