@@ -12,8 +12,8 @@ gets no answer, and then claims the member suspect; changes (joins, beats, claim
 on probes and their answers, and claims and news (joins, a member's own new meta) on a small
 gossip fan-out (`$gossip`), so a node's work per period is constant however large the swarm. A
 joiner's record is news at its seed and at every member that learns it, from gossip or from the
-seed's announce, so a join reaches the swarm in O(log n) periods. A beat naming a peer a node has no record
-of is asked about (WANT); `$sync` pages are anti-entropy. A graceful leave is a signed
+seed's announce, so a join reaches the swarm in O(log n) periods. A beat naming a peer a node
+has no record of is asked about (WANT); `$sync` pages are anti-entropy (`node.table_sync`). A graceful leave is a signed
 broadcast. The connection monitor stays the fast path: a member whose connection to a peer
 drops probes it at once and, unanswered, claims it dead.
 
@@ -231,7 +231,7 @@ class Swarm:
                 # every message, so a mass join's records do not hold back refutations.
                 record = self.record_from(raw)
                 if self.learn(record, told_by=msg.sender):
-                    self._spread(Record(record.to_wire()), NEWS)
+                    self.spread_record(record)
             except RefusedAgain:
                 continue  # counted when it was first refused
             except WireError as exc:

@@ -251,7 +251,7 @@ class TableSync:
 @functools.lru_cache(maxsize=16384)
 def _record_bytes(record: PeerRecord) -> int:
     """Bytes of a record on the wire (records are immutable and shared: sized once each)."""
-    return len(msgpack.packb(record.to_wire(), use_bin_type=True))
+    return len(msgpack.packb(_record_wire(record), use_bin_type=True))
 
 
 @functools.lru_cache(maxsize=16384)

@@ -194,8 +194,3 @@ def parse_updates(raw: Any) -> list[Update]:
 def sign_claim(identity: Identity, kind: str, peer_id: str, incarnation: int, live: int) -> list[Any]:
     """A suspect or dead update on the wire: [kind, peer_id, incarnation, live, claimant, signature]."""
     return Claim.sign(identity, kind, peer_id, incarnation, live).to_wire()
-
-
-def claim_is_signed(update: list[Any], verify_key: bytes) -> bool:
-    """Whether the claim `update` (as on the wire, well formed) is signed by `verify_key`."""
-    return Claim.from_wire(update).is_signed(verify_key)

@@ -23,7 +23,7 @@ from starling.node.swim import (
     Suspicion,
 )
 from starling.node.transport import TransportConfig
-from starling.node.updates import DEAD, SUSPECT, Claim, claim_is_signed, parse_updates, sign_claim
+from starling.node.updates import DEAD, SUSPECT, Claim, parse_updates, sign_claim
 from starling.node.wire import RejectReason, WireError
 
 
@@ -144,10 +144,10 @@ def test_claims_are_signed_by_their_claimant():
     claimant, other = Identity.generate(), Identity.generate()
     claim = sign_claim(claimant, SUSPECT, "victim", 3, 1)
     assert [u.to_wire() for u in parse_updates([claim])] == [claim]
-    assert claim_is_signed(claim, claimant.verify_key)
+    assert Claim.from_wire(claim).is_signed(claimant.verify_key)
     forged = sign_claim(other, DEAD, "victim", 3, 1)
     forged[4] = claimant.peer_id  # another member's claim passed off as the claimant's
-    assert not claim_is_signed(forged, claimant.verify_key)
+    assert not Claim.from_wire(forged).is_signed(claimant.verify_key)
 
 
 def test_typed_updates_round_trip_and_name_what_they_are_about():
