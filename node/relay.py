@@ -383,8 +383,8 @@ class Relay:
         self._spawn = spawn
         self._reject = reject
         self._deliver = deliver  # an opened message, to the dispatcher (`Dispatcher.on_opened`)
-        self._want_from = want_from  # a source we have no record of (`Swarm.want_from`)
-        self._home = home  # as a client, the relays it keeps (`Swarm.home_relays`)
+        self._want_from = want_from  # a source we have no record of (`TableSync.want_from`)
+        self._home = home  # as a client, the relays it keeps (`RelayKeeper.home`)
         self.forwarding = 0
         self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
         self._in_flight: dict[str, int] = {}  # source -> its forwards in flight
