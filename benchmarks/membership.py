@@ -114,8 +114,19 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
                 nodes.append(node)
                 addresses.append(node.address)
             conn.send(addresses)
-        elif cmd == "known":  # the fewest live peers any node here sees
-            conn.send(min((len(n.live_peers()) for n in nodes), default=0))
+        elif cmd == "known":  # the fewest live peers any node here sees, and what that node holds
+            if not nodes:
+                conn.send((0, {}))
+                continue
+            counts = [len(n.live_peers()) for n in nodes]
+            worst = nodes[counts.index(min(counts))]
+            held: dict[str, int] = {}
+            for view in worst.peers:
+                held[view.status.value] = held.get(view.status.value, 0) + 1
+            snap = worst.stats.snapshot()
+            held.update(syncs=snap["messages_sent_by_topic"].get("$sync", 0), stalled_s=round(snap["stalled_s"], 1),
+                        rejected=dict(snap["rejected"]))
+            conn.send((min(counts), held))
         elif cmd == "stats":
             out = []
             for n in nodes:
@@ -126,7 +137,8 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
                         if topic in sent:
                             sent[topic] += nbytes
                 msgs = sum(snap["messages_sent_by_topic"].get(t, 0) for t in MEMBERSHIP_TOPICS)
-                out.append((msgs, sum(sent.values()), snap["sockets_opened_by_topic"]))
+                by_topic = {t: c for t, c in snap["messages_sent_by_topic"].items() if t in MEMBERSHIP_TOPICS}
+                out.append((msgs, sum(sent.values()), snap["sockets_opened_by_topic"], by_topic))
             conn.send(out)
         elif cmd == "seen":  # arg: a peer id; per node here: the first time it was alive, dead
             conn.send([(seen.get(n.peer_id, {}).get(arg, {}).get("alive"),
@@ -184,19 +196,26 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
             batch = min(batch * 2, 256)
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"{n} nodes did not start within {timeout_s} s")
+        row["started_s"] = round(time.monotonic() - started, 1)
+        print(f"membership: {n} nodes started in {row['started_s']} s", file=sys.stderr, flush=True)
+        last_note = time.monotonic()
         while True:
             for conn in conns:
                 conn.send(("known", None))
-            fewest = min(conn.recv() for conn in conns)
+            fewest, held = min((conn.recv() for conn in conns), key=lambda answer: answer[0])
             if fewest >= 0.99 * (n - 1):
                 break
+            if time.monotonic() - last_note >= 10.0:
+                last_note = time.monotonic()
+                print(f"membership: {time.monotonic() - started:.0f} s: the node that sees fewest sees {fewest} "
+                      f"(its table: {held})", file=sys.stderr, flush=True)
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"the swarm of {n} did not converge: a node sees {fewest}")
             time.sleep(1.0)
         row["join_s"] = round(time.monotonic() - started, 1)
         print(f"membership: {n} joined in {row['join_s']} s", file=sys.stderr, flush=True)
 
-        def stats() -> list[tuple[int, int, dict[str, int]]]:
+        def stats() -> list[tuple[int, int, dict[str, int], dict[str, int]]]:
             for conn in conns:
                 conn.send(("stats", None))
             return [s for conn in conns for s in conn.recv()]
@@ -226,6 +245,12 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
                 formation[topic] = formation.get(topic, 0) + count
         row["sockets_opened_per_peer_joining"] = {t: round(c / n, 1) for t, c in
                                                   sorted(formation.items(), key=lambda kv: -kv[1])}
+        sent_joining: dict[str, int] = {}
+        for a in before:
+            for topic, count in a[3].items():
+                sent_joining[topic] = sent_joining.get(topic, 0) + count
+        row["messages_per_peer_joining"] = {t: round(c / n, 1) for t, c in
+                                            sorted(sent_joining.items(), key=lambda kv: -kv[1])}
 
         victim = subprocess.Popen([sys.executable, "-c", VICTIM, f"ipc://{ipc_dir}/victim", rng.choice(addresses),
                                    json.dumps(liveness)], stdout=subprocess.PIPE, text=True)

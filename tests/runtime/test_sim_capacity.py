@@ -205,6 +205,9 @@ def test_the_sized_liveness_keeps_a_boxs_probes_near_its_rate():
         assert lv.suspicion_base_s >= 3 * lv.probe_interval_s
         assert lv.ack_timeout_s >= SIM_LIVENESS.ack_timeout_s and lv.probe_timeout_s >= SIM_LIVENESS.probe_timeout_s
         assert gossip_per_s(lv, swarm) <= lv.gossip_fanout * SIM_PROBES_PER_S * 1.0001
+        # progress is signed and gossiped as news no more often per period than at the base period
+        assert lv.meta_interval_s / lv.probe_interval_s == pytest.approx(
+            SIM_LIVENESS.meta_interval_s / SIM_LIVENESS.probe_interval_s)
         intervals.append(lv.probe_interval_s)
     assert intervals == sorted(intervals)
     # the processes of a run share one box: the period follows the whole swarm
