@@ -2,10 +2,12 @@
 
 - `$sync`: a member pages through another member's table (the records of the peers alive to
   it, in id order, at most `table_page_bytes` a page, and where to go on from). A joiner takes
-  the whole table so, once a member (`node.bootstrap`); every member takes one page of a random
-  member's table, from a random point, now and then (anti-entropy, as memberlist's push-pull):
-  every probe period while pulls bring news (a swarm that is forming), backing off to
-  `sync_interval` while they bring none, so a record whose announcement was lost comes back.
+  the whole table so, once a member (`node.bootstrap`); every member takes one page of what a
+  random member holds and it lacks, now and then (anti-entropy, as memberlist's push-pull):
+  its ask names the peers it holds (`have`: each id's first HAVE_CHARS characters), so the page
+  is news only. It pulls every probe period while pulls bring news (a swarm that is forming),
+  backing off to `sync_interval` while they bring none, so a record whose announcement was
+  lost comes back.
 - `$want`: a beat names a peer we hold no record of; we ask the member that passed it on for
   the record (at most once a probe period per id), and it answers with `$announce`.
 - Each member's pulls (`$sync` pages and `$want` answers) share one token bucket of
@@ -50,6 +52,11 @@ MAX_WANT = 256
 MAX_WANTED = 4096  # ids asked for and not yet forgotten (see `want_from`)
 MAX_SYNC_PAGES = 4096  # pages one `sync` reads before it stops (a table past that is not honest)
 SYNC_BUSY_RETRIES = 5  # pulls a peer turned down over its budget, waited out and sent again
+# A `$sync` ask's `have` names each peer the asker holds by its id's first characters (30 bits of
+# its key's hash): a page leaves those out. A made-up id that shares a peer's prefix only keeps
+# that record out of one page; gossip and `$want` still bring it.
+HAVE_CHARS = 6
+MAX_HAVE = 65536  # ids one ask may name (a table past that is not honest)
 
 
 class TableSync:
@@ -88,23 +95,18 @@ class TableSync:
 
     def on_sync(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
         """A member asks for a page of our table: the records of peers alive to us, in id order
-        from after `after`, at most `table_page_bytes` of them, and `next` to go on from (None
-        at the end). Each member's pulls share `member_pull_bytes_per_s`; past it the pull is
-        turned down (busy) and may be sent again later."""
-        if body is None:
-            after = None
-        elif isinstance(body, dict) and set(body) == {"after"} and isinstance(body["after"], str) \
-                and len(body["after"]) <= 64:
-            after = body["after"]
-        else:
-            raise WireError(RejectReason.BAD_FIELD, "sync body must be empty or {after: peer id}", field="body")
+        from after `after`, leaving out those `have` names, at most `table_page_bytes` of them,
+        and `next` to go on from (None at the end). Each member's pulls share
+        `member_pull_bytes_per_s`; past it the pull is turned down (busy) and may be sent again
+        later."""
+        after, have = parse_sync(body)
         assert member is not None  # `$sync` is answered to members only
         admission, now = self.admission, time.monotonic()
         bucket = self.pull_bucket(member, now)
         if bucket.available(now) < -admission.table_page_bytes:
             raise rpc.Unanswered(f"{member} pulls on past its budget's refusals")
         budget = min(admission.table_page_bytes, bucket.available(now) - ENVELOPE_BYTES)
-        peers, following, nbytes = self.page(after, budget)
+        peers, following, nbytes = self.page(after, budget, have=have)
         if not peers and (following is not None or budget < 0):
             # the refusal is charged too, so pulling faster only puts the next page further off;
             # a member deep in that debt is not answered at all
@@ -121,11 +123,13 @@ class TableSync:
                                                        admission.member_pull_burst_bytes, now)
         return bucket
 
-    def page(self, after: str | None, budget: float, but: str | None = None) -> tuple[list[Any], str | None, int]:
-        """Records of live peers with ids above `after` (all, for None), in id order, that fit in
-        `budget` bytes; the id to go on from (None if none are left); and their bytes."""
-        live = sorted((p for p in self.table.live() if p.peer_id != but and (after is None or p.peer_id > after)),
-                      key=lambda p: p.peer_id)
+    def page(self, after: str | None, budget: float, but: str | None = None,
+             have: frozenset[str] = frozenset()) -> tuple[list[Any], str | None, int]:
+        """Records of live peers with ids above `after` (all, for None) and none of the prefixes
+        in `have`, in id order, that fit in `budget` bytes; the id to go on from (None if none
+        are left); and their bytes."""
+        live = sorted((p for p in self.table.live() if p.peer_id != but and (after is None or p.peer_id > after)
+                       and p.peer_id[:HAVE_CHARS] not in have), key=lambda p: p.peer_id)
         page: list[Any] = []
         nbytes = 0
         for p in live:
@@ -137,15 +141,19 @@ class TableSync:
         return page, None, nbytes
 
     async def sync(self, peer_id: str, after: str | None = None, pages: int = MAX_SYNC_PAGES,
-                   collect: list[Any] | None = None) -> int:
+                   collect: list[Any] | None = None, have: bytes | None = None) -> int:
         """Learn the table of `peer_id` (a member), page by page from after `after`, at most
-        `pages` of them: the number of records that were news. A page turned down as over our
-        pull budget is waited for. `collect`: the records that checked out are appended to it
-        as they came on the wire (to hand to other nodes, `Node.add_records`)."""
+        `pages` of them: the number of records that were news. `have` (`have_digest`): leave
+        out the peers it names. A page turned down as over our pull budget is waited for.
+        `collect`: the records that checked out are appended to it as they came on the wire (to
+        hand to other nodes, `Node.add_records`)."""
         learned, busy = 0, 0
         for _ in range(min(pages, MAX_SYNC_PAGES)):
+            ask: dict[str, Any] = {} if after is None else {"after": after}
+            if have is not None:
+                ask["have"] = have
             try:
-                reply = await self.outbox.request(peer_id, SYNC, None if after is None else {"after": after})
+                reply = await self.outbox.request(peer_id, SYNC, ask or None)
             except rpc.BusyError:
                 busy += 1
                 if busy > SYNC_BUSY_RETRIES:
@@ -207,14 +215,21 @@ class TableSync:
         helpers = [h for h in self.table.live_ids.sample(self._rng, 3) if self._helper(h)]
         try:
             if helpers:
-                after = self._rng.choice(list(self.table.live_ids.sample(self._rng, 1)) or [None])
-                learned = await self.sync(helpers[0], after=after, pages=1)
+                try:
+                    learned = await self.sync(helpers[0], pages=1, have=self.have_digest())
+                except rpc.BadRequestError:  # a member that knows no `have`: a page from a random point
+                    after = self._rng.choice(list(self.table.live_ids.sample(self._rng, 1)) or [None])
+                    learned = await self.sync(helpers[0], after=after, pages=1)
         except Exception as exc:  # anti-entropy is best effort; the next round tries another member
             log.debug("%s: anti-entropy with %s failed: %s", self._local.peer_id, helpers[0], exc)
         finally:
             self._quiet_s = soon_s if learned else min(ceiling_s, max(soon_s, 2 * self._quiet_s))
             self.next_anti_entropy = time.monotonic() + self._quiet_s * (0.5 + self._rng.random())
         return learned
+
+    def have_digest(self) -> bytes:
+        """The peers this node holds (any status), as a `$sync` ask's `have`."""
+        return "".join(p.peer_id[:HAVE_CHARS] for p in self.table.all()).encode("ascii", "replace")
 
     def want_from(self, peer_id: str, unknown: str) -> None:
         """Ask `peer_id` for the record of `unknown`, at most once an interval per id, and with a
@@ -246,6 +261,27 @@ class TableSync:
         if records:
             bucket.charge(ENVELOPE_BYTES, now)
             self._spawn(self.outbox.send(msg.sender, ANNOUNCE, records))
+
+
+def parse_sync(body: Any) -> tuple[str | None, frozenset[str]]:
+    """A `$sync` ask: empty, or a map of `after` (a peer id to go on from) and `have` (peers the
+    asker holds, `TableSync.have_digest`); WireError BAD_FIELD otherwise."""
+    if body is None:
+        return None, frozenset()
+    if not isinstance(body, dict) or not body or not set(body) <= {"after", "have"}:
+        raise WireError(RejectReason.BAD_FIELD, "sync body must be empty or {after: peer id, have: bytes}",
+                        field="body")
+    after, have = body.get("after"), body.get("have", b"")
+    if after is not None and not (isinstance(after, str) and len(after) <= 64):
+        raise WireError(RejectReason.BAD_FIELD, "sync after must be a peer id", field="body")
+    if not isinstance(have, bytes) or len(have) % HAVE_CHARS or len(have) > HAVE_CHARS * MAX_HAVE:
+        raise WireError(RejectReason.BAD_FIELD, f"sync have must be at most {MAX_HAVE} {HAVE_CHARS}-byte id prefixes",
+                        field="body")
+    try:
+        text = have.decode("ascii")
+    except UnicodeDecodeError:
+        raise WireError(RejectReason.BAD_FIELD, "sync have must be id prefixes", field="body") from None
+    return after, frozenset(text[i:i + HAVE_CHARS] for i in range(0, len(text), HAVE_CHARS))
 
 
 @functools.lru_cache(maxsize=16384)
