@@ -25,17 +25,52 @@ class ClientError(Exception):
 ANSWER_LIMITS = Limits(max_header_bytes=64 << 20)  # a status may be big: the asker chose to read it
 STATUS_PAD = 1024  # a first status request pays for a 10 KiB answer: a small swarm's status in one round trip
 MAX_PAD = 16 << 20  # the most a status request pads itself to (a node answers at most 10x what it is sent)
+MAX_STATUS_PAGES = 1024  # a member's status comes in pages of the table (64 KiB each by default)
+STATUS_BUSY_RETRIES = 30  # pages turned down as over the member's pull budget, waited out and asked again
+STATUS_BUSY_WAIT_S = 0.25
+
+
+class NodeBusy(ClientError):
+    """The node turned the request down as busy (over the asker's budget): ask again later."""
 
 
 async def _aquery(address: str, topic: str, body: Any, identity: Identity, timeout_s: float) -> Any:
     """One request; a `$status` answered with `{"pad_to": n}` (the node answers someone outside
-    its swarm with at most ten times the bytes it was sent) is asked again, padded to n."""
+    its swarm with at most ten times the bytes it was sent) is asked again, padded to n, and
+    one answered in pages (asked by a member: `next` names where the table goes on) is read to
+    its end, waiting out the pages turned down as over the member's pull budget."""
     status = topic == "$status" and body is None
     result = await _aquery_once(address, topic, {"pad": bytes(STATUS_PAD)} if status else body, identity, timeout_s)
     if status and isinstance(result, dict) and set(result) == {"pad_to"} \
             and isinstance(result["pad_to"], int) and STATUS_PAD < result["pad_to"] <= MAX_PAD:
         result = await _aquery_once(address, topic, {"pad": bytes(result["pad_to"])}, identity, timeout_s)
+    if status and isinstance(result, dict) and isinstance(result.get("peers"), list) and "next" in result:
+        await _read_pages(address, result, identity, timeout_s)
     return result
+
+
+async def _read_pages(address: str, status: dict[str, Any], identity: Identity, timeout_s: float) -> None:
+    """Append the later pages of a paged status to its `peers`, at most MAX_STATUS_PAGES."""
+    following, busy = status.pop("next"), 0
+    for _ in range(MAX_STATUS_PAGES):
+        if not isinstance(following, str):
+            return
+        try:
+            page = await _aquery_once(address, "$status", {"after": following}, identity, timeout_s)
+        except NodeBusy:
+            busy += 1
+            if busy > STATUS_BUSY_RETRIES:
+                raise
+            await asyncio.sleep(STATUS_BUSY_WAIT_S)
+            continue
+        if not isinstance(page, dict) or not isinstance(page.get("peers"), list):
+            raise ClientError(f"malformed status page from {address}")
+        status["peers"].extend(page["peers"])
+        nxt = page.get("next")
+        if nxt is not None and (not isinstance(nxt, str) or nxt <= following):
+            raise ClientError(f"status page from {address}: next must come after the page asked for")
+        following = nxt
+    raise ClientError(f"the status of {address} runs past {MAX_STATUS_PAGES} pages")
 
 
 async def _aquery_once(address: str, topic: str, body: Any, identity: Identity, timeout_s: float) -> Any:
@@ -62,7 +97,8 @@ async def _aquery_once(address: str, topic: str, body: Any, identity: Identity, 
         except WireError as exc:
             raise ClientError(f"malformed answer from {target.endpoint}: {exc}") from None
         if not ok:
-            raise ClientError(f"{target.endpoint} refused ({result.code.value}): {result.message}")
+            error = NodeBusy if result.code is rpc.ErrorCode.BUSY else ClientError
+            raise error(f"{target.endpoint} refused ({result.code.value}): {result.message}")
         return result
     finally:
         sock.close(0)

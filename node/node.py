@@ -525,35 +525,88 @@ class Node:
         """`status()` for `$status`. Asked from outside the swarm (`starling node status`), the
         answer is at most `stranger_reply_factor` times the request's bytes: a bigger status is
         answered with `{"pad_to": n}`, and the asker sends the request again padded to n bytes
-        (`{"pad": bytes}`; `node.client.query` does), paying for its answer with its own upload."""
+        (`{"pad": bytes}`; `node.client.query` does), paying for its answer with its own upload.
+        A member's status comes in pages out of its pull budget (`_member_status`)."""
         padded = isinstance(body, dict) and set(body) == {"pad"} and isinstance(body["pad"], bytes)
-        if body is not None and not padded:
-            raise WireError(RejectReason.BAD_FIELD, "status body must be empty or {pad: bytes}", field="body")
-        status = self.status()
+        paging = (member is not None and isinstance(body, dict) and set(body) == {"after"}
+                  and isinstance(body["after"], str) and len(body["after"]) <= 64)
+        if body is not None and not padded and not paging:
+            raise WireError(RejectReason.BAD_FIELD, "status body must be empty, {pad: bytes} or, from a member, "
+                            "{after: peer id}", field="body")
         if member is not None:
-            return status
+            return self._member_status(member, body["after"] if paging else None)
+        status = self.status()
         factor = self.config.admission.stranger_reply_factor
         size = len(msgpack.packb(status, use_bin_type=True, default=str)) + ENVELOPE_BYTES
         if size <= factor * frame_nbytes(inbound.frames):
             return status
         return {"pad_to": size // factor + size // (4 * factor) + ENVELOPE_BYTES}  # a quarter to spare
 
-    def status(self) -> dict[str, Any]:
-        """Peer table and counters as plain data (what `starling node status` prints)."""
+    def _member_status(self, member: str, after: str | None) -> dict[str, Any]:
+        """A member's `$status`, paged: the first page is the node's summary and the peers that
+        fit in `table_page_bytes`, each later one (`{after: id}`) the next peers, and `next` the
+        id to go on from (None at the end). Every page is charged to the member's pull budget,
+        which its `$sync` pages and `$want` answers share: past it a page is turned down as busy
+        (the refusal charged too), and a member that pulls on deep in debt is not answered."""
+        admission, now = self.config.admission, time.monotonic()
+        bucket = self._swarm.tables.pull_bucket(member, now)
+        available = bucket.available(now)
+        if available < -admission.table_page_bytes:
+            raise rpc.Unanswered(f"{member} pulls status pages on past its budget's refusals")
+        summary: dict[str, Any] = {}
+        if after is None:
+            summary = self.status(peers=False)
+            if self._packed_size(summary) > admission.member_pull_burst_bytes // 2:
+                # counters of more peers than a burst holds: their totals only, or never answered
+                stats = summary["stats"]
+                summary["stats"] = {k: v for k, v in stats.items() if k not in ("bytes_sent", "bytes_received")}
+        budget = min(admission.table_page_bytes, available) - self._packed_size(summary)
+        peers, following = self._peer_page(after, budget)
+        if budget < 0 or (not peers and following is not None and after is not None):
+            bucket.charge(ENVELOPE_BYTES, now)  # pulling faster only puts the next page further off
+            raise rpc.BusyError(f"table pulls over {admission.member_pull_bytes_per_s:.0f} bytes/s; try again later")
+        answer = {**summary, "peers": peers, "next": following}
+        bucket.charge(self._packed_size(answer), now)
+        return answer
+
+    @staticmethod
+    def _packed_size(answer: dict[str, Any]) -> int:
+        return len(msgpack.packb(answer, use_bin_type=True, default=str)) + ENVELOPE_BYTES
+
+    def _peer_page(self, after: str | None, budget: int) -> tuple[list[dict[str, Any]], str | None]:
+        """The summaries of the table's peers with ids above `after`, in id order, that fit in
+        `budget` bytes, and the id to go on from (None when none are left)."""
         now = time.monotonic()
-        return {
+        entries = sorted((p for p in self._table.all() if after is None or p.peer_id > after), key=lambda p: p.peer_id)
+        page: list[dict[str, Any]] = []
+        nbytes = 0
+        for p in entries:
+            summary = {**p.summary(), "last_seen_s": round(now - p.last_seen, 3)}
+            nbytes += len(msgpack.packb(summary, use_bin_type=True, default=str))
+            if nbytes > budget:
+                return page, page[-1]["id"] if page else after or ""
+            page.append(summary)
+        return page, None
+
+    def status(self, peers: bool = True) -> dict[str, Any]:
+        """Peer table and counters as plain data (what `starling node status` prints); with
+        `peers` False, all but the table."""
+        now = time.monotonic()
+        status = {
             "id": self.peer_id, "address": self.address, "security": self.mode.value,
             "version": PeerVersions.local().to_wire(),
             "reachable": self.reachable, "relay": bool(self.record and self.record.relay),
             "listening": self._transport is not None and self._transport.listening,
             "config": self.swarm_config, "meta": dict(self._local.meta), "info": dict(self._info),
-            "peers": [{**p.summary(), "last_seen_s": round(now - p.last_seen, 3)} for p in self._table.all()],
             "stats": self.stats.snapshot(),
             "zap_denied": self.zap_denied,
             "sockets": self._socket_counts(),
             "relaying": self._relay.status(),
             "trust": self.trust.status(),
         }
+        if peers:
+            status["peers"] = [{**p.summary(), "last_seen_s": round(now - p.last_seen, 3)} for p in self._table.all()]
+        return status
 
     def _socket_counts(self) -> dict[str, int]:
         """Open DEALERs against the cap, how many the cap made us open over the node's life,
