@@ -43,6 +43,12 @@ Rows:
   relayed messages with) takes messages from one source, then 100,000 fresh sessions from
   another (5,000 with --quick), then the first source's messages again. Figure: replays
   accepted; target 0.
+- relay_replays_after_forgetting: a destination's replay guard opens messages from source A,
+  sealed a minute before now; forgets A, as its table does `forget_after_s` after A left; opens
+  one message each from 100,000 throwaway sources (5,000 with --quick), forgetting each in
+  turn, so that A's mark is pushed out of any memory bounded by count; then A's messages
+  again, under A's old incarnation (what an attacker who re-announces A's stale record gets).
+  Figure: replays accepted; target 0. A source that seals now must still be opened.
 - forged_beats: a member gossips beats for a victim (a member and a client) that
   carry a huge counter and `$via` naming the attacker, signed by the attacker, unsigned,
   tampered from the victim's genuine beat, or in the old unsigned shape. Figure: forged
@@ -1219,6 +1225,53 @@ def _took(seed: Any, peer: str, beat: int, via: str) -> bool:
     return False
 
 
+def replays_after_forgetting(quick: bool) -> dict[str, Any]:
+    """A forgotten source's messages, replayed after a flood of sources pushed out its mark
+    (`node.relay`'s "Replays")."""
+    from starling.node.identity import Identity
+    from starling.node.relay import RelayConfig, Sealer
+    from starling.node.wire import WireError, encode
+
+    sources = 5_000 if quick else 100_000
+    a, d, t = Identity.generate(), Identity.generate(), Identity.generate()
+    config = RelayConfig()
+    guard = Sealer(d.curve_secret, d.peer_id, config)
+    minute = 60 * 10**9
+    a_incarnation = time.time_ns() - 2 * minute
+    try:  # sealed a minute ago: the last A's run sent before it left
+        past = Sealer(a.curve_secret, a.peer_id, config, clock=lambda: time.time_ns() - minute)
+    except TypeError:
+        past = Sealer(a.curve_secret, a.peer_id, config)  # a Sealer that takes no clock: nonces carry no time
+    captured = [past.seal(d.peer_id, d.curve_public, encode("pay", a.peer_id, i, {"x": i}), a_incarnation)
+                for i in range(5)]
+
+    def opens(sender: str, curve: bytes, nonce: bytes, sealed: bytes, incarnation: int) -> bool:
+        try:
+            guard.open(sender, curve, nonce, sealed, 16, incarnation)
+            return True
+        except WireError:
+            return False
+
+    first = sum(opens(a.peer_id, a.curve_public, *m, a_incarnation) for m in captured)
+    guard.guard.forget(lambda peer: False)  # the table forgot A
+    note = encode("note", t.peer_id, 1, None)
+    opened = 0
+    for k in range(sources):  # each one message under an id of its own (one key pair), then forgotten
+        name = f"throwaway{k:07d}"
+        sealed = Sealer(t.curve_secret, name, config).seal(d.peer_id, d.curve_public, note, a_incarnation)
+        opened += opens(name, t.curve_public, *sealed, a_incarnation)
+        if k % 64 == 63:
+            guard.guard.forget(lambda peer: False)
+    guard.guard.forget(lambda peer: False)
+    replayed = sum(opens(a.peer_id, a.curve_public, *m, a_incarnation) for m in captured)
+    c = Identity.generate()
+    fresh = Sealer(c.curve_secret, c.peer_id, config).seal(d.peer_id, d.curve_public, note, a_incarnation)
+    return row("relay_replays_after_forgetting", replayed, "replays accepted", f"== {REPLAYS_TARGET}",
+               replayed <= REPLAYS_TARGET, replayed_messages=len(captured), first_delivery_opened=first,
+               throwaway_sources=sources, throwaway_opened=opened,
+               fresh_source_opened=opens(c.peer_id, c.curve_public, *fresh, a_incarnation))
+
+
 # ---------------------------------------------------------------------------- main
 
 # name -> (unit, target); in the order the rows print
@@ -1227,6 +1280,7 @@ ROWS: dict[str, tuple[str, str]] = {
     "dial_back": ("connections to third parties", f"== {DIAL_BACK_TARGET}"),
     "forged_beats": ("forged entries accepted", f"== {FORGED_BEATS_TARGET}"),
     "relay_replays_after_sessions": ("replays accepted", f"== {REPLAYS_TARGET}"),
+    "relay_replays_after_forgetting": ("replays accepted", f"== {REPLAYS_TARGET}"),
     "amplification": ("reply bytes / request bytes (worst request)", f"<= {AMPLIFICATION_TARGET}"),
     "member_pull_rate": ("bytes/s to one member (after the first second)", f"<= {MEMBER_PULL_TARGET_BPS}"),
     "join_table": ("joined", "== true"),
@@ -1262,6 +1316,7 @@ def main() -> None:
         (["dial_back"], lambda: dial_back(quick)),
         (["forged_beats"], lambda: forged_beats(quick)),
         (["relay_replays_after_sessions"], lambda: replays_after_sessions(quick)),
+        (["relay_replays_after_forgetting"], lambda: replays_after_forgetting(quick)),
         (["amplification", "member_pull_rate"], lambda: amplification_rows(quick)),
         (["join_table"], lambda: join_big_table(quick, big=False)),
         (["join_table_max_records"], lambda: join_big_table(quick, big=True)),

@@ -13,14 +13,22 @@ fails to open: it is rejected, counted (`relay_tampered`), and nothing reaches a
 
 Replays. A nonce is one 96-bit number that grows with every message a node seals: its
 record's incarnation (the wall-clock nanosecond it started) shifted up 32 bits, plus a
-counter. The destination keeps, per source peer, the highest nonce it opened and a bitmask of
-the `replay_window` below it; a nonce seen before, or too far behind, is refused
-(`replayed`). A nonce at or below the source's current incarnation (as its signed record in
-the table says) was sealed by an earlier run of that peer and is refused too, whatever
-state the destination kept. Windows are kept per source, so no other sender can push one
-out. They are as many as the sources in the peer table: a source the table forgets leaves
-only its highest nonce behind (the last `max_keys` of those are kept), below which nothing
-from it is taken again.
+counter that is the milliseconds since then, or one more than the last if that is more (two
+messages in a millisecond, a clock stepped back). So a nonce says when it was sealed, to the
+millisecond, unless its source seals more than a thousand a second for long enough to run
+its counter ahead of its clock. The destination keeps, per
+source peer, the highest nonce it opened and a bitmask of the `replay_window` below it; a
+nonce seen before, or too far behind, is refused (`replayed`). A nonce at or below the
+source's current incarnation (as its signed record in the table says) was sealed by an
+earlier run of that peer and is refused too, whatever state the destination kept. Windows
+are kept per source, so no other sender can push one out. They are as many as the sources in
+the peer table: a source the table forgets leaves its highest nonce behind, below which
+nothing from it is taken again. Of those marks the last `max_keys` are kept; when one goes,
+the time it was left (less `REPLAY_SKEW_S` for the clocks' disagreement) becomes a floor:
+from any source with no mark here, what was sealed before it is refused. The table forgets
+a departed peer `forget_after_s` after it left, so everything such a peer sealed lies below
+the floor its mark leaves when it goes, however many sources pushed it out: no bound on
+memory decides a replay. (An honest source with no mark here is unaffected: it seals now.)
 
 Which relay: a client names the relays it holds connections to in its heartbeat meta
 (`$via`). A sender picks the first of D's relays that is alive; if the send to it fails it
@@ -79,8 +87,11 @@ from starling.node.wire import Message, RejectReason, WireError
 RELAY, RELAYED = "$relay", "$relayed"
 PROBE, READ = "$relay_probe", "$relay_read"  # relay -> client: read up to here?  client -> relay: yes
 VIA = "$via"  # heartbeat meta of a client: the relays it is attached to, comma-separated
-NONCE_BYTES = 12  # one big-endian number: the sealer's incarnation << COUNTER_BITS, plus a counter
+NONCE_BYTES = 12  # one big-endian number: the sealer's incarnation << COUNTER_BITS, plus a counter (see "Replays")
 COUNTER_BITS = 32
+# How far two peers' clocks may disagree and a forgotten source's floor still hold (see
+# "Replays"): well under the table's `forget_after_s`, well over what NTP leaves.
+REPLAY_SKEW_S = 10.0
 TOKEN_BYTES = 8  # a probe's token
 TAG_BYTES = 16
 _LEN = struct.Struct("<I")
@@ -198,14 +209,23 @@ def _aad(src: str, dest: str) -> bytes:
     return f"starling-relay-v2\0{src}\0{dest}".encode()
 
 
+def sealed_ns(incarnation: int, nonce: int) -> int:
+    """When a nonce of a source whose run started at `incarnation` says it was sealed (wall-clock
+    ns, to the millisecond; see "Replays")."""
+    return incarnation + (nonce - (incarnation << COUNTER_BITS) - 1) * 1_000_000
+
+
 class ReplayGuard:
     """Which nonces each source has had opened here (see the module's "Replays")."""
 
-    def __init__(self, window: int, max_retired: int) -> None:
+    def __init__(self, window: int, max_retired: int, skew_s: float = REPLAY_SKEW_S) -> None:
         self.window = window
         self._max_retired = max_retired
+        self._skew_ns = int(skew_s * 1e9)
         self._windows: dict[str, tuple[int, int]] = {}  # source -> (highest nonce, bitmask of the window below)
-        self._retired: OrderedDict[str, int] = OrderedDict()  # forgotten source -> its highest nonce
+        # forgotten source -> (its highest nonce, the wall-clock ns it was forgotten at)
+        self._retired: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self.floor_ns = 0  # from a source with neither, what was sealed at or before this is refused
 
     def __len__(self) -> int:
         return len(self._windows)
@@ -214,6 +234,9 @@ class ReplayGuard:
         """Raise WireError (REPLAYED) unless `nonce` from `src` is new; changes nothing."""
         if nonce <= incarnation << COUNTER_BITS:
             raise WireError(RejectReason.REPLAYED, f"a message relayed from {src} was sealed by an earlier run of it")
+        if src not in self._windows and src not in self._retired and sealed_ns(incarnation, nonce) <= self.floor_ns:
+            raise WireError(RejectReason.REPLAYED, f"a message relayed from {src} was sealed before what this node "
+                            "still remembers of forgotten sources")
         highest, seen = self._state(src)
         if nonce > highest:
             return
@@ -232,30 +255,37 @@ class ReplayGuard:
         else:
             seen |= 1 << (highest - nonce)
         self._windows[src] = (highest, seen)
+        self._retired.pop(src, None)
 
     def _state(self, src: str) -> tuple[int, int]:
         state = self._windows.get(src)
         if state is not None:
             return state
         # a source forgotten before: everything up to its highest counts as seen
-        return self._retired.get(src, 0), (1 << self.window) - 1
+        retired = self._retired.get(src)
+        return (0 if retired is None else retired[0]), (1 << self.window) - 1
 
-    def forget(self, keep: Callable[[str], bool]) -> None:
-        """Drop the windows of sources `keep` says no; remember their highest nonce."""
+    def forget(self, keep: Callable[[str], bool], now_ns: int | None = None) -> None:
+        """Drop the windows of sources `keep` says no; remember their highest nonce. Past
+        `max_retired` marks, the oldest go, and the floor rises to when they were left."""
+        now_ns = time.time_ns() if now_ns is None else now_ns
         for src in [s for s in self._windows if not keep(s)]:
-            self._retired[src] = self._windows.pop(src)[0]
+            self._retired[src] = (self._windows.pop(src)[0], now_ns)
             self._retired.move_to_end(src)
         while len(self._retired) > self._max_retired:
-            self._retired.popitem(last=False)
+            _, (_, left_at) = self._retired.popitem(last=False)
+            self.floor_ns = max(self.floor_ns, left_at - self._skew_ns)
 
 
 class Sealer:
     """Pair keys and nonces of one node: seal for a peer, open what a peer sealed for us."""
 
-    def __init__(self, curve_secret: bytes, self_id: str, config: RelayConfig) -> None:
+    def __init__(self, curve_secret: bytes, self_id: str, config: RelayConfig,
+                 clock: Callable[[], int] = time.time_ns) -> None:
         self._secret = X25519PrivateKey.from_private_bytes(curve_secret)
         self._self = self_id
         self._config = config
+        self._clock = clock  # wall-clock ns, which nonces carry
         self._keys: OrderedDict[tuple[str, bytes, bool], AESGCM] = OrderedDict()
         self._last = 0  # the last nonce sealed, as a number
         self.guard = ReplayGuard(config.replay_window, config.max_keys)
@@ -279,7 +309,8 @@ class Sealer:
 
     def seal(self, dest: str, curve_key: bytes, frames: list[Any], incarnation: int = 0) -> tuple[bytes, bytes]:
         """(nonce, ciphertext) of `frames` for `dest`; `incarnation` is this node's record's."""
-        self._last = max(self._last, incarnation << COUNTER_BITS) + 1
+        elapsed_ms = max(0, self._clock() - incarnation) // 1_000_000
+        self._last = max(self._last + 1, (incarnation << COUNTER_BITS) + 1 + elapsed_ms)
         nonce = self._last.to_bytes(NONCE_BYTES, "big")
         return nonce, self._key(dest, curve_key, True).encrypt(nonce, pack_frames(frames), _aad(self._self, dest))
 

@@ -252,7 +252,7 @@ def test_a_relay_caps_its_forwards_in_flight(nodes):
 
 def test_the_replay_window_takes_late_messages_once_and_refuses_the_too_old():
     a, b = Identity.generate(), Identity.generate()
-    sa = Sealer(a.curve_secret, a.peer_id, RelayConfig(replay_window=8))
+    sa = Sealer(a.curve_secret, a.peer_id, RelayConfig(replay_window=8), clock=lambda: 0)  # all in one ms
     sb = Sealer(b.curve_secret, b.peer_id, RelayConfig(replay_window=8))
     sealed = [sa.seal(b.peer_id, b.curve_public, encode("t", a.peer_id, i, None)) for i in range(20)]  # counters 1..20
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import socket
 from dataclasses import replace
+import time
 
 import pytest
 from conftest import ECHO_CONFIG, TEST_LIVENESS, wait_until
@@ -24,6 +25,7 @@ from starling.node.relay import (
     VIA,
     RelayConfig,
     Sealer,
+    sealed_ns,
 )
 from starling.node.wire import WireError, encode
 
@@ -221,8 +223,9 @@ def test_a_replay_is_refused_after_a_flood_of_fresh_nonces_from_another_source(n
 def test_a_message_from_an_earlier_run_of_its_source_is_refused_whatever_was_forgotten():
     a, b = Identity.generate(), Identity.generate()
     frames = encode("note", a.peer_id, 1, {"x": 1})
-    first_run, second_run = 1_000, 2_000
+    first_run = time.time_ns() - 10**9  # incarnations are the wall-clock ns a run started
     old = Sealer(a.curve_secret, a.peer_id, RelayConfig()).seal(b.peer_id, b.curve_public, frames, first_run)
+    second_run = time.time_ns() + 1
     receiver = Sealer(b.curve_secret, b.peer_id, RelayConfig())
     receiver.open(a.peer_id, a.curve_public, *old, 16, first_run)
     # the table forgot a (its window goes): its highest nonce is kept, so the message is still refused
@@ -235,18 +238,46 @@ def test_a_message_from_an_earlier_run_of_its_source_is_refused_whatever_was_for
     for fresh in (receiver, Sealer(b.curve_secret, b.peer_id, RelayConfig())):
         with pytest.raises(WireError, match="earlier run"):
             fresh.open(a.peer_id, a.curve_public, *old, 16, second_run)
+    before = time.time_ns()
     new = Sealer(a.curve_secret, a.peer_id, RelayConfig()).seal(b.peer_id, b.curve_public, frames, second_run)
     assert int.from_bytes(new[0], "big") >> COUNTER_BITS == second_run
+    assert before - 10**6 <= sealed_ns(second_run, int.from_bytes(new[0], "big")) <= time.time_ns()  # when, to the ms
     assert [bytes(f) for f in receiver.open(a.peer_id, a.curve_public, *new, 16, second_run)] == \
         [bytes(f) for f in frames]
+
+
+def test_a_replay_after_its_source_was_forgotten_and_its_mark_flushed_is_refused():
+    """A departed source is forgotten `forget_after_s` after it left; a flood of throwaway
+    sources then pushes its mark out of the guard's memory. What it sealed lies below the floor
+    its mark left, so a replay is refused however many sources came; a source that seals now,
+    even one never heard before, is still taken."""
+    a, b = Identity.generate(), Identity.generate()
+    frames = encode("note", a.peer_id, 1, {"pay": 1})
+    minute = 60 * 10**9
+    incarnation = time.time_ns() - 2 * minute
+    # sealed a minute ago, the last a's run sent before it left; the table forgot a only now
+    past = Sealer(a.curve_secret, a.peer_id, RelayConfig(), clock=lambda: time.time_ns() - minute)
+    captured = past.seal(b.peer_id, b.curve_public, frames, incarnation)
+    receiver = Sealer(b.curve_secret, b.peer_id, RelayConfig(max_keys=64))
+    receiver.open(a.peer_id, a.curve_public, *captured, 16, incarnation)
+    receiver.guard.forget(lambda peer: False)
+    guard = receiver.guard
+    for i in range(1000):  # throwaway sources, each heard once and then forgotten
+        guard.accept(f"throwaway-{i}", (time.time_ns() << COUNTER_BITS) + 1)
+        guard.forget(lambda peer: False)
+    with pytest.raises(WireError, match="still remembers"):
+        receiver.open(a.peer_id, a.curve_public, *captured, 16, incarnation)
+    c = Identity.generate()
+    fresh = Sealer(c.curve_secret, c.peer_id, RelayConfig()).seal(b.peer_id, b.curve_public, frames, incarnation)
+    assert len(receiver.open(c.peer_id, c.curve_public, *fresh, 16, incarnation)) == len(frames)
 
 
 def test_each_direction_of_a_pair_seals_under_its_own_key():
     """Both peers of a pair start their nonces from their incarnations; were the key shared,
     two runs started in the same nanosecond would seal under one key and nonce."""
     a, b = Identity.generate(), Identity.generate()
-    sa = Sealer(a.curve_secret, a.peer_id, RelayConfig())
-    sb = Sealer(b.curve_secret, b.peer_id, RelayConfig())
+    sa = Sealer(a.curve_secret, a.peer_id, RelayConfig(), clock=lambda: 5)  # both in one nanosecond
+    sb = Sealer(b.curve_secret, b.peer_id, RelayConfig(), clock=lambda: 5)
     frames = encode("note", a.peer_id, 1, None)
     nonce_ab, sealed_ab = sa.seal(b.peer_id, b.curve_public, frames, 7)
     nonce_ba, sealed_ba = sb.seal(a.peer_id, a.curve_public, frames, 7)
