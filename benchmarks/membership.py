@@ -28,6 +28,7 @@ dead_max_s <= 15, join_seen_p99_s <= 10, false_deaths 0. Run it alone on a 2-cor
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import multiprocessing as mp
 import os
@@ -44,6 +45,7 @@ from typing import Any
 
 MEMBERSHIP_TOPICS = ("$probe", "$probe-via", "$gossip", "$want", "$announce", "$sync", "$leave", "$hello")
 META_EVERY_S = 0.5
+STARTING_AT_ONCE = 16  # nodes a worker starts (binds and joins) at once
 
 VICTIM = textwrap.dedent("""
     import sys, time
@@ -105,15 +107,16 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
     threading.Thread(target=meta_loop, daemon=True).start()
     while True:
         cmd, arg = conn.recv()
-        if cmd == "start":  # arg: [(rank, join addresses)]
-            addresses = []
-            for rank, joins in arg:
+        if cmd == "start":  # arg: [(rank, join addresses)]: started at once, as a mass join is
+            def start(rank: int, joins: list[str]) -> Any:
                 node = Node(config=config)
                 node.on_peer_change(listener(node.peer_id))
-                node.start(f"ipc://{ipc_dir}/n{rank}", joins, security="plaintext")
-                nodes.append(node)
-                addresses.append(node.address)
-            conn.send(addresses)
+                return node.start(f"ipc://{ipc_dir}/n{rank}", joins, security="plaintext")
+
+            with concurrent.futures.ThreadPoolExecutor(max_workers=STARTING_AT_ONCE) as pool:
+                started = list(pool.map(lambda share: start(*share), arg))
+            nodes.extend(started)
+            conn.send([node.address for node in started])
         elif cmd == "known":  # the fewest live peers any node here sees, and what that node holds
             if not nodes:
                 conn.send((0, {}))
@@ -125,7 +128,8 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
                 held[view.status.value] = held.get(view.status.value, 0) + 1
             snap = worst.stats.snapshot()
             held.update(syncs=snap["messages_sent_by_topic"].get("$sync", 0), stalled_s=round(snap["stalled_s"], 1),
-                        rejected=dict(snap["rejected"]))
+                        rejected=dict(snap["rejected"]), pulls=dict(worst._swarm.tables.pulls),
+                        pulled_s=round(worst._swarm.tables.pulled_s, 1))
             conn.send((min(counts), held))
         elif cmd == "stats":
             out = []

@@ -147,14 +147,16 @@ class Swarm:
         self._signed_beat: list[Any] | None = None  # our current beat, signed (see `_own_beat`)
         # `$sync` pages and `$want`, under each member's pull budget (`node.table_sync`)
         self.tables = TableSync(local, table, outbox, stats, spawn, self._rng, liveness=liveness, admission=admission,
-                                learn=self.learn, record_from=self.record_from, reject=reject, helper=self._helper)
+                                learn=self.learn, record_from=self.record_from, reject=reject, helper=self._helper,
+                                introduce=self._introduce, first_hand=self.first_hand)
 
     def register(self, dispatch: Dispatcher) -> None:
         """Serve the membership topics on the node's dispatcher."""
         dispatch.on_internal_request(HELLO, self.on_hello, public=True)  # a joiner is not a member yet
-        dispatch.on_internal_request(SYNC, self.tables.on_sync, plain_answers=True)
         # public: a member that learned of us before we learned of it (both joined a moment ago)
-        # probes with its own record, which we learn as from a hello (see `on_probe`)
+        # probes, or pulls our table, with its own record, which we learn as from a hello (see
+        # `first_hand`)
+        dispatch.on_internal_request(SYNC, self.tables.on_sync, public=True, plain_answers=True)
         dispatch.on_internal_request(PROBE, self.on_probe, public=True, plain_answers=True)
         dispatch.on_internal_request(PROBE_VIA, self.on_probe_via, plain_answers=True)
         for topic, handler in ((GOSSIP, self.on_gossip), (WANT, self.tables.on_want), (LEAVE, self.on_leave),
@@ -475,9 +477,6 @@ class Swarm:
                 await self._probe(target)
             self.relays.keep()
             now = time.monotonic()
-            if self.tables.anti_entropy_due(now):
-                self._spawn(self.tables.anti_entropy(self.awareness.scale(lv.probe_interval_s),
-                                                     self.awareness.scale(lv.sync_interval(self.members()))))
             for tick in self.ticks:
                 tick(now)
             periods += 1
@@ -616,14 +615,19 @@ class Swarm:
             if not updates or not isinstance(updates[0], Record):
                 raise WireError(RejectReason.UNKNOWN_PEER, "a probe from a peer we do not know must carry its record",
                                 field="sender")
-            record = self.record_from(updates[0].body)
-            if self.local.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
-                raise WireError(RejectReason.SPOOFED_SENDER, "probe record's key does not own this connection",
-                                field="record")
-            self.learn(record)
-            member, updates = record.peer_id, updates[1:]
+            member, updates = self.first_hand(inbound, updates[0].body, "probe"), updates[1:]
         self._apply(member, updates)
         return {"u": self._take()}
+
+    def first_hand(self, inbound: Inbound, raw: Any, what: str) -> str:
+        """Learn the record a peer we hold none of sent us of itself (with a probe or a table
+        pull), as from a hello: checked, and its key must own the connection. Its id."""
+        record = self.record_from(raw)
+        if self.local.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
+            raise WireError(RejectReason.SPOOFED_SENDER, f"{what} record's key does not own this connection",
+                            field="record")
+        self.learn(record)
+        return record.peer_id
 
     async def on_probe_via(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
         """A member could not reach `t` and asks us to try: ack True if it answered us, False
@@ -677,7 +681,8 @@ class Swarm:
 
     async def _gossip_loop(self) -> None:
         """Urgent changes (claims, refutations, joins, leaves) to a few random members every
-        gossip interval, on top of what rides on probes; and the suspicions' timeouts."""
+        gossip interval, on top of what rides on probes; the suspicions' timeouts; and the
+        anti-entropy pulls (`TableSync.anti_entropy`) when due."""
         lv = self.liveness
         while True:
             wake_at = time.monotonic() + lv.gossip_interval_s
@@ -691,6 +696,12 @@ class Swarm:
                     suspicion.pardon(late)
             self._expire_suspicions(now)
             self._sign_meta(now)  # here too: a probe can take several timeouts under load
+            if self.tables.anti_entropy_due(now):
+                # here, not after a probe: a probe that goes to indirect probes takes seconds, and
+                # a forming swarm's pulls must keep to their period. A pull while the table grows
+                # comes every period whatever the load; one at rest backs off (scaled by awareness).
+                self._spawn(self.tables.anti_entropy(lv.probe_interval_s,
+                                                     self.awareness.scale(lv.sync_interval(self.members()))))
             if not self.broadcasts.eager:
                 continue
             # Past the socket cap, to members we hold a socket to: a send to anyone else opens a

@@ -38,7 +38,7 @@ from starling.node.outbox import Outbox, Spawn
 from starling.node.stats import NodeStats
 from starling.node.swim import Liveness
 from starling.node.transport import Inbound
-from starling.node.wire import ENVELOPE_BYTES, Message, RejectReason, WireError
+from starling.node.wire import ENVELOPE_BYTES, Message, RejectReason, WireError, frame_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,8 @@ class TableSync:
     def __init__(self, local: LocalPeer, table: PeerTable, outbox: Outbox, stats: NodeStats, spawn: Spawn,
                  rng: random.Random, *, liveness: Liveness, admission: AdmissionConfig,
                  learn: Callable[..., bool], record_from: Callable[[Any], PeerRecord],
-                 reject: Callable[[RejectReason, str], None], helper: Callable[[str], bool]) -> None:
+                 reject: Callable[[RejectReason, str], None], helper: Callable[[str], bool],
+                 introduce: Callable[[str], list[Any]], first_hand: Callable[[Inbound, Any, str], str]) -> None:
         self._local = local
         self.table = table
         self.outbox = outbox
@@ -78,11 +79,16 @@ class TableSync:
         self._record_from = record_from
         self._reject = reject
         self._helper = helper
+        self._introduce = introduce  # our record as an update, for a member that may not know us; or []
+        self._first_hand = first_hand  # learns the record a stranger sent of itself; its id
         self._pulls: dict[str, TokenBucket] = {}  # member id -> the bytes its table pulls may still take
         self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
         # the first pull a period or two in (a joiner's table is the seed's, as of its join);
         # then sooner while pulls bring news, later while they bring none (`anti_entropy`)
         self._quiet_s = liveness.probe_interval_s
+        self._held_at_pull = 0  # live peers held when the last pull ended
+        self.pulls: dict[str, int] = {}  # anti-entropy pulls by outcome: news, none, no_helper, or the error's name
+        self.pulled_s = 0.0  # their total time
         self.next_anti_entropy = time.monotonic() + liveness.probe_interval_s * (1 + rng.random())
 
     def forget(self, peer_id: str) -> None:
@@ -99,13 +105,23 @@ class TableSync:
         and `next` to go on from (None at the end). Each member's pulls share
         `member_pull_bytes_per_s`; past it the pull is turned down (busy) and may be sent again
         later."""
-        after, have = parse_sync(body)
-        assert member is not None  # `$sync` is answered to members only
+        after, have, me = parse_sync(body)
         admission, now = self.admission, time.monotonic()
+        page_bytes = admission.table_page_bytes
+        if member is None:  # a peer that heard of us before we of it (a mass join), with its record
+            if me is None:
+                raise WireError(RejectReason.UNKNOWN_PEER, "a table pull from a peer we do not know must carry its "
+                                "record", field="sender")
+            member = self._first_hand(inbound, me, "table pull")
+            if member not in self.table:
+                raise WireError(RejectReason.UNKNOWN_PEER, f"table pull from {member}, whose record we did not take",
+                                field="sender")
+            # a member from this message on, but its first page is held to what a stranger may get
+            page_bytes = min(page_bytes, admission.stranger_reply_factor * frame_nbytes(inbound.frames))
         bucket = self.pull_bucket(member, now)
         if bucket.available(now) < -admission.table_page_bytes:
             raise rpc.Unanswered(f"{member} pulls on past its budget's refusals")
-        budget = min(admission.table_page_bytes, bucket.available(now) - ENVELOPE_BYTES)
+        budget = min(page_bytes, bucket.available(now)) - ENVELOPE_BYTES
         peers, following, nbytes = self.page(after, budget, have=have)
         if not peers and (following is not None or budget < 0):
             # the refusal is charged too, so pulling faster only puts the next page further off;
@@ -141,7 +157,8 @@ class TableSync:
         return page, None, nbytes
 
     async def sync(self, peer_id: str, after: str | None = None, pages: int = MAX_SYNC_PAGES,
-                   collect: list[Any] | None = None, have: bytes | None = None) -> int:
+                   collect: list[Any] | None = None, have: bytes | None = None,
+                   timeout_s: float | None = None) -> int:
         """Learn the table of `peer_id` (a member), page by page from after `after`, at most
         `pages` of them: the number of records that were news. `have` (`have_digest`): leave
         out the peers it names. A page turned down as over our pull budget is waited for.
@@ -152,8 +169,11 @@ class TableSync:
             ask: dict[str, Any] = {} if after is None else {"after": after}
             if have is not None:
                 ask["have"] = have
+                introduction = self._introduce(peer_id)
+                if introduction:  # a member we only heard of may not know us: our record comes along
+                    ask["me"] = introduction[0][1]
             try:
-                reply = await self.outbox.request(peer_id, SYNC, ask or None)
+                reply = await self.outbox.request(peer_id, SYNC, ask or None, timeout_s=timeout_s)
             except rpc.BusyError:
                 busy += 1
                 if busy > SYNC_BUSY_RETRIES:
@@ -204,26 +224,40 @@ class TableSync:
         record whose announcement was lost, the joiners of a mass join) comes back over time,
         at a bounded cost. Returns the records that were news.
 
-        The next pull comes `soon_s` after one that brought news, and after twice the last
-        wait (up to `ceiling_s`) after one that brought none: a swarm that is forming pulls
-        every period until its tables agree, one at rest every `ceiling_s` (memberlist's
-        push-pull interval). A record is news to a member once, so what a forming swarm pulls
-        is what it had to learn anyway, a page per message rather than a few records riding on
-        gossip, each sent on a dozen times."""
+        The next pull comes `soon_s` after one that brought news or while the table grows, and
+        after twice the last wait (up to `ceiling_s`) after one that brought none: a swarm
+        that is forming pulls every period until its tables agree, one at rest every
+        `ceiling_s` (memberlist's push-pull interval). A record is news to a member once, so
+        what a forming swarm pulls is what it had to learn anyway, a page per message rather
+        than a few records riding on gossip, each sent on a dozen times."""
         self.next_anti_entropy = math.inf  # until this pull ends
-        learned = 0
-        helpers = [h for h in self.table.live_ids.sample(self._rng, 3) if self._helper(h)]
+        learned, started = 0, time.monotonic()
+        outcome = "no_helper"
+        # A member that has spoken to us first-hand holds our record; one we only heard of may
+        # not (in a mass join, most do not know a joiner yet) and drops our ask unanswered.
+        helpers = [h for h in self.table.live_ids.sample(self._rng, 8) if self._helper(h)]
+        helpers.sort(key=lambda h: getattr(self.table.get(h), "told_by", None) is not None)
+        timeout_s = 2 * max(self.liveness.probe_interval_s, self.liveness.ack_timeout_s)
         try:
             if helpers:
                 try:
-                    learned = await self.sync(helpers[0], pages=1, have=self.have_digest())
+                    learned = await self.sync(helpers[0], pages=1, have=self.have_digest(), timeout_s=timeout_s)
                 except rpc.BadRequestError:  # a member that knows no `have`: a page from a random point
                     after = self._rng.choice(list(self.table.live_ids.sample(self._rng, 1)) or [None])
-                    learned = await self.sync(helpers[0], after=after, pages=1)
+                    learned = await self.sync(helpers[0], after=after, pages=1, timeout_s=timeout_s)
+                outcome = "news" if learned else "none"
         except Exception as exc:  # anti-entropy is best effort; the next round tries another member
+            outcome = type(exc).__name__
             log.debug("%s: anti-entropy with %s failed: %s", self._local.peer_id, helpers[0], exc)
         finally:
-            self._quiet_s = soon_s if learned else min(ceiling_s, max(soon_s, 2 * self._quiet_s))
+            self.pulls[outcome] = self.pulls.get(outcome, 0) + 1
+            self.pulled_s += time.monotonic() - started
+            # a table that grew since the last pull (gossip brought joins) is one of a swarm still
+            # forming: the next pull comes soon even if this helper had nothing (it may have
+            # joined a moment ago), or a few empty pulls back a forming swarm off for minutes
+            held = len(self.table.live_ids)
+            grew, self._held_at_pull = held > self._held_at_pull, held
+            self._quiet_s = soon_s if learned or grew else min(ceiling_s, max(soon_s, 2 * self._quiet_s))
             self.next_anti_entropy = time.monotonic() + self._quiet_s * (0.5 + self._rng.random())
         return learned
 
@@ -263,25 +297,28 @@ class TableSync:
             self._spawn(self.outbox.send(msg.sender, ANNOUNCE, records))
 
 
-def parse_sync(body: Any) -> tuple[str | None, frozenset[str]]:
-    """A `$sync` ask: empty, or a map of `after` (a peer id to go on from) and `have` (peers the
-    asker holds, `TableSync.have_digest`); WireError BAD_FIELD otherwise."""
+def parse_sync(body: Any) -> tuple[str | None, frozenset[str], Any]:
+    """A `$sync` ask: empty, or a map of `after` (a peer id to go on from), `have` (peers the
+    asker holds, `TableSync.have_digest`) and `me` (the asker's own record, for a member that
+    may not know it, checked where it is learned); WireError BAD_FIELD otherwise."""
     if body is None:
-        return None, frozenset()
-    if not isinstance(body, dict) or not body or not set(body) <= {"after", "have"}:
-        raise WireError(RejectReason.BAD_FIELD, "sync body must be empty or {after: peer id, have: bytes}",
+        return None, frozenset(), None
+    if not isinstance(body, dict) or not body or not set(body) <= {"after", "have", "me"}:
+        raise WireError(RejectReason.BAD_FIELD, "sync body must be empty or {after: peer id, have: bytes, me: record}",
                         field="body")
-    after, have = body.get("after"), body.get("have", b"")
+    after, have, me = body.get("after"), body.get("have", b""), body.get("me")
     if after is not None and not (isinstance(after, str) and len(after) <= 64):
         raise WireError(RejectReason.BAD_FIELD, "sync after must be a peer id", field="body")
     if not isinstance(have, bytes) or len(have) % HAVE_CHARS or len(have) > HAVE_CHARS * MAX_HAVE:
         raise WireError(RejectReason.BAD_FIELD, f"sync have must be at most {MAX_HAVE} {HAVE_CHARS}-byte id prefixes",
                         field="body")
+    if me is not None and not isinstance(me, list):
+        raise WireError(RejectReason.BAD_FIELD, "sync me must be a peer record", field="body")
     try:
         text = have.decode("ascii")
     except UnicodeDecodeError:
         raise WireError(RejectReason.BAD_FIELD, "sync have must be id prefixes", field="body") from None
-    return after, frozenset(text[i:i + HAVE_CHARS] for i in range(0, len(text), HAVE_CHARS))
+    return after, frozenset(text[i:i + HAVE_CHARS] for i in range(0, len(text), HAVE_CHARS)), me
 
 
 @functools.lru_cache(maxsize=16384)

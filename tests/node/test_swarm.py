@@ -9,16 +9,16 @@ import pytest
 import torch
 from conftest import DEATH_SEEN_WITHIN_S, TEST_LIVENESS, raw_dealer, statuses, wait_until
 
-from starling.node import BadRequestError
+from starling.node import BadRequestError, rpc
 from starling.node.hello import Hello
 from starling.node.identity import Identity
-from starling.node.membership import PeerStatus
+from starling.node.membership import PeerRecord, PeerStatus
 from starling.node.node import NodeConfig, SwarmConfigError, UnknownPeerError
 from starling.node.rpc import RemoteError, Reply, RequestTimeout, RpcError
 from starling.node.swim import Liveness
 from starling.node.transport import TransportConfig
 from starling.node.updates import sign_claim
-from starling.node.wire import encode
+from starling.node.wire import decode, encode
 
 TRANSPORTS = ["tcp", "ipc", "inproc"]
 
@@ -475,7 +475,19 @@ def test_a_stranger_cannot_pull_the_table(make_node):
     sock = raw_dealer(a.address, outsider)
     sock.send_multipart(encode("$req", outsider.peer_id, 0, ["$sync", 1, None]))
     assert wait_until(lambda: a.stats.snapshot()["rejected"].get("unknown_peer") == 1)
-    assert not sock.poll(300)  # no table came back
+    assert sock.poll(5000)
+    _, ok, error = rpc.parse_reply(decode(sock.recv_multipart()))  # a refusal, not a table
+    assert not ok and "must carry its record" in error.message
+    # with its own record it is learned as from a hello, and its first page is held to what a
+    # stranger may get: ten times its ask
+    record = PeerRecord.create(outsider, ["tcp://127.0.0.1:9"], time.time_ns())
+    frames = encode("$req", outsider.peer_id, 0, ["$sync", 1, {"have": b"", "me": record.to_wire()}])
+    sock.send_multipart(frames)
+    assert sock.poll(5000)
+    answer = sock.recv_multipart()
+    _, ok, page = rpc.parse_reply(decode(answer))
+    assert ok and outsider.peer_id in a.live_peers()
+    assert sum(len(f) for f in answer) <= 10 * sum(len(f) for f in frames)
     sock.close()
 
 
