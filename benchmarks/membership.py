@@ -79,6 +79,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
         logging.basicConfig(filename=f"{os.environ['STARLING_BENCH_LOG_DIR']}/worker-{index}.log", level=logging.INFO,
                             format="%(asctime)s %(name)s %(message)s")
     from starling.node import Node, NodeConfig
+    from starling.node.loop import NetworkThread
     from starling.node.swim import Liveness
     from starling.node.transport import TransportConfig
 
@@ -121,16 +122,15 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
             if not nodes:
                 conn.send((0, {}))
                 continue
-            counts = [len(n.live_peers()) for n in nodes]
-            worst = nodes[counts.index(min(counts))]
-            held: dict[str, int] = {}
-            for view in worst.peers:
-                held[view.status.value] = held.get(view.status.value, 0) + 1
+
+            async def counts() -> list[int]:  # one call on the nodes' shared network thread
+                return [len(n.live_peers_here()) for n in nodes]
+
+            seen_by = NetworkThread.get().run(counts())
+            worst = nodes[seen_by.index(min(seen_by))]
             snap = worst.stats.snapshot()
-            held.update(syncs=snap["messages_sent_by_topic"].get("$sync", 0), stalled_s=round(snap["stalled_s"], 1),
-                        rejected=dict(snap["rejected"]), pulls=dict(worst._swarm.tables.pulls),
-                        pulled_s=round(worst._swarm.tables.pulled_s, 1))
-            conn.send((min(counts), held))
+            conn.send((min(seen_by), {"syncs": snap["messages_sent_by_topic"].get("$sync", 0),
+                                      "rejected": dict(snap["rejected"]), "pulls": dict(worst._swarm.tables.pulls)}))
         elif cmd == "stats":
             out = []
             for n in nodes:
@@ -212,7 +212,7 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
             if time.monotonic() - last_note >= 10.0:
                 last_note = time.monotonic()
                 print(f"membership: {time.monotonic() - started:.0f} s: the node that sees fewest sees {fewest} "
-                      f"(its table: {held})", file=sys.stderr, flush=True)
+                      f"({held})", file=sys.stderr, flush=True)
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"the swarm of {n} did not converge: a node sees {fewest}")
             time.sleep(1.0)

@@ -261,7 +261,7 @@ class Swarm:
         transport = self.outbox.transport
         for scheme in ("inproc://", "ipc://"):
             if any(a.startswith(scheme) for a in record.addresses) and (
-                    transport is None or not any(b.startswith(scheme) for b in transport.bound)):
+                    transport is None or scheme not in transport.bound_schemes):
                 raise WireError(RejectReason.BAD_FIELD, f"record of {record.peer_id}: an {scheme[:-3]} address "
                                 f"reaches only local peers, and this node listens on no {scheme[:-3]} endpoint",
                                 field="record")
@@ -449,8 +449,13 @@ class Swarm:
 
     # ---------------------------------------------------------------- failure detection (SWIM)
     async def run(self) -> None:
-        """The node's liveness: probes, suspicions and gossip, until the node closes."""
+        """The node's liveness: probes, suspicions, gossip and anti-entropy, until the node
+        closes. Anti-entropy has a loop of its own, not a turn in the probe loop's: a probe that
+        goes to indirect probes takes seconds, and a forming swarm's pulls must keep to their
+        period (while the table grows, one a period whatever the load; at rest they back off,
+        scaled by awareness)."""
         self._spawn(self._gossip_loop())
+        self._spawn(self.tables.run(lambda: self.awareness.scale(self.liveness.sync_interval(self.members()))))
         await self._probe_loop()
 
     def members(self) -> int:
@@ -681,8 +686,7 @@ class Swarm:
 
     async def _gossip_loop(self) -> None:
         """Urgent changes (claims, refutations, joins, leaves) to a few random members every
-        gossip interval, on top of what rides on probes; the suspicions' timeouts; and the
-        anti-entropy pulls (`TableSync.anti_entropy`) when due."""
+        gossip interval, on top of what rides on probes; and the suspicions' timeouts."""
         lv = self.liveness
         while True:
             wake_at = time.monotonic() + lv.gossip_interval_s
@@ -696,12 +700,6 @@ class Swarm:
                     suspicion.pardon(late)
             self._expire_suspicions(now)
             self._sign_meta(now)  # here too: a probe can take several timeouts under load
-            if self.tables.anti_entropy_due(now):
-                # here, not after a probe: a probe that goes to indirect probes takes seconds, and
-                # a forming swarm's pulls must keep to their period. A pull while the table grows
-                # comes every period whatever the load; one at rest backs off (scaled by awareness).
-                self._spawn(self.tables.anti_entropy(lv.probe_interval_s,
-                                                     self.awareness.scale(lv.sync_interval(self.members()))))
             if not self.broadcasts.eager:
                 continue
             # Past the socket cap, to members we hold a socket to: a send to anyone else opens a

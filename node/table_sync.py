@@ -52,6 +52,7 @@ MAX_WANT = 256
 MAX_WANTED = 4096  # ids asked for and not yet forgotten (see `want_from`)
 MAX_SYNC_PAGES = 4096  # pages one `sync` reads before it stops (a table past that is not honest)
 SYNC_BUSY_RETRIES = 5  # pulls a peer turned down over its budget, waited out and sent again
+PULL_PAGES = 4  # pages of news one anti-entropy pull reads at most (within a member's 1 MB burst)
 # A `$sync` ask's `have` names each peer the asker holds by its id's first characters (30 bits of
 # its key's hash): a page leaves those out. A made-up id that shares a peer's prefix only keeps
 # that record out of one page; gossip and `$want` still bring it.
@@ -89,7 +90,6 @@ class TableSync:
         self._held_at_pull = 0  # live peers held when the last pull ended
         self.pulls: dict[str, int] = {}  # anti-entropy pulls by outcome: news, none, no_helper, or the error's name
         self.pulled_s = 0.0  # their total time
-        self.next_anti_entropy = time.monotonic() + liveness.probe_interval_s * (1 + rng.random())
 
     def forget(self, peer_id: str) -> None:
         """A peer left the table: its pull budget goes too."""
@@ -215,14 +215,19 @@ class TableSync:
                 self._reject(exc.reason, f"record handed to this node: {exc}")
         return learned
 
-    def anti_entropy_due(self, now: float) -> bool:
-        """Whether the next anti-entropy pull is due (none is while one is in flight)."""
-        return now >= self.next_anti_entropy
+    async def run(self, ceiling_s: Callable[[], float]) -> None:
+        """Anti-entropy pulls (`anti_entropy`) for as long as the node runs: the first a period
+        or two in (a joiner's table is the seed's, as of its join), each next one the wait the
+        last chose, less or more by half at random."""
+        await asyncio.sleep(self.liveness.probe_interval_s * (1 + self._rng.random()))
+        while True:
+            await self.anti_entropy(self.liveness.probe_interval_s, ceiling_s())
+            await asyncio.sleep(self._quiet_s * (0.5 + self._rng.random()))
 
     async def anti_entropy(self, soon_s: float, ceiling_s: float) -> int:
-        """One page of a random member's table, from a random point: what gossip missed (a
-        record whose announcement was lost, the joiners of a mass join) comes back over time,
-        at a bounded cost. Returns the records that were news.
+        """Up to PULL_PAGES pages of what a random member holds and this node lacks: what gossip
+        missed (a record whose announcement was lost, the joiners of a mass join) comes back
+        over time, at a bounded cost. Returns the records that were news.
 
         The next pull comes `soon_s` after one that brought news or while the table grows, and
         after twice the last wait (up to `ceiling_s`) after one that brought none: a swarm
@@ -230,7 +235,6 @@ class TableSync:
         `ceiling_s` (memberlist's push-pull interval). A record is news to a member once, so
         what a forming swarm pulls is what it had to learn anyway, a page per message rather
         than a few records riding on gossip, each sent on a dozen times."""
-        self.next_anti_entropy = math.inf  # until this pull ends
         learned, started = 0, time.monotonic()
         outcome = "no_helper"
         # A member that has spoken to us first-hand holds our record; one we only heard of may
@@ -241,7 +245,8 @@ class TableSync:
         try:
             if helpers:
                 try:
-                    learned = await self.sync(helpers[0], pages=1, have=self.have_digest(), timeout_s=timeout_s)
+                    learned = await self.sync(helpers[0], pages=PULL_PAGES, have=self.have_digest(),
+                                              timeout_s=timeout_s)
                 except rpc.BadRequestError:  # a member that knows no `have`: a page from a random point
                     after = self._rng.choice(list(self.table.live_ids.sample(self._rng, 1)) or [None])
                     learned = await self.sync(helpers[0], after=after, pages=1, timeout_s=timeout_s)
@@ -258,7 +263,6 @@ class TableSync:
             held = len(self.table.live_ids)
             grew, self._held_at_pull = held > self._held_at_pull, held
             self._quiet_s = soon_s if learned or grew else min(ceiling_s, max(soon_s, 2 * self._quiet_s))
-            self.next_anti_entropy = time.monotonic() + self._quiet_s * (0.5 + self._rng.random())
         return learned
 
     def have_digest(self) -> bytes:

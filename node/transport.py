@@ -161,6 +161,7 @@ class Transport:
         self._heard: set[str] = set()  # peers that sent us something down the DEALER we hold to them
         self._tasks: dict[str | None, asyncio.Task[None]] = {}
         self.bound: list[str] = []
+        self.bound_schemes: frozenset[str] = frozenset()  # "tcp://", "ipc://", "inproc://" of those
         self.dealers_opened = 0  # over the node's life: how much the socket cap churns
         self.dealers_refused = 0  # sends failed because every DEALER up to the ceiling was busy
         self.connect_failures = 0  # DEALERs not opened: ZeroMQ refused the peer's endpoint
@@ -207,6 +208,7 @@ class Transport:
             router.close(0)
             raise OSError(f"cannot listen on {ep}: {exc}") from None
         self._router = router
+        self.bound_schemes = frozenset(ep.split("//", 1)[0] + "//" for ep in self.bound)
         self._tasks[None] = asyncio.ensure_future(self._read(router, None))
         return list(self.bound)
 

@@ -288,6 +288,8 @@ class Trust:
     def welcome(self, peer: str) -> None:
         """A member that just joined (network thread): send it the accusations behind every
         ban, each signed by its own witness, so that it bans as the swarm does."""
+        if not self._proofs:  # every record a forming swarm learns comes here
+            return
         for accused, bodies in list(self._proofs.items()):
             if accused != peer:
                 for body in bodies:

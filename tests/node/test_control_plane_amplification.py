@@ -23,8 +23,8 @@ from starling.node.loop import NetworkThread
 from starling.node.membership import PeerRecord, TableLimits
 from starling.node.node import Node, NodeConfig
 from starling.node.swarm import ANNOUNCE, HELLO, SYNC, WANT
-from starling.node.table_sync import HAVE_CHARS, MAX_HAVE
 from starling.node.swim import Liveness
+from starling.node.table_sync import HAVE_CHARS, MAX_HAVE
 from starling.node.wire import ENVELOPE_BYTES, decode, encode, frame_nbytes
 
 # slow suspicions: the made-up peers below answer no probe, and must stay in the table (alive or

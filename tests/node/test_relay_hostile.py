@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from dataclasses import replace
 import time
+from dataclasses import replace
 
 import pytest
 from conftest import ECHO_CONFIG, TEST_LIVENESS, wait_until
