@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "control_plane.py"
-ROWS = ["malformed_addresses", "dial_back", "forged_beats", "relay_replays_after_sessions", "amplification",
+ROWS = ["malformed_addresses", "dial_back", "forged_beats", "relay_replays_after_sessions", "relay_replays_after_forgetting",
+        "amplification",
         "member_pull_rate", "join_table", "join_table_max_records", "relay_delivery_under_flood",
         "relay_memory_never_reader"]
 
