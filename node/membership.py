@@ -177,6 +177,9 @@ class PeerInfo:
     signed_beat: list[Any] | None = None  # that beat as its peer signed it: what we relay
     told_by: str | None = None  # the member that relayed its record, until the peer itself is heard
     claim_at: int = -1  # the liveness incarnation a suspicion or death claim named (-1: none)
+    # whose share of the table it counts against for as long as it is held: the member that
+    # first relayed its record, or that member's own sponsor (None: it came to us first-hand)
+    sponsor: str | None = None
 
     @property
     def peer_id(self) -> str:
@@ -213,18 +216,19 @@ class PeerView:
 @dataclass(frozen=True)
 class TableLimits:
     """How many peers a table holds. A record relayed by a member (in a join's table, an
-    announce, a `$sync` page) counts against that member's share until the peer itself is
-    heard from directly (a message on its own connection); a full table makes room by dropping
-    dead entries, then unconfirmed records of the member holding the most, and refuses a
-    relayed record once its relayer holds the most. So one member cannot fill the table with
-    made-up peers, and the records of peers heard first-hand are kept."""
+    announce, a `$sync` page) counts against that member's share for as long as it is held,
+    and so does every record relayed on by a peer that came to us through that member (its
+    sponsor), heard from first-hand or not. A full table makes room by dropping dead entries,
+    then the newest entry of the member whose share is biggest; a relayed record is refused
+    once its sponsor's share is the biggest. So one member cannot fill the table with made-up
+    peers, however many of them talk to us, and a joiner that greets us itself still gets in."""
 
     max_peers: int = 8192
-    max_unconfirmed_per_member: int = 4096  # a joiner takes a swarm of this many from the member it joins through
+    max_sponsored_per_member: int = 4096  # a joiner takes a swarm of this many from the member it joins through
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_unconfirmed_per_member <= self.max_peers:
-            raise ValueError(f"need 1 <= max_unconfirmed_per_member <= max_peers: {self}")
+        if not 1 <= self.max_sponsored_per_member <= self.max_peers:
+            raise ValueError(f"need 1 <= max_sponsored_per_member <= max_peers: {self}")
 
 
 class TableFull(WireError):
@@ -248,7 +252,7 @@ class PeerTable:
         self.liveness = liveness
         self.limits = limits or TableLimits()
         self._peers: dict[str, PeerInfo] = {}
-        self._unconfirmed: dict[str, dict[str, None]] = {}  # member -> ids it relayed not heard yet, oldest first
+        self._sponsored: dict[str, dict[str, None]] = {}  # member -> ids held on its word (TableLimits), oldest first
         self.evicted: list[str] = []  # dropped to make room; the owner of the table closes their sockets
         self.live_ids = IdSet()  # peers alive or suspect, kept as statuses change (probing must not walk the table)
 
@@ -303,49 +307,48 @@ class PeerTable:
             return self._replace(known, record, now)
         if told_by == record.peer_id:
             told_by = None
-        self._make_room(record.peer_id, told_by)
-        self._peers[record.peer_id] = PeerInfo(record, PeerStatus.ALIVE, now, told_by=told_by)
-        self.live_ids.add(record.peer_id)
+        sponsor = None
         if told_by is not None:
-            self._unconfirmed.setdefault(told_by, {})[record.peer_id] = None
+            relayer = self._peers.get(told_by)
+            sponsor = told_by if relayer is None or relayer.sponsor is None else relayer.sponsor
+        self._make_room(record.peer_id, sponsor)
+        self._peers[record.peer_id] = PeerInfo(record, PeerStatus.ALIVE, now, told_by=told_by, sponsor=sponsor)
+        self.live_ids.add(record.peer_id)
+        if sponsor is not None:
+            self._sponsored.setdefault(sponsor, {})[record.peer_id] = None
         return StatusChange(record.peer_id, None, PeerStatus.ALIVE)
 
-    def _make_room(self, peer_id: str, told_by: str | None) -> None:
+    def _make_room(self, peer_id: str, sponsor: str | None) -> None:
         limits = self.limits
-        if told_by is not None and len(self._unconfirmed.get(told_by, ())) >= limits.max_unconfirmed_per_member:
-            raise TableFull(f"record of {peer_id}: {told_by} already relayed {limits.max_unconfirmed_per_member} "
-                            "records of peers not heard from yet")
+        if sponsor is not None and len(self._sponsored.get(sponsor, ())) >= limits.max_sponsored_per_member:
+            raise TableFull(f"record of {peer_id}: {sponsor} already vouches for {limits.max_sponsored_per_member} "
+                            "peers of the table")
         if len(self._peers) < limits.max_peers:
             return
         gone = next((p for p in self._peers.values() if p.status in (PeerStatus.DEAD, PeerStatus.LEFT)), None)
         if gone is None:
-            top = max(self._unconfirmed, key=lambda m: len(self._unconfirmed[m]), default=None)
-            most = len(self._unconfirmed[top]) if top is not None else 0
-            mine = len(self._unconfirmed.get(told_by, ())) if told_by is not None else -1
+            top = max(self._sponsored, key=lambda m: len(self._sponsored[m]), default=None)
+            most = len(self._sponsored[top]) if top is not None else 0
+            mine = len(self._sponsored.get(sponsor, ())) if sponsor is not None else -1
             if top is None or most == 0 or mine + 1 >= most:
                 raise TableFull(f"record of {peer_id}: the peer table holds {limits.max_peers} peers")
-            gone = self._peers[next(iter(self._unconfirmed[top]))]
+            gone = self._peers[next(reversed(self._sponsored[top]))]  # its newest: the oldest are the established
         self._drop(gone.peer_id)
         self.evicted.append(gone.peer_id)
 
     def _drop(self, peer_id: str) -> None:
         info = self._peers.pop(peer_id)
         self.live_ids.remove(peer_id)
-        self._confirm(info)
-
-    def _confirm(self, info: PeerInfo) -> None:
-        """The peer itself was heard (or its entry goes): it no longer counts against its relayer."""
-        if info.told_by is not None:
-            held = self._unconfirmed.get(info.told_by)
+        if info.sponsor is not None:
+            held = self._sponsored.get(info.sponsor)
             if held is not None:
-                held.pop(info.peer_id, None)
+                held.pop(peer_id, None)
                 if not held:
-                    del self._unconfirmed[info.told_by]
-            info.told_by = None
+                    del self._sponsored[info.sponsor]
 
-    def unconfirmed(self, member: str) -> int:
-        """Records `member` relayed whose peers this table has not heard from yet."""
-        return len(self._unconfirmed.get(member, ()))
+    def sponsored(self, member: str) -> int:
+        """Peers this table holds on `member`'s word (see TableLimits)."""
+        return len(self._sponsored.get(member, ()))
 
     def _replace(self, known: PeerInfo, record: PeerRecord, now: float) -> StatusChange | None:
         if record.incarnation != known.record.incarnation:
@@ -361,15 +364,15 @@ class PeerTable:
         again. A suspicion some member claimed stays until the peer refutes it with a newer
         beat (see `heartbeat`) or it times out; whoever acts on this message tells the peer
         (`node.swarm`). Heard first-hand (not in a relayed beat: whoever made up a peer can sign
-        its beats too), its record no longer counts against the member that relayed it."""
+        its beats too), it is no longer one we only heard of (its record still counts against
+        its sponsor: a made-up peer can talk too)."""
         info = self._peers.get(peer_id)
         if info is None or info.status is PeerStatus.LEFT:
             return None
         info.last_seen = max(info.last_seen, now)
         if not first_hand:
             return None
-        if info.told_by is not None:
-            self._confirm(info)
+        info.told_by = None
         if info.status is PeerStatus.DEAD or (info.status is PeerStatus.SUSPECT and info.claim_at < 0):
             return self._set(info, PeerStatus.ALIVE)
         return None

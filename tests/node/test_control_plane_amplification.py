@@ -10,7 +10,7 @@ from dataclasses import replace
 import msgpack
 import pytest
 import zmq
-from conftest import wait_until
+from conftest import raw_dealer, wait_until
 from zmq.utils import z85
 
 from starling.node import rpc
@@ -222,7 +222,7 @@ def test_a_strangers_status_costs_at_most_ten_times_its_bytes_and_the_client_pad
 
 
 def test_a_member_cannot_fill_the_table_with_made_up_peers_and_joiners_still_join():
-    limits = TableLimits(max_peers=64, max_unconfirmed_per_member=32)
+    limits = TableLimits(max_peers=64, max_sponsored_per_member=32)
     seed = Node(config=replace(config(), table=limits)).start("tcp://127.0.0.1:0")
     flooder = Node(config=config()).start("tcp://127.0.0.1:0", join=[seed.address])
     try:
@@ -241,3 +241,41 @@ def test_a_member_cannot_fill_the_table_with_made_up_peers_and_joiners_still_joi
     finally:
         flooder.close()
         seed.close()
+
+
+def test_identities_that_talk_stay_on_their_relayers_word_and_a_full_table_still_takes_a_joiner():
+    """One attacker's throwaway identities each send the node one message on their own
+    connection: that once freed their relayer's share, so a member filled the table with them
+    and every hello after was refused `table_full`. They stay on the relayer's word, so a second
+    batch is refused; and a table full of two members' shares makes room for a joiner that
+    greets it, dropping the newest of the biggest share."""
+    share = 16
+    limits = TableLimits(max_peers=2 * (share + 1), max_sponsored_per_member=share)
+    seed = Node(config=replace(config(), table=limits)).start("tcp://127.0.0.1:0")
+    flooders = [Node(config=config()).start("tcp://127.0.0.1:0", join=[seed.address]) for _ in range(2)]
+    socks = []
+    joiner = None
+    try:
+        for flooder in flooders:
+            keys = [Identity.generate() for _ in range(share)]
+            announce(flooder, seed, [PeerRecord.create(k, ["tcp://127.0.0.1:9"], time.time_ns()) for k in keys])
+            assert wait_until(lambda ks=keys: all(k.peer_id in seed.live_peers() for k in ks))
+            for key in keys:  # each says one word on a connection of its own: heard first-hand
+                sock = raw_dealer(seed.address, key)
+                sock.send_multipart(encode("$gossip", key.peer_id, 0, {"u": []}))
+                socks.append(sock)
+            assert wait_until(lambda ks=keys: all(seed._table.get(k.peer_id).told_by is None for k in ks))
+            refused = seed.stats.snapshot()["rejected"].get("table_full", 0)
+            announce(flooder, seed, fat_records(share))  # a second batch, on the same word
+            assert wait_until(lambda r=refused: seed.stats.snapshot()["rejected"].get("table_full", 0) >= r + share)
+        assert len(seed.live_peers()) == limits.max_peers  # full: two members and their shares
+        joiner = Node(config=config()).start("tcp://127.0.0.1:0", join=[seed.address])
+        assert wait_until(lambda: joiner.peer_id in seed.live_peers()) and seed.peer_id in joiner.live_peers()
+        assert len(seed.live_peers()) <= limits.max_peers and seed._table.sponsored(flooders[1].peer_id) <= share
+    finally:
+        for sock in socks:
+            sock.close()
+        for node in [*flooders, *([joiner] if joiner else [])]:
+            node.close()
+        seed.close()
+
