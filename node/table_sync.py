@@ -266,8 +266,10 @@ class TableSync:
         return learned
 
     def have_digest(self) -> bytes:
-        """The peers this node holds (any status), as a `$sync` ask's `have`."""
-        return "".join(p.peer_id[:HAVE_CHARS] for p in self.table.all()).encode("ascii", "replace")
+        """The peers this node holds alive or suspect, as a `$sync` ask's `have`: one it holds
+        dead that the helper holds alive comes back, and is probed again (`Swarm.learn`), so a
+        false death that no refutation reached still ends."""
+        return "".join(peer_id[:HAVE_CHARS] for peer_id in self.table.live_ids).encode("ascii", "replace")
 
     def want_from(self, peer_id: str, unknown: str) -> None:
         """Ask `peer_id` for the record of `unknown`, at most once an interval per id, and with a
