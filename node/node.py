@@ -553,6 +553,10 @@ class Node:
         available = bucket.available(now)
         if available < -admission.table_page_bytes:
             raise rpc.Unanswered(f"{member} pulls status pages on past its budget's refusals")
+        busy = rpc.BusyError(f"table pulls over {admission.member_pull_bytes_per_s:.0f} bytes/s; try again later")
+        if available <= ENVELOPE_BYTES:  # turned down before any page is built (the refusal charged too)
+            bucket.charge(ENVELOPE_BYTES, now)
+            raise busy
         summary: dict[str, Any] = {}
         if after is None:
             summary = self.status(peers=False)
@@ -564,7 +568,7 @@ class Node:
         peers, following = self._peer_page(after, budget)
         if budget < 0 or (not peers and following is not None and after is not None):
             bucket.charge(ENVELOPE_BYTES, now)  # pulling faster only puts the next page further off
-            raise rpc.BusyError(f"table pulls over {admission.member_pull_bytes_per_s:.0f} bytes/s; try again later")
+            raise busy
         answer = {**summary, "peers": peers, "next": following}
         bucket.charge(self._packed_size(answer), now)
         return answer
