@@ -2,12 +2,13 @@
 
 - `$sync`: a member pages through another member's table (the records of the peers alive to
   it, in id order, at most `table_page_bytes` a page, and where to go on from). A joiner takes
-  the whole table so, once a member (`node.bootstrap`); every member takes one page of what a
-  random member holds and it lacks, now and then (anti-entropy, as memberlist's push-pull):
-  its ask names the peers it holds (`have`: each id's first HAVE_CHARS characters), so the page
-  is news only. It pulls every probe period while pulls bring news (a swarm that is forming),
-  backing off to `sync_interval` while they bring none, so a record whose announcement was
-  lost comes back.
+  the whole table so, once a member (`node.bootstrap`); every member takes up to PULL_PAGES
+  pages of what a random member holds and it lacks, now and then (anti-entropy, as memberlist's
+  push-pull): its ask names the peers it holds alive (`have`: each id's first HAVE_CHARS
+  characters), so the pages are news only. It pulls every probe period while pulls bring news
+  or its table grows (a swarm that is forming), backing off to `sync_interval` while they bring
+  none, so a record whose announcement was lost comes back. A member the puller only heard of
+  may not know it: the ask then carries the puller's record (`me`), learned as from a hello.
 - `$want`: a beat names a peer we hold no record of; we ask the member that passed it on for
   the record (at most once a probe period per id), and it answers with `$announce`.
 - Each member's pulls (`$sync` pages and `$want` answers) share one token bucket of
