@@ -96,25 +96,31 @@ def test_a_strangers_hello_gets_at_most_ten_times_its_bytes_and_a_joiner_pages_t
         joiner.close()
 
 
-def test_a_members_table_pulls_are_held_to_its_byte_rate(seeded):
-    seed, member, _ = seeded
-    rate = seed.config.admission.member_pull_bytes_per_s
-    burst = seed.config.admission.member_pull_burst_bytes
+def _pull_past_every_refusal(seed: Node, member: Node, topic: str, check=lambda body: None) -> None:
+    """`member` asks `seed` for `topic` as fast as answers come for 2 s, past every refusal:
+    it is answered while its pull budget lasts, then turned down, and what it was sent fits
+    the budget (a turned-down pull costs a short answer, the size of the ask)."""
+    admission = seed.config.admission
     start, busy, pages = time.monotonic(), 0, 0
-    while time.monotonic() - start < 2.0:  # pulls as fast as answers come, past every refusal
+    while time.monotonic() - start < 2.0:
         try:
-            member.request(seed.peer_id, SYNC, None, timeout_s=0.2)
+            check(member.request(seed.peer_id, topic, None, timeout_s=0.2).body)
             pages += 1
         except rpc.BusyError:
             busy += 1
         except rpc.RequestTimeout:  # deep in debt: no longer answered at all
             pass
     elapsed = time.monotonic() - start
-    sent = _bytes_sent_to(seed, member.peer_id, SYNC)
-    asked = seed.stats.snapshot()["bytes_received"][member.peer_id][SYNC]
-    assert busy > 0 and pages > 0  # answered while its budget lasts, then turned down
-    # the pages it was given fit its budget; a turned-down pull costs a short answer, the size of the ask
-    assert sent <= burst + rate * elapsed + seed.config.admission.table_page_bytes + 2 * asked, (sent, asked, elapsed)
+    sent = _bytes_sent_to(seed, member.peer_id, topic)
+    asked = seed.stats.snapshot()["bytes_received"][member.peer_id][topic]
+    assert busy > 0 and pages > 0
+    assert sent <= (admission.member_pull_burst_bytes + admission.member_pull_bytes_per_s * elapsed
+                    + admission.table_page_bytes + 2 * asked), (sent, asked, elapsed)
+
+
+def test_a_members_table_pulls_are_held_to_its_byte_rate(seeded):
+    seed, member, _ = seeded
+    _pull_past_every_refusal(seed, member, SYNC)
 
 
 def test_a_members_status_pulls_are_paged_and_share_its_pull_budget(seeded):
@@ -123,23 +129,11 @@ def test_a_members_status_pulls_are_paged_and_share_its_pull_budget(seeded):
     budget's bytes. (A member's status was once the whole table per ask: 2.26 MB for 61 bytes at
     4096 peers, tens of MB/s with a few asks in flight.)"""
     seed, member, _ = seeded
-    admission = seed.config.admission
-    start, busy, pages = time.monotonic(), 0, 0
-    while time.monotonic() - start < 2.0:
-        try:
-            body = member.request(seed.peer_id, "$status", None, timeout_s=0.2).body
-            assert len(body["peers"]) < 301 and isinstance(body["next"], str)  # one page, and where to go on
-            pages += 1
-        except rpc.BusyError:
-            busy += 1
-        except rpc.RequestTimeout:  # deep in debt: no longer answered at all
-            pass
-    elapsed = time.monotonic() - start
-    sent = _bytes_sent_to(seed, member.peer_id, "$status")
-    asked = seed.stats.snapshot()["bytes_received"][member.peer_id]["$status"]
-    assert busy > 0 and pages > 0
-    assert sent <= (admission.member_pull_burst_bytes + admission.member_pull_bytes_per_s * elapsed
-                    + admission.table_page_bytes + 2 * asked), (sent, asked, elapsed)
+
+    def one_page(body) -> None:
+        assert len(body["peers"]) < 301 and isinstance(body["next"], str)  # one page, and where to go on
+
+    _pull_past_every_refusal(seed, member, "$status", one_page)
 
 
 def test_a_member_reads_a_paged_status_to_its_end(seeded):
