@@ -54,7 +54,7 @@ def sim_liveness(peers_in_process: int, swarm: int) -> Liveness:
         return replace(base, gossip_interval_s=gossip)
     # A peer's own new meta (its progress) is news that its source gossips at once, so it comes
     # at most once every so many periods, as SIM_LIVENESS's does: at 2 s whatever the period, 512
-    # peers' progress kept every peer gossiping every period and the box's loops saturated.
+    # peers' progress keeps every peer gossiping every period and saturates the box's loops.
     return replace(base, probe_interval_s=interval, ack_timeout_s=max(base.ack_timeout_s, interval / 2),
                    suspicion_base_s=max(base.suspicion_base_s, 3 * interval), probe_timeout_s=max(1.0, interval),
                    gossip_interval_s=gossip,

@@ -126,8 +126,7 @@ def test_a_members_table_pulls_are_held_to_its_byte_rate(seeded):
 def test_a_members_status_pulls_are_paged_and_share_its_pull_budget(seeded):
     """A member's `$status` is the table in pages, each charged to the member's pull budget
     with its `$sync` and `$want` pulls: a member asking again and again gets no more than that
-    budget's bytes. (A member's status was once the whole table per ask: 2.26 MB for 61 bytes at
-    4096 peers, tens of MB/s with a few asks in flight.)"""
+    budget's bytes (a whole table per ask would be 2.26 MB for 61 bytes at 4096 peers)."""
     seed, member, _ = seeded
 
     def one_page(body) -> None:
@@ -239,10 +238,10 @@ def test_a_member_cannot_fill_the_table_with_made_up_peers_and_joiners_still_joi
 
 def test_identities_that_talk_stay_on_their_relayers_word_and_a_full_table_still_takes_a_joiner():
     """One attacker's throwaway identities each send the node one message on their own
-    connection: that once freed their relayer's share, so a member filled the table with them
-    and every hello after was refused `table_full`. They stay on the relayer's word, so a second
-    batch is refused; and a table full of two members' shares makes room for a joiner that
-    greets it, dropping the newest of the biggest share."""
+    connection. They stay on their relayer's word, so a second batch is refused (were they freed
+    by talking, one member could fill the table and every hello after would be refused
+    `table_full`); and a table full of two members' shares makes room for a joiner that greets
+    it, dropping the newest of the biggest share."""
     share = 16
     limits = TableLimits(max_peers=2 * (share + 1), max_sponsored_per_member=share)
     seed = Node(config=replace(config(), table=limits)).start("tcp://127.0.0.1:0")

@@ -239,8 +239,8 @@ def test_bad_heartbeat_meta_is_refused(meta):
 def test_a_member_vouches_for_at_most_its_share_of_the_table_even_once_its_peers_talk(ids):
     """A relayed record counts against its relayer for as long as it is held: throwaway
     identities that each send one message on their own connection do not free their relayer's
-    share (they did, and about 8,250 keys filled a node's 8192 slots), and neither do the peers
-    they relay on in turn."""
+    share (else about 8,250 keys fill a node's 8192 slots), and neither do the peers they relay
+    on in turn."""
     member = ids[1].peer_id
     table = PeerTable(ids[0].peer_id, Liveness(), TableLimits(max_peers=100, max_sponsored_per_member=3))
     keys = [Identity.generate() for _ in range(5)]
