@@ -607,6 +607,7 @@ class Node:
             "sockets": self._socket_counts(),
             "relaying": self._relay.status(),
             "trust": self.trust.status(),
+            "claims": self._swarm.claims.status(now),
         }
         if peers:
             status["peers"] = [{**p.summary(), "last_seen_s": round(now - p.last_seen, 3)} for p in self._table.all()]

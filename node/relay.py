@@ -67,7 +67,7 @@ import os
 import struct
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +80,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from starling.node.dispatch import Dispatcher
 from starling.node.local import LocalPeer
 from starling.node.membership import PeerStatus, PeerTable
-from starling.node.outbox import Outbox, Spawn
+from starling.node.outbox import Outbox, Spawn, UnknownPeerError
+from starling.node.relay_delivery import ACK, ACKS, Deliveries
 from starling.node.transport import SendError
 from starling.node.wire import Message, RejectReason, WireError
 
@@ -93,6 +94,7 @@ COUNTER_BITS = 32
 # "Replays"): well under the table's `forget_after_s`, well over what NTP leaves.
 REPLAY_SKEW_S = 10.0
 TOKEN_BYTES = 8  # a probe's token
+SEALED_ACK = b"\0ack"  # an acknowledgement sealed through a relay: this, then the nonce it acknowledges
 TAG_BYTES = 16
 _LEN = struct.Struct("<I")
 _KDF_INFO = b"starling relay v2"
@@ -118,15 +120,24 @@ class RelayConfig:
     max_queued_messages: int = 256  # messages of those (below ZeroMQ's 1000 a connection: a reader loses none)
     probe_interval_s: float = 0.25  # a probe unanswered this long is followed by another
     max_probes: int = 8  # probes awaiting an answer, per client
+    # A relayed message unacknowledged after ack_timeout_s, plus a second per ack_bytes_per_s
+    # of it, goes to the next relay (`node.relay_delivery`).
+    ack_timeout_s: float = 2.0
+    ack_bytes_per_s: float = 1e6
+    max_unacked: int = 1024  # messages awaiting an acknowledgement; past it the oldest is given up
+    max_unacked_bytes: int = 64 << 20
+    drop_halflife_s: float = 60.0  # a relay's drops, as its senders count them, halve this often
 
     def __post_init__(self) -> None:
         for name in ("max_forwarding", "max_relays", "max_keys", "replay_window", "max_queued_bytes",
-                     "max_queued_messages", "max_probes"):
+                     "max_queued_messages", "max_probes", "max_unacked", "max_unacked_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"RelayConfig.{name} must be an int >= 1, got {value!r}")
-        if not self.probe_interval_s > 0:
-            raise ValueError(f"RelayConfig.probe_interval_s must be > 0, got {self.probe_interval_s!r}")
+        for name in ("probe_interval_s", "ack_timeout_s", "ack_bytes_per_s", "drop_halflife_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"RelayConfig.{name} must be a finite number > 0, got {value!r}")
 
 
 def pack_frames(frames: list[Any]) -> bytes:
@@ -215,6 +226,22 @@ def sealed_ns(incarnation: int, nonce: int) -> int:
     return incarnation + (nonce - (incarnation << COUNTER_BITS) - 1) * 1_000_000
 
 
+class Redelivered(WireError):
+    """A message opened here before, arriving again (its first relay was slow, and the source
+    fell back to another): refused, and acknowledged again. `frames` are what it opened to."""
+
+    frames: Sequence[memoryview] = ()
+
+
+def _sealed_ack(frames: Sequence[memoryview]) -> bytes | None:
+    """The nonce an opened relayed message acknowledges, if it is an acknowledgement: one frame,
+    `SEALED_ACK` and the nonce (an encoded message's first frame is a msgpack map, never this)."""
+    if len(frames) == 1 and frames[0].nbytes == len(SEALED_ACK) + NONCE_BYTES \
+            and bytes(frames[0][:len(SEALED_ACK)]) == SEALED_ACK:
+        return bytes(frames[0][len(SEALED_ACK):])
+    return None
+
+
 class ReplayGuard:
     """Which nonces each source has had opened here (see the module's "Replays")."""
 
@@ -241,6 +268,8 @@ class ReplayGuard:
         if nonce > highest:
             return
         behind = highest - nonce
+        if behind < self.window and (seen >> behind) & 1 and src in self._windows:
+            raise Redelivered(RejectReason.REPLAYED, f"a message relayed from {src} was delivered before")
         if behind >= self.window or (seen >> behind) & 1:
             raise WireError(RejectReason.REPLAYED, f"a message relayed from {src} was delivered before")
 
@@ -326,7 +355,11 @@ class Sealer:
             raise WireError(RejectReason.RELAY_TAMPERED,
                             f"a message relayed from {src} does not open: altered, or not sealed by it") from None
         number = int.from_bytes(nonce, "big")
-        self.guard.check(src, incarnation, number)
+        try:
+            self.guard.check(src, incarnation, number)
+        except Redelivered as again:
+            again.frames = unpack_frames(plain, max_frames)
+            raise
         frames = unpack_frames(plain, max_frames)
         self.guard.accept(src, number)
         return frames
@@ -422,6 +455,10 @@ class Relay:
         self._lanes: dict[str, _Lane] = {}  # client -> what this relay queued for it
         self._lanes_checked_at = 64  # lanes kept before the idle and unknown ones are dropped
         self._guard_checked_at = 64  # likewise, replay windows before those of forgotten sources
+        self.deliveries = Deliveries(spawn, ack_timeout_s=config.ack_timeout_s, ack_bytes_per_s=config.ack_bytes_per_s,
+                                     max_unacked=config.max_unacked, max_unacked_bytes=config.max_unacked_bytes,
+                                     drop_halflife_s=config.drop_halflife_s, candidates=self._reachable_relays,
+                                     resend=self._hand)
 
     def register(self, dispatch: Dispatcher) -> None:
         """Serve the relay topics on the node's dispatcher."""
@@ -429,13 +466,15 @@ class Relay:
         dispatch.on_internal_message(RELAYED, self.on_relayed)
         dispatch.on_internal_message(PROBE, self.on_probe)
         dispatch.on_internal_message(READ, self.on_read)
+        dispatch.on_internal_message(ACK, self.on_ack)
 
     def status(self) -> dict[str, Any]:
         """Forwards in flight, clients with bytes queued here, those bytes, refusals by cause."""
         lanes = list(self._lanes.values())  # one copy: callable from any thread
         return {"forwarding": self.forwarding, "clients": sum(1 for lane in lanes if lane.queue),
                 "queued_bytes": sum(lane.nbytes for lane in lanes),
-                "queued_messages": sum(len(lane.queue) for lane in lanes), "refused": dict(self.refused)}
+                "queued_messages": sum(len(lane.queue) for lane in lanes), "refused": dict(self.refused),
+                "delivery": self.deliveries.status()}
 
     def queued(self, client: str) -> tuple[int, int]:
         """(bytes, messages) handed out for `client` and not yet proven read."""
@@ -444,39 +483,51 @@ class Relay:
 
     # ---------------------------------------------------------------- as a client
     def tick(self, now: float) -> None:
-        """From the heartbeat loop: a client names the relays it holds connections to, in the
-        meta its heartbeats carry."""
+        """From the heartbeat loop: a client names the relays it holds connections to, and says
+        that it acknowledges what it is relayed, in the meta its heartbeats carry."""
         record = self.local.record
         if record is None or record.reachable:
             return
         via = self.via()
-        if self.local.meta.get(VIA) != via:
-            self.local.meta = {**self.local.meta, VIA: via}
+        if self.local.meta.get(VIA) != via or ACKS not in self.local.meta:
+            self.local.meta = {**self.local.meta, VIA: via, ACKS: 1}
 
     def relays_for(self, dest: str) -> list[str]:
-        """The relays `dest` named in its beats, then any other relay: those alive to us
-        first, suspects last (a relay that just died may still swallow what it is handed)."""
+        """The live relays, best first as this node has found them (`Deliveries.order`): its own
+        drop counts, then the relays `dest` names in its beats, then a rank of this node's own.
+        A suspect relay keeps its place: what other members claim about a relay does not move
+        this node's traffic, only what this node saw it deliver (`node.relay_delivery`)."""
         table = self.table
         info = table.get(dest)
-        named = str(info.meta.get(VIA, "")).split(",") if info is not None else []
-        live = {p.peer_id: p for p in table.live() if p.record.relay and p.record.reachable}
-        order = [r for r in named if r in live] + sorted(r for r in live if r not in named)
-        return sorted(order, key=lambda r: live[r].status is not PeerStatus.ALIVE)  # stable sort
+        named = set(str(info.meta.get(VIA, "")).split(",")) if info is not None else set()
+        live = [p.peer_id for p in table.live() if p.record.relay and p.record.reachable and p.peer_id != dest]
+        ordered = self.deliveries.order(live)
+        deliveries = self.deliveries
+        return sorted(ordered, key=lambda r: (round(deliveries.drops(r)), r not in named))  # stable
+
+    def _reachable_relays(self, dest: str) -> list[str]:
+        """Of `relays_for(dest)`, those this node reaches itself: a relay reached through another
+        relay would route through relays again, without end."""
+        transport = self.outbox.transport
+        return [r for r in self.relays_for(dest) if transport is not None and transport.can_send(r)]
 
     def via(self) -> str:
         """The relays this client is attached to, for `$via`: of those it keeps (its messages
         every period keep their routes to it fresh), the ones that have sent it something down the
         DEALER it holds to them, which proves they hold its connection's routing id. An open
         DEALER is not enough: a relay that has not yet read a message of ours on it cannot
-        forward to us, and refused the messages that named it (`no_route`)."""
+        forward to us, and refused the messages that named it (`no_route`). They are named in
+        the order this client chose them (at random), not by id, so no relay's id puts it first."""
         transport = self.outbox.transport
         if transport is None:
             return ""
-        held = sorted(r for r in self._home() if transport.heard(r))
+        held = [r for r in self._home() if transport.heard(r)]
         return ",".join(held[: self.config.max_relays])
 
     async def send(self, dest: str, frames: list[Any], *, wait: bool, timeout_s: float | None) -> None:
-        """Seal `frames` for `dest` and hand them to the first relay that takes them."""
+        """Seal `frames` for `dest` and hand them to the first relay that takes them; then, if
+        `dest` acknowledges, wait in the background for its acknowledgement and
+        fall back to the next relay without one (`node.relay_delivery`)."""
         info = self.table.get(dest)
         record = self.local.record
         if info is None or record is None:
@@ -487,17 +538,53 @@ class Relay:
                             f"a client (RelayConfig.max_queued_bytes, {self.config.max_queued_bytes})")
         body, payload = Sealed(dest, nonce, sealed).to_wire()
         errors = []
-        transport = self.outbox.transport
-        # Only a relay this node reaches itself: a relay reached through another relay would
-        # route through relays again, without end.
-        relays = [r for r in self.relays_for(dest) if transport is not None and transport.can_send(r)]
-        for relay in relays:
+        for relay in self._reachable_relays(dest):
             try:
-                await self.outbox.send(relay, RELAY, body, payload, wait=wait, timeout_s=timeout_s)
-                return
+                await self._hand(relay, dest, body, payload, wait=wait, timeout_s=timeout_s)
             except SendError as exc:
                 errors.append(f"{relay}: {exc}")
+                continue
+            if info.meta.get(ACKS):
+                self.deliveries.sent(nonce, dest, relay, body, payload, len(sealed))
+            return
         raise SendError(f"no relay took a message for {dest}: " + ("; ".join(errors) or "no relay is alive"))
+
+    async def _hand(self, relay: str, dest: str, body: list[Any], payload: list[Any], *, wait: bool = False,
+                    timeout_s: float | None = None) -> None:
+        await self.outbox.send(relay, RELAY, body, payload, wait=wait, timeout_s=timeout_s)
+
+    def on_ack(self, msg: Message) -> None:
+        """A destination acknowledged a message we had relayed to it."""
+        body = msg.body
+        if not isinstance(body, list) or len(body) != 1 or not isinstance(body[0], bytes) \
+                or len(body[0]) != NONCE_BYTES or msg.payload:
+            raise WireError(RejectReason.BAD_FIELD, f"{ACK} body must be [nonce of {NONCE_BYTES} bytes]", field="body")
+        self.deliveries.acked(msg.sender, body[0])
+
+    async def _acknowledge(self, src: str, nonce: bytes, relay: str) -> None:
+        """Tell `src` we opened its message: straight if we reach it, else sealed back through
+        the `relay` that delivered it (it holds `src`'s connection, which `src` just used, and
+        it has proven it forwards between the two), or another. An acknowledgement is not
+        acknowledged."""
+        transport = self.outbox.transport
+        try:
+            if transport is not None and transport.can_send(src):
+                await self.outbox.send(src, ACK, [nonce], wait=False)
+                return
+            info, record = self.table.get(src), self.local.record
+            if info is None or record is None or transport is None:
+                return
+            ack_nonce, sealed = self.sealer.seal(src, info.record.curve_key, [SEALED_ACK + nonce], record.incarnation)
+            body, payload = Sealed(src, ack_nonce, sealed).to_wire()
+            for other in [relay, *(r for r in self._reachable_relays(src) if r != relay)]:
+                if transport.can_send(other):
+                    try:
+                        await self._hand(other, src, body, payload)
+                        return
+                    except SendError:
+                        continue
+        except (SendError, ValueError, UnknownPeerError):
+            pass  # the source falls back to another relay, and this copy is acknowledged then
 
     # ---------------------------------------------------------------- as the relay
     def _refuse(self, cause: str, reason: RejectReason, detail: str) -> WireError:
@@ -633,8 +720,18 @@ class Relay:
             if info is None:  # a peer that joined a moment ago: the relay has its record
                 self._want_from(msg.sender, src)
             raise WireError(RejectReason.UNKNOWN_PEER, f"relayed message from unknown peer {src}")
-        frames = self.sealer.open(src, info.record.curve_key, envelope.nonce, envelope.sealed, self.max_frames,
-                                  info.record.incarnation)
+        try:
+            frames = self.sealer.open(src, info.record.curve_key, envelope.nonce, envelope.sealed, self.max_frames,
+                                      info.record.incarnation)
+        except Redelivered as again:
+            if not _sealed_ack(again.frames):
+                self._spawn(self._acknowledge(src, envelope.nonce, msg.sender))
+            raise
+        acked = _sealed_ack(frames)
+        if acked is not None:  # an acknowledgement sealed through a relay: no message, and not acknowledged
+            self.deliveries.acked(src, acked)
+            return
+        self._spawn(self._acknowledge(src, envelope.nonce, msg.sender))
         guard = self.sealer.guard
         if len(guard) >= self._guard_checked_at:
             guard.forget(self.table.__contains__)

@@ -61,7 +61,17 @@ from starling.node.outbox import Outbox, Spawn, UnknownPeerError
 from starling.node.relay_keeping import RelayKeeper
 from starling.node.security import SecurityMode
 from starling.node.stats import NodeStats
-from starling.node.swim import NEWS, ROUTINE, URGENT, Awareness, Broadcasts, Liveness, ProbeOrder, Suspicion
+from starling.node.swim import (
+    NEWS,
+    ROUTINE,
+    URGENT,
+    Awareness,
+    Broadcasts,
+    ClaimLedger,
+    Liveness,
+    ProbeOrder,
+    Suspicion,
+)
 from starling.node.table_sync import ANNOUNCE, MAX_WANTED, SYNC, WANT, TableSync
 from starling.node.transport import Inbound, NoSocket, SendError
 from starling.node.updates import DEAD, MAX_LIVE, SUSPECT, Beat, Claim, Leave, Record, Update, parse_updates
@@ -128,6 +138,7 @@ class Swarm:
         self.broadcasts = Broadcasts()
         self._order = ProbeOrder(self._rng)
         self._suspicions: dict[str, Suspicion] = {}
+        self.claims = ClaimLedger()  # whose claims the accused refuted: those not believed again
         self._probes_via = 0
         self._unverified: dict[str, list[tuple[Claim, str]]] = {}  # claimant -> its claims we could not check yet
         self._unknown_to: set[str] = set()  # peers that refused our probe as a stranger's
@@ -851,9 +862,12 @@ class Swarm:
                     self.tables.want_from(sender, entry[0])
                 return
             if news:
-                change = table.heartbeat(entry, time.monotonic())
+                now = time.monotonic()
+                change = table.heartbeat(entry, now)
                 if change is not None:
                     self._suspicions.pop(entry[0], None)
+                    if change.old in (PeerStatus.SUSPECT, PeerStatus.DEAD):
+                        self.claims.refuted(entry[0], now)
                     self.notify(change, refuted=True)
                 self._spread(Beat(entry), URGENT if change is not None else ROUTINE)
         elif isinstance(update, Record):
@@ -909,9 +923,12 @@ class Swarm:
                 else:
                     self._refute(live)
             return
+        if not mine and not self.claims.believed(claimant, peer_id, time.monotonic()):
+            return  # its claims about this peer were refuted too often (`ClaimLedger`)
         status = PeerStatus.SUSPECT if kind == SUSPECT else PeerStatus.DEAD
         held, change = table.claim(status, peer_id, incarnation, live)
         if held:
+            self.claims.held(peer_id, claimant)
             if status is PeerStatus.SUSPECT:
                 low, high = self.liveness.suspicion_bounds(self.members())
                 expected = max(0, min(self.liveness.confirmations, self.members() - 2))

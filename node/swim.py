@@ -154,6 +154,66 @@ class Awareness:
         return seconds * (self.score + 1)
 
 
+class ClaimLedger:
+    """Which members' claims the accused keep refuting. A claim a peer refutes with its own
+    signed beat was wrong; a member whose claims about the same peer were refuted
+    `max_refuted` times (decayed with `halflife_s`) is no longer believed about that peer: its
+    further claims about it are counted (`discounted`) and neither held nor passed on. Other
+    members' claims still count, so a peer that really died is still found dead; a member can
+    no longer keep another suspect (and steer traffic away from it) by accusing it over and
+    over. Keyed by (claimant, accused), bounded by `max_pairs`; on an injected clock."""
+
+    def __init__(self, max_refuted: float = 3.0, halflife_s: float = 60.0, max_pairs: int = 4096) -> None:
+        self.max_refuted = max_refuted
+        self.halflife_s = halflife_s
+        self.max_pairs = max_pairs
+        self.refutations = 0  # claims refuted, in all
+        self.discounted = 0  # claims not believed, in all
+        self._claimant: dict[str, str] = {}  # accused -> the member whose claim about it we hold
+        self._refuted: dict[tuple[str, str], tuple[float, float]] = {}  # (claimant, accused) -> (count, at)
+
+    def _count(self, pair: tuple[str, str], now: float) -> float:
+        count, at = self._refuted.get(pair, (0.0, now))
+        return count * 0.5 ** ((now - at) / self.halflife_s)
+
+    def believed(self, claimant: str, accused: str, now: float) -> bool:
+        """Whether a claim of `claimant`'s about `accused` may be held (counted if not)."""
+        if (claimant, accused) not in self._refuted or self._count((claimant, accused), now) < self.max_refuted:
+            return True
+        self.discounted += 1
+        return False
+
+    def held(self, accused: str, claimant: str) -> None:
+        """A claim of `claimant`'s about `accused` is held now."""
+        self._claimant.pop(accused, None)
+        self._claimant[accused] = claimant
+        if len(self._claimant) > self.max_pairs:
+            del self._claimant[next(iter(self._claimant))]
+
+    def refuted(self, accused: str, now: float) -> str | None:
+        """`accused` refuted the claim held against it: charge its claimant, and name it."""
+        claimant = self._claimant.pop(accused, None)
+        if claimant is None:
+            return None
+        pair = (claimant, accused)
+        count = self._count(pair, now) + 1
+        self._refuted.pop(pair, None)
+        self._refuted[pair] = (count, now)
+        if len(self._refuted) > self.max_pairs:
+            del self._refuted[next(iter(self._refuted))]
+        self.refutations += 1
+        return claimant
+
+    def status(self, now: float, top: int = 8) -> dict[str, Any]:
+        """Totals, and the members most often refuted with the count (decayed) for each."""
+        worst: dict[str, float] = {}
+        for (claimant, accused) in list(self._refuted):
+            worst[claimant] = worst.get(claimant, 0.0) + self._count((claimant, accused), now)
+        ranked = sorted(worst.items(), key=lambda kv: -kv[1])[:top]
+        return {"refuted": self.refutations, "discounted": self.discounted,
+                "most_refuted": {c: round(n, 2) for c, n in ranked if n >= 0.05}}
+
+
 class IdSet:
     """Ids with O(1) add, remove and random choice: the members a node may probe or gossip to.
     A node of a simulated swarm does this every period for each of thousands of peers, so

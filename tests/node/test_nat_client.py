@@ -12,6 +12,9 @@ from starling.node.client import query
 from starling.node.identity import Identity
 from starling.node.node import Node
 from starling.node.relay import (
+    NONCE_BYTES,
+    SEALED_ACK,
+    TAG_BYTES,
     PROBE,
     READ,
     RELAY,
@@ -90,7 +93,9 @@ def test_two_clients_talk_through_a_relay_that_reads_nothing(nodes):
 
         relay._relay._forward = spy
     c1.request(c2.peer_id, "echo", "secret text", payload=[big], timeout_s=5)
-    assert len(grabbed) == 2  # the request and its answer
+    # the request, its answer, and each one's acknowledgement (a nonce, sealed)
+    acks = [g for g in grabbed if len(g) == len(SEALED_ACK) + NONCE_BYTES + TAG_BYTES + 8]
+    assert (len(grabbed), len(acks)) == (4, 2)
     assert all(b"secret text" not in g and big[:4096] not in g for g in grabbed)
 
 

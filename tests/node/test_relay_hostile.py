@@ -10,7 +10,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from conftest import ECHO_CONFIG, TEST_LIVENESS, wait_until
+from conftest import ECHO_CONFIG, TEST_LIVENESS, statuses, wait_until
 
 from starling.node.identity import Identity
 from starling.node.node import Node, NodeConfig
@@ -27,6 +27,7 @@ from starling.node.relay import (
     Sealer,
     sealed_ns,
 )
+from starling.node.relay_delivery import ACKS
 from starling.node.wire import WireError, encode
 
 NO_RELAY = replace(ECHO_CONFIG, offer_relay=False)
@@ -283,3 +284,83 @@ def test_each_direction_of_a_pair_seals_under_its_own_key():
     nonce_ba, sealed_ba = sb.seal(a.peer_id, a.curve_public, frames, 7)
     assert nonce_ab == nonce_ba
     assert sealed_ab[:-16] != sealed_ba[:-16]  # the ciphertexts, tags aside: different keystreams
+
+
+FAST_ACKS = replace(ECHO_CONFIG, relay=RelayConfig(ack_timeout_s=0.5))
+
+
+def _capturing_relay(nodes, seed: Node) -> Node:
+    """A member that offers to relay and drops every `$relay` it is handed."""
+    m = nodes(join=[seed.address], config=FAST_ACKS)
+    m._dispatch.on_internal_message(RELAY, lambda msg: None)
+    return m
+
+
+def _acknowledges(sender: Node, dest: Node) -> None:
+    """Wait until `sender` has `dest`'s beat saying it acknowledges what it is relayed."""
+    assert wait_until(lambda: (sender._table.get(dest.peer_id).meta or {}).get(ACKS))
+
+
+def test_a_relay_that_drops_everything_is_fallen_back_from_and_avoided(nodes):
+    s = nodes(config=FAST_ACKS)
+    m = _capturing_relay(nodes, s)
+    c1, c2 = (nodes(listen=None, join=[s.address], config=FAST_ACKS) for _ in range(2))
+    _all_live(s, m, c1, c2)
+    for c in (c1, c2):
+        _attached(c, s)
+        _attached(c, m)
+        c._relay.deliveries._ranks[m.peer_id] = -1.0  # the capturing relay is each client's first choice
+    _acknowledges(c1, c2)
+    _acknowledges(c2, c1)
+    assert c1._relay.relays_for(c2.peer_id)[0] == m.peer_id
+    answered = sum(c1.request(c2.peer_id, "echo", i, timeout_s=5.0).body["got"] == i for i in range(20))
+    assert answered == 20
+    delivery = c1.status()["relaying"]["delivery"]
+    assert delivery["fell_back"] >= 1 and delivery["drops"].get(m.peer_id, 0) > 0.5
+    # once it dropped, it is tried last: the other requests went through the honest relay at once
+    assert c1._relay.relays_for(c2.peer_id)[-1] == m.peer_id
+    assert delivery["fell_back"] <= 2 and delivery["acked"] >= 18
+    assert _rejected(c2, "replayed") <= 2  # a copy the slow first relay delivered late, at most
+
+
+def test_suspect_claims_about_a_clients_relay_do_not_steer_its_traffic(nodes):
+    from starling.node.swarm import GOSSIP
+    from starling.node.updates import SUSPECT, Claim
+
+    r = nodes(config=FAST_ACKS)
+    m = _capturing_relay(nodes, r)  # the claimant, a relay that drops what it is handed
+    c1, c2 = (nodes(listen=None, join=[r.address], config=FAST_ACKS) for _ in range(2))
+    _all_live(r, m, c1, c2)
+    for c in (c1, c2):
+        _attached(c, r)
+        c._relay.deliveries._ranks[m.peer_id] = 1.0  # the honest relay first, until the claims
+        c._relay.deliveries._ranks[r.peer_id] = 0.0
+    _acknowledges(c1, c2)
+    _acknowledges(c2, c1)
+    stop = asyncio.Event()
+
+    async def accuse() -> int:
+        sent = 0
+        while not stop.is_set():
+            at = m._table.live_at(r.peer_id)
+            if at is not None:
+                claim = Claim.sign(m._local.identity, SUSPECT, r.peer_id, *at).to_wire()
+                for target in (c1, c2, r):
+                    await m._asend_raw(target.peer_id, GOSSIP, {"u": [claim]}, wait=False)
+                    sent += 1
+            await asyncio.sleep(0.1)
+        return sent
+
+    accusing = m.submit(accuse())
+    try:
+        assert wait_until(lambda: c1.status()["claims"]["refuted"] >= 1)
+        answered = sum(c1.request(c2.peer_id, "echo", i, timeout_s=5.0).body["got"] == i for i in range(20))
+        # refuted three times, the claimant is no longer believed about the relay
+        assert wait_until(lambda: c1.status()["claims"]["discounted"] > 0, timeout_s=30)
+    finally:
+        m.run(_set(stop))
+    assert accusing.result(5) > 0
+    assert answered == 20
+    assert c1.status()["relaying"]["delivery"]["fell_back"] == 0  # never steered onto the claimant
+    assert m.peer_id in c1.status()["claims"]["most_refuted"]
+    assert wait_until(lambda: statuses(c1).get(r.peer_id) == "alive")
