@@ -28,6 +28,9 @@ Rows:
   256 ids every 20 ms) for 5 s (2 s with --quick). Figure: bytes per second the seed sends
   that member after the first second (a budget's burst is spent by then), refusals
   included; target 1 MB/s.
+- member_status_rate: the same member, 2 s later, keeps 4 `$status` requests in flight (a
+  member's status carries the table, in pages out of the same budget). Figure and target as
+  above.
 - join_table and join_table_max_records: a real joiner (a node's defaults) joins through a
   seed whose table holds 1024 records (signed records of fresh identities announced by a
   member; no node behind them), with one ordinary address each, then as big as allowed (256
@@ -49,6 +52,14 @@ Rows:
   turn, so that A's mark is pushed out of any memory bounded by count; then A's messages
   again, under A's old incarnation (what an attacker who re-announces A's stale record gets).
   Figure: replays accepted; target 0. A source that seals now must still be opened.
+- relay_delivery_under_capture: a member M whose id sorts before the real relay's (keys drawn
+  until one does) offers to relay and drops every `$relay` it is handed; two fresh clients
+  keep both relays, and M has the first place in each one's order of relays (which a node
+  draws at random: here M is lucky). Figure: the share of one client's notes (20 a second, 10 s; 2 s with
+  --quick) the other gets; target at least 95%.
+- relay_delivery_under_steering: the same, while M also signs a suspect claim about the real
+  relay every 0.1 s and sends it to both clients and the relay (which refutes each). Figure
+  and target as above.
 - forged_beats: a member gossips beats for a victim (a member and a client) that
   carry a huge counter and `$via` naming the attacker, signed by the attacker, unsigned,
   tampered from the victim's genuine beat, or in the old unsigned shape. Figure: forged
@@ -724,12 +735,17 @@ def amplification(seed: Any, quick: bool) -> dict[str, Any]:
                requests=table, status_via_query=status_query)
 
 
-def member_pull_rate(seed: Any, member: Any, sock: Raw, identities: list[Any], quick: bool) -> dict[str, Any]:
+def member_pull_rate(seed: Any, member: Any, sock: Raw, identities: list[Any], quick: bool,
+                     name: str = "member_pull_rate") -> dict[str, Any]:
     """The member keeps 4 `$sync` requests in flight and sends a `$want` of 256 ids every
-    20 ms; the seed's byte counters say what it sent that member. The figure is the rate
-    after the first second (what a budget's burst lets through is spent by then); the whole
-    window's rate is printed beside it."""
+    20 ms (for `member_status_rate`: 4 `$status` requests, nothing else); the seed's byte
+    counters say what it sent that member. The figure is the rate after the first second
+    (what a budget's burst lets through is spent by then); the whole window's rate is printed
+    beside it."""
     from starling.node.table_sync import MAX_WANT, SYNC, WANT
+
+    statuses = name == "member_status_rate"
+    topic = "$status" if statuses else SYNC
 
     warm_s, seconds = 1.0, (1.0 if quick else 4.0)
     ids = [ident.peer_id for ident in identities[:MAX_WANT]]
@@ -745,9 +761,9 @@ def member_pull_rate(seed: Any, member: Any, sock: Raw, identities: list[Any], q
         if not marks and now - t0 >= warm_s:
             marks.append((now, bytes_sent_to(seed, member.peer_id)))
         while in_flight < 4:
-            sock.send(sock.request(SYNC, None))
+            sock.send(sock.request(topic, None))
             in_flight += 1
-        if now >= next_want:
+        if now >= next_want and not statuses:
             sock.send(want)
             wants += 1
             next_want = now + 0.02
@@ -769,10 +785,10 @@ def member_pull_rate(seed: Any, member: Any, sock: Raw, identities: list[Any], q
     whole = sum(delta(start, after).values()) / (end - t0)
     with contextlib.suppress(Exception):  # let the last answers drain before the next row
         sock.barrier(timeout_s=10)
-    return row("member_pull_rate", round(sustained), "bytes/s to one member (after the first second)",
+    return row(name, round(sustained), "bytes/s to one member (after the first second)",
                f"<= {MEMBER_PULL_TARGET_BPS}", sustained <= MEMBER_PULL_TARGET_BPS,
-               whole_window_bytes_per_s=round(whole), window_s=round(end - t0, 2), sync_requests_answered=syncs,
-               sync_answers=answers, sync_reply_bytes_by_answer=reply_bytes, wants_sent=wants,
+               whole_window_bytes_per_s=round(whole), window_s=round(end - t0, 2), topic=topic,
+               requests_answered=syncs, answers=answers, reply_bytes_by_answer=reply_bytes, wants_sent=wants,
                bytes_by_topic=delta(start, after), table_records=len(identities))
 
 
@@ -780,6 +796,9 @@ def amplification_rows(quick: bool) -> list[dict[str, Any]]:
     with seeded(300, big=True) as (seed, member, sock, identities):
         rows = measured(specs("amplification"), lambda: amplification(seed, quick))
         rows += measured(specs("member_pull_rate"), lambda: member_pull_rate(seed, member, sock, identities, quick))
+        time.sleep(2.0)  # the member's budget refills (1 MB/s) before it pulls again
+        rows += measured(specs("member_status_rate"),
+                         lambda: member_pull_rate(seed, member, sock, identities, quick, name="member_status_rate"))
     return rows
 
 
@@ -902,6 +921,60 @@ def relay_attacker(cfg: dict[str, Any], conn: Any) -> None:
     ctx.destroy(0)
 
 
+def capturing_member(conn: Any, liveness: dict[str, float], join: str, sort_before: str) -> None:
+    """A member M that captures relayed traffic, in its own process: a real node whose id sorts
+    before the real relay's (keys are drawn until one does), that offers to relay and drops
+    every `$relay` it is handed. On "claims" it also signs, every 0.1 s, a suspect claim about
+    the real relay's current liveness and sends it to the clients and the relay (its own
+    claims, validly signed: what any member may say). Answers "status" until "stop"."""
+    from starling.node import Liveness, Node, NodeConfig
+    from starling.node.identity import Identity
+    from starling.node.relay import RELAY
+    from starling.node.updates import SUSPECT, Claim
+
+    generated = 1
+    identity = Identity.generate()
+    while identity.peer_id >= sort_before:
+        identity, generated = Identity.generate(), generated + 1
+    node = Node(identity, NodeConfig(liveness=Liveness(**liveness))).start("tcp://127.0.0.1:0", [join])
+    dropped = [0]
+
+    def drop(msg: Any) -> None:
+        dropped[0] += 1
+
+    node._dispatch.on_internal_message(RELAY, drop)
+    claims = {"sent": 0, "targets": []}
+
+    async def accuse(stop: Any) -> None:
+        import asyncio
+
+        while not stop.is_set():
+            at = node._table.live_at(sort_before)
+            if at is not None:
+                claim = Claim.sign(identity, SUSPECT, sort_before, *at).to_wire()
+                for target in [*claims["targets"], sort_before]:
+                    with contextlib.suppress(Exception):
+                        await node._asend_raw(target, "$gossip", {"u": [claim]}, wait=False)
+                        claims["sent"] += 1
+            await asyncio.sleep(0.1)
+
+    stopping = threading.Event()
+    conn.send({"id": node.peer_id, "keys_generated": generated})
+    while True:
+        command = conn.recv()
+        if isinstance(command, tuple) and command[0] == "claims":
+            claims["targets"] = list(command[1])
+            node.submit(accuse(stopping))
+            conn.send("claiming")
+        elif command == "status":
+            conn.send({"dropped": dropped[0], "claims_sent": claims["sent"], "fault": node.fault,
+                       "closed": node.closed})
+        else:
+            break
+    stopping.set()
+    node.close()
+
+
 class RelayLab:
     """The relay's process, and the frames an attacker replays against it."""
 
@@ -1022,6 +1095,82 @@ def relay_rows(lab: RelayLab, quick: bool) -> list[dict[str, Any]]:
         rows += measured(specs("relay_delivery_under_flood"), lambda: _delivery_under_flood(lab, c1, c2, got, rate,
                                                                                           quick))
         rows += measured(specs("relay_memory_never_reader"), lambda: _memory_never_reader(lab, quick))
+    rows += measured(specs("relay_delivery_under_capture", "relay_delivery_under_steering"),
+                     lambda: _delivery_under_capture(lab, quick))
+    return rows
+
+
+def _client_pair(relay: str, address: str, also: str) -> tuple[Any, Any, set[str]]:
+    """Two fresh clients of the relay at `address` that see each other and name both `relay`
+    and `also` (the attacker) among their relays; the notes the second got."""
+    c1 = start_node(FAST, listen=None, join=[address])
+    c2 = start_node(FAST, listen=None, join=[address])
+
+    def ready() -> bool:
+        return (c2.peer_id in c1.live_peers() and c1.peer_id in c2.live_peers()
+                and all({relay, also} <= set(c.status()["meta"].get(VIA_KEY, "").split(",")) for c in (c1, c2))
+                # and each has the other's beat saying so
+                and all(set(c._table.get(o.peer_id).meta.get(VIA_KEY, "").split(",")) >= {relay, also}
+                        for c, o in ((c1, c2), (c2, c1))))
+
+    if not wait_until(ready, timeout_s=30):
+        for c in (c1, c2):
+            c.close()
+        raise RuntimeError("the clients never named both relays")
+    got: set[str] = set()
+    c2.on("note", lambda msg: got.add(msg.body))
+    return c1, c2, got
+
+
+def _delivery_under_capture(lab: RelayLab, quick: bool) -> list[dict[str, Any]]:
+    """A member whose id sorts before the relay's offers to relay and drops everything; then it
+    also keeps accusing the real relay. Honest notes between two fresh clients in each case."""
+    info = lab.ready()
+    seconds, rate = (2.0, 20.0) if quick else (10.0, 20.0)
+    spawn = mp.get_context("spawn")
+    conn, child = spawn.Pipe()
+    proc = spawn.Process(target=capturing_member, args=(child, FAST, info["address"], info["id"]), daemon=True)
+    proc.start()
+    rows = []
+    try:
+        if not conn.poll(120):
+            raise RuntimeError("the capturing member did not start")
+        m = conn.recv()
+        for name in ("relay_delivery_under_capture", "relay_delivery_under_steering"):
+            with closing_nodes() as made:
+                c1, c2, got = _client_pair(info["id"], info["address"], m["id"])
+                made += [c1, c2]
+                for c in (c1, c2):  # the attacker drew first place in both senders' orders (it
+                    # cannot choose that: each node ranks relays at random; here it is lucky)
+                    deliveries = getattr(c._relay, "deliveries", None)
+                    if deliveries is not None:
+                        deliveries.order([info["id"], m["id"]])
+                        deliveries._ranks[m["id"]] = -1.0
+                if name == "relay_delivery_under_steering":
+                    conn.send(("claims", [c1.peer_id, c2.peer_id]))
+                    conn.recv()
+                    wait_until(lambda c1=c1: lab.status()["peers"].get(c1.peer_id) is not None, timeout_s=2)
+                    time.sleep(1.0)  # the claims are going round
+                order = c1._relay.relays_for(c2.peer_id)
+                during = _send_notes(c1, c2.peer_id, got, name, rate, seconds)
+                conn.send("status")
+                attacker = conn.recv()
+                status = c1.status()
+                share = during["share"]
+                rows.append(row(name, share, "share delivered", f">= {RELAY_DELIVERY_TARGET}",
+                                share >= RELAY_DELIVERY_TARGET, honest=during,
+                                attacker_first_in_senders_order=bool(order) and order[0] == m["id"],
+                                attacker_keys_generated=m["keys_generated"], attacker=attacker,
+                                sender_delivery=status["relaying"].get("delivery"),
+                                sender_claims=status.get("claims"),
+                                relay_as_the_sender_holds_it={p["id"]: p["status"] for p in status["peers"]}.get(
+                                    info["id"])))
+    finally:
+        with contextlib.suppress(Exception):
+            conn.send("stop")
+        proc.join(15)
+        if proc.is_alive():
+            proc.kill()
     return rows
 
 
@@ -1283,10 +1432,13 @@ ROWS: dict[str, tuple[str, str]] = {
     "relay_replays_after_forgetting": ("replays accepted", f"== {REPLAYS_TARGET}"),
     "amplification": ("reply bytes / request bytes (worst request)", f"<= {AMPLIFICATION_TARGET}"),
     "member_pull_rate": ("bytes/s to one member (after the first second)", f"<= {MEMBER_PULL_TARGET_BPS}"),
+    "member_status_rate": ("bytes/s to one member (after the first second)", f"<= {MEMBER_PULL_TARGET_BPS}"),
     "join_table": ("joined", "== true"),
     "join_table_max_records": ("joined", "== true"),
     "relay_delivery_under_flood": ("share delivered", f">= {RELAY_DELIVERY_TARGET}"),
     "relay_memory_never_reader": ("MB relay RSS growth", f"<= {RELAY_MEMORY_TARGET_MB}"),
+    "relay_delivery_under_capture": ("share delivered", f">= {RELAY_DELIVERY_TARGET}"),
+    "relay_delivery_under_steering": ("share delivered", f">= {RELAY_DELIVERY_TARGET}"),
 }
 
 
@@ -1308,7 +1460,8 @@ def main() -> None:
     import starling.node  # noqa: F401  (torch and all: once, before any row's clock starts)
 
     imported_s = time.monotonic() - t0
-    relays = {"relay_delivery_under_flood", "relay_memory_never_reader"}
+    relays = {"relay_delivery_under_flood", "relay_memory_never_reader", "relay_delivery_under_capture",
+              "relay_delivery_under_steering"}
     # the relay's process imports while the rows before it run
     lab = RelayLab() if wanted & relays else None
     groups: list[tuple[list[str], Callable[[], Any]]] = [
@@ -1317,7 +1470,7 @@ def main() -> None:
         (["forged_beats"], lambda: forged_beats(quick)),
         (["relay_replays_after_sessions"], lambda: replays_after_sessions(quick)),
         (["relay_replays_after_forgetting"], lambda: replays_after_forgetting(quick)),
-        (["amplification", "member_pull_rate"], lambda: amplification_rows(quick)),
+        (["amplification", "member_pull_rate", "member_status_rate"], lambda: amplification_rows(quick)),
         (["join_table"], lambda: join_big_table(quick, big=False)),
         (["join_table_max_records"], lambda: join_big_table(quick, big=True)),
         (sorted(relays), lambda: relay_rows(lab, quick)),

@@ -21,7 +21,7 @@ Each node orders relays by its own drops, most reliable first, and by a rank of 
 among equals: what other members claim about a relay (a suspicion, say) does not move it, so
 no member can steer another's traffic onto itself by accusing the relay it uses. A relay's
 drops are forgiven one at a time by acknowledgements of messages it carried, and halve every
-`drop_halflife_s`, so a relay that was briefly overloaded comes back.
+`drop_halflife_s` (from at most `MAX_DROPS`), so a relay that was briefly overloaded comes back.
 
 A destination says it acknowledges by the meta of its beats (`$acks`), which it signs: a
 sender does not expect acknowledgements from a peer of an earlier build, and a relay cannot
@@ -47,6 +47,7 @@ from starling.node.transport import SendError
 ACK = "$relay_ack"  # destination -> source: [nonce] of a relayed message it opened
 ACKS = "$acks"  # beat meta of a client that acknowledges what it is relayed
 OUTCOMES = ("acked", "fell_back", "undelivered", "evicted", "late")
+MAX_DROPS = 8.0  # a relay's score stops here: back in front within a few half-lives of behaving
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Deliveries:
         self.max_unacked = max_unacked
         self.max_unacked_bytes = max_unacked_bytes
         self.drop_halflife_s = drop_halflife_s
+        self.max_drops = MAX_DROPS
         self.counts: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self._spawn = spawn
         self._candidates = candidates
@@ -125,7 +127,7 @@ class Deliveries:
         return sorted(relays, key=lambda r: (round(self.drops(r)), ranks[r]))
 
     def _charge(self, relay: str, amount: float) -> None:
-        drops = self.drops(relay) + amount
+        drops = min(self.max_drops, self.drops(relay) + amount)
         if drops < 0.05:
             self._scores.pop(relay, None)
             return

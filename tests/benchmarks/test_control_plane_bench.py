@@ -14,8 +14,8 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "control_plane.py"
 ROWS = ["malformed_addresses", "dial_back", "forged_beats", "relay_replays_after_sessions", "relay_replays_after_forgetting",
         "amplification",
-        "member_pull_rate", "join_table", "join_table_max_records", "relay_delivery_under_flood",
-        "relay_memory_never_reader"]
+        "member_pull_rate", "member_status_rate", "join_table", "join_table_max_records", "relay_delivery_under_flood",
+        "relay_memory_never_reader", "relay_delivery_under_capture", "relay_delivery_under_steering"]
 
 
 @pytest.mark.slow
@@ -41,3 +41,6 @@ def test_quick_run_prints_every_row_with_its_figure():
     assert dial["figure"] == 0 and dial["control_dial_to_requester_ip_connections"] >= 1
     assert rows["amplification"]["requests"]["echo"]["reply_bytes"] > 0
     assert rows["relay_delivery_under_flood"]["flood"]["relay_sent"] > 0
+    # the capturing member was handed messages to drop; the steering one sent its claims
+    assert rows["relay_delivery_under_capture"]["attacker"]["dropped"] > 0
+    assert rows["relay_delivery_under_steering"]["attacker"]["claims_sent"] > 0

@@ -13,12 +13,12 @@ from starling.node.identity import Identity
 from starling.node.node import Node
 from starling.node.relay import (
     NONCE_BYTES,
-    SEALED_ACK,
-    TAG_BYTES,
     PROBE,
     READ,
     RELAY,
     RELAYED,
+    SEALED_ACK,
+    TAG_BYTES,
     VIA,
     ProbeToken,
     Relay,
