@@ -180,6 +180,9 @@ class PeerInfo:
     # whose share of the table it counts against for as long as it is held: the member that
     # first relayed its record, or that member's own sponsor (None: it came to us first-hand)
     sponsor: str | None = None
+    # where a peer that greeted us itself came from ("ip:<address>", or "local" for ipc and
+    # inproc): only which entries a full table gives up first (see TableLimits)
+    origin: str | None = None
 
     @property
     def peer_id(self) -> str:
@@ -218,10 +221,12 @@ class TableLimits:
     """How many peers a table holds. A record relayed by a member (in a join's table, an
     announce, a `$sync` page) counts against that member's share for as long as it is held,
     and so does every record relayed on by a peer that came to us through that member (its
-    sponsor), heard from first-hand or not. A full table makes room by dropping dead entries,
-    then the newest entry of the member whose share is biggest; a relayed record is refused
-    once its sponsor's share is the biggest. So one member cannot fill the table with made-up
-    peers, however many of them talk to us, and a joiner that greets us itself still gets in."""
+    sponsor), heard from first-hand or not. A peer that greeted us itself counts in the group
+    of the address it came from (its origin). A full table makes room by dropping dead
+    entries, then the newest entry of the biggest share or group; a record is refused once its
+    own share or group is the biggest. So one member cannot fill the table with made-up peers,
+    however many of them talk to us, nor one address with keys that greet us: a joiner from
+    another address still gets in."""
 
     max_peers: int = 8192
     max_sponsored_per_member: int = 4096  # a joiner takes a swarm of this many from the member it joins through
@@ -253,6 +258,7 @@ class PeerTable:
         self.limits = limits or TableLimits()
         self._peers: dict[str, PeerInfo] = {}
         self._sponsored: dict[str, dict[str, None]] = {}  # member -> ids held on its word (TableLimits), oldest first
+        self._greeted: dict[str, dict[str, None]] = {}  # origin -> ids that greeted us from there, oldest first
         self.evicted: list[str] = []  # dropped to make room; the owner of the table closes their sockets
         self.live_ids = IdSet()  # peers alive or suspect, kept as statuses change (probing must not walk the table)
 
@@ -285,10 +291,11 @@ class PeerTable:
             info.claim_at = -1  # whatever claim there was no longer holds
         return None if old is status else StatusChange(info.peer_id, old, status)
 
-    def upsert(self, record: PeerRecord, now: float, told_by: str | None = None) -> StatusChange | None:
+    def upsert(self, record: PeerRecord, now: float, told_by: str | None = None,
+               origin: str | None = None) -> StatusChange | None:
         """Add a verified record, or replace an older incarnation. Returns the change, if any.
-        `told_by` is the member that relayed it (None: the peer itself gave it); a new record
-        past `limits` raises TableFull, and nothing changes.
+        `told_by` is the member that relayed it (None: the peer itself gave it, from `origin`,
+        see PeerInfo); a new record past `limits` raises TableFull, and nothing changes.
 
         A peer that left comes back only with a newer incarnation.
         """
@@ -311,14 +318,18 @@ class PeerTable:
         if told_by is not None:
             relayer = self._peers.get(told_by)
             sponsor = told_by if relayer is None or relayer.sponsor is None else relayer.sponsor
-        self._make_room(record.peer_id, sponsor)
-        self._peers[record.peer_id] = PeerInfo(record, PeerStatus.ALIVE, now, told_by=told_by, sponsor=sponsor)
+            origin = None
+        self._make_room(record.peer_id, sponsor, origin)
+        self._peers[record.peer_id] = PeerInfo(record, PeerStatus.ALIVE, now, told_by=told_by, sponsor=sponsor,
+                                               origin=origin)
         self.live_ids.add(record.peer_id)
         if sponsor is not None:
             self._sponsored.setdefault(sponsor, {})[record.peer_id] = None
+        if origin is not None:
+            self._greeted.setdefault(origin, {})[record.peer_id] = None
         return StatusChange(record.peer_id, None, PeerStatus.ALIVE)
 
-    def _make_room(self, peer_id: str, sponsor: str | None) -> None:
+    def _make_room(self, peer_id: str, sponsor: str | None, origin: str | None) -> None:
         limits = self.limits
         if sponsor is not None and len(self._sponsored.get(sponsor, ())) >= limits.max_sponsored_per_member:
             raise TableFull(f"record of {peer_id}: {sponsor} already vouches for {limits.max_sponsored_per_member} "
@@ -327,24 +338,27 @@ class PeerTable:
             return
         gone = next((p for p in self._peers.values() if p.status in (PeerStatus.DEAD, PeerStatus.LEFT)), None)
         if gone is None:
-            top = max(self._sponsored, key=lambda m: len(self._sponsored[m]), default=None)
-            most = len(self._sponsored[top]) if top is not None else 0
-            mine = len(self._sponsored.get(sponsor, ())) if sponsor is not None else -1
+            groups = [*self._sponsored.values(), *self._greeted.values()]
+            top = max(groups, key=len, default=None)
+            most = len(top) if top is not None else 0
+            mine = (len(self._sponsored.get(sponsor, ())) if sponsor is not None
+                    else len(self._greeted.get(origin, ())) if origin is not None else -1)
             if top is None or most == 0 or mine + 1 >= most:
                 raise TableFull(f"record of {peer_id}: the peer table holds {limits.max_peers} peers")
-            gone = self._peers[next(reversed(self._sponsored[top]))]  # its newest: the oldest are the established
+            gone = self._peers[next(reversed(top))]  # its newest: the oldest are the established
         self._drop(gone.peer_id)
         self.evicted.append(gone.peer_id)
 
     def _drop(self, peer_id: str) -> None:
         info = self._peers.pop(peer_id)
         self.live_ids.remove(peer_id)
-        if info.sponsor is not None:
-            held = self._sponsored.get(info.sponsor)
-            if held is not None:
-                held.pop(peer_id, None)
-                if not held:
-                    del self._sponsored[info.sponsor]
+        for groups, key in ((self._sponsored, info.sponsor), (self._greeted, info.origin)):
+            if key is not None:
+                held = groups.get(key)
+                if held is not None:
+                    held.pop(peer_id, None)
+                    if not held:
+                        del groups[key]
 
     def sponsored(self, member: str) -> int:
         """Peers this table holds on `member`'s word (see TableLimits)."""

@@ -53,6 +53,7 @@ from starling.node.membership import (
     PeerTable,
     RefusedAgain,
     StatusChange,
+    TableFull,
     leave_statement,
     parse_beat,
     sign_beat,
@@ -219,7 +220,13 @@ class Swarm:
         # 256-node swarm capped at 32 sockets took 602 s to start, 177 s capped at 64).
         transport = self.outbox.transport
         assert transport is not None and self.local.record is not None
-        if self.learn(record) and hello.want_table:
+        try:
+            news = self.learn(record, origin=inbound.origin())
+        except TableFull as exc:
+            # full of peers from the joiner's own address: the members this busy answer names
+            # may have room (`Bootstrap.join` tries them, then this node again, later)
+            raise rpc.BusyError(f"{exc}; try the members named") from None
+        if news and hello.want_table:
             self.spread_record(record)  # to the members no announce reaches, in O(log n) periods
             for p in self.table.live():
                 if p.peer_id != record.peer_id and (transport.is_open(p.peer_id)
@@ -299,15 +306,16 @@ class Swarm:
         raise WireError(RejectReason.NOT_ALLOWED,
                         f"peer record for {record.peer_id}: its key is not on this node's allowlist", field="record")
 
-    def learn(self, record: PeerRecord, told_by: str | None = None) -> bool:
+    def learn(self, record: PeerRecord, told_by: str | None = None, origin: str | None = None) -> bool:
         """Add or refresh a verified record; connect to a new peer. True if it was news.
-        `told_by` is the member that relayed it (None if the peer gave it itself); a table
+        `told_by` is the member that relayed it (None if the peer gave it itself, over a
+        connection from `origin`, `Inbound.origin`); a table
         that is full, or full of that member's records, refuses it (TableFull, a WireError).
         The one way into the peer table: a record the allowlist refuses never gets there."""
         self._check_allowed(record)
         before = self.table.get(record.peer_id)
         held = None if before is None else before.record
-        change = self.table.upsert(record, time.monotonic(), told_by)
+        change = self.table.upsert(record, time.monotonic(), told_by, origin)
         transport = self.outbox.transport
         assert transport is not None
         if self.table.evicted:  # made room: their sockets go too
@@ -642,7 +650,7 @@ class Swarm:
         if self.local.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
             raise WireError(RejectReason.SPOOFED_SENDER, f"{what} record's key does not own this connection",
                             field="record")
-        self.learn(record)
+        self.learn(record, origin=inbound.origin())
         return record.peer_id
 
     async def on_probe_via(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:

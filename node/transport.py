@@ -100,6 +100,15 @@ class Inbound:
     # behind this node's loop is (a joiner's hello, turned away from a loop that fell behind)
     received_at: float = field(default_factory=time.monotonic)
 
+    def origin(self) -> str:
+        """Where these frames came from, as a peer table groups first-hand greeters: "ip:" and
+        the address ZeroMQ read them from, or "local" (ipc, inproc: this machine)."""
+        try:
+            address = self.frames[0].get("Peer-Address")
+        except (zmq.ZMQError, AttributeError, IndexError):  # no such property (ipc, inproc), or plain bytes
+            return "local"
+        return f"ip:{address}" if address else "local"
+
 
 Receiver = Callable[[Inbound], Awaitable[None]]
 Dropped = Callable[[str], None]  # a DEALER's connection to this peer (or bootstrap handle) dropped

@@ -272,3 +272,61 @@ def test_identities_that_talk_stay_on_their_relayers_word_and_a_full_table_still
             node.close()
         seed.close()
 
+
+
+def _greet_from(address: str, seed: Node, key: Identity) -> zmq.Socket:
+    """A raw client connection from `address` (a loopback alias) whose key says hello itself."""
+    target = parse_address(seed.address)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, 5000)
+    sock.curve_serverkey = z85.encode(target.curve_key)
+    sock.curve_publickey, sock.curve_secretkey = key.curve_public_z85, key.curve_secret_z85
+    host, port = target.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    sock.connect(f"tcp://{address}:0;{host}:{port}")
+    hello = Hello.ours(PeerRecord.create(key, [], time.time_ns()).to_wire(), None, False).to_wire()
+    sock.send_multipart(encode(rpc.REQUEST_TOPIC, key.peer_id, 0, [HELLO, 1, hello]))
+    return sock
+
+
+def test_a_table_full_of_keys_greeting_from_one_address_still_takes_a_joiner_from_another():
+    """One attacker's keys each say hello themselves, from 127.0.0.2, until the table is full.
+    They count in that address's group, so the honest joiner (from 127.0.0.1) takes the newest
+    one's place; one more key from 127.0.0.2 is turned away busy, with members to try."""
+    limits = TableLimits(max_peers=24, max_sponsored_per_member=12)
+    seed = Node(config=replace(config(), table=limits)).start("tcp://127.0.0.1:0")
+    socks: list[zmq.Socket] = []
+    joiner = None
+    try:
+        keys = [Identity.generate() for _ in range(limits.max_peers + 8)]
+        for key in keys:
+            socks.append(_greet_from("127.0.0.2", seed, key))
+        assert wait_until(lambda: len(seed._table.all()) == limits.max_peers)
+        origins = {seed._table.get(k.peer_id).origin for k in keys if k.peer_id in seed._table}
+        assert origins == {"ip:127.0.0.2"}
+        joiner = Node(config=config()).start("tcp://127.0.0.1:0", join=[seed.address])
+        assert wait_until(lambda: joiner.peer_id in seed.live_peers()) and seed.peer_id in joiner.live_peers()
+        assert len(seed._table.all()) <= limits.max_peers
+        assert seed._table.get(joiner.peer_id).origin == "ip:127.0.0.1"
+        # another key from the address that fills the table is turned away busy, and (once the
+        # seed's list of members to name is rebuilt, within a second) named the joiner to try
+        answers = []
+
+        def turned_away_to_the_joiner() -> bool:
+            late = Identity.generate()
+            sock = _greet_from("127.0.0.2", seed, late)
+            socks.append(sock)
+            assert sock.poll(5000) and late.peer_id not in seed._table
+            body = decode(sock.recv_multipart()).body
+            answers.append(body)
+            assert body[1] is False and body[2]["code"] == rpc.ErrorCode.BUSY.value, body
+            named = [r[0] for r in (body[2].get("data") or {}).get("members", [])]
+            return joiner.peer_id in named
+
+        assert wait_until(turned_away_to_the_joiner, timeout_s=5, interval_s=0.2), answers[-1]
+    finally:
+        for sock in socks:
+            sock.close()
+        if joiner is not None:
+            joiner.close()
+        seed.close()

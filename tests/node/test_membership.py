@@ -261,6 +261,32 @@ def test_a_member_vouches_for_at_most_its_share_of_the_table_even_once_its_peers
     assert made_up[3].peer_id in table and table.sponsored(member) == 3
 
 
+def test_a_full_table_of_one_addresses_greeters_takes_a_greeter_from_another_address(ids):
+    """Keys that greet a node themselves count in the group of the address they came from: a
+    full table gives up the newest of the biggest group, so a joiner from another address gets
+    in, and one from the address that fills the table does not."""
+    table = PeerTable(ids[0].peer_id, Liveness(), TableLimits(max_peers=4, max_sponsored_per_member=4))
+
+    def greeter() -> PeerRecord:
+        return PeerRecord.create(Identity.generate(), [], 1)
+
+    sybils = [greeter() for _ in range(3)]
+    for record in sybils:
+        table.upsert(record, now=0.0, origin="ip:127.0.0.2")
+    honest = greeter()
+    table.upsert(honest, now=0.0, origin="ip:127.0.0.1")
+    with pytest.raises(TableFull):  # full, and its own address holds the most
+        table.upsert(greeter(), now=0.0, origin="ip:127.0.0.2")
+    joiner = greeter()
+    table.upsert(joiner, now=0.0, origin="ip:10.0.0.7")
+    assert joiner.peer_id in table and honest.peer_id in table and len(table.all()) == 4
+    assert table.evicted == [sybils[2].peer_id]  # the newest of the biggest group
+    # a relayed record is in nobody's address group: the origin is for greeters only
+    relayed = PeerRecord.create(Identity.generate(), ["tcp://127.0.0.1:1"], 1)
+    table.upsert(relayed, now=0.0, told_by=honest.peer_id, origin="ip:127.0.0.2")
+    assert table.get(relayed.peer_id).origin is None and table.get(relayed.peer_id).sponsor == honest.peer_id
+
+
 def test_a_full_table_drops_the_dead_then_the_biggest_sponsors_newest_records(ids):
     table = PeerTable(ids[0].peer_id, Liveness(), TableLimits(max_peers=4, max_sponsored_per_member=4))
     flooder, honest = ids[1].peer_id, ids[2].peer_id
