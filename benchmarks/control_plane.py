@@ -35,6 +35,12 @@ Rows:
   seed whose table holds 1024 records (signed records of fresh identities announced by a
   member; no node behind them), with one ordinary address each, then as big as allowed (256
   of those with --quick). Figure: joined; target yes.
+- sybil_lockout: one attacker holds 10,000 identities (1,000 with --quick, against a table
+  of 256), each saying hello itself from 127.0.0.2 on a CURVE connection of its own, more
+  than the table holds (processes of its own make and hold the connections, and say hello
+  again when turned away busy). Then an honest node joins from 127.0.0.1. Figure: seconds
+  until the joiner and the seed hold each other; target 10, with the seed's table at most
+  its cap.
 - relay_delivery_under_flood: two clients talk through a relay (its own process) while a
   member floods `$relay` toward a destination whose connection is gone (the member keeps it
   alive with the destination's own signed beats: it holds both keys). Figure: the share of
@@ -828,6 +834,120 @@ def join_big_table(quick: bool, big: bool) -> dict[str, Any]:
                    error=error, seed_up=not stopped(seed))
 
 
+def sybil_greeters(cfg: dict[str, Any], conn: Any) -> None:
+    """`cfg["n"]` fresh keys, each saying hello itself on a CURVE connection of its own from
+    `cfg["source"]` (a loopback alias), all as fast as the seed answers; the connections stay
+    open. Sends back how many were taken, turned away, or not answered."""
+    import zmq
+
+    from starling.node.hello import Hello
+    from starling.node.identity import Identity
+
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, cfg["n"] + 64)
+    socks, answers = [], {"ok": 0, "table_full": 0, "other": 0, "unanswered": 0, "busy_retried": 0}
+    hellos: dict[Any, list[bytes]] = {}
+    poller = zmq.Poller()
+    t0 = time.monotonic()
+    for _ in range(cfg["n"]):
+        key = Identity.generate()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_serverkey = cfg["server_key"]
+        sock.curve_publickey, sock.curve_secretkey = key.curve_public_z85, key.curve_secret_z85
+        sock.connect(f"tcp://{cfg['source']}:0;{cfg['endpoint'].removeprefix('tcp://')}")
+        hellos[sock] = request_frames("$hello", key.peer_id, Hello.ours(record_wire(key, []), None, False).to_wire())
+        sock.send_multipart(hellos[sock])
+        socks.append(sock)
+        poller.register(sock, zmq.POLLIN)
+    pending = set(socks)
+    retry: list[tuple[float, Any]] = []  # (when, socket): a key turned away busy asks again
+    deadline = time.monotonic() + cfg["answer_within_s"]
+    while pending and time.monotonic() < deadline:
+        now = time.monotonic()
+        while retry and retry[0][0] <= now:
+            _, sock = retry.pop(0)
+            sock.send_multipart(hellos[sock])
+        for sock, _ in poller.poll(50):
+            if sock not in pending:
+                continue
+            said = answer_of(sock.recv_multipart())
+            answer = said.split(":")[0]
+            if answer == "busy" and "table_full" not in said:
+                answers["busy_retried"] += 1
+                retry.append((time.monotonic() + 0.25, sock))
+                continue
+            answers["ok" if answer == "ok" else "table_full" if answer == "busy" else "other"] += 1
+            pending.discard(sock)
+    answers["unanswered"] = len(pending)
+    conn.send({**answers, "seconds": round(time.monotonic() - t0, 1)})
+    conn.recv()  # hold the connections open until told
+    ctx.destroy(0)
+
+
+def sybil_lockout(quick: bool) -> dict[str, Any]:
+    """One attacker holds 10,000 identities (1,000 with --quick, against a table a 32nd the
+    size), each saying hello itself from 127.0.0.2 on a connection of its own, more than the
+    table holds (two processes make and hold the connections: one process has too few
+    descriptors for all). Then an honest node joins from 127.0.0.1. Figure: seconds from the
+    joiner's start until it holds the seed and the seed holds it; target 10."""
+    from zmq.utils import z85
+
+    from starling.node import Node
+    from starling.node.address import parse_address
+    from starling.node.membership import TableLimits
+
+    limits = TableLimits(max_peers=256, max_sponsored_per_member=128) if quick else TableLimits()
+    identities, processes = (1_000, 1) if quick else (10_000, 2)
+    with closing_nodes() as made:
+        seed = start_node(STICKY, table=limits)
+        made.append(seed)
+        target = parse_address(seed.address)
+        cfg = {"n": identities // processes, "source": "127.0.0.2", "endpoint": target.endpoint,
+               "server_key": z85.encode(target.curve_key), "answer_within_s": 120.0}
+        spawn = mp.get_context("spawn")
+        attackers = []
+        for _ in range(processes):
+            conn, child = spawn.Pipe()
+            proc = spawn.Process(target=sybil_greeters, args=(cfg, child), daemon=True)
+            proc.start()
+            attackers.append((proc, conn))
+        try:
+            greeters: dict[str, Any] = {}
+            for _, conn in attackers:
+                if not conn.poll(300):
+                    raise RuntimeError("the greeters did not finish")
+                for k, v in conn.recv().items():
+                    greeters[k] = max(greeters.get(k, 0), v) if k == "seconds" else greeters.get(k, 0) + v
+            full = len(seed._table.all())
+            t0 = time.monotonic()
+            error = None
+            try:
+                joiner = Node(config=node_config(STICKY))
+                made.append(joiner)
+                joiner.start("tcp://127.0.0.1:0", [seed.address])
+                joined = wait_until(lambda: seed.peer_id in joiner.live_peers()
+                                    and joiner.peer_id in seed.live_peers(), timeout_s=30.0)
+            except Exception as exc:
+                joined, error = False, f"{type(exc).__name__}: {exc}"[:300]
+            seconds = round(time.monotonic() - t0, 2)
+            held = len(seed._table.all())
+            rejected = seed.stats.snapshot()["rejected"]
+            up = not stopped(seed)
+        finally:
+            for proc, conn in attackers:
+                with contextlib.suppress(Exception):
+                    conn.send("stop")
+                proc.join(15)
+                if proc.is_alive():
+                    proc.kill()
+    met = joined and seconds <= 10.0 and held <= limits.max_peers
+    return row("sybil_lockout", seconds if joined else None, "s until an honest joiner is in", "<= 10", met,
+               joined=joined, identities=identities, greeters=greeters, table_before_joiner=full, table_after=held,
+               table_cap=limits.max_peers, rejected={k: rejected.get(k, 0) for k in ("table_full", "busy")},
+               error=error, seed_up=up)
+
+
 # ---------------------------------------------------------------------------- 4. relays
 
 
@@ -1435,6 +1555,7 @@ ROWS: dict[str, tuple[str, str]] = {
     "member_status_rate": ("bytes/s to one member (after the first second)", f"<= {MEMBER_PULL_TARGET_BPS}"),
     "join_table": ("joined", "== true"),
     "join_table_max_records": ("joined", "== true"),
+    "sybil_lockout": ("s until an honest joiner is in", "<= 10"),
     "relay_delivery_under_flood": ("share delivered", f">= {RELAY_DELIVERY_TARGET}"),
     "relay_memory_never_reader": ("MB relay RSS growth", f"<= {RELAY_MEMORY_TARGET_MB}"),
     "relay_delivery_under_capture": ("share delivered", f">= {RELAY_DELIVERY_TARGET}"),
@@ -1473,6 +1594,7 @@ def main() -> None:
         (["amplification", "member_pull_rate", "member_status_rate"], lambda: amplification_rows(quick)),
         (["join_table"], lambda: join_big_table(quick, big=False)),
         (["join_table_max_records"], lambda: join_big_table(quick, big=True)),
+        (["sybil_lockout"], lambda: sybil_lockout(quick)),
         (sorted(relays), lambda: relay_rows(lab, quick)),
     ]
     try:

@@ -14,7 +14,8 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "control_plane.py"
 ROWS = ["malformed_addresses", "dial_back", "forged_beats", "relay_replays_after_sessions", "relay_replays_after_forgetting",
         "amplification",
-        "member_pull_rate", "member_status_rate", "join_table", "join_table_max_records", "relay_delivery_under_flood",
+        "member_pull_rate", "member_status_rate", "join_table", "join_table_max_records", "sybil_lockout",
+        "relay_delivery_under_flood",
         "relay_memory_never_reader", "relay_delivery_under_capture", "relay_delivery_under_steering"]
 
 
@@ -41,6 +42,9 @@ def test_quick_run_prints_every_row_with_its_figure():
     assert dial["figure"] == 0 and dial["control_dial_to_requester_ip_connections"] >= 1
     assert rows["amplification"]["requests"]["echo"]["reply_bytes"] > 0
     assert rows["relay_delivery_under_flood"]["flood"]["relay_sent"] > 0
+    lockout = rows["sybil_lockout"]  # the table was full of the attacker's keys, and the joiner got in
+    assert lockout["joined"] is True and lockout["table_before_joiner"] == lockout["table_cap"], lockout
+    assert lockout["table_after"] <= lockout["table_cap"]
     # the capturing member was handed messages to drop; the steering one sent its claims
     assert rows["relay_delivery_under_capture"]["attacker"]["dropped"] > 0
     assert rows["relay_delivery_under_steering"]["attacker"]["claims_sent"] > 0
