@@ -623,11 +623,12 @@ def test_a_members_barrage_leaves_the_node_up_bounded_and_counting(swarm, speake
     before = baseline(swarm)
     member = speakers(swarm.member.identity)
     _barrage(swarm, member, claims=[swarm.other.peer_id, swarm.target.peer_id], fixed_seed=3)
-    # and one forged beat for certain: which of the drawn ones the node reads depends on how
-    # fast it reads (some are dropped as over the member's budget), and this one must count
+    # and one forged beat and one spoofed sender for certain: which of the drawn ones the node reads depends on how
+    # fast it reads (some are dropped as over the member's budget), and these must count
     forged = sign_beat(swarm.member.identity, swarm.other.record.incarnation, 10**12, {})
     forged[0] = swarm.other.peer_id
     member.send(gossip(swarm.member.peer_id, [alive(forged)]))
+    member.send(gossip(swarm.other.peer_id, []))  # and one spoofed sender for certain
     member.sync()
     rejected = assert_sound(swarm, before, caplog)
     for reason in ("bad_field", "bad_signature", "spoofed_sender", "malformed"):

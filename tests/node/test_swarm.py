@@ -579,7 +579,8 @@ def test_a_join_reaches_the_members_no_announce_reached_by_gossip_in_a_few_perio
     members = [make_node("inproc", config=config) for _ in range(40)]
     records = [m.record.to_wire() for m in members]
     for m in members:  # formed without 40 joins: each is handed every record, as a simulator's workers do
-        assert m.add_records([r for r in records if r[0] != m.peer_id], told_by=members[0].peer_id) == 39
+        m.add_records([r for r in records if r[0] != m.peer_id], told_by=members[0].peer_id)
+        assert len(m.live_peers()) == 39  # (a member that probed it first may have brought its own record)
     joiner = make_node("inproc", join=[members[1].address], config=config)
 
     def knowing() -> int:
