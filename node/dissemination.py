@@ -1,0 +1,248 @@
+"""Dissemination: how membership updates spread and how a node applies what it hears.
+
+Updates (`node.updates`: beats, records, claims, leaves) ride on probes, their answers and a
+small gossip fan-out (`$gossip`), each sent on a bounded number of times by every member that
+hears it (`node.swim.Broadcasts`), so one member's work per period is constant however large
+the swarm. A node signs its own beat (with its meta) at most once every `meta_interval_s`.
+Applying an update checks its signature: a forged one is refused and counted. Part of the
+membership protocol, `node.swarm`, whose `Swarm` this is a part of.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any
+
+from starling.node.identity import verify_signature
+from starling.node.membership import (
+    LIVE_SHIFT,
+    PeerStatus,
+    RefusedAgain,
+    leave_statement,
+    parse_beat,
+    sign_beat,
+)
+from starling.node.outbox import UnknownPeerError
+from starling.node.swim import (
+    NEWS,
+    ROUTINE,
+    URGENT,
+    Suspicion,
+)
+from starling.node.table_sync import MAX_WANTED
+from starling.node.transport import SendError
+from starling.node.updates import SUSPECT, Beat, Claim, Record, Update, parse_updates
+from starling.node.wire import Message, RejectReason, WireError
+
+log = logging.getLogger(__name__)
+
+# the messages updates ride on: a probe and its answer, an indirect probe, and gossip
+PROBE, PROBE_VIA, GOSSIP = "$probe", "$probe-via", "$gossip"
+MAX_UNVERIFIED = 64  # claimants whose claims wait for their record
+
+
+class Dissemination:
+    """Spreading updates and applying them (a part of `Swarm`)."""
+
+    def on_gossip(self, msg: Message) -> None:
+        """Updates pushed to us; `ack` asks for a probe of the sender at once (its connection to
+        us dropped and it wants to know we are alive)."""
+        body = msg.body
+        self._apply(msg.sender, self._updates_of(body))
+        if body.get("ack") is True:
+            now = time.monotonic()
+            if now - self._acked.get(msg.sender, -math.inf) >= self.liveness.probe_interval_s / 2:
+                if len(self._acked) >= MAX_WANTED:
+                    self._acked.clear()
+                self._acked[msg.sender] = now
+                self._spawn(self._ask(msg.sender, PROBE, {"u": self._take()},
+                                      self.awareness.scale(self.liveness.ack_timeout_s)))
+
+    @staticmethod
+    def _updates_of(body: Any) -> list[Update]:
+        if not isinstance(body, dict) or set(body) - {"u", "t", "ack"}:
+            raise WireError(RejectReason.BAD_FIELD, "membership body must be a map {u: updates, ...}", field="body")
+        return parse_updates(body.get("u", []))
+
+    def _take(self, eager_only: bool = False) -> list[list[Any]]:
+        lv = self.liveness
+        return self.broadcasts.take(lv.piggyback_bytes, lv.retransmit_limit(self.members()), eager_only=eager_only)
+
+    def _spread(self, update: Update, priority: int) -> None:
+        """Queue an update to be sent on (each key holds the newest update about one thing):
+        `URGENT` claims, refutations and leaves, `NEWS` joins and our own new meta, `ROUTINE`
+        beats passed on (`node.swim.Broadcasts`)."""
+        self.broadcasts.add(update.key, update.to_wire(), priority)
+
+    async def _gossip_loop(self) -> None:
+        """Urgent changes (claims, refutations, joins, leaves) to a few random members every
+        gossip interval, on top of what rides on probes; and the suspicions' timeouts."""
+        lv = self.liveness
+        while True:
+            wake_at = time.monotonic() + lv.gossip_interval_s
+            await asyncio.sleep(lv.gossip_interval_s)
+            now = time.monotonic()
+            late = now - wake_at
+            if late > lv.gossip_interval_s:
+                # This process could not run: a refutation may be waiting unread. Suspicions are
+                # pardoned before any of them may expire (this loop wakes first and most often).
+                for suspicion in self._suspicions.values():
+                    suspicion.pardon(late)
+            self._expire_suspicions(now)
+            self._sign_meta(now)  # here too: a probe can take several timeouts under load
+            if not self.broadcasts.eager:
+                continue
+            # Past the socket cap, to members we hold a socket to: a send to anyone else opens a
+            # socket and its monitor and closes another (the costliest thing a simulated box's
+            # membership does), or is refused while all are busy. Which sockets are open changes
+            # with every probe, which goes round the whole swarm, so the targets stay spread.
+            targets = self._sample_members(lv.gossip_fanout + 2, open_share=1.0)
+            sent = 0
+            for peer_id in targets:
+                if sent >= lv.gossip_fanout or not self._helper(peer_id):
+                    continue
+                updates = self._take(eager_only=True)
+                if not updates:
+                    break
+                sent += 1
+                self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": updates}))
+
+    async def _send_quietly(self, peer_id: str, topic: str, body: Any) -> None:
+        try:
+            await self.outbox.send(peer_id, topic, body, timeout_s=self.liveness.probe_interval_s, check_body=False)
+        except (SendError, UnknownPeerError, asyncio.TimeoutError):
+            pass  # the failure detector decides, not one lost message
+
+    def _sign_meta(self, now: float) -> None:
+        """A changed meta becomes a new beat, at most once per `meta_interval_s`."""
+        signed = self._signed_beat
+        if signed is None or (signed[3] is not self.local.meta
+                              and now - self._beat_signed_at >= self.liveness.meta_interval_s):
+            self._meta_seq += 1
+            # A new meta is news at its source: the member gossips it to a few others at once
+            # (to the whole of a small swarm); they pass it on with their probes and answers.
+            self._spread(Beat(self._own_beat()), NEWS if signed is not None else ROUTINE)
+
+    def _own_beat(self) -> list[Any]:
+        """Our beat, signed once per counter and meta (a node replaces its meta, never edits it)."""
+        local, signed = self.local, self._signed_beat
+        assert local.record is not None
+        beat = (self._live << LIVE_SHIFT) | (self._meta_seq & (2**LIVE_SHIFT - 1))
+        if signed is None or signed[1] != local.record.incarnation or signed[2] != beat or signed[3] is not local.meta:
+            if signed is not None and signed[2] == beat:
+                self._meta_seq += 1  # a new meta never reuses a signed counter
+                beat = (self._live << LIVE_SHIFT) | (self._meta_seq & (2**LIVE_SHIFT - 1))
+            signed = self._signed_beat = sign_beat(local.identity, local.record.incarnation, beat, local.meta)
+            self._beat_signed_at = time.monotonic()
+        return signed
+
+    def _apply(self, sender: str | None, updates: list[Update]) -> None:
+        for update in updates:
+            try:
+                self._apply_one(update, sender)
+            except RefusedAgain:
+                continue  # gossip passes a join on several times: its refusal was counted once
+            except WireError as exc:  # a forged or malformed update: that one only
+                self._reject(exc.reason, str(exc))
+
+    def _apply_one(self, update: Update, sender: str | None) -> None:
+        table, me = self.table, self.local.peer_id
+        if isinstance(update, Beat):
+            entry = parse_beat(update.body)
+            if entry[0] == me:
+                return
+            news = table.is_news(entry)
+            if news is None:
+                if sender is not None and self._refused.get(entry[0]) != entry[1]:
+                    self.tables.want_from(sender, entry[0])
+                return
+            if news:
+                now = time.monotonic()
+                change = table.heartbeat(entry, now)
+                if change is not None:
+                    self._suspicions.pop(entry[0], None)
+                    if change.old in (PeerStatus.SUSPECT, PeerStatus.DEAD):
+                        self.claims.refuted(entry[0], now)
+                    self.notify(change, refuted=True)
+                self._spread(Beat(entry), URGENT if change is not None else ROUTINE)
+        elif isinstance(update, Record):
+            if self.learn(self.record_from(update.body), told_by=sender):
+                self._spread(update, NEWS)
+        elif isinstance(update, Claim):
+            self._apply_claim(update, mine=False, sender=sender)
+        else:
+            if update.peer_id == me:
+                return
+            info = table.get(update.peer_id)
+            if info is None or info.status is PeerStatus.LEFT or update.incarnation < info.record.incarnation:
+                return
+            if not verify_signature(info.record.verify_key, leave_statement(update.peer_id, update.incarnation),
+                                    update.signature):
+                raise WireError(RejectReason.BAD_SIGNATURE, f"leave of {update.peer_id} is not signed by it",
+                                field="body")
+            change = table.left(update.peer_id, update.incarnation)
+            if change is not None:
+                self.notify(change)
+                self._spread(update, URGENT)
+
+    def _apply_claim(self, claim: Claim, *, mine: bool, sender: str | None = None) -> None:
+        """A signed suspect or dead claim [kind, peer, incarnation, live, claimant, signature]:
+        one this node just made (`mine`), or one heard, checked against its claimant's key
+        (ours too: a member cannot pass a claim off as this node's own)."""
+        kind, peer_id, incarnation, live, claimant = claim.kind, claim.peer_id, claim.incarnation, claim.live, \
+            claim.claimant
+        me, table = self.local.peer_id, self.table
+        if not mine:
+            key = self.local.identity.verify_key if claimant == me else None
+            if key is None:
+                author = table.get(claimant)
+                if author is None:
+                    # a claimant we do not know yet (it joined a moment ago): ask for its record,
+                    # and check the claim when it comes, above all one about us that we must refute
+                    waiting = self._unverified.get(claimant)
+                    if sender is not None and (waiting is not None or len(self._unverified) < MAX_UNVERIFIED):
+                        waiting = self._unverified.setdefault(claimant, [])
+                        if len(waiting) < 8:
+                            waiting.append((claim, sender))
+                        self.tables.want_from(sender, claimant)
+                    return
+                key = author.record.verify_key
+            if not claim.is_signed(key):
+                raise WireError(RejectReason.BAD_SIGNATURE, f"{kind!r} claim about {peer_id} is not signed by "
+                                f"{claimant}", field="body")
+        if peer_id == me:
+            assert self.local.record is not None
+            if incarnation == self.local.record.incarnation:
+                if live < self._live and sender is not None:
+                    self._remind(sender)  # refuted already; the refutation has not reached the sender
+                else:
+                    self._refute(live)
+            return
+        if not mine and not self.claims.believed(claimant, peer_id, time.monotonic()):
+            return  # its claims about this peer were refuted too often (`ClaimLedger`)
+        status = PeerStatus.SUSPECT if kind == SUSPECT else PeerStatus.DEAD
+        held, change = table.claim(status, peer_id, incarnation, live)
+        if held:
+            self.claims.held(peer_id, claimant)
+            if status is PeerStatus.SUSPECT:
+                low, high = self.liveness.suspicion_bounds(self.members())
+                expected = max(0, min(self.liveness.confirmations, self.members() - 2))
+                self._suspicions[peer_id] = Suspicion((incarnation, live), claimant, time.monotonic(), low, high,
+                                                      expected)
+            else:
+                self._suspicions.pop(peer_id, None)
+                log.info("%s: %s declared %s dead", self.local.peer_id, claimant, peer_id)
+            if change is not None:
+                self.notify(change)
+            self._spread(claim, URGENT)
+            if not mine and self._rng.random() < self.liveness.gossip_fanout / self.members():
+                # Gossip to the accused: a member that holds it suspect or dead no longer sends it
+                # anything, so if the claimant's one message to it was lost it would never refute.
+                # Each holder sends it the claim with probability fanout / n: about `fanout` copies.
+                self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [claim.to_wire()]}))
+        elif status is PeerStatus.SUSPECT:
+            suspicion = self._suspicions.get(peer_id)
+            if suspicion is not None and suspicion.at == (incarnation, live) and suspicion.confirm(claimant):
+                self._spread(claim, URGENT)
