@@ -9,13 +9,13 @@ verdict in the same round: there is no heartbeat to wait for and no view to disa
 """
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from starling.collectives.reduce import ReduceTimeouts, ShardedReducer
+from starling.common.hashing import tensor_digest
 
 if TYPE_CHECKING:
     from starling.node import Node
@@ -25,10 +25,7 @@ WIDTH = 8  # digest bytes compared: a false "agree" needs a 2^-64 collision
 
 def digest_bytes(tensors: Sequence[torch.Tensor], width: int = WIDTH) -> bytes:
     """The first `width` bytes (at most 32) of the sha256 of the tensors' bits, in order."""
-    digest = hashlib.sha256()
-    for t in tensors:
-        digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return digest.digest()[:width]
+    return tensor_digest(tensors).digest()[:width]
 
 
 def sampled_digest(tensors: Sequence[torch.Tensor], width: int, values: int = 1 << 16) -> bytes:

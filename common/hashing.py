@@ -11,7 +11,8 @@ doing the same job.
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+from collections.abc import Iterable
+from typing import Any, Literal
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -76,3 +77,20 @@ def peer_hash(peer_id: str, *, digest: Literal["sha256", "blake2b"] = "sha256",
     if bits not in (63, 64):
         raise ValueError(f"bits must be 63 or 64, got {bits!r}")
     return int.from_bytes(raw, byteorder) >> (64 - bits)
+
+
+def tensor_digest(tensors: Iterable[Any], names: Iterable[str] | None = None) -> Any:
+    """The SHA-256 (a `hashlib` object) of the bits of `tensors`, in order, read on the host one
+    at a time; with `names`, each tensor's name goes in before it. The one way a tensor state is
+    hashed: a model's state digest (`runtime.modelspec.state_digest`, names and values) and the
+    round agreement's (`collectives.agreement.digest_bytes`, values only) feed it the same bytes
+    they always did."""
+    import torch
+
+    digest = hashlib.sha256()
+    pairs = zip(names, tensors, strict=True) if names is not None else ((None, t) for t in tensors)
+    for name, t in pairs:
+        if name is not None:
+            digest.update(name.encode())
+        digest.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest

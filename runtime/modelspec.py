@@ -13,11 +13,12 @@ that it must take the swarm's state instead of training from its own start.
 """
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from starling.common.hashing import tensor_digest
 
 ARCHITECTURE_KEY = "architecture"  # the swarm config's entry
 INITIAL_STATE_KEY = "initial_state"  # the swarm config's digest of the first peer's initial state
@@ -60,8 +61,5 @@ def state_digest(model: nn.Module) -> str:
     """A digest of the values of every tensor of the model's state, in state_dict order (names,
     shapes and dtypes are the architecture's business). Tensors are read on the host, one at a
     time."""
-    digest = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()[:16]
+    state = model.state_dict()
+    return tensor_digest(state.values(), state.keys()).hexdigest()[:16]

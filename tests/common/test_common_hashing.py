@@ -8,6 +8,7 @@ import random
 import pytest
 
 from starling.common import derive_seed, peer_hash
+from starling.common.hashing import tensor_digest
 from starling.compressors import rng
 from starling.protocols.spsa.arith import peer_key
 from starling.runtime import shard_for
@@ -91,3 +92,26 @@ def test_peer_hash_range_and_bad_schemes() -> None:
         peer_hash("a", digest="md5")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="bits"):
         peer_hash("a", bits=32)  # type: ignore[arg-type]
+
+
+def test_a_tensor_state_is_hashed_one_way_with_or_without_names():
+    """Model state digests and the round agreement's hash the same bytes through one function;
+    the values are pinned, since peers of one build compare them."""
+    import torch
+
+    from starling.collectives.agreement import digest_bytes
+    from starling.runtime.modelspec import state_digest
+
+    state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "n": torch.tensor([7], dtype=torch.int64)}
+    model = torch.nn.Module()
+    for name, value in state.items():
+        model.register_buffer(name, value)
+    by_hand = hashlib.sha256()
+    for name, value in state.items():
+        by_hand.update(name.encode())
+        by_hand.update(value.contiguous().reshape(-1).view(torch.uint8).numpy())
+    assert state_digest(model) == by_hand.hexdigest()[:16] == tensor_digest(state.values(), state.keys()).hexdigest()[:16]
+    values_only = hashlib.sha256(b"".join(v.contiguous().view(torch.uint8).numpy().tobytes() for v in state.values()))
+    assert digest_bytes(list(state.values())) == values_only.digest()[:8] == tensor_digest(state.values()).digest()[:8]
+    with pytest.raises(ValueError):  # a name for each tensor, no more and no fewer
+        tensor_digest(state.values(), ["w"])
