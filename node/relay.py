@@ -524,10 +524,11 @@ class Relay:
         held = [r for r in self._home() if transport.heard(r)]
         return ",".join(held[: self.config.max_relays])
 
-    async def send(self, dest: str, frames: list[Any], *, wait: bool, timeout_s: float | None) -> None:
-        """Seal `frames` for `dest` and hand them to the first relay that takes them; then, if
-        `dest` acknowledges, wait in the background for its acknowledgement and
-        fall back to the next relay without one (`node.relay_delivery`)."""
+    async def send(self, dest: str, frames: list[Any], *, wait: bool, timeout_s: float | None,
+                   via: str | None = None, track: bool = True) -> None:
+        """Seal `frames` for `dest` and hand them to the first relay that takes them (`via`
+        first, if named); then, if `dest` acknowledges and `track`, wait in the background for
+        its acknowledgement and fall back to the next relay without one (`node.relay_delivery`)."""
         info = self.table.get(dest)
         record = self.local.record
         if info is None or record is None:
@@ -538,13 +539,16 @@ class Relay:
                             f"a client (RelayConfig.max_queued_bytes, {self.config.max_queued_bytes})")
         body, payload = Sealed(dest, nonce, sealed).to_wire()
         errors = []
-        for relay in self._reachable_relays(dest):
+        relays = self._reachable_relays(dest)
+        if via is not None and self.outbox.transport is not None and self.outbox.transport.can_send(via):
+            relays = [via, *(r for r in relays if r != via)]
+        for relay in relays:
             try:
                 await self._hand(relay, dest, body, payload, wait=wait, timeout_s=timeout_s)
             except SendError as exc:
                 errors.append(f"{relay}: {exc}")
                 continue
-            if info.meta.get(ACKS):
+            if track and info.meta.get(ACKS):
                 self.deliveries.sent(nonce, dest, relay, body, payload, len(sealed))
             return
         raise SendError(f"no relay took a message for {dest}: " + ("; ".join(errors) or "no relay is alive"))
@@ -570,19 +574,8 @@ class Relay:
         try:
             if transport is not None and transport.can_send(src):
                 await self.outbox.send(src, ACK, [nonce], wait=False)
-                return
-            info, record = self.table.get(src), self.local.record
-            if info is None or record is None or transport is None:
-                return
-            ack_nonce, sealed = self.sealer.seal(src, info.record.curve_key, [SEALED_ACK + nonce], record.incarnation)
-            body, payload = Sealed(src, ack_nonce, sealed).to_wire()
-            for other in [relay, *(r for r in self._reachable_relays(src) if r != relay)]:
-                if transport.can_send(other):
-                    try:
-                        await self._hand(other, src, body, payload)
-                        return
-                    except SendError:
-                        continue
+            else:
+                await self.send(src, [SEALED_ACK + nonce], wait=False, timeout_s=None, via=relay, track=False)
         except (SendError, ValueError, UnknownPeerError):
             pass  # the source falls back to another relay, and this copy is acknowledged then
 
