@@ -501,9 +501,7 @@ class Relay:
         info = table.get(dest)
         named = set(str(info.meta.get(VIA, "")).split(",")) if info is not None else set()
         live = [p.peer_id for p in table.live() if p.record.relay and p.record.reachable and p.peer_id != dest]
-        ordered = self.deliveries.order(live)
-        deliveries = self.deliveries
-        return sorted(ordered, key=lambda r: (round(deliveries.drops(r)), r not in named))  # stable
+        return self.deliveries.order(live, named)
 
     def _reachable_relays(self, dest: str) -> list[str]:
         """Of `relays_for(dest)`, those this node reaches itself: a relay reached through another

@@ -37,7 +37,7 @@ import heapq
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,16 +115,18 @@ class Deliveries:
             return 0.0
         return score.drops
 
-    def order(self, relays: list[str]) -> list[str]:
-        """`relays` best first: fewest drops here, then this node's own rank of each (so that
-        senders spread over a client's relays, and none of them decides which comes first)."""
+    def order(self, relays: list[str], preferred: Collection[str] = ()) -> list[str]:
+        """`relays` best first: fewest drops here, then those in `preferred` (the ones the
+        destination names), then this node's own rank of each (so that senders spread over a
+        client's relays, and none of them decides which comes first)."""
         ranks = self._ranks
         for relay in relays:
             if relay not in ranks:
                 if len(ranks) >= 4096:
                     ranks.clear()
                 ranks[relay] = self._rng.random()
-        return sorted(relays, key=lambda r: (round(self.drops(r)), ranks[r]))
+        drops = {relay: round(self.drops(relay)) for relay in relays}
+        return sorted(relays, key=lambda r: (drops[r], r not in preferred, ranks[r]))
 
     def _charge(self, relay: str, amount: float) -> None:
         drops = min(self.max_drops, self.drops(relay) + amount)
