@@ -63,7 +63,9 @@ def test_a_simulation_killed_with_sigkill_leaves_no_worker_alive():
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert wait_until(lambda: not any(_alive(w) for w in workers), timeout_s=5), [w for w in workers if _alive(w)]
+    # within 10 s, as the lifeline promises (it polls every 0.5 s; a starved CI box schedules the
+    # poll and the exit seconds late)
+    assert wait_until(lambda: not any(_alive(w) for w in workers), timeout_s=10), [w for w in workers if _alive(w)]
 
 
 def test_die_with_parent_ends_a_process_whose_parent_is_gone():

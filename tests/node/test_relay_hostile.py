@@ -297,8 +297,9 @@ def _capturing_relay(nodes, seed: Node) -> Node:
 
 
 def _acknowledges(sender: Node, dest: Node) -> None:
-    """Wait until `sender` has `dest`'s beat saying it acknowledges what it is relayed."""
-    assert wait_until(lambda: (sender._table.get(dest.peer_id).meta or {}).get(ACKS))
+    """Wait until `sender` has `dest`'s beat saying it acknowledges what it is relayed (a client's
+    beats reach another client only through members, which a loaded box delays)."""
+    assert wait_until(lambda: (sender._table.get(dest.peer_id).meta or {}).get(ACKS), timeout_s=30)
 
 
 def test_a_relay_that_drops_everything_is_fallen_back_from_and_avoided(nodes):
