@@ -48,7 +48,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -60,13 +60,16 @@ from starling.common import peer_hash
 from starling.compressors import decode
 from starling.node.membership import PeerStatus
 from starling.node.node import Node
-from starling.node.rpc import NoHandlerError, Refusal, RemoteError, Reply, refusal
+from starling.node.rpc import NoHandlerError, Refusal, Refuser, RemoteError, Reply, refusal
 from starling.node.wire import Message
 from starling.protocols.backprop import BackpropProtocol
 from starling.protocols.base import LossFn, ProtocolConfig, ProtocolError, StepReport, register
+from starling.protocols.bodies import BodyError, Choco, Pull, PullAck, Pulled, Resync, Undo
 from starling.protocols.optim import check_optimizer
 
 log = logging.getLogger(__name__)
+
+_OneWay = TypeVar("_OneWay", Undo, PullAck, Choco, Resync)  # the bodies of gossip's one-way messages
 
 PULL_TOPIC, CHOCO_TOPIC, RESYNC_TOPIC = "gossip.pull", "gossip.choco", "gossip.resync"
 UNDO_TOPIC, ACK_TOPIC = "gossip.undo", "gossip.ack"
@@ -148,7 +151,7 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
         self._their_buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # neighbours' latest, lossless
         self._next_seq_in: dict[str, int] = {}
         self._seq_out = 0
-        self._inbox: deque[tuple[str, dict[str, Any], tuple[torch.Tensor, ...]]] = deque()
+        self._inbox: deque[tuple[str, Choco, tuple[torch.Tensor, ...]]] = deque()
         self._has_my_hat: set[str] = set()
         self._hat_lock = threading.Lock()  # guards _has_my_hat (the network thread clears entries)
         # Undo table (network thread only; see _keep_for_undo): requester -> (xid, the delta
@@ -156,8 +159,12 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
         self._applied: dict[str, tuple[int, torch.Tensor]] = {}
         self._dropped: dict[str, int] = {}
         self._exchange_ids = itertools.count(1)
-        self._cancelled: dict[str, Any] = {}
-        self.counters: Counter[str] = Counter()  # undone, undo_evicted, undo_dropped_peer_left, undo_refused
+        self._cancelled: dict[str, int] = {}
+        # undone, undo_evicted, undo_dropped_peer_left, undo_refused, rejected.<reason>
+        self.counters: Counter[str] = Counter()
+        # bad input from a peer, per topic: counted (node stats `<topic>.<reason>`), logged, refused
+        self._refuse = {topic: Refuser(node.stats, topic, node.peer_id, self.counters)
+                        for topic in (PULL_TOPIC, CHOCO_TOPIC, RESYNC_TOPIC, UNDO_TOPIC, ACK_TOPIC)}
         self._serve({PULL_TOPIC: self._on_pull, CHOCO_TOPIC: self._on_choco, RESYNC_TOPIC: self._on_resync,
                      UNDO_TOPIC: self._on_undo, ACK_TOPIC: self._on_ack})
 
@@ -188,30 +195,32 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
                 mine, ints = self._read_mixed(), self._read_ints()
             xid = next(self._exchange_ids)
             try:
-                msg = self.node.request(j, PULL_TOPIC, {"step": t, "xid": xid}, [mine, *ints],
+                msg = self.node.request(j, PULL_TOPIC, Pull(t, xid).to_wire(), [mine, *ints],
                                         timeout_s=self.config.pull_timeout_s)
             except Exception as exc:  # dead, gone, or not running gossip yet
                 log.info("%s: gossip with %s skipped: %s", self.node.peer_id, j, exc)
                 if not isinstance(exc, RemoteError):
                     # No reply (a timeout, or j declared dead meanwhile): j may have applied
                     # its half already, so ask for it back. Unapplied, the undo cancels it.
-                    self.node.send(j, UNDO_TOPIC, {"xid": xid})
+                    self.node.send(j, UNDO_TOPIC, Undo(xid).to_wire())
                 if not isinstance(exc, NoHandlerError):  # one not running gossip yet is not lost
                     lost.append(j)
                 continue
             theirs = msg.payload[0] if msg.payload else None
-            if not (isinstance(msg.body, dict) and msg.body.get("ok")):
-                log.debug("%s: %s declined to gossip: %s", self.node.peer_id, j, msg.body)
+            try:
+                Pulled.from_wire(msg.body)
+            except BodyError as exc:  # a refusal: j applied nothing
+                log.debug("%s: %s declined to gossip: %s", self.node.peer_id, j, exc)
                 continue
             their_ints = self._ints_of(msg.payload[1:])
             if not _same_shape(theirs, mine) or their_ints is None:  # j applied its half, we cannot apply ours
                 log.info("%s: bad parameters from %s; asking it to undo", self.node.peer_id, j)
-                self.node.send(j, UNDO_TOPIC, {"xid": xid})
+                self.node.send(j, UNDO_TOPIC, Undo(xid).to_wire())
                 continue
             delta = (theirs.reshape(-1) - mine).mul_(self.config.mixing)  # exactly minus what j applied
             with self._params_lock:
                 self._add_mixed(delta, their_ints)
-            self.node.send(j, ACK_TOPIC, {"xid": xid})  # j no longer needs to keep its half
+            self.node.send(j, ACK_TOPIC, PullAck(xid).to_wire())  # j no longer needs to keep its half
             partners.append(j)
         return partners, lost
 
@@ -229,13 +238,12 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
             with self._hat_lock:
                 full = j not in self._has_my_hat
                 self._has_my_hat.add(j)
+            # the buffers go lossless, after the parameters' frames
             if full:  # first contact (or after a gap): the whole public copy, once
-                body, payload = {"seq": seq, "full": True}, (self.x_hat.clone(),)
+                body, payload = Choco(seq, True, None, len(buffers)), (self.x_hat.clone(),)
             else:
-                body, payload = {"seq": seq, "full": False, "packet": packet.header}, packet.buffers
-            if buffers:
-                body["buffers"] = len(buffers)  # lossless, after the parameters' frames
-            sends.append((j, self.node.send(j, CHOCO_TOPIC, body, (*payload, *buffers))))
+                body, payload = Choco(seq, False, packet.header, len(buffers)), packet.buffers
+            sends.append((j, self.node.send(j, CHOCO_TOPIC, body.to_wire(), (*payload, *buffers))))
         for j, fut in sends:
             try:
                 fut.result(self.config.pull_timeout_s)
@@ -277,14 +285,14 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
             sender, body, payload = self._inbox.popleft()
             payload = self._take_buffers(sender, body, payload)
             try:
-                seq = int(body["seq"])
-                if body.get("full"):
+                seq = body.seq
+                if body.full:
                     hat = payload[0].reshape(-1).to(torch.float32, copy=True)
                     if hat.numel() != self.flat.numel:
                         raise ValueError(f"{hat.numel()} values for {self.flat.numel} parameters")
                     self._hats[sender] = hat
                 elif sender in self._hats and self._next_seq_in.get(sender) == seq:
-                    self._hats[sender].add_(decode(packet_from_wire(body.get("packet"), payload)).reshape(-1))
+                    self._hats[sender].add_(decode(packet_from_wire(body.header, payload)).reshape(-1))
                 else:
                     raise ValueError(f"update {seq} does not follow {self._next_seq_in.get(sender)}")
                 self._next_seq_in[sender] = seq + 1
@@ -292,7 +300,7 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
                 log.info("%s: resync public copy of %s: %s", self.node.peer_id, sender, exc)
                 self._hats.pop(sender, None)
                 self._next_seq_in.pop(sender, None)
-                self.node.send(sender, RESYNC_TOPIC, {})
+                self.node.send(sender, RESYNC_TOPIC, Resync().to_wire())
 
     # ------------------------------------------------------------------ network thread
     async def _on_pull(self, msg: Message) -> Reply | dict[str, Any]:
@@ -301,30 +309,33 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
         their_ints = self._ints_of(msg.payload[1:])
         if not self._open:
             return refusal(Refusal.CLOSED)
+        refuse = self._refuse[PULL_TOPIC]
+        try:
+            xid = Pull.from_wire(msg.body).xid
+        except BodyError as exc:
+            return refuse(Refusal.MALFORMED, f"{msg.sender}: {exc}")
         if (not isinstance(theirs, torch.Tensor) or theirs.dtype != torch.float32 or theirs.numel() != self.numel
                 or their_ints is None):
-            return refusal(Refusal.MALFORMED, f"expected {self.numel} float32 parameters and buffers"
-                           + (f", then {self.buffers.int_numel} int64 buffers" if self._int_frames else ""))
+            return refuse(Refusal.MALFORMED, f"{msg.sender}: expected {self.numel} float32 parameters and buffers"
+                          + (f", then {self.buffers.int_numel} int64 buffers" if self._int_frames else ""))
         if not bool(torch.isfinite(theirs).all()):
-            return refusal(Refusal.NOT_FINITE, "non-finite parameters")
+            return refuse(Refusal.NOT_FINITE, f"{msg.sender}: non-finite parameters")
         deadline = time.monotonic() + self.config.pull_timeout_s / 2
         while not self._params_lock.acquire(blocking=False):  # never block the network thread
             if time.monotonic() > deadline:
                 return refusal(Refusal.BUSY)
             await asyncio.sleep(_LOCK_POLL_S)
-        xid = msg.body.get("xid") if isinstance(msg.body, dict) else None
-        if xid is not None and self._cancelled.get(msg.sender) == xid:
+        if self._cancelled.get(msg.sender) == xid:
             self._params_lock.release()
             return refusal(Refusal.CANCELLED, "cancelled by the requester")
         try:
             mine, ints = self._read_mixed(), self._read_ints()
             delta = (theirs.reshape(-1) - mine).mul_(self.config.mixing)
             self._add_mixed(delta, their_ints)
-            if isinstance(xid, int):
-                self._keep_for_undo(msg.sender, xid, delta)
+            self._keep_for_undo(msg.sender, xid, delta)
         finally:
             self._params_lock.release()
-        return Reply({"ok": True}, (mine, *ints))
+        return Reply(Pulled().to_wire(), (mine, *ints))
 
     def _keep_for_undo(self, requester: str, xid: int, delta: torch.Tensor) -> None:
         """Keep the half-exchange just applied for `requester` until it acks or undoes it.
@@ -348,7 +359,7 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
         self._dropped[requester] = xid
         self.counters[counter] += 1
 
-    def _entry_to_undo(self, requester: str, xid: Any) -> tuple[int, torch.Tensor] | None:
+    def _entry_to_undo(self, requester: str, xid: int) -> tuple[int, torch.Tensor] | None:
         """The kept entry that an undo of `xid` takes back, or None (having refused it, or
         noted that the pull, not applied yet, must never be)."""
         entry = self._applied.get(requester)
@@ -366,13 +377,13 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
 
     async def _on_undo(self, msg: Message) -> None:
         """Take back the half-exchange a timed-out requester never completed."""
-        xid = msg.body.get("xid") if isinstance(msg.body, dict) else None
-        if self._entry_to_undo(msg.sender, xid) is None:
+        undo = self._read(msg, UNDO_TOPIC, Undo)
+        if undo is None or self._entry_to_undo(msg.sender, undo.xid) is None:
             return
         while not self._params_lock.acquire(blocking=False):  # never block the network thread
             await asyncio.sleep(_LOCK_POLL_S)
         try:
-            entry = self._entry_to_undo(msg.sender, xid)  # again: it may have been dropped meanwhile
+            entry = self._entry_to_undo(msg.sender, undo.xid)  # again: it may have been dropped meanwhile
             if entry is not None:
                 del self._applied[msg.sender]
                 self._add_mixed(-entry[1], None)  # the integers keep their maximum: it undoes nothing
@@ -382,10 +393,18 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
 
     def _on_ack(self, msg: Message) -> None:
         """The requester applied its half: the exchange is complete, forget mine."""
-        xid = msg.body.get("xid") if isinstance(msg.body, dict) else None
+        ack = self._read(msg, ACK_TOPIC, PullAck)
         entry = self._applied.get(msg.sender)
-        if entry is not None and entry[0] == xid:
+        if ack is not None and entry is not None and entry[0] == ack.xid:
             del self._applied[msg.sender]
+
+    def _read(self, msg: Message, topic: str, body_type: type[_OneWay]) -> _OneWay | None:
+        """A one-way message's body, or None (counted and logged) for a malformed one."""
+        try:
+            return body_type.from_wire(msg.body)
+        except BodyError as exc:
+            self._refuse[topic].count(Refusal.MALFORMED.value, f"{msg.sender}: {exc}")
+            return None
 
     # ------------------------------------------------------------------ buffers (with the params lock held)
     def _read_mixed(self) -> torch.Tensor:
@@ -423,11 +442,11 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
         ok = isinstance(ints, torch.Tensor) and ints.dtype == torch.int64 and ints.numel() == self.buffers.int_numel
         return ints.reshape(-1) if ok else None
 
-    def _take_buffers(self, sender: str, body: dict[str, Any], payload: tuple[torch.Tensor, ...]
+    def _take_buffers(self, sender: str, body: Choco, payload: tuple[torch.Tensor, ...]
                       ) -> tuple[torch.Tensor, ...]:
         """CHOCO: keep a neighbour's buffers from the end of its message; the rest is its packet."""
-        count = body.get("buffers", 0)
-        if not isinstance(count, int) or not 0 <= count <= len(payload):
+        count = body.buffers
+        if count > len(payload):
             return payload  # the packet's own check refuses it
         frames, payload = payload[len(payload) - count:], payload[:len(payload) - count]
         if self.buffers is None:
@@ -442,14 +461,18 @@ class Gossip(BackpropProtocol, name="gossip", config_class=GossipConfig, topic_p
         return payload
 
     def _on_choco(self, msg: Message) -> None:
-        if isinstance(msg.body, dict) and self._open:
+        if not self._open:
+            return
+        body = self._read(msg, CHOCO_TOPIC, Choco)
+        if body is not None:
             payload = tuple(p.clone() if isinstance(p, torch.Tensor)
                             else torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in msg.payload)
-            self._inbox.append((msg.sender, msg.body, payload))
+            self._inbox.append((msg.sender, body, payload))
 
     def _on_resync(self, msg: Message) -> None:
-        with self._hat_lock:
-            self._has_my_hat.discard(msg.sender)
+        if self._read(msg, RESYNC_TOPIC, Resync) is not None:
+            with self._hat_lock:
+                self._has_my_hat.discard(msg.sender)
 
     # ------------------------------------------------------------------ hooks and state
     def on_peer_joined(self, peer_id: str) -> None:
