@@ -64,10 +64,11 @@ from starling.collectives.buffers import BufferAverager
 from starling.collectives.quorum import Closing, QuorumClose
 from starling.collectives.retention import KeptPart
 from starling.node.node import Node
-from starling.node.rpc import Refusal, Reply, refusal
+from starling.node.rpc import Refusal, Refuser, Reply, refusal
 from starling.node.wire import Message
 from starling.protocols.backprop import BackpropProtocol
 from starling.protocols.base import LossFn, ProtocolError, StepClock, StepReport, register
+from starling.protocols.bodies import BodyError, NotYet, SyncAsk, SyncState
 from starling.protocols.diloco_config import DiLoCoConfig, StreamingDiLoCoConfig
 from starling.protocols.fragments import FragmentSchedule, FragmentView, SyncClock, count_layers, split_fragments
 from starling.protocols.guard import DriftGuard, State
@@ -201,6 +202,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                                        max_span=math.ceil(config.weight_cap * config.sync_every) + config.overlap_steps
                                        ) if config.verify_rate > 0.0 else None
         self._publish()
+        self._refuse_sync = Refuser(node.stats, SYNC_TOPIC, node.peer_id)  # counts malformed requests
         self._serve({SYNC_TOPIC: self._on_sync})
 
     # ------------------------------------------------------------------ the fragments, read-only
@@ -309,7 +311,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                 return
             peer = drawn[i % len(drawn)]
             try:
-                msg = self.node.request(peer, SYNC_TOPIC, {"fragments": [], "at_least": version},
+                msg = self.node.request(peer, SYNC_TOPIC, SyncAsk((), version).to_wire(),
                                         timeout_s=max(0.1, min(poll_s, deadline - time.monotonic())))
                 if read_sync_reply(msg, [], [], len(self.fragments)).versions[0] >= version:
                     return
@@ -557,7 +559,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                 if remaining <= 0:
                     break
                 try:  # a bounded wait per peer, so that a dead one leaves time to ask the others
-                    body = {"fragments": fragments, **({"at_least": at_least} if at_least else {})}
+                    body = SyncAsk(tuple(fragments), at_least).to_wire()
                     msg = self.node.request(peer, SYNC_TOPIC, body,
                                             timeout_s=min(remaining, max(1.0, self.config.round_timeout_s / 4)))
                     got = read_sync_reply(msg, fragments, sizes, len(self.fragments))
@@ -578,19 +580,18 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             return refusal(Refusal.CLOSED, "protocol closed")
         state = self._published
         try:
-            fragments = [int(f) for f in msg.body["fragments"]]
-            if not all(0 <= f < len(state.outer) for f in fragments):
-                raise ValueError(fragments)
-            at_least = int(msg.body.get("at_least", 0))
-        except (TypeError, KeyError, ValueError, AttributeError):
-            return refusal(Refusal.MALFORMED, f"body must be {{fragments: [0..{len(state.outer) - 1}], at_least: int}}")
-        if any(state.versions[f] < at_least for f in fragments or range(len(state.versions))):
+            ask = SyncAsk.from_wire(msg.body)
+            if ask.fragments and ask.fragments[-1] >= len(state.outer):
+                raise BodyError(f"fragment {ask.fragments[-1]}: this model has {len(state.outer)}")
+        except BodyError as exc:
+            return self._refuse_sync(Refusal.MALFORMED, f"{msg.sender}: {exc}; body must be "
+                                     f"{{fragments: [ascending in 0..{len(state.outer) - 1}], at_least: int}}")
+        fragments = list(ask.fragments)
+        if any(state.versions[f] < ask.at_least for f in fragments or range(len(state.versions))):
             # not there yet: a short answer, not the state
-            return {"ok": False, "reason": f"at versions {list(state.versions)}, not yet {at_least}",
-                    "versions": list(state.versions)}
+            return NotYet.before(state.versions, ask.at_least).to_wire()
         payload = [t for f in fragments for t in (state.outer[f], state.momentum[f])]
-        return Reply({"ok": True, "step": state.step, "versions": list(state.versions), "fragments": fragments},
-                     payload)
+        return Reply(SyncState(state.step, state.versions, ask.fragments).to_wire(), payload)
 
     def private_state(self) -> dict[str, Any]:
         """Each fragment's residuals; for a fragment with a round in flight, as they were before

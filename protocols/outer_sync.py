@@ -33,6 +33,7 @@ import torch
 from starling.collectives import PendingReduce, ShardedReducer
 from starling.collectives.quorum import Closing, QuorumClose
 from starling.node.loop import AwakeDeadline
+from starling.protocols.bodies import SyncState
 from starling.protocols.diloco_config import DiLoCoConfig
 from starling.protocols.fragments import FragmentView, SyncClock
 
@@ -357,11 +358,11 @@ class Published:
 
 
 def read_sync_reply(msg: Message, fragments: list[int], sizes: list[int], count: int) -> Published:
-    body = msg.body
-    if not isinstance(body, dict) or not body.get("ok"):
-        raise ValueError(body.get("reason") if isinstance(body, dict) else "malformed reply")
-    versions = tuple(int(v) for v in body["versions"])
-    if len(versions) != count or list(body["fragments"]) != fragments or len(msg.payload) != 2 * len(fragments):
+    """A peer's answer to a `SyncAsk` for `fragments` (of `sizes` values each, of `count`);
+    ValueError (a `BodyError` for a malformed body) naming what is wrong."""
+    body = SyncState.from_wire(msg.body)
+    versions = body.versions
+    if len(versions) != count or list(body.fragments) != fragments or len(msg.payload) != 2 * len(fragments):
         raise ValueError("reply does not match the request")
     outer: list[torch.Tensor] = [torch.zeros(0)] * count
     momentum: list[torch.Tensor] = [torch.zeros(0)] * count
@@ -370,4 +371,4 @@ def read_sync_reply(msg: Message, fragments: list[int], sizes: list[int], count:
         if o.numel() != n or m.numel() != n or not (torch.isfinite(o).all() and torch.isfinite(m).all()):
             raise ValueError(f"fragment {f}: expected {n} finite values")
         outer[f], momentum[f] = o, m
-    return Published(int(body["step"]), versions, tuple(outer), tuple(momentum))
+    return Published(body.step, versions, tuple(outer), tuple(momentum))
