@@ -1,4 +1,5 @@
-"""Task lookup by name: the built-in tasks, or a user's ``module:callable`` factory."""
+"""Task lookup by name: the built-in tasks, a Hugging Face causal LM (``hf:NAME``), or a user's
+``module:callable`` factory."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 from .base import Task
 from .charlm import CharLMTask
+from .hf import PREFIX as HF_PREFIX
+from .hf import HFCausalLMTask
 from .quadratic import QuadraticTask
 from .teacher import TeacherTask
 from .textlm import TextLMTask
@@ -32,20 +35,27 @@ def registered_tasks() -> list[str]:
 
 
 def get_task(spec: str = DEFAULT_TASK, **options: Any) -> Task:
-    """A task from a built-in name (``"charlm"``) or a ``"module:callable"`` factory.
+    """A task from a built-in name (``"charlm"``), ``"hf:NAME"`` (a `transformers` causal LM
+    from a local folder or a hub name, `tasks/hf.py`) or a ``"module:callable"`` factory.
 
     Built-in tasks take `options` as overrides of their config dataclass (typed values or
     strings); a factory is called with `options` as keyword arguments and must return a Task.
+    ``hf:`` always means the built-in task, never a module named ``hf``.
     Raises TaskSpecError (a ValueError) for an unknown name, option or bad value.
     """
     spec = spec.strip()
+    if spec.startswith(HF_PREFIX):
+        try:
+            return HFCausalLMTask.for_spec(spec, **options)
+        except ValueError as e:
+            raise TaskSpecError(f"task {spec!r}: {e}") from e
     if ":" in spec:
         return _load_factory(spec, options)
     task_class = _BUILTIN.get(spec)
     if task_class is None:
         raise TaskSpecError(
             f"unknown task {spec!r}; known tasks: {', '.join(registered_tasks())} "
-            "(or 'module:callable' for your own)"
+            "(or 'hf:NAME' for a Hugging Face causal LM, 'module:callable' for your own)"
         )
     try:
         return task_class.from_options(**options)

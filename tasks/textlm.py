@@ -48,7 +48,10 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # inputs (B, T) and next-token target
 
 
 @dataclass(frozen=True)
-class TextLMConfig:
+class TextDataConfig:
+    """The options of a task on a tokenized corpus: what the corpus is, how it becomes units,
+    and how it is partitioned. A task on `TextLMTask`'s data adds its model's options to them."""
+
     data: str = ""  # a folder, a file (.txt .jsonl .csv .parquet), a glob, or a dataset name; "" = stdlib
     tokenizer: str = "bytes"  # "bytes", or a tokenizer.json (or a folder holding one)
     seq_len: int = 128
@@ -58,15 +61,11 @@ class TextLMConfig:
     cache_dir: str = ""  # where token files go; "" = ~/.cache/starling/tokens
     eval_fraction: float = 0.02  # of the units, held out
     eval_batches: int = 4  # held-out units an evaluation reads (the first ones)
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 128
-    seed: int = 0  # the model's initial weights
     partition: str = ""  # iid, dirichlet:ALPHA or shards:K: each peer its own units; "": the swarm's ledger
     partition_by: str = DOCUMENT  # what labels a document: document, folder, or a table's column
 
     def __post_init__(self) -> None:
-        for field in ("seq_len", "batch_size", "eval_batches", "n_layer", "n_head", "n_embd"):
+        for field in ("seq_len", "batch_size", "eval_batches"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
         if not 0.0 < self.eval_fraction < 1.0:
@@ -77,8 +76,23 @@ class TextLMConfig:
             raise ValueError("partition_by must name what labels a document (document, folder or a column)")
 
 
+@dataclass(frozen=True)
+class TextLMConfig(TextDataConfig):
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    seed: int = 0  # the model's initial weights
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for field in ("n_layer", "n_head", "n_embd"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+
+
 class TextLMTask(Task):
-    """A GPT on the units of a tokenized corpus (see the module)."""
+    """A GPT on the units of a tokenized corpus (see the module). A subclass with another model
+    overrides `make_model` and `loss`, and takes a `TextDataConfig` with its model's options."""
 
     name = "gpt"
     config_class = TextLMConfig
