@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from starling.collectives.robust import AggregatorConfig, aggregate
+from starling.collectives.aggregators import AggregatorConfig, aggregate
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class ShardGroup:
         """The finite parts' average and, when their weights differ, each contributor's share
         of it (None: equal weights, the plain average). Empty when no part was finite.
 
-        A robust `aggregator` (collectives/robust.py) combines the finite parts instead, in
+        A robust `aggregator` (collectives/aggregators/) combines the finite parts instead, in
         member order, from `center` (the chunk's last average) where it needs one; the parts
         it screens out leave `contributors`, and the verdict names them."""
         total = self.sum()

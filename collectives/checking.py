@@ -49,13 +49,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from starling.collectives.accumulator import ShardGroup
+from starling.collectives.aggregators import AggregatorConfig
 from starling.collectives.bodies import BodyError, CheckAsk, Checked, CheckedPart, Refused
 from starling.collectives.codec import packet_from_wire
 from starling.collectives.compact import view_digest
 from starling.collectives.contributions import Contributions, Scores, SignedPart, content_digest
 from starling.collectives.defences import RoundDefence
 from starling.collectives.requests import request_patiently
-from starling.collectives.robust import AggregatorConfig
 from starling.collectives.suspicion import Suspicion
 from starling.compressors import Compressor, Packet, decode, from_spec
 from starling.node.identity import peer_id_from_key, verify_signature

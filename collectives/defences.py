@@ -3,7 +3,7 @@ owner's watch on members whose parts it keeps leaving out.
 
     Defences(aggregator="centered_clip", owner_replication=3, max_weight=W)
 
-- `aggregator`: how an owner combines a chunk's parts (`collectives/robust.py`): the plain
+- `aggregator`: how an owner combines a chunk's parts (`collectives/aggregators/`): the plain
   mean, or a robust one, after screening out parts whose norm is far from the round's median.
 - `owner_replication`: how many owners each shard has, placed afresh each round. Members send
   each part to all of them and compare the signed averages by digest: with three, the
@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from starling.collectives.robust import AggregatorConfig
+from starling.collectives.aggregators import AggregatorConfig
 from starling.collectives.suspicion import SuspicionConfig
 
 if TYPE_CHECKING:
