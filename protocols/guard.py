@@ -46,7 +46,8 @@ from starling.collectives.compact import view_digest
 from starling.collectives.requests import request_patiently
 from starling.common.hashing import derive_seed, peer_hash
 from starling.node.loop import AwakeDeadline
-from starling.node.rpc import Refusal, Reply, refusal, refusal_of
+from starling.node.rpc import Refusal, Refuser, Reply, refusal, refusal_of
+from starling.protocols.bodies import DIGEST_BYTES, BodyError, Digest, GuardAsk, GuardState
 
 if TYPE_CHECKING:
     from starling.node.node import Node
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 # A protocol's state as it travels: a msgpack-able header and tensors.
 State = tuple[dict[str, Any], list[torch.Tensor]]
 
-DIGEST_SIZE = 32  # the whole sha256: a served state must not be forged to match the chosen one
+DIGEST_SIZE = DIGEST_BYTES  # the whole sha256: a served state must not be forged to match the chosen one
 
 
 class DriftGuard:
@@ -82,6 +83,8 @@ class DriftGuard:
         # (round, my state then or None): my latest repair decision, and what I serve for it
         self._served: tuple[int, State | None] = (-1, None)
         self.repairs = 0  # times this peer took another's state
+        # bad input from a peer: malformed requests, and malformed answers to mine
+        self._refuse = {topic: Refuser(node.stats, topic, node.peer_id) for topic in (self.topic, self.digest_topic)}
         node.on(self.topic, self._on_sync)
         node.on(self.digest_topic, self._on_digest)
 
@@ -153,16 +156,23 @@ class DriftGuard:
         deadline, retry_s = AwakeDeadline(self._wait_s), self.timeouts.retry_interval_s
         while not deadline.expired():
             try:
-                msg = await request_patiently(self.node, peer, self.digest_topic, {"round": t}, (), deadline, retry_s)
+                msg = await request_patiently(self.node, peer, self.digest_topic, GuardAsk(t).to_wire(), (), deadline,
+                                              retry_s)
             except Exception as exc:  # gone, or silent for the round's time
                 log.debug("%s: %s from %s failed: %s", self.node.peer_id, self.digest_topic, peer, exc)
                 return None
-            body = msg.body if isinstance(msg.body, dict) else {}
-            digest = body.get("digest")
-            if body.get("ok") and body.get("round") == t and isinstance(digest, bytes) and len(digest) == DIGEST_SIZE:
-                return digest
-            if refusal_of(body) is not Refusal.BUSY:
-                log.info("%s: %s gave no digest for round %d: %s", self.node.peer_id, peer, t, body)
+            refused = refusal_of(msg.body)
+            if refused is None:  # an answer: the digest, or bad input
+                try:
+                    answer = Digest.from_wire(msg.body)
+                    if answer.round != t:
+                        raise BodyError(f"a digest of round {answer.round}, asked for {t}")
+                    return answer.digest
+                except BodyError as exc:
+                    self._refuse[self.digest_topic].count("malformed_answer", f"{peer}: {exc}")
+                    return None
+            if refused is not Refusal.BUSY:
+                log.info("%s: %s gave no digest for round %d: %s", self.node.peer_id, peer, t, msg.body)
                 return None
             await deadline.sleep(retry_s)
         return None
@@ -174,14 +184,21 @@ class DriftGuard:
         deadline = time.monotonic() + self._wait_s
         while time.monotonic() < deadline:
             try:
-                msg = self.node.request(source, self.topic, {"round": t},
+                msg = self.node.request(source, self.topic, GuardAsk(t).to_wire(),
                                         timeout_s=max(0.1, min(deadline - time.monotonic(), 10.0)))
             except Exception as exc:  # dead, or not serving yet: try until the deadline
                 log.debug("%s: %s from %s failed: %s", me, self.topic, source, exc)
             else:
-                body = msg.body if isinstance(msg.body, dict) else {}
-                if body.get("ok"):
-                    header, tensors = body.get("state") or {}, list(msg.payload)
+                refused = refusal_of(msg.body)
+                if refused is None:  # an answer: the state, or bad input
+                    try:
+                        answer = GuardState.from_wire(msg.body)
+                        if answer.round != t:
+                            raise BodyError(f"a state of round {answer.round}, asked for {t}")
+                    except BodyError as exc:
+                        self._refuse[self.topic].count("malformed_answer", f"{source}: {exc}")
+                        return False
+                    header, tensors = answer.header, list(msg.payload)
                     try:
                         if digest_bytes(self._tensors_of(header, tensors), DIGEST_SIZE) != chosen:
                             log.warning("%s: %s claimed the chosen %s for round %d but served others; "
@@ -192,21 +209,22 @@ class DriftGuard:
                     except (ValueError, TypeError, KeyError, IndexError) as exc:
                         log.warning("%s: %s's state does not fit: %s", me, source, exc)
                         return False
-                if refusal_of(body) is not Refusal.BUSY:  # not "not yet": it will not serve it
-                    log.info("%s: %s refused its state: %s", me, source, body)
+                if refused is not Refusal.BUSY:  # not "not yet": it will not serve it
+                    log.info("%s: %s refused its state: %s", me, source, msg.body)
                     return False
             time.sleep(self.timeouts.retry_interval_s)
         return False
 
-    def _round_asked(self, msg: Message, latest: int) -> tuple[int, dict[str, Any] | None]:
+    def _round_asked(self, msg: Message, topic: str, latest: int) -> tuple[int, dict[str, Any] | None]:
         """(the round a request names, or a refusal of it): refused while the protocol is closed,
-        for a malformed body, and for any round but my `latest` (BUSY before it, TOO_OLD past)."""
+        for a malformed body (counted), and for any round but my `latest` (BUSY before it,
+        TOO_OLD past)."""
         if not self._is_open():
             return -1, refusal(Refusal.CLOSED, "protocol closed")
         try:
-            t = int(msg.body["round"])
-        except (TypeError, KeyError, ValueError):
-            return -1, refusal(Refusal.MALFORMED, "body must be {round: int}")
+            t = GuardAsk.from_wire(msg.body).round
+        except BodyError as exc:
+            return -1, self._refuse[topic](Refusal.MALFORMED, f"{msg.sender}: {exc}; body must be {{round: int}}")
         if t > latest:
             return t, refusal(Refusal.BUSY, f"no verdict for round {t} yet", step=latest)
         if t < latest:
@@ -216,24 +234,24 @@ class DriftGuard:
     def _on_digest(self, msg: Message) -> dict[str, Any]:
         """Network thread: my own digest at round t, when my latest check was round t's mismatch."""
         checked_round, digest = self._checked
-        t, refused = self._round_asked(msg, checked_round)
+        t, refused = self._round_asked(msg, self.digest_topic, checked_round)
         if refused is not None:
             return refused
         if digest is None:
             return refusal(Refusal.NOT_FOUND, f"my verdict for round {t} was not a mismatch", step=checked_round)
-        return {"ok": True, "round": t, "digest": digest}
+        return Digest(t, digest).to_wire()
 
     def _on_sync(self, msg: Message) -> Reply | dict[str, Any]:
         """Network thread: my state as it was at the round of a mismatch, for the others, when it
         was the chosen one."""
         served_round, state = self._served
-        t, refused = self._round_asked(msg, served_round)
+        t, refused = self._round_asked(msg, self.topic, served_round)
         if refused is not None:
             return refused
         if state is None:
             return refusal(Refusal.NOT_FOUND, f"I serve no state for round {t}: no mismatch, or mine is not the "
                            "chosen one", step=served_round)
-        return Reply({"ok": True, "round": t, "state": state[0]}, state[1])
+        return Reply(GuardState(t, state[0]).to_wire(), state[1])
 
 
 def donor_digest(t: int, members: tuple[str, ...], digests: Mapping[str, bytes]) -> tuple[bytes | None, str]:

@@ -8,9 +8,12 @@ import pytest
 import torch
 from conftest import swarm, wait_until
 
-from starling.node.rpc import Refusal, refusal, refusal_of
+from starling.collectives import ReduceTimeouts
+from starling.collectives.agreement import digest_bytes
+from starling.node.rpc import Refusal, Reply, refusal, refusal_of
 from starling.protocols import get_protocol
 from starling.protocols.bodies import (
+    DIGEST_BYTES,
     MAX_FRAGMENTS,
     BodyError,
     Choco,
@@ -28,6 +31,7 @@ from starling.protocols.bodies import (
 )
 from starling.protocols.diloco import SYNC_TOPIC
 from starling.protocols.gossip import ACK_TOPIC, CHOCO_TOPIC, PULL_TOPIC, RESYNC_TOPIC, UNDO_TOPIC
+from starling.protocols.guard import DriftGuard
 from starling.tasks import get_task
 
 HEADER = {"codec": "int8", "shape": [4], "scale": 0.5}
@@ -180,3 +184,57 @@ def test_diloco_counts_a_malformed_sync_request_and_answers_a_good_one(make_node
     assert state.fragments == (0,) and len(state.versions) == len(proto.fragments) and len(msg.payload) == 2
     not_yet = NotYet.from_wire(a.request(b.peer_id, SYNC_TOPIC, SyncAsk((0,), 5).to_wire(), timeout_s=10.0).body)
     assert not_yet.versions == state.versions and "not yet 5" in not_yet.reason
+
+
+def guard_and_peer(make_node):
+    """A guard over one plain tensor, and a peer that speaks its topics by hand."""
+    a, b = swarm(make_node, 2)
+    held = [torch.zeros(4)]
+
+    def adopt(header, tensors) -> None:
+        held[0] = tensors[0].clone()
+    guard = DriftGuard(a, "test.", 1, ReduceTimeouts(round_timeout_s=2.0), lambda: True, lambda: held,
+                       lambda: ({}, [held[0].clone()]), adopt, lambda header, tensors: tensors[:1])
+    return guard, held, b
+
+
+def test_the_guard_counts_a_malformed_request_and_refuses_it(make_node):
+    guard, _, peer = guard_and_peer(make_node)
+    for topic in (guard.topic, guard.digest_topic):
+        for body in ({"nope": 0}, {"round": "0"}, {"round": 0.5}):
+            reply = peer.request(guard.node.peer_id, topic, body, timeout_s=10.0).body
+            assert refusal_of(reply) is Refusal.MALFORMED, reply
+        assert refusal_of(peer.request(guard.node.peer_id, topic, GuardAsk(-1).to_wire(), timeout_s=10.0).body) \
+            is Refusal.NOT_FOUND  # the latest check (none yet) was no mismatch
+        assert guard.node.stats.rejected[f"{topic}.malformed"] == 3
+
+
+@pytest.mark.parametrize("answer", [
+    {"ok": True, "round": 3, "digest": b"short"},
+    {"ok": True, "round": 2, "digest": DIGEST},  # another round's
+    ["ok", DIGEST],
+])
+def test_the_guard_counts_a_malformed_digest_answer_and_holds_none(make_node, answer):
+    guard, _, peer = guard_and_peer(make_node)
+    peer.on(guard.digest_topic, lambda msg: answer)
+    assert guard.node.run(guard._digests(3, [peer.peer_id])) == {}
+    assert guard.node.stats.rejected[f"{guard.digest_topic}.malformed_answer"] == 1
+    peer.on(guard.digest_topic, lambda msg: Digest(3, DIGEST).to_wire())
+    assert guard.node.run(guard._digests(3, [peer.peer_id])) == {peer.peer_id: DIGEST}
+
+
+@pytest.mark.parametrize("answer", [
+    {"ok": True, "round": 3, "state": None},
+    {"ok": True, "round": 4, "state": {}},  # another round's
+    {"ok": True, "state": {}},
+])
+def test_the_guard_counts_a_malformed_state_answer_and_takes_nothing(make_node, answer):
+    guard, held, peer = guard_and_peer(make_node)
+    served = torch.ones(4)
+    chosen = digest_bytes([served], DIGEST_BYTES)
+    peer.on(guard.topic, lambda msg: Reply(answer, (served,)))
+    assert guard._fetch(3, peer.peer_id, chosen) is False
+    assert torch.equal(held[0], torch.zeros(4))
+    assert guard.node.stats.rejected[f"{guard.topic}.malformed_answer"] == 1
+    peer.on(guard.topic, lambda msg: Reply(GuardState(3, {}).to_wire(), (served,)))
+    assert guard._fetch(3, peer.peer_id, chosen) is True and torch.equal(held[0], served)
