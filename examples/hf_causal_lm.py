@@ -2,7 +2,13 @@
 
 The model is a `transformers` GPT-2 built from a tiny config (2 layers, 64 wide, input and
 output embeddings tied), nothing downloaded: its vocabulary and text are the built-in `charlm`
-task's (printable ASCII, the Python standard library's own source). This file is two things:
+task's (printable ASCII, the Python standard library's own source).
+
+A model that `transformers` loads from a folder or a hub name needs no module of your own: the
+built-in task `--task hf:NAME` trains it on `--data` (see the command line guide). This file
+shows how to write your own task around a Hugging Face model, for what the built-in one does not
+do: here, the `charlm` task's characters and held-out windows, and a check that the tied
+embedding stays tied. It is two things:
 
 - a task module: `task()` returns a `starling.tasks.Task`, so any swarm can train the model
   with `--task hf_causal_lm:task` once this folder is on the Python path (every peer imports
