@@ -189,8 +189,9 @@ class HFCausalLMTask(TextLMTask):
                 else:
                     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
         except (OSError, ValueError, KeyError) as e:
-            weights = " weights (pretrained=false starts from its config)" if c.loads_weights else ""
-            raise ValueError(f"model {c.model!r}: transformers cannot build it{weights}: {_first_line(e)}") from None
+            what = "load its weights (pretrained=false starts from its config)" if c.loads_weights \
+                else "build it from its config"
+            raise ValueError(f"model {c.model!r}: transformers cannot {what}: {_first_line(e)}") from None
         self.check_fits(model.get_input_embeddings().num_embeddings)
         return model.train()
 

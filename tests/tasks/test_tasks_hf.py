@@ -94,7 +94,7 @@ def test_a_folder_with_weights_starts_from_them_unless_told_otherwise(model_fold
                  expected)
     fresh = get_task(f"hf:{saved}", **_options(corpus, tmp_path, pretrained="false")).make_model()
     assert not torch.equal(fresh.transformer.wte.weight, original.transformer.wte.weight)
-    with pytest.raises(ValueError, match="cannot build it weights.*pretrained=false") as info:
+    with pytest.raises(ValueError, match="cannot load its weights.*pretrained=false") as info:
         get_task(f"hf:{model_folder}", **_options(corpus, tmp_path, pretrained="true")).make_model()
     assert "\n" not in str(info.value)
 
