@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from starling.node.loop import close_in_time
 from starling.node.rpc import Refusal, refusal
-from starling.protocols.spsa.arith import NO_DIGEST, codes_from_bytes
+from starling.protocols.spsa.arith import NO_DIGEST
+from starling.protocols.spsa.bodies import LOG_BATCH, BodyError, LogAsk, LogRecords, StepClosed
 from starling.protocols.spsa.records import Record, RecordLog
 
 if TYPE_CHECKING:
@@ -33,25 +34,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOG_TOPIC = "spsa.log"
-LOG_BATCH = 256  # records per "spsa.log" reply
+LOG_TOPIC = "spsa.log"  # LOG_BATCH records per reply, at most
 MAX_GAP_STEPS = 64  # a leader fetches at most this many closed steps it missed from a contributor
 
 Refuse = Callable[..., dict[str, Any]]  # refuse(Refusal, detail, **extra) -> a counted refusal body
-
-
-def parse_contribution(body: Any, samples: int) -> tuple[int, bytes, int]:
-    """(step, codes, digest) from a "spsa.contrib" body; ValueError naming what is wrong."""
-    if not isinstance(body, dict):
-        raise ValueError("body must be a map {step, g, d}")
-    t, codes, digest = body.get("step"), body.get("g"), body.get("d", NO_DIGEST)
-    if not isinstance(t, int) or isinstance(t, bool) or not isinstance(digest, int) or isinstance(digest, bool):
-        raise ValueError("step and d must be ints")
-    if not isinstance(codes, bytes) or len(codes) != samples:
-        size = len(codes) if isinstance(codes, bytes) else type(codes).__name__
-        raise ValueError(f"g must be {samples} bytes, got {size}")
-    codes_from_bytes(codes)
-    return t, codes, digest
 
 
 @dataclass
@@ -155,7 +141,7 @@ class Sequencer:
 
     def _reply(self, record: Record, key: int, codes: bytes, late: bool) -> dict[str, Any]:
         omit = key if key in record.keys and record.codes_of(key, self.samples) == codes else None
-        return {"ok": True, "record": record.to_wire(omit, self.samples), "upto": self.log.upto, "late": late}
+        return StepClosed(record, self.log.upto, late).to_wire(omit, self.samples)
 
     async def _fill_gap(self, sender: str, lo: int, hi: int) -> bool:
         """Steps lo..hi-1 closed elsewhere (a leader change): fetch their records from `sender`."""
@@ -166,9 +152,9 @@ class Sequencer:
         async with self._gap_lock:
             try:
                 while self.log.upto < hi - 1:
-                    reply = (await self.node.arequest(sender, LOG_TOPIC, {"since": self.log.upto + 1},
+                    reply = (await self.node.arequest(sender, LOG_TOPIC, LogAsk(self.log.upto + 1).to_wire(),
                                                       timeout_s=self.round_timeout_s)).body
-                    records = [Record.from_wire(r, self.samples) for r in reply["records"]]
+                    records = LogRecords.from_wire(reply, self.samples).records
                     if not records:
                         return False
                     for record in records:
@@ -185,14 +171,15 @@ class Sequencer:
 
     def serve_log(self, sender: str, body: Any) -> dict[str, Any]:
         """Answer "spsa.log": consecutive closed records from `since` on."""
-        since = body.get("since") if isinstance(body, dict) else None
-        if not isinstance(since, int) or isinstance(since, bool) or since < 0:
-            return self.refuse(Refusal.MALFORMED, f"{sender}: log request needs an int since >= 0")
+        try:
+            since = LogAsk.from_wire(body).since
+        except BodyError as exc:
+            return self.refuse(Refusal.MALFORMED, f"{sender}: {exc}")
         upto, oldest = self.log.upto, self.log.oldest
         if oldest >= 0 and since < oldest:
             return refusal(Refusal.TOO_OLD, f"step {since} is before this log ({oldest}..{upto})", too_old=True,
                            upto=upto)
-        return {"ok": True, "records": [r.to_wire() for r in self.log.since(since, LOG_BATCH)], "upto": upto}
+        return LogRecords(tuple(self.log.since(since, LOG_BATCH)), upto).to_wire()
 
     def peer_left(self, key: int) -> None:
         """Stop waiting for a peer that died or left."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import struct
 import threading
 import time
 from collections import Counter
@@ -59,7 +58,18 @@ from starling.protocols.spsa.arith import (
     encode_g,
     peer_key,
 )
-from starling.protocols.spsa.leader import LOG_BATCH, LOG_TOPIC, Sequencer, parse_contribution
+from starling.protocols.spsa.bodies import (
+    LOG_BATCH,
+    BodyError,
+    Contribution,
+    Declined,
+    LogAsk,
+    LogRecords,
+    SpsaState,
+    StateAsk,
+    StepClosed,
+)
+from starling.protocols.spsa.leader import LOG_TOPIC, Sequencer
 from starling.protocols.spsa.records import Record, RecordLog
 
 log = logging.getLogger(__name__)
@@ -313,16 +323,16 @@ class Spsa(Protocol, name="spsa", config_class=SpsaConfig, topic_prefix="spsa.")
             log.warning("%s: no peer to repair from (%s)", self.me, why)
             return
         try:
-            msg = self.node.request(source, STATE_TOPIC, {}, timeout_s=self._exchange_timeout_s())
-            body, flat = msg.body, msg.payload[0] if len(msg.payload) == 1 else None
-            if not (isinstance(body, dict) and body.get("ok")) or not isinstance(flat, torch.Tensor):
-                raise ValueError(f"refused: {body!r:.200}")
+            msg = self.node.request(source, STATE_TOPIC, StateAsk().to_wire(), timeout_s=self._exchange_timeout_s())
+            state, flat = SpsaState.from_wire(msg.body), msg.payload[0] if len(msg.payload) == 1 else None
+            if not isinstance(flat, torch.Tensor):
+                raise BodyError(f"{len(msg.payload)} frames where one tensor of parameters was expected")
             with self._lock:
                 self.space.write(flat.reshape(-1).to(torch.float32, copy=True))
-                self.scale.scale_log2, self.scale.mean_abs = int(body["scale"][0]), float(body["scale"][1])
-                self._last_keys = tuple(struct.unpack(f"<{len(body['keys']) // 8}q", body["keys"]))
-                self._lineage = str(body["leader"])
-                self.step_count = int(body["step"])
+                self.scale.scale_log2, self.scale.mean_abs = state.scale_log2, state.mean_abs
+                self._last_keys = state.keys
+                self._lineage = state.leader
+                self.step_count = state.step
                 if forget_log:  # my lineage's records from here on are not the swarm's
                     self.log.drop_after(self.step_count - 1)
         except Exception as exc:
@@ -362,7 +372,7 @@ class Spsa(Protocol, name="spsa", config_class=SpsaConfig, topic_prefix="spsa.")
     async def _exchange(self, t: int, codes: bytes, digest: int) -> _Outcome:
         tried: set[str] = set()
         timeouts: Counter[str] = Counter()
-        body = {"step": t, "g": codes, "d": digest}
+        body = Contribution(t, codes, digest).to_wire()
         wait_s = self.config.round_timeout_s + self.config.reply_grace_s
         while True:
             leader = await self._aleader(tried)
@@ -394,24 +404,22 @@ class Spsa(Protocol, name="spsa", config_class=SpsaConfig, topic_prefix="spsa.")
                                        self.config.retry_interval_s)
 
     def _read_reply(self, reply: Any, t: int, codes: bytes, leader: str) -> _Outcome | None:
-        if not isinstance(reply, dict):
-            return None
-        upto = reply.get("upto", -1) if isinstance(reply.get("upto"), int) else -1
-        if not reply.get("ok"):
-            if reply.get("too_old"):
-                return _Outcome(None, upto, too_old=True)
-            log.info("%s: leader %s refused step %d: %s", self.me, leader, t, reply.get("reason"))
+        declined = Declined.from_wire(reply)
+        if declined is not None:
+            if declined.too_old:
+                return _Outcome(None, declined.upto, too_old=True)
+            log.info("%s: leader %s refused step %d: %s", self.me, leader, t, declined.reason)
             return None
         try:
-            record = Record.from_wire(reply.get("record"), self.config.samples, mine=(self.key, codes))
-            if record.step != t:
-                raise ValueError(f"record of step {record.step} for step {t}")
-        except ValueError as exc:
+            closed = StepClosed.from_wire(reply, self.config.samples, mine=(self.key, codes))
+            if closed.record.step != t:
+                raise BodyError(f"record of step {closed.record.step} for step {t}")
+        except BodyError as exc:
             self._refuse.count("bad_record", f"from {leader}: {exc}")
             return None
-        if reply.get("late"):
+        if closed.late:
             self.counters["late"] += 1
-        return _Outcome(record, upto)
+        return _Outcome(closed.record, closed.upto)
 
     async def _fetch_log(self, since: int) -> tuple[list[Record], int, bool]:
         """Closed records from `since` on, from the leader (or, failing it, any live peer)."""
@@ -421,12 +429,13 @@ class Spsa(Protocol, name="spsa", config_class=SpsaConfig, topic_prefix="spsa.")
             if peer == self.me:
                 return [], self.log.upto, False
             try:
-                reply = (await self._request_patiently(peer, LOG_TOPIC, {"since": since},
+                reply = (await self._request_patiently(peer, LOG_TOPIC, LogAsk(since).to_wire(),
                                                        self.config.round_timeout_s)).body
-                if isinstance(reply, dict) and reply.get("too_old"):
-                    return [], int(reply.get("upto", -1)), True
-                records = [Record.from_wire(r, self.config.samples) for r in reply["records"]]
-                return records, int(reply["upto"]), False
+                declined = Declined.from_wire(reply)
+                if declined is not None and declined.too_old:
+                    return [], declined.upto, True
+                answer = LogRecords.from_wire(reply, self.config.samples)
+                return list(answer.records), answer.upto, False
             except Exception as exc:
                 log.info("%s: log from %s unavailable: %s", self.me, peer, exc)
                 tried.add(peer)
@@ -436,16 +445,21 @@ class Spsa(Protocol, name="spsa", config_class=SpsaConfig, topic_prefix="spsa.")
         if not self._open:
             return refusal(Refusal.CLOSED, "protocol closed")
         try:
-            t, codes, digest = parse_contribution(msg.body, self.config.samples)
-        except ValueError as exc:
+            contribution = Contribution.from_wire(msg.body, self.config.samples)
+        except BodyError as exc:
             return self._refuse(Refusal.MALFORMED, f"{msg.sender}: {exc}")
-        return await self.sequencer.collect(self._key_of(msg.sender), msg.sender, t, codes, digest)
+        return await self.sequencer.collect(self._key_of(msg.sender), msg.sender, contribution.step,
+                                            contribution.codes, contribution.digest)
 
     async def _on_log(self, msg: Message) -> dict[str, Any]:
         return self.sequencer.serve_log(msg.sender, msg.body)
 
     async def _on_state(self, msg: Message) -> Reply | dict[str, Any]:
         """This peer's trained parameters, read between steps (never mid-perturbation)."""
+        try:
+            StateAsk.from_wire(msg.body)
+        except BodyError as exc:
+            return self._refuse(Refusal.MALFORMED, f"{msg.sender}: {exc}")
         self._state_waiters += 1
         try:
             deadline = time.monotonic() + self.config.round_timeout_s
@@ -457,8 +471,8 @@ class Spsa(Protocol, name="spsa", config_class=SpsaConfig, topic_prefix="spsa.")
             self._state_waiters -= 1
         try:
             flat = self.space.read().clone()
-            body = {"ok": True, "step": self.step_count, "scale": [self.scale.scale_log2, self.scale.mean_abs],
-                    "keys": struct.pack(f"<{len(self._last_keys)}q", *self._last_keys), "leader": self._lineage}
+            body = SpsaState(self.step_count, self.scale.scale_log2, self.scale.mean_abs, self._last_keys,
+                             self._lineage).to_wire()
         finally:
             self._lock.release()
         return Reply(body, (flat,))

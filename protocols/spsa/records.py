@@ -18,9 +18,12 @@ from typing import Any
 
 import torch
 
+from starling.collectives.bodies import BodyError
 from starling.protocols.spsa.arith import CODE_RESERVED, NO_DIGEST, codes_from_bytes
 
 MAX_CONTRIBUTORS = 4096
+MAX_PEER_ID_CHARS = 64
+INT64_MAX = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -51,28 +54,35 @@ class Record:
     @classmethod
     def from_wire(cls, body: Any, samples: int, mine: tuple[int, bytes] | None = None) -> Record:
         """Parse and check a record; `mine` = (my key, my codes) fills in an omitted entry.
-        Raises ValueError naming what is wrong."""
+        Raises BodyError (a ValueError) naming what is wrong."""
         if not isinstance(body, dict):
-            raise ValueError("record must be a map")
+            raise BodyError("record must be a map")
         step, leader, keys_raw, codes = body.get("t"), body.get("l"), body.get("k"), body.get("g")
         digest, source = body.get("d", NO_DIGEST), body.get("s", NO_DIGEST)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, digest, source)) or step < 0:
-            raise ValueError("record step, digest and source must be ints, step >= 0")
-        if not isinstance(leader, str) or not isinstance(keys_raw, bytes) or not isinstance(codes, bytes):
-            raise ValueError("record needs a leader id and byte strings k and g")
+        if type(step) is not int or not 0 <= step <= INT64_MAX:
+            raise BodyError(f"record step must be an integer in [0, 2**63), got {step!r:.40}")
+        if not all(type(v) is int and NO_DIGEST <= v <= INT64_MAX for v in (digest, source)):
+            raise BodyError(f"record digest and source must be 63-bit integers or {NO_DIGEST}")
+        if not isinstance(leader, str) or not 0 < len(leader) <= MAX_PEER_ID_CHARS:
+            raise BodyError("record leader must be a peer id")
+        if not isinstance(keys_raw, bytes) or not isinstance(codes, bytes):
+            raise BodyError("record needs byte strings k and g")
         if len(keys_raw) % 8 or not 0 < len(keys_raw) // 8 <= MAX_CONTRIBUTORS:
-            raise ValueError(f"record keys: {len(keys_raw)} bytes is not 1..{MAX_CONTRIBUTORS} int64 keys")
+            raise BodyError(f"record keys: {len(keys_raw)} bytes is not 1..{MAX_CONTRIBUTORS} int64 keys")
         keys = struct.unpack(f"<{len(keys_raw) // 8}q", keys_raw)
         if list(keys) != sorted(set(keys)) or keys[0] < 0:
-            raise ValueError("record keys must be ascending, unique and >= 0")
+            raise BodyError("record keys must be ascending, unique and >= 0")
         if body.get("o"):
             if mine is None or mine[0] not in keys:
-                raise ValueError("record omits the requester's codes but the requester is not in it")
+                raise BodyError("record omits the requester's codes but the requester is not in it")
             i = keys.index(mine[0])
             codes = codes[:i * samples] + mine[1] + codes[i * samples:]
         if len(codes) != len(keys) * samples:
-            raise ValueError(f"record has {len(codes)} codes for {len(keys)} contributors x {samples} samples")
-        codes_from_bytes(codes)  # rejects the reserved code
+            raise BodyError(f"record has {len(codes)} codes for {len(keys)} contributors x {samples} samples")
+        try:
+            codes_from_bytes(codes)
+        except ValueError as exc:
+            raise BodyError(f"record codes: {exc}") from None
         return cls(step, leader, tuple(keys), codes, digest, source)
 
     def to_state(self) -> dict[str, Any]:
@@ -131,4 +141,4 @@ class RecordLog:
                 del self._records[t]
 
 
-__all__ = ["CODE_RESERVED", "MAX_CONTRIBUTORS", "Record", "RecordLog"]
+__all__ = ["CODE_RESERVED", "MAX_CONTRIBUTORS", "MAX_PEER_ID_CHARS", "Record", "RecordLog"]
