@@ -670,7 +670,7 @@ def shard_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
     from starling.runtime import Trainer, TrainSpec
     from starling.runtime.placement import Placement
     from starling.runtime.replica import ReplicaGroup
-    from starling.runtime.shard_sync import shard_units
+    from starling.runtime.shard_sync import ShardSync, shard_units
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     group = ReplicaGroup(0, 1, f"file://{tempfile.mkdtemp(prefix='starling-gpu-')}/rendezvous", 120.0, backend,
@@ -681,13 +681,13 @@ def shard_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
         options = dict(plan.shard_options)
         steps = plan.shard_steps
         trainer = Trainer(node, TrainSpec("diloco", "charlm", {"sync_every": 10 * steps}, options), 0, 1,
-                          serve_state=False, placement=Placement(device=device), shard_group=group)
+                          serve_state=False, placement=Placement(device=device), replication=ShardSync(group))
         trainer.create_protocol()
         task = trainer.task
         plain = task.make_model().to(device)
         for unit in shard_units(plain):
-            fully_shard(unit, mesh=trainer.sharded.mesh)  # type: ignore[union-attr]
-        fully_shard(plain, mesh=trainer.sharded.mesh)  # type: ignore[union-attr]
+            fully_shard(unit, mesh=trainer.replication.sharded.mesh)  # type: ignore[union-attr]
+        fully_shard(plain, mesh=trainer.replication.sharded.mesh)  # type: ignore[union-attr]
         optimizer = make_optimizer(list(plain.parameters()), "adamw", 1e-3, 0.0, 0.0)
         placement, mine = Placement(device=device), trainer.batches()
         batches = (placement.batch(b, plain) for b in task.batches(1, 2, 0))

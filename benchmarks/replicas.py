@@ -38,7 +38,7 @@ from starling.node import Node
 from starling.protocols.diloco_config import StreamingDiLoCoConfig
 from starling.protocols.optim import make_optimizer
 from starling.runtime import SimConfig, Simulation, Trainer, TrainSpec
-from starling.runtime.replica import ReplicaFollower, ReplicaGroup, broadcast_tensors, state_tensors
+from starling.runtime.replica import Replica, ReplicaFollower, ReplicaGroup, broadcast_tensors, state_tensors
 from starling.tasks import get_task
 
 TASK_OPTIONS = {"corpus_chars": 400_000}
@@ -71,9 +71,9 @@ def _rank(rank: int, ranks: int, init: str, steps: int, warmup: int, out: Any) -
             node = Node().start("tcp://127.0.0.1:0", [], security="plaintext")
             spec = TrainSpec("streaming-diloco", "charlm", {"sync_every": 10 * (steps + warmup), "fragments": 2},
                              TASK_OPTIONS)
-            trainer = Trainer(node, spec, *group.shard(0, 2), task=task, serve_state=False, replica_ranks=ranks)
+            trainer = Trainer(node, spec, 0, 2, task=task, serve_state=False, replication=Replica(group))
             trainer.create_protocol()
-            trainer.attach_replica(group)
+            trainer.lead_replica()
             batches = trainer.batches()
 
             def starling() -> None:

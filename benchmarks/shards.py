@@ -43,7 +43,7 @@ from starling.node import Node
 from starling.protocols.optim import make_optimizer
 from starling.runtime import SimConfig, Simulation, Trainer, TrainSpec
 from starling.runtime.replica import ReplicaGroup
-from starling.runtime.shard_sync import shard_units
+from starling.runtime.shard_sync import ShardSync, shard_units
 from starling.tasks import get_task
 
 TASK_OPTIONS = {"corpus_chars": 400_000, "n_layer": 4, "n_embd": 128}
@@ -81,9 +81,10 @@ def _rank(rank: int, ranks: int, init: str, steps: int, warmup: int, out: Any) -
     node = Node().start("tcp://127.0.0.1:0", [], security="plaintext")
     try:
         spec = TrainSpec("diloco", "charlm", {"sync_every": 10 * (steps + warmup)}, TASK_OPTIONS)
-        trainer = Trainer(node, spec, rank, ranks, task=task, serve_state=False, shard_group=group)
+        replication = ShardSync(group)  # the peer's one shard, cut among the ranks: rank `rank` of `ranks`
+        trainer = Trainer(node, spec, 0, 1, task=task, serve_state=False, replication=replication)
         trainer.create_protocol()
-        plain = _plain_fsdp2(task, trainer.sharded.mesh, rank, ranks)  # type: ignore[union-attr]
+        plain = _plain_fsdp2(task, replication.sharded.mesh, rank, ranks)  # type: ignore[union-attr]
         batches = trainer.batches()
 
         def starling() -> None:

@@ -1,12 +1,10 @@
 """`starling node start` and `starling node status`: run one peer of a swarm, or ask one."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -32,7 +30,6 @@ from starling.cli.shared import (
     with_data,
 )
 from starling.common import parse_options
-from starling.common.lifeline import die_with_parent
 from starling.data.sources import DataError
 from starling.node.identity import Identity
 from starling.node.swim import Liveness
@@ -180,9 +177,9 @@ def node_start(
     )
     from starling.runtime.metrics import MetricsError, MetricsServer, TensorBoardLog
     from starling.runtime.placement import Placement
-    from starling.runtime.replica import ReplicaError, follow, ignore_stop_signals
+    from starling.runtime.replica_launch import check_replica_size, launch_replica
+    from starling.runtime.replication import ReplicaError
     from starling.runtime.restart import RestartError
-    from starling.runtime.shard_sync import rank_seeds, share_rank_records, share_seeds
     from starling.tasks import TaskSpecError
 
     setup_logging(log_level)
@@ -200,14 +197,10 @@ def node_start(
                             task_options, seed, steps, joining=bool(join),
                             resume_from=resume, replica_ranks=nproc_per_replica)
         if nproc_per_replica > 1 and join and "WORLD_SIZE" not in os.environ:  # about to spawn its ranks
-            _check_replica_size(join, nproc_per_replica, key)
-        group, followers = _replica_group(nproc_per_replica, replica_timeout_s, device, shard_sync)
-        if shard_sync and group is None:
-            raise ValueError("--shard-sync splits a replica's model over its ranks: give --nproc-per-replica 2 or "
-                             "more (or run under torchrun)")
-        if group is not None and not group.is_leader and not shard_sync:  # a follower: the leader says what to train
-            ignore_stop_signals()
-            follow(group)
+            check_replica_size(join, nproc_per_replica, key)
+        replica = launch_replica(nproc_per_replica, shard_sync=shard_sync, timeout_s=replica_timeout_s, device=device)
+        if replica.follows:  # a rank under DDP: its rank 0 says what to train
+            replica.follow()
             return
     except (ReplicaError, RuntimeError, JoinError, *EXPECTED_ERRORS) as exc:
         fail(str(exc))
@@ -217,12 +210,8 @@ def node_start(
         checkpoints = None
         if checkpoint_dir is not None or resume is not None:
             checkpoints = CheckpointConfig(str(checkpoint_dir or resume), checkpoint_every, checkpoint_keep)
-        launch = launch.resolve()
-        if group is not None:
-            launch = dataclasses.replace(launch, replica_ranks=group.size,
-                                         shard_rank=group.rank if shard_sync else None)
-        if shard_sync and group is not None:
-            listen = [_rank_endpoint(endpoint, group.rank) for endpoint in listen]
+        launch = launch.resolve().replicated(replica.replication)
+        listen = replica.listen(listen)
         rank_world = _parse_shard(shard)
         check_seconds("--resume-timeout-s", resume_timeout_s)
         check_seconds("--min-peers-timeout-s", min_peers_timeout_s)
@@ -233,8 +222,7 @@ def node_start(
                            resume_quorum=resume_quorum, resume_timeout_s=resume_timeout_s,
                            state_fetch_timeout_s=state_fetch_timeout_s,
                            placement=Placement.parse(device, dtype, autocast, state_device))
-        if group is not None:
-            group.init()
+        replica.init()
         try:
             liveness = Liveness(probe_interval_s=probe_interval_s, ack_timeout_s=ack_timeout_s,
                                 suspicion_base_s=suspicion_s, indirect_probes=indirect_probes,
@@ -253,29 +241,20 @@ def node_start(
             board = TensorBoardLog(tensorboard)
         if metrics_port is not None:
             metrics = MetricsServer(node, metrics_host, metrics_port)
-        seeds = join or []
-        if shard_sync and group is not None and group.rank > 0:  # the same rank of the replicas rank 0 joined
-            seeds = share_seeds(group, None)
-            if join and not seeds:
-                raise JoinError(f"the replicas this replica's rank 0 joined named no address of their rank "
-                                f"{group.rank}")
         node.start(
-            None if no_listen else listen, seeds, key=key, advertise=advertise, authorized_keys=authorized_keys,
+            None if no_listen else listen, replica.seeds(join or []), key=key, advertise=advertise,
+            authorized_keys=authorized_keys,
             security="plaintext" if plaintext else None, insecure=insecure, swarm_config=launch.swarm_config(),
         )
-        if shard_sync and group is not None:
-            if group.rank == 0:
-                share_seeds(group, rank_seeds(node, group) if join else None)
-            share_rank_records(node, group)
+        replica.node_started(node, joined=bool(join))
     except (JoinError, MetricsError, *train_errors, *EXPECTED_ERRORS) as exc:
         _close_observers(metrics, board)
         fail(str(exc))  # the followers, daemons, go with this process
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    quiet = shard_sync and group is not None and group.rank > 0  # rank 0 speaks for the replica on stdout
-    if quiet:
-        log.info("replica rank %d: node %s listening at %s", group.rank, node.peer_id, node.address)
+    if not replica.replication.speaks:  # rank 0 speaks for the replica on stdout
+        log.info("replica rank %d: node %s listening at %s", replica.group.rank, node.peer_id, node.address)
     elif node.reachable:
         typer.echo(f"starling node {node.peer_id} listening; join with: {node.address}", err=False)
     else:
@@ -285,8 +264,7 @@ def node_start(
         typer.echo(f"starling metrics on {metrics.url}")
     sys.stdout.flush()
     try:
-        peer_run.run(node, stop, None if quiet else _print_record, metrics=metrics, board=board, group=group,
-                     shard_sync=shard_sync)
+        peer_run.run(node, stop, _print_record, metrics=metrics, board=board, replication=replica.replication)
     except (*train_errors, TimeoutError) as exc:
         node.close()
         _close_observers(metrics, board)
@@ -294,10 +272,7 @@ def node_start(
     log.info("leaving the swarm")
     node.leave()
     _close_observers(metrics, board)
-    if group is not None:
-        group.close()
-        for follower in followers:  # they stopped where this rank did
-            follower.join(timeout=10.0)
+    replica.close()  # the ranks spawned here stopped where this rank did
     if shard_sync:
         # gloo's threads can abort the interpreter's teardown after FSDP2 (std::terminate):
         # everything is said and closed, so exit as multiprocessing's children do
@@ -306,113 +281,8 @@ def node_start(
         os._exit(0)
 
 
-SIZE_CHECK_SEEDS, SIZE_CHECK_TIMEOUT_S = 2, 3.0  # seeds asked before a replica spawns its ranks, each for so long
-
-
-def _check_replica_size(seeds: list[str], ranks: int, key: Optional[Path]) -> None:
-    """Before a replica spawns its ranks: the first seed that answers a status names the
-    replica size of its swarm, and a replica of another size stops here, with the line its
-    hello would get after its ranks had started (on a GPU box, each loading CUDA to be told
-    no). Where no seed answers (down, allowlisted, busy), the hello still checks."""
-    from starling.node.client import query
-    from starling.node.identity import Identity
-    from starling.node.swarm import SwarmConfigError, config_conflict_text, config_conflicts
-    from starling.runtime.replica import REPLICA_RANKS_KEY
-
-    identity = Identity.load(key) if key is not None else None
-    for seed in seeds[:SIZE_CHECK_SEEDS]:
-        try:
-            status = query(seed, identity=identity, timeout_s=SIZE_CHECK_TIMEOUT_S)
-        except Exception:  # anything from an address or a node: the hello decides
-            continue
-        config = status.get("config") if isinstance(status, dict) else None
-        swarm_ranks = config.get(REPLICA_RANKS_KEY) if isinstance(config, dict) else None
-        if isinstance(swarm_ranks, int) and not isinstance(swarm_ranks, bool):
-            conflicts = config_conflicts({REPLICA_RANKS_KEY: swarm_ranks}, {REPLICA_RANKS_KEY: ranks})
-            if conflicts:
-                raise SwarmConfigError(f"{config_conflict_text(conflicts)} (asked {seed} before starting "
-                                       "this replica's ranks)")
-        return
-
-
 def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
-
-
-SPAWNED_RANK_ENV = "STARLING_SPAWNED_RANK"  # a rank that `_spawn_ranks` started (it keeps --nproc-per-replica)
-
-
-def _replica_group(nproc: int, timeout_s: float, device: Optional[str],
-                   shard_sync: bool = False) -> tuple[Any, list[Any]]:
-    """This process's replica group: torchrun's (from its environment), or rank 0 of `nproc`
-    ranks spawned here; (None, []) for a peer of one process. With `shard_sync` every rank is
-    a whole `node start` of its own: the ranks spawned here run this command again, told
-    their rank as torchrun would tell it."""
-    from starling.runtime.replica import ReplicaGroup, spawn_followers
-
-    backend = "nccl" if device is not None and device.startswith("cuda") else "gloo"
-    group = ReplicaGroup.from_env(timeout_s=timeout_s, backend=backend)
-    if os.environ.get(SPAWNED_RANK_ENV):
-        die_with_parent()  # a rank `_spawn_ranks` started ends with the `node start` that started it
-    if group is not None:
-        if nproc > 1 and not os.environ.get(SPAWNED_RANK_ENV):
-            raise ValueError("under torchrun the replica's ranks are torchrun's (--nproc-per-node): drop "
-                             "--nproc-per-replica")
-        return group, []
-    if nproc == 1:
-        return None, []
-    if shard_sync:
-        return _spawn_ranks(nproc, timeout_s, backend)
-    return spawn_followers(nproc, timeout_s, backend)
-
-
-class _RankProcess:
-    """A rank spawned by `_spawn_ranks`, joined as a multiprocessing process would be."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-
-    def join(self, timeout: float | None = None) -> None:
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def _spawn_ranks(nproc: int, timeout_s: float, backend: str) -> tuple[Any, list[Any]]:
-    """Ranks 1..nproc-1 run this same command with torchrun's variables (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT on loopback); this process is rank 0. They go when it exits."""
-    import atexit
-    import socket
-
-    from starling.runtime.replica import ReplicaGroup
-
-    with socket.socket() as probe:  # a free port for the group's rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    argv = [sys.executable, "-m", "starling.cli.main", *sys.argv[1:]]
-    procs = []
-    for rank in range(1, nproc):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-               SPAWNED_RANK_ENV: "1"}
-        procs.append(_RankProcess(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)))
-
-    def end() -> None:
-        for rank in procs:
-            if rank.proc.poll() is None:
-                rank.proc.terminate()
-    atexit.register(end)
-    return ReplicaGroup(0, nproc, "env://", timeout_s, backend, 0), procs
-
-
-def _rank_endpoint(endpoint: str, rank: int) -> str:
-    """`endpoint` for rank `rank` of a replica whose ranks are nodes of their own: an explicit
-    tcp port + rank (port 0 stays 0: each picks a free one)."""
-    head, sep, port = endpoint.rpartition(":")
-    if not rank or not endpoint.startswith("tcp://") or not sep or not port.isdigit() or int(port) == 0:
-        return endpoint
-    return f"{head}:{int(port) + rank}"
 
 
 def _close_observers(metrics: Any, board: Any) -> None:

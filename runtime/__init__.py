@@ -2,7 +2,9 @@
 
 `TrainSpec` and `Trainer` run one peer (`starling node start`), `NodeLaunch` says what that
 peer asks of its swarm (what a first node fixes, what a joiner insists on), and `PeerRun`
-runs it once its node is up (where it starts from, checkpoints, progress records). The
+runs it once its node is up (where it starts from, checkpoints, progress records); its
+`Replication` says how the peer's model is held by its processes (`launch_replica` makes one
+for a process: one process, a replica under DDP or under FSDP2). The
 simulator runs many (`Simulation(SimConfig(...)).run()`), in threads or spread over worker
 processes, with churn and emulated links, and sums the run up; `SimConfig.baseline()` is the
 run to compare with. `protocol_config` is the one reading of protocol options into the
@@ -16,6 +18,8 @@ from starling.runtime.launch import NodeLaunch, newest_checkpoint_spec
 from starling.runtime.links import LinkEmulator, LinkModel, RateError, format_rate, parse_rate
 from starling.runtime.peer import SimPeer
 from starling.runtime.peer_run import PeerRun
+from starling.runtime.replica_launch import ReplicaLaunch, launch_replica
+from starling.runtime.replication import Replication, Single
 from starling.runtime.sim import Simulation
 from starling.runtime.simconfig import (
     SIM_LIVENESS,
@@ -64,11 +68,14 @@ __all__ = [
     "PeerResult",
     "PeerRun",
     "RateError",
+    "ReplicaLaunch",
+    "Replication",
     "SimConfig",
     "SimError",
     "SimPeer",
     "SimResult",
     "Simulation",
+    "Single",
     "TrainSpec",
     "TrainSpecError",
     "Trainer",
@@ -78,6 +85,7 @@ __all__ = [
     "check_config",
     "endpoint_for",
     "format_rate",
+    "launch_replica",
     "liveness_note",
     "newest_checkpoint_spec",
     "parse_churn",

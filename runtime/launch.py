@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from starling.runtime.checkpoint import CheckpointError, CheckpointStore
-from starling.runtime.replica import REPLICA_RANKS_KEY
-from starling.runtime.shard_sync import SHARD_RANK_KEY, sharded_checkpoint_swarm
+from starling.runtime.replication import REPLICA_RANKS_KEY, SHARD_RANK_KEY, Replication
 from starling.runtime.trainer import TrainSpec, with_run_length
 
 DEFAULT_TASK = "charlm"  # what a first node that names no task trains
@@ -94,6 +93,12 @@ class NodeLaunch:
             launch.spec().check()
         return launch
 
+    def replicated(self, replication: Replication) -> NodeLaunch:
+        """This launch for a process of `replication` (`runtime/replica_launch.py`): its replica's
+        rank count and, with every rank syncing its own shard, this rank's."""
+        return replace(self, replica_ranks=replication.ranks,
+                       shard_rank=replication.swarm_config().get(SHARD_RANK_KEY))
+
     def spec(self) -> TrainSpec | None:
         """What a first node with this launch fixes for its swarm (None without a protocol):
         the task defaults to charlm, and the run's length is filled in for a protocol that
@@ -138,10 +143,8 @@ class NodeLaunch:
 def newest_checkpoint_spec(directory: str | Path) -> TrainSpec:
     """What the swarm that wrote the newest checkpoint in `directory` trained, from its
     manifest; CheckpointError when no checkpoint there names it."""
-    found = CheckpointStore(directory).list()
+    found = CheckpointStore(directory).list()  # of every kind: a peer's file, a sharded replica's directory
     swarm = found[0].meta.get("swarm") if found else None
-    if swarm is None:  # a replica's distributed checkpoint (every rank syncing its own shard)
-        swarm = sharded_checkpoint_swarm(directory)
     if not isinstance(swarm, dict) or not swarm.get("protocol"):
         raise CheckpointError(f"no checkpoint in {directory} names the swarm it trained; "
                               "give --protocol (and --task) to start afresh")

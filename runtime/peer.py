@@ -15,8 +15,9 @@ from starling.node import Node, NodeConfig, TransportConfig
 from starling.node.identity import Identity
 from starling.protocols import Protocol
 from starling.runtime.links import LinkEmulator
-from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaGroup
-from starling.runtime.shard_sync import sub_swarm_config
+from starling.runtime.replica import Replica
+from starling.runtime.replication import ReplicaGroup, Replication, Single
+from starling.runtime.shard_sync import ShardSync
 from starling.runtime.simconfig import SimConfig, SimError, seeded_identity, sim_liveness, wait_for
 from starling.runtime.summary import PeerResult, json_data, sent_by_topic
 from starling.runtime.trainer import CheckpointConfig, Trainer, TrainSpec
@@ -37,7 +38,6 @@ class SimPeer:
         same in every run, so that a run without churn or emulated links repeats bit for bit
         (peer ids decide shard ownership and the order in which owners sum)."""
         self.config, self.task, self.rank = config, task, rank
-        self.group = group  # this peer leads a replica of many ranks (runtime/replica.py)
         self.listen = listen
         self.on_step = on_step or (lambda rank, step: None)
         # Socket monitors tell a node at once that a peer's process died; over inproc they
@@ -50,8 +50,9 @@ class SimPeer:
         node_config = NodeConfig(liveness=liveness, join_timeout_s=config.join_timeout_s,
                                  join_deadline_s=config.join_deadline_s, transport=transport)
         # With every rank syncing its own shard, each rank of a replica is a node of its own.
-        self.shard_sync = group is not None and config.shard_sync
-        shard_rank = group.rank if self.shard_sync and group is not None else 0
+        self.replication: Replication = Single() if group is None else \
+            ShardSync(group) if config.shard_sync else Replica(group)
+        shard_rank = group.rank if isinstance(self.replication, ShardSync) else 0
         if identity is None:
             identity = seeded_identity(config.seed, rank + shard_rank * SHARD_IDENTITY_STRIDE)
         self.node = Node(identity, config=node_config)
@@ -69,11 +70,9 @@ class SimPeer:
 
     # ---------------------------------------------------------------- setup
     def start(self, join: list[str]) -> str:
-        ranks = {REPLICA_RANKS_KEY: self.group.size} if self.group is not None else {}
-        if self.shard_sync and self.group is not None:
-            ranks = sub_swarm_config(self.group)
         self.node.start(self.listen, join, security="plaintext",
-                        swarm_config={**self.spec().to_swarm_config(), "simulation": True, **ranks})
+                        swarm_config={**self.spec().to_swarm_config(), "simulation": True,
+                                      **self.replication.swarm_config()})
         return self.node.address
 
     def spec(self) -> TrainSpec:
@@ -85,13 +84,9 @@ class SimPeer:
         if self.config.checkpoint_dir:
             checkpoint = CheckpointConfig(str(Path(self.config.checkpoint_dir) / f"peer-{self.rank}"),
                                           self.config.checkpoint_every)
-        rank, world, ranks = self.rank, self.config.world, 1
-        if self.group is not None:
-            (rank, world), ranks = self.group.shard(rank, world), self.group.size
-        self.trainer = Trainer(self.node, self.spec(), rank, world, task=self.task,
+        self.trainer = Trainer(self.node, self.spec(), self.rank, self.config.world, task=self.task,
                                serve_state=self._serve_state, snapshot_every_s=0.0, checkpoint=checkpoint,
-                               placement=self.config.placement(), replica_ranks=ranks,
-                               shard_group=self.group if self.shard_sync else None)
+                               placement=self.config.placement(), replication=self.replication)
         self.proto = self.trainer.create_protocol()
         if self.config.resume and self.trainer.resume() is not None:
             self.step = self.proto.step_count
@@ -126,8 +121,7 @@ class SimPeer:
         torch.set_num_threads(1)
         trainer, config = self.trainer, self.config
         assert trainer is not None
-        if self.group is not None and trainer.replica is None and not self.shard_sync:
-            trainer.attach_replica(self.group)  # its state, fetched or not, goes to the other ranks
+        trainer.lead_replica()  # its state, fetched or not, goes to the replica's other ranks
         stop = config.stop_at(self.rank)
         batches = trainer.batches()
         slowdown = config.slowdown(self.rank)

@@ -32,13 +32,12 @@ from starling.node import Node
 from starling.node.transfer import TransferError
 from starling.protocols import StepReport
 from starling.runtime.launch import NodeLaunch
-from starling.runtime.modelspec import state_digest
 from starling.runtime.placement import Placement
+from starling.runtime.replication import Replication, Single
 from starling.runtime.trainer import CheckpointConfig, Trainer, TrainSpec, shard_for
 
 if TYPE_CHECKING:
     from starling.runtime.metrics import MetricsServer, TensorBoardLog, TrainingProgress
-    from starling.runtime.replica import ReplicaGroup
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +95,16 @@ class PeerRun:
 
     def run(self, node: Node, stop: threading.Event, on_record: Callable[[Record], None] | None = None, *,
             metrics: MetricsServer | None = None, board: TensorBoardLog | None = None,
-            group: ReplicaGroup | None = None, shard_sync: bool = False) -> Record | None:
+            replication: Replication | None = None) -> Record | None:
         """Run this peer on `node` (started with `launch.swarm_config()`) until its launch's
         steps or `stop`. Returns the "stopped" record, None for a peer that did not train or
         was stopped before it had the swarm's state.
 
         `metrics` exports the trainer and its progress, `board` gets the progress at each
-        progress record, `group`: this process leads a replica of many ranks (each its own
-        shard); with `shard_sync`, this process is one rank of such a replica, each of whose
-        ranks syncs its own shard (`runtime/shard_sync.py`). Raises TimeoutError when
+        progress record. `replication`: how this peer's model is held by its processes
+        (`runtime/replication.py`; `runtime/replica_launch.py` makes it): this process alone,
+        rank 0 of a replica under DDP, or a rank of a replica under FSDP2 each of whose ranks
+        syncs its own shard (a rank that does not `speak` says nothing to `on_record`). Raises TimeoutError when
         `min_peers` are not up in time, and what the `Trainer` raises (TrainSpecError,
         ProtocolError, TransferError, CheckpointError, ...).
         """
@@ -113,7 +113,10 @@ class PeerRun:
                 node.check_fault()  # a node whose sockets failed ends with the reason, not silently
             return None
         self._wait_for_peers(node, stop)
-        return self._train(node, stop, on_record or _ignore, metrics, board, group, shard_sync)
+        replication = replication or Single()
+        if not replication.speaks:
+            on_record = None
+        return self._train(node, stop, on_record or _ignore, metrics, board, replication)
 
     def _wait_for_peers(self, node: Node, stop: threading.Event) -> None:
         deadline = time.monotonic() + self.min_peers_timeout_s
@@ -125,16 +128,13 @@ class PeerRun:
 
     def _train(self, node: Node, stop: threading.Event, on_record: Callable[[Record], None],
                metrics: MetricsServer | None, board: TensorBoardLog | None,
-               group: ReplicaGroup | None, shard_sync: bool = False) -> Record | None:
+               replication: Replication) -> Record | None:
         from starling.runtime.metrics import TrainingProgress
 
         spec = TrainSpec.from_swarm_config(node.swarm_config)
         rank, world = self.shard or (shard_for(node.peer_id, DEFAULT_WORLD), DEFAULT_WORLD)
-        if group is not None:
-            rank, world = group.shard(rank, world)
         trainer = Trainer(node, spec, rank, world, checkpoint=self.checkpoints, placement=self.placement,
-                          replica_ranks=group.size if group is not None else 1,
-                          shard_group=group if shard_sync else None)
+                          replication=replication)
         try:
             trainer.create_protocol()
             progress = TrainingProgress()
@@ -142,23 +142,17 @@ class PeerRun:
                 metrics.collector.attach(trainer, progress)
             if not self._start_from(trainer, node, stop):
                 return None
-            if group is not None and not shard_sync:
-                trainer.attach_replica(group)  # the state it starts from goes to the other ranks
+            trainer.lead_replica()  # the state it starts from goes to the replica's other ranks
             assert trainer.proto is not None
             progress.step = trainer.proto.step_count  # a joiner's or resumed peer's
             reporter = _Reporter(node, trainer, progress, self.log_every, on_record, board, self.log_digest)
-            on_record({"event": "training", "protocol": spec.protocol, "task": spec.task, "shard": f"{rank}/{world}",
-                       "step": progress.step, **trainer.placement.describe(),
-                       **({"replica_ranks": group.size} if group is not None else {}),
-                       **({"shard_rank": group.rank} if shard_sync and group is not None else {})})
+            on_record({"event": "training", "protocol": spec.protocol, "task": spec.task,
+                       "shard": f"{trainer.rank}/{trainer.world}", "step": progress.step,
+                       **trainer.placement.describe(), **replication.describe()})
             final = trainer.run(self.launch.steps, stop, reporter)
             trainer.finish_replica()  # the other ranks stop here, and say what they hold
-            stopped = {"event": "stopped", "step": final, **{k: round(v, 5) for k, v in trainer.evaluate().items()}}
-            if trainer.replica is not None and trainer.replica.rank_digests is not None:
-                stopped["replica"] = trainer.replica.rank_digests.to_json()
-            if trainer.sharded is not None:  # what this rank's sub-swarm agreed on: its chunks of the swarm's model
-                stopped["shard"] = {"rank": group.rank, "ranks": group.size,  # type: ignore[union-attr]
-                                    "swarm": state_digest(trainer.proto.eval_model())}
+            stopped = {"event": "stopped", "step": final, **{k: round(v, 5) for k, v in trainer.evaluate().items()},
+                       **replication.stopped(trainer.proto)}
             info = trainer.proto.describe()
             if "privacy" in info:  # what a private protocol (sketch-dp) has spent
                 stopped["privacy"] = info["privacy"]
@@ -170,8 +164,8 @@ class PeerRun:
     def _start_from(self, trainer: Trainer, node: Node, stop: threading.Event) -> bool:
         """Load the state this peer starts from; False when `stop` came before it had it."""
         resumed = None
-        if self.launch.resume_from is not None and trainer.sharded is not None:
-            resumed = trainer.resume_sharded()  # its own newest, whatever rank count wrote it
+        if self.launch.resume_from is not None and trainer.replication.has_own_checkpoints():
+            resumed = trainer.resume_replica()  # its own newest, whatever rank count wrote it
         elif self.launch.resume_from is not None:
             resumed = trainer.resume_swarm(self.resume_quorum, self.resume_timeout_s)
         if self.launch.joining and node.live_peers() and (resumed is None or _swarm_ahead_of(node, resumed)):
@@ -208,9 +202,9 @@ class _Reporter:
         progress = self.progress
         progress.record(report)
         self.node.set_meta(**progress.meta())  # what `node watch` on any peer shows of this one
-        replica = self.trainer.replica
-        if replica is not None and replica.rank_digests is not None:
-            self.node.set_status_info(replica=replica.rank_digests.to_json())  # `node status`: do the ranks agree?
+        replica = self.trainer.replication.status()
+        if replica is not None:
+            self.node.set_status_info(**replica)  # `node status`: do the replica's ranks agree?
         if self.log_every and (report.step + 1) % self.log_every == 0:
             # lost: members of the step's exchange whose contribution its update lacks (died, timed out)
             record: Record = {"step": report.step + 1, "loss": round(report.loss, 5), "peers": report.peers,

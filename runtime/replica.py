@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
 import importlib
 import inspect
 import itertools
 import logging
-import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,90 +43,31 @@ from torch import nn
 from starling.common.lifeline import die_with_parent
 from starling.runtime.modelspec import state_digest
 from starling.runtime.placement import Placement
+from starling.runtime.replication import (
+    DEFAULT_TIMEOUT_S,
+    REPLICA_RANKS_KEY,
+    ReplicaError,
+    ReplicaGroup,
+    Replication,
+    TrainingPlan,
+    check_replica_ranks,
+)
 from starling.tasks import get_task
 
 if TYPE_CHECKING:
-    from starling.runtime.trainer import Trainer
+    from starling.node import Node
+    from starling.protocols import Protocol, StepReport
+
+__all__ = ["DEFAULT_TIMEOUT_S", "REPLICA_RANKS_KEY", "Replica", "ReplicaError", "ReplicaGroup", "ReplicaLeader",
+           "check_replica_ranks", "follow", "spawn_followers"]
 
 log = logging.getLogger(__name__)
 
-REPLICA_RANKS_KEY = "replica_ranks"  # in the swarm config: every replica of a swarm has this many ranks
-DEFAULT_TIMEOUT_S = 300.0  # a follower waits this long for its leader (a joiner's fetch, a slow round)
 # Every this many steps (and at the first and the last) every rank digests its model and the
 # leader gathers the digests, for `node status`: a host read and a hash of the whole model per
 # rank, so not every step.
 DIGEST_EVERY = 50
 _GO, _STOP = 1, 0
-
-
-class ReplicaError(RuntimeError):
-    """A rank of this replica failed (the replica has left the swarm), or this replica cannot
-    run in this swarm."""
-
-
-def check_replica_ranks(swarm_config: Mapping[str, Any] | None, ranks: int) -> None:
-    """ReplicaError unless the swarm's replicas have `ranks` ranks (a swarm that never said
-    has replicas of one rank: single-process peers)."""
-    swarm = int((swarm_config or {}).get(REPLICA_RANKS_KEY, 1))
-    if swarm != ranks:
-        raise ReplicaError(f"the swarm's replicas have {swarm} rank{'s' if swarm != 1 else ''} each and this one "
-                           f"has {ranks}: start it with --nproc-per-replica {swarm}")
-
-
-@dataclass(frozen=True)
-class ReplicaGroup:
-    """This process's place in its replica's process group."""
-
-    rank: int
-    size: int
-    init_method: str  # "env://" under torchrun, "file://..." when Starling spawned the ranks
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    backend: str = "gloo"  # "nccl" when the ranks train on GPUs
-    local_rank: int | None = None  # this rank's GPU on its host (torchrun's LOCAL_RANK); None: rank
-
-    def __post_init__(self) -> None:
-        if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(f"replica rank {self.rank} of {self.size}: need 0 <= rank < size")
-        if not self.timeout_s > 0:
-            raise ValueError(f"the replica's timeout must be > 0 s, got {self.timeout_s}")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 backend: str = "gloo") -> ReplicaGroup | None:
-        """The group `torchrun` set up (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or None
-        outside torchrun or with one rank."""
-        if int(env.get("WORLD_SIZE", "1")) <= 1:
-            return None
-        return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), "env://", timeout_s, backend,
-                   int(env.get("LOCAL_RANK", env["RANK"])))
-
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
-
-    def shard(self, rank: int, world: int) -> tuple[int, int]:
-        """This rank's data shard, given its replica's shard `rank` of `world`."""
-        return rank * self.size + self.rank, world * self.size
-
-    def placement(self, placement: Placement) -> Placement:
-        """`placement` for this rank: on its own GPU when the replica trains on GPUs."""
-        device = placement.device
-        if device is None or device.type != "cuda":
-            return placement
-        return dataclasses.replace(placement, device=torch.device("cuda", self.rank if self.local_rank is None
-                                                                  else self.local_rank))
-
-    def init(self) -> None:
-        """Rendezvous with the replica's other ranks (bounded by the timeout)."""
-        if self.backend == "nccl":
-            torch.cuda.set_device(self.placement(Placement(device=torch.device("cuda"))).device)
-        dist.init_process_group(self.backend, init_method=self.init_method, rank=self.rank, world_size=self.size,
-                                timeout=datetime.timedelta(seconds=self.timeout_s))
-
-    @staticmethod
-    def close() -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
@@ -207,31 +146,78 @@ def gather_digests(model: nn.Module, step: int) -> RankDigests:
     return RankDigests(step, tuple(str(d) for d in digests))
 
 
+class Replica(Replication):
+    """A replica of many ranks under DDP: this process is its rank 0, the swarm's one peer of
+    the replica (the other ranks `follow`)."""
+
+    name = "replica"
+
+    def __init__(self, group: ReplicaGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.leader: ReplicaLeader | None = None
+
+    def check_protocol(self, protocol: str, local_inner_steps: bool) -> str | None:
+        if local_inner_steps:
+            return None
+        return (f"protocol {protocol!r} does not take its inner steps alone (its gradients or updates come from "
+                "other peers), so a replica of many ranks cannot run it; use diloco or streaming-diloco")
+
+    def lead(self, proto: Protocol, plan: TrainingPlan) -> None:
+        if self.leader is None:
+            assert self.node is not None, "bind() first"
+            self.leader = ReplicaLeader(self.group, proto, plan, self.node)
+
+    @property
+    def forward_model(self) -> Any:
+        return self.leader.ddp if self.leader is not None else None
+
+    def step(self, take: Callable[[], StepReport]) -> StepReport:
+        leader = self.leader
+        if leader is None:
+            return take()
+        try:
+            leader.before_step()
+            report = take()
+            leader.after_step()
+        except Exception as exc:  # the ranks cannot agree on what comes next: the replica goes
+            leader.finished = True
+            raise self.left(exc, "the replica left the swarm") from exc
+        return report
+
+    def finish(self) -> None:
+        if self.leader is not None:
+            self.leader.finish()
+
+    def stopped(self, proto: Protocol) -> dict[str, Any]:
+        return self.status() or {}
+
+    def status(self) -> dict[str, Any] | None:
+        digests = self.leader.rank_digests if self.leader is not None else None
+        return {"replica": digests.to_json()} if digests is not None else None
+
+    def digests(self, proto: Protocol) -> dict[str, str]:
+        return self.leader.digests() if self.leader is not None else {}
+
+
 class ReplicaLeader:
-    """Rank 0's side: wraps the Trainer's model in DDP, opens every step with a control
+    """Rank 0's side: wraps the protocol's model in DDP, opens every step with a control
     broadcast, and sends its state to the followers after any write they cannot compute."""
 
-    def __init__(self, group: ReplicaGroup, trainer: Trainer) -> None:
-        proto = trainer.proto
-        assert proto is not None, "create_protocol() (and fetch or resume the state) first"
-        if not getattr(type(proto), "local_inner_steps", False):
-            raise ReplicaError(f"protocol {trainer.spec.protocol!r} does not take its inner steps alone (its "
-                               "gradients or updates come from other peers), so a replica of many ranks cannot run "
-                               "it; use diloco or streaming-diloco")
-        self.group, self.trainer = group, trainer
+    def __init__(self, group: ReplicaGroup, proto: Protocol, plan: TrainingPlan, node: Node) -> None:
+        self.group, self.proto, self.plan, self.node = group, proto, plan, node
         self.model: nn.Module = proto.model
         self.optimizer: torch.optim.Optimizer = proto.optimizer  # type: ignore[attr-defined]
-        self._device = trainer.placement.device
-        self._finished = False
+        self._device = plan.placement.device
+        self.finished = False
         self._sent: Any = None  # the last control broadcast, in flight
         cls = type(self.optimizer)
-        setup = ReplicaSetup(trainer.spec.task, dict(trainer.spec.task_options), trainer.spec.seed,
-                             trainer.rank, trainer.world, trainer.resumed_at, trainer.placement,
-                             f"{cls.__module__}:{cls.__qualname__}", dict(self.optimizer.defaults),
+        setup = ReplicaSetup(plan.task, dict(plan.task_options), plan.seed, plan.rank, plan.world, plan.skip,
+                             plan.placement, f"{cls.__module__}:{cls.__qualname__}", dict(self.optimizer.defaults),
                              self.optimizer.state_dict())
         dist.broadcast_object_list([setup], 0)
         proto.eval_model()  # its twin is a copy of the model: made before DDP hooks into the model
-        self.ddp = _wrap(self.model, trainer.placement)
+        self.ddp = _wrap(self.model, plan.placement)
         self._dirty = True  # the followers have none of my state yet
         self._orders = 0  # control broadcasts sent: every DIGEST_EVERY-th gathers the ranks' digests
         self.rank_digests: RankDigests | None = None  # the last gathered (`node status` shows them)
@@ -241,7 +227,6 @@ class ReplicaLeader:
         self.ddp.register_forward_pre_hook(self._forwarded)
         self.optimizer.register_step_pre_hook(self._before_inner)
         self.optimizer.register_step_post_hook(self._after_inner_step)
-        trainer.forward_model = self.ddp
 
     def _versions(self) -> tuple[int, ...]:
         """The parameters' version counters: any in-place write (a view's too) moves them."""
@@ -265,7 +250,7 @@ class ReplicaLeader:
     def after_step(self) -> None:
         """Note whether the protocol wrote the parameters after the inner step (an outer merge)."""
         if not self._forwards:
-            raise ReplicaError(f"task {self.trainer.spec.task!r}'s loss does not call the model, so DDP cannot "
+            raise ReplicaError(f"task {self.plan.task!r}'s loss does not call the model, so DDP cannot "
                                "average the ranks' gradients; a replica of many ranks needs a loss that does")
         self._forwards = 0
         now = self._versions()
@@ -275,32 +260,18 @@ class ReplicaLeader:
 
     def finish(self) -> None:
         """STOP to the followers (with my last state): every rank ends holding the same bits."""
-        if self._finished:
+        if self.finished:
             return
-        self._finished = True
+        self.finished = True
         try:
             self._send(_STOP)
         except Exception as exc:  # a rank died after the last step: nothing is left to tell it
-            log.warning("%s: could not stop the replica's other ranks: %s: %s", self.trainer.node.peer_id,
+            log.warning("%s: could not stop the replica's other ranks: %s: %s", self.node.peer_id,
                         type(exc).__name__, exc)
-
-    def lost(self, exc: BaseException) -> ReplicaError:
-        """A step failed (a rank died, or the group timed out): leave the swarm cleanly and say so."""
-        self._finished = True
-        node = self.trainer.node
-        log.error("%s: replica of %d ranks failed (%s: %s); leaving the swarm", node.peer_id, self.group.size,
-                  type(exc).__name__, exc)
-        try:
-            node.leave()
-        except Exception as leave_exc:  # already closed: the others see it as a crash instead
-            log.warning("%s: could not leave cleanly: %r", node.peer_id, leave_exc)
-        why = str(exc) if isinstance(exc, ReplicaError) else \
-            f"a rank of this replica failed ({type(exc).__name__}: {str(exc)[:300]})"
-        return ReplicaError(f"{why}; the replica left the swarm")
 
     def _send(self, command: int) -> None:
         dirty = self._dirty or self._versions() != self._clean
-        step = self.trainer.proto.step_count  # type: ignore[union-attr]
+        step = self.proto.step_count
         # Sent without waiting for the followers to take it: the process group runs its
         # collectives in order, so the step's DDP all-reduce follows it anyway, and the leader
         # need not sit out a round trip every step. The last one's failure surfaces here.
@@ -313,13 +284,13 @@ class ReplicaLeader:
         if command == _STOP:
             self._sent.wait()
         if dirty:
-            swarm = self.trainer.proto.eval_model()  # type: ignore[union-attr]
+            swarm = self.proto.eval_model()
             broadcast_tensors(state_tensors(self.model, swarm))
         if digest:
             self.rank_digests = gather_digests(self.model, step)
             if not self.rank_digests.agree:
                 log.error("%s: the ranks of this replica hold different models at step %d: %s",
-                          self.trainer.node.peer_id, step, list(self.rank_digests.digests))
+                          self.node.peer_id, step, list(self.rank_digests.digests))
         self._dirty = False
         self._clean = self._versions()
 
@@ -328,7 +299,7 @@ class ReplicaLeader:
 
     def digests(self) -> dict[str, str]:
         """Digests of my model and of the swarm's, to compare with the followers'."""
-        return {"model": state_digest(self.model), "swarm": state_digest(self.trainer.proto.eval_model())}  # type: ignore[union-attr]
+        return {"model": state_digest(self.model), "swarm": state_digest(self.proto.eval_model())}
 
 
 @dataclass

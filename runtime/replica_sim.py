@@ -34,7 +34,6 @@ import torch
 
 from starling.common.lifeline import die_with_parent
 from starling.common.memory import peak_rss, peak_rss_reset
-from starling.runtime.modelspec import state_digest
 from starling.runtime.peer import SimPeer
 from starling.runtime.replica import ReplicaGroup, follow
 from starling.runtime.shard_sync import held_bytes
@@ -135,9 +134,7 @@ def _digests(peer: SimPeer, rss_before: int | None) -> dict[str, Any]:
     peak = peak_rss()
     if rss_before is not None and peak is not None:
         out["peak_rss_growth_bytes"] = peak - rss_before
-    if trainer.sharded is not None:
-        return {"model": state_digest(trainer.sharded.view), "swarm": state_digest(trainer.proto.eval_model()), **out}
-    return {**(trainer.replica.digests() if trainer.replica is not None else {}), **out}
+    return {**trainer.replication.digests(trainer.proto), **out}
 
 
 class _Replicas:

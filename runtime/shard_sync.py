@@ -36,18 +36,35 @@ different statistics between syncs).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaError, ReplicaGroup
+from starling.runtime.modelspec import state_digest
+from starling.runtime.replication import (
+    REPLICA_RANKS_KEY,
+    SHARD_RANK_KEY,
+    ReplicaError,
+    ReplicaGroup,
+    Replication,
+    check_replica_ranks,
+    check_shard_rank,
+)
+
+if TYPE_CHECKING:
+    from starling.protocols import Protocol, StepReport
+    from starling.runtime.checkpoint import CheckpointConfig
+    from starling.runtime.shard_checkpoints import ShardedCheckpoints
+    from starling.tasks import Task
+
+__all__ = ["SHARD_RANK_KEY", "ShardSync", "ShardedModel", "check_shard_rank", "fsdp_unavailable",
+           "held_bytes", "rank_seeds", "share_rank_records", "share_seeds", "sub_swarm_config"]
 
 log = logging.getLogger(__name__)
 
-SHARD_RANK_KEY = "shard_rank"  # in the swarm config: the shard rank of every peer of this sub-swarm
 
 
 def fsdp_unavailable(device: str = "cpu") -> str | None:
@@ -63,18 +80,106 @@ def fsdp_unavailable(device: str = "cpu") -> str | None:
     return None
 
 
-def check_shard_rank(swarm_config: Mapping[str, Any] | None, shard_rank: int | None) -> None:
-    """ReplicaError unless this peer's shard rank (None: it syncs whole models) is the swarm's."""
-    swarm = (swarm_config or {}).get(SHARD_RANK_KEY)
-    if swarm is None and shard_rank is None:
-        return
-    if shard_rank is None:
-        raise ReplicaError(f"this swarm is the sub-swarm of shard rank {swarm} (every rank of a replica syncs its "
-                           "own shard); a peer that syncs whole models cannot join it: start it with --shard-sync")
-    if swarm != shard_rank:
-        where = "a swarm of whole models" if swarm is None else f"the sub-swarm of shard rank {swarm}"
-        raise ReplicaError(f"this is rank {shard_rank} of its replica, and {where} is not its own: "
-                           f"join rank {shard_rank} of a replica in the swarm")
+class ShardSync(Replication):
+    """A replica of many ranks under FSDP2, each rank a peer of its own that syncs its chunks
+    of the model in the sub-swarm of its shard rank."""
+
+    name = "shard-sync"
+
+    def __init__(self, group: ReplicaGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.sharded: ShardedModel | None = None  # the model under FSDP2, and the view the protocol trains
+        self.checkpoints: ShardedCheckpoints | None = None  # ... and its checkpoints (DCP, `shard_checkpoints.py`)
+        self._steps = 0  # steps every rank of the replica took together: when they checkpoint
+
+    @property
+    def speaks(self) -> bool:
+        return self.group.rank == 0
+
+    def swarm_config(self) -> dict[str, Any]:
+        return sub_swarm_config(self.group)
+
+    def describe(self) -> dict[str, Any]:
+        return {"replica_ranks": self.group.size, "shard_rank": self.group.rank}
+
+    def check_swarm_config(self, config: dict[str, Any], first: bool) -> dict[str, Any]:
+        if first:
+            config = {REPLICA_RANKS_KEY: self.group.size, SHARD_RANK_KEY: self.group.rank, **config}
+        check_replica_ranks(config, self.group.size)
+        check_shard_rank(config, self.group.rank)
+        return config
+
+    def check_protocol(self, protocol: str, local_inner_steps: bool) -> str | None:
+        if local_inner_steps:
+            return None
+        return (f"protocol {protocol!r} does not take its inner steps alone, so the ranks of a replica cannot each "
+                "sync their own shard; use diloco or streaming-diloco")
+
+    def place(self, model: Any, full: Any, checkpoint: CheckpointConfig | None) -> tuple[Any, Any]:
+        self.sharded = ShardedModel(model, self.group)  # FSDP2 over the replica's ranks; the protocol gets my chunks
+        if checkpoint is not None:
+            from starling.runtime.shard_checkpoints import ShardedCheckpoints
+
+            self.checkpoints = ShardedCheckpoints(checkpoint.directory, checkpoint.keep, self.sharded)
+        return self.sharded.view, (self.sharded.view_of(full) if full is not None else None)
+
+    def attach(self, proto: Protocol) -> None:
+        assert self.sharded is not None, "place() first"
+        self.sharded.attach(proto.optimizer)  # type: ignore[attr-defined]
+
+    @property
+    def forward_model(self) -> Any:
+        return self.sharded.module if self.sharded is not None else None
+
+    def step(self, take: Callable[[], StepReport]) -> StepReport:
+        try:
+            report = take()
+        except Exception as exc:  # a rank died under a collective: the replica leaves every sub-swarm
+            raise self.left(exc, "this rank left its sub-swarm") from exc
+        self._steps += 1
+        return report
+
+    def agree(self, go: bool) -> bool:
+        """Every rank's `go` (a collective each rank calls before each step; a failed one leaves
+        the sub-swarm)."""
+        assert self.sharded is not None, "place() first"
+        try:
+            return self.sharded.agree(go)
+        except Exception as exc:
+            raise self.left(exc, "this rank left its sub-swarm") from exc
+
+    def evaluate(self, task: Task, model: Any) -> dict[str, float]:
+        assert self.sharded is not None, "place() first"
+        return self.sharded.evaluate(task, model)  # every rank of the replica evaluates together
+
+    def steps_taken(self, proto: Protocol) -> int:
+        return self._steps
+
+    def stopped(self, proto: Protocol) -> dict[str, Any]:
+        # what this rank's sub-swarm agreed on: its chunks of the swarm's model
+        return {"shard": {"rank": self.group.rank, "ranks": self.group.size, "swarm": state_digest(proto.eval_model())}}
+
+    def digests(self, proto: Protocol) -> dict[str, str]:
+        assert self.sharded is not None, "place() first"
+        return {"model": state_digest(self.sharded.view), "swarm": state_digest(proto.eval_model())}
+
+    def has_own_checkpoints(self) -> bool:
+        return self.checkpoints is not None
+
+    def save_checkpoint(self, proto: Protocol, spec: Mapping[str, Any]) -> None:
+        assert self.checkpoints is not None
+        self.checkpoints.save(proto, spec, self._steps)  # every rank its chunks, at once (a collective)
+
+    def latest_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
+        assert self.checkpoints is not None
+        return self.checkpoints.latest()
+
+    def load_checkpoint(self, path: str, manifest: Mapping[str, Any], proto: Protocol) -> int:
+        assert self.checkpoints is not None
+        step = self.checkpoints.load(path, proto)
+        self._steps = int(manifest.get("count", step))
+        return step
 
 
 def local_chunk(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -347,162 +452,3 @@ def share_seeds(group: ReplicaGroup, seeds: list[list[str]] | None) -> list[str]
     dist.broadcast_object_list(box, 0)
     got = box[0]
     return list(got[group.rank]) if got else []
-
-
-# ---------------------------------------------------------------------- checkpoints
-class ShardedCheckpoints:
-    """A replica's checkpoints when its ranks each sync their own shard: torch's distributed
-    checkpoint (`torch.distributed.checkpoint`), one directory per step that every rank writes
-    its chunks into, so that a replica of another rank count can load it (DCP reshards).
-
-    What goes in, per parameter and as a DTensor sharded like it: the model, the outer
-    parameters and momentum (rebuilt per parameter from the fragments), the inner optimizer's
-    per-parameter state; and the step and fragment versions. Error-feedback residuals and rounds
-    in flight are not kept (they belong to one layout): a resumed replica starts its rounds
-    afresh from the saved outer state. `starling.json`, written by rank 0 once every rank's
-    part is on disk, marks a directory complete and names the swarm that wrote it."""
-
-    MANIFEST = "starling.json"
-
-    def __init__(self, directory: str, keep: int, sharded: ShardedModel) -> None:
-        import pathlib
-
-        self.root = pathlib.Path(directory)
-        self.keep, self.sharded = keep, sharded
-
-    # ------------------------------------------------------------------ layout
-    def _names(self) -> list[str]:
-        return [name for name, _ in self.sharded.view.named_parameters()]
-
-    def _dtensor(self, local: torch.Tensor, like: torch.Tensor) -> Any:
-        from torch.distributed.tensor import DTensor, Shard
-
-        return DTensor.from_local(local, self.sharded.mesh, [Shard(0)], run_check=False, shape=like.shape,
-                                  stride=like.stride())
-
-    def _per_parameter(self, fragments: list[Any], flats: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Chunks shaped like the view's parameters, holding `flats` (one per fragment), or zeros."""
-        from starling.protocols.fragments import FragmentView
-
-        locals_ = [torch.zeros_like(v, dtype=torch.float32) for _, v in self.sharded.pairs]
-        if flats is not None:
-            for fragment, flat in zip(fragments, flats):
-                FragmentView(locals_, fragment.view.fragment).write(flat)
-        return locals_
-
-    # ------------------------------------------------------------------ save
-    def save(self, proto: Any, spec: Mapping[str, Any], count: int) -> str:
-        """Every rank calls this at the same step (a collective); returns the directory."""
-        import json
-        import shutil
-
-        import torch.distributed.checkpoint as dcp
-
-        path = self.root / f"step-{count:010d}"
-        state: dict[str, Any] = {}
-        fragments = list(getattr(proto, "fragments", ()))
-        outer = self._per_parameter(fragments, [f.outer for f in fragments]) if fragments else []
-        momentum = self._per_parameter(fragments, [f.momentum for f in fragments]) if fragments else []
-        for i, (name, (p, v)) in enumerate(zip(self._names(), self.sharded.pairs)):
-            state[f"model.{name}"] = p
-            if fragments:
-                state[f"outer.{name}"] = self._dtensor(outer[i], p)
-                state[f"momentum.{name}"] = self._dtensor(momentum[i], p)
-            for key, value in proto.optimizer.state.get(v, {}).items():
-                if isinstance(value, torch.Tensor):
-                    state[f"optim.{name}.{key}"] = self._dtensor(value, p) if value.shape == v.shape and value.dim() \
-                        else value
-        versions = list(getattr(proto, "versions", ()))
-        state["meta"] = torch.tensor([proto.step_count, *versions], dtype=torch.int64)
-        dcp.save(state, checkpoint_id=str(path))
-        if self.sharded.group.rank == 0:
-            (path / self.MANIFEST).write_text(json.dumps({"step": proto.step_count, "count": count,
-                                                          "ranks": self.sharded.group.size, "swarm": dict(spec)}))
-            for old in _complete(self.root)[self.keep:]:
-                shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
-        return str(path)
-
-    # ------------------------------------------------------------------ load
-    def latest(self) -> tuple[str, dict[str, Any]] | None:
-        """The newest complete checkpoint (rank 0 looks; every rank gets its answer: a collective)."""
-        found: list[Any] = [newest_sharded_checkpoint(self.root) if self.sharded.group.rank == 0 else None]
-        dist.broadcast_object_list(found, 0)
-        return found[0]
-
-    def load(self, path: str, proto: Any) -> int:
-        """Load the checkpoint at `path` into this rank's chunks, whatever rank count wrote it
-        (a collective). Returns the step it was written at."""
-        import torch.distributed.checkpoint as dcp
-
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        state: dict[str, Any] = {}
-        fragments = list(getattr(proto, "fragments", ()))
-        outer = self._per_parameter(fragments, None)
-        momentum = self._per_parameter(fragments, None)
-        optim: dict[int, dict[str, torch.Tensor]] = {}
-        for i, (name, (p, v)) in enumerate(zip(self._names(), self.sharded.pairs)):
-            if f"model.{name}" not in metadata:
-                raise ValueError(f"{path} holds no parameter {name!r}: a checkpoint of another model")
-            state[f"model.{name}"] = p
-            if fragments:
-                state[f"outer.{name}"] = self._dtensor(outer[i], p)
-                state[f"momentum.{name}"] = self._dtensor(momentum[i], p)
-            prefix = f"optim.{name}."
-            for key, meta in metadata.items():
-                if not key.startswith(prefix) or not hasattr(meta, "size"):
-                    continue
-                size, dtype = tuple(meta.size), meta.properties.dtype
-                if size == tuple(p.shape) and len(size):
-                    local = torch.zeros_like(v, dtype=dtype)
-                    state[key] = self._dtensor(local, p)
-                else:
-                    local = state[key] = torch.zeros(size, dtype=dtype, device=v.device)
-                optim.setdefault(i, {})[key[len(prefix):]] = local
-        meta_size = tuple(metadata["meta"].size)
-        state["meta"] = torch.zeros(meta_size, dtype=torch.int64)
-        dcp.load(state, checkpoint_id=path)
-        views = [v for _, v in self.sharded.pairs]
-        for i, saved in optim.items():
-            proto.optimizer.state[views[i]] = saved
-        step, *versions = (int(x) for x in state["meta"].tolist())
-        if fragments:
-            from starling.protocols.fragments import FragmentView
-
-            proto.restore_outer(step, [FragmentView(outer, f.view.fragment).read() for f in fragments],
-                                [FragmentView(momentum, f.view.fragment).read() for f in fragments], versions)
-        else:
-            proto.step_count = step
-        return step
-
-
-def _complete(root: Any) -> list[Any]:
-    """The complete distributed-checkpoint directories under `root`, newest first."""
-    import pathlib
-
-    root = pathlib.Path(root)
-    return sorted((p for p in root.glob("step-*") if (p / ShardedCheckpoints.MANIFEST).is_file()),
-                  reverse=True) if root.is_dir() else []
-
-
-def newest_sharded_checkpoint(root: Any) -> tuple[str, dict[str, Any]] | None:
-    """(directory, manifest) of the newest complete distributed checkpoint under `root` whose
-    manifest reads, or None."""
-    import json
-
-    for path in _complete(root):
-        try:
-            manifest = json.loads((path / ShardedCheckpoints.MANIFEST).read_text())
-        except (OSError, ValueError) as exc:
-            log.warning("skipping checkpoint %s: %s", path, exc)
-            continue
-        if isinstance(manifest, dict):
-            return str(path), manifest
-    return None
-
-
-def sharded_checkpoint_swarm(directory: Any) -> dict[str, Any] | None:
-    """The swarm config the newest complete distributed checkpoint in `directory` names, or None."""
-    found = newest_sharded_checkpoint(directory)
-    swarm = found[1].get("swarm") if found is not None else None
-    return swarm if isinstance(swarm, dict) else None

@@ -48,19 +48,18 @@ from starling.protocols import (
     config_from_options,
     get_protocol,
 )
-from starling.runtime.checkpoint import BackgroundCheckpointer, Checkpoint, CheckpointError, CheckpointStore
+from starling.runtime.checkpoint import (  # CheckpointConfig: imported from here too
+    BackgroundCheckpointer,
+    Checkpoint,
+    CheckpointConfig,
+    CheckpointError,
+    CheckpointStore,
+)
 from starling.runtime.modelspec import ARCHITECTURE_KEY, INITIAL_STATE_KEY, architecture, first_difference, state_digest
 from starling.runtime.placement import Placement
 from starling.runtime.recipes import BatchRecipes
-from starling.runtime.replica import (
-    REPLICA_RANKS_KEY,
-    ReplicaError,
-    ReplicaGroup,
-    ReplicaLeader,
-    check_replica_ranks,
-)
+from starling.runtime.replication import Replication, Single, TrainingPlan
 from starling.runtime.restart import agree_on_step, holders_of
-from starling.runtime.shard_sync import SHARD_RANK_KEY, ShardedCheckpoints, ShardedModel, check_shard_rank
 from starling.tasks import Task, get_task
 
 log = logging.getLogger(__name__)
@@ -178,21 +177,6 @@ def plans_run_length(protocol: str) -> bool:
     return any(f.name == RUN_LENGTH_OPTION for f in dataclasses.fields(resolve_protocol(protocol).config_class))
 
 
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Where and how often a trainer writes checkpoints."""
-
-    directory: str
-    every: int  # steps between checkpoints
-    keep: int = 3  # the newest this many stay on disk
-
-    def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ValueError(f"checkpoint every must be >= 1 step, got {self.every}")
-        if self.keep < 1:
-            raise ValueError(f"checkpoint keep must be >= 1, got {self.keep}")
-
-
 def prepare_to_train() -> None:
     """Pay torch's one-time lazy work now. The first optimizer a process builds imports
     torch._dynamo: 1.8 to 3.5 s on a busy 2-core box, nearly all of a joiner's time from its
@@ -217,23 +201,18 @@ class Trainer:
     def __init__(self, node: Node, spec: TrainSpec, rank: int, world: int, task: Task | None = None,
                  serve_state: bool = True, snapshot_every_s: float = 1.0,
                  checkpoint: CheckpointConfig | None = None, placement: Placement | None = None,
-                 replica_ranks: int = 1, shard_group: ReplicaGroup | None = None) -> None:
+                 replication: Replication | None = None) -> None:
         """`placement`: this peer's device, parameter dtype, autocast and where the protocol
-        keeps its outer state (default: the model as the task builds it). `replica_ranks`:
-        the ranks of this peer's replica (`runtime/replica.py`); every replica of a swarm has
-        as many as its first peer's. `shard_group`: this peer is one rank of a replica whose
-        ranks each sync their own shard (`runtime/shard_sync.py`; the group is initialized):
-        the model trains under FSDP2 and the protocol runs on this rank's chunks."""
-        self.node, self.spec, self.rank, self.world = node, spec, rank, world
-        self.shard_group = shard_group
-        self.replica_ranks = shard_group.size if shard_group is not None else replica_ranks
-        self.sharded: ShardedModel | None = None  # with a shard group: the model under FSDP2, and its view
-        self._sharded_checkpoints: ShardedCheckpoints | None = None  # ... and its checkpoints (DCP)
-        self._sharded_steps = 0  # steps every rank of the replica took together: when they checkpoint
-        # With a replica of many ranks: its leader (`attach_replica`), and the model the loss
-        # runs through (the protocol's model under DDP, which averages the ranks' gradients).
-        self.replica: ReplicaLeader | None = None
-        self.forward_model: Any = None
+        keeps its outer state (default: the model as the task builds it). `replication`: how
+        this peer's model is held by its processes (`runtime/replication.py`): one process
+        (`Single`, the default), a replica of many ranks under DDP (`Replica`, this process its
+        rank 0; the group initialized), or one rank of a replica whose ranks each sync their own
+        shard under FSDP2 (`ShardSync`). `rank`, `world`: the peer's data shard; a rank of a
+        replica reads its part of it."""
+        self.node, self.spec = node, spec
+        self.replication = replication or Single()
+        self.replication.bind(node)
+        self.rank, self.world = self.replication.shard(rank, world)
         self.placement = placement or Placement()
         # Whether this peer's initial state differs from the swarm's first peer's (known at
         # create_protocol): it must then take the swarm's state rather than train from its own.
@@ -272,36 +251,30 @@ class Trainer:
         self.last_checkpoint: Checkpoint | None = None
 
     def create_protocol(self) -> Protocol:
-        self._check_replica_ranks()
-        if self.ledger is not None and self.replica_ranks > 1:
+        config = self.node.swarm_config or {}
+        # The first peer (whose model fixes the swarm's architecture) fixes its replicas' shape
+        # too; a peer whose replica differs is refused before it builds anything (ReplicaError).
+        self.node.swarm_config = self.replication.check_swarm_config(dict(config), ARCHITECTURE_KEY not in config)
+        ranks = self.replication.ranks
+        if self.ledger is not None and ranks > 1:
             raise TrainSpecError(f"task {self.task.name!r} hands out units to a swarm's members; a replica of "
-                                 f"{self.replica_ranks} ranks would need them split among its ranks, which it "
+                                 f"{ranks} ranks would need them split among its ranks, which it "
                                  "does not yet do: run one rank per peer")
+        cls = resolve_protocol(self.spec.protocol)
+        if (why := self.replication.check_protocol(self.spec.protocol, cls.local_inner_steps)) is not None:
+            raise TrainSpecError(why)
         model = self.task.make_model()
         self._check_architecture(model)  # as the task builds it: peers may differ in device and dtype
-        cls = resolve_protocol(self.spec.protocol)
-        if self.shard_group is not None and not cls.local_inner_steps:
-            raise TrainSpecError(f"protocol {self.spec.protocol!r} does not take its inner steps alone, so the ranks "
-                                 "of a replica cannot each sync their own shard; use diloco or streaming-diloco")
         # Cast to a lower precision, the model loses bits the protocol's float32 state keeps.
         full = copy.deepcopy(model) if self.placement.lowers_precision(model) else None
-        model = self.placement.place(model)
-        if self.shard_group is not None:  # FSDP2 over the replica's ranks; the protocol gets my chunks
-            self.sharded = ShardedModel(model, self.shard_group)
-            self.forward_model = self.sharded.module
-            if self.checkpoint is not None:
-                self._sharded_checkpoints = ShardedCheckpoints(self.checkpoint.directory, self.checkpoint.keep,
-                                                               self.sharded)
-            model = self.sharded.view
-            full = self.sharded.view_of(full) if full is not None else None
+        model, full = self.replication.place(self.placement.place(model), full, self.checkpoint)
         where = {str(t.device) for t in model.parameters()}
         if where != {"cpu"} and not cls.runs_on_accelerators:
             raise TrainSpecError(f"protocol {self.spec.protocol!r} runs on the CPU only (its tensors do not yet "
                                  f"follow the model's device), and this peer's model is on {', '.join(sorted(where))}; "
                                  "use --device cpu")
         self.proto = cls.create(self.node, model, self.spec.options)
-        if self.sharded is not None:
-            self.sharded.attach(self.proto.optimizer)  # type: ignore[attr-defined]
+        self.replication.attach(self.proto)
         if self.ledger is not None:  # a joiner waits a round where it can take part without counting
             self.ledger.newcomers_wait = cls.weightless_steps
         # the round's ledger and the ban set are part of what the members must hold alike at its start
@@ -334,7 +307,7 @@ class Trainer:
                 raise TrainSpecError(f"{checked} needs a task whose peers read their own shard; {self.task.name!r} "
                                      "hands out units, which a checker does not yet recompute")
             return
-        if self.replica_ranks > 1:
+        if self.replication.ranks > 1:
             if checked is not None:
                 raise TrainSpecError(f"{checked} needs peers of one rank each: a replica's gradient is over "
                                      "its ranks' batches together, which a checker cannot recompute")
@@ -342,23 +315,17 @@ class Trainer:
         proto.audit_data = BatchRecipes(self.task, self.spec.seed, self.rank, self.world,
                                         lambda: self._batch_index, self._loss_of)
 
-    def _check_replica_ranks(self) -> None:
-        """The first peer fixes how many ranks each replica has (when more than one); a peer
-        whose replica differs is refused before it builds anything (ReplicaError)."""
-        config = self.node.swarm_config or {}
-        if REPLICA_RANKS_KEY not in config and self.replica_ranks > 1 and ARCHITECTURE_KEY not in config:
-            self.node.swarm_config = {**config, REPLICA_RANKS_KEY: self.replica_ranks}
-        else:
-            check_replica_ranks(config, self.replica_ranks)
-        if SHARD_RANK_KEY not in config and self.shard_group is not None and ARCHITECTURE_KEY not in config:
-            self.node.swarm_config = {**(self.node.swarm_config or {}), SHARD_RANK_KEY: self.shard_group.rank}
-        check_shard_rank(self.node.swarm_config, self.shard_group.rank if self.shard_group is not None else None)
+    def lead_replica(self) -> None:
+        """The state this peer starts from is loaded (fetched, resumed or its own): a replica's
+        other ranks take it and train alongside from here on."""
+        assert self.proto is not None, "create_protocol() first"
+        self.replication.lead(self.proto, TrainingPlan(self.spec.task, dict(self.spec.task_options), self.spec.seed,
+                                                       self.rank, self.world, self._resumed_at, self.placement))
 
-    def attach_replica(self, group: ReplicaGroup) -> ReplicaLeader:
-        """Lead this peer's replica from now on (after create_protocol and any fetch or resume):
-        the followers get the state, and every step after is taken by all the ranks."""
-        self.replica = ReplicaLeader(group, self)
-        return self.replica
+    @property
+    def forward_model(self) -> Any:
+        """The module the loss runs through: the replica's (DDP's, FSDP2's), else the protocol's model."""
+        return self.replication.forward_model
 
     @property
     def resumed_at(self) -> int:
@@ -565,23 +532,10 @@ class Trainer:
         self.node.check_fault()
         fault_point("train.step", proto.step_count)
         weight, self._step_weight = self._step_weight, None
-        if self.sharded is not None:
-            try:
-                report = proto.step(loss_fn)
-            except Exception as exc:  # a rank died under a collective: the replica leaves every sub-swarm
-                raise self._shard_lost(exc) from exc
-            self._sharded_steps += 1
-        elif weight is not None:  # a round this peer takes part in without counting (`_units`)
+        if weight is not None:  # a round this peer takes part in without counting (`_units`; one rank only)
             report = proto.step(loss_fn, weight=weight)  # type: ignore[call-arg]
-        elif self.replica is None:
-            report = proto.step(loss_fn)
         else:
-            try:
-                self.replica.before_step()
-                report = proto.step(loss_fn)
-                self.replica.after_step()
-            except Exception as exc:  # the ranks cannot agree on what comes next: the replica goes
-                raise self.replica.lost(exc) from exc
+            report = self.replication.step(lambda: proto.step(loss_fn))
         self.node.check_fault()  # a step whose sockets failed under it may have "finished" alone
         if report.diverged:  # the members began the round apart: whatever bans differ, they share again
             self.node.share_bans()
@@ -594,7 +548,7 @@ class Trainer:
         if self.serve_state and time.monotonic() - self._snapshot_at >= self.snapshot_every_s:
             self.take_snapshot()
         # the ranks of a sharded replica write together, at the steps they took together
-        count = self._sharded_steps if self.sharded is not None else proto.step_count
+        count = self.replication.steps_taken(proto)
         if self.checkpoint is not None and count % self.checkpoint.every == 0:
             self.save_checkpoint()
         return report
@@ -617,8 +571,8 @@ class Trainer:
         """Hand a copy of the protocol's state to the writer thread; the training thread
         pays only for the copy (`state_dict()` clones)."""
         assert self.proto is not None
-        if self._sharded_checkpoints is not None:  # every rank its chunks, at once (a collective)
-            self._sharded_checkpoints.save(self.proto, self.spec.to_swarm_config(), self._sharded_steps)
+        if self.replication.has_own_checkpoints():  # every rank its part, at once (a collective)
+            self.replication.save_checkpoint(self.proto, self.spec.to_swarm_config())
             return
         assert self._writer is not None
         state = {"protocol": self.proto.state_dict(), "swarm": self.spec.to_swarm_config(),
@@ -677,25 +631,25 @@ class Trainer:
         if not same:
             raise CheckpointError(f"{path} was written by a swarm training {swarm}, not {self.spec.to_swarm_config()}")
 
-    def resume_sharded(self) -> int | None:
-        """A replica whose ranks each sync their own shard: load its newest checkpoint, whatever
-        rank count wrote it (torch's distributed checkpoint reshards; a collective). Returns the
-        step, or None when there is none. CheckpointError for one of another swarm."""
-        assert self.proto is not None and self._sharded_checkpoints is not None, "create_protocol() with checkpoints"
-        found = self._sharded_checkpoints.latest()
+    def resume_replica(self) -> int | None:
+        """A replica that writes its own checkpoints (each rank its part; `ShardSync`): load its
+        newest, whatever rank count wrote it (torch's distributed checkpoint reshards; a
+        collective). Returns the step, or None when there is none. CheckpointError for one of
+        another swarm."""
+        assert self.proto is not None and self.replication.has_own_checkpoints(), "create_protocol() with checkpoints"
+        found = self.replication.latest_checkpoint()
         if found is None:
             return None
         path, manifest = found
         self._check_checkpoint_swarm(path, manifest.get("swarm"))
         try:
-            step = self._sharded_checkpoints.load(path, self.proto)
+            step = self.replication.load_checkpoint(path, manifest, self.proto)
         except (ValueError, RuntimeError, ProtocolError) as exc:
             raise CheckpointError(f"{path} cannot be loaded into this replica: {str(exc)[:500]}") from None
-        self._sharded_steps = int(manifest.get("count", step))
         if self.serve_state:
             self.take_snapshot()
-        log.info("%s: resumed rank %d of %d from %s (written by %s ranks) at step %d", self.node.peer_id,
-                 self.sharded.group.rank, self.sharded.group.size, path, manifest.get("ranks"), step)  # type: ignore[union-attr]
+        log.info("%s: resumed a %s rank from %s (written by %s ranks) at step %d", self.node.peer_id,
+                 self.replication.name, path, manifest.get("ranks"), step)
         return step
 
     def resume_swarm(self, quorum: int, timeout_s: float) -> int | None:
@@ -714,39 +668,19 @@ class Trainer:
             self.fetch_state(holders_of(self.node, agreed) or None)
         return self.proto.step_count
 
-    def _shard_lost(self, exc: BaseException) -> ReplicaError:
-        """A collective of this rank's replica failed: leave this sub-swarm cleanly and say so
-        (the replica's other ranks leave theirs as their collectives fail)."""
-        log.error("%s: a rank of this replica failed (%s: %s); leaving the sub-swarm", self.node.peer_id,
-                  type(exc).__name__, str(exc)[:300])
-        try:
-            self.node.leave()
-        except Exception as leave_exc:  # already closed: the others see it as a crash instead
-            log.warning("%s: could not leave cleanly: %r", self.node.peer_id, leave_exc)
-        why = str(exc) if isinstance(exc, ReplicaError) else \
-            f"a rank of this replica failed ({type(exc).__name__}: {str(exc)[:300]})"
-        return ReplicaError(f"{why}; this rank left its sub-swarm")
-
     def agree(self, go: bool) -> bool:
-        """Whether to take the next step: `go`, and with a shard group, every rank's `go` (a
+        """Whether to take the next step: `go`, and in a sharded replica, every rank's `go` (a
         collective each rank calls before each step; a failed one leaves the sub-swarm)."""
-        if self.sharded is None:
-            return go
-        try:
-            return self.sharded.agree(go)
-        except Exception as exc:
-            raise self._shard_lost(exc) from exc
+        return self.replication.agree(go)
 
     def evaluate(self) -> dict[str, float]:
         assert self.proto is not None
-        if self.sharded is not None:  # every rank of the replica evaluates together
-            return self.sharded.evaluate(self.task, self.proto.eval_model())
-        return self.task.evaluate(self.proto.eval_model())
+        return self.replication.evaluate(self.task, self.proto.eval_model())
 
     def run(self, steps: int | None, stop: threading.Event,
             on_report: Callable[[StepReport], None] | None = None) -> int:
-        """Train until the protocol's step count reaches `steps` (None: until `stop`); with a
-        shard group, until any rank of the replica stops."""
+        """Train until the protocol's step count reaches `steps` (None: until `stop`); in a
+        sharded replica, until any rank of it stops."""
         assert self.proto is not None
         batches = self.batches()
         while self.agree(not stop.is_set() and (steps is None or self.proto.step_count < steps)):
@@ -757,8 +691,7 @@ class Trainer:
 
     def finish_replica(self) -> None:
         """Tell the replica's other ranks to stop here (they end holding this rank's state)."""
-        if self.replica is not None:
-            self.replica.finish()
+        self.replication.finish()
 
     def finish_checkpoints(self) -> None:
         """Wait for the checkpoint being written (and one waiting) to become durable."""

@@ -83,7 +83,8 @@ def test_a_replica_of_two_ranks_resumes_as_three_from_its_distributed_checkpoint
                                     str(ckpt), "--checkpoint-every", "4", *TINY),
                            capture_output=True, text=True, timeout=200)
     assert first.returncode == 0, first.stderr[-2000:]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-0000000004", "step-0000000008"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000000004.dcp", "step-000000004.json",
+                                                      "step-000000008.dcp", "step-000000008.json"]
     # what it trains comes from the checkpoint's manifest; three ranks now hold what two did
     again = subprocess.run(starling("--resume", str(ckpt), "--nproc-per-replica", "3", "--shard-sync",
                                     "--steps", "10"), capture_output=True, text=True, timeout=200)

@@ -14,7 +14,7 @@ import torch
 
 from starling.protocols.optim import make_optimizer
 from starling.runtime.replica import ReplicaGroup
-from starling.runtime.shard_sync import ShardedModel, local_chunk, shard_units
+from starling.runtime.shard_sync import ShardedModel, ShardSync, local_chunk, shard_units
 from starling.tasks import get_task
 
 TINY = {"corpus_chars": 60_000, "n_layer": 2, "n_embd": 32, "seq_len": 32, "batch_size": 4, "eval_batches": 1}
@@ -81,19 +81,20 @@ def checkpoint(rank: int, size: int, directory: str, checkpoints: str, out: str,
     group.init()
     node = Node().start("tcp://127.0.0.1:0", [], security="plaintext")
     spec = TrainSpec("streaming-diloco", "charlm", {"sync_every": 2, "fragments": 2}, TINY)
-    trainer = Trainer(node, spec, rank, size, serve_state=False, shard_group=group,
+    replication = ShardSync(group)  # rank `rank` of the peer's one shard: data shard rank of size
+    trainer = Trainer(node, spec, 0, 1, serve_state=False, replication=replication,
                       checkpoint=CheckpointConfig(checkpoints, every=4))
     proto = trainer.create_protocol()
-    resumed = trainer.resume_sharded()
+    resumed = trainer.resume_replica()
     trainer.run(steps, threading.Event())
-    store = trainer._sharded_checkpoints
+    store = replication.checkpoints
     fragments = proto.fragments
     torch.save({"resumed": resumed, "step": proto.step_count, "versions": proto.versions,
-                "model": [v.detach().clone() for _, v in trainer.sharded.pairs],
+                "model": [v.detach().clone() for _, v in replication.sharded.pairs],
                 "outer": store._per_parameter(fragments, [f.outer for f in fragments]),
                 "momentum": store._per_parameter(fragments, [f.momentum for f in fragments]),
-                "exp_avg": [proto.optimizer.state[v]["exp_avg"].clone() for _, v in trainer.sharded.pairs],
-                "adam_step": [float(proto.optimizer.state[v]["step"]) for _, v in trainer.sharded.pairs]}, out)
+                "exp_avg": [proto.optimizer.state[v]["exp_avg"].clone() for _, v in replication.sharded.pairs],
+                "adam_step": [float(proto.optimizer.state[v]["step"]) for _, v in replication.sharded.pairs]}, out)
     node.close()
     group.close()
 

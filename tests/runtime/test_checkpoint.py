@@ -187,3 +187,88 @@ def test_a_writer_killed_mid_write_leaves_a_loadable_newest_checkpoint(tmp_path)
         checkpoint, state = store.load_latest()
         assert state["step"] == checkpoint.step >= 2 + attempt - 1
         assert state["big"].numel() == 4_000_000
+
+
+# ---------------------------------------------------------------------- one store for every kind
+def _replica_files(store: CheckpointStore, step: int, ranks: int = 2) -> None:
+    """What a sharded replica's ranks leave in `directory_for(step)`: a file per rank, and metadata."""
+    root = store.directory_for(step)
+    root.mkdir()
+    for rank in range(ranks):
+        torch.save({"chunk": torch.full((4,), float(step * 10 + rank))}, root / f"__{rank}_0.distcp")
+    (root / ".metadata").write_bytes(pickle.dumps({"step": step}))
+
+
+def test_a_sharded_replicas_directories_are_sealed_verified_and_pruned_by_the_same_store(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    for step in (4, 8, 12):
+        _replica_files(store, step)
+        sealed = store.seal(step, {"step": step * 3, "count": step, "ranks": 2, "swarm": {"protocol": "diloco"}})
+        assert sealed.is_directory and set(sealed.files) == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000008.dcp", "step-000000008.json",
+                                                          "step-000000012.dcp", "step-000000012.json"]
+    newest = store.latest_directory()
+    assert newest is not None and newest.step == 12 and newest.meta["count"] == 12
+    assert store.load_latest() is None  # a directory is not a state file: the file loader passes it by
+
+
+def test_a_corrupted_file_of_a_directory_checkpoint_is_refused_by_its_digest(tmp_path, caplog):
+    store = CheckpointStore(tmp_path, keep=3)
+    for step in (4, 8):
+        _replica_files(store, step)
+        store.seal(step, {"count": step})
+    chunk = store.directory_for(8) / "__1_0.distcp"
+    data = bytearray(chunk.read_bytes())
+    data[-3] ^= 0xFF  # same size, one byte flipped
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="__1_0.distcp does not match its digest"):
+        store.verify(store.list()[0])
+    assert store.latest_directory().step == 4
+    assert "refusing checkpoint step-000000008.dcp" in caplog.text
+    (store.directory_for(4) / "__0_0.distcp").unlink()
+    assert store.latest_directory() is None  # nothing left that verifies
+
+
+def test_an_unsealed_directory_does_not_count_and_is_removed_when_a_later_one_is_sealed(tmp_path):
+    store = CheckpointStore(tmp_path)
+    _replica_files(store, 4)  # a crash before rank 0 sealed it
+    assert store.list() == [] and store.latest_directory() is None
+    _replica_files(store, 8)
+    store.seal(8)
+    assert not store.directory_for(4).exists() and store.latest_directory().step == 8
+
+
+def test_a_manifest_naming_files_outside_its_directory_is_skipped(tmp_path, caplog):
+    store = CheckpointStore(tmp_path)
+    _replica_files(store, 4)
+    store.seal(4)
+    manifest = tmp_path / "step-000000004.json"
+    m = json.loads(manifest.read_text())
+    m["files"]["../../etc/passwd"] = [1, "0" * 64]
+    manifest.write_text(json.dumps(m))
+    assert store.list() == [] and "outside its checkpoint" in caplog.text
+
+
+def test_old_checkpoints_of_every_mode_are_read_by_the_one_store(tmp_path, caplog):
+    """A single peer's (and a replica's rank 0's: the same file) and a sharded replica's
+    directory from before manifests had digests (`step-0000000004/starling.json`)."""
+    single = CheckpointStore(tmp_path / "single")
+    single.write(6, _state(6), meta={"swarm": {"protocol": "diloco"}})
+    found = single.load_latest()
+    assert found is not None and found[0].step == 6 and found[0].meta["swarm"]["protocol"] == "diloco"
+
+    legacy = tmp_path / "sharded" / "step-0000000004"
+    legacy.mkdir(parents=True)
+    torch.save({"chunk": torch.ones(2)}, legacy / "__0_0.distcp")
+    (legacy / "starling.json").write_text(json.dumps({"step": 12, "count": 4, "ranks": 2,
+                                                       "swarm": {"protocol": "streaming-diloco"}}))
+    store = CheckpointStore(tmp_path / "sharded", keep=1)
+    old = store.latest_directory()
+    assert old is not None and old.step == 4 and old.state_path == legacy and old.meta["ranks"] == 2
+    assert "written before manifests had digests" in caplog.text
+    from starling.runtime.launch import newest_checkpoint_spec
+
+    assert newest_checkpoint_spec(tmp_path / "sharded").protocol == "streaming-diloco"
+    _replica_files(store, 8)
+    store.seal(8)  # a newer one in the new format: the old one is pruned as any other
+    assert not legacy.exists() and store.latest_directory().step == 8

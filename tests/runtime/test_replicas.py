@@ -10,7 +10,7 @@ import pytest
 
 from starling.node import JoinError
 from starling.runtime import SimConfig, Simulation, Trainer, TrainSpec, parse_churn
-from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaError, ReplicaGroup, check_replica_ranks
+from starling.runtime.replica import REPLICA_RANKS_KEY, Replica, ReplicaError, ReplicaGroup, check_replica_ranks
 
 TINY = {"corpus_chars": 60_000, "n_layer": 1, "n_embd": 32, "seq_len": 32, "batch_size": 8, "eval_batches": 1}
 
@@ -69,7 +69,7 @@ def test_a_replica_of_another_rank_count_is_refused_with_a_clear_error(make_node
         make_node(join=[first.address], swarm_config={REPLICA_RANKS_KEY: 3})
     # a joiner that said nothing at its hello is refused before it builds its model
     joiner = make_node(join=[first.address])
-    trainer = Trainer(joiner, TrainSpec("streaming-diloco", task_options=TINY), 0, 1, replica_ranks=1)
+    trainer = Trainer(joiner, TrainSpec("streaming-diloco", task_options=TINY), 0, 1)
     with pytest.raises(ReplicaError, match="replicas have 2 ranks each and this one has 1: start it with "
                                            "--nproc-per-replica 2"):
         trainer.create_protocol()
@@ -78,7 +78,8 @@ def test_a_replica_of_another_rank_count_is_refused_with_a_clear_error(make_node
 
 def test_the_first_peer_of_a_swarm_fixes_its_replicas_rank_count(make_node):
     node = make_node(swarm_config={"protocol": "streaming-diloco"})
-    trainer = Trainer(node, TrainSpec("streaming-diloco", task_options=TINY), 0, 2, replica_ranks=2)
+    trainer = Trainer(node, TrainSpec("streaming-diloco", task_options=TINY), 0, 1,
+                      replication=Replica(ReplicaGroup(0, 2, "env://")))
     trainer.create_protocol()
     assert node.swarm_config[REPLICA_RANKS_KEY] == 2
     check_replica_ranks({}, 1)  # a swarm that never said: replicas of one rank
@@ -102,14 +103,43 @@ def test_a_protocol_whose_steps_need_other_peers_cannot_run_in_replicas():
 
 def test_a_loss_that_does_not_call_the_model_is_refused_and_the_replica_leaves(make_node, tmp_path):
     node = make_node(swarm_config={"protocol": "diloco"})
-    trainer = Trainer(node, TrainSpec("diloco", task="quadratic", task_options={"dim": 8}), 0, 1)
-    trainer.create_protocol()
     group = ReplicaGroup(0, 1, f"file://{tmp_path}/rendezvous", timeout_s=10.0)
+    trainer = Trainer(node, TrainSpec("diloco", task="quadratic", task_options={"dim": 8}), 0, 1,
+                      replication=Replica(group))
+    trainer.create_protocol()
     group.init()
     try:
-        trainer.attach_replica(group)
+        trainer.lead_replica()
         with pytest.raises(ReplicaError, match="'quadratic'.s loss does not call the model.*left the swarm"):
             trainer.step(next(trainer.batches()))
     finally:
         group.close()
     assert node.closed  # it left the swarm
+
+
+def test_launch_replica_gives_each_process_its_replication(monkeypatch):
+    """The one path `node start` and a Python caller take: torchrun's environment names the
+    rank, and the replication follows from it and --shard-sync."""
+    from starling.runtime import Single, launch_replica
+    from starling.runtime.replica_launch import rank_endpoint
+    from starling.runtime.shard_sync import ShardSync
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "STARLING_SPAWNED_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    alone = launch_replica(1)
+    assert isinstance(alone.replication, Single) and not alone.follows and alone.replication.speaks
+    assert alone.listen(["tcp://127.0.0.1:7000"]) == ["tcp://127.0.0.1:7000"] and alone.seeds(["x"]) == ["x"]
+    with pytest.raises(ValueError, match="--nproc-per-replica 2 or more"):
+        launch_replica(1, shard_sync=True)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "2")
+    follower = launch_replica(1)
+    assert isinstance(follower.replication, Replica) and follower.follows
+    assert follower.replication.shard(1, 4) == (5, 12)
+    rank = launch_replica(1, shard_sync=True)
+    assert isinstance(rank.replication, ShardSync) and not rank.follows and not rank.replication.speaks
+    assert rank.replication.swarm_config() == {REPLICA_RANKS_KEY: 3, "shard_rank": 2}
+    assert rank.listen(["tcp://127.0.0.1:7000", "tcp://127.0.0.1:0"]) == ["tcp://127.0.0.1:7002", "tcp://127.0.0.1:0"]
+    assert rank_endpoint("ipc:///tmp/x", 2) == "ipc:///tmp/x"
+    with pytest.raises(ValueError, match="under torchrun the replica's ranks are torchrun's"):
+        launch_replica(2)

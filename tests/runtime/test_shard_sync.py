@@ -15,8 +15,8 @@ import pytest
 
 from starling.node import JoinError
 from starling.runtime import SimConfig, Simulation, Trainer, TrainSpec, parse_churn
-from starling.runtime.replica import REPLICA_RANKS_KEY, ReplicaError, ReplicaGroup
-from starling.runtime.shard_sync import SHARD_RANK_KEY, check_shard_rank, fsdp_unavailable, local_chunk
+from starling.runtime.replica import REPLICA_RANKS_KEY, Replica, ReplicaError, ReplicaGroup
+from starling.runtime.shard_sync import SHARD_RANK_KEY, ShardSync, check_shard_rank, fsdp_unavailable, local_chunk
 
 TINY = {"corpus_chars": 60_000, "n_layer": 2, "n_embd": 32, "seq_len": 32, "batch_size": 8, "eval_batches": 1}
 WORKER = Path(__file__).with_name("shard_worker.py")
@@ -107,7 +107,8 @@ def test_a_peer_of_another_shard_rank_or_of_whole_models_is_refused(make_node):
     with pytest.raises(JoinError, match="shard_rank: swarm has 0, this node has 1"):
         make_node(join=[first.address], swarm_config={REPLICA_RANKS_KEY: 2, SHARD_RANK_KEY: 1})
     joiner = make_node(join=[first.address], swarm_config={REPLICA_RANKS_KEY: 2})  # said nothing of shards
-    trainer = Trainer(joiner, TrainSpec("diloco", task_options=TINY), 0, 1, replica_ranks=2)
+    trainer = Trainer(joiner, TrainSpec("diloco", task_options=TINY), 0, 1,
+                      replication=Replica(ReplicaGroup(0, 2, "env://")))
     with pytest.raises(ReplicaError, match="sub-swarm of shard rank 0.*--shard-sync"):
         trainer.create_protocol()
     assert trainer.proto is None
@@ -119,7 +120,7 @@ def test_a_peer_of_another_shard_rank_or_of_whole_models_is_refused(make_node):
 def test_shard_sync_needs_a_protocol_of_local_inner_steps(make_node, tmp_path):
     node = make_node(swarm_config={"protocol": "allreduce"})
     group = ReplicaGroup(0, 1, f"file://{tmp_path}/rendezvous", timeout_s=10.0)
-    trainer = Trainer(node, TrainSpec("allreduce", task_options=TINY), 0, 1, shard_group=group)
+    trainer = Trainer(node, TrainSpec("allreduce", task_options=TINY), 0, 1, replication=ShardSync(group))
     with pytest.raises(Exception, match="cannot each sync their own shard"):
         trainer.create_protocol()
     with pytest.raises(ValueError, match="--nproc-per-replica 2 or more"):
@@ -133,7 +134,7 @@ def test_one_rank_group_trains_through_the_view_and_evaluates(make_node, tmp_pat
     group.init()
     try:
         trainer = Trainer(node, TrainSpec("diloco", task_options=TINY, options={"sync_every": 2}), 0, 1,
-                          shard_group=group)
+                          replication=ShardSync(group))
         trainer.create_protocol()
         assert node.swarm_config[SHARD_RANK_KEY] == 0
         before = trainer.evaluate()["eval_loss"]
@@ -206,4 +207,4 @@ def test_a_replicas_checkpoint_resumes_on_another_rank_count(tmp_path):
     # and it trains on from there, one rank holding what two did, and checkpoints again
     (on,) = _ranks_run(tmp_path, "on", 1, steps=12)
     assert on["resumed"] == 8 and on["step"] == 12
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir())[-1] == "step-0000000012"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir())[-2:] == ["step-000000012.dcp", "step-000000012.json"]
