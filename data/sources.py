@@ -1,13 +1,15 @@
 """Where the text comes from: a `Source` yields every document of a corpus, in one fixed order.
 
-Three kinds of source, all behind one call, `open_source(spec)`:
+Four kinds of source, all behind one call, `open_source(spec)`:
 
 - a folder of text files (`TextFolderSource`): one file, one document, read as strict UTF-8;
 - JSON lines, CSV, Parquet or plain-text files, or a dataset on the Hugging Face Hub
   (`HFSource`): Hugging Face `datasets` reads them into memory-mapped Arrow tables, so a corpus
   larger than memory stays on disk; the text is one column of the table;
 - the running Python's standard library (`stdlib_source`): a few megabytes of real text that
-  ships with every Python and needs no download.
+  ships with every Python and needs no download;
+- ``stream:`` and a folder, glob, URL or Hub name (`starling.data.streaming.StreamSource`): shard
+  files read a unit at a time, for a corpus larger than the disk; nothing is converted whole.
 
 The order of the documents depends only on the files (never on the directory listing order of
 the file system), so every machine that holds the same files reads the same documents in the
@@ -21,16 +23,25 @@ import json
 import logging
 import os
 import sysconfig
-from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .base import (
+    DOCUMENT,
+    DataError,
+    Source,
+    _codes,
+    _has_glob,
+    _import_datasets,
+    _one_line_cause,
+    _regular_files,
+)
+
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "install it with `pip install 'starling[data]'`"
 
 DEFAULT_TEXT_SUFFIXES: tuple[str, ...] = (".txt", ".md", ".rst", ".py", ".text")
 
@@ -47,57 +58,11 @@ TABLE_SUFFIXES = frozenset({".json", ".jsonl", ".csv", ".parquet"})
 
 HF_BATCH_ROWS = 256
 
-DOCUMENT = "document"  # partition by: every document its own label
 FOLDER = "folder"  # partition by: a text file's folder (relative to the corpus's)
-
-
-class DataError(ValueError):
-    """A source, file or tokenizer that cannot be read. The message names the file, path or
-    name at fault and what was wrong with it."""
-
-
-class Source(ABC):
-    """A corpus: a name and its documents in one fixed order."""
-
-    name: str
-
-    @abstractmethod
-    def documents(self) -> Iterator[str]:
-        """Every document's text, in the same order on every machine that holds the same files."""
-
-    @abstractmethod
-    def fingerprint(self) -> str:
-        """A hex string that changes when the content changes."""
-
-    def labels(self, by: str) -> np.ndarray:
-        """Each document's label (int64 codes, in document order) for a non-IID partition of the
-        corpus: `by` is ``document`` (every document its own label) or a kind this source knows
-        (a table's column, a folder's subfolder). DataError naming what it can do otherwise."""
-        if by == DOCUMENT:
-            return np.arange(sum(1 for _ in self.documents()), dtype=np.int64)
-        raise DataError(f"{self.name}: documents have no {by!r} to partition by; use {DOCUMENT!r}")
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
-
-
-def _codes(values: Sequence[str]) -> np.ndarray:
-    """Each value's index among the sorted distinct values (int64): the same labels on every
-    machine, whatever order the values first appear in."""
-    _, codes = np.unique(np.asarray(values, dtype=object).astype(str), return_inverse=True)
-    return codes.astype(np.int64).reshape(-1)
 
 
 def _sha256_json(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-
-
-def _regular_files(folder: Path, *, recursive: bool) -> list[tuple[str, Path]]:
-    """The regular files under `folder` as (relative posix path, path), sorted by the former."""
-    candidates = folder.rglob("*") if recursive else folder.iterdir()
-    files = [(path.relative_to(folder).as_posix(), path) for path in candidates if path.is_file()]
-    files.sort(key=lambda entry: entry[0])
-    return files
 
 
 def _files_fingerprint(files: Sequence[tuple[str, Path]]) -> str:
@@ -179,31 +144,6 @@ def stdlib_source() -> TextFolderSource:
     """The running Python's standard library: its top-level `*.py` files (a few megabytes of
     real text that ships with Python and needs no download)."""
     return TextFolderSource(sysconfig.get_paths()["stdlib"], suffixes=(".py",), recursive=False, name="stdlib")
-
-
-def _import_datasets() -> Any:
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(f"reading this data needs Hugging Face `datasets`: {INSTALL_HINT}") from None
-    # A progress bar per file and INFO lines on every load drown the trainer's own log.
-    datasets.disable_progress_bar()
-    datasets.logging.set_verbosity_warning()
-    return datasets
-
-
-def _one_line_cause(exc: BaseException) -> str:
-    """The most specific cause of a `datasets` failure, on one line: its own wrapper
-    ("An error occurred while generating the dataset") says nothing about what broke."""
-    cause: BaseException = exc
-    while type(cause).__name__ == "DatasetGenerationError" and (cause.__cause__ or cause.__context__):
-        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
-    text = " ".join(str(cause).split()) or "no message"
-    return f"{type(cause).__name__}: {text}"
-
-
-def _has_glob(spec: str) -> bool:
-    return any(char in spec for char in "*?[")
 
 
 def _local_files(spec: str) -> list[Path] | None:
@@ -340,12 +280,19 @@ def open_source(
     - a file or a glob: read by its suffix (`HFSource`; a `.txt` file is one document);
     - a path that does not exist (it starts with `/`, `.` or `~`, or has a data file's
       suffix): an error;
-    - anything else: a dataset on the Hugging Face Hub (`owner/name`), read with `split`.
+    - anything else: a dataset on the Hugging Face Hub (`owner/name`), read with `split`;
+    - ``stream:`` and any of those but `stdlib`: its shard files, read a unit at a time
+      (`starling.data.streaming.StreamSource`, with its default `unit_bytes`).
 
-    `text_field`, `split` and `cache_dir` apply to `HFSource`s.
+    `text_field`, `split` and `cache_dir` apply to `HFSource`s; `text_field` and `split` to a
+    `StreamSource`.
     """
     if spec in ("", "stdlib"):
         return stdlib_source()
+    from .streaming import StreamSource, is_stream_spec
+
+    if is_stream_spec(spec):
+        return StreamSource(spec, text_field=text_field, split=split)
     path = Path(spec).expanduser()
     hf_options: dict[str, Any] = {"text_field": text_field, "split": split, "cache_dir": cache_dir}
     if path.is_dir():

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .sources import DataError, Source
+from .streaming import StreamSource
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,9 @@ class TokenStore:
         time (memory holds one batch, not the corpus)."""
         if batch_documents < 1:
             raise ValueError(f"batch_documents must be at least 1, got {batch_documents}")
+        if isinstance(source, StreamSource):
+            raise DataError(f"{source.name}: a streamed corpus is read a unit at a time "
+                            "(StreamSource.unit_batch), never tokenized whole into a token file")
         dtype = token_dtype(tokenizer.vocab_size)
         key = hashlib.sha256(
             json.dumps([source.fingerprint(), tokenizer.fingerprint(), dtype]).encode()
