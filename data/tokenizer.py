@@ -1,19 +1,32 @@
-"""Text to token ids: the byte-level tokenizer, or a trained one from a `tokenizer.json`.
+"""Text to token ids: the byte-level tokenizer, a trained one from a `tokenizer.json`, or any
+tokenizer `transformers`' `AutoTokenizer` loads (a hub name such as ``gpt2``, or a folder it saved).
 
 Every tokenizer has an end-of-document id (`eos_id`) inside its `vocab_size`, so a model sized
-by `vocab_size` can embed every id a token store holds.
+by `vocab_size` can embed every id a token store holds, and a content `fingerprint()`: a sha256
+over what maps text to ids, never the path or name it was loaded from, so that peers can check
+that they tokenize alike (two folders of the same name holding different files differ; the
+same files under two paths agree). The same tokenizer named two ways (a hub name, and the
+`tokenizer.json` file of its folder) is read by two different classes and has two different
+fingerprints: name it the same way on every peer.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .sources import INSTALL_HINT, DataError
+from .base import INSTALL_HINT, DataError, _one_line_cause
+
+HF_INSTALL_HINT = "install it with `pip install 'starling[hf]'`"
+TRANSFORMERS_CONFIG = "tokenizer_config.json"  # a folder holding it was saved by transformers
+# Keys of a saved tokenizer's config about where it was loaded from, not what it does.
+PATH_KEYS = frozenset({"name_or_path", "_name_or_path", "tokenizer_file", "vocab_file", "merges_file"})
 
 # Tried in this order; the first one the vocabulary holds ends each document.
 EOS_CANDIDATES: tuple[str, ...] = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
@@ -78,7 +91,8 @@ class FileTokenizer(Tokenizer):
         given = Path(path).expanduser()
         file = given / "tokenizer.json" if given.is_dir() else given
         if given.is_dir() and not file.is_file():
-            raise DataError(f"{given}: a folder without a tokenizer.json")
+            raise DataError(f"{given}: a folder without a tokenizer.json (nor a {TRANSFORMERS_CONFIG} "
+                            "for transformers)")
         if not file.is_file():
             raise DataError(f"{given}: no such tokenizer file")
         try:
@@ -113,9 +127,113 @@ class FileTokenizer(Tokenizer):
         return hashlib.sha256(self._raw).hexdigest()
 
 
+def _sha256_canonical(value: Any) -> str:
+    """sha256 of `value` (plain JSON data) written one way: sorted keys, no spaces."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _saved_content(tokenizer: Any) -> dict[str, Any]:
+    """What `tokenizer.save_pretrained` writes, file by file: JSON files parsed (so that key
+    order and spacing do not count), any other file's sha256."""
+    content: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="starling-tokenizer-") as folder:
+        tokenizer.save_pretrained(folder)
+        for path in sorted(Path(folder).rglob("*")):
+            if not path.is_file():
+                continue
+            raw = path.read_bytes()
+            relative = path.relative_to(folder).as_posix()
+            try:
+                parsed = json.loads(raw) if path.suffix == ".json" else None
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):  # a config: its keys about where files were do not count
+                content[relative] = {key: value for key, value in parsed.items() if key not in PATH_KEYS}
+            else:
+                content[relative] = hashlib.sha256(raw).hexdigest()
+    return content
+
+
+class HFTokenizer(Tokenizer):
+    """A tokenizer that `transformers`' `AutoTokenizer` loads: a folder it saved (read with
+    `local_files_only`: no network), or a name on the Hugging Face Hub (through transformers'
+    cache: downloaded on first use, then read from the cache; ``HF_HUB_OFFLINE=1`` forbids the
+    download). Code that is not part of `transformers` (``trust_remote_code``) is not run.
+
+    End-of-document is the tokenizer's own `eos_token` when it has one, else the first of
+    `EOS_CANDIDATES` it holds, else one id past its vocabulary (as `FileTokenizer` adds one).
+    The fingerprint is a sha256 over the tokenizer's pipeline as the `tokenizers` library
+    serializes it (vocabulary, merges, normalizer, pre-tokenizer, added tokens), or over the
+    files `save_pretrained` writes for a tokenizer without one, with its class, `eos_id` and
+    `vocab_size`.
+    """
+
+    def __init__(self, spec: str) -> None:
+        try:
+            import transformers
+        except ImportError:
+            raise DataError(f"tokenizer {spec}: loading a tokenizer by name needs Hugging Face `transformers`: "
+                            f"{HF_INSTALL_HINT} (or name a tokenizer.json)") from None
+        folder = Path(spec).expanduser()
+        local = folder.is_dir()
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(
+                str(folder) if local else spec, local_files_only=local, trust_remote_code=False
+            )
+        except Exception as exc:  # transformers raises OSError, ValueError and more; one failure to the user
+            raise DataError(f"tokenizer {spec}: transformers cannot load it: {_one_line_cause(exc)}") from None
+        self._tokenizer: Any = tokenizer
+        self.name = spec
+        size = len(tokenizer)
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            vocab = tokenizer.get_vocab()
+            eos = next((vocab[token] for token in EOS_CANDIDATES if token in vocab), None)
+        self._eos_added = eos is None
+        self.eos_id = size if eos is None else int(eos)
+        self.vocab_size = size + 1 if eos is None else max(size, self.eos_id + 1)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        pipeline = json.loads(backend.to_str()) if backend is not None else _saved_content(tokenizer)
+        self._fingerprint = _sha256_canonical({"transformers": type(tokenizer).__name__, "pipeline": pipeline,
+                                               "eos_id": self.eos_id, "vocab_size": self.vocab_size})
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        encoded = self._tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)
+        return [list(ids) for ids in encoded["input_ids"]]
+
+    def decode(self, ids: list[int]) -> str:
+        if self._eos_added:
+            ids = [token_id for token_id in ids if token_id != self.eos_id]
+        return str(self._tokenizer.decode(ids, skip_special_tokens=False))
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+
+def _looks_like_path(spec: str) -> bool:
+    """A spec meant as a file or folder, not a hub name (`name` or `owner/name`)."""
+    return (
+        spec.startswith((".", "~", "/"))
+        or (os.sep != "/" and os.sep in spec)
+        or spec.count("/") > 1
+        or Path(spec).suffix.lower() == ".json"
+    )
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer `spec` names: `""` or `"bytes"` for `ByteTokenizer`, otherwise a
-    `tokenizer.json` file or a folder holding one (`FileTokenizer`)."""
+    """The tokenizer `spec` names: `""` or `"bytes"` for `ByteTokenizer`; a `tokenizer.json`
+    file, or a folder holding one and no `tokenizer_config.json` (`FileTokenizer`); a folder
+    that `transformers` saved (it holds a `tokenizer_config.json`), or a name on the Hugging
+    Face Hub such as ``gpt2`` or ``owner/name`` (`HFTokenizer`). A path that does not exist is
+    an error, never a hub name."""
     if spec in ("", "bytes"):
         return ByteTokenizer()
-    return FileTokenizer(spec)
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / TRANSFORMERS_CONFIG).is_file():
+        return HFTokenizer(spec)
+    if path.exists() or _looks_like_path(spec):
+        return FileTokenizer(spec)
+    return HFTokenizer(spec)
