@@ -197,13 +197,15 @@ def extra_options(args: Sequence[str]) -> dict[str, Any]:
 def data_option() -> Any:
     return typer.Option(None, "--data", metavar="PATH_OR_NAME",
                         help="Train the gpt task on this text: a folder, a .txt/.jsonl/.csv/.parquet file or glob, or "
-                             "a Hugging Face dataset name (stdlib: Python's own source). Sets --task gpt if no task "
-                             "is given.")
+                             "a Hugging Face dataset name (stdlib: Python's own source); stream:PATH_OR_NAME reads "
+                             "its shard files a unit at a time instead of tokenizing it whole. Sets --task gpt if no "
+                             "task is given.")
 
 
 def tokenizer_option() -> Any:
-    return typer.Option(None, "--tokenizer", metavar="PATH",
-                        help="With --data: bytes (the default) or a tokenizer.json, or a folder holding one.")
+    return typer.Option(None, "--tokenizer", metavar="PATH_OR_NAME",
+                        help="With --data: bytes (the default), a tokenizer.json (or a folder holding one), or a "
+                             "tokenizer transformers loads: a folder it saved or a Hub name such as gpt2.")
 
 
 def seq_len_option() -> Any:
@@ -220,9 +222,12 @@ def with_data(task: str | None, task_options: dict[str, str], data: str | None, 
         return task, task_options
     if data is None:
         raise ValueError("--tokenizer and --seq-len go with --data (or pass them as --task-opt to your task)")
-    local = Path(data).expanduser()
+    from starling.data.streaming import PREFIX as STREAM_PREFIX  # here: only a command that trains loads torch
+
+    prefix = STREAM_PREFIX if data.startswith(STREAM_PREFIX) else ""
+    local = Path(data[len(prefix):]).expanduser()
     if local.exists():  # the swarm's config names it absolute: a joiner elsewhere never reads a hub name
-        given["data"] = str(local.resolve())
+        given["data"] = prefix + str(local.resolve())
     return task or "gpt", {**task_options, **given}
 
 

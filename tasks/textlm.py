@@ -10,6 +10,11 @@ Units are what a swarm hands out (`starling.data.assignment`): the runtime asks 
 for the units its ledger gives this peer. `batches(rank, world, seed)` is for code that runs the
 task without a swarm's ledger: the epoch's order, every `world`-th unit from `rank`.
 
+A `data` of ``stream:SPEC`` is not tokenized into a file: its shard files are read a unit at a time
+(`starling.data.streaming.StreamSource`), a unit being `unit_bytes` bytes of one shard (0: about
+`batch_size` rows, `default_unit_bytes`), whose tokens make as many rows as they fill; the last
+`eval_fraction` of its units is held out the same way. A streamed corpus is not partitioned.
+
 `partition` (``iid``, ``dirichlet:ALPHA``, ``shards:K``, `tasks/partition.py`) makes the data
 federated: each peer trains only its own part of the units, as Flower's partitioner of that name
 cuts them by label, and there is no swarm ledger (`data_units()` is None: a peer that leaves
@@ -37,6 +42,7 @@ from starling.common.devices import to_model_device
 from starling.data.assignment import epoch_order
 from starling.data.prefetch import Prefetcher
 from starling.data.sources import DOCUMENT, DataError, Source, open_source
+from starling.data.streaming import IGNORE_INDEX, StreamSource, default_unit_bytes, is_stream_spec
 from starling.data.tokenizer import Tokenizer, load_tokenizer
 from starling.data.tokens import TokenStore
 
@@ -53,7 +59,7 @@ class TextDataConfig:
     and how it is partitioned. A task on `TextLMTask`'s data adds its model's options to them."""
 
     data: str = ""  # a folder, a file (.txt .jsonl .csv .parquet), a glob, or a dataset name; "" = stdlib
-    tokenizer: str = "bytes"  # "bytes", or a tokenizer.json (or a folder holding one)
+    tokenizer: str = "bytes"  # "bytes", a tokenizer.json, or a transformers tokenizer's folder or hub name
     seq_len: int = 128
     batch_size: int = 8
     text_field: str = "text"  # the column that holds the text, for tabular files and datasets
@@ -63,11 +69,17 @@ class TextDataConfig:
     eval_batches: int = 4  # held-out units an evaluation reads (the first ones)
     partition: str = ""  # iid, dirichlet:ALPHA or shards:K: each peer its own units; "": the swarm's ledger
     partition_by: str = DOCUMENT  # what labels a document: document, folder, or a table's column
+    unit_bytes: int = 0  # with a stream: data, bytes of a shard per unit; 0: about batch_size rows
 
     def __post_init__(self) -> None:
         for field in ("seq_len", "batch_size", "eval_batches"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if self.unit_bytes < 0:
+            raise ValueError(f"unit_bytes must be >= 0 (0: about batch_size rows), got {self.unit_bytes}")
+        if self.partition and is_stream_spec(self.data):
+            raise ValueError("partition cuts a tokenized corpus by its documents' labels; a stream: corpus is read "
+                             "a unit at a time, its documents unknown before they are read")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
         if self.partition:
@@ -90,6 +102,14 @@ class TextLMConfig(TextDataConfig):
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
 
 
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy over the targets that are not `IGNORE_INDEX` (a streamed unit pads
+    its last row with it), and 0, not NaN, for a batch with none (a unit that holds no text)."""
+    flat = targets.reshape(-1)
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat, reduction="sum")
+    return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
+
+
 class TextLMTask(Task):
     """A GPT on the units of a tokenized corpus (see the module). A subclass with another model
     overrides `make_model` and `loss`, and takes a `TextDataConfig` with its model's options."""
@@ -101,6 +121,7 @@ class TextLMTask(Task):
         self.config = config or TextLMConfig()
         self._lock = threading.Lock()  # the peers of a simulator share one task
         self._store: TokenStore | None = None
+        self._stream: StreamSource | None = None
         self._source: Source | None = None  # the corpus the store was built from
         self._unit_labels: np.ndarray | None = None
         self._parts: dict[tuple[int, int], list[np.ndarray]] = {}
@@ -121,15 +142,35 @@ class TextLMTask(Task):
                 self._store = TokenStore.build(self._source, self.tokenizer, cache)
             return self._store
 
+    @property
+    def streaming(self) -> bool:
+        """Whether `data` is read a unit at a time from its shard files (``stream:``)."""
+        return is_stream_spec(self.config.data)
+
+    @property
+    def stream(self) -> StreamSource:
+        """The streamed corpus (``stream:`` data): its shards listed on first use, never read whole."""
+        with self._lock:
+            if self._stream is None:
+                c = self.config
+                unit_bytes = c.unit_bytes or default_unit_bytes(c.batch_size, c.seq_len, self.tokenizer)
+                self._stream = StreamSource(c.data, unit_bytes=unit_bytes, text_field=c.text_field, split=c.split)
+            return self._stream
+
     @functools.cached_property
     def _split(self) -> tuple[int, int]:
         """(training units, held-out units)."""
-        total = self.store.rows(self.config.seq_len) // self.config.batch_size
+        if self.streaming:
+            total = self.stream.units
+            what = f"{self.stream.unit_bytes} bytes"
+        else:
+            total = self.store.rows(self.config.seq_len) // self.config.batch_size
+            what = f"{self.config.batch_size} x {self.config.seq_len + 1} tokens"
         held_out = max(1, math.floor(total * self.config.eval_fraction))
         if total - held_out < 1:
-            raise ValueError(f"the corpus {self.config.data or 'stdlib'!r} has {total} unit(s) of "
-                             f"{self.config.batch_size} x {self.config.seq_len + 1} tokens: too few to hold one "
-                             "out and train on another (a smaller seq_len or batch_size?)")
+            smaller = "unit_bytes" if self.streaming else "seq_len or batch_size"
+            raise ValueError(f"the corpus {self.config.data or 'stdlib'!r} has {total} unit(s) of {what}: too few "
+                             f"to hold one out and train on another (a smaller {smaller}?)")
         return total - held_out, held_out
 
     def data_units(self) -> int | None:
@@ -181,6 +222,8 @@ class TextLMTask(Task):
         return self._unit(index)
 
     def _unit(self, index: int) -> Batch:
+        if self.streaming:
+            return self.stream.unit_batch(index, self.tokenizer, self.config.seq_len)
         size = self.config.batch_size
         return self.store.batch(range(index * size, (index + 1) * size), self.config.seq_len)
 
@@ -214,6 +257,8 @@ class TextLMTask(Task):
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         x, y = (to_model_device(t, model) for t in batch)
         logits = model(x)
+        if self.streaming:
+            return token_loss(logits, y)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:

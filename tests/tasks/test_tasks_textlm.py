@@ -60,3 +60,37 @@ def test_bad_options_are_refused():
         get_task("gpt", seq_len=0)
     with pytest.raises(ValueError, match="eval_fraction"):
         get_task("gpt", eval_fraction=1.5)
+
+
+def test_a_stream_corpus_is_read_a_unit_at_a_time_and_never_tokenized_whole(tmp_path):
+    import json
+    import math
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for s in range(3):
+        lines = [json.dumps({"text": f"document {s}.{i}: " + "héllo wörld " * (i % 7)}) for i in range(40)]
+        (folder / f"part-{s}.jsonl").write_text("\n".join(lines) + "\n")
+    task = get_task("gpt", data=f"stream:{folder}", seq_len=16, batch_size=4, n_embd=16, n_layer=1,
+                    cache_dir=str(tmp_path / "tokens"))
+    units = task.data_units()
+    stream = task.stream
+    assert stream.unit_bytes == 4 * 16  # the byte tokenizer: a byte a token, batch_size rows
+    assert units == stream.units - max(1, math.floor(stream.units * 0.02))
+    x, y = task.unit_batch(units - 1)
+    assert x.shape == y.shape and x.shape[1] == 16 and x.dtype == torch.int64
+    model = task.make_model()
+    loss = task.loss(model, (x, y))
+    assert loss.shape == () and torch.isfinite(loss) and set(task.evaluate(model)) == {"eval_loss"}
+    assert next(task.batches(0, 2, 0))[0].shape[1] == 16
+    assert not (tmp_path / "tokens").exists()  # no token file
+    # a unit that holds no text to train on adds nothing, rather than a NaN
+    nothing = task.loss(model, (x, torch.full_like(y, -100)))
+    nothing.backward()
+    assert nothing.item() == 0.0 and all(p.grad is None or not p.grad.any() for p in model.parameters())
+    with pytest.raises(IndexError, match=f"one of the {units} training units"):
+        task.unit_batch(units)
+    with pytest.raises(ValueError, match="a stream: corpus is read a unit at a time"):
+        get_task("gpt", data=f"stream:{folder}", partition="iid")
+    with pytest.raises(ValueError, match="unit_bytes must be >= 0"):
+        get_task("gpt", data=f"stream:{folder}", unit_bytes=-1)
