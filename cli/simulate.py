@@ -27,36 +27,6 @@ from starling.cli.shared import (
 )
 from starling.common import parse_options
 
-# The default command shows what the project is for: Streaming DiLoCo against an all-reduce
-# baseline on the same tokens, in about a minute on 2 cores (a run plus its baseline).
-DEFAULT_SIM_PROTOCOL = "streaming-diloco"
-DEFAULT_SIM_STEPS = 200
-# With --duration and no --steps, peers train until the time is up: this only bounds the loop.
-UNCAPPED_STEPS = 10**9
-# ... with a sync every 40 steps: 5 outer rounds in 200 steps (the protocol's own default,
-# H = 100, is for runs of thousands of steps). Applies when the protocol is the default one
-# and the user sets no --sync-every.
-DEFAULT_SIM_OPTIONS = {"sync_every": 40}
-# AdamW learning rates tuned per task (benchmarks/diloco.py's sweep for charlm: 3e-3 for
-# allreduce and for DiLoCo's inner loop). A run with AdamW that names no --lr uses it, and its
-# baseline trains with the run's optimizer and lr: the comparison is the fair one.
-TUNED_ADAMW_LR = {"charlm": 3e-3}
-
-
-def _run_steps(steps: Optional[int], duration_s: float, protocol: str, options: dict[str, Any]) -> int:
-    """--steps, or its default: 200, or with --duration as many as fit in it. A protocol that
-    plans over the run's length (sketch-dp's privacy budget) needs the length said."""
-    from starling.runtime.trainer import RUN_LENGTH_OPTION, plans_run_length
-
-    if steps is not None:
-        return steps
-    if not duration_s:
-        return DEFAULT_SIM_STEPS
-    if plans_run_length(protocol) and RUN_LENGTH_OPTION not in options:
-        raise ValueError(f"--duration with --protocol {protocol} needs --steps (or --opt {RUN_LENGTH_OPTION}=N): "
-                         "it plans over the run's length")
-    return UNCAPPED_STEPS
-
 
 def partition_options(task: str, spec: str, by: Optional[str]) -> dict[str, str]:
     """The task options of `--partition SPEC` (and `--partition-by`) for `task`, checked:
@@ -77,17 +47,16 @@ def partition_options(task: str, spec: str, by: Optional[str]) -> dict[str, str]
     return {"partition": str(parsed), **({} if by is None else {"partition_by": by})}
 
 
-def _sim_configs(*, peers: int, protocol: str, task: str, steps: Optional[int], compressor: Optional[str],
-                 transport: Optional[str], processes: int, ray: Optional[str] = None,
+def _sim_configs(*, peers: int, protocol: Optional[str], task: Optional[str], steps: Optional[int],
+                 compressor: Optional[str], transport: Optional[str], processes: int, ray: Optional[str] = None,
                  bandwidth: Optional[str], latency_ms: float,
                  loss: float, churn: Optional[str], seed: int, opt: List[str], lr: Optional[float],
                  task_opt: List[str], eval_every: int, baseline: str, flags: Sequence[str] = (),
                  extra: Optional[dict[str, Any]] = None) -> tuple[Any, Any]:
     """The run's SimConfig and the baseline's (`SimConfig.baseline`; None for --baseline none);
     ValueError on bad input. `opt`: the --opt pairs; `flags`: the other --NAME VALUE options;
-    `extra`: more SimConfig fields (placement, checkpoints)."""
-    from dataclasses import replace
-
+    `extra`: more SimConfig fields (placement, checkpoints). What the line leaves out (None) is
+    SimConfig's default, as a run made in Python gets it."""
     from starling.runtime import LinkModel, SimConfig, check_config, parse_churn, parse_rate
 
     if latency_ms < 0:
@@ -95,20 +64,12 @@ def _sim_configs(*, peers: int, protocol: str, task: str, steps: Optional[int], 
     if not 0 <= loss < 1:
         raise ValueError(f"--loss must be in [0, 1), got {loss:g}")
     link = LinkModel(parse_rate(bandwidth) if bandwidth else None, latency_ms / 1000.0, loss, seed)
-    options = protocol_options(opt, flags, lr=lr)
-    if protocol == DEFAULT_SIM_PROTOCOL:
-        for name, value in DEFAULT_SIM_OPTIONS.items():
-            options.setdefault(name, value)
-    steps = _run_steps(steps, float((extra or {}).get("duration_s") or 0.0), protocol, options)
+    given = {name: value for name, value in (("protocol", protocol), ("task", task)) if value is not None}
     config = SimConfig(
-        peers=peers, protocol=protocol, task=task, steps=steps, compressor=compressor,
-        transport=transport or ("tcp" if processes or ray is not None else "inproc"), processes=processes, ray=ray,
-        link=link,
-        churn=parse_churn(churn) if churn else (), seed=seed, options=options,
-        task_options=parse_options(task_opt, "task option"), eval_every=eval_every, **(extra or {}),
+        peers=peers, steps=steps, compressor=compressor, transport=transport, processes=processes, ray=ray,
+        link=link, churn=parse_churn(churn) if churn else (), seed=seed, options=protocol_options(opt, flags, lr=lr),
+        task_options=parse_options(task_opt, "task option"), eval_every=eval_every, **given, **(extra or {}),
     )
-    if "lr" not in options and task in TUNED_ADAMW_LR and config.optimizer() == "adamw":
-        config = replace(config, options={**options, "lr": TUNED_ADAMW_LR[task]})
     check_config(config)
     if baseline.lower() == "none":
         return config, None
@@ -158,6 +119,8 @@ def _label(s: dict[str, Any]) -> str:
 def _print_table(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from starling.runtime.simconfig import UNCAPPED_STEPS
 
     base = summary.get("baseline")
     ranks = summary.get("nproc_per_replica", 1)
@@ -216,10 +179,11 @@ def _cell(value: Any) -> str:
 def simulate(
     ctx: typer.Context,
     peers: int = typer.Option(4, "--peers", help="Simulated peers at the start."),
-    protocol: str = typer.Option(DEFAULT_SIM_PROTOCOL, "--protocol", help="Protocol name (or module:name)."),
+    protocol: Optional[str] = typer.Option(
+        None, "--protocol", help="Protocol name (or module:name; default streaming-diloco)."),
     task: Optional[str] = typer.Option(None, "--task", help="Built-in task name or module:callable (default charlm)."),
     steps: Optional[int] = typer.Option(
-        None, "--steps", min=1, help=f"Training steps per peer (default {DEFAULT_SIM_STEPS}; with --duration, as many "
+        None, "--steps", min=1, help="Training steps per peer (default 200; with --duration, as many "
                                      "as fit in it)."),
     compressor: Optional[str] = typer.Option(None, "--compressor", help="Compressor spec, e.g. topk:0.01+int8."),
     transport: Optional[str] = typer.Option(
@@ -297,12 +261,13 @@ def simulate(
     from starling.node.transfer import TransferError
     from starling.protocols.base import ProtocolError
     from starling.runtime import SimError, Simulation
+    from starling.runtime.simconfig import DEFAULT_SIM_TASK, UNCAPPED_STEPS
 
     setup_logging(log_level)
     errors = (SimError, ProtocolError, JoinError, TransferError, *EXPECTED_ERRORS)
     try:
         task, task_options = with_data(task, parse_options(task_opt or [], "task option"), data, tokenizer, seq_len)
-        task = task or "charlm"
+        task = task or DEFAULT_SIM_TASK
         if partition is not None:
             task_options = {**task_options, **partition_options(task, partition, partition_by)}
         elif partition_by is not None:

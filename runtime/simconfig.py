@@ -13,14 +13,36 @@ from starling.common import option_name
 from starling.node.identity import Identity
 from starling.node.swim import Liveness
 from starling.node.transport import dealer_ceiling
-from starling.protocols.base import MAX_OWNERS
+from starling.protocols.base import MAX_OWNERS, ProtocolError
 from starling.runtime.churn import ChurnEvent, check_churn
 from starling.runtime.links import LinkModel
 from starling.runtime.placement import Placement
-from starling.runtime.trainer import protocol_config, resolve_protocol, with_run_length
+from starling.runtime.trainer import (
+    RUN_LENGTH_OPTION,
+    plans_run_length,
+    protocol_config,
+    resolve_protocol,
+    with_run_length,
+)
 from starling.tasks import get_task
 
 TRANSPORTS = ("inproc", "ipc", "tcp")
+# What a simulated run trains when it names nothing else: `SimConfig()` is the run `starling
+# simulate` makes with no options, from Python and from the command line alike. Streaming DiLoCo,
+# compared with an all-reduce baseline on the same tokens, in about a minute on 2 cores.
+DEFAULT_SIM_PROTOCOL = "streaming-diloco"
+DEFAULT_SIM_TASK = "charlm"
+DEFAULT_SIM_STEPS = 200
+# A run with a duration and no steps trains until the time is up: this only bounds its loop.
+UNCAPPED_STEPS = 10**9
+# ... with a sync every 40 steps: 5 outer rounds in 200 steps (the protocol's own default,
+# H = 100, is for runs of thousands of steps). For the default protocol, unless the run names
+# the option.
+DEFAULT_SIM_OPTIONS: Mapping[str, Any] = {"sync_every": 40}
+# AdamW learning rates tuned per task (benchmarks/diloco.py's sweep for charlm: 3e-3 for
+# allreduce and for DiLoCo's inner loop). A run with AdamW that names no lr uses it, and its
+# baseline trains with the run's optimizer and lr: the comparison is the fair one.
+TUNED_ADAMW_LR: Mapping[str, float] = {"charlm": 3e-3}
 # Quick enough that a crashed peer is noticed within a short run, slow enough for a loaded box.
 # A probe's answer may take a second on a box that runs many peers (its loop is busy with all of
 # them), and a suspicion 5 s at least: a loaded box stalls a process for seconds.
@@ -71,18 +93,21 @@ class SimConfig:
 
     Checked on construction (a bad field raises ValueError naming it); `check_config` also
     resolves the protocol, its options and the task. `baseline()` gives the run to compare
-    it with.
+    it with. The defaults are the simulator's, filled in on construction: `SimConfig()` is
+    the run `starling simulate` makes with no options (4 peers of streaming-diloco syncing
+    every 40 steps, 200 steps of charlm, AdamW at its tuned lr).
 
-        run = SimConfig(peers=4, protocol="streaming-diloco", steps=200, options={"sync_every": 40})
+        run = SimConfig(peers=8, steps=100)
         result, base = Simulation(run).run(), Simulation(run.baseline()).run()
     """
 
     peers: int = 4
-    protocol: str = "allreduce"  # a registered name, or "module:name" to import a plugin first
-    task: str = "charlm"
-    steps: int = 100
+    protocol: str = DEFAULT_SIM_PROTOCOL  # a registered name, or "module:name" to import a plugin first
+    task: str = DEFAULT_SIM_TASK
+    # None: DEFAULT_SIM_STEPS, or with duration_s, UNCAPPED_STEPS (peers train until the time is up)
+    steps: int | None = None
     compressor: str | None = None  # passed to the protocol as its `compressor` option
-    transport: str = "inproc"
+    transport: str | None = None  # None: inproc, or tcp with processes or ray
     # 0: every peer is a thread of this process; P >= 1: the peers are dealt round-robin to P
     # worker processes (needs tcp or ipc). True means one process per peer.
     processes: int = 0
@@ -137,6 +162,10 @@ class SimConfig:
     shard_sync: bool = False
 
     def __post_init__(self) -> None:
+        if self.transport is None:
+            object.__setattr__(self, "transport", "tcp" if self.processes or self.ray is not None else "inproc")
+        if self.steps is None:
+            object.__setattr__(self, "steps", self._default_steps())
         if self.peers < 1:
             raise ValueError(f"peers must be >= 1, got {self.peers}")
         if self.steps < 1:
@@ -192,6 +221,39 @@ class SimConfig:
             raise ValueError("shard_sync splits a replica's model over its ranks: "
                              "give it --nproc-per-replica 2 or more")
         self.placement()  # raises DeviceError (a ValueError) for a device or dtype this machine lacks
+        defaults = self._default_options()
+        if defaults:
+            object.__setattr__(self, "options", {**self.options, **defaults})
+
+    def _default_steps(self) -> int:
+        """DEFAULT_SIM_STEPS, or with a duration as many as fit in it. A protocol that plans over
+        the run's length (sketch-dp's privacy budget) needs the length said."""
+        if not self.duration_s:
+            return DEFAULT_SIM_STEPS
+        try:
+            plans = plans_run_length(self.protocol)
+        except ProtocolError:  # an unknown protocol: check_config names it
+            plans = False
+        if plans and not any(option_name(name) == RUN_LENGTH_OPTION for name in self.options):
+            raise ValueError(f"--duration with --protocol {self.protocol} needs --steps (or --opt "
+                             f"{RUN_LENGTH_OPTION}=N): it plans over the run's length")
+        return UNCAPPED_STEPS
+
+    def _default_options(self) -> dict[str, Any]:
+        """The simulator's options this run does not name: DEFAULT_SIM_OPTIONS for the default
+        protocol, and the task's tuned lr for a run that trains with AdamW and names no lr."""
+        named = {option_name(name) for name in self.options}
+        added: dict[str, Any] = {}
+        if self.protocol == DEFAULT_SIM_PROTOCOL:
+            added.update({name: value for name, value in DEFAULT_SIM_OPTIONS.items() if name not in named})
+        if "lr" not in named and self.task in TUNED_ADAMW_LR:
+            try:
+                optimizer = _optimizer_of(protocol_config(self.protocol, {**self.protocol_options(), **added}))
+            except ProtocolError:  # a bad protocol or option: check_config names it
+                optimizer = None
+            if optimizer == "adamw":
+                added["lr"] = TUNED_ADAMW_LR[self.task]
+        return added
 
     def slowdown(self, rank: int) -> float:
         """How many times slower than the fastest peer `rank` computes (1: full speed)."""

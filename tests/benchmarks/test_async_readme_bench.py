@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from conftest import load_benchmark
 
-from starling.cli.simulate import DEFAULT_SIM_STEPS, UNCAPPED_STEPS, _sim_configs
+from starling.cli.simulate import _sim_configs
 from starling.protocols import config_from_options
 from starling.runtime import resolve_protocol
+from starling.runtime.simconfig import DEFAULT_SIM_STEPS, UNCAPPED_STEPS
 
 
 def load_bench():
