@@ -1,5 +1,5 @@
 """The message bodies of gossip, of DiLoCo's outer-state sync and of the drift guard, typed
-(spsa's are in `protocols/spsa/bodies.py`; the collectives' in `collectives/bodies.py`).
+(spsa's are in `protocols/spsa/bodies.py`; the collectives' in `collectives/bodies/`).
 
 Each body is a small frozen dataclass: `to_wire()` gives the msgpack map that travels, and
 `from_wire(obj)` checks one that came in and raises `BodyError` naming what is wrong. Only
