@@ -61,7 +61,7 @@ class ShardGroup:
     # `reply` is set (a robust average, computed off the loop, comes after `done`)
     replied: asyncio.Event = field(default_factory=asyncio.Event)
     # False: parts are kept, never summed here (masked integer parts: their owner sums them in
-    # their ring once the group closes, `collectives/secure.py`)
+    # their ring once the group closes, `collectives/unmasking.py`)
     summing: bool = True
 
     def add(self, sender: str, part: torch.Tensor, owned: bool = False, weight: float = 1.0) -> None:
