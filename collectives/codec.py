@@ -1,5 +1,5 @@
 """Compressors as the collectives use them: a codec with error feedback where it is lossy,
-and packets rebuilt from wire frames."""
+packets rebuilt from wire frames, and their values read in place."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from starling.compressors import Compressor, ErrorFeedback, Packet, from_spec
+from starling.compressors import Compressor, ErrorFeedback, Packet, decode, from_spec
 
 
 def make_codec(spec: str, decay: float = 1.0) -> tuple[Compressor, ErrorFeedback | None]:
@@ -44,3 +44,16 @@ def packet_from_wire(header: Any, payload: Sequence[Any]) -> Packet:
         else:
             buffers.append(torch.frombuffer(bytearray(item), dtype=torch.uint8))
     return Packet(header, tuple(buffers))
+
+
+def decode_flat(packet: Packet) -> torch.Tensor:
+    """The packet's values as a 1-D tensor, by the codec its header names. A zero-copy codec's
+    packet is read in place, as a view of its wire buffer: a copy would be wasted, since every
+    value is read once (added to a sum, or copied into the caller's vector) and never written."""
+    return decode(packet, copy=False).reshape(-1)
+
+
+def shares_memory(part: torch.Tensor, packet: Packet) -> bool:
+    """Whether a decoded part is a view of the wire buffers it came from."""
+    storage = part.untyped_storage().data_ptr()
+    return any(b.untyped_storage().data_ptr() == storage for b in packet.buffers)

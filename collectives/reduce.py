@@ -56,12 +56,20 @@ several vectors (DiLoCo's fragments) makes one reducer per vector, each with its
 so that their rounds are independent and several may be in flight at once.
 
 What members and owners send each other (parts, skips, averages) is typed in
-`collectives/bodies.py`; bad input is refused through `node.rpc.Refuser`, which counts it.
+`collectives/bodies/`; bad input is refused through `node.rpc.Refuser`, which counts it.
 
 For audits (`protocols/audit.py`), an owner keeps the signed parts of the authors it will audit
 past their groups' close: `keep(t, authors)` before round t, `take_kept(t)` after its `wait()`.
 
-What this file holds is the round itself; the rest joins it at seams, each in its own file:
+What this file holds is the reducer itself: its settings and seams, and `start`, which encodes
+a member's parts. The round runs in two halves, each a base of `ShardedReducer` in its own file:
+
+    member.py       MemberSide: a member's parts sent to their owners, the owners' answers
+                    voted on, and `_apply`, where the round's outcome is decided
+    owner.py        OwnerSide: an owner's groups of parts, closed when all are in or at their
+                    timeout, averaged, signed and answered to every contributor
+
+The rest joins the round at seams, each in its own file:
 
     placement.py    who owns which chunks of round t over a member list
     contributions   signatures on parts and averages, and the evidence they make
@@ -75,76 +83,52 @@ What this file holds is the round itself; the rest joins it at seams, each in it
     suspicion.py    owners score each part against its chunk's median in their signed
                     averages; every member runs the same test on the scores
     secure.py       SecureStage: members mask their parts, an owner unmasks its group's sum
-                    (`close`) instead of averaging it
+                    (`close`, unmasking.py) instead of averaging it
 
-and a round's outcome is decided in one method, `_apply`, which a reader can check alone.
+and a round's outcome is decided in one method, `_apply` (member.py), which a reader can check alone.
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from starling.collectives.accumulator import ShardGroup, Verdict
-from starling.collectives.bodies import Average, BodyError, Part, Refused, Skip
+from starling.collectives.accumulator import ShardGroup
+from starling.collectives.bodies import Skip
 from starling.collectives.checking import Checks, Recount
-from starling.collectives.codec import encode, make_codec, packet_from_wire
+from starling.collectives.codec import encode, make_codec
 from starling.collectives.compact import HeaderTemplates, KnownViews, view_digest
-from starling.collectives.contributions import Contributions, Recipe, SignedPart, content_digest, vote_key
+from starling.collectives.contributions import Contributions, Recipe
 from starling.collectives.defences import Defences, RoundDefence
 from starling.collectives.gathering import Gathering
 from starling.collectives.layout import DEFAULT_CHUNK_NUMEL
+from starling.collectives.member import LOSSY_AVERAGE_SLACK, MISSCORED, UNBOUNDED, MemberSide, Slot
 from starling.collectives.outcome import ReduceResult, ReduceTimeouts, ShardResult
+from starling.collectives.owner import GroupKey, OwnerSide
 from starling.collectives.placement import Placement
-from starling.collectives.requests import request_patiently
 from starling.collectives.retention import KeptPart, Retention
 from starling.collectives.screening import Screening
-from starling.collectives.secure import Masked, SecureAggregation, SecureStage
-from starling.collectives.staging import HostStaging, to_device
+from starling.collectives.secure import SecureAggregation, SecureStage
+from starling.collectives.staging import HostStaging
 from starling.collectives.suspicion import Suspicion
 from starling.collectives.voting import OwnerVote
-from starling.common.faults import fault_point
-from starling.compressors import Packet, decode
-from starling.node.loop import AwakeDeadline, close_in_time
-from starling.node.rpc import Refusal, Refuser, RemoteError, Reply, refusal, refusal_of
-from starling.node.trust import Evidence
-from starling.node.wire import Message
+from starling.compressors import decode
+from starling.node.loop import AwakeDeadline
+from starling.node.rpc import Refuser
 
 if TYPE_CHECKING:
+    import asyncio
+
     from starling.node import Node
 
 log = logging.getLogger(__name__)
 
-_KEEP_CLOSED_ROUNDS = 64  # how long an owner remembers finished rounds, to answer late parts
-_KEEP_SKIPS = 2 * _KEEP_CLOSED_ROUNDS  # rounds whose skips a reducer remembers (peers can send any round)
-UNBOUNDED = "avg.unbounded"  # witness evidence: an average larger than its own signed scores allow
-MISSCORED = "avg.misscored"  # witness evidence: an owner signed a size of my part that is not its size
-LOSSY_AVERAGE_SLACK = 1.5  # a lossy average's |values|^2 may exceed the exact one's by this (int4: ~1.23)
-_KEEP_ANSWERS = 2  # rounds whose closed groups' averages an owner still gives to a late part
-GroupKey = tuple[int, tuple[str, ...], int, int]  # (round, members, shard, chunk)
 _STRETCH = AwakeDeadline.STRETCH  # a round's timeouts count awake time, and end by this many times their length
-
-
-@dataclass
-class _Slot:
-    """One chunk of a round as this member sends it: its owners, my own values for my own
-    group (if I own it), the packet for the other owners and my signature of it."""
-
-    shard: int
-    chunk: int
-    owners: tuple[str, ...]
-    lo: int
-    numel: int
-    own: torch.Tensor | None
-    packet: Packet | None
-    sig: bytes | None = None
 
 
 class PendingReduce:
@@ -174,7 +158,7 @@ class PendingReduce:
         return self._result
 
 
-class ShardedReducer:
+class ShardedReducer(MemberSide, OwnerSide):
     """Averages one float32 vector of `numel` values with the same reducer on other peers.
 
     `reduce` blocks the calling (training) thread; `start` returns a `PendingReduce` so
@@ -324,7 +308,7 @@ class ShardedReducer:
         # through pinned buffers reused round after round. My own part, which the network
         # thread sums with the others on the host, crosses as a private copy.
         on_device = HostStaging.needed(vector)
-        slots: list[_Slot] = []  # shard by shard, chunk by chunk
+        slots: list[Slot] = []  # shard by shard, chunk by chunk
         lent: list[torch.Tensor] = []
         for i, (chunks, owners) in enumerate(self.placement.shards(members, t)):
             for c, (lo, hi) in enumerate(chunks):
@@ -349,7 +333,7 @@ class ShardedReducer:
                         lent.extend(more)
                     if own is not None and not self.codec.lossless:
                         own = None  # decoded below, once the bytes are final: every owner sums what the others got
-                slots.append(_Slot(i, c, owners, lo, hi - lo, own, packet))
+                slots.append(Slot(i, c, owners, lo, hi - lo, own, packet))
         if lent:
             self._staging.ready([vector.device])  # the network thread reads them next
         view = view_digest(members)
@@ -392,12 +376,12 @@ class ShardedReducer:
         me, view = self.node.peer_id, view_digest(members)
         masked = self._secure.mask(t, members, view, vector, weight, noise_std)
         ring = torch.from_numpy(masked.ring.view(np.int32)).view(torch.float32)  # the same bytes, a lossless frame
-        slots: list[_Slot] = []
+        slots: list[Slot] = []
         for i, (chunks, owners) in enumerate(self.placement.shards(members, t)):
             for c, (lo, hi) in enumerate(chunks):
                 own = ring[lo:hi] if me in owners else None
                 packet = self.codec.encode(ring[lo:hi], copy=False) if any(o != me for o in owners) else None
-                slot = _Slot(i, c, owners, lo, hi - lo, own, packet)
+                slot = Slot(i, c, owners, lo, hi - lo, own, packet)
                 if packet is not None:
                     slot.sig = self._contributions.sign_part(t, i, c, view, weight, packet, masked.recipe, state)
                 slots.append(slot)
@@ -446,436 +430,6 @@ class ShardedReducer:
     async def _take_kept_here(self, t: int) -> Any:
         return self.retention.take(t)
 
-    def _apply(self, t: int, members: tuple[str, ...], vector: torch.Tensor,
-               results: list[ShardResult]) -> ReduceResult:
-        """The round's outcome, decided here and nowhere else. Each chunk commits or is skipped,
-        the same way on every member: one that came back averaged is written over the local
-        values (every member decodes the same signed packet); one that did not (its owner died
-        or stalled before it answered, its owners disagreed, it could not be unmasked) takes
-        `unaveraged` on every member (0 for an update: nobody applies its own), or keeps the
-        local values where the reducer averages state. Then who was missing is collected."""
-        me, synced, lost = self.node.peer_id, False, set()
-        missing: dict[str, int] = {}  # member -> averages it is missing from
-        averaged = 0
-        skipped = self._skipped.get(t, frozenset())
-        bounds = self.placement.bounds(members, t)
-        for (lo, hi), res in zip(bounds, results):
-            avg = None
-            if res.packet is None:
-                reason = res.reason
-            else:
-                try:
-                    avg = _decode_flat(to_device(res.packet, vector.device))  # decoded where it is used
-                    if avg.numel() != hi - lo:
-                        raise ValueError(f"{avg.numel()} values for a chunk of {hi - lo}")
-                except Exception as exc:  # a bad reply costs one chunk's average, not the round
-                    log.warning("%s: bad average for %s shard %d chunk %d from %s: %s", me, self.topic, res.shard,
-                                res.chunk, res.owner, exc)
-                    avg, reason = None, f"bad average: {exc}"
-                if avg is not None and not self._within_bound(t, (lo, hi), res, avg, vector[lo:hi]):
-                    avg, reason = None, "an average larger than its parts allow"
-            if avg is None:
-                log.info("%s: %s shard %d chunk %d of round %d was not averaged (%s): %s", me, self.topic, res.shard,
-                         res.chunk, t, reason, "keeps its local values" if self.unaveraged is None
-                         else f"every member writes {self.unaveraged:g}")
-                if self.unaveraged is not None:
-                    vector[lo:hi].fill_(self.unaveraged)
-                lost.add(res.owner)
-                continue
-            vector[lo:hi].copy_(avg)
-            left_out = set(members) - set(res.contributors)
-            lost.update(left_out)
-            averaged += 1
-            for member in left_out:  # this peer too: `lost` drops it below, `absent` keeps it
-                missing[member] = missing.get(member, 0) + 1
-            synced = synced or len(res.contributors) > 1
-        lost.discard(me)
-        ahead = max([t] + [r.owner_round for r in results])
-        shares = next((r.shares for r in results if r.shares), ())
-        absent = {m for m, n in missing.items() if n == averaged} - skipped
-        if not averaged and self.unaveraged is not None and len(members) > 1:
-            absent = set(members) - skipped  # every chunk skipped: nobody's part counted
-        if ahead > t:  # the owners had gone on: nothing of this peer's counted in this round
-            absent.add(me)
-        diverged = any(r.diverged for r in results if r.packet is not None)
-        return ReduceResult(t, synced, len(members) - len(lost), tuple(sorted(lost - skipped)), ahead,
-                            tuple(sorted(lost & skipped)), shares, tuple(sorted(absent)), diverged)
-
-    def _within_bound(self, t: int, bounds: tuple[int, int], res: ShardResult, avg: torch.Tensor,
-                      mine: torch.Tensor) -> bool:
-        """Caller's thread: whether an owner's robust average stays within what its signed
-        scores allow (`Suspicion.over_bound`), where its parts alone give it (checked or
-        replicated owners). Every member sees the same signed answer, so every member leaves an
-        answer over the bound out alike, and accuses its owner. A member whose own |part|^2 the
-        owner misstated (to widen the bound) accuses it too: only that member can tell."""
-        if (self.suspicion is None or not self.defences.fixed_answers or res.scores is None
-                or res.owner == self.node.peer_id):
-            return True
-        slack = 1.0 + 1e-5 if self.average_codec.lossless else LOSSY_AVERAGE_SLACK
-        me = self.node.peer_id
-        if (me in res.contributors and self.codec.lossless and mine.device.type == "cpu"
-                and self.suspicion.own_row_wrong(bounds, mine, res.scores[1][res.contributors.index(me)])):
-            log.warning("%s: %s round %d: %s signed a size of my part that is not my part's", me, self.topic, t,
-                        res.owner)
-            self.node.submit(self._accuse_owner(res.owner, t, MISSCORED, res))
-        if not self.suspicion.over_bound(bounds, avg, res.scores, slack):
-            return True
-        log.warning("%s: %s shard %d chunk %d of round %d: %s's average is larger than its parts allow; left out",
-                    me, self.topic, res.shard, res.chunk, t, res.owner)
-        self.node.submit(self._accuse_owner(res.owner, t, UNBOUNDED, res))
-        return False
-
-    async def _accuse_owner(self, owner: str, t: int, kind: str, res: ShardResult) -> None:
-        key = self._trust.key_of(owner)
-        if key is not None:
-            self._trust.accuse(Evidence(kind, owner, key, t, {"topic": self.topic, "shard": res.shard,
-                                                              "chunk": res.chunk}))
-
-    # ------------------------------------------------------------------ network thread
-    async def _round(self, t: int, members: tuple[str, ...], slots: list[_Slot],
-                     own_private: bool, weight: float | None = None,
-                     recipe: Recipe | None = None, masked: Masked | None = None,
-                     state: bytes | None = None) -> list[ShardResult]:
-        me = self.node.peer_id
-        self._latest_round = max(self._latest_round, t)
-        view = self._known_views.add(members)  # my parts name it by digest; owners know it from theirs
-        riding: dict[tuple[int, int, str], tuple[int, bytes]] = {}  # (shard, chunk, owner) -> my share for it
-        if masked is not None and self._secure is not None:
-            # My seed's shares: each rides on my first part to its holder where the holder owns a
-            # shard, the others go on their own, before my parts.
-            loose = dict(masked.deals)
-            for slot in slots:
-                for owner in slot.owners:
-                    deal = loose.pop(owner, None)
-                    if deal is not None:
-                        riding[slot.shard, slot.chunk, owner] = (deal.x, deal.box)
-            await self._secure.deal(masked, loose)
-        jobs = []
-        for slot in slots:
-            for owner in slot.owners:
-                if owner == me:
-                    assert slot.own is not None
-                    signed = None  # my own part as I signed it, where checkers may ask for it
-                    if slot.packet is not None and slot.sig is not None and self.checks is not None:
-                        signed = SignedPart(view, weight, slot.packet, slot.sig,
-                                            content_digest(slot.packet.header, slot.packet.buffers), recipe, state)
-                    jobs.append(self._reduce_own(t, members, view, slot.shard, slot.chunk, slot.own, own_private,
-                                                 weight, state, signed))
-                else:
-                    assert slot.packet is not None and slot.sig is not None
-                    jobs.append(self._send_part(t, members, view, slot, owner, weight, recipe,
-                                                riding.get((slot.shard, slot.chunk, owner)), state))
-        results = iter(await asyncio.gather(*jobs))
-        self._forget_before(t - _KEEP_CLOSED_ROUNDS)
-        chosen = [self._vote(t, view, slot, [next(results) for _ in slot.owners]) for slot in slots]
-        if self.checks is not None:
-            self.checks.after_round(t, members, chosen)
-        if self.suspicion is not None:
-            self.suspicion.verdict(t)
-        return chosen
-
-    def _vote(self, t: int, view: bytes, slot: _Slot, answers: list[ShardResult]) -> ShardResult:
-        """One chunk's answer from its owners' signed ones (collectives/voting.py), shown to the
-        round's seams."""
-        chosen = self._votes.choose(t, view, answers)
-        for seam in self._seams:
-            seam.on_chosen(t, (slot.lo, slot.lo + slot.numel), slot.owners, chosen)
-        if self.suspicion is not None and chosen.packet is not None:
-            self.suspicion.take(t, chosen.contributors, chosen.scores)
-        return chosen
-
-    async def _reduce_own(self, t: int, members: tuple[str, ...], view: bytes, i: int, c: int,
-                          part: torch.Tensor, private: bool, weight: float | None,
-                          state: bytes | None = None, signed: SignedPart | None = None) -> ShardResult:
-        me = self.node.peer_id
-        # private: start() cloned it, so it may become the sum; else a view of the caller's
-        # vector, which the group reads and never writes
-        reply, buffers = await self._reduce((t, members, i, c), me, part, owned=private,
-                                            weight=1.0 if weight is None else weight, state=state, signed=signed)
-        refused = Refused.from_wire(reply)
-        if refused is not None:
-            return ShardResult(i, c, me, None, reason=refused.reason)
-        average = Average.from_wire(reply, members)  # my own group's answer: well formed
-        packet = Packet(self._avg_headers.incoming(average.header, part.numel()), buffers)
-        content = vote_key(content_digest(packet.header, packet.buffers), average.scores) if self._replicated else None
-        return ShardResult(i, c, me, packet, average.contributors, shares=average.shares, content=content,
-                           sig=average.sig, diverged=average.diverged, scores=average.scores)
-
-    async def _send_part(self, t: int, members: tuple[str, ...], view: bytes, slot: _Slot, owner: str,
-                         weight: float | None = None, recipe: Recipe | None = None,
-                         deal: tuple[int, bytes] | None = None, state: bytes | None = None) -> ShardResult:
-        i, c, numel, packet = slot.shard, slot.chunk, slot.numel, slot.packet
-        assert packet is not None
-        # Counted in awake time: an average that came while this loop was stalled is read, not dropped.
-        deadline = AwakeDeadline(self._reply_within_s)
-        part = Part(t, i, c, self._part_headers.outgoing(packet.header, numel), view=view, weight=weight,
-                    sig=slot.sig, recipe=recipe, deal=deal, state=state)
-        try:
-            msg = await request_patiently(self.node, owner, self.topic, part.to_wire(), packet.buffers, deadline,
-                                          self.timeouts.retry_interval_s)
-            if refusal_of(msg.body) is Refusal.UNKNOWN_VIEW:  # the owner never saw my list: send it whole
-                msg = await request_patiently(self.node, owner, self.topic, part.with_members(members).to_wire(),
-                                              packet.buffers, deadline, self.timeouts.retry_interval_s)
-        except RemoteError as exc:
-            return ShardResult(i, c, owner, None, reason=str(exc))
-        except Exception as exc:  # timeout, dead or unknown owner
-            return ShardResult(i, c, owner, None, reason=f"{type(exc).__name__}: {exc}")
-        refused = Refused.from_wire(msg.body)
-        if refused is not None:
-            if refused.owner_round > t:  # the owner has moved past this round: my groups stop waiting for it
-                self._saw_ahead(owner, refused.owner_round)
-            return ShardResult(i, c, owner, None, reason=f"owner refused: {refused.reason}",
-                                owner_round=refused.owner_round)
-        try:
-            average = Average.from_wire(msg.body, members)
-            result = packet_from_wire(self._avg_headers.incoming(average.header, numel), msg.payload)
-        except Exception as exc:
-            return ShardResult(i, c, owner, None, reason=f"malformed average: {exc}")
-        content = self._contributions.verify_average(owner, t, i, c, view, average.contributors, result, average.sig,
-                                                     average.scores)
-        if content is None:  # altered on the way, or not the owner's word: worth nothing
-            self._trust.note(owner, "bad_signature")
-            self._refuse.count("bad_average_signature", f"round {t} shard {i} chunk {c} from {owner}")
-            return ShardResult(i, c, owner, None, reason="average not signed by its owner")
-        contributors = average.contributors
-        if owner not in contributors:
-            # An owner's group waits for the owner's own part unless it saw the owner take part
-            # in round t under another view (or move past it): my groups of round t stop waiting
-            # for it too. A joiner that counts everyone in round t, which the others began before
-            # they knew it, gets no part from them and would wait out the round timeout.
-            self._saw_view(t, owner, ())
-        fault_point("reduce.member.first_average", t)
-        return ShardResult(i, c, owner, result, contributors, shares=average.shares, content=content,
-                           sig=average.sig, diverged=average.diverged, scores=average.scores)
-
-    async def _on_part(self, msg: Message) -> Reply | dict[str, Any]:
-        """An owner receives one member's part; its answer is the shard's average."""
-        me = self.node.peer_id
-        if not self._is_open():
-            return refusal(Refusal.CLOSED, "protocol closed")
-        try:
-            if Skip.is_one(msg.body):  # the sender sends nothing in that round
-                self._saw_skip(Skip.from_wire(msg.body).round, msg.sender)
-                return {"ok": True}
-            body = Part.from_wire(msg.body)
-        except BodyError as exc:
-            return self._refuse(Refusal.MALFORMED, str(exc))
-        members = body.members
-        if members is None:  # named by digest: a list I know, or none
-            members = self._known_views.resolve(body.view, self._current_view)
-        if members is None:  # not bad input: my view changed, or the sender's; it sends the list
-            return refusal(Refusal.UNKNOWN_VIEW, "no member list of that digest here: send it whole")
-        if msg.sender not in members:
-            return self._refuse(Refusal.MALFORMED, "members must include the sender")
-        t, i, c = body.step, body.shard, body.chunk
-        if body.deal is not None and self._secure is not None:  # the sender's share of its mask seed, for me
-            self._secure.take_deal(msg.sender, t, view_digest(members), *body.deal)
-        shards = self.placement.shards(members, t)
-        if i >= len(shards) or me not in shards[i][1]:
-            return self._refuse(Refusal.NOT_OWNER, f"this peer does not own shard {i} of that member list")
-        chunks = shards[i][0]
-        if c >= len(chunks):
-            return self._refuse(Refusal.BAD_CHUNK, f"shard {i} has {len(chunks)} chunks, not a chunk {c}")
-        if body.members is not None:
-            self._known_views.add(members)
-        key = (t, members, i, c)
-        answer = self._answers.get(key)  # the group closed: a late part gets its average, once signed
-        if answer is None and (key in self._closed or t < self._latest_round):
-            return refusal(Refusal.LATE, "the round already closed", step=self._latest_round)
-        lo, hi = chunks[c]
-        try:
-            packet = packet_from_wire(self._part_headers.incoming(body.header, hi - lo), msg.payload)
-        except Exception as exc:
-            return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
-        view = body.view if body.view is not None else view_digest(members)
-        content = self._contributions.verify_part(msg.sender, t, i, c, view, body.weight, packet, body.sig,
-                                                  body.recipe, body.state)
-        if content is None:  # altered on the way, or not its sender's: held against nobody
-            self._trust.note(msg.sender, "bad_signature")
-            return self._refuse(Refusal.BAD_SIGNATURE, f"round {t} shard {i} chunk {c}: not signed by its sender")
-        if answer is not None:  # late: the average the group's contributors got, without this part
-            self._saw_view(t, msg.sender, members)
-            return Reply(*answer)
-        signed = SignedPart(view, body.weight, packet, body.sig, content, body.recipe,  # type: ignore[arg-type]
-                            body.state)
-        for seam in self._seams:  # a defence may turn the part away (and take its signature as evidence)
-            turned_away = seam.on_part(msg.sender, t, i, c, signed, packet)
-            if turned_away is not None:
-                return turned_away
-        try:
-            part = _decode_flat(packet)
-            if part.numel() != hi - lo:
-                raise ValueError(f"{part.numel()} values for a chunk of {hi - lo}")
-        except Exception as exc:
-            return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
-        reply, buffers = await self._reduce(key, msg.sender, part, owned=not _shares_memory(part, packet),
-                                            weight=1.0 if body.weight is None else body.weight, signed=signed,
-                                            state=body.state)
-        return Reply(reply, buffers)
-
-    def _current_view(self) -> tuple[str, ...]:
-        return tuple(sorted({*self.node.live_peers_here(), self.node.peer_id}))
-
-    async def _reduce(self, key: GroupKey, sender: str, part: torch.Tensor, owned: bool = False,
-                      weight: float = 1.0, signed: SignedPart | None = None, state: bytes | None = None
-                      ) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
-        """Add a part to its group and wait for the group to close (all in, or timeout)."""
-        t, members = key[0], key[1]
-        group = self._groups.get(key)
-        if group is not None and group.closing and sender not in group.contributors:
-            await group.replied.wait()  # late for a group being averaged: it gets what the others get
-            return group.reply if group.reply is not None else (refusal(Refusal.LATE, "the round already closed"), ())
-        if key in self._closed:
-            answer = self._answers.get(key)
-            return answer if answer is not None else (refusal(Refusal.LATE, "the round already closed"), ())
-        if group is None:
-            others = {p for p in members if self._views.get((t, p), members) != members
-                      or self._peer_round.get(p, t) > t}
-            group = ShardGroup(members, set(members) - self._gone - others - self._skipped.get(t, frozenset()),
-                               summing=self._secure is None)
-            self._groups[key] = group
-            # closes it round_timeout_s after its first part, in awake time: a part that came
-            # while the loop was stalled is read before the group gives up on it
-            group.timer = asyncio.ensure_future(close_in_time(self.timeouts.round_timeout_s, group.done,
-                                                              lambda: self._finish(key, group)))
-        if sender in group.contributors:
-            return self._refuse(Refusal.DUPLICATE, "duplicate part"), ()
-        group.add(sender, part, owned, weight)
-        if signed is not None:  # kept until the group closes: the evidence, if the part turns out bad
-            group.signed[sender] = signed
-        if state is not None:
-            group.states[sender] = state
-        self._saw_view(t, sender, members)
-        if group.complete():
-            self._finish(key, group)
-        if not group.done.is_set():
-            await group.done.wait()  # set by _finish: all parts in, or the group's timer
-        if group.reply is None and group.closing:  # a robust average still on its worker thread
-            await group.replied.wait()
-        assert group.reply is not None
-        if sender in group.bad:
-            return self._refuse(Refusal.NOT_FINITE, "bad part: values that are not finite (NaN or Inf)"), ()
-        return group.reply
-
-    def _finish(self, key: GroupKey, group: ShardGroup) -> None:
-        """Close a group: average it and answer every contributor. The plain mean is one pass,
-        done here. A robust aggregator is many (sorts, clipping iterations: about a second for
-        64 parts of 1M values), so it runs on a worker thread; secure aggregation first asks the
-        survivors for the shares that unmask the sum. Meanwhile this loop keeps moving other
-        rounds' bytes, and the group takes no part."""
-        if group.reply is not None or group.closing:
-            return
-        group.closing = True
-        t, members, i, c = key
-        if any(s != self.node.peer_id for s in group.contributors):
-            fault_point("reduce.owner.closing", t)
-        bounds = self.placement.shards(members, t)[i][0][c]
-        aggregator = self.defences.aggregator
-        if self._secure is not None:
-            self._answer_later(key, group, bounds, self._secure.close(t, members, view_digest(members), i, c, bounds,
-                                                                      group))
-        elif aggregator.robust:
-            # checked or replicated owners start from the median: their average is their parts' alone
-            center = None if self.defences.fixed_answers else self.screening.center(bounds)
-            self._answer_later(key, group, bounds, asyncio.get_running_loop().run_in_executor(
-                None, group.average, aggregator, center))
-        else:
-            self._answer(key, group, bounds, group.average)
-
-    def _answer_later(self, key: GroupKey, group: ShardGroup, bounds: tuple[int, int], averaging: Any) -> None:
-        """Answer once `averaging` (an awaitable of what `group.average` returns) is done; one
-        that fails answers its failure, so that no group stays open."""
-        async def then() -> None:
-            try:
-                result = await averaging
-            except Exception as exc:
-                failure = exc
-
-                def failed() -> Any:
-                    raise failure
-                self._answer(key, group, bounds, failed)
-            else:
-                self._answer(key, group, bounds, lambda: result)
-        task = asyncio.ensure_future(then())
-        self._averaging.add(task)
-        task.add_done_callback(self._averaging.discard)
-
-    def _answer(self, key: GroupKey, group: ShardGroup, bounds: tuple[int, int],
-                average: Callable[[], tuple[torch.Tensor, dict[str, float] | None, Verdict]]) -> None:
-        """Judge the group's parts, sign its average and answer every contributor (network thread)."""
-        t, members, i, c = key
-        try:
-            avg, shares, verdict = average()
-            for seam in self._seams:
-                seam.on_close(t, i, c, bounds, group, verdict, avg)
-            if not group.contributors:
-                group.reply = (refusal(Refusal.NOT_FINITE, "no part was finite"), ())
-            else:
-                if self.average_codec.zero_copy:  # lossless too, and the sum is private and final: send it
-                    packet = self.average_codec.encode(avg, copy=False)
-                else:
-                    packet = encode(self.average_codec, self._avg_feedback, avg, f"avg{i}.{c}/{len(members)}")
-                contributors = tuple(sorted(group.contributors))
-                scores = (self.suspicion.scores(bounds, [group.received.get(m) for m in contributors])
-                          if self.suspicion is not None else None)
-                sig = self._contributions.sign_average(t, i, c, view_digest(members), contributors, packet, scores)
-                # shares only when weights differed: equal ones send what they always did
-                diverged = len({s for m in contributors if (s := group.states.get(m)) is not None}) > 1
-                answer = Average(self._avg_headers.outgoing(packet.header, avg.numel()), contributors,
-                                 tuple(sorted(shares.items())) if shares is not None else (), sig, diverged, scores)
-                group.reply = (answer.to_wire(members), packet.buffers)
-                self._answers[key] = group.reply
-                for old in [k for k in self._answers if k[0] <= t - _KEEP_ANSWERS]:
-                    del self._answers[old]
-        except Exception as exc:  # every contributor gets an answer, never a group that stays open
-            log.exception("%s: %s shard %d chunk %d of round %d: averaging failed", self.node.peer_id,
-                          self.topic, i, c, t)
-            group.reply = (refusal(Refusal.CLOSE_FAILED, f"the owner could not average: {type(exc).__name__}: {exc}"),
-                           ())
-        missing = group.expected - set(group.contributors)
-        if missing:
-            log.info("%s: %s shard %d chunk %d of round %d closed without %s", self.node.peer_id, self.topic,
-                     i, c, t, sorted(missing))
-        group.done.set()
-        group.replied.set()
-        self._groups.pop(key, None)
-        self._closed[key] = t
-
-    def _saw_skip(self, t: int, peer: str) -> None:
-        """`peer` sends nothing in round t: no group of round t waits for it, nor will one made later."""
-        self._skipped[t] = self._skipped.get(t, frozenset()) | {peer}
-        if len(self._skipped) > _KEEP_SKIPS:
-            del self._skipped[min(self._skipped)]
-        for key, group in list(self._groups.items()):
-            if key[0] == t:
-                self._stop_waiting_for(key, group, peer)
-
-    def _saw_view(self, t: int, sender: str, members: tuple[str, ...]) -> None:
-        """A sender used `members` in round t: groups of other views of that round, and groups
-        of earlier rounds (it has moved past them), stop waiting for it."""
-        self._views[(t, sender)] = members
-        self._peer_round[sender] = max(self._peer_round.get(sender, t), t)
-        for key, group in list(self._groups.items()):
-            if key[0] < t or (key[0] == t and key[1] != members):
-                self._stop_waiting_for(key, group, sender)
-
-    def _saw_ahead(self, peer: str, t: int) -> None:
-        """A peer said it is in round t: groups of earlier rounds stop waiting for it."""
-        self._peer_round[peer] = max(self._peer_round.get(peer, t), t)
-        for key, group in list(self._groups.items()):
-            if key[0] < t:
-                self._stop_waiting_for(key, group, peer)
-
-    def _stop_waiting_for(self, key: GroupKey, group: ShardGroup, peer: str) -> None:
-        group.expected.discard(peer)
-        if group.contributors and group.complete():
-            self._finish(key, group)
-
-    def _forget_before(self, t: int) -> None:
-        self._closed = {k: r for k, r in self._closed.items() if r >= t}
-        self._views = {k: v for k, v in self._views.items() if k[0] >= t}
-        self._skipped = {r: p for r, p in self._skipped.items() if r >= t}
-
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """This peer's error-feedback residuals (of its parts, and of the averages it owns):
@@ -899,15 +453,5 @@ class ShardedReducer:
         self._gone.discard(peer_id)
 
 
-def _decode_flat(packet: Packet) -> torch.Tensor:
-    """The packet's values as a 1-D tensor, by the codec its header names. A zero-copy codec's
-    packet is read in place, as a view of its wire buffer: a copy would be wasted, since every
-    value is read once (added to a sum, or copied into the caller's vector) and never written."""
-    return decode(packet, copy=False).reshape(-1)
-
-
-def _shares_memory(part: torch.Tensor, packet: Packet) -> bool:
-    """Whether a decoded part is a view of the wire buffers it came from."""
-    storage = part.untyped_storage().data_ptr()
-    return any(b.untyped_storage().data_ptr() == storage for b in packet.buffers)
-
+__all__ = ["LOSSY_AVERAGE_SLACK", "MISSCORED", "UNBOUNDED", "PendingReduce", "ReduceResult", "ReduceTimeouts",
+           "ShardedReducer"]
