@@ -5,6 +5,8 @@ it has them), or a model's name on the Hugging Face hub. The data are the `gpt` 
 (`tasks/textlm.py`): `data` is tokenized once into a token file and cut into units of
 `batch_size` rows of `seq_len + 1` tokens, which a swarm hands out (or `partition` cuts); the
 last `eval_fraction` of them is held out, and `evaluate` reads the first `eval_batches` of those.
+A ``stream:`` corpus is read a unit at a time instead; the loss leaves out the padded targets of
+a unit's last row, and a unit with no text adds a loss of 0, not NaN (`token_loss`).
 
 `pretrained` says where the initial weights come from:
 
@@ -43,13 +45,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from starling.common import derive_seed
 from starling.common.devices import resolve_dtype, to_model_device
 from starling.common.options import parse_bool
 
-from .textlm import Batch, TextDataConfig, TextLMTask
+from .textlm import Batch, TextDataConfig, TextLMTask, token_loss
 
 PREFIX = "hf:"
 INSTALL_HINT = "install it with `pip install 'starling[hf]'`"
@@ -198,7 +199,7 @@ class HFCausalLMTask(TextLMTask):
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         x, y = (to_model_device(t, model) for t in batch)
         logits = model(input_ids=x, use_cache=False).logits
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        return token_loss(logits, y)  # a streamed unit with no text (every target ignored): 0, not NaN
 
 
 def _import_transformers(model: str) -> Any:

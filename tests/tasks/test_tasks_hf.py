@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.nn import functional as F
 
+from starling.data.streaming import IGNORE_INDEX
 from starling.node.identity import Identity
 from starling.runtime import CheckpointConfig, Trainer, TrainSpec
 from starling.tasks import TaskSpecError, get_task
@@ -107,6 +109,29 @@ def test_bfloat16_parameters_and_a_float32_loss(model_folder, corpus, tmp_path):
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_streamed_unit_with_no_text_has_loss_zero_not_nan(model_folder, tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "a-empty.jsonl").write_text('{"text": ""}\n' * 20)  # units that hold no document's text
+    (shards / "b-text.jsonl").write_text("".join(f'{{"text": "line {n}: the quick brown fox"}}\n' for n in range(40)))
+    task = get_task(f"hf:{model_folder}", data=f"stream:{shards}", unit_bytes=64, seq_len=16, batch_size=2,
+                    cache_dir=str(tmp_path / "tokens"))
+    model = task.make_model()
+    empty = task.unit_batch(0)
+    assert bool((empty[1] == IGNORE_INDEX).all())
+    loss = task.loss(model, empty)
+    assert loss.item() == 0.0  # not NaN: nothing to train, and nothing moves
+    loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+    last = task.data_units() - 1  # text, its last row padded with ignored targets
+    inputs, targets = task.unit_batch(last)
+    assert bool((targets == IGNORE_INDEX).any()) and bool((targets != IGNORE_INDEX).any())
+    logits = model(input_ids=inputs, use_cache=False).logits
+    expected = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    assert torch.allclose(task.loss(model, (inputs, targets)), expected)
 
 
 def test_the_model_folders_own_tokenizer_is_the_default(tmp_path, corpus):
