@@ -95,6 +95,12 @@ def node_start(
     task_opt: Optional[List[str]] = typer.Option(None, "--task-opt", help="Task option NAME=VALUE (repeatable)."),
     data: Optional[str] = data_option(),
     tokenizer: Optional[str] = tokenizer_option(),
+    data_scope: str = typer.Option(
+        "swarm", "--data-scope", metavar="swarm|local",
+        help="swarm: the swarm trains one corpus, the first node's --data, handed out in units by its ledger. "
+             "local: every member trains its own --data (private to it: the swarm's config names none) in epochs "
+             "of its own, weighed by what it trained; the members must agree on the task, --seq-len and the "
+             "tokenizer (compared by content). Give it on every member."),
     seq_len: Optional[int] = seq_len_option(),
     seed: int = typer.Option(0, "--seed", help="Swarm seed (data order, shared randomness)."),
     shard: Optional[str] = typer.Option(
@@ -195,7 +201,7 @@ def node_start(
         launch = NodeLaunch(protocol, task, protocol_options(opt, ctx.args, compressor=compressor,
                                                              lr=None if lr is None else str(lr)),
                             task_options, seed, steps, joining=bool(join),
-                            resume_from=resume, replica_ranks=nproc_per_replica)
+                            resume_from=resume, replica_ranks=nproc_per_replica, data_scope=data_scope)
         if nproc_per_replica > 1 and join and "WORLD_SIZE" not in os.environ:  # about to spawn its ranks
             check_replica_size(join, nproc_per_replica, key)
         replica = launch_replica(nproc_per_replica, shard_sync=shard_sync, timeout_s=replica_timeout_s, device=device)

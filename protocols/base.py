@@ -158,6 +158,7 @@ class Protocol(ABC):
         # (the data ledger), added to the state digest a round's parts name: members whose
         # ledgers differ are flagged apart like members whose parameters differ.
         self.round_context: Callable[[], bytes] | None = None
+        self.next_step_work = 1.0  # `weigh_next_step`: the share of a full batch the next step trains
         if self.topic_prefix is not None:  # counting from before any topic is served
             self.meter = ByteMeter(node, self.topic_prefix)
 
@@ -168,6 +169,12 @@ class Protocol(ABC):
     @abstractmethod
     def step(self, loss_fn: LossFn) -> StepReport:
         """One training step (local compute plus whatever exchange the schedule calls for)."""
+
+    def weigh_next_step(self, work: float) -> None:
+        """How much training the next step is, as a share of a full batch (a member of a swarm
+        of its own data whose batch was partly padding). A protocol whose contributions are
+        weighed by the training behind them (DiLoCo: the inner steps) counts it; others ignore it."""
+        self.next_step_work = work
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a joiner needs to continue in lock-step with the swarm, plus, under

@@ -22,6 +22,13 @@ from typing import Any
 
 from starling.runtime.checkpoint import CheckpointError, CheckpointStore
 from starling.runtime.replication import REPLICA_RANKS_KEY, SHARD_RANK_KEY, Replication
+from starling.runtime.spec import (
+    DATA_SCOPE_KEY,
+    DATA_SCOPES,
+    LOCAL_DATA_OPTIONS,
+    TOKENIZER_KEY,
+    tokenizer_fingerprint,
+)
 from starling.runtime.trainer import TrainSpec, with_run_length
 
 DEFAULT_TASK = "charlm"  # what a first node that names no task trains
@@ -39,6 +46,8 @@ class NodeLaunch:
     the ranks of this peer's replica (1 for a single process); every replica of a swarm has
     as many as its first. `shard_rank`: this process is that rank of a replica whose ranks
     each sync their own shard (`runtime/shard_sync.py`), a peer of that rank's sub-swarm.
+    `data_scope`: "local" when this peer trains its own data (its task options that name it,
+    `LOCAL_DATA_OPTIONS`, stay out of the swarm's config; `runtime/spec.py`).
 
     A launch of many ranks that will not train is refused at construction (ValueError); call
     `resolve()` for the launch this peer starts with.
@@ -54,8 +63,14 @@ class NodeLaunch:
     resume_from: str | Path | None = None
     replica_ranks: int = 1
     shard_rank: int | None = None  # with every rank syncing its own shard: this rank's (its sub-swarm)
+    data_scope: str = "swarm"
+    tokenizer: str | None = None  # with data scope local: the fingerprint of this peer's tokenizer (`resolve`)
 
     def __post_init__(self) -> None:
+        if self.data_scope not in DATA_SCOPES:
+            raise ValueError(f"--data-scope {self.data_scope!r}: expected one of {', '.join(DATA_SCOPES)}")
+        if self.data_scope == "local" and not self.task_options.get("data"):
+            raise ValueError("--data-scope local trains this member's own data: give --data")
         if self.replica_ranks < 1:
             raise ValueError(f"replica_ranks must be >= 1, got {self.replica_ranks}")
         if self.replica_ranks > 1 and not self.may_train:
@@ -82,16 +97,40 @@ class NodeLaunch:
         launch = self
         if self.resume_from is not None and self.protocol is None and not self.joining:
             saved = newest_checkpoint_spec(self.resume_from)
+            # a member of a local swarm keeps the data it names now (its own, never in a checkpoint's config)
+            own = {k: v for k, v in self.task_options.items() if k in LOCAL_DATA_OPTIONS} if saved.local else {}
             launch = replace(self, protocol=saved.protocol, task=saved.task,
-                             options={**saved.options, **self.options}, task_options=dict(saved.task_options),
-                             seed=saved.seed)
+                             options={**saved.options, **self.options},
+                             task_options={**saved.task_options, **own}, seed=saved.seed,
+                             data_scope=saved.data_scope)
         if launch.protocol is None:
-            if launch.task is not None or launch.options or launch.task_options:
+            # a member of a local swarm names its data, so its task, whatever protocol it joins
+            told = launch.task is not None or launch.task_options
+            if launch.options or (told and not (launch.local and launch.joining)):
                 raise ValueError("--task and protocol options need --protocol "
                                  "(or join a training swarm without them)")
         else:
             launch.spec().check()
+        if launch.local:  # what the swarm checks of this member's own data: its tokenizer's content
+            from starling.tasks import get_task
+
+            fingerprint = tokenizer_fingerprint(get_task(launch.task or "gpt", **launch.task_options))
+            launch = replace(launch, tokenizer=fingerprint)
         return launch
+
+    @property
+    def local(self) -> bool:
+        """Whether this peer trains its own data (data scope local)."""
+        return self.data_scope == "local"
+
+    def own_data_options(self) -> dict[str, Any]:
+        """The task options that name this peer's own data (empty unless data scope local)."""
+        if not self.local:
+            return {}
+        return {k: v for k, v in self.task_options.items() if k in LOCAL_DATA_OPTIONS}
+
+    def _swarm_task_options(self) -> dict[str, Any]:
+        return {k: v for k, v in self.task_options.items() if not (self.local and k in LOCAL_DATA_OPTIONS)}
 
     def replicated(self, replication: Replication) -> NodeLaunch:
         """This launch for a process of `replication` (`runtime/replica_launch.py`): its replica's
@@ -107,7 +146,8 @@ class NodeLaunch:
             return None
         return TrainSpec(self.protocol, self.task or DEFAULT_TASK, with_run_length(self.protocol, self.options,
                                                                                    self.steps),
-                         dict(self.task_options), self.seed)
+                         self._swarm_task_options(), self.seed, self.data_scope, self.own_data_options(),
+                         self.tokenizer)
 
     def swarm_config(self) -> dict[str, Any] | None:
         """What this peer says at hello (`Node.start(swarm_config=...)`), None for nothing.
@@ -124,10 +164,19 @@ class NodeLaunch:
             wanted = spec.to_swarm_config()
             if self.joining:
                 given = {"protocol": True, "task": self.task is not None, "options": bool(self.options),
-                         "task_options": bool(self.task_options), "seed": False}
+                         "task_options": bool(self._swarm_task_options()), "seed": False,
+                         DATA_SCOPE_KEY: True, TOKENIZER_KEY: True}
                 wanted = {k: v for k, v in wanted.items() if given[k]}
                 if "options" in wanted:
                     wanted["options"] = dict(self.options)
+        if spec is None and self.local and self.joining:  # what it trains, compared with the swarm's
+            wanted["task"] = self.task or "gpt"
+            if self._swarm_task_options():
+                wanted["task_options"] = self._swarm_task_options()
+        if "data" in self.task_options:  # a swarm of the other data scope refuses it at hello
+            wanted[DATA_SCOPE_KEY] = self.data_scope
+            if self.local and self.tokenizer is not None:
+                wanted[TOKENIZER_KEY] = self.tokenizer
         if self.may_train:
             wanted[REPLICA_RANKS_KEY] = self.replica_ranks
             if self.shard_rank is not None:  # a node of another rank is refused at hello

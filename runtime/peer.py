@@ -19,6 +19,7 @@ from starling.runtime.replica import Replica
 from starling.runtime.replication import ReplicaGroup, Replication, Single
 from starling.runtime.shard_sync import ShardSync
 from starling.runtime.simconfig import SimConfig, SimError, seeded_identity, sim_liveness, wait_for
+from starling.runtime.spec import LOCAL_DATA_OPTIONS, tokenizer_fingerprint
 from starling.runtime.summary import PeerResult, json_data, sent_by_topic
 from starling.runtime.trainer import CheckpointConfig, Trainer, TrainSpec
 from starling.tasks import Task
@@ -76,8 +77,17 @@ class SimPeer:
         return self.node.address
 
     def spec(self) -> TrainSpec:
+        """What the simulated swarm trains. A partitioned corpus (`partition`) is a swarm of each
+        member's own data, as `node start --data-scope local` runs one: every peer trains its own
+        part in epochs of its own, weighed by what it trained, with no swarm ledger."""
+        options = dict(self.config.task_options)
+        if not options.get("partition"):
+            return TrainSpec(self.config.protocol, self.config.task, self.config.protocol_options(), options,
+                             self.config.seed)
+        own = {k: v for k, v in options.items() if k in LOCAL_DATA_OPTIONS}
         return TrainSpec(self.config.protocol, self.config.task, self.config.protocol_options(),
-                         dict(self.config.task_options), self.config.seed)
+                         {k: v for k, v in options.items() if k not in own}, self.config.seed, "local", own,
+                         tokenizer_fingerprint(self.task))
 
     def create_protocol(self) -> None:
         checkpoint = None

@@ -131,8 +131,11 @@ class PeerRun:
                replication: Replication) -> Record | None:
         from starling.runtime.metrics import TrainingProgress
 
-        spec = TrainSpec.from_swarm_config(node.swarm_config)
-        rank, world = self.shard or (shard_for(node.peer_id, DEFAULT_WORLD), DEFAULT_WORLD)
+        # a swarm of each member's own data: this member's, and its tokenizer checked against the swarm's
+        spec = TrainSpec.from_swarm_config(node.swarm_config).with_own_data(self.launch.own_data_options())
+        # a member's own data is all its own: one shard of one, unless it is told to cut it
+        default = (0, 1) if spec.local else (shard_for(node.peer_id, DEFAULT_WORLD), DEFAULT_WORLD)
+        rank, world = self.shard or default
         trainer = Trainer(node, spec, rank, world, checkpoint=self.checkpoints, placement=self.placement,
                           replication=replication)
         try:

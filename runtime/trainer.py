@@ -22,31 +22,24 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
-import dataclasses
-import hashlib
-import importlib
 import io
 import itertools
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from starling.common import option_name, peer_hash
+from starling.common import peer_hash
 from starling.common.faults import fault_point
 from starling.data.assignment import Unit, UnitLedger
-from starling.node import Node, TransferError
+from starling.node import Node
 from starling.protocols import (
     PRIVATE_STATE,
     LossFn,
     Protocol,
     ProtocolError,
     StepReport,
-    config_from_options,
-    get_protocol,
 )
 from starling.runtime.checkpoint import (  # CheckpointConfig: imported from here too
     BackgroundCheckpointer,
@@ -55,126 +48,34 @@ from starling.runtime.checkpoint import (  # CheckpointConfig: imported from her
     CheckpointError,
     CheckpointStore,
 )
+from starling.runtime.data_position import DATA_STATE, SwarmLedger
 from starling.runtime.modelspec import ARCHITECTURE_KEY, INITIAL_STATE_KEY, architecture, first_difference, state_digest
 from starling.runtime.placement import Placement
 from starling.runtime.recipes import BatchRecipes
 from starling.runtime.replication import Replication, Single, TrainingPlan
 from starling.runtime.restart import agree_on_step, holders_of
+from starling.runtime.spec import (
+    RUN_LENGTH_OPTION,
+    TrainSpec,
+    TrainSpecError,
+    plans_run_length,
+    protocol_config,
+    resolve_protocol,
+    with_run_length,
+)
 from starling.tasks import Task, get_task
+
+# TrainSpec and the reading of protocol options live in runtime/spec.py; their names are
+# importable from here as well
+__all__ = ["RUN_LENGTH_OPTION", "STATE_BLOB", "CheckpointConfig", "TrainSpec", "TrainSpecError", "Trainer",
+           "plans_run_length", "prepare_to_train", "protocol_config", "resolve_protocol", "shard_for",
+           "with_run_length"]
 
 log = logging.getLogger(__name__)
 
 STATE_BLOB = "starling.train.state"
-# The data positions (UnitLedger states) of a unit task's last LEDGER_ROUNDS rounds, as JSON
-# {round: state}: a peer whose view of the members changed, or that caught up, takes one from
-# the round's most senior member, so that the swarm's ledgers agree again.
-LEDGER_BLOB = "starling.train.ledger"
-LEDGER_ROUNDS = 8
-LEDGER_FETCH_S = 1.5  # how long a peer waits for the reference's ledger before advancing its own
-LEDGER_MAX_BYTES = 64 << 20  # a ledger blob said to be larger is refused (8 rounds of a very large swarm fit)
-DATA_STATE = "data"  # the state_dict key of the swarm's data position (a UnitLedger), next to the protocol's
 BANS_STATE = "bans"  # a checkpoint's key of the node's bans (Trust.state_dict)
 FETCH_STATE_DEADLINE_S = 120.0  # how long a joiner keeps trying to fetch the swarm's state
-# A protocol option that plans for the run's length (sketch-dp's privacy budget is spread over
-# it); filled from the run's step count when the user leaves it unset.
-RUN_LENGTH_OPTION = "budget_steps"
-_SPEC_KEYS = ("protocol", "task", "options", "task_options", "seed")
-
-
-class TrainSpecError(ValueError):
-    """A swarm config does not describe something this node can train."""
-
-
-@dataclass(frozen=True)
-class TrainSpec:
-    """What a swarm trains: every peer must run the same protocol, options and task."""
-
-    protocol: str
-    task: str = "charlm"
-    options: Mapping[str, Any] = field(default_factory=dict)  # protocol hyper-parameters
-    task_options: Mapping[str, Any] = field(default_factory=dict)
-    seed: int = 0
-
-    def to_swarm_config(self) -> dict[str, Any]:
-        return {"protocol": self.protocol, "task": self.task, "options": dict(self.options),
-                "task_options": dict(self.task_options), "seed": self.seed}
-
-    @classmethod
-    def from_swarm_config(cls, config: Mapping[str, Any] | None) -> TrainSpec:
-        if not config or not config.get("protocol"):
-            raise TrainSpecError("the swarm does not train (its first node was started without --protocol); "
-                                 "name a protocol and task to start a training swarm")
-        try:
-            options, task_options = dict(config.get("options") or {}), dict(config.get("task_options") or {})
-            return cls(str(config["protocol"]), str(config.get("task", "charlm")), options, task_options,
-                       int(config.get("seed", 0)))
-        except (TypeError, ValueError) as exc:
-            raise TrainSpecError(f"malformed swarm config: {exc}") from None
-
-    def resolved(self) -> dict[str, Any]:
-        """The spec with every option parsed into its config (so "0.05" and 0.05 compare equal):
-        what two specs must share to train the same swarm."""
-        task = get_task(self.task, **self.task_options)
-        task_config = getattr(task, "config", None)
-        return {"protocol": self.protocol, "task": self.task, "seed": self.seed,
-                "options": dataclasses.asdict(protocol_config(self.protocol, self.options)),
-                "task_options": dataclasses.asdict(task_config) if dataclasses.is_dataclass(task_config)
-                else dict(self.task_options)}
-
-    def check(self) -> None:
-        """Resolve the protocol, its options and the task now, so that bad input fails
-        before training starts (raises ProtocolError or TaskSpecError naming the field)."""
-        protocol_config(self.protocol, self.options)
-        get_task(self.task, **self.task_options)
-
-
-def resolve_protocol(name: str) -> type[Protocol]:
-    """A protocol class by registered name; "module:name" imports `module` first, and a bare
-    name not yet registered is looked for in `starling.protocols.<name>`."""
-    module, sep, registered = name.rpartition(":")
-    if sep:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ProtocolError(f"protocol {name!r}: cannot import {module!r}: {exc}") from None
-        return get_protocol(registered)
-    try:
-        return get_protocol(name)
-    except ProtocolError:
-        if not name.replace("-", "_").isidentifier():
-            raise
-        try:
-            importlib.import_module(f"starling.protocols.{name.replace('-', '_')}")
-        except ModuleNotFoundError:
-            raise ProtocolError(f"unknown protocol {name!r}") from None
-        return get_protocol(name)
-
-
-def protocol_config(protocol: str, options: Mapping[str, Any]) -> Any:
-    """The config dataclass `protocol` builds from `options`, as every peer's protocol will.
-
-    This is the one reading of protocol options between a command line and the protocol:
-    names with dashes or underscores, values typed or as text (``"20"``, ``"yes"``). Everything
-    that needs to know what a run's options amount to (its optimizer, its lr, whether they are
-    valid) asks this, never the raw mapping. Raises ProtocolError naming the bad field.
-    """
-    return config_from_options(resolve_protocol(protocol).config_class, options)
-
-
-def with_run_length(protocol: str, options: Mapping[str, Any], steps: int | None) -> dict[str, Any]:
-    """`options`, plus `budget_steps=steps` when the protocol's config has that field and the
-    user did not set it, so that whatever the protocol plans over the run fits its length."""
-    out = dict(options)
-    if steps is None or any(option_name(name) == RUN_LENGTH_OPTION for name in out):
-        return out
-    if plans_run_length(protocol):
-        out[RUN_LENGTH_OPTION] = steps
-    return out
-
-
-def plans_run_length(protocol: str) -> bool:
-    """Whether the protocol plans over the run's length (its config has `budget_steps`)."""
-    return any(f.name == RUN_LENGTH_OPTION for f in dataclasses.fields(resolve_protocol(protocol).config_class))
 
 
 def prepare_to_train() -> None:
@@ -217,7 +118,7 @@ class Trainer:
         # Whether this peer's initial state differs from the swarm's first peer's (known at
         # create_protocol): it must then take the swarm's state rather than train from its own.
         self.initial_state_differs = False
-        self.task = task if task is not None else get_task(spec.task, **spec.task_options)
+        self.task = task if task is not None else get_task(spec.task, **spec.task_kwargs())
         self.proto: Protocol | None = None
         self.serve_state = serve_state
         self.snapshot_every_s = snapshot_every_s  # 0: after every step
@@ -230,23 +131,14 @@ class Trainer:
         self._batch_index = 0  # the index in the shard of the batch `batches()` gave last
         # Which units of the task's data each member trains, for a task that has units
         # (`starling.data.assignment`); its position goes in checkpoints and the state joiners fetch.
+        # A swarm of each member's own data (`spec.local`) has no ledger: every member trains its
+        # own units in epochs of its own, and says where it is in its status.
         units = self.task.data_units()
-        self.ledger = UnitLedger(units, spec.seed) if units else None
+        self.data = SwarmLedger(node, units, spec.seed) if units and not spec.local else None  # `data_position.py`
+        self._own_batches = self.task.shard_batches(self.rank, self.world, spec.seed) if spec.local else None
         self.last_unit: Unit | None = None  # the unit of the batch `batches()` gave last
-        self._ledger_rounds: dict[int, str] = {}  # round -> the ledger's state after advancing to it, as JSON
-        self._ledger_blob = b"{}"  # those, as served (one reference swap: the network thread reads it)
-        self._ledger_members: tuple[str, ...] | None = None  # the members the ledger last advanced with
-        # round -> members absent from its whole update, for each round that lost someone
-        self._went_without: dict[int, tuple[str, ...]] = {}
-        self.ledger_adopted = 0  # times this peer took the reference's ledger
         self.last_unit_counted = True  # whether the last step's update held this peer's work on its unit
-        self._weightless_round: int | None = None  # a round the reference's ledger gave this peer no unit in
         self._step_weight: float | None = None  # the weight of the next step (0: it takes part without counting)
-        self._readopt = False  # this peer's ledger may differ from the reference's: take it again next round
-        self._recheck = False  # the ledger came with a fetched state: take this round's from the reference
-        # the ledger came from a checkpoint or a donor: until a reference's has been taken, this
-        # peer is never its own reference, even where that ledger names it the most senior member
-        self._ledger_fresh = False
         # The newest checkpoint this peer wrote (durable) or resumed from: its age is a metric.
         self.last_checkpoint: Checkpoint | None = None
 
@@ -275,8 +167,6 @@ class Trainer:
                                  "use --device cpu")
         self.proto = cls.create(self.node, model, self.spec.options)
         self.replication.attach(self.proto)
-        if self.ledger is not None:  # a joiner waits a round where it can take part without counting
-            self.ledger.newcomers_wait = cls.weightless_steps
         # the round's ledger and the ban set are part of what the members must hold alike at its start
         self.proto.round_context = self._round_context
         if full is not None:
@@ -293,8 +183,8 @@ class Trainer:
         if self.serve_state:
             self.take_snapshot()
             self.node.serve_blob(STATE_BLOB, lambda: self._snapshot)
-        if self.ledger is not None:
-            self.node.serve_blob(LEDGER_BLOB, lambda: self._ledger_blob)
+        if self.data is not None:  # a joiner waits a round where it can take part without counting
+            self.data.start(cls.weightless_steps)
         return self.proto
 
     def _attach_recipes(self, proto: Protocol) -> None:
@@ -365,23 +255,13 @@ class Trainer:
         fault_point("join.fetched")
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)  # then to my device
         state.pop(PRIVATE_STATE, None)  # the donor's own residuals are not the joiner's
-        ledger = self._ledger_from(state.pop(DATA_STATE, None))  # checked before anything changes
+        data = state.pop(DATA_STATE, None)
+        ledger = self.data.parse(data) if self.data is not None else None  # checked before anything changes
         self.proto.load_state_dict(state)
         if ledger is not None:
-            self.ledger = ledger  # the swarm's data position, as the donor saw it
-            self._recheck = self._ledger_fresh = True
+            self.data.take(ledger)  # type: ignore[union-attr]  (the swarm's data position, as the donor saw it)
         log.info("%s: joined from %s at step %d", self.node.peer_id, source, self.proto.step_count)
         return source
-
-    def _ledger_from(self, data: Any) -> UnitLedger | None:
-        """A ledger holding a saved or fetched data position (None if this task has no units or
-        none came); ValueError for one of another data set or a malformed one."""
-        if self.ledger is None or data is None:
-            return None
-        ledger = UnitLedger(self.ledger.units, self.ledger.seed, self.ledger.units_per_member,
-                            self.ledger.newcomers_wait)
-        ledger.load_state_dict(data)
-        return ledger
 
     def take_snapshot(self) -> None:
         import torch
@@ -390,8 +270,8 @@ class Trainer:
         buffer = io.BytesIO()
         state = self.proto.state_dict()
         state.pop(PRIVATE_STATE, None)  # a joiner does not load it: why send it
-        if self.ledger is not None:
-            state[DATA_STATE] = self.ledger.state_dict()
+        if self.data is not None:
+            state[DATA_STATE] = self.data.state_dict()
         torch.save(state, buffer)
         self._snapshot = buffer.getvalue()  # one reference swap: the network thread reads it
         self._snapshot_at = time.monotonic()
@@ -410,119 +290,38 @@ class Trainer:
             yield batch
 
     def _units(self) -> Iterator[Any]:
-        """Each round (this peer's step count), advance the ledger with the members this peer
-        sees and train the units it hands this peer."""
-        assert self.ledger is not None and self.proto is not None
-        me = self.node.peer_id
-        while True:
-            round_ = self.proto.step_count
-            if round_ > self.ledger.round or self._recheck:
-                self._advance_ledger(round_, tuple(sorted({me, *self.node.live_peers()})))
-                self.node.set_status_info(data=self.ledger.position())
-            for unit in self.ledger.units_of(me):
-                self._batch_index, self.last_unit = unit.index, unit
-                yield self.task.unit_batch(unit.index)
-            if self._weightless_round == round_ and not self.ledger.units_of(me):
-                # no unit this round: step on the next one in line, weighing nothing, to keep in step
-                self.last_unit, self._step_weight = None, 0.0
-                yield self.task.unit_batch(self.ledger.peek().index)
-            if self.proto.step_count == round_:  # not stepped (a caller that only reads batches)
-                return
+        """The units the swarm's ledger hands this peer, round after round (`SwarmLedger.rounds`)."""
+        assert self.data is not None and self.proto is not None
+        proto = self.proto
+        for unit, counts in self.data.rounds(lambda: proto.step_count):
+            self._batch_index = unit.index
+            # a unit that does not count: no unit this round, so the next in line, weighing nothing
+            self.last_unit, self._step_weight = (unit, None) if counts else (None, 0.0)
+            yield self.task.unit_batch(unit.index)
 
-    def _advance_ledger(self, round_: int, members: tuple[str, ...]) -> None:
-        """The ledger at `round_`: advanced here with `members`, settling the last round (a member
-        absent from its whole update did not finish its units); or, when this peer skipped
-        rounds (it caught up), the members changed or the last round lost someone (views may
-        differ for a round), taken from the round's most senior member, which every peer that
-        sees the same members asks."""
-        assert self.ledger is not None
-        recheck, self._recheck = round_ == self.ledger.round, False  # a joiner's first round
-        jumped = recheck or round_ > self.ledger.round + 1
-        changed = self._ledger_members is not None and members != self._ledger_members
-        changed = changed or self.ledger.round in self._went_without or self._readopt  # or lost someone
-        self._readopt = False
-        self._ledger_members = members
-        # the reference: the round's most senior member (the first in the ledger's order that is
-        # still here), never a joiner, whose ledger has not caught up yet
-        me = self.node.peer_id
-        present = set(members) - ({me} if self._ledger_fresh and len(members) > 1 else set())
-        reference = next((p for p in self.ledger.order if p in present), min(present))
-        adopted = None
-        if (jumped or changed) and reference != me:
-            adopted = self._reference_ledger(reference, round_)
-        if adopted is not None or len(members) == 1:
-            self._ledger_fresh = False
-        if adopted is not None:
-            self.ledger = adopted
-            self.ledger_adopted += 1
-            # a peer that caught up or just joined may have been late in this round, which the
-            # others then settle without it: it takes the next round's ledger too
-            self._readopt = jumped
-        elif not recheck:
-            without = [p for p in self._went_without.get(self.ledger.round, ()) if p in members]
-            if len(without) > max(2, len(members) // 4):
-                # Most of the round looks absent: its members disagreed on who was in it (a shard
-                # layout of another view sends parts to other owners), and their work did count
-                # where it went. Only a few absences are taken for work that counted nowhere.
-                without = []
-            self.ledger.advance(round_, members, unfinished=without)
-        if not self.ledger.in_flight.get(self.node.peer_id):  # it did not see this peer yet, or it is new
-            log.info("%s: the ledger of round %d (%s) gives this peer no unit", self.node.peer_id, round_,
-                     "from " + reference if adopted is not None else "its own")
-            self._readopt = True
-            if self.proto is not None and self.proto.weightless_steps:
-                self._weightless_round = round_
-            else:  # a protocol that cannot step without counting: train the next unit in line
-                self.ledger.admit(self.node.peer_id)
-        self._went_without = {r: v for r, v in self._went_without.items() if r >= round_ - 1}
-        self._ledger_rounds[round_] = json.dumps(self.ledger.state_dict())  # each round's serialized once
-        for old in [r for r in self._ledger_rounds if r <= round_ - LEDGER_ROUNDS]:
-            del self._ledger_rounds[old]
-        rounds = ", ".join(f'"{r}": {state}' for r, state in self._ledger_rounds.items())
-        self._ledger_blob = ("{" + rounds + "}").encode()
+    @property
+    def ledger(self) -> UnitLedger | None:
+        """The swarm's data position this peer holds (None for a task without units)."""
+        return self.data.ledger if self.data is not None else None
+
+    @property
+    def ledger_adopted(self) -> int:
+        """Times this peer took the round's reference's ledger."""
+        return self.data.adopted if self.data is not None else 0
 
     @property
     def ledger_digest(self) -> str | None:
         """The digest of the ledger of the round this peer is in, as hex (None without a ledger):
         what every member of the round should hold alike."""
-        if self.ledger is None:
+        if self.data is None:
             return None
-        return self._ledger_digest().hex()[:16] or None
+        return self.data.digest().hex()[:16] or None
 
     def _round_context(self) -> bytes:
         """What the members of a round must hold alike besides the protocol's state: the ban set
         and, with units of data, the round's ledger."""
-        ledger = self._ledger_digest() if self.ledger is not None else b""
+        ledger = self.data.digest() if self.data is not None else b""
         return self.node.trust.ban_digest + ledger
-
-    def _ledger_digest(self) -> bytes:
-        """The digest of the ledger of the round this peer is in (its serialized form, kept
-        anyway for the others to fetch); empty before the first round."""
-        assert self.ledger is not None
-        state = self._ledger_rounds.get(self.ledger.round)
-        return hashlib.sha256(state.encode()).digest() if state is not None else b""
-
-    def _reference_ledger(self, reference: str, round_: int) -> UnitLedger | None:
-        """`reference`'s ledger at `round_` (None if it has none for that round within
-        LEDGER_FETCH_S, or sends one that does not load: this peer then advances its own)."""
-        deadline = time.monotonic() + LEDGER_FETCH_S
-        while True:
-            try:
-                left = max(0.0, deadline - time.monotonic())
-                _, blob = self.node.fetch_blob(LEDGER_BLOB, [reference], deadline_s=left, max_bytes=LEDGER_MAX_BYTES)
-                state = json.loads(blob).get(str(round_)) if blob.startswith(b"{") else None
-                if state is not None:
-                    ledger = self._ledger_from(state)
-                    if ledger is not None and ledger.round == round_:
-                        return ledger
-            except (TransferError, ValueError, AttributeError, RecursionError) as exc:
-                log.info("%s: no ledger of round %d from %s: %s", self.node.peer_id, round_, reference, exc)
-                return None
-            if time.monotonic() >= deadline:  # the reference has not reached the round
-                log.info("%s: %s had no ledger of round %d within %.1f s", self.node.peer_id, reference, round_,
-                         LEDGER_FETCH_S)
-                return None
-            time.sleep(0.02)
 
     def step(self, batch: Any) -> StepReport:
         """One protocol step on `batch`; refreshes the snapshot joiners fetch."""
@@ -532,6 +331,9 @@ class Trainer:
         self.node.check_fault()
         fault_point("train.step", proto.step_count)
         weight, self._step_weight = self._step_weight, None
+        if self.spec.local:  # weighed by what it trained (a protocol that weighs contributions takes it)
+            proto.weigh_next_step(self.task.batch_work(batch))
+            self._say_position()
         if weight is not None:  # a round this peer takes part in without counting (`_units`; one rank only)
             report = proto.step(loss_fn, weight=weight)  # type: ignore[call-arg]
         else:
@@ -539,12 +341,8 @@ class Trainer:
         self.node.check_fault()  # a step whose sockets failed under it may have "finished" alone
         if report.diverged:  # the members began the round apart: whatever bans differ, they share again
             self.node.share_bans()
-        if self.ledger is not None:
-            if report.absent_peers or report.lost_peers:
-                self._went_without[report.step] = tuple(report.absent_peers)
-            if report.diverged:  # the members began the round apart (ledgers, or parameters): re-take it
-                self._readopt = True
-            self.last_unit_counted = self.node.peer_id not in report.absent_peers
+        if self.data is not None:
+            self.last_unit_counted = self.data.stepped(report)
         if self.serve_state and time.monotonic() - self._snapshot_at >= self.snapshot_every_s:
             self.take_snapshot()
         # the ranks of a sharded replica write together, at the steps they took together
@@ -552,6 +350,14 @@ class Trainer:
         if self.checkpoint is not None and count % self.checkpoint.every == 0:
             self.save_checkpoint()
         return report
+
+    def _say_position(self) -> None:
+        """A member of a local swarm: where it is in its own data, in its status."""
+        done = self._batch_index + 1
+        position: dict[str, Any] = {"scope": "local", "batches": done}
+        if self._own_batches:
+            position.update(epoch=self._batch_index // self._own_batches, epoch_batches=self._own_batches)
+        self.node.set_status_info(data=position)
 
     def _loss_of(self, batch: Any) -> LossFn:
         """The loss on `batch` at the protocol's model, as every step of this peer computes it."""
@@ -577,8 +383,8 @@ class Trainer:
         assert self._writer is not None
         state = {"protocol": self.proto.state_dict(), "swarm": self.spec.to_swarm_config(),
                  "rank": self.rank, "world": self.world}
-        if self.ledger is not None:
-            state[DATA_STATE] = self.ledger.state_dict()
+        if self.data is not None:
+            state[DATA_STATE] = self.data.state_dict()
         state[BANS_STATE] = self.node.run(_trust_state(self.node))
         future = self._writer.save(self.proto.step_count, state,
                                    meta={"peer_id": self.node.peer_id, "swarm": self.spec.to_swarm_config()})
@@ -600,7 +406,7 @@ class Trainer:
         checkpoint, state = found
         self._check_checkpoint_swarm(checkpoint.state_path, state.get("swarm"))
         try:
-            ledger = self._ledger_from(state.get(DATA_STATE))
+            ledger = self.data.parse(state.get(DATA_STATE)) if self.data is not None else None
         except ValueError as exc:
             raise CheckpointError(f"{checkpoint.state_path} holds a data position this task cannot take: "
                                   f"{exc}") from None
@@ -612,8 +418,7 @@ class Trainer:
         if restored:
             log.info("%s: %d bans restored from the checkpoint", self.node.peer_id, restored)
         if ledger is not None:  # where this peer was: the swarm may have gone on without it
-            self.ledger = ledger
-            self._recheck = self._ledger_fresh = True
+            self.data.take(ledger)  # type: ignore[union-attr]
         self._resumed_at = self.proto.step_count
         self.last_checkpoint = checkpoint
         if self.serve_state:

@@ -69,6 +69,17 @@ class Task(ABC):
         """The batch of unit `index` (0 <= index < `data_units()`)."""
         raise NotImplementedError(f"task {self.name!r} has no units")
 
+    def shard_batches(self, rank: int, world: int, seed: int) -> int | None:
+        """How many batches one epoch of peer `rank`'s `batches()` shard holds (None: the task
+        does not say, or its data has no epochs)."""
+        return None
+
+    def batch_work(self, batch: Any) -> float:
+        """How much training `batch` is, as a share of a full one (1.0): a member of a swarm that
+        trains its own data is weighed by the work it did. A task whose batches can be partly
+        padding (a streamed unit's last row) says how much of it is text."""
+        return 1.0
+
     def describe(self) -> dict[str, Any]:
         """Name and config as plain data, so peers can compare what they would run."""
         config = self.config

@@ -227,6 +227,19 @@ class TextLMTask(Task):
         size = self.config.batch_size
         return self.store.batch(range(index * size, (index + 1) * size), self.config.seq_len)
 
+    def shard_batches(self, rank: int, world: int, seed: int) -> int | None:
+        """One epoch of `batches(rank, world, seed)`: the peer's part under `partition`, else
+        every `world`-th training unit from `rank`."""
+        check_rank(rank, world)
+        if self.config.partition:
+            return len(self.partition_units(rank, world, seed))
+        return len(range(rank, self._split[0], world))
+
+    def batch_work(self, batch: Batch) -> float:
+        """The share of the batch's targets that are text (a streamed unit pads its last row)."""
+        targets = batch[1]
+        return float((targets != IGNORE_INDEX).sum()) / max(1, targets.numel())
+
     def batches(self, rank: int, world: int, seed: int) -> Iterator[Batch]:
         check_rank(rank, world)
         if self.config.partition:
