@@ -1496,7 +1496,7 @@ def _took(seed: Any, peer: str, beat: int, via: str) -> bool:
 
 def replays_after_forgetting(quick: bool) -> dict[str, Any]:
     """A forgotten source's messages, replayed after a flood of sources pushed out its mark
-    (`node.relay`'s "Replays")."""
+    (`node.relay_sealing`'s "Replays")."""
     from starling.node.identity import Identity
     from starling.node.relay import RelayConfig, Sealer
     from starling.node.wire import WireError, encode
