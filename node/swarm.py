@@ -22,9 +22,10 @@ on what another peer said about itself (its liveness, its relays in `$via`) but 
 up; a suspicion or a death is signed by the member that claims it. A forged update is refused
 and counted.
 
-The table itself (records, statuses) is `node.membership`, and the failure detector's
-arithmetic `node.swim`. The messages that keep the table current are cut along the concepts
-memberlist separates, each a file read top-down, and `Swarm` is built of them:
+The table itself (statuses) is `node.membership`, the signed records and beats it holds
+`node.records`, and the failure detector's arithmetic `node.swim`. The messages that keep
+the table current are cut along the concepts memberlist separates, each a file read
+top-down, and `Swarm` is built of them:
 
 - joining: the hello, the announce, and the one way a record gets into the table
   (`node.join`);

@@ -80,13 +80,13 @@ class _OwnWord:
 
 class Beat(_OwnWord):
     """A peer's own signed beat, [peer_id, incarnation, beat, meta, signature], as
-    `node.membership.parse_beat` reads it when it is applied: most relayed beats are old news."""
+    `node.records.parse_beat` reads it when it is applied: most relayed beats are old news."""
 
     kind = ALIVE
 
 
 class Record(_OwnWord):
-    """A peer's signed record in its wire form, which `node.membership.PeerRecord.from_wire`
+    """A peer's signed record in its wire form, which `node.records.PeerRecord.from_wire`
     reads, with the allowlist, when it is applied."""
 
     kind = RECORD
@@ -152,7 +152,7 @@ class Claim:
 
 @dataclass(frozen=True)
 class Leave:
-    """A peer's signed leave of one incarnation (`node.membership.leave_statement`)."""
+    """A peer's signed leave of one incarnation (`node.records.leave_statement`)."""
 
     peer_id: str
     incarnation: int
