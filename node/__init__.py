@@ -3,15 +3,18 @@
 The public surface is `Node` (start, join, send, request, leave), the identity and address
 helpers, and the typed errors of requests; the rest are the parts it is built from:
 
-- `node`: the `Node` facade;
+- `node`: the `Node` facade, configured by `config` (`NodeConfig`); `status`: what it reports
+  of itself (`Node.status`, and the answer to `$status`);
 - `rpc`: requests, their error codes (`ErrorCode`) and typed `RemoteError`s, the named
   reasons a handler refuses work for (`Refusal`, `refusal()`);
 - `dispatch`: the inbound path (decode, authenticate, route to handlers, answer), within the
   bounds of `admission` (requests in flight per connection and per process, strangers' rates);
 - `swarm`: the membership protocol (hello, SWIM probes and gossip, want, leave), over
-  `membership`, the peer table and failure detector; `hello`: the hello's messages and the
-  version check each side makes, from `version`, the one home of this build's versions;
-- `transport`, `wire`, `security`, `identity`, `address`: sockets, frames, CURVE, keys;
+  `membership`, the peer table, which holds the signed records and beats of `records`;
+  `hello`: the hello's messages and the version check each side makes, from `version`, the
+  one home of this build's versions;
+- `transport` (its capped DEALERs in `dealers`), `wire`, `security`, `identity`, `address`: sockets,
+  frames, CURVE, keys;
 - `transfer`: blobs in digest-checked chunks; `loop`: the network thread and deadlines;
   `stats`: byte and rejection counters; `client`: one-shot queries from outside a swarm.
 """

@@ -13,6 +13,7 @@ import binascii
 import ipaddress
 import re
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -95,6 +96,19 @@ def parse_address(text: str) -> PeerAddress:
         except AddressError as exc:
             raise AddressError(f"address {text!r}: {exc}") from None
     return PeerAddress(endpoint=_check_endpoint(endpoint, text, bind=False), curve_key=key)
+
+
+def start_endpoints(listen: str | Sequence[str] | None, advertise: str | Sequence[str] | None,
+                    join: Sequence[str]) -> tuple[list[str], list[str], list[PeerAddress]]:
+    """What a node is started with, checked (`Node.start`): the endpoints it binds, those it
+    advertises, and the addresses it joins through. One that listens nowhere must join."""
+    listens = [parse_bind(x) for x in ([] if listen is None else [listen] if isinstance(listen, str) else listen)]
+    if not listens and not join:
+        raise ValueError("a node that listens nowhere must join a swarm (give a join address)")
+    adverts = [] if advertise is None else [advertise] if isinstance(advertise, str) else list(advertise)
+    # a record names IPs (`parse_record_endpoint`): an advertised name is resolved here, once
+    adverts = [resolve_endpoint(parse_address(a).endpoint) for a in adverts]
+    return listens, adverts, [parse_address(a) for a in join]
 
 
 def parse_record_endpoint(text: str) -> str:

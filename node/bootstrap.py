@@ -39,7 +39,7 @@ import zmq
 from zmq.utils import z85
 
 from starling.node import rpc
-from starling.node.address import AddressError, PeerAddress, parse_address, tcp_host
+from starling.node.address import AddressError, PeerAddress, is_loopback, parse_address, tcp_host
 from starling.node.dispatch import Dispatcher
 from starling.node.hello import (
     LEGACY,
@@ -229,6 +229,18 @@ class Bootstrap:
             raise JoinError(f"no answer from {endpoint} within {timeout_s:.3g} s") from None
         finally:
             transport.disconnect(handle)
+
+    async def dialable(self, joins: list[PeerAddress], endpoints: list[str]) -> list[str]:
+        """The endpoints a starting node signs into its record: `endpoints`, or none (a client)
+        if the peer it joins through cannot dial it on them (`reachable_via`). Only TCP off
+        loopback can be out of reach (inproc and ipc are this machine's)."""
+        if any(e.startswith("tcp://") and not is_loopback(e) for e in endpoints):
+            if await self.reachable_via(joins, endpoints) is False:
+                log.warning("%s: the peer we join through cannot dial %s; joining as a client (reached over the "
+                            "connections this node opens, and through relays)", self.local.peer_id,
+                            ", ".join(endpoints))
+                return []
+        return endpoints
 
     async def reachable_via(self, joins: list[PeerAddress], endpoints: list[str]) -> bool | None:
         """Ask the first join address that answers whether it can dial us on `endpoints`;

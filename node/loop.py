@@ -138,6 +138,31 @@ def read_outcome(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
+def spawn_logged(coro: Any, tasks: set[asyncio.Task[Any]], peer_id: str) -> asyncio.Future[Any]:
+    """Run `coro` as one of a node's background tasks (`tasks`, which it leaves when done), its
+    failure logged (`_logged`)."""
+    task = asyncio.ensure_future(_logged(coro, peer_id))
+    # A task cancelled before it starts never starts `coro`: close it, or Python warns that
+    # it was never awaited (a closed node cancels what it spawned).
+    task.add_done_callback(lambda _: getattr(coro, "close", lambda: None)())
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task
+
+
+async def _logged(coro: Any, peer_id: str) -> Any:
+    """Run a background task's coroutine and log its failure here: a done-callback that reads
+    it never runs when the node's loop stops first, and asyncio then logs it as never retrieved
+    (hundreds of lines as a thousand simulated peers close)."""
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.debug("%s: background task failed: %s", peer_id, exc)
+        return None
+
+
 class AwakeDeadline:
     """A time budget counted in the loop's awake time, for waits that must not expire while
     the loop itself was stalled.

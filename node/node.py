@@ -10,8 +10,9 @@ A node is built from parts, each in its own module: the transport (sockets), the
 (the way out: framing, sends, answers, requests in flight, `node.outbox`), the dispatcher
 (the way in, `node.dispatch`), requests and their typed errors (`node.rpc`), the membership
 protocol (`node.swarm`) over the peer table (`node.membership`), joining from addresses
-(`node.bootstrap`), relays between clients (`node.relay`), and blob transfer
-(`node.transfer`). This class builds the parts, hands each the shared pieces it needs (the
+(`node.bootstrap`), relays between clients (`node.relay`), blob transfer (`node.transfer`),
+and what the node reports of itself (`node.status`); `NodeConfig` (`node.config`) holds every
+part's settings. This class builds the parts, hands each the shared pieces it needs (the
 peer table, the outbox, what the node says about itself in `node.local`, a task spawner),
 wires the few that call one another, and is the one surface training code uses. The parts
 never reach back into it.
@@ -25,77 +26,39 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import msgpack
-
 from starling.node import rpc
-from starling.node.address import PeerAddress, is_loopback, parse_address, parse_bind, resolve_endpoint
-from starling.node.admission import AdmissionConfig
+from starling.node.address import PeerAddress, start_endpoints
 from starling.node.bootstrap import Bootstrap, IncompatibleVersionError
+from starling.node.config import NodeConfig
 from starling.node.dispatch import Dispatcher, Handler
-from starling.node.hello import PeerVersions
 from starling.node.identity import Identity
 from starling.node.local import LocalPeer
-from starling.node.loop import NetworkThread
-from starling.node.membership import (
-    PeerRecord,
-    PeerStatus,
-    PeerTable,
-    PeerView,
-    StatusChange,
-    TableLimits,
-    finite_meta,
-)
+from starling.node.loop import NetworkThread, spawn_logged
+from starling.node.membership import PeerRecord, PeerStatus, PeerTable, PeerView, StatusChange, finite_meta
 from starling.node.outbox import LinkShaper, Outbox, UnknownPeerError
-from starling.node.relay import Relay, RelayConfig
+from starling.node.relay import Relay
 from starling.node.security import SecurityMode, ZapPolicy, choose_security
 from starling.node.stats import NodeStats
+from starling.node.status import STATUS, NodeStatus
 from starling.node.swarm import JoinError, Swarm, SwarmConfigError, config_conflicts
-from starling.node.swim import Liveness
-from starling.node.transfer import BlobServer, TransferConfig, afetch_patiently
-from starling.node.transport import Inbound, Transport, TransportConfig
+from starling.node.transfer import BlobServer, TransferConfig, afetch_patiently, fetch_candidates
+from starling.node.transport import Transport
 from starling.node.trust import ACCUSE, Trust
-from starling.node.wire import ENVELOPE_BYTES, Limits, Message, RejectReason, WireError, frame_nbytes
+from starling.node.wire import Message
 
 log = logging.getLogger(__name__)
 
-STATUS = "$status"
-
-# Importable from here as they always were: their homes are the membership and outbox modules.
-__all__ = ["IncompatibleVersionError", "JoinError", "LinkShaper", "Node", "NodeConfig", "NodeFault", "PeerView",
-           "SwarmConfigError", "UnknownPeerError", "config_conflicts"]
+# Importable from here as they always were: their homes are the modules they are imported from.
+__all__ = ["STATUS", "IncompatibleVersionError", "JoinError", "LinkShaper", "Node", "NodeConfig", "NodeFault",
+           "PeerView", "SwarmConfigError", "UnknownPeerError", "config_conflicts"]
 
 
 class NodeFault(RuntimeError):
     """A node stopped on its own: one of its sockets failed (see `Node.fault`)."""
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    liveness: Liveness = field(default_factory=Liveness)
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    limits: Limits = field(default_factory=Limits)
-    transfer: TransferConfig = field(default_factory=TransferConfig)  # serving and fetching blobs
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # bounds on work others cause
-    relay: RelayConfig = field(default_factory=RelayConfig)
-    offer_relay: bool = True  # a reachable node forwards sealed messages between clients
-    reach_timeout_s: float = 2.0  # how long a dial-back to a joiner may take (see swarm.REACH)
-    request_timeout_s: float = 10.0
-    join_timeout_s: float = 10.0  # how long a first hello waits for its answer (each round twice the last)
-    # Rounds over the join addresses, with backoff and jitter between them, until this has passed
-    # (see Bootstrap.join): a seed that is restarting, busy or slow to answer does not fail a join.
-    join_deadline_s: float = 30.0
-    join_backoff_s: float = 1.0  # the first wait between two rounds (doubled each round, up to 30 s)
-    rejoin_interval_s: float = 10.0  # how often join addresses whose peers are gone are tried again
-    leave_timeout_s: float = 1.0
-    forget_after_s: float = 60.0  # dead/left peers are dropped from the table after this
-    table: TableLimits = field(default_factory=TableLimits)  # how many peers the table holds, and per relayer
-    # members whose word it takes to ban a peer without evidence any peer can check (node.trust):
-    # more than the colluding liars a swarm should survive
-    ban_witnesses: int = 2
 
 
 class Node:
@@ -131,7 +94,7 @@ class Node:
         self._pending = rpc.PendingRequests()
         self._outbox = Outbox(local.peer_id, self._table, stats, self._pending,
                               request_timeout_s=config.request_timeout_s)
-        self.trust = Trust(local, self._table, stats, self._send_quietly, spawn, witnesses=config.ban_witnesses)
+        self.trust = Trust(local, self._table, stats, self._outbox.send_quietly, spawn, witnesses=config.ban_witnesses)
         self._dispatch = Dispatcher(local, self._table, self._outbox, stats, spawn, limits=config.limits,
                                     admission=config.admission, load=self._net.load, closed=lambda: self.closed,
                                     handlers=self._handlers, banned=self.trust.is_banned)
@@ -151,9 +114,10 @@ class Node:
         self._swarm.loop_lag = self._net.lag.worst_since
         self._dispatch.notify = self._swarm.notify
         self._swarm.ticks[:] = [self._bootstrap.tick, self._relay.tick]
-        for part in (self._swarm, self._bootstrap, self._relay):
+        self._status = NodeStatus(local, self._table, stats, self._outbox, self._swarm, self._relay, self.trust,
+                                  config.admission, address=lambda: self.address, info=lambda: self._info)
+        for part in (self._swarm, self._bootstrap, self._relay, self._status):
             part.register(self._dispatch)
-        self._dispatch.on_internal_request(STATUS, self._answer_status, public=True)
         self._dispatch.on_internal_message(ACCUSE, self.trust.on_accusation)
 
     def _use_identity(self, identity: Identity) -> None:
@@ -252,13 +216,7 @@ class Node:
             raise RuntimeError(f"node already {self._state}")
         if key is not None:
             self._use_identity(key if isinstance(key, Identity) else Identity.load(key))
-        listens = [parse_bind(x) for x in ([] if listen is None else [listen] if isinstance(listen, str) else listen)]
-        if not listens and not join:
-            raise ValueError("a node that listens nowhere must join a swarm (give a join address)")
-        adverts = [] if advertise is None else [advertise] if isinstance(advertise, str) else list(advertise)
-        # a record names IPs (`parse_record_endpoint`): an advertised name is resolved here, once
-        adverts = [resolve_endpoint(parse_address(a).endpoint) for a in adverts]
-        joins = [parse_address(a) for a in join]
+        listens, adverts, joins = start_endpoints(listen, advertise, join)
         self._local.mode, allowed = choose_security(listens, adverts, joins, security, insecure, authorized_keys)
         if swarm_config is not None:
             self._local.swarm_config = dict(swarm_config)
@@ -288,11 +246,8 @@ class Node:
         if listens:
             await transport.bind(listens, local.policy)
             endpoints = adverts or transport.advertised()
-        if endpoints and joins and self._needs_dial_back(endpoints):
-            if await self._bootstrap.reachable_via(joins, endpoints) is False:
-                log.warning("%s: the peer we join through cannot dial %s; joining as a client (reached over the "
-                            "connections this node opens, and through relays)", self.peer_id, ", ".join(endpoints))
-                endpoints = []
+        if endpoints and joins:
+            endpoints = await self._bootstrap.dialable(joins, endpoints)
         local.record = PeerRecord.create(local.identity, endpoints, time.time_ns(),
                                          relay=bool(endpoints) and self.config.offer_relay)
         key = self.identity.curve_public if self.mode is SecurityMode.CURVE else None
@@ -303,11 +258,6 @@ class Node:
             # a client is reachable through a relay only once the relay has had a message from
             # it on its own connection: one is on its way before the join returns
             await self._swarm.relays.greet()
-
-    @staticmethod
-    def _needs_dial_back(endpoints: list[str]) -> bool:
-        """Only TCP off loopback can be out of reach (inproc and ipc are this machine's)."""
-        return any(e.startswith("tcp://") and not is_loopback(e) for e in endpoints)
 
     @property
     def reachable(self) -> bool:
@@ -499,16 +449,8 @@ class Node:
         default) repeat with backoff; setting `stop` ends that at once. Returns (peer,
         bytes); raises TransferError (also for a blob said to be over `max_bytes`)."""
         rng = random.Random()
-
-        def candidates() -> list[str]:
-            if peers is not None:
-                return list(peers)
-            live = [p.peer_id for p in self._table.live()]
-            rng.shuffle(live)
-            return live
-
-        return self._call(afetch_patiently(self, candidates, name, config or self.config.transfer, deadline_s, rng,
-                                            stop, max_bytes))
+        return self._call(afetch_patiently(self, fetch_candidates(self._table, peers, rng), name,
+                                            config or self.config.transfer, deadline_s, rng, stop, max_bytes))
 
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
         """Start a coroutine on the network thread and return at once (for overlap)."""
@@ -521,115 +463,15 @@ class Node:
     def _call(self, coro: Any, timeout_s: float | None = None) -> Any:
         return self._net.run(coro, timeout_s)
 
-    def _answer_status(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
-        """`status()` for `$status`. Asked from outside the swarm (`starling node status`), the
-        answer is at most `stranger_reply_factor` times the request's bytes: a bigger status is
-        answered with `{"pad_to": n}`, and the asker sends the request again padded to n bytes
-        (`{"pad": bytes}`; `node.client.query` does), paying for its answer with its own upload.
-        A member's status comes in pages out of its pull budget (`_member_status`)."""
-        padded = isinstance(body, dict) and set(body) == {"pad"} and isinstance(body["pad"], bytes)
-        paging = (member is not None and isinstance(body, dict) and set(body) == {"after"}
-                  and isinstance(body["after"], str) and len(body["after"]) <= 64)
-        if body is not None and not padded and not paging:
-            raise WireError(RejectReason.BAD_FIELD, "status body must be empty, {pad: bytes} or, from a member, "
-                            "{after: peer id}", field="body")
-        if member is not None:
-            return self._member_status(member, body["after"] if paging else None)
-        status = self.status()
-        factor = self.config.admission.stranger_reply_factor
-        size = len(msgpack.packb(status, use_bin_type=True, default=str)) + ENVELOPE_BYTES
-        if size <= factor * frame_nbytes(inbound.frames):
-            return status
-        return {"pad_to": size // factor + size // (4 * factor) + ENVELOPE_BYTES}  # a quarter to spare
-
-    def _member_status(self, member: str, after: str | None) -> dict[str, Any]:
-        """A member's `$status`, paged: the first page is the node's summary and the peers that
-        fit in `table_page_bytes`, each later one (`{after: id}`) the next peers, and `next` the
-        id to go on from (None at the end). Every page is charged to the member's pull budget,
-        which its `$sync` pages and `$want` answers share: past it a page is turned down as busy
-        (the refusal charged too), and a member that pulls on deep in debt is not answered."""
-        admission, now = self.config.admission, time.monotonic()
-        bucket = self._swarm.tables.pull_bucket(member, now)
-        available = bucket.available(now)
-        if available < -admission.table_page_bytes:
-            raise rpc.Unanswered(f"{member} pulls status pages on past its budget's refusals")
-        busy = rpc.BusyError(f"table pulls over {admission.member_pull_bytes_per_s:.0f} bytes/s; try again later")
-        if available <= ENVELOPE_BYTES:  # turned down before any page is built (the refusal charged too)
-            bucket.charge(ENVELOPE_BYTES, now)
-            raise busy
-        summary: dict[str, Any] = {}
-        if after is None:
-            summary = self.status(peers=False)
-            if self._packed_size(summary) > admission.member_pull_burst_bytes // 2:
-                # counters of more peers than a burst holds: their totals only, or never answered
-                stats = summary["stats"]
-                summary["stats"] = {k: v for k, v in stats.items() if k not in ("bytes_sent", "bytes_received")}
-        budget = min(admission.table_page_bytes, available) - self._packed_size(summary)
-        peers, following = self._peer_page(after, budget)
-        if budget < 0 or (not peers and following is not None and after is not None):
-            bucket.charge(ENVELOPE_BYTES, now)  # pulling faster only puts the next page further off
-            raise busy
-        answer = {**summary, "peers": peers, "next": following}
-        bucket.charge(self._packed_size(answer), now)
-        return answer
-
-    @staticmethod
-    def _packed_size(answer: dict[str, Any]) -> int:
-        return len(msgpack.packb(answer, use_bin_type=True, default=str)) + ENVELOPE_BYTES
-
-    def _peer_page(self, after: str | None, budget: int) -> tuple[list[dict[str, Any]], str | None]:
-        """The summaries of the table's peers with ids above `after`, in id order, that fit in
-        `budget` bytes, and the id to go on from (None when none are left)."""
-        now = time.monotonic()
-        entries = sorted((p for p in self._table.all() if after is None or p.peer_id > after), key=lambda p: p.peer_id)
-        page: list[dict[str, Any]] = []
-        nbytes = 0
-        for p in entries:
-            summary = {**p.summary(), "last_seen_s": round(now - p.last_seen, 3)}
-            nbytes += len(msgpack.packb(summary, use_bin_type=True, default=str))
-            if nbytes > budget:
-                return page, page[-1]["id"] if page else after or ""
-            page.append(summary)
-        return page, None
-
     def status(self, peers: bool = True) -> dict[str, Any]:
         """Peer table and counters as plain data (what `starling node status` prints); with
-        `peers` False, all but the table."""
-        now = time.monotonic()
-        status = {
-            "id": self.peer_id, "address": self.address, "security": self.mode.value,
-            "version": PeerVersions.local().to_wire(),
-            "reachable": self.reachable, "relay": bool(self.record and self.record.relay),
-            "listening": self._transport is not None and self._transport.listening,
-            "config": self.swarm_config, "meta": dict(self._local.meta), "info": dict(self._info),
-            "stats": self.stats.snapshot(),
-            "zap_denied": self.zap_denied,
-            "sockets": self._socket_counts(),
-            "relaying": self._relay.status(),
-            "trust": self.trust.status(),
-            "claims": self._swarm.claims.status(now),
-        }
-        if peers:
-            status["peers"] = [{**p.summary(), "last_seen_s": round(now - p.last_seen, 3)} for p in self._table.all()]
-        return status
-
-    def _socket_counts(self) -> dict[str, int]:
-        """Open DEALERs against the cap, how many the cap made us open over the node's life,
-        how many sends found every socket up to the cap's ceiling busy, how many peers'
-        endpoints ZeroMQ refused to dial, how many could not open for lack of descriptors, and
-        how many idle ones were closed to make room."""
-        t = self._transport
-        if t is None:
-            return {}
-        return {"open": t.open_dealers, "cap": t.dealer_cap, "opened": t.dealers_opened,
-                "refused": t.dealers_refused, "connect_failures": t.connect_failures,
-                "exhausted": t.exhausted, "shed": t.dealers_shed}
+        `peers` False, all but the table (`node.status`)."""
+        return self._status.status(peers)
 
     @property
     def zap_denied(self) -> int:
         """Connections the allowlist refused (in the ZAP handler, before any message)."""
-        policy = self._local.policy
-        return policy.denied_count if policy else 0
+        return self._status.zap_denied
 
     # ---------------------------------------------------------------- network thread
     @property
@@ -644,13 +486,6 @@ class Node:
         await self._outbox.send(peer, topic, body, payload, wait=wait, stats_topic=stats_topic,
                                 timeout_s=timeout_s, check_body=check_body)
 
-    async def _send_quietly(self, peer: str, topic: str, body: Any) -> None:
-        """A one-way message that may fail unseen (an accusation to a peer that just left)."""
-        try:
-            await self._outbox.send(peer, topic, body)
-        except Exception as exc:
-            log.debug("%s: %s to %s failed: %s", self.peer_id, topic, peer, exc)
-
     def _welcome(self, change: StatusChange) -> None:
         """A peer that joins (or comes back) hears of the swarm's bans (`Trust.welcome`)."""
         if change.new is PeerStatus.ALIVE and change.old in (None, PeerStatus.DEAD, PeerStatus.LEFT):
@@ -660,26 +495,4 @@ class Node:
         self._swarm.notify(change)
 
     def _spawn(self, coro: Any) -> asyncio.Future[Any]:
-        task = asyncio.ensure_future(_logged(coro, self.peer_id))
-        # A task cancelled before it starts never starts `coro`: close it, or Python warns that
-        # it was never awaited (a closed node cancels what it spawned).
-        task.add_done_callback(lambda _: getattr(coro, "close", lambda: None)())
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-
-
-async def _logged(coro: Any, peer_id: str) -> Any:
-    """Run a background task's coroutine and log its failure here: a done-callback that reads
-    it never runs when the node's loop stops first, and asyncio then logs it as never retrieved
-    (hundreds of lines as a thousand simulated peers close)."""
-    try:
-        return await coro
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        log.debug("%s: background task failed: %s", peer_id, exc)
-        return None
+        return spawn_logged(coro, self._tasks, self.peer_id)

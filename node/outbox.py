@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import typing
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -25,6 +26,8 @@ from starling.node.membership import PeerStatus, PeerTable
 from starling.node.stats import NodeStats
 from starling.node.transport import SendError, Transport
 from starling.node.wire import Message, encode, frame_nbytes
+
+log = logging.getLogger(__name__)
 
 Route = bytes | str  # a ROUTER connection's routing id, or the id of the member a message came from
 Spawn = Callable[[Any], "asyncio.Future[Any]"]  # runs a coroutine as one of the node's tasks
@@ -90,6 +93,13 @@ class Outbox:
             self.stats.count_send_failure()
             raise
         self.stats.count_sent(peer, stats_topic or topic, frame_nbytes(frames))
+
+    async def send_quietly(self, peer: str, topic: str, body: Any) -> None:
+        """A one-way message that may fail unseen (an accusation to a peer that just left)."""
+        try:
+            await self.send(peer, topic, body)
+        except Exception as exc:
+            log.debug("%s: %s to %s failed: %s", self.peer_id, topic, peer, exc)
 
     async def send_frames(self, peer: str, frames: list[Any], *, wait: bool = True,
                           timeout_s: float | None = None) -> None:

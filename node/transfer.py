@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from starling.node.membership import PeerStatus, StatusChange
+from starling.node.membership import PeerStatus, PeerTable, StatusChange
 from starling.node.rpc import NoHandlerError, Refusal, RefusedError, Reply, RpcError
 
 if TYPE_CHECKING:
@@ -220,6 +220,20 @@ async def afetch(node: Node, peer: str, name: str, config: TransferConfig | None
     if _digest(out) != meta["digest"]:
         raise TransferError(f"{name!r} from {peer} failed its digest check")
     return bytes(out)
+
+
+def fetch_candidates(table: PeerTable, peers: Sequence[str] | None, rng: random.Random) -> Callable[[], list[str]]:
+    """Whom each round of a fetch asks: `peers`, or (None) every live peer of that moment, in
+    random order so joiners spread over the swarm."""
+
+    def candidates() -> list[str]:
+        if peers is not None:
+            return list(peers)
+        live = [p.peer_id for p in table.live()]
+        rng.shuffle(live)
+        return live
+
+    return candidates
 
 
 async def afetch_patiently(node: Node, candidates: Callable[[], Sequence[str]], name: str,
