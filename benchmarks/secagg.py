@@ -344,8 +344,8 @@ def fedavg(clients: int, drawn_per_round: int, rounds: int, sync_every: int = 5,
     outer_lr and momentum) on the exact mean of their pseudo-gradients. The eval loss of the
     outer model after `rounds` rounds: what the networked run would reach if every merge held
     every drawn member's part, unquantized."""
-    from starling.protocols.diloco import draw_clients
     from starling.protocols.diloco_config import DiLoCoConfig
+    from starling.protocols.sampling import draw_clients
     from starling.tasks import get_task
 
     config = DiLoCoConfig(sync_every=sync_every, clients_per_round=drawn_per_round)

@@ -5,7 +5,19 @@ A fragment owns what DiLoCo keeps of it: the view onto its slice of the local pa
 its outer parameters and Nesterov momentum (float32, where `OuterPlacement` puts them), the
 round it merges next (its version), its all-reduce and quorum, the exchange it has in flight
 and the tokens its next contribution weighs (`TokenLedger`). `DiLoCo` (diloco.py) holds one
-per fragment and decides when each sends and merges.
+per fragment and decides when each sends and merges. Fragment 0's merge carries small rounds
+of its own (`SideRounds`: the buffers' average, the drift guard's check); `OuterState` is the
+outer state of all fragments as checkpoints keep it.
+
+Peers of different speeds. Each pseudo-gradient travels with its weight, the inner steps it
+was computed on, and owners average by weight (equal weights: the plain average, bit for
+bit). `sync_every_s` replaces the step schedule with a clock (`fragments.SyncClock`): a
+fragment's send falls due at a time, after as many steps as fit, and its merge follows after
+as many of the peer's own steps as fit in `overlap_window_share` of a fragment's window (at
+least tau), so that fast peers hide the round behind more steps. `quorum` adds a question
+before the all-reduce: the round's leader names the members whose contributions it takes
+(`collectives/quorum.py`); those average among themselves, the rest fetch the merged fragment
+and carry their pseudo-gradient into the next round.
 
 A contribution's weight is the inner steps it was computed on since this peer's last
 contribution of that fragment (every batch of a swarm has the same size, so steps count
@@ -30,15 +42,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from starling.collectives import PendingReduce, ShardedReducer
+from starling.collectives import PendingReduce, ShardedReducer, membership
 from starling.collectives.quorum import Closing, QuorumClose
 from starling.node.loop import AwakeDeadline
-from starling.protocols.bodies import SyncState
 from starling.protocols.diloco_config import DiLoCoConfig
-from starling.protocols.fragments import FragmentView, SyncClock
+from starling.protocols.fragments import Fragment, FragmentView, SyncClock
 
 if TYPE_CHECKING:
-    from starling.node.wire import Message
+    from starling.collectives.buffers import BufferAverager
+    from starling.node.node import Node
+    from starling.protocols.guard import DriftGuard
 
 log = logging.getLogger(__name__)
 ASK_WAIT_S = 5.0  # past the leader's own deadlines: a backstop for a closing set's future
@@ -340,6 +353,27 @@ class OuterFragment:
         return {"fragment": self.index, "round": e.round, "members": list(e.members), "delta": e.delta.clone(),
                 "weight": e.weight, "merge_at": e.merge_at}
 
+    def resume(self, entry: Mapping[str, Any], device: torch.device) -> None:
+        """Take up the exchange in flight that `in_flight_state` wrote (a checkpoint's or a
+        donor's): re-send its pseudo-gradient, or, with a quorum (the donor asked for a closing
+        set, not me), fetch the round's result at its merge."""
+        k, delta = int(entry["round"]), entry["delta"].to(device=device, dtype=torch.float32).clone()
+        members, weight = tuple(str(m) for m in entry["members"]), float(entry.get("weight", 1.0))
+        merge_at = int(entry.get("merge_at", 0))
+        if self.quorum is not None:
+            self.skip(k)
+            self.exchange = Exchange(k, members, delta, weight=weight, merge_at=merge_at)
+        else:
+            self.start(k, members, delta, weight, merge_at)
+
+    def peer_joined(self, peer_id: str) -> None:
+        if self.quorum is not None:
+            self.quorum.peer_joined(peer_id)
+
+    def peer_left(self, peer_id: str) -> None:
+        if self.quorum is not None:
+            self.quorum.peer_left(peer_id)
+
     def residuals(self) -> dict[str, Any]:
         """My reducer's residuals; with a round in flight, as they were before it encoded (a
         restart re-sends that round and encodes it again)."""
@@ -347,28 +381,61 @@ class OuterFragment:
         return before if before is not None else self.reducer.state_dict()
 
 
+class SideRounds:
+    """The small lossless rounds that ride on fragment 0's merge, with its members: the
+    buffers' average and the drift guard's check. A round of fragment 0 that I send nothing
+    in, I send nothing in them either: nobody waits for my parts there."""
+
+    def __init__(self, node: Node, buffers: BufferAverager | None, guard: DriftGuard | None) -> None:
+        self.node, self.buffers, self.guard = node, buffers, guard
+
+    def after_merge(self, k: int, members: tuple[str, ...], diverged: bool = False) -> None:
+        """`diverged`: an owner of the round saw its members begin it with different outer
+        states, so the guard checks now, due or not."""
+        if self.buffers is not None:
+            self.buffers.sync(k, members)
+        if self.guard is not None and (self.guard.due(k) or diverged):
+            self.guard.run(k, members)
+
+    def skip(self, k: int) -> None:
+        if self.buffers is not None:
+            self.buffers.skip(k, membership(self.node))
+        if self.guard is not None and self.guard.due(k):
+            self.guard.reducer.skip(k)
+
+
 @dataclass(frozen=True)
-class Published:
-    """What `diloco.sync` serves: references to tensors the training thread never changes in place."""
+class OuterState:
+    """DiLoCo's outer state, as checkpoints keep it: the step, and per fragment its version (the
+    round it merges next), outer parameters and momentum (flat float32 vectors), with the layout
+    that maps those vectors onto the trainable parameters (each fragment's runs of their flat
+    vector). The tensors are the peer's own: it replaces them at every outer step and never
+    changes them in place, so a state read between steps stays as it was read."""
 
     step: int
     versions: tuple[int, ...]
     outer: tuple[torch.Tensor, ...]
     momentum: tuple[torch.Tensor, ...]
+    layout: tuple[Fragment, ...]
 
+    def misfit(self, layout: Sequence[Fragment]) -> str | None:
+        """Why this state does not fit fragments laid out as `layout` (None: it fits)."""
+        sizes = [fragment.numel for fragment in layout]
+        if [t.numel() for t in self.outer] != sizes or [t.numel() for t in self.momentum] != sizes \
+                or len(self.versions) != len(sizes):
+            return (f"outer state of fragments of {[t.numel() for t in self.outer]} values and "
+                    f"{len(self.versions)} versions; this model's fragments are {sizes}")
+        if tuple(self.layout) != tuple(layout):
+            return "outer state laid out over other runs of the parameters (another fragment_assignment or model)"
+        return None
 
-def read_sync_reply(msg: Message, fragments: list[int], sizes: list[int], count: int) -> Published:
-    """A peer's answer to a `SyncAsk` for `fragments` (of `sizes` values each, of `count`);
-    ValueError (a `BodyError` for a malformed body) naming what is wrong."""
-    body = SyncState.from_wire(msg.body)
-    versions = body.versions
-    if len(versions) != count or list(body.fragments) != fragments or len(msg.payload) != 2 * len(fragments):
-        raise ValueError("reply does not match the request")
-    outer: list[torch.Tensor] = [torch.zeros(0)] * count
-    momentum: list[torch.Tensor] = [torch.zeros(0)] * count
-    for i, (f, n) in enumerate(zip(fragments, sizes)):
-        o, m = (torch.as_tensor(t).reshape(-1).to(torch.float32).clone() for t in msg.payload[2 * i:2 * i + 2])
-        if o.numel() != n or m.numel() != n or not (torch.isfinite(o).all() and torch.isfinite(m).all()):
-            raise ValueError(f"fragment {f}: expected {n} finite values")
-        outer[f], momentum[f] = o, m
-    return Published(body.step, versions, tuple(outer), tuple(momentum))
+    def scatter(self, flats: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+        """Write `flats` (one per fragment, as `outer` or `momentum`) into `params`: tensors of
+        the trainable parameters' shapes, in their order."""
+        for fragment, flat in zip(self.layout, flats):
+            FragmentView(params, fragment).write(flat)
+
+    def gather(self, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """What `params` (tensors of the trainable parameters' shapes, in their order) hold,
+        fragment by fragment: the inverse of `scatter`."""
+        return tuple(FragmentView(params, fragment).read() for fragment in self.layout)

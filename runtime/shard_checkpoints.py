@@ -2,16 +2,24 @@
 every rank of the replica writes its chunks into, kept in the one `CheckpointStore`."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from starling.protocols.outer_sync import OuterState
     from starling.runtime.shard_sync import ShardedModel
 
 __all__ = ["ShardedCheckpoints"]
+
+
+def _outer_state(proto: Any) -> OuterState | None:
+    """The protocol's outer state (DiLoCo's `outer_state()`), or None for one that keeps none."""
+    read = getattr(proto, "outer_state", None)
+    return read() if callable(read) else None
 
 
 class ShardedCheckpoints:
@@ -20,12 +28,13 @@ class ShardedCheckpoints:
     its chunks into, so that a replica of another rank count can load it (DCP reshards).
 
     What goes in, per parameter and as a DTensor sharded like it: the model, the outer
-    parameters and momentum (rebuilt per parameter from the fragments), the inner optimizer's
-    per-parameter state; and the step and fragment versions. Error-feedback residuals and rounds
-    in flight are not kept (they belong to one layout): a resumed replica starts its rounds
-    afresh from the saved outer state. The directories live in the one `CheckpointStore`:
-    rank 0 seals each once every rank's part is on disk (a manifest with every file's digest,
-    naming the swarm that wrote it), prunes, and checks every byte before a resume."""
+    parameters and momentum (the protocol's `outer_state()`, laid out per parameter), the
+    inner optimizer's per-parameter state; and the step and fragment versions. Error-feedback
+    residuals and rounds in flight are not kept (they belong to one layout): a resumed replica
+    starts its rounds afresh from the saved outer state. The directories live in the one
+    `CheckpointStore`: rank 0 seals each once every rank's part is on disk (a manifest with
+    every file's digest, naming the swarm that wrote it), prunes, and checks every byte before
+    a resume."""
 
     def __init__(self, directory: str, keep: int, sharded: ShardedModel) -> None:
         from starling.runtime.checkpoint import CheckpointStore
@@ -43,14 +52,14 @@ class ShardedCheckpoints:
         return DTensor.from_local(local, self.sharded.mesh, [Shard(0)], run_check=False, shape=like.shape,
                                   stride=like.stride())
 
-    def _per_parameter(self, fragments: list[Any], flats: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Chunks shaped like the view's parameters, holding `flats` (one per fragment), or zeros."""
-        from starling.protocols.fragments import FragmentView
-
+    def _per_parameter(self, held: OuterState | None, flats: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Chunks shaped like the view's parameters, holding `flats` (one per fragment of `held`),
+        or zeros; none without an outer state."""
+        if held is None:
+            return []
         locals_ = [torch.zeros_like(v, dtype=torch.float32) for _, v in self.sharded.pairs]
         if flats is not None:
-            for fragment, flat in zip(fragments, flats):
-                FragmentView(locals_, fragment.view.fragment).write(flat)
+            held.scatter(flats, locals_)
         return locals_
 
     # ------------------------------------------------------------------ save
@@ -60,19 +69,19 @@ class ShardedCheckpoints:
 
         path = self.store.directory_for(count)
         state: dict[str, Any] = {}
-        fragments = list(getattr(proto, "fragments", ()))
-        outer = self._per_parameter(fragments, [f.outer for f in fragments]) if fragments else []
-        momentum = self._per_parameter(fragments, [f.momentum for f in fragments]) if fragments else []
+        held = _outer_state(proto)
+        outer = self._per_parameter(held, held.outer if held else None)
+        momentum = self._per_parameter(held, held.momentum if held else None)
         for i, (name, (p, v)) in enumerate(zip(self._names(), self.sharded.pairs)):
             state[f"model.{name}"] = p
-            if fragments:
+            if held is not None:
                 state[f"outer.{name}"] = self._dtensor(outer[i], p)
                 state[f"momentum.{name}"] = self._dtensor(momentum[i], p)
             for key, value in proto.optimizer.state.get(v, {}).items():
                 if isinstance(value, torch.Tensor):
                     state[f"optim.{name}.{key}"] = self._dtensor(value, p) if value.shape == v.shape and value.dim() \
                         else value
-        versions = list(getattr(proto, "versions", ()))
+        versions = list(held.versions) if held else []
         state["meta"] = torch.tensor([proto.step_count, *versions], dtype=torch.int64)
         dcp.save(state, checkpoint_id=str(path))
         if self.sharded.group.rank == 0:  # dcp.save returns once every rank's files are written
@@ -99,15 +108,15 @@ class ShardedCheckpoints:
 
         metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         state: dict[str, Any] = {}
-        fragments = list(getattr(proto, "fragments", ()))
-        outer = self._per_parameter(fragments, None)
-        momentum = self._per_parameter(fragments, None)
+        held = _outer_state(proto)  # its layout: where each fragment's values sit in the parameters
+        outer = self._per_parameter(held, None)
+        momentum = self._per_parameter(held, None)
         optim: dict[int, dict[str, torch.Tensor]] = {}
         for i, (name, (p, v)) in enumerate(zip(self._names(), self.sharded.pairs)):
             if f"model.{name}" not in metadata:
                 raise ValueError(f"{path} holds no parameter {name!r}: a checkpoint of another model")
             state[f"model.{name}"] = p
-            if fragments:
+            if held is not None:
                 state[f"outer.{name}"] = self._dtensor(outer[i], p)
                 state[f"momentum.{name}"] = self._dtensor(momentum[i], p)
             prefix = f"optim.{name}."
@@ -128,11 +137,9 @@ class ShardedCheckpoints:
         for i, saved in optim.items():
             proto.optimizer.state[views[i]] = saved
         step, *versions = (int(x) for x in state["meta"].tolist())
-        if fragments:
-            from starling.protocols.fragments import FragmentView
-
-            proto.restore_outer(step, [FragmentView(outer, f.view.fragment).read() for f in fragments],
-                                [FragmentView(momentum, f.view.fragment).read() for f in fragments], versions)
+        if held is not None:
+            proto.load_outer_state(dataclasses.replace(held, step=step, versions=tuple(versions),
+                                                       outer=held.gather(outer), momentum=held.gather(momentum)))
         else:
             proto.step_count = step
         return step

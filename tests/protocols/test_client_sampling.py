@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from starling.protocols.diloco import draw_clients
 from starling.protocols.diloco_config import DiLoCoConfig
+from starling.protocols.sampling import draw_clients
 from starling.runtime import SimConfig, Simulation
 
 MEMBERS = tuple(f"peer{i:03d}" for i in range(100))

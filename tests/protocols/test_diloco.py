@@ -2,6 +2,7 @@
 fragment bytes, joiners, dead peers, and refused hyper-parameters."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,7 @@ from torch import nn
 
 from starling.node.loop import AwakeDeadline
 from starling.protocols import ProtocolError, get_protocol
-from starling.protocols.fragments import FragmentSchedule, FragmentView, count_layers, split_fragments
+from starling.protocols.fragments import Fragment, FragmentSchedule, FragmentView, count_layers, split_fragments
 
 INNER_LR, OUTER_LR, MU = 0.1, 0.7, 0.9
 EXACT = {"compressor": "none", "inner_optimizer": "sgd", "lr": INNER_LR, "outer_lr": OUTER_LR,
@@ -190,6 +191,48 @@ def test_state_dict_loads_with_weights_only_and_keeps_rounds_in_flight(make_node
     train(joiner, 0, 1)
     assert torch.equal(outer_vector(donor), outer_vector(joiner))
     assert torch.equal(vector(donor.model.parameters()), vector(joiner.model.parameters()))
+
+
+def test_the_outer_state_moves_to_another_peer_without_its_rounds_and_stays_as_read(make_node):
+    options = {**EXACT, "sync_every": 4, "fragments": 2, "overlap_steps": 1}
+    donor = get_protocol("streaming-diloco").create(make_node("inproc"), linear(), options)
+    train(donor, 0, 7)  # fragment 1's second exchange started after step 7
+    held = donor.outer_state()
+    assert held.step == 7 and list(held.versions) == donor.versions == [2, 1] and list(donor.in_flight) == [1]
+    taker = get_protocol("streaming-diloco").create(make_node("inproc"), linear(), options)
+    taker.load_outer_state(held)
+    assert taker.step_count == 7 and taker.versions == [2, 1] and not taker.in_flight
+    assert all(torch.equal(a, b) for a, b in zip(taker.outer + taker.momentum, donor.outer + donor.momentum))
+    read = [t.clone() for t in (*held.outer, *held.momentum)]
+    train(donor, 0, 1)  # fragment 1 merges: the donor's outer state moves on, the state read does not
+    assert donor.versions == [2, 2] and not torch.equal(donor.outer[1], read[1])
+    assert all(torch.equal(a, b) for a, b in zip((*held.outer, *held.momentum), read))
+
+
+@pytest.mark.parametrize("misfit", ["sizes", "versions", "layout"])
+def test_an_outer_state_that_does_not_fit_is_refused_and_changes_nothing(make_node, misfit):
+    options = {**EXACT, "sync_every": 4, "fragments": 2}
+    proto = get_protocol("streaming-diloco").create(make_node("inproc"), linear(), options)
+    train(proto, 0, 3)
+    held = proto.outer_state()
+    bad = {"sizes": dataclasses.replace(held, outer=(held.outer[0][:-1], held.outer[1])),
+           "versions": dataclasses.replace(held, versions=held.versions[:1]),
+           # the same sizes over other runs: fragment 0 laid where fragment 1 is
+           "layout": dataclasses.replace(held, layout=tuple(Fragment(f.index, g.runs)
+                                                            for f, g in zip(held.layout, reversed(held.layout))))
+           }[misfit]
+    before = (proto.step_count, proto.versions, vector(proto.model.parameters()),
+              [t.clone() for t in (*proto.outer, *proto.momentum)])
+    with pytest.raises(ProtocolError, match="outer state"):
+        proto.load_outer_state(bad)
+    if misfit != "layout":  # a state dict names no layout: it is this peer's
+        state = {**proto.state_dict(), "step": 99, "outer": list(bad.outer), "versions": list(bad.versions)}
+        state["model"] = {name: value + 1.0 for name, value in state["model"].items()}
+        with pytest.raises(ProtocolError, match="outer state"):
+            proto.load_state_dict(state)
+    assert (proto.step_count, proto.versions) == before[:2]
+    assert torch.equal(vector(proto.model.parameters()), before[2])
+    assert all(torch.equal(a, b) for a, b in zip((*proto.outer, *proto.momentum), before[3]))
 
 
 @pytest.mark.parametrize("joins", ["after-send", "before-send"])

@@ -88,11 +88,11 @@ def checkpoint(rank: int, size: int, directory: str, checkpoints: str, out: str,
     resumed = trainer.resume_replica()
     trainer.run(steps, threading.Event())
     store = replication.checkpoints
-    fragments = proto.fragments
-    torch.save({"resumed": resumed, "step": proto.step_count, "versions": proto.versions,
+    held = proto.outer_state()
+    torch.save({"resumed": resumed, "step": proto.step_count, "versions": list(held.versions),
                 "model": [v.detach().clone() for _, v in replication.sharded.pairs],
-                "outer": store._per_parameter(fragments, [f.outer for f in fragments]),
-                "momentum": store._per_parameter(fragments, [f.momentum for f in fragments]),
+                "outer": store._per_parameter(held, held.outer),
+                "momentum": store._per_parameter(held, held.momentum),
                 "exp_avg": [proto.optimizer.state[v]["exp_avg"].clone() for _, v in replication.sharded.pairs],
                 "adam_step": [float(proto.optimizer.state[v]["step"]) for _, v in replication.sharded.pairs]}, out)
     node.close()
