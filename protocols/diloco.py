@@ -233,8 +233,9 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
 
         t = self.step_count
         s = self.step_count = t + 1
+        work, self.next_step_work = self.next_step_work, 1.0  # `weigh_next_step`: a batch partly padding
         for fragment in self.fragments:
-            fragment.ledger.stepped()
+            fragment.ledger.stepped(work)
         result: ReduceResult | None = None
         for fragment, k in self._sends_at(s):
             self._send(fragment, k)

@@ -96,11 +96,12 @@ class TokenLedger:
 
     def __init__(self, staleness_weight: float) -> None:
         self.gamma = staleness_weight
-        self.steps = 0
+        self.steps: float = 0  # inner steps, each weighed by the share of a full batch it trained
         self.carry: tuple[torch.Tensor, float] | None = None
 
-    def stepped(self) -> None:
-        self.steps += 1
+    def stepped(self, work: float = 1.0) -> None:
+        """One inner step, of `work` full batches' training (1.0 but for a batch partly padding)."""
+        self.steps += 1 if work == 1.0 else work  # whole steps stay an int, as checkpoints have held them
 
     def contribution(self, delta: torch.Tensor) -> tuple[torch.Tensor, float]:
         """The part to send now and its weight; restarts the count."""
@@ -127,7 +128,8 @@ class TokenLedger:
         return {"steps": self.steps, "carry": carry}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.steps = int(state.get("steps", self.steps))
+        steps = state.get("steps", self.steps)
+        self.steps = int(steps) if float(steps).is_integer() else float(steps)
         carry = state.get("carry")
         self.carry = None if carry is None else (carry["part"].to(torch.float32), float(carry["weight"]))
 

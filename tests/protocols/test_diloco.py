@@ -121,6 +121,29 @@ def test_two_syncs_of_two_peers_equal_the_hand_computed_nesterov_update(make_nod
     assert torch.equal(outer_vector(protos[0]), outer_vector(protos[1]))
 
 
+def test_a_member_whose_batches_were_half_padding_weighs_half_in_the_average(make_node):
+    """`weigh_next_step`: a member of a swarm of its own data is weighed by the text it trained."""
+    nodes = swarm(make_node, 2)
+    protos = [get_protocol("diloco").create(n, linear(), {**EXACT, "sync_every": 2}) for n in nodes]
+
+    def half_padded(proto, rank: int, steps: int) -> list:
+        reports = []
+        for _ in range(steps):
+            if rank == 1:
+                proto.weigh_next_step(0.5)
+            reports.append(proto.step(lambda: loss_of(proto.model, rank, proto.step_count)))
+        return reports
+
+    in_parallel([lambda r=r: half_padded(protos[r], r, 2) for r in range(2)])
+    theta = vector(linear().parameters())
+    deltas = [theta - local_sgd(theta, r, 0, 2) for r in range(2)]
+    delta = (2.0 * deltas[0] + 1.0 * deltas[1]) / 3.0  # 2 steps of work against 2 half steps
+    theta = theta - OUTER_LR * (delta + MU * delta)
+    for proto in protos:
+        torch.testing.assert_close(outer_vector(proto), theta, rtol=1e-5, atol=1e-6)
+        assert proto.next_step_work == 1.0  # spent on the step it weighed
+
+
 def test_alpha_merge_after_an_overlapped_exchange(make_node):
     """tau = 1: the pseudo-gradient leaves after step 1, training goes on, and at step 2 the
     local parameters become alpha * local + (1 - alpha) * global."""
