@@ -115,7 +115,11 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
     weightless_steps = True
 
     def step(self, loss_fn: LossFn, weight: float | None = None) -> StepReport:
-        """One round; `weight` 0 takes part without counting (see `Protocol.weightless_steps`)."""
+        """One round; `weight` 0 takes part without counting (see `Protocol.weightless_steps`).
+        Otherwise a batch that was partly padding (`weigh_next_step`) weighs its share of a full one."""
+        work, self.next_step_work = self.next_step_work, 1.0
+        if weight is None and work != 1.0:
+            weight = work
         clock = self._begin_step()
         with clock.computing():
             loss = self._backprop(loss_fn)

@@ -48,6 +48,24 @@ def test_one_step_equals_sgd_on_the_exact_mean_gradient(make_node):
             torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-6)
 
 
+def test_a_batch_that_was_half_padding_weighs_half_in_the_average_gradient(make_node):
+    """`weigh_next_step`: a member of a swarm of its own data is weighed by the text it trained."""
+    nodes = swarm(make_node, 2)
+    protos = [get_protocol("allreduce").create(n, linear(), {"lr": LR}) for n in nodes]
+    protos[1].weigh_next_step(0.5)
+    in_parallel([lambda r=r: protos[r].step(lambda: loss_of(protos[r].model, r)) for r in range(2)])
+    grads = []
+    for rank in range(2):
+        model = linear()
+        loss_of(model, rank).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    expected = [p.detach() - LR * (g0 + 0.5 * g1) / 1.5 for p, g0, g1 in zip(linear().parameters(), *grads)]
+    for proto in protos:
+        for p, e in zip(proto.model.parameters(), expected):
+            torch.testing.assert_close(p.detach(), e, rtol=1e-5, atol=1e-6)
+        assert proto.next_step_work == 1.0
+
+
 def test_each_peer_sends_about_two_vectors_times_p_minus_1_over_p(make_node):
     world, dim = 4, 4000
     nodes = swarm(make_node, world)
