@@ -1,7 +1,7 @@
 """A streamed corpus (`--data stream:...`, `starling.data.streaming`) on generated shard files.
 
-    python benchmarks/streaming.py [--small-mb 4] [--large-mb 64] [--shards 8] [--unit-bytes 4096]
-                                   [--seq-len 128] [--batch-size 8] [--steps 20]
+    python benchmarks/streaming.py [--small-mb 4] [--large-mb 64] [--bounded-mb 4] [--shards 8]
+                                   [--unit-bytes 4096] [--seq-len 128] [--batch-size 8] [--steps 20]
 
 Prints JSON rows:
 - ``first_batch``: seconds from naming the corpus to holding the first unit's batch (listing the
@@ -15,7 +15,16 @@ Prints JSON rows:
   loader at 5x the step rate or more (``ratio``);
 - ``memory``: the process's resident memory over one epoch of the large corpus, sampled every
   twentieth of it: after the first twentieth, at its peak and at the end. Target: it grows by
-  less than a tenth of the corpus's size over the epoch (nothing is held but the unit in hand).
+  less than a tenth of the corpus's size over the epoch (nothing is held but the unit in hand);
+- ``bounded_space``: one epoch of a tiny gpt (1 layer, 16 wide) over a corpus of `--bounded-mb`,
+  the gpt task reading the units a `UnitLedger` hands two members, with the run's cache and
+  working space (the task's `cache_dir`, ``TMPDIR``, ``XDG_CACHE_HOME``, ``HF_HOME``,
+  ``HF_DATASETS_CACHE``) on a tmpfs of a tenth of the corpus's size, mounted for the row and
+  unmounted after. Target: every training unit read and trained exactly once (and its shard
+  opened once for it), the tmpfs never full: nothing is copied or converted whole. The control,
+  ``whole_read``: the same corpus read whole (``--data FOLDER``: converted and tokenized into a
+  token file) with its folders on that tmpfs stops for want of space. Mounting needs root on
+  Linux; elsewhere the row says it was skipped, and why.
 
 The corpora are JSON lines of generated words (documents of 0 to 2,000 words), in a fresh
 temporary folder; the byte tokenizer makes the tokens.
@@ -23,14 +32,18 @@ temporary folder; the byte tokenizer makes the tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +57,9 @@ from starling.data.tokenizer import ByteTokenizer
 FIRST_BATCH_TARGET_S = 10.0
 LOADER_TARGET = 5.0
 MEMORY_SHARE = 0.1  # of the corpus's size: what the epoch may add to resident memory
+SPACE_SHARE = 0.1  # of the corpus's size: the run's cache and working space in `bounded_space`
+SPACE_VARIABLES = ("TMPDIR", "XDG_CACHE_HOME", "HF_HOME", "HF_DATASETS_CACHE")  # each a folder on it
+TINY_GPT = {"n_layer": 1, "n_embd": 16, "n_head": 2}
 WORDS = ("the of and to in is was for on that with as by at from his her an which they were be this are "
          "river mountain signal protocol gradient swarm peer shard ledger epoch unit token stream über café "
          "naïve 東京 données").split()
@@ -172,16 +188,157 @@ def row_memory(root: Path, corpus_bytes: int, unit_bytes: int, seq_len: int) -> 
             "met": read == source.units and growth < MEMORY_SHARE * corpus_bytes}
 
 
+def space_used(folder: Path) -> int:
+    """Bytes in use on the file system that holds `folder`."""
+    stat = os.statvfs(folder)
+    return (stat.f_blocks - stat.f_bfree) * stat.f_frsize
+
+
+@contextlib.contextmanager
+def size_limited_tmpfs(size_bytes: int) -> Iterator[Path]:
+    """A fresh folder with a tmpfs of `size_bytes` mounted on it, unmounted and removed after
+    (root on Linux); CalledProcessError if `mount` refuses."""
+    folder = Path(tempfile.mkdtemp(prefix="starling-bounded-"))
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(folder)],
+                       check=True, capture_output=True, text=True)
+        try:
+            yield folder
+        finally:
+            subprocess.run(["umount", str(folder)], check=True, capture_output=True, text=True)
+    finally:
+        folder.rmdir()
+
+
+@contextlib.contextmanager
+def run_space(folder: Path) -> Iterator[Path]:
+    """Point the run's cache and working folders (SPACE_VARIABLES, and the token cache this
+    returns) at `folder`, putting them back after."""
+    saved = {name: os.environ.get(name) for name in SPACE_VARIABLES}
+    saved_tempdir = tempfile.tempdir
+    datasets = sys.modules.get("datasets")  # imported already: it read HF_DATASETS_CACHE then
+    saved_cache = datasets.config.HF_DATASETS_CACHE if datasets is not None else None
+    try:
+        for name in SPACE_VARIABLES:
+            path = folder / name.lower()
+            path.mkdir()
+            os.environ[name] = str(path)
+        tempfile.tempdir = None  # read TMPDIR again
+        if datasets is not None:
+            datasets.config.HF_DATASETS_CACHE = Path(os.environ["HF_DATASETS_CACHE"])
+        yield folder / "tokens"
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        tempfile.tempdir = saved_tempdir
+        if datasets is not None:
+            datasets.config.HF_DATASETS_CACHE = saved_cache
+
+
+def bounded_epoch(root: Path, space: Path, unit_bytes: int, seq_len: int, batch_size: int) -> dict[str, Any]:
+    """One epoch of a tiny gpt over the streamed corpus at `root`, its cache and working folders
+    in `space`: the gpt task reads each unit a `UnitLedger` hands two members and trains on it.
+    Returns what was read and trained, and the space `space`'s file system held at its peak."""
+    from starling.tasks import get_task
+
+    with run_space(space) as cache:
+        task = get_task("gpt", data=f"stream:{root}", cache_dir=str(cache), unit_bytes=unit_bytes, seq_len=seq_len,
+                        batch_size=batch_size, **TINY_GPT)
+        units = task.data_units()
+        assert units is not None
+        ledger = UnitLedger(units, seed=3)
+        model = task.make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        trained: Counter[int] = Counter()
+        losses: list[float] = []
+        start = peak = space_used(space)
+        round_ = 0
+        began = time.perf_counter()
+        while ledger.epoch == 0:
+            for unit in (u for held in ledger.advance(round_, ["a", "b"]).values() for u in held):
+                if unit.epoch:
+                    continue  # the next epoch's first unit: the epoch is over
+                loss = task.loss(model, task.unit_batch(unit.index))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                trained[unit.index] += 1
+                losses.append(float(loss.detach()))
+                peak = max(peak, space_used(space))
+            round_ += 1
+        seconds = time.perf_counter() - began
+        opened = task.stream.opens
+    tenth = max(1, len(losses) // 10)
+    return {"units": units, "units_trained": sum(trained.values()), "distinct": len(trained),
+            "each_once": set(trained) == set(range(units)) and set(trained.values()) == {1},
+            "shard_opens": opened, "space_start": start, "space_peak": peak, "epoch_s": seconds,
+            "loss_first": statistics.mean(losses[:tenth]), "loss_last": statistics.mean(losses[-tenth:])}
+
+
+def whole_conversion(root: Path, space: Path, seq_len: int, batch_size: int) -> str:
+    """The control: the same corpus read whole (as ``--data FOLDER`` reads it: converted, then
+    tokenized into a token file) with its cache and working folders in `space`. Returns the
+    error that stopped it (the space filled), or "" if it fit."""
+    from starling.data.base import DataError
+    from starling.tasks import get_task
+
+    folder = space / "whole"
+    folder.mkdir()
+    try:
+        with run_space(folder) as cache:
+            get_task("gpt", data=str(root), cache_dir=str(cache), seq_len=seq_len, batch_size=batch_size,
+                     **TINY_GPT).data_units()
+    except (OSError, DataError) as exc:
+        return str(exc).strip().splitlines()[-1].replace(f"{root}: ", "")
+    return ""
+
+
+def row_bounded_space(root: Path, corpus_bytes: int, unit_bytes: int, seq_len: int,
+                      batch_size: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"row": "bounded_space", "corpus_mb": round(corpus_bytes / (1 << 20), 2)}
+    if not sys.platform.startswith("linux"):
+        return {**row, "skipped": f"a size-limited tmpfs needs Linux, not {sys.platform}"}
+    if os.geteuid() != 0:
+        return {**row, "skipped": f"mounting a size-limited tmpfs needs root (running as uid {os.geteuid()})"}
+    try:
+        with size_limited_tmpfs(max(1 << 12, int(SPACE_SHARE * corpus_bytes))) as space:
+            stat = os.statvfs(space)
+            size = stat.f_blocks * stat.f_frsize  # as mounted: whole pages
+            result = bounded_epoch(root, space, unit_bytes, seq_len, batch_size)
+            whole = whole_conversion(root, space, seq_len, batch_size)
+    except subprocess.CalledProcessError as exc:
+        why = (exc.stderr or exc.stdout or "").strip().splitlines()
+        return {**row, "skipped": f"{' '.join(exc.cmd[:3])} failed: {why[-1] if why else exc.returncode}"}
+    except OSError as exc:  # the space filled (ENOSPC): something was copied or converted whole
+        return {**row, "error": f"{type(exc).__name__}: {exc}", "met": False}
+    kb = 1 << 10
+    met = (result["each_once"] and result["shard_opens"] == result["units"] and result["space_peak"] < size
+           and bool(whole))
+    return {**row, "tmpfs_kb": round(size / kb, 1), "units": result["units"],
+            "units_trained": result["units_trained"], "each_once": result["each_once"],
+            "shard_opens": result["shard_opens"], "space_start_kb": round(result["space_start"] / kb, 1),
+            "space_peak_kb": round(result["space_peak"] / kb, 1), "epoch_s": round(result["epoch_s"], 1),
+            "units_per_s": round(result["units"] / result["epoch_s"], 1),
+            "loss_first": round(result["loss_first"], 3), "loss_last": round(result["loss_last"], 3),
+            "whole_read": whole or "fit", "met": met}
+
+
 def run(small_mb: float, large_mb: float, shards: int, unit_bytes: int, seq_len: int, batch_size: int,
-        steps: int) -> list[dict[str, Any]]:
+        steps: int, bounded_mb: float = 4) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="starling-streaming-") as tmp:
-        small, large = Path(tmp) / "small", Path(tmp) / "large"
+        small, large, bounded = Path(tmp) / "small", Path(tmp) / "large", Path(tmp) / "bounded"
         write_corpus(small, int(small_mb * (1 << 20)), shards, seed=1)
         large_bytes = write_corpus(large, int(large_mb * (1 << 20)), shards, seed=2)
-        for row in (row_first_batch(small, large, unit_bytes, seq_len),
-                    row_loader(small, unit_bytes, seq_len, batch_size, steps),
-                    row_memory(large, large_bytes, unit_bytes, seq_len)):
+        bounded_bytes = write_corpus(bounded, int(bounded_mb * (1 << 20)), shards, seed=3)
+        for make in (lambda: row_first_batch(small, large, unit_bytes, seq_len),
+                     lambda: row_loader(small, unit_bytes, seq_len, batch_size, steps),
+                     lambda: row_memory(large, large_bytes, unit_bytes, seq_len),
+                     lambda: row_bounded_space(bounded, bounded_bytes, unit_bytes, seq_len, batch_size)):
+            row = make()
             emit(row)
             rows.append(row)
     return rows
@@ -191,6 +348,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small-mb", type=float, default=4)
     parser.add_argument("--large-mb", type=float, default=64)
+    parser.add_argument("--bounded-mb", type=float, default=4)
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--unit-bytes", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -198,7 +356,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)  # a peer of a simulator on this box trains on one thread
-    run(args.small_mb, args.large_mb, args.shards, args.unit_bytes, args.seq_len, args.batch_size, args.steps)
+    run(args.small_mb, args.large_mb, args.shards, args.unit_bytes, args.seq_len, args.batch_size, args.steps,
+        args.bounded_mb)
 
 
 if __name__ == "__main__":
