@@ -14,8 +14,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+# What starts a node's process, with subprocess.Popen's signature. The tests that run these
+# benchmarks in their own process put theirs here (tests/cli_zygote.py's `cli_popen`, which
+# forks the CLI from a process that imported torch once); a benchmark run as a script execs.
+popen: Callable[..., subprocess.Popen] = subprocess.Popen
 
 
 @dataclass(frozen=True)
@@ -46,9 +52,8 @@ class NodeProcess:
         self.log = open(log, "w") if log else None
         self.log_path = log
         self.launched_at = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "starling.cli.main", "node", "start", *args],
-                                     stdout=subprocess.PIPE, stderr=self.log or subprocess.DEVNULL, text=True,
-                                     env=env)
+        self.proc = popen([sys.executable, "-m", "starling.cli.main", "node", "start", *args],
+                          stdout=subprocess.PIPE, stderr=self.log or subprocess.DEVNULL, text=True, env=env)
         self.steps: list[Progress] = []
         self.records: list[dict[str, Any]] = []  # every progress line, as printed
         self.training_at: float | None = None  # when it printed {"event": "training"}

@@ -7,6 +7,7 @@ import signal
 import subprocess
 
 import pytest
+from cli_zygote import cli_popen
 from test_node_training import FAST, Lines, starling
 
 from starling.node import Node, NodeConfig, RefusedError
@@ -41,7 +42,7 @@ def test_a_joiner_waits_out_members_that_hold_every_transfer_slot_and_gives_up_o
         with pytest.raises(RefusedError):
             squatters[0].request(first.peer_id, OPEN_TOPIC, {"name": STATE_BLOB})
 
-        hasty = subprocess.Popen(
+        hasty = cli_popen(
             starling("node", "start", *FAST, "--join", first.address, "--state-fetch-timeout-s", "2"),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(hasty)
@@ -50,15 +51,15 @@ def test_a_joiner_waits_out_members_that_hold_every_transfer_slot_and_gives_up_o
         assert "1 busy, 4 without it" in gave_up, gave_up  # the squatters serve no state
         assert hasty.wait(60) == 2
 
-        stopped = subprocess.Popen(starling("node", "start", *FAST, "--join", first.address),
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stopped = cli_popen(starling("node", "start", *FAST, "--join", first.address),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(stopped)
         Lines(stopped).text("trying again in")
         stopped.send_signal(signal.SIGTERM)  # heard while it waits, not 120 s later
         assert stopped.wait(60) == 0
 
-        patient = subprocess.Popen(starling("node", "start", *FAST, "--join", first.address),
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        patient = cli_popen(starling("node", "start", *FAST, "--join", first.address),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(patient)
         theirs = Lines(patient)
         assert "1 busy" in theirs.text("trying again in")

@@ -10,6 +10,7 @@ import time
 import urllib.request
 
 import pytest
+from cli_zygote import cli_popen
 from conftest import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from test_node_training import FAST, Lines, starling
@@ -61,22 +62,22 @@ def _stop(procs: list) -> None:
 @pytest.mark.timeout(600)  # two Python processes that import torch, on a loaded 2-core box
 def test_a_scrape_names_every_metric_and_the_values_move_as_the_swarm_trains(tmp_path):
     train = ["--task", "quadratic", "--lr", "0.05", "--round-timeout-s", "5", "--log-every", "10"]
-    first = subprocess.Popen(starling("node", "start", *FAST, "--protocol", "allreduce", *train, "--metrics-port", "0",
-                                      "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "20",
-                                      "--probe-timeout-s", "1",
-                                      # dead well after a round gives up on a silent member (5 s): a first
-                                      # node starved on a loaded box for the whole dead-after time would
-                                      # see the stopped peer dead before any round waited for it
-                                      "--suspicion-s", "12"),
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = cli_popen(starling("node", "start", *FAST, "--protocol", "allreduce", *train, "--metrics-port", "0",
+                               "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "20",
+                               "--probe-timeout-s", "1",
+                               # dead well after a round gives up on a silent member (5 s): a first
+                               # node starved on a loaded box for the whole dead-after time would
+                               # see the stopped peer dead before any round waited for it
+                               "--suspicion-s", "12"),
+                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     joiner = None
     try:
         out = Lines(first)
         address = out.address()
         url = out.text("starling metrics on").rsplit(" ", 1)[1].strip()
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
-        joiner = subprocess.Popen(starling("node", "start", *FAST, "--join", address, "--log-every", "10"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        joiner = cli_popen(starling("node", "start", *FAST, "--join", address, "--log-every", "10"),
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         Lines(joiner)  # drained, so a full pipe never stalls it
         out.until(lambda r: r.get("peers") == 2)  # the first trains with the joiner: rounds complete
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_zygote import cli_popen, cli_run
 
 from starling.node.client import query
 
@@ -45,29 +46,29 @@ def leftover_rendezvous(tmp: Path) -> list[str]:
 @pytest.mark.timeout(300)
 def test_two_replicas_of_two_ranks_train_together_and_other_sizes_are_refused_at_hello(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # where each replica's rendezvous folder goes
-    first = subprocess.Popen(starling("--protocol", "streaming-diloco", "--nproc-per-replica", "2", "--steps", "8",
-                                      "--opt", "sync_every=4", "--min-peers", "2", "--shard", "0/2", *TINY),
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    first = cli_popen(starling("--protocol", "streaming-diloco", "--nproc-per-replica", "2", "--steps", "8",
+                               "--opt", "sync_every=4", "--min-peers", "2", "--shard", "0/2", *TINY),
+                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         address = address_of(first)
         # a single process: refused at hello, never a member
-        refused = subprocess.run(starling("--join", address, "--steps", "8"), capture_output=True, text=True,
-                                 timeout=200, env=env)
+        refused = cli_run(starling("--join", address, "--steps", "8"), capture_output=True, text=True,
+                          timeout=200, env=env)
         assert refused.returncode != 0
         assert "replica_ranks: swarm has 2, this node has 1" in refused.stderr, refused.stderr[-2000:]
         assert "training" not in refused.stdout
         # a replica of 3: told so by the seed's status before it starts its ranks (its hello would
         # refuse it too: tests/runtime/test_replicas.py)
-        bigger = subprocess.run(starling("--join", address, "--nproc-per-replica", "3", "--steps", "8"),
-                                capture_output=True, text=True, timeout=200, env=env)
+        bigger = cli_run(starling("--join", address, "--nproc-per-replica", "3", "--steps", "8"),
+                         capture_output=True, text=True, timeout=200, env=env)
         assert bigger.returncode != 0
         assert (f"replica_ranks: swarm has 2, this node has 3 (asked {address} before starting this replica's "
                 "ranks)") in bigger.stderr, bigger.stderr[-2000:]
         assert "training" not in bigger.stdout
         assert query(address, timeout_s=30)["peers"] == []  # nobody counted toward --min-peers: the first still waits
         assert first.poll() is None
-        second = subprocess.run(starling("--join", address, "--nproc-per-replica", "2", "--steps", "8",
-                                         "--shard", "1/2"), capture_output=True, text=True, timeout=200, env=env)
+        second = cli_run(starling("--join", address, "--nproc-per-replica", "2", "--steps", "8",
+                                  "--shard", "1/2"), capture_output=True, text=True, timeout=200, env=env)
         out, _ = first.communicate(timeout=120)
     finally:
         first.kill()
@@ -88,9 +89,9 @@ def test_two_replicas_of_two_ranks_train_together_and_other_sizes_are_refused_at
 @pytest.mark.timeout(300)
 def test_a_replica_stopped_by_sigterm_leaves_no_rendezvous_folder(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    waiting = subprocess.Popen(starling("--protocol", "streaming-diloco", "--nproc-per-replica", "2",
-                                        "--min-peers", "2", *TINY),
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    waiting = cli_popen(starling("--protocol", "streaming-diloco", "--nproc-per-replica", "2",
+                                 "--min-peers", "2", *TINY),
+                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         address_of(waiting)  # up, with its ranks spawned, waiting for a second peer
         assert leftover_rendezvous(tmp_path)
@@ -99,9 +100,9 @@ def test_a_replica_stopped_by_sigterm_leaves_no_rendezvous_folder(tmp_path):
     finally:
         waiting.kill()
     assert leftover_rendezvous(tmp_path) == []
-    early = subprocess.Popen(starling("--protocol", "streaming-diloco", "--nproc-per-replica", "2",
-                                      "--join", "tcp://127.0.0.1:9", "--join-deadline-s", "600", *TINY),
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    early = cli_popen(starling("--protocol", "streaming-diloco", "--nproc-per-replica", "2",
+                               "--join", "tcp://127.0.0.1:9", "--join-deadline-s", "600", *TINY),
+                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:  # SIGTERM while it still tries to join (before its node is up)
         deadline = time.monotonic() + 60
         while not leftover_rendezvous(tmp_path) and time.monotonic() < deadline:

@@ -6,6 +6,7 @@ import signal
 import subprocess
 
 import pytest
+from cli_zygote import cli_popen
 from conftest import wait_until
 from test_node_training import FAST, Lines, starling
 
@@ -33,16 +34,16 @@ def test_a_killed_swarm_resumes_from_the_step_both_peers_hold(tmp_path):
              "--round-timeout-s", "5", "--log-every", "1", "--checkpoint-every", "4"]
     procs: list[subprocess.Popen] = []
     try:
-        first = subprocess.Popen(starling("node", "start", *FAST, "--key", str(keys[0]), *train,
-                                          "--checkpoint-dir", str(dirs[0])),
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        first = cli_popen(starling("node", "start", *FAST, "--key", str(keys[0]), *train,
+                                   "--checkpoint-dir", str(dirs[0])),
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         procs.append(first)
         out_a = Lines(first)
         address = out_a.address()
-        second = subprocess.Popen(starling("node", "start", *FAST, "--key", str(keys[1]), "--join", address,
-                                           "--checkpoint-dir", str(dirs[1]), "--checkpoint-every", "4",
-                                           "--log-every", "1"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        second = cli_popen(starling("node", "start", *FAST, "--key", str(keys[1]), "--join", address,
+                                    "--checkpoint-dir", str(dirs[1]), "--checkpoint-every", "4",
+                                    "--log-every", "1"),
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         procs.append(second)
         out_b = Lines(second)
         out_b.address()
@@ -59,17 +60,17 @@ def test_a_killed_swarm_resumes_from_the_step_both_peers_hold(tmp_path):
 
         procs.clear()
         # Restart: protocol and task come from the checkpoint; both wait for each other.
-        first = subprocess.Popen(starling("node", "start", *FAST, "--key", str(keys[0]), "--resume", str(dirs[0]),
-                                          "--resume-quorum", "2", "--log-every", "1", "--steps", str(common + 6),
-                                          "--checkpoint-every", "4"),
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        first = cli_popen(starling("node", "start", *FAST, "--key", str(keys[0]), "--resume", str(dirs[0]),
+                                   "--resume-quorum", "2", "--log-every", "1", "--steps", str(common + 6),
+                                   "--checkpoint-every", "4"),
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         procs.append(first)
         out_a = Lines(first)
         address = out_a.address()
-        second = subprocess.Popen(starling("node", "start", *FAST, "--key", str(keys[1]), "--join", address,
-                                           "--resume", str(dirs[1]), "--resume-quorum", "2", "--log-every", "1",
-                                           "--steps", str(common + 6), "--checkpoint-every", "4"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        second = cli_popen(starling("node", "start", *FAST, "--key", str(keys[1]), "--join", address,
+                                    "--resume", str(dirs[1]), "--resume-quorum", "2", "--log-every", "1",
+                                    "--steps", str(common + 6), "--checkpoint-every", "4"),
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         procs.append(second)
         out_b = Lines(second)
         out_b.address()

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from cli_zygote import cli_popen, cli_run
 from typer.testing import CliRunner
 
 from starling.cli.main import app
@@ -34,9 +35,9 @@ def events(out: str) -> list[dict]:
 @pytest.mark.skipif(fsdp_unavailable() is not None, reason=f"FSDP2 on the CPU: {fsdp_unavailable()}")
 def test_two_replicas_whose_ranks_each_sync_their_shard_end_with_the_same_model(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    first = subprocess.Popen(starling("--protocol", "diloco", "--nproc-per-replica", "2", "--shard-sync",
-                                      "--steps", "12", "--opt", "sync_every=4", "--min-peers", "2", *TINY),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    first = cli_popen(starling("--protocol", "diloco", "--nproc-per-replica", "2", "--shard-sync",
+                               "--steps", "12", "--opt", "sync_every=4", "--min-peers", "2", *TINY),
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 120
         address = None
@@ -46,11 +47,11 @@ def test_two_replicas_whose_ranks_each_sync_their_shard_end_with_the_same_model(
                 break
             assert time.monotonic() < deadline, "no address"
         assert address is not None, first.stderr.read()[-3000:]  # type: ignore[union-attr]
-        single = subprocess.run(starling("--join", address, "--steps", "4"), capture_output=True, text=True,
-                                timeout=200, env=env)
+        single = cli_run(starling("--join", address, "--steps", "4"), capture_output=True, text=True,
+                         timeout=200, env=env)
         assert single.returncode != 0 and "replica_ranks: swarm has 2, this node has 1" in single.stderr
-        second = subprocess.run(starling("--join", address, "--nproc-per-replica", "2", "--shard-sync",
-                                         "--steps", "12"), capture_output=True, text=True, timeout=200, env=env)
+        second = cli_run(starling("--join", address, "--nproc-per-replica", "2", "--shard-sync",
+                                  "--steps", "12"), capture_output=True, text=True, timeout=200, env=env)
         out, err = first.communicate(timeout=120)
     finally:
         first.kill()
@@ -78,16 +79,16 @@ def test_shard_sync_without_ranks_is_one_clear_line():
 @pytest.mark.skipif(fsdp_unavailable() is not None, reason=f"FSDP2 on the CPU: {fsdp_unavailable()}")
 def test_a_replica_of_two_ranks_resumes_as_three_from_its_distributed_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
-    first = subprocess.run(starling("--protocol", "streaming-diloco", "--opt", "sync_every=2", "--opt", "fragments=2",
-                                    "--nproc-per-replica", "2", "--shard-sync", "--steps", "8", "--checkpoint-dir",
-                                    str(ckpt), "--checkpoint-every", "4", *TINY),
-                           capture_output=True, text=True, timeout=200)
+    first = cli_run(starling("--protocol", "streaming-diloco", "--opt", "sync_every=2", "--opt", "fragments=2",
+                             "--nproc-per-replica", "2", "--shard-sync", "--steps", "8", "--checkpoint-dir",
+                             str(ckpt), "--checkpoint-every", "4", *TINY),
+                    capture_output=True, text=True, timeout=200)
     assert first.returncode == 0, first.stderr[-2000:]
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000000004.dcp", "step-000000004.json",
                                                       "step-000000008.dcp", "step-000000008.json"]
     # what it trains comes from the checkpoint's manifest; three ranks now hold what two did
-    again = subprocess.run(starling("--resume", str(ckpt), "--nproc-per-replica", "3", "--shard-sync",
-                                    "--steps", "10"), capture_output=True, text=True, timeout=200)
+    again = cli_run(starling("--resume", str(ckpt), "--nproc-per-replica", "3", "--shard-sync",
+                             "--steps", "10"), capture_output=True, text=True, timeout=200)
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stderr.count("written by 2 ranks") == 3  # every rank resumed its chunks
     training, *_, stopped = events(again.stdout)

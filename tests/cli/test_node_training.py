@@ -2,6 +2,7 @@
 joiner that names nothing learns the protocol and task from the swarm and fetches its state."""
 from __future__ import annotations
 
+import inspect
 import json
 import queue
 import signal
@@ -11,11 +12,14 @@ import threading
 import time
 
 import pytest
+from cli_zygote import cli_popen, cli_run
 from typer.testing import CliRunner
 
 from starling.cli.main import app
+from starling.runtime.trainer import Trainer
 
 FAST = ["--probe-interval-s", "0.2", "--suspicion-s", "6", "--plaintext"]
+SNAPSHOT_EVERY_S = inspect.signature(Trainer).parameters["snapshot_every_s"].default
 
 
 def starling(*args: str) -> list[str]:
@@ -55,18 +59,20 @@ class Lines:
 @pytest.mark.timeout(600)  # two Python processes that import torch, on a loaded 2-core box
 def test_a_joiner_learns_protocol_and_task_and_trains_with_the_swarm():
     common = ["--task", "quadratic", "--lr", "0.05", "--round-timeout-s", "5", "--log-every", "1"]
-    first = subprocess.Popen(starling("node", "start", *FAST, "--protocol", "allreduce", *common),
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = cli_popen(starling("node", "start", *FAST, "--protocol", "allreduce", *common),
+                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     joiner = None
     try:
         out = Lines(first)
         address = out.address()
         assert out.until(lambda r: r.get("event") == "training")["protocol"] == "allreduce"
-        out.until(lambda r: r.get("step", 0) >= 3)
+        # the state a joiner fetches is refreshed every SNAPSHOT_EVERY_S: a step that ended later
+        # than that after training began refreshed it, so the joiner cannot fetch step 0's
+        out.until(lambda r: r.get("step", 0) >= 3 and r.get("wall_s", 0) > SNAPSHOT_EVERY_S)
         # the joiner trains in bfloat16 on the first's float32 swarm: a peer's placement is its own
-        joiner = subprocess.Popen(starling("node", "start", *FAST, "--join", address, "--log-every", "1",
-                                           "--device", "cpu", "--dtype", "bfloat16"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        joiner = cli_popen(starling("node", "start", *FAST, "--join", address, "--log-every", "1",
+                                    "--device", "cpu", "--dtype", "bfloat16"),
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         theirs = Lines(joiner)
         theirs.address()
         started = theirs.until(lambda r: r.get("event") == "training")
@@ -127,16 +133,16 @@ def test_protocols_lists_every_protocol_and_its_hyper_parameters():
 def test_a_joiner_whose_copy_of_the_swarms_data_is_missing_is_one_line_and_exit_2(text_corpus, tmp_path, monkeypatch):
     # the first node names its corpus relative to its own folder; the swarm's config holds it absolute
     monkeypatch.chdir(text_corpus.parent)
-    first = subprocess.Popen(starling("node", "start", *FAST, "--protocol", "allreduce", "--data", text_corpus.name,
-                                      "--seq-len", "16", "--round-timeout-s", "5", "--log-every", "1"),
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = cli_popen(starling("node", "start", *FAST, "--protocol", "allreduce", "--data", text_corpus.name,
+                               "--seq-len", "16", "--round-timeout-s", "5", "--log-every", "1"),
+                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         out = Lines(first)
         address = out.address()
         out.until(lambda r: r.get("event") == "training")
         text_corpus.rename(tmp_path / "moved")  # the joiner's machine has no copy where the config says
-        joiner = subprocess.run(starling("node", "start", *FAST, "--join", address), capture_output=True,
-                                text=True, timeout=300, cwd=tmp_path)
+        joiner = cli_run(starling("node", "start", *FAST, "--join", address), capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
         lines = [line for line in joiner.stderr.splitlines() if line.strip() and not line.startswith("20")]
         assert joiner.returncode == 2, joiner.stderr[-2000:]
         assert len(lines) == 1 and lines[0].startswith("starling: error:"), lines

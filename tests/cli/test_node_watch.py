@@ -9,13 +9,13 @@ import os
 import pty
 import signal
 import struct
-import subprocess
 import sys
 import termios
 import threading
 import time
 
 import pytest
+from cli_zygote import cli_popen
 from conftest import TEST_LIVENESS, hold_against, wait_until
 from rich.console import Console
 from typer.testing import CliRunner
@@ -33,7 +33,7 @@ class Terminal:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
         env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160", "LINES": "40"}
         env.pop("NO_COLOR", None)
-        self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+        self.proc = cli_popen(args, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
         os.close(slave)
         self.master, self.chunks, self.lock = master, [], threading.Lock()
         self.reader = threading.Thread(target=self._read, daemon=True)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import sys
 
 import pytest
+from cli_zygote import cli_popen, cli_run
 from conftest import load_benchmark, wait_until
 
 WORDS = "one model trained by three peers over slow links while the senior one restarts".split()
@@ -32,15 +32,16 @@ def _by_step(proc, since: int = 0) -> dict[int, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)  # four Python processes that import torch, on a loaded 2-core box
-def test_a_restarted_senior_peer_holds_the_swarms_ledger_by_its_next_round(tmp_path):
+def test_a_restarted_senior_peer_holds_the_swarms_ledger_by_its_next_round(tmp_path, monkeypatch):
     procs = load_benchmark("nodeprocs")
+    monkeypatch.setattr(procs, "popen", cli_popen)  # each node forked from the test zygote
     work = str(tmp_path)
     data = os.path.join(work, "corpus")
     _corpus(data)
     keys = [os.path.join(work, f"key{n}") for n in range(3)]
     for key in keys:
-        subprocess.run([sys.executable, "-m", "starling.cli.main", "keygen", "--out", key], check=True,
-                       capture_output=True)
+        cli_run([sys.executable, "-m", "starling.cli.main", "keygen", "--out", key], check=True,
+                capture_output=True)
 
     def launch(n: int, extra: list[str], tag: str = ""):
         return procs.NodeProcess([*COMMON, "--key", keys[n], "--checkpoint-dir", os.path.join(work, f"ckpt{n}"),

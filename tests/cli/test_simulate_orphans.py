@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_zygote import cli_popen
 from conftest import wait_until
 
 from starling.common.lifeline import die_with_parent
@@ -52,9 +53,9 @@ def test_a_simulation_killed_with_sigkill_leaves_no_worker_alive():
     """Killed while its workers form their swarm, where they read nothing from the parent for
     seconds: before the lifeline, such a run's workers outlived it by about 10 s, and at
     1024 peers for more than 13 minutes."""
-    proc = subprocess.Popen([sys.executable, "-m", "starling.cli.main", "simulate", "--peers", "96", "--processes", "2",
-                             "--protocol", "gossip", "--task", "quadratic", "--steps", "1000000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = cli_popen([sys.executable, "-m", "starling.cli.main", "simulate", "--peers", "96", "--processes", "2",
+                      "--protocol", "gossip", "--task", "quadratic", "--steps", "1000000"],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         # both workers (and multiprocessing's resource tracker) up, and busy past their imports
         assert wait_until(lambda: len(_children(proc.pid)) >= 3, timeout_s=120), _children(proc.pid)

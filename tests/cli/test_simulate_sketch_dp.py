@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
+from cli_zygote import cli_run
 from opacus.accountants import RDPAccountant
 from typer.testing import CliRunner
 
@@ -90,7 +90,7 @@ def test_sketch_dp_misuse_is_one_clear_line(args, needle):
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # a Python process that imports torch and Opacus, on a loaded box
 def test_node_start_plans_the_budget_over_steps_and_reports_it():
-    proc = subprocess.run(
+    proc = cli_run(
         [sys.executable, "-m", "starling.cli.main", "node", "start", "--plaintext", "--protocol", "sketch-dp",
          "--task", "teacher", "--steps", "3", "--target-epsilon", "2", "--sketch", "gsketch:50", *SAMPLE,
          "--log-every", "0"], capture_output=True, text=True, timeout=500)

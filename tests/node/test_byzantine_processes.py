@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_zygote import cli_popen
 
 from starling.node.client import query
 
@@ -37,7 +38,7 @@ class Peer:
     """One node process; its stdout drained on a thread (a full pipe would stall it)."""
 
     def __init__(self, args: list[str]) -> None:
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.proc = cli_popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.records: list[dict] = []
         self.id = self.address = ""

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from cli_zygote import cli_popen
 from conftest import load_benchmark
 
 from starling.node.identity import Identity
@@ -52,9 +53,10 @@ while True:
 
 
 class Peer:
-    def __init__(self, prefix: list[str], args: list[str]) -> None:
-        cmd = [*prefix, sys.executable, "-m", "starling.cli.main", "node", "start", *FAST, *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    def __init__(self, netns: str | None, args: list[str]) -> None:
+        """`node start` in network namespace `netns` (None: this process's)."""
+        cmd = [sys.executable, "-m", "starling.cli.main", "node", "start", *FAST, *args]
+        self.proc = cli_popen(cmd, netns=netns, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.lines: list[str] = []
         self.id = ""
 
@@ -115,7 +117,7 @@ def _swarm(keys: list[str], extra: list[str], lab=None) -> list[Peer]:
             args = ["--key", keys[i], "--listen", f"tcp://{host}:{port}", "--shard", f"{i}/4", *extra]
             if peers:
                 args += ["--join", peers[0].address()]
-            peers.append(Peer(lab.exec_prefix(role) if lab else [], args))
+            peers.append(Peer(lab.ns(role) if lab else None, args))
         return peers
     except BaseException:
         for p in peers:

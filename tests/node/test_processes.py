@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_zygote import cli_popen, cli_run
 from conftest import DEATH_SEEN_WITHIN_S, statuses, wait_until
 
 # Each test starts Python processes that import torch: 1-3 s on a quiet box, over 60 s seen
@@ -21,8 +22,8 @@ def starling(*args: str) -> list[str]:
 
 
 def spawn_node(*args: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(starling("node", "start", *FAST, *args), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = cli_popen(starling("node", "start", *FAST, *args), stdout=subprocess.PIPE,
+                     stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline()  # the one line with the join address, printed once joined
     if "join with:" not in line:
         proc.kill()
@@ -58,7 +59,7 @@ def test_status_command_prints_the_peer_table(procs):
     procs.append(b)
 
     def two_alive() -> bool:
-        out = subprocess.run(starling("node", "status", a_addr, "--json"), capture_output=True, text=True, timeout=300)
+        out = cli_run(starling("node", "status", a_addr, "--json"), capture_output=True, text=True, timeout=300)
         if out.returncode != 0:
             return False
         status = json.loads(out.stdout)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_zygote import cli_popen
 from conftest import DEATH_SEEN_WITHIN_S, statuses, wait_until
 
 from starling.node.node import NodeConfig
@@ -23,8 +24,8 @@ PROBES_ONLY = NodeConfig(liveness=LIVENESS, request_timeout_s=5.0, transport=Tra
 
 
 def spawn(*args: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "starling.cli.main", "node", "start", *FLAGS, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = cli_popen([sys.executable, "-m", "starling.cli.main", "node", "start", *FLAGS, *args],
+                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline()  # printed once joined
     if "join with:" not in line:
         proc.kill()

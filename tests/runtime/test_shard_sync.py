@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_zygote import cli_popen
 
 from starling.node import JoinError
 from starling.runtime import SimConfig, Simulation, Trainer, TrainSpec, parse_churn
@@ -38,8 +39,8 @@ def ranks(peer) -> list[dict]:
 
 @pytest.mark.slow
 def test_fsdp2_under_the_view_steps_as_plain_fsdp2_and_the_view_is_the_chunks(tmp_path):
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", str(tmp_path), str(tmp_path / f"{rank}")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
+    procs = [cli_popen([sys.executable, str(WORKER), str(rank), "2", str(tmp_path), str(tmp_path / f"{rank}")],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
     for proc in procs:
         out, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, out.decode()[-3000:]
@@ -174,9 +175,9 @@ def _ranks_run(tmp_path, name: str, size: int, steps: int) -> list[dict]:
     rendezvous = tmp_path / f"rv-{name}"
     rendezvous.mkdir()
     outs = [tmp_path / f"{name}-{rank}.pt" for rank in range(size)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "checkpoint", str(rank), str(size), str(rendezvous),
-                               str(tmp_path / "ckpt"), str(outs[rank]), str(steps)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(size)]
+    procs = [cli_popen([sys.executable, str(WORKER), "checkpoint", str(rank), str(size), str(rendezvous),
+                        str(tmp_path / "ckpt"), str(outs[rank]), str(steps)],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(size)]
     for proc in procs:
         out, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, out.decode()[-3000:]
