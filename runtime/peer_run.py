@@ -132,7 +132,8 @@ class PeerRun:
         from starling.runtime.metrics import TrainingProgress
 
         # a swarm of each member's own data: this member's, and its tokenizer checked against the swarm's
-        spec = TrainSpec.from_swarm_config(node.swarm_config).with_own_data(self.launch.own_data_options())
+        spec = TrainSpec.from_swarm_config(node.swarm_config).with_own_data(self.launch.own_data_options(),
+                                                                            self.launch.tokenizer)
         # a member's own data is all its own: one shard of one, unless it is told to cut it
         default = (0, 1) if spec.local else (shard_for(node.peer_id, DEFAULT_WORLD), DEFAULT_WORLD)
         rank, world = self.shard or default

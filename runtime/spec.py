@@ -110,9 +110,10 @@ class TrainSpec:
         protocol_config(self.protocol, self.options)
         get_task(self.task, **self.task_kwargs())
 
-    def with_own_data(self, local_options: Mapping[str, Any]) -> TrainSpec:
+    def with_own_data(self, local_options: Mapping[str, Any], tokenizer: str | None = None) -> TrainSpec:
         """This swarm's spec for a member whose own data's options are `local_options`: for a
-        local swarm, the member's data and the fingerprint of its tokenizer, checked against the
+        local swarm, the member's data and the fingerprint of its tokenizer (`tokenizer`, as
+        `NodeLaunch.resolve` found it; None: read from the member's task), checked against the
         swarm's (TrainSpecError in one line: no data, another tokenizer); a swarm of one corpus
         takes none."""
         if not self.local:
@@ -124,7 +125,7 @@ class TrainSpec:
             raise TrainSpecError("this swarm trains each member's own data (data scope local): give --data and "
                                  "--data-scope local")
         spec = dataclasses.replace(self, local_options=dict(local_options))
-        mine = tokenizer_fingerprint(get_task(spec.task, **spec.task_kwargs()))
+        mine = tokenizer if tokenizer is not None else tokenizer_fingerprint(get_task(spec.task, **spec.task_kwargs()))
         if self.tokenizer is not None and mine != self.tokenizer:
             raise TrainSpecError(f"this member's tokenizer (fingerprint {str(mine)[:12]}) is not the swarm's "
                                  f"({self.tokenizer[:12]}): every member of a local swarm must tokenize alike")
