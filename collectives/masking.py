@@ -72,6 +72,7 @@ class RoundState:
     mine: Mine | None = None
     secrets: dict[tuple[str, ...], Unmasked] = field(default_factory=dict)  # by the survivors I hold
     passed: dict[tuple[str, ...], Passed] = field(default_factory=dict)  # by the survivors the unmasker held
+    gave_up: bool = False  # the unmasker said it could not gather the secrets: no use waiting for them
     # the unmasker's: (shard, chunk) -> whose parts that group holds
     held: dict[tuple[int, int], tuple[str, ...]] = field(default_factory=dict)
     lists: dict[str, list[bytes]] = field(default_factory=dict)  # survivor -> its pair-seed hashes (as revealed)

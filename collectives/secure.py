@@ -66,6 +66,7 @@ from starling.collectives.bodies import (
     SIGNATURE_BYTES,
     BodyError,
     Deal,
+    GaveUp,
     Held,
     Passed,
     Reveal,
@@ -314,6 +315,9 @@ class SecureStage(Unmasking):
                 return {"ok": True}
             if Held.is_one(body):
                 self._on_held(msg.sender, Held.from_wire(body))
+                return {"ok": True}
+            if GaveUp.is_one(body):
+                self._on_gave_up(msg.sender, GaveUp.from_wire(body))
                 return {"ok": True}
         except BodyError as exc:
             return self._refuse(Refusal.MALFORMED, f"secure aggregation: {exc}")

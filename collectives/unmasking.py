@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from starling.collectives.accumulator import Verdict
-from starling.collectives.bodies import BodyError, Held, Passed, Reveal, Revealed
+from starling.collectives.bodies import BodyError, GaveUp, Held, Passed, Reveal, Revealed
 from starling.collectives.compact import contributor_mask, contributors_of
 from starling.collectives.masking import (
     KEEP_ROUNDS,
@@ -241,8 +241,13 @@ class Unmasking:
                 if checked is not None:
                     state.secrets[key] = (used, *checked)
                     return state.secrets[key]
-        used, seeds, pair_seeds = state.secrets[key] = await self._gather(t, members, view, rid, graph, alive,
-                                                                          commits, threshold)
+        try:
+            used, seeds, pair_seeds = state.secrets[key] = await self._gather(t, members, view, rid, graph, alive,
+                                                                              commits, threshold)
+        except SecAggError:
+            if unmasker == me:  # the other owners would wait out my deadline for secrets that never come
+                self._give_up(t, members, view)
+            raise
         if unmasker == me:
             fault_point("secure.unmasker.gathered", t)
             self._pass_on(t, members, view, rid, used, (seeds, pair_seeds), graph)
@@ -262,7 +267,7 @@ class Unmasking:
             if fits:
                 return max(fits, key=lambda f: len(f[0]))
             left = deadline - loop.time()
-            if left <= 0 or unmasker not in self.node.live_peers_here():
+            if left <= 0 or state.gave_up or unmasker not in self.node.live_peers_here():
                 return None
             try:
                 await asyncio.wait_for(state.arrived.wait(), min(left, _GONE_POLL_S))
@@ -279,6 +284,24 @@ class Unmasking:
                       tuple((j, tuple(state.lists[j])) for j in sorted(lists) if j in state.lists)).to_wire()
         for owner in sorted(self._owners(members, t) - {self.node.peer_id}):
             self.node.send(owner, self.reveal_topic, body)
+
+    def _give_up(self, t: int, members: tuple[str, ...], view: bytes) -> None:
+        body = GaveUp(t, view).to_wire()
+        for owner in sorted(self._owners(members, t) - {self.node.peer_id}):
+            self.node.send(owner, self.reveal_topic, body)
+
+    def _on_gave_up(self, sender: str, body: GaveUp) -> None:
+        members = self._resolve(body.view)
+        if members is None or sender != self.unmasker(members, body.round):
+            self._refuse.count("secagg_not_unmasker", f"a gave-up notice of round {body.round} from {sender}")
+            return
+        state = self._rounds.get(round_id(self.topic, body.round, body.view))
+        if state is None:  # not a round of mine: nothing waits on it, and nothing is made for it
+            self._refuse.count("secagg_stale", f"a gave-up notice of round {body.round} from {sender}")
+            return
+        state.gave_up = True
+        state.arrived.set()
+        state.arrived = asyncio.Event()
 
     def _on_passed(self, sender: str, body: Passed) -> None:
         t, view, mask = body.round, body.view, body.alive

@@ -39,11 +39,11 @@ from starling.collectives.bodies.fields import (
 )
 from starling.collectives.bodies.quorum import Ack, Ask, Closing, Echo, Wait
 from starling.collectives.bodies.reduce import Average, Part, Refused, Skip
-from starling.collectives.bodies.secure import SECRET_BYTES, SHARE_BYTES, Deal, Held, Passed, Reveal, Revealed
+from starling.collectives.bodies.secure import SECRET_BYTES, SHARE_BYTES, Deal, GaveUp, Held, Passed, Reveal, Revealed
 
 __all__ = [
     "MAX_DEAL_BYTES", "MAX_IDS", "MAX_PART_BUFFERS", "MAX_RECIPE_BYTES", "MAX_RECIPE_FIELDS", "SECRET_BYTES",
     "SHARE_BYTES", "SIGNATURE_BYTES", "STATE_DIGEST_BYTES", "Ack", "Ask", "Average", "BodyError", "CheckAsk",
-    "Checked", "CheckedPart", "Closing", "Deal", "Echo", "Held", "KeptAsk", "KeptRow", "Part", "Passed", "Refused",
-    "Reveal", "Revealed", "Skip", "Wait", "kept_rows",
+    "Checked", "CheckedPart", "Closing", "Deal", "Echo", "GaveUp", "Held", "KeptAsk", "KeptRow", "Part", "Passed",
+    "Refused", "Reveal", "Revealed", "Skip", "Wait", "kept_rows",
 ]

@@ -10,6 +10,8 @@ On `<topic>.secagg`:
                                     "seeds": [[peer, seed]], "pairs": [[survivor, dropped, seed]],
                                     "lists": [[survivor, [pair-seed hashes]]]}         one way
     Held      owner -> unmasker    {"held": round, "view", "shard", "chunk", "alive": contributor mask}   one way
+    GaveUp    unmasker -> owners   {"gave_up": round, "view"}                  one way: it could not gather the
+                                                                               secrets; each owner gathers its own
 """
 from __future__ import annotations
 
@@ -161,6 +163,28 @@ class Passed:
                 raise BodyError("a list must be [survivor, [pair-seed hashes]]")
             lists.append((j, tuple(_secret(h, "a pair-seed hash") for h in hashes)))
         return cls(_whole(body, "unmasked"), _view(body), alive, seeds, pairs, tuple(lists))
+
+
+@dataclass(frozen=True)
+class GaveUp:
+    """The round's unmasker could not gather the secrets (too few shares came): the other owners
+    stop waiting for what it would pass on and gather their own. It asks for nothing and is
+    trusted for nothing, so a false one only makes an owner gather sooner."""
+
+    round: int
+    view: bytes
+
+    @staticmethod
+    def is_one(obj: Any) -> bool:
+        return isinstance(obj, dict) and "gave_up" in obj
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"gave_up": self.round, "view": self.view}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> GaveUp:
+        body = _map(obj, "a gave-up notice")
+        return cls(_whole(body, "gave_up"), _view(body))
 
 
 @dataclass(frozen=True)

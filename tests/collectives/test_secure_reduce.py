@@ -191,9 +191,16 @@ def test_t_minus_one_survivors_drop_the_round_and_nothing_is_unmasked(make_node)
     live = [r for r in range(world) if r != gone]
     vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     before = [vectors[r].clone() for r in live]
+    told = []  # the unmasker could not gather either: it tells the other owners not to wait for it
+    for r in live:
+        real = rs[r]._secure._on_gave_up
+        rs[r]._secure._on_gave_up = lambda sender, body, r=r, real=real: (told.append(r), real(sender, body))
     in_parallel([lambda r=r: rs[r].reduce(1, members, vectors[r]) for r in live])
     assert all(torch.equal(vectors[r], b) for r, b in zip(live, before))
     assert sum(rs[r]._secure.dropped for r in live) >= 1
+    unmasker = rs[live[0]]._secure.unmasker(members, 1)
+    owners = {r for r in live if nodes[r].peer_id in rs[r]._secure._owners(members, 1)}
+    assert sorted(told) == sorted(r for r in owners if nodes[r].peer_id != unmasker), (told, owners)
     assert any(n.stats.rejected.get("test.secure.secagg_dropped", 0) for n in (nodes[r] for r in live))
 
 
