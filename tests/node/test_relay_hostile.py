@@ -116,9 +116,17 @@ def test_a_flood_toward_dead_destinations_leaves_honest_clients_their_relay(node
     relaying = s.status()["relaying"]
     assert relaying["refused"][NOT_A_CLIENT] >= 100  # refused at once, never waited on
     assert relaying["forwarding"] == 0
-    # the gone client's queue filled to the flooder's share of its bound, and no further
+    # the gone client's queue filled to the flooder's share of its bound, and no further (the
+    # rest of it is other senders': the members' probes of the gone client go through the relay too)
     assert relaying["refused"][QUEUE_FULL] > 0
-    assert 0 < s._relay.queued(gone.peer_id)[1] <= queue // 2
+    assert 0 < s.run(_held_by(s, gone.peer_id, a.peer_id)) <= queue // 2
+    assert s._relay.queued(gone.peer_id)[1] <= queue
+
+
+async def _held_by(relay: Node, client: str, source: str) -> int:
+    lane = relay._relay._lanes.get(client)
+    held = None if lane is None else lane.by_source.get(source)
+    return 0 if held is None else held.messages
 
 
 async def _set(event: asyncio.Event) -> None:
