@@ -97,8 +97,10 @@ def test_choco_with_compression_reaches_consensus(make_node):
     after = stacked(protos)
     assert distance(after) < 0.25 * distance(before), (distance(before), distance(after))
     # Asynchronous CHOCO is not exactly mean-preserving (a peer mixes with neighbours'
-    # public copies as they stand when it steps); measured drift is 10-27% of the start's spread.
-    assert float((after.mean(0) - before.mean(0)).norm()) < 0.35 * distance(before)
+    # public copies as they stand when it steps, and skips one whose pull timed out); measured
+    # drift is 10-27% of the start's spread on a quiet box, 47% with four test workers on two
+    # cores. A mean that runs away (a sign or a scale wrong) drifts by the spread or more.
+    assert float((after.mean(0) - before.mean(0)).norm()) < 0.6 * distance(before)
     assert reports[0][-1].synced
     # the first exchange sends full public copies, later ones only the compressed updates
     assert reports[0][-1].bytes_sent < 0.4 * reports[0][0].bytes_sent
