@@ -4,15 +4,16 @@ A process that trains spends about 4 s of CPU on imports before it does anything
 torch._dynamo, which torch imports at the first optimizer call, then starling), and the suite
 starts dozens of them (every `starling node start` a test runs) on a 2-core box. `cli_popen`
 and `cli_run` are `subprocess.Popen` and `subprocess.run` for `[sys.executable, "-m",
-"starling.cli.main", ...]` or `[sys.executable, "/abs/script.py", ...]`: each test process (each
-xdist worker) starts one zygote, a helper process that imports those modules and then waits,
-single-threaded, with no ZeroMQ context, no torch thread pool and CUDA untouched; for each
-command it forks a child that runs the module as `python -m` does (`runpy`, `sys.argv`,
-`sys.path[0]` the working directory, `__main__` the CLI module, so a multiprocessing spawn from
-it starts the same way) or the script as `python SCRIPT` does, with the caller's stdin, stdout
-and stderr (pipes, DEVNULL, a pty, or the caller's own), environment, working directory and,
-if asked, network namespace, and that exits as the interpreter would: non-daemon threads
-joined, atexit handlers run, the status of a SystemExit, 1 and a traceback for an uncaught
+"starling.cli.main", ...]`, `[sys.executable, "/abs/script.py", ...]` or `[sys.executable, "-c",
+CODE, ...]`: each test process (each xdist worker) starts one zygote, a helper process that
+imports those modules and then waits, single-threaded, with no ZeroMQ context, no torch thread
+pool and CUDA untouched; for each command it forks a child that runs the module as `python -m`
+does (`runpy`, `sys.argv`, `sys.path[0]` the working directory, `__main__` the CLI module, so a
+multiprocessing spawn from it starts the same way), the script as `python SCRIPT` does, or the
+code as `python -c` does, with the caller's stdin, stdout and stderr (pipes, DEVNULL, a pty, or
+the caller's own), environment, working directory and, if asked, network namespace, and that
+exits as the interpreter would: non-daemon threads joined, atexit handlers run, the status of a
+SystemExit, 1 and a traceback for an uncaught
 exception, killed by SIGINT for an uncaught KeyboardInterrupt.
 
 The child is a real process with its own pid, in the caller's process group: tests signal it,
@@ -22,7 +23,7 @@ exec'd process: its parent is the zygote, not the test process; its command line
 the zygote's; what the zygote imported is imported already (a script that must show it runs
 without torch cannot run here, and import-time warnings are not printed again), and its hash
 seed is the zygote's. A command that must differ in any of these runs as a plain subprocess:
-`cli_popen` falls back to `subprocess.Popen` for any other argv (`python -c`, another
+`cli_popen` falls back to `subprocess.Popen` for any other argv (interpreter options, another
 interpreter, the installed `starling` script), for options the zygote does not reproduce
 (preexec_fn, start_new_session, process_group, pass_fds, close_fds=False, shell, executable,
 user and group changes), for an environment that differs from the zygote's in a variable read
@@ -68,8 +69,8 @@ _STATUS = struct.Struct("!i")
 # ------------------------------------------------------------------------------------- the caller side
 def cli_popen(args: Sequence[str], netns: str | None = None, **kwargs) -> subprocess.Popen:
     """`subprocess.Popen(args, **kwargs)`; forked from the zygote when `args` runs the CLI
-    (`[sys.executable, "-m", "starling.cli.main", ...]`) or a script given by its absolute path
-    (`[sys.executable, "/abs/script.py", ...]`) and nothing in `kwargs` needs an exec. `netns`:
+    (`[sys.executable, "-m", "starling.cli.main", ...]`), a script given by its absolute path
+    (`[sys.executable, "/abs/script.py", ...]`) or code (`[sys.executable, "-c", CODE, ...]`) and nothing in `kwargs` needs an exec. `netns`:
     run it in that network namespace, as `ip netns exec NETNS` would (the zygote's child enters
     it with setns before it runs anything)."""
     zygote = _zygote_for(args, kwargs)
@@ -114,14 +115,16 @@ def _zygote_for(args: Sequence[str], kwargs: Mapping) -> _Zygote | None:
 
 
 def _program(args: Sequence) -> tuple[dict[str, str], list[str]] | None:
-    """What `args` runs, as the zygote's child takes it ({"module": MODULE} or {"script":
-    path}), and its arguments; None for anything else."""
+    """What `args` runs, as the zygote's child takes it ({"module": MODULE}, {"script": path}
+    or {"code": CODE}), and its arguments; None for anything else."""
     args = [os.fsdecode(a) for a in args]
     if len(args) >= 3 and args[:3] == [sys.executable, "-m", MODULE]:
         return {"module": MODULE}, args[3:]
     if len(args) >= 2 and args[0] == sys.executable and args[1].endswith(".py") and os.path.isabs(args[1]) \
             and os.path.isfile(args[1]):
         return {"script": args[1]}, args[2:]
+    if len(args) >= 3 and args[:2] == [sys.executable, "-c"]:
+        return {"code": args[2]}, args[3:]
     return None
 
 
@@ -431,10 +434,20 @@ def _child(conn: socket.socket, listener: socket.socket, children: dict, fds: li
 
 
 def _run_main(request: dict, original_path: list[str]) -> None:
-    """Run the request's module as `python -m` does, or its script as `python SCRIPT` does."""
+    """Run the request's module as `python -m` does, its script as `python SCRIPT` does, or its
+    code as `python -c CODE` does."""
     import runpy
 
-    script = request.get("script")
+    script, code = request.get("script"), request.get("code")
+    if code is not None:  # as `python -c CODE` runs it: no __file__, the working directory first on the path
+        sys.path[:] = ["", *original_path[1:]]
+        sys.argv = ["-c", *request["argv"]]
+        sys.orig_argv = [sys.executable, "-c", code, *request["argv"]]
+        main = sys.modules["__main__"].__dict__
+        main.pop("__file__", None)
+        main.update(__name__="__main__", __doc__=None, __spec__=None, __package__=None, __cached__=None)
+        exec(compile(code, "<string>", "exec"), main)
+        return
     if script is None:
         module = request["module"]
         sys.path[:] = [request["cwd"], *original_path[1:]]

@@ -3,15 +3,16 @@ with both ratios (not their values: those need the full run on a quiet box)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from cli_zygote import cli_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "checkpoint.py"
 
 
 def test_quick_run_prints_rows_and_a_summary(tmp_path):
-    out = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--dir", str(tmp_path)], capture_output=True,
+    out = cli_run([sys.executable, str(SCRIPT), "--quick", "--dir", str(tmp_path)], capture_output=True,
                          text=True, timeout=240, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["bench"] for r in rows] == ["checkpoint", "checkpoint", "checkpoint_summary"]

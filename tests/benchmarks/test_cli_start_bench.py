@@ -3,11 +3,11 @@ loaded first, against a real node; the rows' fields, not the times."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_zygote import cli_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cli_start.py"
 
@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cli_start.py"
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # a node process and two CLI processes on a busy 2-core box
 def test_quick_run_prints_both_rows_and_their_ratios():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=240,
+    out = cli_run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=240,
                          check=True).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     runs = {r["run"]: r for r in rows if r["bench"] == "node_status"}

@@ -5,11 +5,11 @@ beat is taken, no dial-back goes to a third party."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_zygote import cli_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "control_plane.py"
 ROWS = ["malformed_addresses", "dial_back", "forged_beats", "relay_replays_after_sessions", "relay_replays_after_forgetting",
@@ -22,7 +22,7 @@ ROWS = ["malformed_addresses", "dial_back", "forged_beats", "relay_replays_after
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # two processes that import torch beside this one, on a starved box
 def test_quick_run_prints_every_row_with_its_figure():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=500,
+    out = cli_run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=500,
                          check=True).stdout
     rows = {r["row"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
     assert rows.pop("run")["quick"] is True

@@ -3,11 +3,11 @@ and RSS are not checked here: the machine is shared)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_zygote import cli_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "flood.py"
 
@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "flood.py"
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # three processes that import torch, on a starved box
 def test_quick_run_prints_its_rows_with_every_figure():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=500,
+    out = cli_run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=500,
                          check=True).stdout
     growth, row = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert growth["bench"] == "status_growth" and growth["calls"] == 60 and growth["status_bytes_last"] > 0

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_zygote import cli_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "replicas.py"
 
@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "replicas.py"
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tiny_inner_run_prints_the_step_and_broadcast_rows():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--only", "inner", "--steps", "2", "--warmup", "1"],
+    done = cli_run([sys.executable, str(SCRIPT), "--only", "inner", "--steps", "2", "--warmup", "1"],
                           capture_output=True, text=True, timeout=250)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = {r["row"]: r for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))}

@@ -64,8 +64,29 @@ def test_a_forked_node_is_its_own_process_and_takes_signals_as_one(tmp_path):
             proc.stdout.close()
 
 
+CODE = ("import os, sys\n"
+        "print(sys.argv, sys.path[0] == '', '__file__' in globals(), os.getcwd() == os.environ['HERE'])\n"
+        "open('written', 'w').write(__name__)\n"
+        "sys.exit(int(sys.argv[1]))\n")
+
+
+@pytest.mark.parametrize("code", ["3", "0"])
+def test_forked_code_runs_exits_and_writes_as_python_c_does(code, tmp_path):
+    runs = []
+    for run, where in ((subprocess.run, tmp_path / "exec"), (cli_run, tmp_path / "fork")):
+        where.mkdir()
+        done = run([sys.executable, "-c", CODE, code, "x"], capture_output=True, text=True, timeout=120, cwd=where,
+                   env={**os.environ, "HERE": str(where)})
+        runs.append((done.returncode, done.stdout, done.stderr, (where / "written").read_text()))
+    assert runs[0] == runs[1] == (int(code), f"['-c', '{code}', 'x'] True False True\n", "", "__main__")
+    forked = cli_popen([sys.executable, "-c", "pass"])
+    assert isinstance(forked, _ForkedProcess) and forked.wait(120) == 0
+    crashed = cli_run([sys.executable, "-c", "raise ValueError('no')"], capture_output=True, text=True, timeout=120)
+    assert crashed.returncode == 1 and crashed.stderr.rstrip().endswith("ValueError: no")
+
+
 def test_what_the_zygote_cannot_reproduce_runs_as_a_plain_subprocess():
-    script = cli_popen([sys.executable, "-c", "pass"])  # not the CLI
+    script = cli_popen([sys.executable, "-I", "-c", "pass"])  # an interpreter option
     threads = cli_popen(CLI + ["--version"], stdout=subprocess.DEVNULL,  # read when torch is imported
                         env={**os.environ, "OMP_NUM_THREADS": "3"})
     session = cli_popen(CLI + ["--version"], stdout=subprocess.DEVNULL, start_new_session=True)

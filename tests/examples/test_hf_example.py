@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_zygote import cli_run
 
 from starling.runtime import CheckpointStore
 
@@ -33,7 +34,7 @@ def run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     workdir = tmp_path_factory.mktemp("hf") / "run"
     # Three processes that import torch and transformers on a loaded 2-core box: the example's own
     # timeout fails the run cleanly (it kills its nodes); this one is the hang detector.
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", str(STEPS),
+    proc = cli_run([sys.executable, str(EXAMPLE), "--steps", str(STEPS),
                            "--workdir", str(workdir), "--timeout-s", "400"],
                           capture_output=True, text=True, timeout=500)
     return proc, workdir

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from cli_zygote import cli_popen
 
 from starling.runtime.checkpoint import BackgroundCheckpointer, CheckpointError, CheckpointStore
 
@@ -171,7 +172,7 @@ def test_a_writer_killed_mid_write_leaves_a_loadable_newest_checkpoint(tmp_path)
     """SIGKILL at random points of a 16 MB write loop: what the manifests name always loads."""
     for attempt in range(3):
         directory = tmp_path / f"run{attempt}"
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(directory)], stdout=subprocess.PIPE, text=True)
+        proc = cli_popen([sys.executable, "-c", _WRITER, str(directory)], stdout=subprocess.PIPE, text=True)
         try:
             assert proc.stdout is not None
             for _ in range(2 + attempt):  # at least two checkpoints are durable

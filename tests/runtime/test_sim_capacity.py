@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+from cli_zygote import cli_popen
 from conftest import wait_until
 
 from starling.node import Node, NodeConfig, PeerStatus
@@ -131,7 +132,7 @@ def test_a_node_with_no_socket_to_spare_or_shed_stops_and_its_peer_sees_it_go():
             print("NodeFault:", exc, flush=True)
         sys.stdin.read()
     """)
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    child = cli_popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     joiner = None
     try:
