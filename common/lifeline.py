@@ -9,6 +9,11 @@ watches its parent's pid, and when the child is reparented (the parent died), it
 child at once with `os._exit`, without waiting for threads or flushing anything the parent
 can no longer read.
 
+A child forked by a fork server (the simulator's, `runtime/forking.py`) has the server for its
+parent, and the server outlives the process that asked for the child for as long as any such
+child lives (each holds the server's "alive" pipe): it passes the pid of the process that
+started it, and is watched for that one's exit (through a pidfd where Linux has them).
+
 Polling, not Linux's parent-death signal: that signal fires when the *thread* that forked the
 child exits, which would kill a worker started from a thread that then ends while its process
 lives on. A poll every `POLL_S` costs nothing measurable and works on every POSIX system.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 
@@ -26,12 +32,16 @@ POLL_S = 0.5
 EXIT_CODE = 70  # what a child that outlived its parent exits with (EX_SOFTWARE)
 
 
-def die_with_parent(parent_pid: int | None = None, poll_s: float = POLL_S) -> threading.Thread | None:
+def die_with_parent(parent_pid: int | None = None, poll_s: float = POLL_S,
+                    started_by: int | None = None) -> threading.Thread | None:
     """End this process when `parent_pid` (default: the current parent) is no longer its
-    parent. Returns the watching thread (None where there is no parent to watch: a process
-    already adopted by init, or Windows)."""
+    parent, or, given `started_by` instead (the pid of the process that had a fork server
+    start this one), when that process has exited. Returns the watching thread (None where
+    there is no parent to watch: a process already adopted by init, or Windows)."""
     if os.name != "posix":
         return None
+    if started_by is not None and started_by != os.getppid():
+        return _follow(started_by, poll_s)
     parent = os.getppid() if parent_pid is None else parent_pid
     if parent <= 1:  # already orphaned or started by init: nothing to follow
         return None
@@ -43,6 +53,38 @@ def die_with_parent(parent_pid: int | None = None, poll_s: float = POLL_S) -> th
             time.sleep(poll_s)
             if os.getppid() != parent:
                 _end(parent)
+
+    thread = threading.Thread(target=watch, name="lifeline", daemon=True)
+    thread.start()
+    return thread
+
+
+def _follow(pid: int, poll_s: float) -> threading.Thread:
+    """Watch `pid`, not this process's parent, for its exit."""
+    try:
+        pidfd: int | None = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfds here (or it is gone already: then poll says so)
+        pidfd = None
+
+    def gone() -> bool:
+        if pidfd is not None:
+            return bool(select.select([pidfd], [], [], 0)[0])  # readable once it exited
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, under another user
+            return False
+        return False
+
+    if gone():
+        _end(pid)
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if gone():
+                _end(pid)
 
     thread = threading.Thread(target=watch, name="lifeline", daemon=True)
     thread.start()

@@ -34,6 +34,7 @@ import torch
 
 from starling.common.lifeline import die_with_parent
 from starling.common.memory import peak_rss, peak_rss_reset
+from starling.runtime.forking import fork_context, forked_args, run_forked
 from starling.runtime.peer import SimPeer
 from starling.runtime.replica import ReplicaGroup, follow
 from starling.runtime.shard_sync import held_bytes
@@ -146,8 +147,7 @@ class _Replicas:
         # it, not a fresh interpreter importing torch (seconds each, on a busy 2-core box). And
         # torch._dynamo, which torch imports at a process's first optimizer call: 1 s of CPU per
         # rank otherwise (two runs of two replicas of two ranks: 13.2 s of the ranks' CPU, 4.9 s).
-        self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload([__name__, "torch._dynamo"])
+        self.ctx = fork_context()
         self.out = self.ctx.Queue()
         self.start, self.t0 = self.ctx.Event(), self.ctx.Value("d", 0.0)
         self.dir = tempfile.mkdtemp(prefix="starling-replicas-")
@@ -174,10 +174,10 @@ class _Replicas:
         level = logging.getLogger().getEffectiveLevel()
         self.procs[replica] = []
         for rank in range(self.config.nproc_per_replica):
-            proc = self.ctx.Process(target=_rank_main, name=f"replica-{replica}-rank-{rank}", daemon=True,
-                                    args=(self.config, replica, rank, init, inboxes[min(rank, self.peer_ranks - 1)],
-                                          self.out, self.start, self.t0,
-                                          go, joining, level))
+            proc = self.ctx.Process(target=run_forked, name=f"replica-{replica}-rank-{rank}", daemon=True,
+                                    args=forked_args(_rank_main, self.config, replica, rank, init,
+                                                     inboxes[min(rank, self.peer_ranks - 1)], self.out, self.start,
+                                                     self.t0, go, joining, level))
             proc.start()
             self.procs[replica].append(proc)
 

@@ -13,8 +13,8 @@ other peer, in its worker or not, over that socket.
 Start-up, in stages that each fail once nothing has moved for `ready_timeout_s` (spawning and
 importing torch count; a stage bounds stalls rather than its total, so a larger swarm may take
 longer to form as long as its peers keep learning of each other):
-1. The parent spawns every worker at once. The worker that holds rank 0 starts it and reports
-   its address.
+1. The parent starts every worker at once (forks of the simulator's fork server,
+   `runtime/forking.py`). The worker that holds rank 0 starts it and reports its address.
 2. The parent hands that address to every worker; each starts its peers, which join through
    rank 0 (as in the threaded simulator), waits until each sees all the others, builds their
    protocols and reports them ready.
@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from starling.common.lifeline import die_with_parent
+from starling.runtime.forking import fork_context, forked_args, run_forked
 from starling.runtime.peer import SimPeer, raise_if_faulted, start_together, sync_with_seed
 from starling.runtime.simconfig import SimConfig, SimError, endpoint_for
 from starling.runtime.summary import PeerResult
@@ -316,10 +317,11 @@ class Workers(abc.ABC):
 
 
 class ProcessWorkers(Workers):
-    """Workers as processes of this machine, spawned by multiprocessing."""
+    """Workers as processes of this machine, forked by the simulator's fork server
+    (`runtime/forking.py`): torch is imported once, not once a worker."""
 
     def __init__(self, config: SimConfig) -> None:
-        self.ctx = multiprocessing.get_context("spawn")
+        self.ctx = fork_context()
         self.link = WorkerLink(self.ctx.Queue(), self.ctx.Event(), self.ctx.Event(), self.ctx.Value("d", 0.0))
         self.ipc_dir = tempfile.mkdtemp(prefix="starling-sim-") if config.transport == "ipc" else ""
         self.inboxes: list[Any] = []
@@ -329,8 +331,9 @@ class ProcessWorkers(Workers):
         self.inboxes = [self.ctx.Queue() for _ in holds]
         for index, ranks in enumerate(holds):
             worker = self.ctx.Process(
-                target=worker_main, name=f"sim-worker-{index}", daemon=True,
-                args=(config, index, list(ranks), self.inboxes[index], self.link, self.ipc_dir, log_level))
+                target=run_forked, name=f"sim-worker-{index}", daemon=True,
+                args=forked_args(worker_main, config, index, list(ranks), self.inboxes[index], self.link,
+                                 self.ipc_dir, log_level))
             worker.start()
             self.processes.append(worker)  # only started ones: `close` joins them
 
