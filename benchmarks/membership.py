@@ -2,7 +2,7 @@
 whether anyone is declared dead who is not.
 
     python benchmarks/membership.py [--sizes 128,1024,4096] [--processes 8] [--window-s 30]
-                                    [--soak-s 0] [--timeout-s 900]
+                                    [--soak-s 0] [--timeout-s 900] [--compare-watch]
 
 Each size is one swarm of N bare nodes (no model: the membership layer alone) spread over P
 worker processes on this box, on ipc sockets, with the simulator's liveness for that size
@@ -16,12 +16,18 @@ progress does. Per size it prints one JSON row:
   cap, a send to a member not used lately opens one and closes another);
 - sockets_opened_per_peer_joining: the same opens per peer, by topic, from the start until
   that window;
+- cpu_ms_per_peer_period: the workers' CPU over the same window (every thread of each process)
+  per peer and probe period, and cores_busy, the cores they kept busy: what bounds the probe
+  period a box can carry;
 - a separate process joins (join_seen_p99_s: until 99% of the nodes know it), then is SIGKILLed;
   dead_median_s and dead_max_s: until each node holds it dead (most nodes hold no connection
   to it: they learn it from the claims of those that do, or from their own probes);
 - false_deaths: deaths declared of any node but the killed one, over the whole run (with
   `--soak-s S`, a further S seconds of watching after the kill).
-A last row holds the ratios between the smallest and each larger size.
+A last row holds the ratios between the smallest and each larger size. `--compare-watch` runs
+each size twice, first with the DEALERs opened past the socket cap watched by a socket monitor
+(`TransportConfig.watch_past_cap`, as every DEALER was), then without (the default), and prints
+the CPU per peer and period of the second against the first.
 Targets: per-peer messages and bytes at 4096 within 1.5x of 128; at 1024, dead_median_s <= 5,
 dead_max_s <= 15, join_seen_p99_s <= 10, false_deaths 0. Run it alone on a 2-core box.
 """
@@ -71,7 +77,7 @@ def _raise_fd_limit() -> None:
 
 
 def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_dealers: int,
-            conn: Any) -> None:
+            watch_past_cap: bool, conn: Any) -> None:
     """Host `count` nodes; answer the parent's commands on `conn`."""
     _raise_fd_limit()
     if os.environ.get("STARLING_BENCH_LOG_DIR"):  # --log-dir: each worker's INFO log, to read what happened
@@ -84,7 +90,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
     from starling.node.transport import TransportConfig
 
     config = NodeConfig(liveness=Liveness(**liveness), join_deadline_s=600.0, join_timeout_s=30.0,
-                        transport=TransportConfig(max_open_dealers=max_dealers))
+                        transport=TransportConfig(max_open_dealers=max_dealers, watch_past_cap=watch_past_cap))
     nodes: list[Any] = []
     seen: dict[str, dict[str, dict[str, float]]] = {}  # node id -> peer id -> status -> first time
     deaths: list[tuple[str, str, float]] = []
@@ -143,7 +149,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
                 msgs = sum(snap["messages_sent_by_topic"].get(t, 0) for t in MEMBERSHIP_TOPICS)
                 by_topic = {t: c for t, c in snap["messages_sent_by_topic"].items() if t in MEMBERSHIP_TOPICS}
                 out.append((msgs, sum(sent.values()), snap["sockets_opened_by_topic"], by_topic))
-            conn.send(out)
+            conn.send((out, time.process_time()))
         elif cmd == "seen":  # arg: a peer id; per node here: the first time it was alive, dead
             conn.send([(seen.get(n.peer_id, {}).get(arg, {}).get("alive"),
                         seen.get(n.peer_id, {}).get(arg, {}).get("dead")) for n in nodes])
@@ -160,7 +166,8 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
             return
 
 
-def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: float) -> dict[str, Any]:
+def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: float,
+             watch_past_cap: bool = False) -> dict[str, Any]:
     from starling.runtime.simconfig import sim_liveness
 
     _raise_fd_limit()
@@ -175,12 +182,13 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
     per = [n // processes + (1 if i < n % processes else 0) for i in range(processes)]
     for i in range(processes):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(i, per[i], ipc_dir, liveness, max_dealers, child), daemon=True)
+        p = ctx.Process(target=_worker, args=(i, per[i], ipc_dir, liveness, max_dealers, watch_past_cap, child),
+                        daemon=True)
         p.start()
         procs.append(p)
         conns.append(parent)
     row: dict[str, Any] = {"peers": n, "processes": processes, "probe_interval_s": round(lv.probe_interval_s, 3),
-                           "max_dealers": max_dealers}
+                           "max_dealers": max_dealers, "watch_past_cap": watch_past_cap}
     started = time.monotonic()
     try:
         conns[0].send(("start", [(0, [])]))
@@ -219,16 +227,19 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
         row["join_s"] = round(time.monotonic() - started, 1)
         print(f"membership: {n} joined in {row['join_s']} s", file=sys.stderr, flush=True)
 
-        def stats() -> list[tuple[int, int, dict[str, int], dict[str, int]]]:
+        def stats() -> tuple[list[tuple[int, int, dict[str, int], dict[str, int]]], float]:
             for conn in conns:
                 conn.send(("stats", None))
-            return [s for conn in conns for s in conn.recv()]
+            answers = [conn.recv() for conn in conns]
+            return [s for per_node, _ in answers for s in per_node], sum(cpu for _, cpu in answers)
 
         time.sleep(min(window_s, 5.0))  # past the join's own burst of gossip
-        before, t0 = stats(), time.monotonic()
+        (before, cpu0), t0 = stats(), time.monotonic()
         time.sleep(window_s)
-        after, t1 = stats(), time.monotonic()
+        (after, cpu1), t1 = stats(), time.monotonic()
         span = t1 - t0
+        row["cores_busy"] = round((cpu1 - cpu0) / span, 2)
+        row["cpu_ms_per_peer_period"] = round((cpu1 - cpu0) / span / n * lv.probe_interval_s * 1000, 2)
         msgs = [(a[0] - b[0]) / span for a, b in zip(after, before)]
         nbytes = [(a[1] - b[1]) / span for a, b in zip(after, before)]
         row["msgs_per_peer_s"] = round(statistics.mean(msgs), 2)
@@ -323,15 +334,24 @@ def main() -> None:
     parser.add_argument("--soak-s", type=float, default=0.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--log-dir", default=None, help="write each worker's INFO log there")
+    parser.add_argument("--compare-watch", action="store_true",
+                        help="each size twice: DEALERs past the socket cap watched, then not")
     args = parser.parse_args()
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
         os.environ["STARLING_BENCH_LOG_DIR"] = args.log_dir
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
+        if args.compare_watch:
+            watched = run_size(n, min(args.processes, n), args.window_s, args.soak_s, args.timeout_s, True)
+            print(json.dumps(watched), flush=True)
         row = run_size(n, min(args.processes, n), args.window_s, args.soak_s, args.timeout_s)
         print(json.dumps(row), flush=True)
         rows.append(row)
+        if args.compare_watch and watched.get("ok") and row.get("ok"):
+            print(json.dumps({"peers": n, "unwatched_against_watched": {
+                k: round(row[k] / watched[k], 3) for k in ("cpu_ms_per_peer_period", "join_s", "dead_median_s")
+                if watched.get(k) and row.get(k) is not None}}), flush=True)
     ok = [r for r in rows if r.get("ok")]
     if len(ok) > 1:
         base = ok[0]
