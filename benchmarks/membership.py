@@ -2,7 +2,7 @@
 whether anyone is declared dead who is not.
 
     python benchmarks/membership.py [--sizes 128,1024,4096] [--processes 8] [--window-s 30]
-                                    [--soak-s 0] [--timeout-s 900] [--compare-watch]
+                                    [--soak-s 0] [--timeout-s 900]
 
 Each size is one swarm of N bare nodes (no model: the membership layer alone) spread over P
 worker processes on this box, on ipc sockets, with the simulator's liveness for that size
@@ -24,10 +24,7 @@ progress does. Per size it prints one JSON row:
   to it: they learn it from the claims of those that do, or from their own probes);
 - false_deaths: deaths declared of any node but the killed one, over the whole run (with
   `--soak-s S`, a further S seconds of watching after the kill).
-A last row holds the ratios between the smallest and each larger size. `--compare-watch` runs
-each size twice, first with the DEALERs opened past the socket cap watched by a socket monitor
-(`TransportConfig.watch_past_cap`, as every DEALER was), then without (the default), and prints
-the CPU per peer and period of the second against the first.
+A last row holds the ratios between the smallest and each larger size.
 Targets: per-peer messages and bytes at 4096 within 1.5x of 128; at 1024, dead_median_s <= 5,
 dead_max_s <= 15, join_seen_p99_s <= 10, false_deaths 0. Run it alone on a 2-core box.
 """
@@ -77,7 +74,7 @@ def _raise_fd_limit() -> None:
 
 
 def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_dealers: int,
-            watch_past_cap: bool, conn: Any) -> None:
+            conn: Any) -> None:
     """Host `count` nodes; answer the parent's commands on `conn`."""
     _raise_fd_limit()
     if os.environ.get("STARLING_BENCH_LOG_DIR"):  # --log-dir: each worker's INFO log, to read what happened
@@ -90,7 +87,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
     from starling.node.transport import TransportConfig
 
     config = NodeConfig(liveness=Liveness(**liveness), join_deadline_s=600.0, join_timeout_s=30.0,
-                        transport=TransportConfig(max_open_dealers=max_dealers, watch_past_cap=watch_past_cap))
+                        transport=TransportConfig(max_open_dealers=max_dealers))
     nodes: list[Any] = []
     seen: dict[str, dict[str, dict[str, float]]] = {}  # node id -> peer id -> status -> first time
     deaths: list[tuple[str, str, float]] = []
@@ -166,8 +163,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
             return
 
 
-def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: float,
-             watch_past_cap: bool = False) -> dict[str, Any]:
+def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: float) -> dict[str, Any]:
     from starling.runtime.simconfig import sim_liveness
 
     _raise_fd_limit()
@@ -182,13 +178,12 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
     per = [n // processes + (1 if i < n % processes else 0) for i in range(processes)]
     for i in range(processes):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(i, per[i], ipc_dir, liveness, max_dealers, watch_past_cap, child),
-                        daemon=True)
+        p = ctx.Process(target=_worker, args=(i, per[i], ipc_dir, liveness, max_dealers, child), daemon=True)
         p.start()
         procs.append(p)
         conns.append(parent)
     row: dict[str, Any] = {"peers": n, "processes": processes, "probe_interval_s": round(lv.probe_interval_s, 3),
-                           "max_dealers": max_dealers, "watch_past_cap": watch_past_cap}
+                           "max_dealers": max_dealers}
     started = time.monotonic()
     try:
         conns[0].send(("start", [(0, [])]))
@@ -334,24 +329,15 @@ def main() -> None:
     parser.add_argument("--soak-s", type=float, default=0.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--log-dir", default=None, help="write each worker's INFO log there")
-    parser.add_argument("--compare-watch", action="store_true",
-                        help="each size twice: DEALERs past the socket cap watched, then not")
     args = parser.parse_args()
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
         os.environ["STARLING_BENCH_LOG_DIR"] = args.log_dir
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
-        if args.compare_watch:
-            watched = run_size(n, min(args.processes, n), args.window_s, args.soak_s, args.timeout_s, True)
-            print(json.dumps(watched), flush=True)
         row = run_size(n, min(args.processes, n), args.window_s, args.soak_s, args.timeout_s)
         print(json.dumps(row), flush=True)
         rows.append(row)
-        if args.compare_watch and watched.get("ok") and row.get("ok"):
-            print(json.dumps({"peers": n, "unwatched_against_watched": {
-                k: round(row[k] / watched[k], 3) for k in ("cpu_ms_per_peer_period", "join_s", "dead_median_s")
-                if watched.get(k) and row.get(k) is not None}}), flush=True)
     ok = [r for r in rows if r.get("ok")]
     if len(ok) > 1:
         base = ok[0]

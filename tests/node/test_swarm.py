@@ -236,32 +236,6 @@ def test_open_dealers_are_capped_without_losing_a_reply_in_flight(make_node):
     assert capped.run(_open_dealers(capped)) <= 2
 
 
-@pytest.mark.parametrize("watch_past_cap", [False, True])
-def test_a_dealer_opened_past_the_cap_for_a_send_is_watched_only_if_asked(make_node, watch_past_cap):
-    # Past the cap a send opens a DEALER and closes an idle one: in a large swarm most are the
-    # failure detector's probes, and a socket monitor on each would double what they open.
-    others = [make_node("tcp")]
-    others += [make_node("tcp", join=[others[0].address]) for _ in range(3)]
-    for n in others:
-        n.on("echo", lambda m: Reply(m.body))
-    slow_beats = Liveness(probe_interval_s=5.0, suspicion_base_s=30.0)
-    capped = make_node("tcp", join=[others[0].address],
-                       config=NodeConfig(liveness=slow_beats, request_timeout_s=5.0,
-                                         transport=TransportConfig(max_open_dealers=2, watch_past_cap=watch_past_cap)))
-    assert wait_until(lambda: len(capped.live_peers()) == 4)
-    for n in others:  # each send past the first two opens a DEALER past the cap
-        assert capped.request(n.peer_id, "echo", n.peer_id).body == n.peer_id
-    opened, watched = capped.run(_watched(capped))
-    assert len(opened) == 2 and opened[-1] == others[-1].peer_id
-    assert (opened[-1] in watched) is watch_past_cap
-    assert capped.request(others[0].peer_id, "echo", 1).body == 1  # an unwatched DEALER carries sends alike
-
-
-async def _watched(node):
-    transport = node._transport
-    return list(transport._dealers), set(transport._monitors)
-
-
 def test_busy_sockets_pass_the_cap_by_a_quarter_at_most_and_a_send_past_that_is_refused(make_node):
     # Peers that answer slowly keep our DEALERs to them busy: they may pass the cap, but a send
     # that would open one more past the ceiling fails, and is counted, instead of opening sockets
