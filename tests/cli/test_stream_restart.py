@@ -14,6 +14,7 @@ import random
 from collections import Counter
 
 import pytest
+from cli_zygote import cli_popen
 from conftest import load_benchmark, wait_until
 
 from starling.data.assignment import UnitLedger, epoch_order
@@ -53,8 +54,9 @@ def _trained(proc, after: int = 0, until: int | None = None) -> list[tuple[int, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # four Python processes that import torch, on a loaded 2-core box
-def test_a_killed_swarm_resumes_a_streamed_corpus_at_the_unit_its_checkpoint_saved(tmp_path):
+def test_a_killed_swarm_resumes_a_streamed_corpus_at_the_unit_its_checkpoint_saved(tmp_path, monkeypatch):
     procs = load_benchmark("nodeprocs")
+    monkeypatch.setattr(procs, "popen", cli_popen)  # each node forked from the test zygote
     work = str(tmp_path)
     data = os.path.join(work, "corpus")
     _corpus(data)
