@@ -145,12 +145,19 @@ class _Worker:
         if 0 in self.peers:
             self.peers[0].start([])
             self._announce(self.peers[0])
-        message = self._next_message(self.config.ready_timeout_s, "rank 0's address")
-        if message is None:
-            return False
+        early = []  # introductions that came first: a Ray actor's deliveries run on threads, in no order
+        while True:
+            message = self._next_message(self.config.ready_timeout_s, "rank 0's address")
+            if message is None:
+                return False
+            if message[0] == "swarm":
+                break
+            early.append(message)
         first, seed_id = message[1], message[2]
         others = [peer for peer in peers if peer.rank != 0]
         start_together(others, [first], on_started=self._announce)  # news for the parent as each joins
+        for message in early:
+            self._introduce(peers, seed_id, message)
         if not self._wait_until_peers_see_each_other(peers, seed_id):
             return False
         for peer in peers:
@@ -202,11 +209,15 @@ class _Worker:
             message = self._next_message(0.0)
             if message is None:
                 return
-            if message[0] != "records":
-                continue  # nothing else comes while the swarm forms
-            for peer in peers:
-                own = peer.node.peer_id
-                peer.node.add_records([r for r in message[1] if r[0] != own], told_by=seed_id)
+            self._introduce(peers, seed_id, message)
+
+    @staticmethod
+    def _introduce(peers: list[SimPeer], seed_id: str, message: tuple[Any, ...]) -> None:
+        if message[0] != "records":
+            return  # nothing else comes while the swarm forms
+        for peer in peers:
+            own = peer.node.peer_id
+            peer.node.add_records([r for r in message[1] if r[0] != own], told_by=seed_id)
 
     def _serve(self, t0: float) -> None:
         """Until the parent says stop: launch joiners, pass on progress, report ended peers."""

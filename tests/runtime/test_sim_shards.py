@@ -132,3 +132,40 @@ def test_a_peer_failing_in_a_worker_fails_the_run_with_its_error():
     config = SimConfig(peers=3, processes=2, steps=6, **{**PACED, "protocol": f"{__name__}:test-paced-failing"})
     with pytest.raises(SimError, match="peer 1 failed: RuntimeError: boom in a worker"):
         Simulation(config).run()
+
+
+def test_introductions_that_overtake_rank_0s_address_are_taken_once_the_peers_start():
+    """A Ray actor runs the parent's deliveries on threads of its own, in no order: the first
+    introductions can reach a worker before rank 0's address. The worker keeps them, forms
+    its swarm, and passes them on once its peers are up."""
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    from starling.runtime.sim_processes import WorkerLink, _Worker
+
+    config = SimConfig(peers=2, processes=1, protocol="gossip", task="quadratic", task_options={"dim": 4},
+                       steps=1, transport="tcp", ready_timeout_s=60)
+    inbox: queue.Queue = queue.Queue()
+    link = WorkerLink(queue.Queue(), threading.Event(), threading.Event(), SimpleNamespace(value=0.0))
+    worker = _Worker(config, 0, inbox, link, "", "127.0.0.1")
+    formed: list[bool] = []
+    thread = threading.Thread(target=lambda: formed.append(worker._form_swarm([0, 1])), daemon=True)
+    thread.start()
+    try:
+        kind, rank, address, peer_id, record = link.queue.get(timeout=60)
+        assert (kind, rank) == ("address", 0)
+        inbox.put(("records", [record]))  # overtakes the address below
+        inbox.put(("swarm", address, peer_id))
+        while True:
+            message = link.queue.get(timeout=60)
+            if message[0] == "ready":
+                break
+        assert message == ("ready", 0, [0, 1])
+        link.start.set()
+        thread.join(30)
+        assert formed == [True]
+    finally:
+        link.stop.set()
+        thread.join(30)
+        worker.close()
