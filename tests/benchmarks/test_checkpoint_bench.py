@@ -6,11 +6,13 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from cli_zygote import cli_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "checkpoint.py"
 
 
+@pytest.mark.slow
 def test_quick_run_prints_rows_and_a_summary(tmp_path):
     out = cli_run([sys.executable, str(SCRIPT), "--quick", "--dir", str(tmp_path)], capture_output=True,
                          text=True, timeout=240, check=True).stdout

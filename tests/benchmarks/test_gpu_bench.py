@@ -18,6 +18,7 @@ def rows_of(capsys) -> list[dict]:
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_a_quick_cpu_run_prints_every_section_without_errors(capsys):
     bench = load_bench()
     code = bench.main(["--device", "cpu", "--quick"])

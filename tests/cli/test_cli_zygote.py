@@ -95,6 +95,7 @@ def test_what_the_zygote_cannot_reproduce_runs_as_a_plain_subprocess():
         assert proc.wait(120) == 0
 
 
+@pytest.mark.slow
 def test_when_this_processs_environment_changes_a_new_zygote_forks_and_the_old_one_still_reports(
         monkeypatch, tmp_path):
     first = cli_popen(CLI + ["node", "start", "--plaintext"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

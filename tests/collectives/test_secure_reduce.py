@@ -81,6 +81,7 @@ def test_an_owner_sees_only_uniform_bytes(make_node, monkeypatch):
         assert chi2 < 350, chi2  # 255 degrees of freedom: p < 1e-5 beyond ~350; zeros would give ~4M
 
 
+@pytest.mark.slow
 def test_dropped_members_are_unmasked_away_by_survivors_with_t_shares(make_node):
     """Two of six members mask and deal their shares, then die before their parts go: each
     survivor keeps exactly t = 3 live neighbours, whose pair seeds with the dead remove their
@@ -109,6 +110,7 @@ def test_dropped_members_are_unmasked_away_by_survivors_with_t_shares(make_node)
                 torch.testing.assert_close(vectors[r][lo:hi], mean[lo:hi], rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_survivor_gone_before_the_unmasking_is_dropped_too_and_the_round_completes(make_node):
     """One member dies before its part goes (dropped); another sends its part, then answers no
     reveal request (gone before the unmasking): only it could give its pair seed with the
@@ -177,6 +179,7 @@ def test_a_member_whose_part_reached_one_owner_only_is_left_out_alike_by_every_o
                 torch.testing.assert_close(vectors[r][lo:hi], mean[lo:hi], rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_t_minus_one_survivors_drop_the_round_and_nothing_is_unmasked(make_node):
     """Threshold 1.0 over 3 neighbours (t = 3): one member gone leaves every survivor t - 1
     live neighbours, short of shares of its seed, so every group is dropped and the members
@@ -248,6 +251,7 @@ def test_a_tampered_share_is_refused_counted_and_the_others_unmask(make_node):
     assert bad >= world - 1  # every other owner refused the liar's shares
 
 
+@pytest.mark.slow
 def test_a_wrong_mask_seed_is_refused_counted_and_changes_nothing(make_node):
     """A survivor that reveals a wrong pair seed for a dropped neighbour: the seed breaks the
     hash it signed with its part, the owner counts it and drops the group (an unmasking with

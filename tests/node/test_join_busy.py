@@ -50,6 +50,7 @@ def _rejected(node: Node, reason: str) -> int:
     return node.stats.snapshot()["rejected"].get(reason, 0)
 
 
+@pytest.mark.slow
 def test_a_seed_that_refuses_as_busy_once_then_answers_is_joined(nodes, caplog):
     seed = nodes(strangers_rate_per_s=0.25, strangers_burst=1.0)  # a stranger's request every 4 s
     query(seed.address, identity=Identity.generate())  # spends the one request its strangers may make now

@@ -117,6 +117,7 @@ def test_graceful_leave_is_seen_by_all_within_one_probe_period(make_node):
     assert a.live_peers() == [b.peer_id]
 
 
+@pytest.mark.slow
 def test_a_swarm_stays_alive_on_probes_and_every_member_learns_a_crash_from_claims(make_node):
     # connections unwatched: only SWIM's probes, suspicions and dead claims can find the crash
     config = NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0,
@@ -271,6 +272,7 @@ def test_busy_sockets_pass_the_cap_by_a_quarter_at_most_and_a_send_past_that_is_
     assert capped.run(_open_dealers(capped)) <= 4
 
 
+@pytest.mark.slow
 def test_pings_over_sockets_opened_on_demand_keep_a_capped_node_alive(make_node):
     # Beats every 0.2 s, but a dead timeout a starved 2-core CI machine cannot reach by stalling alone:
     # the claim is that a node with one open socket keeps reaching everyone, not how fast the OS schedules us.
@@ -299,6 +301,7 @@ PROBES_ONLY = NodeConfig(liveness=TEST_LIVENESS, transport=TransportConfig(monit
 CONNECTIONS_ONLY = NodeConfig(liveness=Liveness(probe_interval_s=30.0, suspicion_base_s=120.0, probe_timeout_s=0.5))
 
 
+@pytest.mark.slow
 def test_silent_peer_becomes_suspect_then_dead(make_node):
     """The probe path (connections unwatched): an unanswered probe makes a peer suspect, and
     the suspicion times out into death."""
@@ -342,6 +345,7 @@ def test_a_peer_that_answers_the_probe_stays_alive(make_node):
     assert changes == ["suspect", "alive"] and statuses(a)[b.peer_id] == "alive"
 
 
+@pytest.mark.slow
 def test_a_stalled_node_does_not_declare_its_peers_dead(make_node):
     """The network thread (shared by both nodes here) blocks for longer than a suspicion
     lasts; answers pile up unread. Waking up, a node blames its own stall, not its peers."""
@@ -568,6 +572,7 @@ def test_members_that_hear_a_claim_pass_it_to_the_accused_so_it_refutes_though_t
     assert wait_until(lambda: statuses(c)[b.peer_id] == "alive", timeout_s=20)
 
 
+@pytest.mark.slow
 def test_a_join_reaches_the_members_no_announce_reached_by_gossip_in_a_few_periods(make_node):
     """Past the socket cap, a seed's announce reaches only the members it holds a socket to; the
     rest learn a joiner from the seed's gossip, passed on by each member that learns it, in

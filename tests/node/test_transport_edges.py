@@ -72,5 +72,6 @@ async def _arrives_after_a_raw_send(fail_raw_send: bool) -> bool:
 
 
 @pytest.mark.parametrize("fail_raw_send", [False, True], ids=["raw-send-succeeds", "raw-send-eagain"])
+@pytest.mark.slow
 def test_a_message_that_arrived_before_a_raw_send_is_read(fail_raw_send: bool) -> None:
     assert asyncio.run(_arrives_after_a_raw_send(fail_raw_send))

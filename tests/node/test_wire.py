@@ -493,6 +493,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_a_process_that_only_talks_to_nodes_never_loads_torch():
     import subprocess
     import sys

@@ -117,6 +117,7 @@ def test_owner_not_up_yet_gets_the_part_when_it_starts(make_node):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_peer_killed_mid_round_does_not_hang_the_others(make_node):
     """The round timeout is a minute: only the news of the death (a dropped connection and an
     unanswered probe, or missed heartbeats) can release the survivors before it. (A protocol

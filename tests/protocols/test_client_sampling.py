@@ -44,6 +44,7 @@ def run(**options):
     return Simulation(config).run()
 
 
+@pytest.mark.slow
 def test_sampled_rounds_train_half_the_swarm_and_every_peer_ends_with_the_merged_model():
     sampled, full = run(sample_fraction=0.5), run()
     summary = sampled.summary

@@ -316,6 +316,7 @@ def test_a_joiner_with_stale_state_catches_up_without_a_timeout(make_node):
     assert torch.equal(outer_vector(pa), outer_vector(pc)) and torch.equal(outer_vector(pb), outer_vector(pc))
 
 
+@pytest.mark.slow
 def test_peer_killed_mid_sync_does_not_hang_the_others(make_node):
     # On a loaded CI box a 2 s timeout and a 1 s grace lost live survivors: an owner closes
     # its shard round_timeout_s after the first part came, a member waits round_timeout_s +

@@ -78,6 +78,7 @@ def _rounds(task: Regression, rounds: int, steps: int, trained_on):
         task.inner(0, range(first, last + 1))
 
 
+@pytest.mark.slow
 def test_an_honest_pseudo_gradient_passes_its_check_1000_times_in_a_row():
     task = Regression()
     margins = list(_rounds(task, 1000, 4, lambda first, last: (0, range(first, last + 1))))

@@ -50,6 +50,7 @@ def test_the_cap_is_the_largest_that_fits_and_a_swarm_that_cannot_fit_is_refused
         plan_capacity(4, 4, "inproc", monitors=False, max_dealers=0)
 
 
+@pytest.mark.slow
 def test_a_swarm_that_cannot_fit_is_refused_before_any_node_starts():
     result = run_python("""
         from starling.node.loop import NetworkThread
@@ -65,6 +66,7 @@ def test_a_swarm_that_cannot_fit_is_refused_before_any_node_starts():
     assert "network thread started: False" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_it_in_one_line():
     result = run_python("""
         import sys
@@ -152,6 +154,7 @@ def test_a_node_with_no_socket_to_spare_or_shed_stops_and_its_peer_sees_it_go():
     assert "this node stops" in err  # logged at ERROR
 
 
+@pytest.mark.slow
 def test_a_run_out_of_sockets_finishes_or_ends_with_an_error_never_hangs():
     result = run_python("""
         import time
