@@ -56,6 +56,15 @@ def load_benchmark(name: str) -> ModuleType:
     return module
 
 
+def opacus_accountants() -> ModuleType:
+    """Opacus's accountants, the reference the privacy tests compare with: imported by the tests
+    that call them (about 1 s of CPU), not by every test worker that collects their files."""
+    import opacus.accountants
+    import opacus.accountants.utils
+
+    return opacus.accountants
+
+
 def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

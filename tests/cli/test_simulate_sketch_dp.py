@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from cli_zygote import cli_run
-from opacus.accountants import RDPAccountant
+from conftest import opacus_accountants
 from typer.testing import CliRunner
 
 from starling.cli.main import app
@@ -42,7 +42,7 @@ def test_sample_unit_simulates_and_the_table_shows_the_privacy_spent(tmp_path):
         assert heading in result.stdout, heading
     info = json.loads((tmp_path / "summary.json").read_text())["protocol_info"]
     privacy = info["privacy"]
-    reference = RDPAccountant()
+    reference = opacus_accountants().RDPAccountant()
     for _ in range(3):
         reference.step(noise_multiplier=1.0, sample_rate=0.05)
     assert privacy["dp_unit"] == "sample" and privacy["rounds"] == 3 and info["sketch_size"] == 100

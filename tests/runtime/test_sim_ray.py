@@ -8,10 +8,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 from starling.runtime import SimConfig, SimError, Simulation
 
@@ -21,7 +20,10 @@ RUN = dict(peers=8, protocol="allreduce", task="quadratic", task_options={"dim":
 
 
 @pytest.fixture
-def two_node_cluster(ray_on_loopback) -> Iterator[Cluster]:
+def two_node_cluster(ray_on_loopback) -> Iterator[Any]:
+    import ray  # here, not at the top: the other test workers collect this file without importing Ray
+    from ray.cluster_utils import Cluster
+
     cluster = Cluster(initialize_head=True, head_node_args=NODE)
     try:
         cluster.add_node(**NODE)
@@ -35,6 +37,8 @@ def two_node_cluster(ray_on_loopback) -> Iterator[Cluster]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_peers_train_in_ray_actors_on_both_nodes_and_a_lost_node_fails_the_run(two_node_cluster):
+    import ray
+
     cluster = two_node_cluster
     node_ids = {cluster.head_node.node_id, *(node.node_id for node in cluster.worker_nodes)}
     config = SimConfig(**RUN, ray=cluster.address)  # processes 0: one worker per node
