@@ -254,20 +254,19 @@ class DealerCache:
         full: with no reader (its socket could not be opened, out of descriptors) or a full
         queue, the IO thread blocks for good and the whole process stops reading and accepting
         connections. The reading end therefore has no queue limit (an event is a few dozen
-        bytes, at most one per reconnect interval), and when it cannot be opened the monitor is
-        stopped before the error goes on."""
+        bytes, at most one per reconnect interval). So the reading end is opened and connected
+        first (inproc connects before the bind), and the monitor started only once it is there:
+        stopping a monitor that has no reader blocks too (libzmq sends it a last event), and it
+        hung the network thread of a node that ran out of descriptors just then."""
         addr = f"inproc://starling-monitor-{next(_MONITOR_IDS)}"  # never reused, unlike a descriptor number
-        dealer.monitor(addr, zmq.EVENT_DISCONNECTED)
-        pair = None
+        pair = self.context.socket(zmq.PAIR)  # out of descriptors: raises here, nothing to undo
         try:
-            pair = self.context.socket(zmq.PAIR)
             pair.setsockopt(zmq.LINGER, 0)
             pair.setsockopt(zmq.RCVHWM, 0)
             pair.connect(addr)
+            dealer.monitor(addr, zmq.EVENT_DISCONNECTED)
         except zmq.ZMQError:
-            if pair is not None:
-                pair.close(0)
-            dealer.disable_monitor()
+            pair.close(0)
             raise
         return pair
 

@@ -3,17 +3,20 @@ whose descriptor limit is lowered after it starts, fed records by a member until
 no longer fit."""
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
 import textwrap
 
+import zmq
 from conftest import wait_until
 
 from starling.node.client import ClientError, query
 from starling.node.identity import Identity
 from starling.node.membership import Liveness, PeerRecord
 from starling.node.node import Node, NodeConfig
+from starling.node.rpc import Reply
 from starling.node.swarm import ANNOUNCE
 
 CHILD = textwrap.dedent("""
@@ -85,3 +88,41 @@ def test_a_node_out_of_descriptors_sheds_idle_connections_and_stays_up():
             member.close()
         child.kill()
         child.wait(30)
+
+
+def test_a_monitor_whose_reader_cannot_be_opened_is_never_started(make_node):
+    """Out of descriptors just as a DEALER's monitor needs its reading end: no monitor is
+    started (none is then stopped: stopping one can block in libzmq), the DEALER is not opened,
+    and the network thread goes on; the next send opens it, watched."""
+    node = make_node("tcp")
+    other = make_node("tcp", join=[node.address])
+    other.on("echo", lambda m: Reply(m.body))
+    assert wait_until(lambda: node.live_peers() == [other.peer_id])
+    transport = node._transport
+
+    async def open_without_a_pair():
+        transport._close(other.peer_id, 0)
+        cls = type(transport.context)
+        real = cls.socket
+
+        def no_pair(self, kind, *args, **kwargs):
+            if kind == zmq.PAIR:
+                raise zmq.ZMQError(errno.EMFILE)
+            return real(self, kind, *args, **kwargs)
+
+        cls.socket = no_pair
+        try:
+            transport._open_dealer(other.peer_id)
+        except zmq.ZMQError as exc:
+            return exc.errno
+        finally:
+            cls.socket = real
+        return None
+
+    assert node.submit(open_without_a_pair()).result(10) == errno.EMFILE
+    assert node.run(_is_open(node, other.peer_id)) is False
+    assert node.request(other.peer_id, "echo", 7).body == 7  # the next send opens it, watched
+
+
+async def _is_open(node, peer_id):
+    return node._transport.is_open(peer_id)
