@@ -25,6 +25,7 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -41,34 +42,40 @@ def die_with_parent(parent_pid: int | None = None, poll_s: float = POLL_S,
     if os.name != "posix":
         return None
     if started_by is not None and started_by != os.getppid():
-        return _follow(started_by, poll_s)
-    parent = os.getppid() if parent_pid is None else parent_pid
-    if parent <= 1:  # already orphaned or started by init: nothing to follow
-        return None
-    if os.getppid() != parent:  # the parent died before we got here
-        _end(parent)
+        watched, gone = started_by, _exited(started_by)
+    else:
+        watched = os.getppid() if parent_pid is None else parent_pid
+        if watched <= 1:  # already orphaned or started by init: nothing to follow
+            return None
+
+        def gone() -> bool:
+            return os.getppid() != watched
+
+    if gone():  # it died before we got here
+        _end(watched)
 
     def watch() -> None:
         while True:
             time.sleep(poll_s)
-            if os.getppid() != parent:
-                _end(parent)
+            if gone():
+                _end(watched)
 
     thread = threading.Thread(target=watch, name="lifeline", daemon=True)
     thread.start()
     return thread
 
 
-def _follow(pid: int, poll_s: float) -> threading.Thread:
-    """Watch `pid`, not this process's parent, for its exit."""
+def _exited(pid: int) -> Callable[[], bool]:
+    """Whether `pid` (not this process's parent) has exited: its pidfd is readable, or, where
+    there are no pidfds, it no longer exists."""
     try:
         pidfd: int | None = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # no pidfds here (or it is gone already: then poll says so)
+    except (AttributeError, OSError):  # no pidfds here (or it is gone already: kill says so)
         pidfd = None
 
-    def gone() -> bool:
+    def exited() -> bool:
         if pidfd is not None:
-            return bool(select.select([pidfd], [], [], 0)[0])  # readable once it exited
+            return bool(select.select([pidfd], [], [], 0)[0])
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -76,19 +83,7 @@ def _follow(pid: int, poll_s: float) -> threading.Thread:
         except PermissionError:  # alive, under another user
             return False
         return False
-
-    if gone():
-        _end(pid)
-
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if gone():
-                _end(pid)
-
-    thread = threading.Thread(target=watch, name="lifeline", daemon=True)
-    thread.start()
-    return thread
+    return exited
 
 
 def _end(parent: int) -> None:

@@ -256,8 +256,8 @@ class DealerCache:
         connections. The reading end therefore has no queue limit (an event is a few dozen
         bytes, at most one per reconnect interval). So the reading end is opened and connected
         first (inproc connects before the bind), and the monitor started only once it is there:
-        stopping a monitor that has no reader blocks too (libzmq sends it a last event), and it
-        hung the network thread of a node that ran out of descriptors just then."""
+        stopping a monitor that has no reader can block for good (libzmq sends it a last
+        event), so a failure leaves no monitor to stop."""
         addr = f"inproc://starling-monitor-{next(_MONITOR_IDS)}"  # never reused, unlike a descriptor number
         pair = self.context.socket(zmq.PAIR)  # out of descriptors: raises here, nothing to undo
         try:
