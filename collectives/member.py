@@ -4,6 +4,7 @@ chunk by chunk, and the round's outcome decided from them in one method, `_apply
 
     for each chunk c of each shard i, in parallel:
         send chunk (i, c) to each of its owners            # the owner's reply is the average
+    an owner that never answered: ask other members for its signed average (secondhand.py)
     choose each chunk's answer among its owners' (voting.py)
     caller's thread, `_apply`: write each averaged chunk, or `unaveraged` (or the local values)
         where none came; then who was missing
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from starling.collectives.defences import Defences, RoundDefence
     from starling.collectives.outcome import ReduceTimeouts
     from starling.collectives.placement import Placement
+    from starling.collectives.secondhand import SecondHand
     from starling.collectives.secure import SecureStage
     from starling.collectives.suspicion import Suspicion
     from starling.collectives.voting import OwnerVote
@@ -94,6 +96,7 @@ class MemberSide:
     _trust: Trust
     _refuse: Refuser
     _secure: SecureStage | None
+    secondhand: SecondHand
     _skipped: dict[int, frozenset[str]]
     _latest_round: int
 
@@ -217,7 +220,12 @@ class MemberSide:
                     assert slot.packet is not None and slot.sig is not None
                     jobs.append(self._send_part(t, members, view, slot, owner, weight, recipe,
                                                 riding.get((slot.shard, slot.chunk, owner)), state))
-        results = iter(await asyncio.gather(*jobs))
+        answers = list(await asyncio.gather(*jobs))
+        silent = [r for r in answers if r.silent]
+        if silent:  # an owner's answer may have reached other members before it died or stalled
+            heard = await self.secondhand.take_for(t, members, view, silent)
+            answers = [heard.get((r.shard, r.chunk, r.owner), r) if r.silent else r for r in answers]
+        results = iter(answers)
         self._forget_before(t - KEEP_CLOSED_ROUNDS)
         chosen = [self._vote(t, view, slot, [next(results) for _ in slot.owners]) for slot in slots]
         if self.checks is not None:
@@ -271,7 +279,7 @@ class MemberSide:
         except RemoteError as exc:
             return ShardResult(i, c, owner, None, reason=str(exc))
         except Exception as exc:  # timeout, dead or unknown owner
-            return ShardResult(i, c, owner, None, reason=f"{type(exc).__name__}: {exc}")
+            return ShardResult(i, c, owner, None, reason=f"{type(exc).__name__}: {exc}", silent=True)
         refused = Refused.from_wire(msg.body)
         if refused is not None:
             if refused.owner_round > t:  # the owner has moved past this round: my groups stop waiting for it
@@ -289,6 +297,7 @@ class MemberSide:
             self._trust.note(owner, "bad_signature")
             self._refuse.count("bad_average_signature", f"round {t} shard {i} chunk {c} from {owner}")
             return ShardResult(i, c, owner, None, reason="average not signed by its owner")
+        self.secondhand.keep(t, view, i, c, owner, average, result)  # for members its answer missed
         contributors = average.contributors
         if owner not in contributors:
             # An owner's group waits for the owner's own part unless it saw the owner take part

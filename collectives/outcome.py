@@ -60,3 +60,4 @@ class ShardResult:
     sig: bytes | None = None  # the owner's signature of it
     diverged: bool = False  # the owner saw its contributors begin the round with different states
     scores: tuple[float, tuple[tuple[float, float], ...]] | None = None  # against the reference (suspicion.py)
+    silent: bool = False  # the owner never answered (timeout, dead or unknown owner): others may have heard it

@@ -34,10 +34,12 @@ Honesty about membership: a part names its sender's member list; an owner groups
 (round, member list, shard), so peers whose views disagree never mix shard boundaries. An
 owner stops waiting for a member that it has seen contribute under a different view of the
 same round, that has moved on to a later round, or that died or left; a member never waits
-past round_timeout_s + reply_grace_s. Both timeouts count the loop's awake time
-(`node.loop.AwakeDeadline`): a stall of this process does not close a group while the part
-it waits for sits unread in the socket, and every timeout still ends by _STRETCH times its
-length in wall time.
+past round_timeout_s + reply_grace_s for an owner. An owner that never answered may have
+answered others before it died or stalled: the member asks a few other members for its signed
+average (one reply grace more) before it takes the chunk as unaveraged (`secondhand.py`).
+Both timeouts count the loop's awake time (`node.loop.AwakeDeadline`): a stall of this
+process does not close a group while the part it waits for sits unread in the socket, and
+every timeout still ends by _STRETCH times its length in wall time.
 
 A member whose view of round t differs from an owner's hears so from that owner's answer (the
 owner is not among its shard's contributors) and stops waiting for the owner's part there.
@@ -77,6 +79,7 @@ The rest joins the round at seams, each in its own file:
                     robust aggregator's centres (on_part, on_close, on_chosen)
     retention.py    RoundDefence: signed parts kept past their close for audits (on_close)
     gathering.py    an author's kept parts, gathered from every owner that kept them
+    secondhand.py   an owner's signed average, relayed by a member it reached to one it did not
     voting.py       a member's vote among a chunk's replicated owners
     checking.py     RoundDefence: an owner keeps its groups' parts (on_close) for members
                     drawn after the round, who average them again (`Checks.after_round`)
@@ -113,6 +116,7 @@ from starling.collectives.owner import GroupKey, OwnerSide
 from starling.collectives.placement import Placement
 from starling.collectives.retention import KeptPart, Retention
 from starling.collectives.screening import Screening
+from starling.collectives.secondhand import SecondHand
 from starling.collectives.secure import SecureAggregation, SecureStage
 from starling.collectives.staging import HostStaging
 from starling.collectives.suspicion import Suspicion
@@ -255,6 +259,12 @@ class ShardedReducer(MemberSide, OwnerSide):
             self.checks = Checks(node, topic, self.defences.check_rate, recount, self._refuse,
                                  self._reply_within_s, self.timeouts.retry_interval_s)
             self._seams += (self.checks,)
+        # the averages this member received, for members that an owner's answer missed
+        # (collectives/secondhand.py): kept while a member may still wait for them, at most two
+        # float32 vectors' bytes
+        self.secondhand = SecondHand(node, topic, self.placement, self._contributions, self.timeouts, self._refuse,
+                                     self._resolve_view, keep_s=_STRETCH * self._reply_within_s,
+                                     max_bytes=8 * numel)
         # an author's kept parts, gathered from every owner (collectives/gathering.py)
         self.gathering = Gathering(node, topic, self.placement, self.retention, self._contributions,
                                    self.timeouts, self._refuse, self._resolve_view)
@@ -362,8 +372,8 @@ class ShardedReducer(MemberSide, OwnerSide):
     @property
     def _backstop_s(self) -> float:
         """How long `wait()` waits at most. A backstop only: the network side always ends a
-        round by then (see AwakeDeadline)."""
-        return _STRETCH * self._reply_within_s + 5.0
+        round by then (see AwakeDeadline), an ask for averages that owners never sent included."""
+        return _STRETCH * (self._reply_within_s + self.timeouts.reply_grace_s) + 5.0
 
     def _start_secure(self, t: int, members: tuple[str, ...], vector: torch.Tensor, weight: float | None,
                       recipe: Recipe | None, noise_std: float = 0.0, state: bytes | None = None) -> PendingReduce:

@@ -80,6 +80,7 @@ __all__ = ["ANNOUNCE", "GOSSIP", "HELLO", "LEAVE", "MAX_ANNOUNCE", "MAX_PROBES_V
 log = logging.getLogger(__name__)
 
 LEAVE = "$leave"
+LEFT_REPLIES_GRACE_S = 0.5  # how long replies a peer sent before its goodbye may still come after it
 
 
 class Swarm(Joining, FailureDetector, Dissemination):
@@ -171,15 +172,27 @@ class Swarm(Joining, FailureDetector, Dissemination):
                 self._apply_claim(claim, mine=False, sender=sender)
             except WireError as exc:
                 self._reject(exc.reason, str(exc))
-        if change.new in (PeerStatus.DEAD, PeerStatus.LEFT):
-            self.outbox.pending.fail_peer(change.peer_id, rpc.RpcError(f"peer {change.peer_id} is {change.new.value}"))
-        if change.new is PeerStatus.LEFT and self.outbox.transport is not None:
-            self.outbox.transport.disconnect(change.peer_id)
+        if change.new is PeerStatus.DEAD:
+            self.outbox.pending.fail_peer(change.peer_id, rpc.RpcError(f"peer {change.peer_id} is dead"))
+        elif change.new is PeerStatus.LEFT:
+            self._spawn(self._after_leave(change.peer_id))
         for cb in self.listeners:
             try:
                 cb(change)
             except Exception:
                 log.exception("peer-change listener failed")
+
+    async def _after_leave(self, peer_id: str) -> None:
+        """Fail what still waits on a peer that left, and drop its connection, a moment after its
+        goodbye: the replies it sent just before it travel on another socket than the goodbye,
+        and may come after it."""
+        await asyncio.sleep(LEFT_REPLIES_GRACE_S)
+        info = self.table.get(peer_id)
+        if info is not None and info.status is not PeerStatus.LEFT:
+            return  # back meanwhile, under a new incarnation
+        self.outbox.pending.fail_peer(peer_id, rpc.RpcError(f"peer {peer_id} is left"))
+        if self.outbox.transport is not None:
+            self.outbox.transport.disconnect(peer_id)
 
     async def leave(self) -> None:
         """Tell every live peer, in a statement signed by us, that we leave."""

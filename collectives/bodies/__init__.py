@@ -4,7 +4,8 @@ send each other, one module per family:
 
     fields.py    `BodyError` and the checks of the fields the bodies share (weights, member
                  lists, signatures, recipes, views)
-    reduce.py    the round's: `Part`, `Skip`, `Average`, and `Refused` as a member reads a refusal
+    reduce.py    the round's: `Part`, `Skip`, `Average`, `Refused` as a member reads a refusal,
+                 and a member's ask for averages it missed (`HeardAsk`, `heard_rows`)
     quorum.py    the quorum close's: `Ask`, `Ack`, `Wait`, `Closing`, `Echo`
     secure.py    secure aggregation's: `Deal`, `Reveal`, `Revealed`, `Passed`, `Held`
     checks.py    an owner's kept parts shown on: `CheckAsk`, `Checked`, `KeptAsk`, `kept_rows`
@@ -38,12 +39,12 @@ from starling.collectives.bodies.fields import (
     BodyError,
 )
 from starling.collectives.bodies.quorum import Ack, Ask, Closing, Echo, Wait
-from starling.collectives.bodies.reduce import Average, Part, Refused, Skip
+from starling.collectives.bodies.reduce import Average, HeardAsk, HeardRow, Part, Refused, Skip, heard_rows
 from starling.collectives.bodies.secure import SECRET_BYTES, SHARE_BYTES, Deal, GaveUp, Held, Passed, Reveal, Revealed
 
 __all__ = [
     "MAX_DEAL_BYTES", "MAX_IDS", "MAX_PART_BUFFERS", "MAX_RECIPE_BYTES", "MAX_RECIPE_FIELDS", "SECRET_BYTES",
     "SHARE_BYTES", "SIGNATURE_BYTES", "STATE_DIGEST_BYTES", "Ack", "Ask", "Average", "BodyError", "CheckAsk",
-    "Checked", "CheckedPart", "Closing", "Deal", "Echo", "GaveUp", "Held", "KeptAsk", "KeptRow", "Part", "Passed",
-    "Refused", "Reveal", "Revealed", "Skip", "Wait", "kept_rows",
+    "Checked", "CheckedPart", "Closing", "Deal", "Echo", "GaveUp", "HeardAsk", "HeardRow", "Held", "KeptAsk",
+    "KeptRow", "Part", "Passed", "Refused", "Reveal", "Revealed", "Skip", "Wait", "heard_rows", "kept_rows"
 ]

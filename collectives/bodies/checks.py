@@ -7,9 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from starling.collectives.bodies.fields import MAX_IDS, BodyError, _map, _recipe, _sig, _state, _view, _weight, _whole
-
-MAX_PART_BUFFERS = 8  # a packet has one to three buffers
+from starling.collectives.bodies.fields import (
+    MAX_IDS,
+    MAX_PART_BUFFERS,
+    BodyError,
+    _map,
+    _recipe,
+    _sig,
+    _state,
+    _view,
+    _weight,
+    _whole,
+)
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,7 @@ def _pairs(value: Any, what: str) -> tuple[tuple[str, float], ...]:
     return tuple(pairs)
 
 
+MAX_PART_BUFFERS = 8  # a packet has one to three buffers
 MAX_IDS = 1 << 16  # peer ids one body may name (secure aggregation's, a check's or a gather's answer)
 
 

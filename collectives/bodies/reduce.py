@@ -9,6 +9,10 @@ On the wire (keys kept short where a body rides on every chunk of every round):
     Skip      member -> peers   {"skip": round}                     one way, no answer
     Average   owner -> member   {"ok": True, "packet": header or None, "cm": contributor mask,
                                  "shares"?: [[peer, share], ...], "sig"?}
+    HeardAsk  member -> member  {"heard": round, "view", "wants": [[shard, chunk, owner], ...]}
+    heard rows member -> member {"ok": True, "rows": [[shard, chunk, owner, average, frames], ...]}
+                                 an owner's averages the answerer received, as the owner signed
+                                 them (`collectives/secondhand.py`)
 
 "sig": the sender's Ed25519 signature over what the part or average says (see
 `collectives/contributions.py`), 64 bytes. "recipe": what the author says it computed the part
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from starling.collectives.bodies.fields import (
+    MAX_PART_BUFFERS,
     BodyError,
     _deal,
     _header,
@@ -31,6 +36,7 @@ from starling.collectives.bodies.fields import (
     _recipe,
     _sig,
     _state,
+    _view,
     _weight,
     _whole,
 )
@@ -200,3 +206,73 @@ class Refused:
             return cls(f"malformed reply: {type(obj).__name__}")
         step = obj.get("step")
         return cls(str(obj.get("reason")), step if type(step) is int else -1)
+
+
+MAX_WANTS = 1 << 16  # chunks one ask may name: more than a round of any vector has
+
+
+def _peer(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 64:
+        raise BodyError(f"{what} must be a peer id")
+    return value
+
+
+@dataclass(frozen=True)
+class HeardAsk:
+    """A member that heard nothing from some owners of round `round` asks another member for
+    those owners' averages, as they signed them (`collectives/secondhand.py`)."""
+
+    round: int
+    view: bytes
+    wants: tuple[tuple[int, int, str], ...]  # (shard, chunk, owner)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"heard": self.round, "view": self.view, "wants": [list(w) for w in self.wants]}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> HeardAsk:
+        body = _map(obj, "an ask for averages")
+        wants = body.get("wants")
+        if not isinstance(wants, list) or not 0 < len(wants) <= MAX_WANTS:
+            raise BodyError(f"wants must be a list of 1 to {MAX_WANTS} [shard, chunk, owner]")
+        out = []
+        for want in wants:
+            if not (isinstance(want, list) and len(want) == 3 and type(want[0]) is int and type(want[1]) is int
+                    and want[0] >= 0 and want[1] >= 0):
+                raise BodyError(f"a want must be [shard, chunk, owner], got {want!r}")
+            out.append((want[0], want[1], _peer(want[2], "a want's owner")))
+        return cls(_whole(body, "heard"), _view(body), tuple(out))
+
+
+@dataclass(frozen=True)
+class HeardRow:
+    """One owner's average of one chunk, as another member received it: the owner's body (its
+    contributors named by a mask over the round's member list) and how many frames carry it."""
+
+    shard: int
+    chunk: int
+    owner: str
+    average: dict[str, Any]  # `Average.to_wire(members)`, its header whole
+    frames: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.shard, self.chunk, self.owner, self.average, self.frames]
+
+    @classmethod
+    def from_wire(cls, row: Any) -> HeardRow:
+        if not (isinstance(row, list) and len(row) == 5 and type(row[0]) is int and type(row[1]) is int
+                and row[0] >= 0 and row[1] >= 0 and type(row[4]) is int and 0 < row[4] <= MAX_PART_BUFFERS):
+            raise BodyError("a heard row must be [shard, chunk, owner, average, frames]")
+        if not isinstance(row[3], dict) or row[3].get("packet") is None:
+            raise BodyError("a heard average must carry its header whole")
+        return cls(row[0], row[1], _peer(row[2], "a row's owner"), row[3], row[4])
+
+
+
+def heard_rows(obj: Any) -> list[HeardRow]:
+    """The rows of an answer to a `HeardAsk` (BodyError for a malformed one)."""
+    body = _map(obj, "an answer of averages")
+    rows = body.get("rows")
+    if body.get("ok") is not True or not isinstance(rows, list) or len(rows) > MAX_WANTS:
+        raise BodyError("an answer of averages must say ok and list its rows")
+    return [HeardRow.from_wire(row) for row in rows]

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from starling.collectives.bodies import Ack, Ask, Average, BodyError, Closing, Part, Refused, Skip, Wait
+from starling.collectives.bodies import (
+    Ack,
+    Ask,
+    Average,
+    BodyError,
+    Closing,
+    HeardAsk,
+    HeardRow,
+    Part,
+    Refused,
+    Skip,
+    Wait,
+    heard_rows,
+)
 from starling.collectives.compact import view_digest
 from starling.node.rpc import Refusal, refusal
 
@@ -158,3 +171,24 @@ def test_malformed_scores_are_refused(scores) -> None:
     body["sc"] = scores
     with pytest.raises(BodyError):
         Average.from_wire(body, MEMBERS)
+
+
+def test_an_ask_for_averages_and_its_rows_round_trip_and_refuse_what_they_are_not() -> None:
+    ask = HeardAsk(3, view_digest(MEMBERS), ((0, 0, "a"), (1, 2, "b")))
+    assert HeardAsk.from_wire(ask.to_wire()) == ask
+    row = HeardRow(1, 2, "b", Average({"codec": "none"}, ("a", "c"), sig=b"s" * 64).to_wire(MEMBERS), 1)
+    assert heard_rows({"ok": True, "rows": [row.to_wire()]}) == [row]
+    for bad, what in [({"heard": 3, "view": b"x", "wants": [[0, 0, "a"]]}, "view"),
+                      ({"heard": 3, "view": view_digest(MEMBERS), "wants": []}, "wants"),
+                      ({"heard": 3, "view": view_digest(MEMBERS), "wants": [[0, -1, "a"]]}, "want"),
+                      ({"heard": 3, "view": view_digest(MEMBERS), "wants": [[0, 0, ""]]}, "owner"),
+                      ({"heard": -1, "view": view_digest(MEMBERS), "wants": [[0, 0, "a"]]}, "heard")]:
+        with pytest.raises(BodyError, match=what):
+            HeardAsk.from_wire(bad)
+    headless = HeardRow(1, 2, "b", Average(None, ("a",)).to_wire(MEMBERS), 1).to_wire()
+    for bad, what in [({"ok": True, "rows": [headless]}, "header whole"),
+                      ({"ok": True, "rows": [[1, 2, "b", row.average, 99]]}, "heard row"),
+                      ({"ok": True, "rows": [[1, 2, "b"]]}, "heard row"),
+                      ({"ok": False, "rows": []}, "say ok")]:
+        with pytest.raises(BodyError, match=what):
+            heard_rows(bad)

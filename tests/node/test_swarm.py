@@ -117,6 +117,24 @@ def test_graceful_leave_is_seen_by_all_within_one_probe_period(make_node):
     assert a.live_peers() == [b.peer_id]
 
 
+def test_a_reply_sent_before_a_goodbye_that_overtook_it_is_still_taken(make_node):
+    """A leaving peer's last replies travel on another socket than its goodbye, and may come
+    after it: the request waiting for one is not failed the moment the goodbye is read."""
+    a = make_node("tcp")
+    b = make_node("tcp", join=[a.address])
+    assert wait_until(lambda: a.live_peers() == [b.peer_id] and b.live_peers() == [a.peer_id])
+
+    async def answer_after_goodbye(msg):
+        await b._swarm.leave()  # the goodbye goes out first, as if it had overtaken the reply
+        await asyncio.sleep(0.1)
+        return {"ok": True, "last": True}
+
+    b.on("last", answer_after_goodbye)
+    reply = a.request(b.peer_id, "last", {}, timeout_s=5)
+    assert reply.body == {"ok": True, "last": True}
+    assert statuses(a)[b.peer_id] == "left"
+
+
 @pytest.mark.slow
 def test_a_swarm_stays_alive_on_probes_and_every_member_learns_a_crash_from_claims(make_node):
     # connections unwatched: only SWIM's probes, suspicions and dead claims can find the crash
