@@ -27,7 +27,7 @@ from starling.collectives.compact import view_digest
 from starling.collectives.contributions import Contributions, SignedPart
 from starling.collectives.outcome import ReduceTimeouts
 from starling.collectives.placement import Placement
-from starling.collectives.requests import request_patiently
+from starling.collectives.requests import AskBudget, request_patiently
 from starling.collectives.retention import KeptPart, Retention
 from starling.node.loop import AwakeDeadline
 from starling.node.rpc import Refusal, Refuser, Reply, refusal
@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".kept"  # a reducer's gathers travel on its topic with this suffix
 GATHERS_PER_ROUND = 2  # gathers one member may make of one owner per round
-_KEEP_ASKERS = 1 << 14  # (member, round) budgets remembered, the oldest forgotten first
 
 
 class Gathering:
@@ -53,7 +52,7 @@ class Gathering:
         self.node, self.topic, self.placement, self.retention = node, topic, placement, retention
         self.contributions, self.timeouts, self._refuse = contributions, timeouts, refuse
         self._resolve_view = resolve_view
-        self._asked: dict[tuple[str, int], int] = {}  # (member, round) -> its gathers answered
+        self._asked = AskBudget(GATHERS_PER_ROUND)  # gathers answered per (member, round)
         node.on(topic + SUFFIX, self._serve)
 
     def gather(self, t: int, members: tuple[str, ...], author: str) -> list[KeptPart]:
@@ -112,12 +111,8 @@ class Gathering:
             return refusal(Refusal.NOT_FOUND, "no member list of that digest here")
         if msg.sender not in members:
             return self._refuse(Refusal.MALFORMED, "only the round's members gather its parts")
-        asked = (msg.sender, ask.round)
-        if self._asked.get(asked, 0) >= GATHERS_PER_ROUND:
+        if not self._asked.take(msg.sender, ask.round):
             return self._refuse(Refusal.BUSY, f"at most {GATHERS_PER_ROUND} gathers of round {ask.round} per member")
-        self._asked[asked] = self._asked.get(asked, 0) + 1
-        while len(self._asked) > _KEEP_ASKERS:
-            self._asked.pop(next(iter(self._asked)))
         rows, buffers = [], []
         for i, c, _, _, signed in self.retention.shown(ask.round, ask.author):
             if signed.view != ask.view or signed.packet is None:

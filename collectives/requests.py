@@ -31,3 +31,22 @@ async def request_patiently(node: Node, peer: str, topic: str, body: Any, payloa
             if deadline.left <= retry_s:
                 raise
             await deadline.sleep(retry_s)
+
+
+class AskBudget:
+    """How many of one kind of ask each member may have answered per round: `take(member, t)`
+    counts one and says whether it was within `per_round`. The oldest (member, round) counts
+    are forgotten first, past `kept` of them."""
+
+    def __init__(self, per_round: int, kept: int = 1 << 14) -> None:
+        self.per_round, self.kept = per_round, kept
+        self._asked: dict[tuple[str, int], int] = {}
+
+    def take(self, member: str, t: int) -> bool:
+        key = (member, t)
+        if self._asked.get(key, 0) >= self.per_round:
+            return False
+        self._asked[key] = self._asked.get(key, 0) + 1
+        while len(self._asked) > self.kept:
+            self._asked.pop(next(iter(self._asked)))
+        return True

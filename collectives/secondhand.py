@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from starling.collectives.bodies import Average, BodyError, HeardAsk, HeardRow, Refused, heard_rows
 from starling.collectives.codec import packet_from_wire
 from starling.collectives.outcome import ShardResult
-from starling.collectives.requests import request_patiently
+from starling.collectives.requests import AskBudget, request_patiently
 from starling.node.loop import AwakeDeadline
 from starling.node.rpc import Refusal, Refuser, Reply, refusal
 
@@ -61,7 +61,6 @@ log = logging.getLogger("starling.collectives.reduce")
 SUFFIX = ".heard"  # a reducer's asks for averages travel on its topic with this suffix
 FANOUT = 3  # members asked at once for the averages a member missed
 ASKS_PER_ROUND = 2  # asks one member may make of another per round
-_KEEP_ASKERS = 1 << 14  # (member, round) budgets remembered, the oldest forgotten first
 
 Key = tuple[int, bytes, int, int, str]  # (round, view, shard, chunk, owner)
 
@@ -86,7 +85,7 @@ class SecondHand:
         self.keep_s, self.max_bytes = keep_s, max_bytes
         self._kept: OrderedDict[Key, _Heard] = OrderedDict()
         self._bytes = 0
-        self._asked: dict[tuple[str, int], int] = {}  # (member, round) -> its asks answered
+        self._asked = AskBudget(ASKS_PER_ROUND)  # asks answered per (member, round)
         node.on(topic + SUFFIX, self._serve)
 
     # ------------------------------------------------------------------ what this member heard
@@ -212,12 +211,8 @@ class SecondHand:
         chunks = sum(len(chunks) for chunks, _ in self.placement.shards(members, ask.round))
         if len(ask.wants) > chunks:
             return self._refuse(Refusal.MALFORMED, f"round {ask.round} has {chunks} chunks, not {len(ask.wants)}")
-        asked = (msg.sender, ask.round)
-        if self._asked.get(asked, 0) >= ASKS_PER_ROUND:
+        if not self._asked.take(msg.sender, ask.round):
             return self._refuse(Refusal.BUSY, f"at most {ASKS_PER_ROUND} asks for round {ask.round}'s averages")
-        self._asked[asked] = self._asked.get(asked, 0) + 1
-        while len(self._asked) > _KEEP_ASKERS:
-            self._asked.pop(next(iter(self._asked)))
         self._expire()
         rows, buffers = [], []
         for i, c, owner in dict.fromkeys(ask.wants):  # each chunk once, however often it is named
