@@ -50,3 +50,7 @@ class AskBudget:
         while len(self._asked) > self.kept:
             self._asked.pop(next(iter(self._asked)))
         return True
+
+    def clear(self) -> None:
+        """Forget every count."""
+        self._asked.clear()
