@@ -296,8 +296,8 @@ class Transport(DealerCache):
         for monitor in self._monitors.values():
             monitor.close(0)
         self._monitors.clear()
-        if self._router is not None:
-            self._router.close(0)
+        if self._router is not None:  # replies still queued go out too, within the same linger
+            self._router.close(linger)
         self._dealers.clear()
         self._routes.clear()
         self._attached.clear()
