@@ -27,10 +27,10 @@ from starling.collectives.compact import view_digest
 from starling.collectives.contributions import Contributions, SignedPart
 from starling.collectives.outcome import ReduceTimeouts
 from starling.collectives.placement import Placement
-from starling.collectives.requests import AskBudget, request_patiently
+from starling.collectives.requests import AskBudget, asking_member, request_patiently
 from starling.collectives.retention import KeptPart, Retention
 from starling.node.loop import AwakeDeadline
-from starling.node.rpc import Refusal, Refuser, Reply, refusal
+from starling.node.rpc import Refusal, Refuser, Reply
 
 if TYPE_CHECKING:
     from starling.node import Node
@@ -106,11 +106,9 @@ class Gathering:
             ask = KeptAsk.from_wire(msg.body)
         except BodyError as exc:
             return self._refuse(Refusal.MALFORMED, str(exc))
-        members = self._resolve_view(ask.view)
-        if members is None:
-            return refusal(Refusal.NOT_FOUND, "no member list of that digest here")
-        if msg.sender not in members:
-            return self._refuse(Refusal.MALFORMED, "only the round's members gather its parts")
+        members = asking_member(msg.sender, ask.view, self._resolve_view, self._refuse, "gather its parts")
+        if isinstance(members, dict):  # refused
+            return members
         if not self._asked.take(msg.sender, ask.round):
             return self._refuse(Refusal.BUSY, f"at most {GATHERS_PER_ROUND} gathers of round {ask.round} per member")
         rows, buffers = [], []

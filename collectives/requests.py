@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from starling.node.loop import AwakeDeadline
-from starling.node.rpc import NoHandlerError, NoSocketError, RequestTimeout
+from starling.node.rpc import NoHandlerError, NoSocketError, Refusal, Refuser, RequestTimeout, refusal
 
 if TYPE_CHECKING:
     from starling.node import Node
@@ -54,3 +54,16 @@ class AskBudget:
     def clear(self) -> None:
         """Forget every count."""
         self._asked.clear()
+
+
+def asking_member(sender: str, view: bytes, resolve_view: Callable[[bytes], tuple[str, ...] | None],
+                  refuse: Refuser, what: str) -> tuple[str, ...] | dict[str, Any]:
+    """The member list an ask about a round names (by digest), if `sender` is on it; else the
+    refusal to answer (a dict). A list unknown here is no one's fault (views change); an asker
+    not on it is bad input, counted. `what`: what only members may do."""
+    members = resolve_view(view)
+    if members is None:
+        return refusal(Refusal.NOT_FOUND, "no member list of that digest here")
+    if sender not in members:
+        return refuse(Refusal.MALFORMED, f"only the round's members {what}")
+    return members

@@ -44,9 +44,9 @@ from typing import TYPE_CHECKING, Any
 from starling.collectives.bodies import Average, BodyError, HeardAsk, HeardRow, Refused, heard_rows
 from starling.collectives.codec import packet_from_wire
 from starling.collectives.outcome import ShardResult
-from starling.collectives.requests import AskBudget, request_patiently
+from starling.collectives.requests import AskBudget, asking_member, request_patiently
 from starling.node.loop import AwakeDeadline
-from starling.node.rpc import Refusal, Refuser, Reply, refusal
+from starling.node.rpc import Refusal, Refuser, Reply
 
 if TYPE_CHECKING:
     from starling.collectives.contributions import Contributions
@@ -203,11 +203,9 @@ class SecondHand:
             ask = HeardAsk.from_wire(msg.body)
         except BodyError as exc:
             return self._refuse(Refusal.MALFORMED, str(exc))
-        members = self._resolve_view(ask.view)
-        if members is None:
-            return refusal(Refusal.NOT_FOUND, "no member list of that digest here")
-        if msg.sender not in members:
-            return self._refuse(Refusal.MALFORMED, "only the round's members ask for its averages")
+        members = asking_member(msg.sender, ask.view, self._resolve_view, self._refuse, "ask for its averages")
+        if isinstance(members, dict):  # refused
+            return members
         chunks = sum(len(chunks) for chunks, _ in self.placement.shards(members, ask.round))
         if len(ask.wants) > chunks:
             return self._refuse(Refusal.MALFORMED, f"round {ask.round} has {chunks} chunks, not {len(ask.wants)}")
