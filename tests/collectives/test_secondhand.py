@@ -118,3 +118,30 @@ def test_asks_that_are_malformed_from_strangers_or_over_budget_are_refused_and_c
     assert refusal_of(ask(b, HeardAsk(1, view, ((0, 0, a.peer_id),)).to_wire())) is Refusal.BUSY
     assert a.stats.rejected["test.heard.malformed"] == 3 and a.stats.rejected["test.heard.busy"] == 1
     assert reducers[0].secondhand.kept_bytes == 0
+
+
+def test_what_a_member_keeps_is_bounded_in_bytes_and_in_time(make_node):
+    """The averages a member keeps for others never pass `max_bytes` (the oldest go first), and
+    none is kept past `keep_s`."""
+    import time
+
+    from starling.collectives.bodies import Average
+    from starling.compressors import from_spec
+
+    (node,) = swarm(make_node, 1)
+    reducer = ShardedReducer(node, "test.kept", NUMEL, timeouts=TIMEOUTS)
+    heard = reducer.secondhand
+    assert heard.max_bytes == 8 * NUMEL  # two float32 vectors
+    packet = from_spec("none").encode(torch.ones(NUMEL // 4))  # a quarter of a vector: 40 bytes
+    view = view_digest((node.peer_id,))
+    for c in range(10):
+        heard.keep(1, view, 0, c, "owner", Average(packet.header, ()), packet)
+        assert heard.kept_bytes <= heard.max_bytes
+    assert heard.kept_bytes == heard.max_bytes and len(heard._kept) == 8
+    assert (1, view, 0, 0, "owner") not in heard._kept and (1, view, 0, 9, "owner") in heard._kept
+    brief = ShardedReducer(node, "test.brief", NUMEL, timeouts=TIMEOUTS).secondhand
+    brief.keep_s = 0.05
+    brief.keep(1, view, 0, 0, "owner", Average(packet.header, ()), packet)
+    time.sleep(0.1)
+    brief.keep(2, view, 0, 0, "owner", Average(packet.header, ()), packet)
+    assert list(brief._kept) == [(2, view, 0, 0, "owner")] and brief.kept_bytes == 40  # the first expired
