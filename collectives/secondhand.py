@@ -163,7 +163,7 @@ class SecondHand:
             return {}
         shards = self.placement.shards(members, t)
         out: dict[tuple[int, int, str], ShardResult] = {}
-        at = 0
+        at = bad = 0
         for row in rows:
             frames = msg.payload[at:at + row.frames]
             at += row.frames
@@ -171,12 +171,13 @@ class SecondHand:
             # each chunk asked for verified once: rows beyond that cost a signature check each
             result = (self._verified(t, view, members, shards, row, frames)
                       if key in wanted and key not in out else None)
-            if result is None:  # an honest member keeps only averages that verified
-                self.node.trust.note(member, "bad_signature")
-                self._refuse.count("bad_heard_average", f"round {t} shard {row.shard} chunk {row.chunk} "
-                                   f"of {row.owner} from {member}")
+            if result is None:
+                bad += 1
                 continue
             out[key] = result
+        if bad:  # an honest member keeps only averages that verified, and sends what was asked, once
+            self.node.trust.note(member, "bad_signature")
+            self._refuse.count("bad_heard_average", f"round {t}: {bad} of {len(rows)} averages from {member}")
         return out
 
     def _verified(self, t: int, view: bytes, members: tuple[str, ...], shards: Any, row: HeardRow,
