@@ -69,6 +69,7 @@ import torch
 
 from starling.collectives.staging import HostStaging, to_device
 from starling.compressors import Packet, decode, from_spec, registered_codecs
+from starling.compressors.fused import Fused
 from starling.node.swim import Liveness
 from starling.runtime import SimConfig, SimResult, Simulation
 from starling.runtime.summary import busy_share
@@ -78,6 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import diloco  # (benchmarks/diloco.py: the sparse run's codec, outer loop and targets)
 from step_compare import alternate, plain_step  # benchmarks/step_compare.py
 
+SPARSE_RUNS = ("allreduce", "int4", "sparse")
 SECTIONS = ("device", "codecs", "staging", "simulate", "state_device", "gpt", "sparse", "shards")
 SEED = 1  # every codec's seed: stochastic rounding, random-k and the sketches draw the same on each device
 TRACEBACK_CHARS = 1500
@@ -166,6 +168,7 @@ class Plan:
     sparse_fragments: int = 4
     sparse_lr: float = 1e-3
     sparse_budget_s: float = 150.0  # per run
+    sparse_runs: tuple[str, ...] = SPARSE_RUNS
     # shards: FSDP2 on the device (one rank: the only group one GPU can hold), Starling's step
     # with every rank syncing its own shard against plain FSDP2's
     shard_options: dict[str, Any] = field(default_factory=lambda: {"n_layer": 6, "n_embd": 512, "batch_size": 16})
@@ -316,7 +319,9 @@ def codec_rows_in(x_cpu: torch.Tensor, device: torch.device, plan: Plan, deadlin
 
 def measure_codec(spec: str, x: torch.Tensor, device: torch.device, repeat: int) -> dict[str, Any]:
     codec = from_spec(spec)
-    packet = codec.encode(x, seed=SEED)  # the warm-up, and the packet whose decode is timed
+    before = Fused.report()["compiled_calls"]
+    packet = codec.encode(x, seed=SEED)  # the warm-up (and any compiling), and the packet whose decode is timed
+    kernels = Fused.report()
     codec.decode(packet)
     target = torch.empty_like(x)
     copy_s = max(best_time(lambda: target.copy_(x), device, repeat), 1e-9)
@@ -330,6 +335,8 @@ def measure_codec(spec: str, x: torch.Tensor, device: torch.device, repeat: int)
             "copy_s": sig(copy_s), "encode_s": sig(encode_s), "decode_s": sig(decode_s),
             "encode_over_copy": sig(encode_s / copy_s), "decode_over_copy": sig(decode_s / copy_s),
             "encode_gbps": sig(in_bytes / encode_s / 1e9), "decode_gbps": sig(in_bytes / decode_s / 1e9),
+            "fused_kernel": kernels["compiled_calls"] > before,
+            **({"kernel_failures": kernels["failures"]} if kernels["failures"] else {}),
             **({} if peak is None else {"encode_peak_extra_mb": round(peak / 2**20, 1)})}
 
 
@@ -623,10 +630,12 @@ def sparse_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
     steps, sync_every = plan.sparse_steps, plan.sparse_sync_every
     streaming = {"lr": plan.sparse_lr, "sync_every": sync_every, "fragments": plan.sparse_fragments,
                  "overlap_steps": 2, "alpha": 0.5, "outer_lr": 0.7, "outer_momentum": 0.9, "compressor": "int4"}
-    runs = (("allreduce", "allreduce", {"optimizer": "adamw", "lr": plan.sparse_lr}),
-            ("int4", "streaming-diloco", streaming),
-            ("sparse", "streaming-diloco", {**streaming, **diloco.SPARSE_OUTER, "compressor": diloco.SPARSE_SPEC}))
-    measured: dict[str, dict[str, Any]] = {}
+    runs = [run for run in (
+        ("allreduce", "allreduce", {"optimizer": "adamw", "lr": plan.sparse_lr}),
+        ("int4", "streaming-diloco", streaming),
+        ("sparse", "streaming-diloco", {**streaming, **diloco.SPARSE_OUTER, "compressor": diloco.SPARSE_SPEC}),
+    ) if run[0] in plan.sparse_runs]
+    measured: dict[str, dict[str, Any]] = {label: {} for label in SPARSE_RUNS}
     for label, protocol, options in runs:
         what = {"run": label, "protocol": protocol, "parameters": parameters, "device": str(device)}
 
@@ -644,16 +653,21 @@ def sparse_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
         measured[label] = row
         yield row
     base, int4, mine = measured["allreduce"], measured["int4"], measured["sparse"]
-    if base.get("ok") and int4.get("ok") and mine.get("ok"):
-        loss = {label: row["eval_loss_mean"] for label, row in measured.items()}
-        gap, gap_int4 = loss["sparse"] / loss["allreduce"] - 1.0, loss["sparse"] / loss["int4"] - 1.0
+    if not mine.get("ok"):
+        return
+    compare: dict[str, Any] = {"section": "sparse", "compare": "sparse/" + "/".join(
+        label for label in ("allreduce", "int4") if measured[label].get("ok")), "parameters": parameters,
+        "steps": steps, "bits_per_param_per_sync": mine["bits_per_param_per_sync"],
+        "bits_met": mine["bits_per_param_per_sync"] <= diloco.SPARSE_BITS_TARGET}
+    if int4.get("ok"):
+        gap_int4 = mine["eval_loss_mean"] / int4["eval_loss_mean"] - 1.0
+        compare.update(loss_gap_int4=sig(gap_int4), int4_loss_met=gap_int4 <= diloco.SPARSE_INT4_LOSS_TARGET)
+    if base.get("ok"):
+        gap = mine["eval_loss_mean"] / base["eval_loss_mean"] - 1.0
         ratio = base["bytes_sent_per_peer"] / max(1, mine["bytes_sent_per_peer"])
-        yield {"section": "sparse", "compare": "sparse/allreduce/int4", "parameters": parameters, "steps": steps,
-               "loss_gap_allreduce": sig(gap), "loss_gap_int4": sig(gap_int4), "bytes_ratio_allreduce": sig(ratio),
-               "bits_per_param_per_sync": mine["bits_per_param_per_sync"],
-               "bits_met": mine["bits_per_param_per_sync"] <= diloco.SPARSE_BITS_TARGET,
-               "int4_loss_met": gap_int4 <= diloco.SPARSE_INT4_LOSS_TARGET,
-               "bytes_met": ratio >= diloco.SPARSE_BYTES_TARGET, "loss_met": gap <= diloco.LOSS_TARGET}
+        compare.update(loss_gap_allreduce=sig(gap), bytes_ratio_allreduce=sig(ratio),
+                       loss_met=gap <= diloco.LOSS_TARGET, bytes_met=ratio >= diloco.SPARSE_BYTES_TARGET)
+    yield compare
 
 
 def shard_rows(device: torch.device, plan: Plan) -> Iterator[dict[str, Any]]:
@@ -728,11 +742,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--write-tokenizer", metavar="FOLDER",
                         help="train the gpt section's BPE into FOLDER/tokenizer.json, print its path and exit")
     parser.add_argument("--sparse-steps", type=int, help="steps of each sparse run (default 2000; quick 8)")
+    parser.add_argument("--sparse-runs", default=",".join(SPARSE_RUNS),
+                        help=f"comma-separated runs of the sparse section, of {', '.join(SPARSE_RUNS)}")
+    parser.add_argument("--sparse-budget-s", type=float, help="seconds each sparse run may take (default 150)")
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown section {unknown[0]!r}; choose from {', '.join(SECTIONS)}")
+    args.sparse_runs = tuple(r.strip() for r in args.sparse_runs.split(",") if r.strip())
+    if not args.sparse_runs or any(r not in SPARSE_RUNS for r in args.sparse_runs):
+        parser.error(f"--sparse-runs takes some of {', '.join(SPARSE_RUNS)}, got {','.join(args.sparse_runs)!r}")
+    if args.sparse_budget_s is not None and not args.sparse_budget_s > 0:
+        parser.error("--sparse-budget-s must be > 0")
     for name in ("elements", "check_elements", "steps", "gpt_steps", "sparse_steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -742,7 +764,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def plan_of(args: argparse.Namespace) -> Plan:
     plan = Plan.quick() if args.quick else Plan()
     given = {name: getattr(args, name) for name in ("elements", "check_elements", "steps", "codec_budget_s",
-                                                    "gpt_steps", "sparse_steps", "gpt_tokenizer")
+                                                    "gpt_steps", "sparse_steps", "gpt_tokenizer", "sparse_runs",
+                                                    "sparse_budget_s")
              if getattr(args, name) is not None}
     plan = replace(plan, **given)
     return replace(plan, check_elements=min(plan.check_elements, plan.elements),

@@ -37,6 +37,7 @@ from .base import (
     fresh_seed,
     view_as,
 )
+from .fused import Fused
 from .registry import register
 
 _CHUNK_ELEMS = 1 << 20  # 4 MiB of float32 per chunk: few ops, temporaries near the caches
@@ -71,6 +72,7 @@ class _BlockQuantizer(Compressor):
     n_buffers = 2
     stage_lossless = stage_zero_copy = False  # codes of 1 to 8 bits round every value
     bits: ClassVar[int]
+    fused: ClassVar[bool] = False  # has ``_codes_fused``: one compiled kernel on accelerators
     default_block: ClassVar[int] = 256
     has_stochastic: ClassVar[bool] = True
 
@@ -108,13 +110,44 @@ class _BlockQuantizer(Compressor):
 
     # Encode ------------------------------------------------------------------------------
 
+    def _codes_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block scales (float32) and code bytes (uint8) of ``x`` (blocks, block), any float dtype,
+        rounded to nearest, in one kernel (``fused.Fused``): the accelerator path of codecs whose
+        ``fused`` is set. The same bytes as ``_quantize``."""
+        raise NotImplementedError
+
     def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], seed: int | None, name: str | None) -> Encoded:
-        n, block, device = flat.numel(), self.block, flat.device
-        full = n // block
-        tail = n - full * block
-        scales = torch.empty(full + (1 if tail else 0), dtype=torch.float32, device=device)
-        codes = torch.empty(self.code_bytes(n), dtype=torch.uint8, device=device)
+        block, device = self.block, flat.device
+        full = flat.numel() // block
         noise_seed = (fresh_seed() if seed is None else seed) if self.stochastic else None
+        # Stochastic rounding stays on the loop: compiled for CUDA, ``x * inv + noise`` came out
+        # different from the CPU's in a few codes in a million (one rounding where eager has two).
+        if self.fused and noise_seed is None and device.type != "cpu" and full:
+            scales, codes = self._encode_whole(flat, full)
+        else:
+            scales, codes = self._encode_chunks(flat, full, noise_seed)
+        if scales.numel() and not bool(torch.isfinite(scales).all()):
+            raise NonFiniteError(f"{self.codec}: input holds NaN or Inf (or exceeds float32 range)")
+        fields = {"block": block}
+        fields.update(self._fields())
+        return Encoded(fields, (as_bytes(scales), codes))
+
+    def _encode_whole(self, flat: torch.Tensor, full: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales and codes of every block, the full ones in one fused kernel (accelerators)."""
+        n, block = flat.numel(), self.block
+        scales, codes = self._codes_fused(flat[: full * block].view(full, block))
+        if n > full * block:
+            tail_scale, tail_codes = self._encode_tail(flat, full, None)
+            scales = torch.cat((scales, tail_scale))
+            codes = torch.cat((codes, tail_codes[: self.code_bytes(n) - codes.numel()]))
+        return scales, codes
+
+    def _encode_chunks(self, flat: torch.Tensor, full: int,
+                       noise_seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales and codes of every block, the full ones chunk by chunk in place (the CPU's path)."""
+        n, block, device = flat.numel(), self.block, flat.device
+        scales = torch.empty(full + (1 if n > full * block else 0), dtype=torch.float32, device=device)
+        codes = torch.empty(self.code_bytes(n), dtype=torch.uint8, device=device)
         per_chunk = max(8, chunk_elems(device, _CHUNK_ELEMS) // block // 8 * 8)  # keeps chunk starts byte-aligned
         work = torch.empty(min(per_chunk, max(full, 1)) * block, dtype=torch.float32, device=device)
         for b0 in range(0, full, per_chunk):
@@ -124,23 +157,28 @@ class _BlockQuantizer(Compressor):
             byte0 = b0 * block * self.bits // 8
             byte1 = b1 * block * self.bits // 8
             self._quantize(x, scales[b0:b1], codes[byte0:byte1], work[: x.numel()].view_as(x), noise, block)
-        if tail:
-            width = (tail + 7) // 8 * 8
-            x = torch.zeros(1, width, dtype=torch.float32, device=device)
-            x[0, :tail] = flat[full * block :]
-            noise = None
-            if noise_seed is not None:
-                noise = torch.zeros(width, dtype=torch.float32, device=device)
-                noise[:tail] = rng.uniform(noise_seed, tail, device, offset=full * block)
-            tail_codes = torch.empty(self.code_bytes(width), dtype=torch.uint8, device=device)
-            self._quantize(x, scales[full:], tail_codes, torch.empty_like(x), noise, tail)
+        if n > full * block:
+            tail_scale, tail_codes = self._encode_tail(flat, full, noise_seed)
+            scales[full:] = tail_scale
             byte0 = full * block * self.bits // 8
             codes[byte0:] = tail_codes[: codes.numel() - byte0]
-        if scales.numel() and not bool(torch.isfinite(scales).all()):
-            raise NonFiniteError(f"{self.codec}: input holds NaN or Inf (or exceeds float32 range)")
-        fields = {"block": block}
-        fields.update(self._fields())
-        return Encoded(fields, (as_bytes(scales), codes))
+        return scales, codes
+
+    def _encode_tail(self, flat: torch.Tensor, full: int,
+                     noise_seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last, short block, zero-padded to whole bytes: its scale and its codes."""
+        device, tail = flat.device, flat.numel() - full * self.block
+        width = (tail + 7) // 8 * 8
+        x = torch.zeros(1, width, dtype=torch.float32, device=device)
+        x[0, :tail] = flat[full * self.block :]
+        noise = None
+        if noise_seed is not None:
+            noise = torch.zeros(width, dtype=torch.float32, device=device)
+            noise[:tail] = rng.uniform(noise_seed, tail, device, offset=full * self.block)
+        scale = torch.empty(1, dtype=torch.float32, device=device)
+        tail_codes = torch.empty(self.code_bytes(width), dtype=torch.uint8, device=device)
+        self._quantize(x, scale, tail_codes, torch.empty_like(x), noise, tail)
+        return scale, tail_codes
 
     # Decode ------------------------------------------------------------------------------
 
@@ -202,6 +240,45 @@ class _Integer(_BlockQuantizer):
 
 
 
+def _one_over(absmax: torch.Tensor) -> torch.Tensor:
+    """``absmax.reciprocal()`` as eager torch rounds it. Compiled for CUDA, ``reciprocal`` (and
+    ``1.0 / t``, which torch turns into it) is Triton's approximate one, while a division is
+    rounded exactly (``fused``); one ulp off moves a value across a rounding boundary now and then."""
+    return torch.ones_like(absmax).div(absmax)
+
+
+def _pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The even and the odd values of each block, as float32 (blocks, block / 2): the high and
+    low nibbles of a packed byte. Computing on the halves keeps a 4-bit codec one kernel: its
+    output has the reduction's shape, so the compiler fuses the block max with the packing."""
+    pairs = x.to(torch.float32).view(x.shape[0], -1, 2)
+    return pairs[..., 0], pairs[..., 1]
+
+
+def _pairs_absmax(even: torch.Tensor, odd: torch.Tensor, top: float) -> torch.Tensor:
+    """``_absmax`` of the blocks whose halves these are (a maximum is exact in any order)."""
+    absmax = torch.maximum(torch.maximum(even, odd).amax(1), torch.minimum(even, odd).amin(1).neg())
+    return absmax.clamp(min=2.0 * top / _F32_MAX)
+
+
+@Fused
+def _int8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.to(torch.float32)
+    absmax = _absmax(x, 127)
+    q = torch.mul(x, _one_over(absmax).mul(127).unsqueeze(1)).round().to(torch.int8)
+    return absmax * (1.0 / 127), q.view(torch.uint8).view(-1)
+
+
+@Fused
+def _int4_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    even, odd = _pairs(x)
+    absmax = _pairs_absmax(even, odd, 7)
+    inv = _one_over(absmax).mul(7).unsqueeze(1)
+    high = torch.mul(even, inv).round().to(torch.int8).view(torch.uint8).bitwise_and(0x0F)  # two's complement
+    low = torch.mul(odd, inv).round().to(torch.int8).view(torch.uint8).bitwise_and(0x0F)
+    return absmax * (1.0 / 7), high.bitwise_left_shift(4).bitwise_or(low).view(-1)
+
+
 @register
 class Int8(_Integer):
     codec = "int8"
@@ -209,6 +286,10 @@ class Int8(_Integer):
     qmax = 127
     default_block = 256
     params = (Param("block", _parse_block, 256), Param("stochastic", parse_bool, False, fmt=_fmt_bool))
+    fused = True
+
+    def _codes_fused(self, x):
+        return _int8_codes(x)
 
     def _quantize(self, x, scales, codes, work, noise, count) -> None:
         y = self._scaled(x, scales, work, noise)
@@ -227,6 +308,10 @@ class Int4(_Integer):
     qmax = 7
     default_block = 64
     params = (Param("block", _parse_block, 64), Param("stochastic", parse_bool, False, fmt=_fmt_bool))
+    fused = True
+
+    def _codes_fused(self, x):
+        return _int4_codes(x)
 
     def _quantize(self, x, scales, codes, work, noise, count) -> None:
         y = self._scaled(x, scales, work, noise)
@@ -293,11 +378,16 @@ class FP4(_BlockQuantizer):
         super().__init__(block, stochastic, inner)
         self.format = _parse_fp4_format(format)
 
+    fused = True
+
     def _fields(self) -> dict[str, Any]:
         return {"format": self.format}
 
     def _check_fields(self, h: Header) -> None:
         h.str("format", _FP4_FORMATS)
+
+    def _codes_fused(self, x):
+        return (_fp4_e2m1_codes if self.format == "e2m1" else _fp4_e3m0_codes)(x)
 
     def _quantize(self, x, scales, codes, work, noise, count) -> None:
         absmax = _absmax(x, 1.0)
@@ -343,6 +433,29 @@ class FP4(_BlockQuantizer):
         torch.mul(lut[nibbles.to(torch.int64)].view(out.shape), scales.unsqueeze(1), out=out)
 
 
+def _fp4_codes(x: torch.Tensor, magnitude) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FP4._quantize``'s arithmetic as a function: the block absmax and the packed nibbles."""
+    even, odd = _pairs(x)
+    absmax = _pairs_absmax(even, odd, 1.0)
+    inv = _one_over(absmax).unsqueeze(1)
+
+    def nibble(half: torch.Tensor) -> torch.Tensor:
+        mag = magnitude(torch.mul(half, inv).abs(), None)
+        return mag.bitwise_or((half < 0).to(torch.uint8).bitwise_left_shift(3))
+
+    return absmax, nibble(even).bitwise_left_shift(4).bitwise_or(nibble(odd)).view(-1)
+
+
+@Fused
+def _fp4_e2m1_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fp4_codes(x, FP4._e2m1)
+
+
+@Fused
+def _fp4_e3m0_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fp4_codes(x, FP4._e3m0)
+
+
 _FP8_FORMATS: dict[str, torch.dtype] = {}
 if hasattr(torch, "float8_e4m3fn"):
     _FP8_FORMATS["e4m3"] = torch.float8_e4m3fn
@@ -367,6 +480,7 @@ class FP8(_BlockQuantizer):
     bits = 8
     default_block = 256
     has_stochastic = False
+    fused = True
     params = (Param("format", _parse_fp8_format, "e4m3", positional=True), Param("block", _parse_block, 256))
 
     def __init__(self, format: str = "e4m3", block: int | None = None, inner: Compressor | None = None) -> None:
@@ -378,6 +492,9 @@ class FP8(_BlockQuantizer):
 
     def _check_fields(self, h: Header) -> None:
         h.str("format", tuple(_FP8_FORMATS))
+
+    def _codes_fused(self, x):
+        return _fp8_codes(x, _FP8_FORMATS[self.format])
 
     def _quantize(self, x, scales, codes, work, noise, count) -> None:
         dtype = _FP8_FORMATS[self.format]
@@ -391,6 +508,16 @@ class FP8(_BlockQuantizer):
     def _dequantize(self, codes, scales, out, h) -> None:
         dtype = _FP8_FORMATS[h.str("format", tuple(_FP8_FORMATS))]
         out.copy_(codes.view(dtype).view(out.shape)).mul_(scales.unsqueeze(1))
+
+
+@Fused
+def _fp8_codes(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FP8._quantize``'s arithmetic as a function: float32 scales and the fp8 code bytes."""
+    x = x.to(torch.float32)
+    fmax = torch.finfo(dtype).max
+    absmax = _absmax(x, fmax)
+    y = torch.mul(x, _one_over(absmax).mul(fmax).unsqueeze(1)).clamp(-fmax, fmax)
+    return absmax * (1.0 / fmax), y.to(dtype).view(torch.uint8).view(-1)
 
 
 if _FP8_FORMATS:

@@ -32,6 +32,7 @@ def test_a_quick_cpu_run_prints_every_section_without_errors(capsys):
     assert {(r["codec"], r["dtype"]) for r in codecs} == {(spec, dtype) for spec, *_ in bench.CODECS
                                                            for dtype in ("float32", "bfloat16")}
     assert all(r["encode_over_copy"] > 0 and r["decode_over_copy"] > 0 and r["ok"] for r in codecs)
+    assert not any(r["fused_kernel"] for r in codecs)  # the CPU keeps its eager loops
     assert next(r for r in rows if "missing_from_bench" in r)["missing_from_bench"] == []
     lossless = [r for r in codecs if r["lossless"]]
     assert lossless and all(r["rel_l2"] == 0.0 and r["decoded_equal_cpu"] for r in lossless)
@@ -91,8 +92,20 @@ def test_cuda_without_cuda_is_an_error_row_per_section(capsys):
     assert all("no CUDA device" in r["error"] for r in bad)
 
 
+def test_the_sparse_run_alone_is_compared_with_what_ran_beside_it(capsys):
+    bench = load_bench()
+    assert bench.main(["--device", "cpu", "--quick", "--only", "sparse", "--sparse-runs", "int4,sparse"]) == 0
+    sparse = [r for r in rows_of(capsys) if r.get("section") == "sparse"]
+    assert [r["run"] for r in sparse if "run" in r] == ["int4", "sparse"]
+    verdict = next(r for r in sparse if "compare" in r)
+    assert verdict["compare"] == "sparse/int4" and {"loss_gap_int4", "int4_loss_met", "bits_met"} <= set(verdict)
+    assert "loss_gap_allreduce" not in verdict and "bytes_met" not in verdict
+
+
 @pytest.mark.parametrize("argv, message", [(["--only", "device,speed"], "unknown section 'speed'"),
-                                           (["--elements", "0"], "--elements must be >= 1")])
+                                           (["--elements", "0"], "--elements must be >= 1"),
+                                           (["--sparse-runs", "sparse,dense"], "--sparse-runs takes some of"),
+                                           (["--sparse-budget-s", "0"], "--sparse-budget-s must be > 0")])
 def test_bad_arguments_are_refused_before_any_run(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         load_bench().main(argv)

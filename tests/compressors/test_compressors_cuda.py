@@ -66,3 +66,24 @@ def test_large_tensor_on_cuda() -> None:
     k = int(0.001 * x.numel()) + 1
     y = from_spec("topk:0.001").decode(from_spec("topk:0.001").encode(x))
     assert float(y.pow(2).sum() / torch.topk(x.abs(), k).values.pow(2).sum()) > 0.9
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "fp4", "fp4:e3m0", "fp8", "fp8:e5m2", "int8:stochastic=true",
+                                  "int4:stochastic=true", "fp4:stochastic=true", "fp4:e3m0,stochastic=true"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_block_kernels_write_the_cpus_bytes(spec: str, dtype: torch.dtype) -> None:
+    from starling.compressors.fused import Fused
+
+    x = torch.randn(64 * 1000 + 37, generator=torch.Generator().manual_seed(4))  # a short last block too
+    x[:256] = 0.0
+    x[256:512] *= 1e-38
+    x = x.to(dtype)
+    c = from_spec(spec)
+    before = Fused.report()["compiled_calls"]
+    cpu, gpu = c.encode(x, seed=9), c.encode(x.cuda(), seed=9)
+    report = Fused.report()
+    assert not report["failures"], report
+    # stochastic rounding stays on the eager loop, where its codes are the CPU's
+    assert (report["compiled_calls"] > before) == (not c.stochastic)
+    assert cpu.header == gpu.header
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu.buffers, gpu.buffers, strict=True))
