@@ -122,7 +122,7 @@ class _BlockQuantizer(Compressor):
         noise_seed = (fresh_seed() if seed is None else seed) if self.stochastic else None
         # Stochastic rounding stays on the loop: compiled for CUDA, ``x * inv + noise`` came out
         # different from the CPU's in a few codes in a million (one rounding where eager has two).
-        if self.fused and noise_seed is None and device.type != "cpu" and full:
+        if self.fused and noise_seed is None and device.type not in Fused.eager_devices and full:
             scales, codes = self._encode_whole(flat, full)
         else:
             scales, codes = self._encode_chunks(flat, full, noise_seed)

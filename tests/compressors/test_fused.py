@@ -48,6 +48,43 @@ def test_the_fused_path_takes_half_precision_input_as_the_loop_does(spec: str) -
         assert torch.equal(a, b)
 
 
+def fake_compile(calls: list[str]):
+    """A stand-in for torch.compile that returns the function, counting its compiled calls."""
+
+    def compile_(fn, **kwargs):
+        assert kwargs["fullgraph"] and kwargs["options"]  # one graph, and division rounded as eager does
+        def compiled(*args):
+            calls.append("compiled")
+            return fn(*args)
+        return compiled
+    return compile_
+
+
+def test_the_first_calls_run_eagerly_while_the_kernel_compiles_in_a_thread(monkeypatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(torch, "compile", fake_compile(calls))
+    fused = Fused(lambda x: x + 1)
+    x = torch.ones(4, 3, device="meta")  # not the CPU: the compiled path is taken
+    assert fused(x).shape == (4, 3) and fused.compiled_calls == 0
+    Fused.settle(30)
+    assert calls == ["compiled"]  # the compile ran on a two-row sample, in its thread
+    assert fused(x).shape == (4, 3) and fused(torch.ones(9, 3, device="meta")).shape == (9, 3)
+    assert fused.compiled_calls == 2 and calls == ["compiled"] * 3
+    # another dtype or block width is another kernel: eager again until it is compiled
+    fused(torch.ones(4, 5, device="meta"))
+    assert fused.compiled_calls == 2
+    Fused.settle(30)
+    fused(torch.ones(4, 5, device="meta"))
+    assert fused.compiled_calls == 3
+
+
+def test_a_single_block_stays_eager_and_starts_no_compile(monkeypatch) -> None:
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: pytest.fail("compiled a single block"))
+    fused = Fused(lambda x: x + 1)
+    assert fused(torch.ones(1, 3, device="meta")).shape == (1, 3)
+    assert not fused._threads
+
+
 def test_a_kernel_that_fails_to_compile_runs_eagerly_once_warned(monkeypatch, caplog) -> None:
     calls = []
 
@@ -62,11 +99,13 @@ def test_a_kernel_that_fails_to_compile_runs_eagerly_once_warned(monkeypatch, ca
 
     monkeypatch.setattr(torch, "compile", broken_compile)
     fused = Fused(double)
-    meta = torch.ones(3, device="meta")  # not the CPU: the compiled path is tried
+    meta = torch.ones(3, device="meta")
     with caplog.at_level(logging.WARNING, logger="starling.compressors.fused"):
         out = fused(meta)
+        Fused.settle(30)
         fused(meta)
-    assert out.shape == (3,) and fused.compiled_calls == 0
+        fused(torch.ones(3, 2, device="meta"))  # another kind of input tries no compile of its own
+    assert out.shape == (3,) and fused.compiled_calls == 0 and len(fused._threads) == 1
     assert fused.failure == "RuntimeError: no compiler here"
     assert sum("runs eagerly" in r.getMessage() for r in caplog.records) == 1
     assert torch.equal(fused(torch.ones(2)), torch.full((2,), 2.0))
@@ -79,7 +118,8 @@ def test_an_input_the_function_itself_refuses_still_raises_and_keeps_the_compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     fused = Fused(strict)
     with pytest.raises(ValueError, match="bad input"):
-        fused(torch.ones(1, device="meta"))
+        fused(torch.ones(3, device="meta"))
+    Fused.settle(30)
     assert fused.failure is None
 
 
@@ -87,4 +127,27 @@ def test_the_environment_turns_compiling_off(monkeypatch) -> None:
     monkeypatch.setenv(ENV, "0")
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: pytest.fail("compiled with compiling off"))
     fused = Fused(lambda x: x + 1)
-    assert fused(torch.ones(1, device="meta")).shape == (1,)
+    assert fused(torch.ones(3, device="meta")).shape == (3,)
+    assert not fused._threads
+
+
+@pytest.mark.slow
+def test_a_real_compile_in_its_thread_takes_over_with_the_loops_bytes(monkeypatch) -> None:
+    """torch.compile itself (Inductor builds C++ on the CPU, as it builds Triton on a GPU), with
+    the CPU standing in for an accelerator: encodes go on while the kernel compiles, then use it."""
+    monkeypatch.setattr(Fused, "eager_devices", frozenset())
+    x = awkward(256 * 400 + 5)
+    c = from_spec("int8")
+    kernel = next(k for k in Fused.kernels if k.fn.__name__ == "_int8_codes")
+    monkeypatch.setattr(kernel, "_compiled", None)
+    monkeypatch.setattr(kernel, "_ready", {})
+    before = kernel.compiled_calls
+    packets = [c.encode(x, seed=1)]
+    Fused.settle(300)
+    assert kernel.failure is None
+    packets += [c.encode(x, seed=1), c.encode(x[: 256 * 7], seed=1)]  # another count of blocks: no new compile
+    assert kernel.compiled_calls == before + 2
+    monkeypatch.setattr(Fused, "eager_devices", frozenset({"cpu"}))
+    for packet, values in zip(packets, (x, x, x[: 256 * 7]), strict=True):
+        want = c.encode(values, seed=1)
+        assert all(torch.equal(a, b) for a, b in zip(want.buffers, packet.buffers, strict=True))
