@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from conftest import in_parallel, lying, swarm, wait_until
 
@@ -378,6 +379,37 @@ def test_the_suspicion_ledger_accuses_a_member_flagged_two_rounds_in_three_and_n
     assert accused_at == {"x": 1, "w": 6}
     assert ledger.peak["y"] == 2.0 and ledger.peak["z"] == 1.0 and ledger.flags["z"] == 2
     assert ledger.flags["v"] == 0  # slightly away from the median, every round: not flagged
+
+
+def test_members_on_their_own_data_drifting_a_little_away_from_the_median_are_not_accused():
+    """Two members at the edge of a non-IID swarm near its optimum: their cosines with the median
+    fall below zero round after round, while the two in the middle keep near 0.65 (numbers from
+    a fault-harness run, where the old watch banned the edge members)."""
+    ledger = SuspicionLedger(SuspicionConfig())
+    for t in range(80):
+        edge = 0.4 - 0.011 * t  # 0.4 down to -0.47: a little away from the median, ever more
+        ledger.add(t, 1.0, {"a": (edge, 1.0), "b": (edge - 0.03, 1.0), "c": (0.65, 1.0), "d": (0.65, 1.0)})
+        assert ledger.close(t) == []
+    assert ledger.flags["a"] == ledger.flags["b"] == 0
+    # the same cosines in a round whose members agree (the median cosine 0.9) are flagged
+    ledger.add(80, 1.0, {"a": (-0.3, 1.0), "c": (0.9, 1.0), "d": (0.9, 1.0), "e": (0.95, 1.0)})
+    ledger.close(80)
+    assert ledger.flags["a"] == 1
+
+
+def test_a_part_against_the_median_is_flagged_in_any_round():
+    ledger = SuspicionLedger(SuspicionConfig())
+    accused = []
+    for t in range(3):  # half the members against the other half: no coherent round
+        ledger.add(t, 1.0, {"x": (-0.99, 1.0), "y": (-0.99, 1.0), "h1": (0.9, 1.0), "h2": (0.9, 1.0)})
+        accused += ledger.close(t)
+    assert sorted(accused) == ["x", "y"] and ledger.flags["h1"] == 0
+
+
+def test_suspicion_settings_out_of_order_are_refused():
+    for bad in ({"strong": 0.0, "below": -0.1}, {"coherent": 1.5}, {"below": 2.0}):
+        with pytest.raises(ValueError, match="suspicion needs"):
+            SuspicionConfig(**bad)
 
 
 def test_chunk_scores_are_against_the_coordinate_median():
