@@ -48,6 +48,7 @@ class Fused:
 
     kernels: ClassVar[list[Fused]] = []  # every one made, for reports of which ran compiled
     eager_devices: ClassVar[frozenset[str]] = frozenset({"cpu"})  # device types that never compile
+    backend: ClassVar[str] = "inductor"  # torch.compile's backend ("eager" traces without code generation: tests)
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         Fused.kernels.append(self)
@@ -92,7 +93,7 @@ class Fused:
         import torch._dynamo  # noqa: F401
 
         try:
-            options = _eager_division()
+            options = _eager_division() if self.backend == "inductor" else {}
         except RuntimeError as exc:
             self._give_up(exc, sample.device)
             ready.set()
@@ -137,7 +138,10 @@ class Fused:
     def _kernel(self, options: dict[str, bool] | None) -> Callable[..., Any]:
         with self._lock:
             if self._compiled is None:
-                compiled = torch.compile(self.fn, fullgraph=True, options=options or _eager_division())
+                if options is None:
+                    options = _eager_division() if self.backend == "inductor" else {}
+                compiled = torch.compile(self.fn, fullgraph=True, backend=self.backend,
+                                         **({"options": options} if options else {}))
 
                 def kernel(*args: Any) -> Any:
                     # Only the count of blocks varies between calls: a block's width stays a
