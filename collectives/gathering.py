@@ -21,13 +21,13 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from starling.collectives.bodies import BodyError, KeptAsk, KeptRow, Refused, kept_rows
+from starling.collectives.bodies import KeptAsk, KeptRow, Refused, kept_rows
 from starling.collectives.codec import packet_from_wire
 from starling.collectives.compact import view_digest
 from starling.collectives.contributions import Contributions, SignedPart
 from starling.collectives.outcome import ReduceTimeouts
 from starling.collectives.placement import Placement
-from starling.collectives.requests import AskBudget, asking_member, request_patiently
+from starling.collectives.requests import AskBudget, member_ask, request_patiently
 from starling.collectives.retention import KeptPart, Retention
 from starling.node.loop import AwakeDeadline
 from starling.node.rpc import Refusal, Refuser, Reply
@@ -102,13 +102,10 @@ class Gathering:
 
     async def _serve(self, msg: Message) -> Reply | dict[str, Any]:
         """A member asks for the parts one author sent my groups in a round."""
-        try:
-            ask = KeptAsk.from_wire(msg.body)
-        except BodyError as exc:
-            return self._refuse(Refusal.MALFORMED, str(exc))
-        members = asking_member(msg.sender, ask.view, self._resolve_view, self._refuse, "gather its parts")
-        if isinstance(members, dict):  # refused
-            return members
+        asked = member_ask(msg, KeptAsk.from_wire, self._resolve_view, self._refuse, "gather its parts")
+        if isinstance(asked, dict):  # refused
+            return asked
+        ask, _members = asked
         if not self._asked.take(msg.sender, ask.round):
             return self._refuse(Refusal.BUSY, f"at most {GATHERS_PER_ROUND} gathers of round {ask.round} per member")
         rows, buffers = [], []

@@ -5,6 +5,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from starling.collectives.bodies.fields import BodyError
 from starling.node.loop import AwakeDeadline
 from starling.node.rpc import NoHandlerError, NoSocketError, Refusal, Refuser, RequestTimeout, refusal
 
@@ -56,14 +57,19 @@ class AskBudget:
         self._asked.clear()
 
 
-def asking_member(sender: str, view: bytes, resolve_view: Callable[[bytes], tuple[str, ...] | None],
-                  refuse: Refuser, what: str) -> tuple[str, ...] | dict[str, Any]:
-    """The member list an ask about a round names (by digest), if `sender` is on it; else the
-    refusal to answer (a dict). A list unknown here is no one's fault (views change); an asker
-    not on it is bad input, counted. `what`: what only members may do."""
-    members = resolve_view(view)
+def member_ask(msg: Message, parse: Callable[[Any], Any], resolve_view: Callable[[bytes], tuple[str, ...] | None],
+               refuse: Refuser, what: str) -> tuple[Any, tuple[str, ...]] | dict[str, Any]:
+    """An ask about a round, parsed by `parse` (a body's `from_wire`, which names the round's
+    member list by digest in `view`), and that list, if the sender is on it; else the refusal to
+    answer (a dict). A malformed body or an asker not on the list is bad input, counted; a list
+    unknown here is no one's fault (views change). `what`: what only members may do."""
+    try:
+        ask = parse(msg.body)
+    except BodyError as exc:
+        return refuse(Refusal.MALFORMED, str(exc))
+    members = resolve_view(ask.view)
     if members is None:
         return refusal(Refusal.NOT_FOUND, "no member list of that digest here")
-    if sender not in members:
+    if msg.sender not in members:
         return refuse(Refusal.MALFORMED, f"only the round's members {what}")
-    return members
+    return ask, members

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from starling.collectives.bodies import Average, BodyError, HeardAsk, HeardRow, Refused, heard_rows
 from starling.collectives.codec import packet_from_wire
 from starling.collectives.outcome import ShardResult
-from starling.collectives.requests import AskBudget, asking_member, request_patiently
+from starling.collectives.requests import AskBudget, member_ask, request_patiently
 from starling.node.loop import AwakeDeadline
 from starling.node.rpc import Refusal, Refuser, Reply
 
@@ -202,13 +202,10 @@ class SecondHand:
     # ------------------------------------------------------------------ asked
     async def _serve(self, msg: Message) -> Reply | dict[str, Any]:
         """A member of a round asks for the averages of some of its chunks that I received."""
-        try:
-            ask = HeardAsk.from_wire(msg.body)
-        except BodyError as exc:
-            return self._refuse(Refusal.MALFORMED, str(exc))
-        members = asking_member(msg.sender, ask.view, self._resolve_view, self._refuse, "ask for its averages")
-        if isinstance(members, dict):  # refused
-            return members
+        asked = member_ask(msg, HeardAsk.from_wire, self._resolve_view, self._refuse, "ask for its averages")
+        if isinstance(asked, dict):  # refused
+            return asked
+        ask, members = asked
         chunks = sum(len(chunks) for chunks, _ in self.placement.shards(members, ask.round))
         if len(ask.wants) > chunks:
             return self._refuse(Refusal.MALFORMED, f"round {ask.round} has {chunks} chunks, not {len(ask.wants)}")
