@@ -367,6 +367,7 @@ class FP4(_BlockQuantizer):
     codec = "fp4"
     bits = 4
     default_block = 64
+    fused = True
     params = (
         Param("format", _parse_fp4_format, "e2m1", positional=True),
         Param("block", _parse_block, 64),
@@ -377,8 +378,6 @@ class FP4(_BlockQuantizer):
                  inner: Compressor | None = None) -> None:
         super().__init__(block, stochastic, inner)
         self.format = _parse_fp4_format(format)
-
-    fused = True
 
     def _fields(self) -> dict[str, Any]:
         return {"format": self.format}
