@@ -22,8 +22,13 @@ progress does. Per size it prints one JSON row:
 - a separate process joins (join_seen_p99_s: until 99% of the nodes know it), then is SIGKILLed;
   dead_median_s and dead_max_s: until each node holds it dead (most nodes hold no connection
   to it: they learn it from the claims of those that do, or from their own probes);
+- never_knew_victim: nodes the join had not reached by the kill; dead_max_of_those_that_knew_s,
+  dead_max_s over the others;
 - false_deaths: deaths declared of any node but the killed one, over the whole run (with
-  `--soak-s S`, a further S seconds of watching after the kill).
+  `--soak-s S`, a further S seconds of watching after the kill);
+- refused_deaths: deaths decided because a dropped connection's reconnects were refused (the
+  victim's watchers; any more would be false ones), and bursts_per_peer: gossip rounds sent at
+  once on news, over the whole run.
 A last row holds the ratios between the smallest and each larger size.
 Targets: per-peer messages and bytes at 4096 within 1.5x of 128; at 1024, dead_median_s <= 5,
 dead_max_s <= 15, join_seen_p99_s <= 10, false_deaths 0. Run it alone on a 2-core box.
@@ -150,15 +155,18 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
         elif cmd == "seen":  # arg: a peer id; per node here: the first time it was alive, dead
             conn.send([(seen.get(n.peer_id, {}).get(arg, {}).get("alive"),
                         seen.get(n.peer_id, {}).get(arg, {}).get("dead")) for n in nodes])
-        elif cmd == "deaths":
-            conn.send(list(deaths))
+        elif cmd == "deaths":  # and, per node here: deaths it decided on refused reconnects, bursts sent
+            conn.send((list(deaths), [(n.stats.refused_deaths, n._swarm.bursts) for n in nodes]))
         elif cmd == "stop":
             stop.set()
-            for n in nodes:
+
+            def close(node: Any) -> None:
                 try:
-                    n.close()
+                    node.close()
                 except Exception:
                     pass
+            with concurrent.futures.ThreadPoolExecutor(max_workers=STARTING_AT_ONCE) as pool:
+                list(pool.map(close, nodes))
             conn.send(True)
             return
 
@@ -292,7 +300,14 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
             if len(dead) >= n:
                 break
             time.sleep(0.5)
-        dead = sorted(d - killed_at for _, d in seen() if d is not None)
+        views = seen()
+        dead = sorted(d - killed_at for _, d in views if d is not None)
+        # nodes the join never reached before the kill learn of the victim, if ever, from a
+        # table page or a claim kept for its record: the slowest of the nodes that knew it alive
+        knew = sorted(d - killed_at for a, d in views if a is not None and d is not None)
+        row["never_knew_victim"] = sum(1 for a, _ in views if a is None)
+        row["dead_max_of_those_that_knew_s"] = round(knew[-1], 2) if len(knew) == n - row["never_knew_victim"] \
+            else None
         row["dead_seen_by"] = len(dead)
         row["dead_median_s"] = round(statistics.median(dead), 2) if dead else None
         row["dead_max_s"] = round(dead[-1], 2) if len(dead) == n else None
@@ -301,8 +316,14 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
             row["soak_s"] = soak_s
         for conn in conns:
             conn.send(("deaths", None))
-        false = [d for conn in conns for d in conn.recv() if d[1] != vid]
+        answers = [conn.recv() for conn in conns]
+        false = [d for deaths, _ in answers for d in deaths if d[1] != vid]
         row["false_deaths"] = len(false)
+        per_node = [counts for _, nodes in answers for counts in nodes]
+        # deaths decided because a dropped connection's reconnects were refused (the victim's
+        # watchers; any more were false), and gossip rounds sent at once on news, per peer
+        row["refused_deaths"] = sum(r for r, _ in per_node)
+        row["bursts_per_peer"] = round(sum(b for _, b in per_node) / n, 1)
         row["ok"] = True
     except Exception as exc:
         row["ok"], row["error"] = False, f"{type(exc).__name__}: {exc}"

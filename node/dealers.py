@@ -87,6 +87,7 @@ def dealer_ceiling(max_open_dealers: int) -> int:
 
 
 Dropped = Callable[[str], None]  # a DEALER's connection to this peer (or bootstrap handle) dropped
+Refused = Callable[[str], None]  # an attempt to (re)connect a DEALER to this peer failed: nothing accepted it
 Busy = Callable[[str], bool]  # True while requests to this peer await replies on its DEALER
 Fatal = Callable[[str], None]  # a socket failed (no descriptor left, a broken reader): the node cannot go on
 
@@ -106,6 +107,7 @@ class DealerCache:
         busy: Busy,
         dropped: Dropped,
         fatal: Fatal,
+        refused: Refused = lambda key: None,
     ) -> None:
         self.context = context
         self.mode = mode
@@ -114,6 +116,7 @@ class DealerCache:
         self._secret = curve_secret_z85
         self._busy = busy
         self._dropped = dropped
+        self._refused = refused
         self._fatal = fatal
         self._monitors: dict[str, zmq.asyncio.Socket] = {}
         self._routes: dict[str, tuple[tuple[str, ...], bytes | None]] = {}  # every known peer
@@ -264,7 +267,7 @@ class DealerCache:
             pair.setsockopt(zmq.LINGER, 0)
             pair.setsockopt(zmq.RCVHWM, 0)
             pair.connect(addr)
-            dealer.monitor(addr, zmq.EVENT_DISCONNECTED)
+            dealer.monitor(addr, zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
         except zmq.ZMQError:
             pair.close(0)
             raise
@@ -272,7 +275,11 @@ class DealerCache:
 
     async def _watch(self, monitor: zmq.asyncio.Socket, key: str) -> None:
         """Tell the node when the DEALER's connection to `key` drops (the peer's process died,
-        or its host closed the connection): a lead for the failure detector, not a verdict."""
+        or its host closed the connection), and when an attempt to connect again fails (libzmq
+        closes the descriptor of a connect that nothing accepted: refused at once where the
+        address has no listener, as on a dead process's port or ipc path; only after the
+        kernel's timeouts where packets are lost). Leads for the failure detector, not
+        verdicts."""
         while True:
             try:
                 event = parse_monitor_message(await monitor.recv_multipart())
@@ -280,11 +287,12 @@ class DealerCache:
                 raise
             except (zmq.ZMQError, ValueError):
                 return  # the monitor was closed with its DEALER
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if event["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                handler = self._dropped if event["event"] == zmq.EVENT_DISCONNECTED else self._refused
                 try:
-                    self._dropped(key)
+                    handler(key)
                 except Exception:  # the node's bug must not stop the watch
-                    log.exception("connection-drop handler failed for %s", key)
+                    log.exception("connection handler failed for %s", key)
             elif event["event"] == zmq.EVENT_MONITOR_STOPPED:
                 return
 

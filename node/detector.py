@@ -5,7 +5,8 @@ the messages).
 Each period a member probes one other (`$probe`, a request), in round-robin order; without an
 answer it asks `indirect_probes` others to try (`$probe-via`), and without theirs it claims the
 member suspect. A suspicion times out into death unless the accused refutes it with a newer
-beat. A peer whose connection drops is probed at once and, silent, claimed dead. Part of the
+beat. A peer whose connection drops is probed at once and, silent or refusing to reconnect,
+claimed dead. Part of the
 membership protocol, `node.swarm`, whose `Swarm` this is a part of.
 """
 from __future__ import annotations
@@ -35,6 +36,8 @@ from starling.node.wire import RejectReason, WireError
 log = logging.getLogger(__name__)
 
 MAX_PROBES_VIA = 16  # indirect probes this node runs for others at once
+# failed attempts to connect again, after a dropped connection, that make the peer dead at once
+REFUSALS_DEAD = 2
 NO_SOCKET: Any = object()  # `_ask`'s answer when this node had no socket to send on
 
 
@@ -61,30 +64,53 @@ class FailureDetector:
         self._probing.add(peer_id)
         self._spawn(self._probe_dropped(peer_id, dropped_at))
 
+    def connection_refused(self, peer_id: str) -> None:
+        """An attempt to connect again to a peer whose connection dropped failed (transport's
+        socket monitor): counted while that peer is being probed (`_probe_and_judge`)."""
+        if peer_id in self._probing:
+            self._refusals[peer_id] = self._refusals.get(peer_id, 0) + 1
+
     async def _probe_dropped(self, peer_id: str, dropped_at: float) -> None:
         try:
             await self._probe_and_judge(peer_id, dropped_at)
         finally:
             self._probing.discard(peer_id)
+            self._refusals.pop(peer_id, None)
 
     async def _probe_and_judge(self, peer_id: str, dropped_at: float) -> None:
+        """Dead unless heard from within the probe timeout, or sooner: once `REFUSALS_DEAD`
+        attempts in a row to connect again have failed at once. A process that is gone leaves
+        an address nothing listens on, and the kernel refuses each attempt within the
+        reconnect interval (0.1 s, then 0.2 s); a live peer's kernel accepts even while its
+        process is too busy to answer, and a link that loses packets fails attempts only after
+        the kernel's own timeouts, seconds later, so neither is judged early."""
         timeout_s = self.liveness.probe_timeout_s
         # Counted in awake time: a stall of this process is not the peer's silence.
         deadline = AwakeDeadline(timeout_s, tick_s=min(0.05, timeout_s / 4))
-        try:  # sent once ZeroMQ has reconnected, if it can; the wait counts against the budget
-            await deadline.wait(self.outbox.send(peer_id, GOSSIP, {"u": [], "ack": True}, timeout_s=timeout_s))
-        except (SendError, UnknownPeerError, asyncio.TimeoutError):
-            pass  # not reconnected: the silence decides
-        while not deadline.expired():
-            info = self.table.get(peer_id)
-            if info is None or info.status is not PeerStatus.SUSPECT or info.last_seen > dropped_at:
-                return  # heard from it (or it left, or a claim got there first)
-            await deadline.sleep(min(0.05, max(deadline.left, 0.0)))
+        # sent once ZeroMQ has reconnected, if it can; the silence decides otherwise
+        send = asyncio.ensure_future(self.outbox.send(peer_id, GOSSIP, {"u": [], "ack": True}, timeout_s=timeout_s))
+        send.add_done_callback(lambda task: task.cancelled() or task.exception())  # read, never raised
+        refused = False
+        try:
+            while not deadline.expired():
+                info = self.table.get(peer_id)
+                if info is None or info.status is not PeerStatus.SUSPECT or info.last_seen > dropped_at:
+                    return  # heard from it (or it left, or a claim got there first)
+                if self._refusals.get(peer_id, 0) >= REFUSALS_DEAD:
+                    refused = True
+                    break
+                await deadline.sleep(min(0.05, max(deadline.left, 0.0)))
+        finally:
+            send.cancel()
         at = self.table.live_at(peer_id)
         change = self.table.declare_dead(peer_id, dropped_at)
         if change is not None and at is not None:
-            log.info("%s: %s did not answer a probe within %.2g s of its connection dropping",
-                     self.local.peer_id, peer_id, timeout_s)
+            log.info("%s: %s %s", self.local.peer_id, peer_id,
+                     f"refused {REFUSALS_DEAD} connections in {time.monotonic() - dropped_at:.2g} s after its "
+                     "connection dropped" if refused else
+                     f"did not answer a probe within {timeout_s:.2g} s of its connection dropping")
+            if refused:
+                self.stats.count_refused_death()
             self.notify(change)
             self._spread(Claim.sign(self.local.identity, DEAD, peer_id, *at), URGENT)
 
@@ -127,7 +153,7 @@ class FailureDetector:
             periods += 1
             if periods % 16 == 0:  # walks the table: not every period
                 self.tables.expire(now, self.forget_after_s)
-                self._unverified.clear()  # claimants whose records never came: made up, or gone
+                self._unverified.clear()  # records that never came: made up, or gone
                 for gone in self.table.forget(self.forget_after_s, now):
                     self.tables.forget(gone)
                     if self.outbox.transport is not None:

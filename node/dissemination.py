@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 # the messages updates ride on: a probe and its answer, an indirect probe, and gossip
 PROBE, PROBE_VIA, GOSSIP = "$probe", "$probe-via", "$gossip"
-MAX_UNVERIFIED = 64  # claimants whose claims wait for their record
+MAX_UNVERIFIED = 64  # peers (claimants, or the dead) whose claims wait for their record
 
 
 class Dissemination:
@@ -70,11 +70,43 @@ class Dissemination:
         lv = self.liveness
         return self.broadcasts.take(lv.piggyback_bytes, lv.retransmit_limit(self.members()), eager_only=eager_only)
 
-    def _spread(self, update: Update, priority: int) -> None:
+    def _spread(self, update: Update, priority: int, *, at_once: bool = True) -> None:
         """Queue an update to be sent on (each key holds the newest update about one thing):
         `URGENT` claims, refutations and leaves, `NEWS` joins and our own new meta, `ROUTINE`
-        beats passed on (`node.swim.Broadcasts`)."""
+        beats passed on (`node.swim.Broadcasts`). Urgent updates, and news while little is
+        queued, go out in a gossip round at once (`_gossip_now`) unless `at_once` is False."""
         self.broadcasts.add(update.key, update.to_wire(), priority)
+        # a join goes at once only when it is the one join waiting: a mass join (a swarm forming)
+        # keeps every member's queue full of them, and bursts would only add to the load
+        if at_once and (priority == URGENT or (priority == NEWS and self.broadcasts.count(NEWS) <= 2)):
+            self._gossip_now()
+
+    def _gossip_now(self) -> None:
+        """A gossip round as soon as the update at hand is applied, not at the next tick, while
+        this node has a burst token: a member that hears a death or a join passes it on within
+        the loop's latency, so news crosses a swarm in about log3(n) hops. Tokens come one per
+        gossip interval and `gossip_burst` keep: a storm of updates (a mass join) gets at most
+        one round more per interval than the ticks give, never a flood. Suspicions wait for
+        the ticks: spread at once, they would gather confirmations, and so shorten their own
+        timeouts, fastest on a loaded box, where most suspicions are false."""
+        lv = self.liveness
+        if self._burst_pending or lv.gossip_burst == 0 or self.awareness.score > 0 or self._closed():
+            return  # (a node that finds itself slow, Lifeguard's awareness, adds no load of its own)
+        now = time.monotonic()
+        self._burst_tokens = min(float(lv.gossip_burst),
+                                 self._burst_tokens + (now - self._burst_at) / lv.gossip_interval_s)
+        self._burst_at = now
+        if self._burst_tokens < 1:
+            return
+        self._burst_tokens -= 1
+        self._burst_pending = True
+        self._spawn(self._burst())
+
+    async def _burst(self) -> None:
+        await asyncio.sleep(0)  # the rest of the message that brought the news is applied first
+        self._burst_pending = False
+        self.bursts += 1
+        self._gossip_round()
 
     async def _gossip_loop(self) -> None:
         """Urgent changes (claims, refutations, joins, leaves) to a few random members every
@@ -92,22 +124,27 @@ class Dissemination:
                     suspicion.pardon(late)
             self._expire_suspicions(now)
             self._sign_meta(now)  # here too: a probe can take several timeouts under load
-            if not self.broadcasts.eager:
+            self._gossip_round()
+
+    def _gossip_round(self) -> None:
+        """Urgent updates and news, if any wait, to `gossip_fanout` random members."""
+        lv = self.liveness
+        if not self.broadcasts.eager:
+            return
+        # Past the socket cap, to members we hold a socket to: a send to anyone else opens a
+        # socket and its monitor and closes another (the costliest thing a simulated box's
+        # membership does), or is refused while all are busy. Which sockets are open changes
+        # with every probe, which goes round the whole swarm, so the targets stay spread.
+        targets = self._sample_members(lv.gossip_fanout + 2, open_share=1.0)
+        sent = 0
+        for peer_id in targets:
+            if sent >= lv.gossip_fanout or not self._helper(peer_id):
                 continue
-            # Past the socket cap, to members we hold a socket to: a send to anyone else opens a
-            # socket and its monitor and closes another (the costliest thing a simulated box's
-            # membership does), or is refused while all are busy. Which sockets are open changes
-            # with every probe, which goes round the whole swarm, so the targets stay spread.
-            targets = self._sample_members(lv.gossip_fanout + 2, open_share=1.0)
-            sent = 0
-            for peer_id in targets:
-                if sent >= lv.gossip_fanout or not self._helper(peer_id):
-                    continue
-                updates = self._take(eager_only=True)
-                if not updates:
-                    break
-                sent += 1
-                self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": updates}))
+            updates = self._take(eager_only=True)
+            if not updates:
+                break
+            sent += 1
+            self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": updates}))
 
     async def _send_quietly(self, peer_id: str, topic: str, body: Any) -> None:
         try:
@@ -123,7 +160,8 @@ class Dissemination:
             self._meta_seq += 1
             # A new meta is news at its source: the member gossips it to a few others at once
             # (to the whole of a small swarm); they pass it on with their probes and answers.
-            self._spread(Beat(self._own_beat()), NEWS if signed is not None else ROUTINE)
+            # (its ticks' rounds carry it: a burst is for news from elsewhere)
+            self._spread(Beat(self._own_beat()), NEWS if signed is not None else ROUTINE, at_once=False)
 
     def _own_beat(self) -> list[Any]:
         """Our beat, signed once per counter and meta (a node replaces its meta, never edits it)."""
@@ -187,6 +225,17 @@ class Dissemination:
                 self.notify(change)
                 self._spread(update, URGENT)
 
+    def _await_record(self, peer_id: str, claim: Claim, sender: str) -> bool:
+        """Keep a claim until `peer_id`'s record is learned (`Swarm.notify` applies it then):
+        at most 8 per peer, for `MAX_UNVERIFIED` peers. False if there was no room."""
+        waiting = self._unverified.get(peer_id)
+        if waiting is None and len(self._unverified) >= MAX_UNVERIFIED:
+            return False
+        waiting = self._unverified.setdefault(peer_id, [])
+        if len(waiting) < 8:
+            waiting.append((claim, sender))
+        return True
+
     def _apply_claim(self, claim: Claim, *, mine: bool, sender: str | None = None) -> None:
         """A signed suspect or dead claim [kind, peer, incarnation, live, claimant, signature]:
         one this node just made (`mine`), or one heard, checked against its claimant's key
@@ -201,11 +250,7 @@ class Dissemination:
                 if author is None:
                     # a claimant we do not know yet (it joined a moment ago): ask for its record,
                     # and check the claim when it comes, above all one about us that we must refute
-                    waiting = self._unverified.get(claimant)
-                    if sender is not None and (waiting is not None or len(self._unverified) < MAX_UNVERIFIED):
-                        waiting = self._unverified.setdefault(claimant, [])
-                        if len(waiting) < 8:
-                            waiting.append((claim, sender))
+                    if sender is not None and self._await_record(claimant, claim, sender):
                         self.tables.want_from(sender, claimant)
                     return
                 key = author.record.verify_key
@@ -223,6 +268,12 @@ class Dissemination:
         if not mine and not self.claims.believed(claimant, peer_id, time.monotonic()):
             return  # its claims about this peer were refuted too often (`ClaimLedger`)
         status = PeerStatus.SUSPECT if kind == SUSPECT else PeerStatus.DEAD
+        if status is PeerStatus.DEAD and sender is not None and table.get(peer_id) is None:
+            # the death of a peer we never learned (its join has not reached us): kept until its
+            # record comes, if it does, so a table page from a member that missed the death does
+            # not make it alive here
+            self._await_record(peer_id, claim, sender)
+            return
         held, change = table.claim(status, peer_id, incarnation, live)
         if held:
             self.claims.held(peer_id, claimant)
@@ -236,7 +287,7 @@ class Dissemination:
                 log.info("%s: %s declared %s dead", self.local.peer_id, claimant, peer_id)
             if change is not None:
                 self.notify(change)
-            self._spread(claim, URGENT)
+            self._spread(claim, URGENT, at_once=status is PeerStatus.DEAD)
             if not mine and self._rng.random() < self.liveness.gossip_fanout / self.members():
                 # Gossip to the accused: a member that holds it suspect or dead no longer sends it
                 # anything, so if the claimant's one message to it was lost it would never refute.
@@ -245,4 +296,4 @@ class Dissemination:
         elif status is PeerStatus.SUSPECT:
             suspicion = self._suspicions.get(peer_id)
             if suspicion is not None and suspicion.at == (incarnation, live) and suspicion.confirm(claimant):
-                self._spread(claim, URGENT)
+                self._spread(claim, URGENT, at_once=False)

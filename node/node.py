@@ -237,7 +237,7 @@ class Node:
             self._net.context, mode=local.mode, curve_public_z85=local.identity.curve_public_z85,
             curve_secret_z85=local.identity.curve_secret_z85, zap_domain=self._zap_domain,
             config=self.config.transport, receiver=self._dispatch.on_inbound, busy=self._pending.waiting_on,
-            dropped=self._swarm.connection_lost, fatal=self._fail,
+            dropped=self._swarm.connection_lost, refused=self._swarm.connection_refused, fatal=self._fail,
         )
         if local.mode is SecurityMode.CURVE:
             local.policy = ZapPolicy(allowed)

@@ -32,6 +32,9 @@ class NodeStats:
     send_failures: int = 0
     stalls: int = 0  # times this node's own liveness loop woke late (see Swarm.run)
     stalled_s: float = 0.0  # their total lateness, not counted against peers' silence
+    # peers this node declared dead because, once their connection dropped, connecting again was
+    # refused (a process gone), before the probe timeout ran out (see FailureDetector)
+    refused_deaths: int = 0
     max_peers: int = field(default=1024, repr=False)
     max_topics: int = field(default=64, repr=False)
 
@@ -73,6 +76,10 @@ class NodeStats:
             self.stalls += 1
             self.stalled_s += seconds
 
+    def count_refused_death(self) -> None:
+        with self._lock:
+            self.refused_deaths += 1
+
     def total_sent(self, topic_prefix: str = "") -> int:
         with self._lock:
             return sum(n for per in self.bytes_sent.values() for t, n in per.items() if t.startswith(topic_prefix))
@@ -95,4 +102,5 @@ class NodeStats:
                 "send_failures": self.send_failures,
                 "stalls": self.stalls,
                 "stalled_s": round(self.stalled_s, 3),
+                "refused_deaths": self.refused_deaths,
             }

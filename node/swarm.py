@@ -44,6 +44,7 @@ import asyncio
 import logging
 import math
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -117,7 +118,8 @@ class Swarm(Joining, FailureDetector, Dissemination):
         self._suspicions: dict[str, Suspicion] = {}
         self.claims = ClaimLedger()  # whose claims the accused refuted: those not believed again
         self._probes_via = 0
-        self._unverified: dict[str, list[tuple[Claim, str]]] = {}  # claimant -> its claims we could not check yet
+        # a peer whose record we lack -> claims that wait for it: its own, unchecked, or its death
+        self._unverified: dict[str, list[tuple[Claim, str]]] = {}
         self._unknown_to: set[str] = set()  # peers that refused our probe as a stranger's
         self._reminded: dict[str, float] = {}  # peer id -> when we last sent it our beat against a stale claim
         self._rechecked: dict[str, float] = {}  # peer id -> when we last probed it, held dead, on a member's word
@@ -130,7 +132,12 @@ class Swarm(Joining, FailureDetector, Dissemination):
                                   probe=lambda r: self._ask(r, PROBE, {"u": self._take()},
                                                             self.awareness.scale(self.liveness.ack_timeout_s)))
         self._acked: dict[str, float] = {}  # peer id -> when we last probed it back on its asking
+        self._burst_tokens = float(liveness.gossip_burst)  # gossip rounds it may send at once on news (`_gossip_now`)
+        self._burst_at = time.monotonic()
+        self._burst_pending = False
+        self.bursts = 0  # gossip rounds sent at once on news, over the node's life
         self._probing: set[str] = set()  # peers whose dropped connection is being probed
+        self._refusals: dict[str, int] = {}  # of those: failed attempts to connect again
         self._refused: dict[str, int] = {}  # peer id -> incarnation whose record the allowlist refused
         self._signed_beat: list[Any] | None = None  # our current beat, signed (see `_own_beat`)
         # `$sync` pages and `$want`, under each member's pull budget (`node.table_sync`)
@@ -167,7 +174,7 @@ class Swarm(Joining, FailureDetector, Dissemination):
         if change.new in (PeerStatus.ALIVE, PeerStatus.SUSPECT) and change.old in (None, PeerStatus.DEAD):
             self._order.add(change.peer_id)  # probed this pass too
         waiting = self._unverified.pop(change.peer_id, None) if change.old is None else None
-        for claim, sender in waiting or ():  # claims it made before we knew it
+        for claim, sender in waiting or ():  # claims it made, or its death, heard before we knew it
             try:
                 self._apply_claim(claim, mine=False, sender=sender)
             except WireError as exc:

@@ -51,6 +51,9 @@ class Liveness:
     retransmit_mult: int = 3  # an update is sent on retransmit_mult * ceil(log10(n + 1)) times
     gossip_interval_s: float = 0.2  # urgent changes (deaths, refutations, joins) also go out this often
     gossip_fanout: int = 3  # to this many random members
+    # News from elsewhere (a claim, a join, a refutation) goes out in a round of its own at once,
+    # not at the next tick, while this many rounds are saved up (one per gossip interval; 0: never)
+    gossip_burst: int = 2
     piggyback_bytes: int = 1200  # updates one message carries, at most
     meta_interval_s: float = 2.0  # a changed meta is signed into a new beat at most this often
     sync_interval_s: float = 30.0  # anti-entropy: one page of a random member's table, this often
@@ -67,7 +70,7 @@ class Liveness:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.suspicion_per_decade_s < 0 or self.suspicion_max_mult < 1:
             raise ValueError("need suspicion_per_decade_s >= 0 and suspicion_max_mult >= 1")
-        for name in ("indirect_probes", "confirmations", "gossip_fanout"):
+        for name in ("indirect_probes", "confirmations", "gossip_fanout", "gossip_burst"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -250,10 +253,13 @@ class IdSet:
         return True
 
     def sample(self, rng: random.Random, k: int, but: tuple[str, ...] = ()) -> list[str]:
-        """Up to `k` distinct random ids, none of `but`."""
+        """Up to `k` distinct random ids, none of `but`, in random order (a caller that takes
+        the first few that suit it must not always get the same ones)."""
         n = len(self._ids)
         if n <= k + len(but):
-            return [i for i in self._ids if i not in but][:k]
+            out = [i for i in self._ids if i not in but]
+            rng.shuffle(out)
+            return out[:k]
         out: list[str] = []
         while len(out) < k:
             pick = self._ids[rng.randrange(n)]

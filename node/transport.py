@@ -31,6 +31,7 @@ from starling.node.dealers import (
     EndpointRefused,
     Fatal,
     NoSocket,
+    Refused,
     SendError,
     TransportConfig,
     dealer_ceiling,
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 # Importable from here as they always were: their home is `node.dealers`.
 __all__ = ["DRAIN_BATCH", "Busy", "Dropped", "EndpointRefused", "Fatal", "Inbound", "NoSocket", "Receiver",
-           "SendError", "Transport", "TransportConfig", "dealer_ceiling"]
+           "Refused", "SendError", "Transport", "TransportConfig", "dealer_ceiling"]
 
 
 @dataclass
@@ -104,9 +105,10 @@ class Transport(DealerCache):
         busy: Busy = lambda key: False,
         dropped: Dropped = lambda key: None,
         fatal: Fatal = lambda reason: None,
+        refused: Refused = lambda key: None,
     ) -> None:
         super().__init__(context, mode=mode, curve_public_z85=curve_public_z85, curve_secret_z85=curve_secret_z85,
-                         config=config, busy=busy, dropped=dropped, fatal=fatal)
+                         config=config, busy=busy, dropped=dropped, fatal=fatal, refused=refused)
         self._zap_domain = zap_domain
         self._receiver = receiver
         self._router: zmq.asyncio.Socket | None = None

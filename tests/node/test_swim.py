@@ -239,3 +239,15 @@ def test_a_claim_forged_in_another_members_name_is_refused_and_counted(make_node
     mallory.run(mallory._asend_raw(a.peer_id, "$gossip", {"u": [forged]}))
     assert wait_until(lambda: a.stats.snapshot()["rejected"].get("bad_signature", 0) == before + 1)
     assert statuses(a)[b.peer_id] == "alive"
+
+
+def test_a_sample_of_a_small_set_comes_in_random_order():
+    """Gossip sends to the first few of a sample that suit it: had a set no larger than the
+    sample come back in table order, a small swarm's gossip would always reach the same members."""
+    ids = IdSet()
+    for i in range(6):
+        ids.add(f"p{i}")
+    rng = random.Random(0)
+    firsts = {tuple(ids.sample(rng, 5, but=("p5",))[:3]) for _ in range(50)}
+    assert len(firsts) > 10
+    assert all(set(ids.sample(rng, 5, but=("p5",))) == {"p0", "p1", "p2", "p3", "p4"} for _ in range(10))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from cli_zygote import cli_popen
@@ -72,3 +73,26 @@ def test_a_stopped_process_is_suspected_refutes_when_it_runs_again_and_is_never_
     for n in (a, b):  # it heard the claim and refuted it with a higher liveness incarnation
         assert wait_until(lambda n=n: statuses(n)[sid] == "alive", timeout_s=30), statuses(n)
     assert "dead" not in seen
+
+
+# A member that only learns a death from its dropped connection, with a probe timeout far longer
+# than the test waits: it can only be quick if the refused reconnects decide.
+PATIENT = NodeConfig(liveness=Liveness(probe_interval_s=30.0, suspicion_base_s=120.0, probe_timeout_s=60.0),
+                     request_timeout_s=5.0)
+
+
+@pytest.mark.parametrize("listen", ["tcp", "ipc"])
+def test_a_sigkilled_process_is_dead_once_its_address_refuses_to_reconnect(make_node, procs, listen):
+    a = make_node(listen, config=PATIENT)
+    where = ["--listen", f"ipc://{tempfile.mkdtemp(prefix='starling-')}/victim"] if listen == "ipc" else []
+    victim, victim_addr = spawn("--join", a.address, *where)
+    procs.append(victim)
+    assert wait_until(lambda: len(a.live_peers()) == 1, timeout_s=60), statuses(a)
+    vid = _peer_of(a, victim_addr)
+    assert wait_until(lambda: a._outbox.transport.is_open(vid))  # the connection a watches
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(10)
+    # the kernel refuses the reconnects at once (0.1 s, then 0.2 s later): dead long before the
+    # 60 s the probe would wait, and before any suspicion could run out
+    assert wait_until(lambda: statuses(a)[vid] == "dead", timeout_s=15), statuses(a)
+    assert a.stats.refused_deaths == 1
