@@ -36,7 +36,8 @@ from starling.node.wire import RejectReason, WireError
 log = logging.getLogger(__name__)
 
 MAX_PROBES_VIA = 16  # indirect probes this node runs for others at once
-# failed attempts to connect again, after a dropped connection, that make the peer dead at once
+# failed attempts to connect, after a dropped connection or an unanswered probe, that make the
+# peer dead at once (`_refused_since` keeps the last two)
 REFUSALS_DEAD = 2
 NO_SOCKET: Any = object()  # `_ask`'s answer when this node had no socket to send on
 
@@ -65,17 +66,31 @@ class FailureDetector:
         self._spawn(self._probe_dropped(peer_id, dropped_at))
 
     def connection_refused(self, peer_id: str) -> None:
-        """An attempt to connect again to a peer whose connection dropped failed (transport's
-        socket monitor): counted while that peer is being probed (`_probe_and_judge`)."""
-        if peer_id in self._probing:
-            self._refusals[peer_id] = self._refusals.get(peer_id, 0) + 1
+        """An attempt to connect to a peer failed (transport's socket monitor): its time is
+        kept, the last two per peer, for a probe of it that goes unanswered (`_refused_since`)."""
+        if peer_id not in self._refusals and len(self._refusals) >= MAX_WANTED:
+            self._refusals.clear()  # bounded; a probe under way then finds none, and waits
+        last = self._refusals.get(peer_id, (-math.inf, -math.inf))[1]
+        self._refusals[peer_id] = (last, time.monotonic())
+
+    def _refused_since(self, peer_id: str, since: float) -> bool:
+        """Whether the last `REFUSALS_DEAD` (two) attempts to connect to `peer_id` failed after
+        `since`."""
+        return self._refusals.get(peer_id, (-math.inf, -math.inf))[0] > since
+
+    def _lately(self, started: float) -> float:
+        """Since when a refusal is recent, for a probe that started at `started`: then, or two of
+        the transport's longest reconnect intervals ago (a DEALER past its first attempts
+        retries that seldom, and may have found no moment inside a short probe)."""
+        transport = self.outbox.transport
+        ivl_max_s = transport.config.reconnect_ivl_max_ms / 1000 if transport is not None else 0.0
+        return min(started, time.monotonic() - 2 * ivl_max_s)
 
     async def _probe_dropped(self, peer_id: str, dropped_at: float) -> None:
         try:
             await self._probe_and_judge(peer_id, dropped_at)
         finally:
             self._probing.discard(peer_id)
-            self._refusals.pop(peer_id, None)
 
     async def _probe_and_judge(self, peer_id: str, dropped_at: float) -> None:
         """Dead unless heard from within the probe timeout, or sooner: once `REFUSALS_DEAD`
@@ -96,7 +111,7 @@ class FailureDetector:
                 info = self.table.get(peer_id)
                 if info is None or info.status is not PeerStatus.SUSPECT or info.last_seen > dropped_at:
                     return  # heard from it (or it left, or a claim got there first)
-                if self._refusals.get(peer_id, 0) >= REFUSALS_DEAD:
+                if self._refused_since(peer_id, dropped_at):
                     refused = True
                     break
                 await deadline.sleep(min(0.05, max(deadline.left, 0.0)))
@@ -221,6 +236,17 @@ class FailureDetector:
             # (a starved process, a link down) from the target's, so it blames itself
             log.info("%s: no answer from %s nor from any of %d members asked about it; no verdict",
                      self.local.peer_id, target, len(helpers))
+            return
+        if self._refused_since(target, info.last_seen) and self._refusals[target][1] >= self._lately(started):
+            # nobody reached it, and its address refused our connections, twice since we last
+            # heard from it and lately: nothing listens there (the process is gone), which a
+            # suspicion's wait (ours, or one another member's claim started) would only confirm
+            log.info("%s: no answer from %s, nor through %d of %d members asked, and its address refused "
+                     "us; dead", self.local.peer_id, target, nacks, len(helpers))
+            at = self.table.live_at(target)
+            if at is not None:
+                self.stats.count_refused_death()
+                self._apply_claim(Claim.sign(self.local.identity, DEAD, target, *at), mine=True)
             return
         if info.status is PeerStatus.ALIVE or (info.status is PeerStatus.SUSPECT and info.claim_at < 0):
             log.info("%s: no answer from %s in %.2g s, nor through %d of %d members asked; suspect",

@@ -137,7 +137,8 @@ class Swarm(Joining, FailureDetector, Dissemination):
         self._burst_pending = False
         self.bursts = 0  # gossip rounds sent at once on news, over the node's life
         self._probing: set[str] = set()  # peers whose dropped connection is being probed
-        self._refusals: dict[str, int] = {}  # of those: failed attempts to connect again
+        # peer id -> when the last two attempts to connect to it failed (bounded)
+        self._refusals: dict[str, tuple[float, float]] = {}
         self._refused: dict[str, int] = {}  # peer id -> incarnation whose record the allowlist refused
         self._signed_beat: list[Any] | None = None  # our current beat, signed (see `_own_beat`)
         # `$sync` pages and `$want`, under each member's pull budget (`node.table_sync`)

@@ -54,12 +54,14 @@ SIM_LIVENESS = Liveness(probe_interval_s=0.5, ack_timeout_s=1.0, suspicion_base_
 # peer's membership work per period is constant (node/swim.py) and a box of n simulated peers
 # handles about 4n messages a period on its network threads. A simulator sized to the swarm keeps
 # that near this many probes a second by lengthening the period (and the suspicion timeouts
-# with it): 1024 peers probe every 4 s, 4096 every 16 s. (A probe costs a simulated box about
+# with it): 1024 peers probe every 8 s, 4096 every 32 s. (A probe costs a simulated box about
 # 1-2 ms of CPU, both ends together, most of it opening a socket to a peer past the socket cap;
 # its answer, indirect probes and gossip come on top. At 512 a second, 1024 peers forming a swarm
 # on 2 cores kept their workers' loops seconds behind, and the false suspicions that followed
-# held the swarm short of formed for 10 minutes.)
-SIM_PROBES_PER_S = 256
+# held the swarm short of formed for 10 minutes. At 256, a formed swarm of 1024 kept both cores
+# busy (1.96), and its nodes took 139 s to start; at 128, 1.38 cores and 33 s, with joins and
+# deaths spread by bursts of gossip (node/dissemination.py), not by the period.)
+SIM_PROBES_PER_S = 128
 
 
 def sim_liveness(peers_in_process: int, swarm: int) -> Liveness:

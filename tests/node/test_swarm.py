@@ -669,3 +669,24 @@ def test_a_death_heard_before_the_join_is_kept_until_the_record_comes(make_node)
     assert gone.peer_id not in statuses(c)
     assert c.add_records([record.to_wire()], told_by=a.peer_id) == 1
     assert wait_until(lambda: statuses(c).get(gone.peer_id) == "dead"), statuses(c)
+
+
+def test_an_unanswered_probe_to_an_address_that_refuses_is_a_death_not_a_suspicion(make_node):
+    """A member that held no watched connection when a peer died (past the socket cap, most
+    do not) probes it in turn: nobody reaches it and its address refuses the probe's connection,
+    so it is dead at once, where a suspicion would have run two minutes."""
+    lv = Liveness(probe_interval_s=0.2, suspicion_base_s=120.0, probe_timeout_s=60.0)
+    a = make_node("tcp", config=NodeConfig(liveness=lv, request_timeout_s=5.0))
+    blind = NodeConfig(liveness=lv, request_timeout_s=5.0, transport=TransportConfig(monitor_connections=False))
+    b = make_node("tcp", join=[a.address], config=blind)
+    victim = make_node("tcp", join=[a.address], config=blind)
+    for node in (a, b):
+        assert wait_until(lambda node=node: len(node.live_peers()) == 2), statuses(node)
+    changes: list[str] = []
+    a.on_peer_change(lambda ch: changes.append(ch.new.value) if ch.peer_id == victim.peer_id else None)
+    a._outbox.transport._dropped = lambda key: None  # a misses the drop: only its probes can tell
+    victim.close()
+    assert wait_until(lambda: statuses(a)[victim.peer_id] == "dead", timeout_s=20), statuses(a)
+    # no suspicion of a's ran out (b, which watches no connection, may have claimed it suspect first)
+    assert changes in (["dead"], ["suspect", "dead"])
+    assert a.stats.refused_deaths == 1
