@@ -87,7 +87,7 @@ class Dissemination:
     def _gossip_now(self) -> None:
         """A gossip round as soon as the update at hand is applied, not at the next tick, while
         this node has a burst token: a member that hears a death or a join passes it on within
-        the loop's latency, so news crosses a swarm in about log3(n) hops. Tokens come one per
+        the loop's latency, so news crosses a swarm in about log5(n) hops. Tokens come one per
         gossip interval and `gossip_burst` keep: a storm of updates (a mass join) gets at most
         one round more per interval than the ticks give, never a flood. Suspicions wait for
         the ticks: spread at once, they would gather confirmations, and so shorten their own

@@ -32,8 +32,8 @@ class NodeStats:
     send_failures: int = 0
     stalls: int = 0  # times this node's own liveness loop woke late (see Swarm.run)
     stalled_s: float = 0.0  # their total lateness, not counted against peers' silence
-    # peers this node declared dead because, once their connection dropped, connecting again was
-    # refused (a process gone), before the probe timeout ran out (see FailureDetector)
+    # peers this node declared dead because their address refused its connections (a process
+    # gone): after their connection dropped, or in an unanswered probe (see FailureDetector)
     refused_deaths: int = 0
     max_peers: int = field(default=1024, repr=False)
     max_topics: int = field(default=64, repr=False)
