@@ -36,9 +36,6 @@ from starling.node.wire import RejectReason, WireError
 log = logging.getLogger(__name__)
 
 MAX_PROBES_VIA = 16  # indirect probes this node runs for others at once
-# failed attempts to connect, after a dropped connection or an unanswered probe, that make the
-# peer dead at once (`_refused_since` keeps the last two)
-REFUSALS_DEAD = 2
 NO_SOCKET: Any = object()  # `_ask`'s answer when this node had no socket to send on
 
 
@@ -74,8 +71,9 @@ class FailureDetector:
         self._refusals[peer_id] = (last, time.monotonic())
 
     def _refused_since(self, peer_id: str, since: float) -> bool:
-        """Whether the last `REFUSALS_DEAD` (two) attempts to connect to `peer_id` failed after
-        `since`."""
+        """Whether the last two attempts to connect to `peer_id` failed after `since`: the
+        evidence that makes a peer dead at once, after a dropped connection or an unanswered
+        probe."""
         return self._refusals.get(peer_id, (-math.inf, -math.inf))[0] > since
 
     def _lately(self, started: float) -> float:
@@ -93,8 +91,8 @@ class FailureDetector:
             self._probing.discard(peer_id)
 
     async def _probe_and_judge(self, peer_id: str, dropped_at: float) -> None:
-        """Dead unless heard from within the probe timeout, or sooner: once `REFUSALS_DEAD`
-        attempts in a row to connect again have failed at once. A process that is gone leaves
+        """Dead unless heard from within the probe timeout, or sooner: once two attempts to
+        connect again have failed (`_refused_since`). A process that is gone leaves
         an address nothing listens on, and the kernel refuses each attempt within the
         reconnect interval (0.1 s, then 0.2 s); a live peer's kernel accepts even while its
         process is too busy to answer, and a link that loses packets fails attempts only after
@@ -121,7 +119,7 @@ class FailureDetector:
         change = self.table.declare_dead(peer_id, dropped_at)
         if change is not None and at is not None:
             log.info("%s: %s %s", self.local.peer_id, peer_id,
-                     f"refused {REFUSALS_DEAD} connections in {time.monotonic() - dropped_at:.2g} s after its "
+                     f"refused two connections in {time.monotonic() - dropped_at:.2g} s after its "
                      "connection dropped" if refused else
                      f"did not answer a probe within {timeout_s:.2g} s of its connection dropping")
             if refused:
