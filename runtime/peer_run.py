@@ -189,6 +189,14 @@ class PeerRun:
         elif resumed is None and trainer.initial_state_differs:
             log.warning("this peer's initial state differs from the swarm's, and no peer is up to take the swarm's "
                         "from: it trains from its own start")
+        if self.launch.joining:  # a replica's ranks each fetched their part: of one step
+            try:
+                trainer.align_replica(deadline_s=self.state_fetch_timeout_s, stop=stop)
+            except TransferError:
+                if not stop.is_set():
+                    raise
+                log.info("stopped while fetching the swarm's state")
+                return False
         return True
 
 

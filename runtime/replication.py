@@ -225,9 +225,17 @@ class Replication:
         """Take one protocol step (`take()`), as every rank of the replica must."""
         return take()
 
-    def agree(self, go: bool) -> bool:
-        """Whether to take the next step, given this process's `go` (a replica: every rank's)."""
-        return go
+    def agree(self, go: bool, snapshot: bool = False) -> tuple[bool, bool]:
+        """Whether to take the next step, given this process's `go` (a replica: every rank's),
+        and whether to refresh the snapshot joiners fetch after it, given this process's
+        `snapshot` (a replica whose ranks serve their own parts: any rank's, so all refresh
+        at the same step)."""
+        return go, snapshot
+
+    def step_range(self, step: int) -> tuple[int, int]:
+        """The least and the greatest step the replica's ranks hold, given this process's
+        `step` (a collective where each rank holds its own state)."""
+        return step, step
 
     def evaluate(self, task: Task, model: Any) -> dict[str, float]:
         return task.evaluate(model)

@@ -140,14 +140,26 @@ class ShardSync(Replication):
         self._steps += 1
         return report
 
-    def agree(self, go: bool) -> bool:
-        """Every rank's `go` (a collective each rank calls before each step; a failed one leaves
-        the sub-swarm)."""
+    def agree(self, go: bool, snapshot: bool = False) -> tuple[bool, bool]:
+        """Every rank's `go`, and whether any rank's joiner snapshot is due (one collective each
+        rank calls before each step; a failed one leaves the sub-swarm). The ranks refresh
+        their snapshots at the same steps, so a joining replica's ranks, each fetching from
+        the same rank of a donor replica, find their chunks of one step."""
         assert self.sharded is not None, "place() first"
         try:
-            return self.sharded.agree(go)
+            low_go, low_not_due = self.sharded.all_min(int(go), -int(snapshot))
         except Exception as exc:
             raise self.left(exc, "this rank left its sub-swarm") from exc
+        return bool(low_go), low_not_due < 0
+
+    def step_range(self, step: int) -> tuple[int, int]:
+        """The least and the greatest step the replica's ranks hold (a collective)."""
+        assert self.sharded is not None, "place() first"
+        try:
+            low, neg_high = self.sharded.all_min(step, -step)
+        except Exception as exc:
+            raise self.left(exc, "this rank left its sub-swarm") from exc
+        return low, -neg_high
 
     def evaluate(self, task: Task, model: Any) -> dict[str, float]:
         assert self.sharded is not None, "place() first"
@@ -272,7 +284,7 @@ class ShardedModel:
 
         self.view = _mirror(model, chunk)
         self.pairs = [(p, v) for p, v in zip(model.parameters(), self.view.parameters())]
-        self._control = torch.zeros(1, dtype=torch.int64, device=device if group.backend == "nccl" else None)
+        self._pair = torch.zeros(2, dtype=torch.int64, device=device if group.backend == "nccl" else None)
 
     def view_of(self, full: nn.Module) -> nn.Module:
         """A module like `view` holding this rank's chunks of `full`'s parameters (a model of
@@ -299,12 +311,19 @@ class ShardedModel:
     def agree(self, go: bool) -> bool:
         """Every rank of the replica calls this before each step: True only if all want to
         take it (a collective; ReplicaError if a rank is gone)."""
-        self._control.fill_(int(go))
+        return bool(self.all_min(int(go), 0)[0])
+
+    def all_min(self, a: int, b: int) -> tuple[int, int]:
+        """The least `a` and the least `b` over the replica's ranks, in one all-reduce (a
+        collective; ReplicaError if a rank is gone). The greatest of a value is the least of
+        its negation."""
+        self._pair[0], self._pair[1] = a, b
         try:
-            dist.all_reduce(self._control, op=dist.ReduceOp.MIN)
+            dist.all_reduce(self._pair, op=dist.ReduceOp.MIN)
         except Exception as exc:
             raise ReplicaError(f"a rank of this replica failed ({type(exc).__name__}: {str(exc)[:300]})") from exc
-        return bool(self._control.item())
+        low_a, low_b = self._pair.tolist()
+        return int(low_a), int(low_b)
 
     @torch.no_grad()
     def evaluate(self, task: Any, swarm: nn.Module) -> dict[str, float]:

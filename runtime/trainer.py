@@ -33,7 +33,7 @@ from typing import Any
 from starling.common import peer_hash
 from starling.common.faults import fault_point
 from starling.data.assignment import Unit, UnitLedger
-from starling.node import Node
+from starling.node import Node, TransferError
 from starling.protocols import (
     PRIVATE_STATE,
     LossFn,
@@ -124,6 +124,7 @@ class Trainer:
         self.snapshot_every_s = snapshot_every_s  # 0: after every step
         self._snapshot = b""
         self._snapshot_at = float("-inf")
+        self._snapshot_agreed: bool | None = None  # whether the next step refreshes it, as the replica agreed
         self.checkpoint = checkpoint
         self._store = CheckpointStore(checkpoint.directory, checkpoint.keep) if checkpoint else None
         self._writer = BackgroundCheckpointer(self._store) if self._store else None
@@ -343,7 +344,7 @@ class Trainer:
             self.node.share_bans()
         if self.data is not None:
             self.last_unit_counted = self.data.stepped(report)
-        if self.serve_state and time.monotonic() - self._snapshot_at >= self.snapshot_every_s:
+        if self._snapshot_now():
             self.take_snapshot()
         # the ranks of a sharded replica write together, at the steps they took together
         count = self.replication.steps_taken(proto)
@@ -475,8 +476,38 @@ class Trainer:
 
     def agree(self, go: bool) -> bool:
         """Whether to take the next step: `go`, and in a sharded replica, every rank's `go` (a
-        collective each rank calls before each step; a failed one leaves the sub-swarm)."""
-        return self.replication.agree(go)
+        collective each rank calls before each step; a failed one leaves the sub-swarm). The
+        same collective settles whether the step refreshes the joiners' snapshot."""
+        go, self._snapshot_agreed = self.replication.agree(go, self._snapshot_due())
+        return go
+
+    def _snapshot_due(self) -> bool:
+        return self.serve_state and time.monotonic() - self._snapshot_at >= self.snapshot_every_s
+
+    def _snapshot_now(self) -> bool:
+        """Whether this step refreshes the snapshot: as agreed before it (`agree`), else when
+        it is due (a step taken without agreeing first)."""
+        agreed, self._snapshot_agreed = self._snapshot_agreed, None
+        return self.serve_state and (agreed if agreed is not None else self._snapshot_due())
+
+    def align_replica(self, deadline_s: float = FETCH_STATE_DEADLINE_S, stop: threading.Event | None = None) -> None:
+        """A joining replica whose ranks each fetched their part of the swarm's state: until
+        every rank holds the same step, the ranks behind fetch again (a collective each rank
+        calls). A donor replica's ranks refresh their snapshots at the same steps, but a rank
+        may fetch just before such a step and another just after it."""
+        assert self.proto is not None, "create_protocol() first"
+        deadline = time.monotonic() + deadline_s
+        while True:
+            low, high = self.replication.step_range(self.proto.step_count)
+            if low == high:
+                return
+            if time.monotonic() > deadline or (stop is not None and stop.is_set()):
+                raise TransferError(f"the ranks of this replica fetched the swarm's state at steps {low} to {high} "
+                                    f"and did not meet at one step within {deadline_s:g} s")
+            if self.proto.step_count < high:
+                log.info("%s: fetched step %d, another rank of this replica step %d: fetching again",
+                         self.node.peer_id, self.proto.step_count, high)
+                self.fetch_state(deadline_s=max(0.0, deadline - time.monotonic()), stop=stop)
 
     def evaluate(self) -> dict[str, float]:
         assert self.proto is not None

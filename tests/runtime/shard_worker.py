@@ -60,6 +60,7 @@ def main(rank: int, size: int, directory: str, out: str) -> None:
     report["view_aliases"] = bool(torch.equal(local_chunk(gathered, rank, size), views[0]))
     report["agree_all"] = sharded.agree(True)
     report["agree_one_stops"] = sharded.agree(rank != 1)
+    report["all_min"] = list(sharded.all_min(10 + rank, -(10 + rank)))  # least, and minus the greatest
     swarm = sharded.view_of(full)  # evaluate the initial model, sharded
     report["eval_sharded"] = sharded.evaluate(task, swarm)["eval_loss"]
     report["eval_full"] = task.evaluate(full)["eval_loss"]

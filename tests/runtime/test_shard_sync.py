@@ -51,6 +51,7 @@ def test_fsdp2_under_the_view_steps_as_plain_fsdp2_and_the_view_is_the_chunks(tm
         assert report["changed"] and report["steps_match"]  # 3 AdamW steps bit for bit as plain FSDP2's
         assert report["view_aliases"]  # a write into the view is what the next all-gather sends
         assert report["agree_all"] and not report["agree_one_stops"]  # one rank stopping stops both
+        assert report["all_min"] == [10, -11]  # the steps ranks 0 and 1 hold: from 10 to 11
         assert report["eval_sharded"] == report["eval_full"] and report["view_restored"]
 
 
