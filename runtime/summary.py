@@ -156,6 +156,9 @@ def liveness_note(summary: Mapping[str, Any]) -> str | None:
             "SimConfig.liveness sets it)")
 
 
+BUSY_LISTED = 16  # a run of more peers sums their busy shares up in its line
+
+
 def busy_note(summary: Mapping[str, Any]) -> str | None:
     """One line for a run summary: each peer's busy share, with its speed where peers differ
     (None: no peer took a step)."""
@@ -169,7 +172,12 @@ def busy_note(summary: Mapping[str, Any]) -> str | None:
         speed = f" (speed {speeds[rank]:g})" if differ and rank < len(speeds) else ""
         return f"{rank} {shares[rank]:.1%}{speed}"
 
-    return "busy (compute over step wall time), by peer: " + ", ".join(peer(rank) for rank in sorted(shares))
+    if len(shares) <= BUSY_LISTED:
+        return "busy (compute over step wall time), by peer: " + ", ".join(peer(rank) for rank in sorted(shares))
+    order = sorted(shares, key=lambda rank: (shares[rank], rank))  # a line per thousand peers reads as noise
+    median = shares[order[len(order) // 2]]
+    return (f"busy (compute over step wall time), over {len(shares)} peers: least peer {peer(order[0])}, "
+            f"median {median:.1%}, most peer {peer(order[-1])} (summary.json's busy_share has each)")
 
 
 def spsa_bytes(peers: list[PeerResult], info: Mapping[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,9 @@ def test_the_summary_reports_each_peers_busy_share_by_rank():
     assert busy_note(summary) == "busy (compute over step wall time), by peer: 0 80.0% (speed 1), 1 75.0% (speed 1)"
     assert busy_note({**summary, "peer_speed": []}).endswith("by peer: 0 80.0%, 1 75.0%")
     assert busy_note({**summary, "busy_share": {"0": None}}) is None
+    many = {"busy_share": {str(rank): (rank % 7) / 10 for rank in range(100)}, "peer_speed": []}
+    assert busy_note(many) == ("busy (compute over step wall time), over 100 peers: least peer 0 0.0%, median 30.0%, "
+                               "most peer 97 60.0% (summary.json's busy_share has each)")
 
 
 @pytest.mark.parametrize("protocol, options", [("allreduce", {}), ("diloco", {"sync_every": 2}), ("gossip", {})])
