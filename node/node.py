@@ -357,6 +357,11 @@ class Node:
         return self._call(self._add_records(records, told_by))
 
     async def _add_records(self, records: list[Any], told_by: str | None) -> int:
+        return self.add_records_here(records, told_by)
+
+    def add_records_here(self, records: list[Any], told_by: str | None = None) -> int:
+        """`add_records` for code already on the network thread (a simulator hands records to
+        each of hundreds of nodes in one trip to the thread they share)."""
         return self._swarm.tables.add_records(records, told_by)
 
     def set_meta(self, **meta: Any) -> None:

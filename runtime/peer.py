@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,6 +23,8 @@ from starling.runtime.spec import LOCAL_DATA_OPTIONS, tokenizer_fingerprint
 from starling.runtime.summary import PeerResult, json_data, sent_by_topic
 from starling.runtime.trainer import CheckpointConfig, Trainer, TrainSpec
 from starling.tasks import Task
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +256,24 @@ def start_together(peers: list[SimPeer], join: list[str],
                 on_started(futures[future])
 
 
+TRIP_PEERS = 16  # peers one trip to the network thread serves: hold the loop a short while, not 128 times
+
+
+def on_network_thread(peers: list[SimPeer], fn: Callable[[SimPeer], T]) -> list[T]:
+    """`fn(peer)` for each of `peers` (nodes of this process, which share its one network
+    thread), run on that thread, TRIP_PEERS peers a trip. A blocking call per node (`live_peers`,
+    `add_records`) waits for a turn of a loop that hundreds of nodes keep busy: 128 of them in a
+    row stalled a simulator's worker for seconds while its swarm formed."""
+    async def trip(group: list[SimPeer]) -> list[T]:
+        return [fn(peer) for peer in group]
+
+    out: list[T] = []
+    for start in range(0, len(peers), TRIP_PEERS):
+        group = peers[start:start + TRIP_PEERS]
+        out.extend(group[0].node.run(trip(group)))
+    return out
+
+
 def sync_with_seed(peers: list[SimPeer], seed_id: str, world: int) -> int:
     """One anti-entropy pass for peers that share a process: the first of `peers` that does
     not yet see all `world` peers pulls the seed's table (the seed heard every joiner's hello),
@@ -263,7 +283,8 @@ def sync_with_seed(peers: list[SimPeer], seed_id: str, world: int) -> int:
     answering probes (a thousand peers pulling its whole table every few seconds starved it,
     and the swarm took it for dead). A pull that fails is left to the gossip and the next
     pass. Returns how many peers were behind."""
-    behind = [p for p in peers if p.node.peer_id != seed_id and len(p.node.live_peers()) < world - 1]
+    counts = on_network_thread(peers, lambda p: len(p.node.live_peers_here()))
+    behind = [p for p, seen in zip(peers, counts) if p.node.peer_id != seed_id and seen < world - 1]
     if not behind:
         return 0
     records: list[Any] = []
@@ -272,8 +293,7 @@ def sync_with_seed(peers: list[SimPeer], seed_id: str, world: int) -> int:
     except Exception as exc:
         log.debug("table pull from the seed failed: %r", exc)
     if records:
-        for peer in behind[1:]:
-            peer.node.add_records(records, told_by=seed_id)
+        on_network_thread(behind[1:], lambda p: p.node.add_records_here(records, told_by=seed_id))
     return len(behind)
 
 

@@ -27,7 +27,7 @@ import torch
 
 from starling.node import JoinError
 from starling.runtime.capacity import CapacityError, plan_capacity
-from starling.runtime.peer import SimPeer, raise_if_faulted, start_together, sync_with_seed
+from starling.runtime.peer import SimPeer, on_network_thread, raise_if_faulted, start_together, sync_with_seed
 from starling.runtime.replica_sim import run_replicas
 from starling.runtime.sim_processes import ProgressFn, run_processes
 from starling.runtime.simconfig import SimConfig, SimError, check_config, endpoint_for, wait_for
@@ -116,7 +116,8 @@ class Simulation:
             # polled every 0.02 s for a few peers, less often for many (each poll asks every
             # node, on the network thread the swarm is forming on)
             wait_for(lambda: raise_if_faulted(peers)
-                     and all(len(p.node.live_peers()) == config.peers - 1 for p in peers),
+                     and all(n == config.peers - 1
+                             for n in on_network_thread(peers, lambda p: len(p.node.live_peers_here()))),
                      config.ready_timeout_s, f"{config.peers} peers to see each other",
                      interval_s=max(0.02, config.peers / 1000))
             for peer in peers:

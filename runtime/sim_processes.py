@@ -48,7 +48,7 @@ import torch
 
 from starling.common.lifeline import die_with_parent
 from starling.runtime.forking import fork_context, forked_args, run_forked
-from starling.runtime.peer import SimPeer, raise_if_faulted, start_together, sync_with_seed
+from starling.runtime.peer import SimPeer, on_network_thread, raise_if_faulted, start_together, sync_with_seed
 from starling.runtime.simconfig import SimConfig, SimError, endpoint_for
 from starling.runtime.summary import PeerResult
 from starling.runtime.trainer import prepare_to_train
@@ -179,7 +179,8 @@ class _Worker:
         pulled = -pull_every_s
         while True:
             raise_if_faulted(peers)
-            seen = sum(min(len(p.node.live_peers()), self.config.peers - 1) for p in peers)
+            counts = on_network_thread(peers, lambda p: len(p.node.live_peers_here()))
+            seen = sum(min(n, self.config.peers - 1) for n in counts)
             if seen >= needed:
                 return True
             now = time.monotonic()
@@ -215,9 +216,8 @@ class _Worker:
     def _introduce(peers: list[SimPeer], seed_id: str, message: tuple[Any, ...]) -> None:
         if message[0] != "records":
             return  # nothing else comes while the swarm forms
-        for peer in peers:
-            own = peer.node.peer_id
-            peer.node.add_records([r for r in message[1] if r[0] != own], told_by=seed_id)
+        on_network_thread(peers, lambda p: p.node.add_records_here([r for r in message[1] if r[0] != p.node.peer_id],
+                                                                   told_by=seed_id))
 
     def _serve(self, t0: float) -> None:
         """Until the parent says stop: launch joiners, pass on progress, report ended peers."""
