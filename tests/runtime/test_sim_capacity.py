@@ -247,6 +247,12 @@ def test_a_rounds_owners_fit_the_sockets_every_simulated_node_may_hold():
     named = SimConfig(peers=8, protocol="sketch-dp", max_dealers=5, options={"max_owners": 7})
     assert named.protocol_options()["max_owners"] == 7
     assert "max_owners" not in SimConfig(peers=8, protocol="gossip", max_dealers=5).protocol_options()
+    # and a big swarm's rounds no more than the box carries: members x owners near 2048 parts
+    from starling.runtime.simconfig import SIM_MIN_OWNERS, SIM_PARTS_PER_ROUND
+
+    assert SimConfig(peers=256, protocol="allreduce", max_dealers=64).protocol_options()["max_owners"] == 8
+    assert SIM_PARTS_PER_ROUND // 1024 < SIM_MIN_OWNERS
+    assert SimConfig(peers=1024, protocol="allreduce", max_dealers=64).protocol_options()["max_owners"] == SIM_MIN_OWNERS
     from starling.protocols.base import ProtocolError
 
     with pytest.raises(ProtocolError, match="max_owners must be >= 0"):
