@@ -31,6 +31,7 @@ from starling.collectives.codec import decode_flat, encode, packet_from_wire, sh
 from starling.collectives.compact import view_digest
 from starling.collectives.contributions import SignedPart
 from starling.common.faults import fault_point
+from starling.common.text import few
 from starling.node.loop import close_in_time
 from starling.node.rpc import Refusal, Reply, refusal
 from starling.node.wire import Message
@@ -279,7 +280,7 @@ class OwnerSide:
         missing = group.expected - set(group.contributors)
         if missing:
             log.info("%s: %s shard %d chunk %d of round %d closed without %s", self.node.peer_id, self.topic,
-                     i, c, t, sorted(missing))
+                     i, c, t, few(sorted(missing)))
         group.done.set()
         group.replied.set()
         self._groups.pop(key, None)

@@ -80,6 +80,7 @@ from starling.collectives.bodies import Ack, Ask, BodyError, Closing, Echo, Wait
 from starling.collectives.reduce import ReduceTimeouts
 from starling.collectives.requests import request_patiently
 from starling.common.faults import fault_point
+from starling.common.text import few
 from starling.node.identity import peer_id_from_key
 from starling.node.loop import AwakeDeadline
 from starling.node.rpc import Refusal, Refuser, refusal
@@ -411,7 +412,7 @@ class QuorumClose:
         gathering.closing = Closing(t, contributions, signature)
         missing = gathering.expected - set(gathering.weights)
         if missing:
-            log.info("%s: %s round %d closed without %s", self.node.peer_id, self.topic, t, sorted(missing))
+            log.info("%s: %s round %d closed without %s", self.node.peer_id, self.topic, t, few(sorted(missing)))
         if gathering.grace is not None:
             gathering.grace.cancel()
         self._open.pop(t, None)

@@ -27,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from starling.collectives import BufferAverager, ShardedReducer, membership
+from starling.common.text import few
 from starling.compressors import from_spec
 from starling.node.node import Node
 from starling.protocols.audit import Auditor
@@ -151,7 +152,7 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
             self.guard.run(t, members)  # (a peer that was late checks at the swarm's next check)
         self.step_count = max(self.step_count, t + 1)
         if result.lost:
-            log.warning("%s: allreduce step %d went on without %s", self.node.peer_id, t, list(result.lost))
+            log.warning("%s: allreduce step %d went on without %s", self.node.peer_id, t, few(result.lost))
         return self._report(t, loss, clock, synced=result.synced, peers=result.peers, lost=result.lost,
                             absent=result.absent, diverged=result.diverged)
 

@@ -47,6 +47,7 @@ from starling.collectives import ReduceResult, ShardedReducer, membership
 from starling.collectives.buffers import BufferAverager
 from starling.collectives.quorum import Closing, QuorumClose
 from starling.collectives.retention import KeptPart
+from starling.common.text import few
 from starling.node.node import Node
 from starling.protocols.backprop import BackpropProtocol
 from starling.protocols.base import LossFn, ProtocolError, StepClock, StepReport, register
@@ -314,7 +315,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                 return result
             if result.lost:
                 log.warning("%s: %s round %d went on without %s", self.node.peer_id, fragment.reducer.topic, k,
-                            list(result.lost))
+                            few(result.lost))
             self._log_share(result, exchange.members)
             if self.verifier is not None and self.audit_data is not None and fragment.recipe is not None:
                 fragment.reducer.take_kept(k)  # my groups' parts, now shown to members that gather them

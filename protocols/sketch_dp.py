@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from starling.collectives import ShardedReducer, membership
+from starling.common.text import few
 from starling.compressors import CountSketch, GaussianSketch, from_spec, rng
 from starling.node.node import Node
 from starling.protocols.backprop import BackpropProtocol
@@ -331,7 +332,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
             self.guard.run(t, members)  # on x_{t+1}, which every peer holds
         self.step_count = max(self.step_count, s + 1)
         if result.lost:
-            log.warning("%s: sketch-dp round %d went on without %s", self.node.peer_id, t, list(result.lost))
+            log.warning("%s: sketch-dp round %d went on without %s", self.node.peer_id, t, few(result.lost))
         return self._report(s, loss, clock, synced=result.synced, peers=result.peers, lost=result.lost,
                             diverged=result.diverged)
 
