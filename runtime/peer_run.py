@@ -172,31 +172,25 @@ class PeerRun:
             resumed = trainer.resume_replica()  # its own newest, whatever rank count wrote it
         elif self.launch.resume_from is not None:
             resumed = trainer.resume_swarm(self.resume_quorum, self.resume_timeout_s)
-        if self.launch.joining and node.live_peers() and (resumed is None or _swarm_ahead_of(node, resumed)):
-            # the swarm's state, not this peer's own start (see initial_state_differs); the first
-            # node (not joining) is where the swarm's state starts, whoever joined it meanwhile.
-            # A peer restarted into a swarm that trained on without it takes the swarm's state
-            # too: its checkpoint is behind, and its ledger names it the most senior member.
-            if resumed is not None:
-                log.info("resumed at step %d, but the swarm trained on: fetching its state", resumed)
-            try:
+        try:
+            if self.launch.joining and node.live_peers() and (resumed is None or _swarm_ahead_of(node, resumed)):
+                # the swarm's state, not this peer's own start (see initial_state_differs); the first
+                # node (not joining) is where the swarm's state starts, whoever joined it meanwhile.
+                # A peer restarted into a swarm that trained on without it takes the swarm's state
+                # too: its checkpoint is behind, and its ledger names it the most senior member.
+                if resumed is not None:
+                    log.info("resumed at step %d, but the swarm trained on: fetching its state", resumed)
                 trainer.fetch_state(deadline_s=self.state_fetch_timeout_s, stop=stop)
-            except TransferError:
-                if not stop.is_set():
-                    raise
-                log.info("stopped while fetching the swarm's state")
-                return False
-        elif resumed is None and trainer.initial_state_differs:
-            log.warning("this peer's initial state differs from the swarm's, and no peer is up to take the swarm's "
-                        "from: it trains from its own start")
-        if self.launch.joining:  # a replica's ranks each fetched their part: of one step
-            try:
+            elif resumed is None and trainer.initial_state_differs:
+                log.warning("this peer's initial state differs from the swarm's, and no peer is up to take the "
+                            "swarm's from: it trains from its own start")
+            if self.launch.joining:  # a replica's ranks each fetched their part: of one step
                 trainer.align_replica(deadline_s=self.state_fetch_timeout_s, stop=stop)
-            except TransferError:
-                if not stop.is_set():
-                    raise
-                log.info("stopped while fetching the swarm's state")
-                return False
+        except TransferError:
+            if not stop.is_set():
+                raise
+            log.info("stopped while fetching the swarm's state")
+            return False
         return True
 
 
