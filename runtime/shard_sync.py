@@ -145,21 +145,21 @@ class ShardSync(Replication):
         rank calls before each step; a failed one leaves the sub-swarm). The ranks refresh
         their snapshots at the same steps, so a joining replica's ranks, each fetching from
         the same rank of a donor replica, find their chunks of one step."""
-        assert self.sharded is not None, "place() first"
-        try:
-            low_go, low_not_due = self.sharded.all_min(int(go), -int(snapshot))
-        except Exception as exc:
-            raise self.left(exc, "this rank left its sub-swarm") from exc
+        low_go, low_not_due = self._all_min(int(go), -int(snapshot))
         return bool(low_go), low_not_due < 0
 
     def step_range(self, step: int) -> tuple[int, int]:
         """The least and the greatest step the replica's ranks hold (a collective)."""
+        low, neg_high = self._all_min(step, -step)
+        return low, -neg_high
+
+    def _all_min(self, a: int, b: int) -> tuple[int, int]:
+        """`ShardedModel.all_min`; a rank gone under it makes this rank leave its sub-swarm."""
         assert self.sharded is not None, "place() first"
         try:
-            low, neg_high = self.sharded.all_min(step, -step)
+            return self.sharded.all_min(a, b)
         except Exception as exc:
             raise self.left(exc, "this rank left its sub-swarm") from exc
-        return low, -neg_high
 
     def evaluate(self, task: Task, model: Any) -> dict[str, float]:
         assert self.sharded is not None, "place() first"
