@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from starling.collectives import ReduceTimeouts
 from starling.collectives.agreement import digest_bytes
 from starling.node.rpc import Refusal, refusal_of
 from starling.protocols import get_protocol
-from starling.protocols.guard import DIGEST_SIZE, DriftGuard, donor_digest
+from starling.protocols.guard import DIGEST_SIZE, REFEREES, DriftGuard, donor_digest, referees, sources
 from starling.protocols.optim import optimizer_from_wire, optimizer_to_wire
 
 PEERS = 3
@@ -78,7 +79,8 @@ def test_a_drifted_first_member_takes_the_majoritys_state_and_they_stay_identica
     assert agree(protos)
     assert [p.guard.repairs for p in protos] == [1, 0, 0]  # the first member, once; the others keep theirs
     assert "my parameters differ from the majority's" in caplog.text
-    assert f"took {protos[1].node.peer_id}'s state" in caplog.text  # the first holder of the majority's
+    holders = {p.node.peer_id for p in protos[1:]}
+    assert any(f"took {h}'s state" in caplog.text for h in holders)  # a holder of the majority's
     states = [optimizer_to_wire(p.optimizer) for p in protos]
     for header, tensors in states[1:]:
         assert header == states[0][0] and all(torch.equal(a, b) for a, b in zip(tensors, states[0][1]))
@@ -191,24 +193,34 @@ class Replica:
         self.value = tensors[0].clone()
 
 
-def checked(make_node, values: list[float], serves: list[float | None]) -> tuple[list[Replica], list[bool | None]]:
+def checked(make_node, values: list[float], serves: list[float | None] | Callable[[tuple[str, ...]], list],
+            ) -> tuple[list[Replica], list[bool | None]]:
     """One check of round 0 by a guard on each of len(values) nodes, rank r holding values[r]
-    (ranks in member order)."""
+    (ranks in member order); `serves` may be drawn from the member list."""
     nodes = in_member_order(swarm(make_node, len(values)))
-    replicas = [Replica(n, v, s) for n, v, s in zip(nodes, values, serves)]
     members = tuple(n.peer_id for n in nodes)
+    replicas = [Replica(n, v, s) for n, v, s in zip(nodes, values, serves(members) if callable(serves) else serves)]
     return replicas, in_parallel([lambda r=r: r.guard.run(0, members) for r in replicas])
 
 
 def test_a_member_that_claims_the_majoritys_digest_and_serves_another_state_is_skipped(make_node, caplog):
-    # rank 0 holds the majority's 1.0 and says so, but serves 9.0; rank 1 drifted to 2.0
-    replicas, verdicts = checked(make_node, [1.0, 2.0, 1.0, 1.0], [9.0, None, None, None])
+    # ranks 0, 2 and 3 hold the majority's 1.0 and say so; rank 1 drifted to 2.0, and the
+    # holder it asks first serves 9.0
+    values = [1.0, 2.0, 1.0, 1.0]
+    order: list[str] = []
+
+    def serves(members: tuple[str, ...]) -> list[float | None]:
+        held = {m: digest_bytes([torch.full((4,), v)], DIGEST_SIZE) for m, v in zip(members, values)}
+        order.extend(sources(members[1], referees(0, members), held, held[members[0]]))
+        return [9.0 if m == order[0] else None for m in members]
+
+    caplog.set_level(logging.WARNING)
+    replicas, verdicts = checked(make_node, values, serves)
     assert verdicts == [False] * 4
     assert [r.value[0].item() for r in replicas] == [1.0] * 4  # rank 1 took the majority's, not 9.0
     assert [r.guard.repairs for r in replicas] == [0, 1, 0, 0]
-    liar, honest = replicas[0].node.peer_id, replicas[2].node.peer_id
-    assert f"{liar} claimed the chosen parameters for round 0 but served others" in caplog.text
-    assert f"took {honest}'s state for round 0" in caplog.text  # the next holder, in member order
+    assert f"{order[0]} claimed the chosen parameters for round 0 but served others" in caplog.text
+    assert f"took {order[1]}'s state for round 0" in caplog.text  # the next holder
 
 
 @pytest.mark.parametrize("values", [[1.0, 2.0, 1.0, 2.0], [1.0, 2.0, 3.0, 4.0], [1.0, 2.0]])
@@ -236,6 +248,22 @@ def test_the_donor_is_drawn_from_the_round_and_members_not_from_the_sort_order()
     majority = {**apart, **{m: b"x" * DIGEST_SIZE for m in members[3:]}}
     assert donor_digest(5, members, majority)[0] == b"x" * DIGEST_SIZE
     assert donor_digest(5, members, {}) == (None, "")
+
+
+def test_a_large_swarm_asks_the_same_few_referees_drawn_from_the_round():
+    members = tuple(f"peer{i:04d}" for i in range(1000))
+    asked = referees(3, members)
+    assert len(asked) == REFEREES and set(asked) <= set(members)
+    assert referees(4, members) != asked  # and afresh each round
+    assert set(referees(3, members[:REFEREES])) == set(members[:REFEREES])  # a small swarm asks everyone
+    # one member in a hundred apart: the referees' majority is the swarm's, however it is drawn
+    held = {m: (b"y" if i % 100 == 7 else b"x") * DIGEST_SIZE for i, m in enumerate(members)}
+    for t in range(20):
+        chosen, how = donor_digest(t, members, held)
+        assert chosen == b"x" * DIGEST_SIZE and f"of {REFEREES} referees of 1000 members" in how
+    # the members that take a state spread over its holders
+    firsts = {sources(m, asked, held, b"x" * DIGEST_SIZE)[0] for m in members[:200]}
+    assert len(firsts) > REFEREES // 2
 
 
 def test_a_check_that_agrees_costs_one_tiny_round_and_no_transfer(make_node):
