@@ -27,7 +27,14 @@ import torch
 
 from starling.node import JoinError
 from starling.runtime.capacity import CapacityError, plan_capacity
-from starling.runtime.peer import SimPeer, on_network_thread, raise_if_faulted, start_together, sync_with_seed
+from starling.runtime.peer import (
+    SimPeer,
+    close_together,
+    on_network_thread,
+    raise_if_faulted,
+    start_together,
+    sync_with_seed,
+)
 from starling.runtime.replica_sim import run_replicas
 from starling.runtime.sim_processes import ProgressFn, run_processes
 from starling.runtime.simconfig import SimConfig, SimError, check_config, endpoint_for, wait_for
@@ -144,8 +151,7 @@ class Simulation:
                 self.progress(furthest[0])
             return [p.result for p in peers], t0
         finally:
-            for peer in peers:
-                peer.close()
+            close_together(peers)
             torch.set_num_threads(threads_before)
 
     @staticmethod

@@ -48,7 +48,14 @@ import torch
 
 from starling.common.lifeline import die_with_parent
 from starling.runtime.forking import fork_context, forked_args, run_forked
-from starling.runtime.peer import SimPeer, on_network_thread, raise_if_faulted, start_together, sync_with_seed
+from starling.runtime.peer import (
+    SimPeer,
+    close_together,
+    on_network_thread,
+    raise_if_faulted,
+    start_together,
+    sync_with_seed,
+)
 from starling.runtime.simconfig import SimConfig, SimError, endpoint_for
 from starling.runtime.summary import PeerResult
 from starling.runtime.trainer import prepare_to_train
@@ -251,8 +258,8 @@ class _Worker:
 
     def _report(self) -> None:
         """Every peer is done: collect and close ours, then send their results."""
+        self.close()
         for rank in sorted(self.peers):
-            self._close(rank)
             self.link.queue.put(("result", rank, self.peers[rank].result))
 
     def _given_up(self) -> bool:
@@ -277,14 +284,10 @@ class _Worker:
             if time.monotonic() > deadline:
                 raise SimError(f"worker {self.index} timed out after {timeout_s:g} s waiting for {what}")
 
-    def _close(self, rank: int) -> None:
-        if rank not in self.closed:
-            self.closed.add(rank)
-            self.peers[rank].close()
-
     def close(self) -> None:
-        for rank in sorted(self.peers):
-            self._close(rank)
+        closing = [self.peers[rank] for rank in sorted(self.peers) if rank not in self.closed]
+        self.closed.update(peer.rank for peer in closing)
+        close_together(closing)
 
 
 # ---------------------------------------------------------------------------- the parent side
