@@ -55,6 +55,8 @@ def test_a_join_into_a_formed_256_peer_swarm_reaches_99_percent_within_10_period
             if knowing >= needed or elapsed > 3 * PERIODS * period_s:
                 break
             time.sleep(0.2)  # each poll asks all 256 nodes, on the network thread they share
+        print(f"join spread: {knowing} of {PEERS} members in {elapsed:.1f} s, {elapsed / period_s:.1f} periods of "
+              f"{period_s:g} s")  # shown with pytest -s
         assert knowing >= needed, f"{knowing} of {PEERS} knew the joiner after {elapsed:.1f} s"
         assert elapsed <= PERIODS * period_s, f"99% knew the joiner after {elapsed / period_s:.1f} periods"
     finally:
