@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import logging
 import time
 from collections import Counter
@@ -140,8 +141,8 @@ class DriftGuard:
             log.warning("%s: %s differ across the swarm at round %d and none of the members asked gave a digest; "
                         "the next check decides", me, self.what, t)
             return same
-        if mine == chosen:
-            self._served = (t, self._snapshot())
+        if mine == chosen:  # only referees are asked for it: the others keep no copy
+            self._served = (t, self._snapshot() if me in asked else None)
             log.warning("%s: %s differ across the swarm at round %d (%s); mine are the %s, the others take them",
                         me, self.what, t, _describe(counts), how)
             return same
@@ -261,8 +262,8 @@ class DriftGuard:
         if refused is not None:
             return refused
         if state is None:
-            return refusal(Refusal.NOT_FOUND, f"I serve no state for round {t}: no mismatch, or mine is not the "
-                           "chosen one", step=served_round)
+            return refusal(Refusal.NOT_FOUND, f"I serve no state for round {t}: no mismatch, mine is not the "
+                           "chosen one, or I am no referee", step=served_round)
         return Reply(GuardState(t, state[0]).to_wire(), state[1])
 
 
@@ -271,7 +272,7 @@ def referees(t: int, members: tuple[str, ...]) -> tuple[str, ...]:
     order drawn from the round and the member list (every member draws the same, and no member
     can place itself in it by choosing its key), so all of them in a swarm of REFEREES or fewer."""
     seed = derive_seed("guard.donor", t, int.from_bytes(view_digest(members)[:8], "little"))
-    return tuple(sorted(members, key=lambda m: (derive_seed(seed, peer_hash(m)), m))[:REFEREES])
+    return tuple(heapq.nsmallest(REFEREES, members, key=lambda m: (derive_seed(seed, peer_hash(m)), m)))
 
 
 def donor_digest(t: int, members: tuple[str, ...], digests: Mapping[str, bytes]) -> tuple[bytes | None, str]:
