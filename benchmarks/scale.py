@@ -10,6 +10,8 @@ the descriptors, the heartbeat sized to the swarm; both are in the row). Reporte
 - start_s: from `Simulation.run()` to the first training step (every peer joined and sees
   every other), after torch's one-time lazy imports (`prepare_to_train`), which every
   process pays once whatever its size;
+- tail_s: from the last progress report (every peer done) to the summary: the peers' results
+  gathered and their nodes closed;
 - total_s: the whole run, summary included; ok: it printed a summary;
 - peak_rss_mb: the largest sum of resident memory over the run's process tree, sampled
   every 0.25 s from /proc;
@@ -40,17 +42,20 @@ CHILD = textwrap.dedent("""
     prepare_to_train()  # torch's one-time imports (seconds on a loaded box): not the swarm's start-up
     peers, processes, steps = (int(x) for x in sys.argv[1:4])
     protocol, task = sys.argv[4], sys.argv[5]
-    first = []
+    first, last = [], []
     started = time.monotonic()
     def progress(step):
         if not first:
             first.append(time.monotonic())
+        last[:] = [time.monotonic()]
     config = SimConfig(peers=peers, protocol=protocol, task=task, steps=steps, processes=processes,
                        transport="tcp" if processes else "inproc")
     result = Simulation(config, progress).run()
     s = result.summary
-    print(json.dumps({"start_s": (first[0] if first else time.monotonic()) - started,
-                      "total_s": time.monotonic() - started, "eval_loss": s["eval_loss"],
+    ended = time.monotonic()
+    print(json.dumps({"start_s": (first[0] if first else ended) - started,
+                      "tail_s": ended - (last[0] if last else ended), "total_s": ended - started,
+                      "eval_loss": s["eval_loss"],
                       "max_dealers": s.get("max_dealers"), "probe_interval_s": s.get("probe_interval_s"),
                       "finished": sum(1 for p in result.peers if p.status == "finished")}))
 """)
@@ -107,7 +112,7 @@ def run_one(peers: int, processes: int, args: argparse.Namespace) -> dict[str, A
         row["ok"] = True
     else:
         row.update(ok=False, returncode=proc.returncode, error=(err.strip().splitlines() or ["?"])[-1][:500])
-    for key in ("start_s", "total_s"):
+    for key in ("start_s", "tail_s", "total_s"):
         if key in row:
             row[key] = round(row[key], 1)
     return row
