@@ -29,8 +29,8 @@ serves another state is skipped for the next holder.
 
 Referees keep a mismatch's cost linear in the members: every member asks the same REFEREES
 members for their digests, not every other member (n^2 requests on a box that simulates n
-peers: 65,000 at 256, and the round's timeout passed with 175 of 256 answers missing), and the
-members that take a state spread over the referees holding it. A swarm of at most REFEREES
+peers: 65,000 at 256, more than one box answers within a round's timeout), and the members
+that take a state spread over the referees holding it. A swarm of at most REFEREES
 members asks every member, as a check over all of them would. With more, the state taken is
 the one most held among a sample drawn where nobody can aim: a state that one member in a
 hundred holds is chosen only if several of 16 referees hold it, and every member takes the same.
@@ -38,6 +38,7 @@ hundred holds is chosen only if several of 16 referees hold it, and every member
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import heapq
 import logging
@@ -267,6 +268,7 @@ class DriftGuard:
         return Reply(GuardState(t, state[0]).to_wire(), state[1])
 
 
+@functools.lru_cache(maxsize=8)  # a check asks for them twice: its requests, then `donor_digest`
 def referees(t: int, members: tuple[str, ...]) -> tuple[str, ...]:
     """The members asked for their digests after round t's mismatch: the first REFEREES in an
     order drawn from the round and the member list (every member draws the same, and no member

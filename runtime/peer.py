@@ -240,8 +240,8 @@ CLOSING_AT_ONCE = 32  # simulated peers closing at once (each close waits for it
 
 def close_together(peers: list[SimPeer]) -> None:
     """Close `peers` a few dozen at a time (CLOSING_AT_ONCE). A close waits up to a second for
-    its node's tasks to end on the network thread the peers share, so one at a time, a worker's
-    32 peers took 19 s to report after the last step; at once, the waits overlap."""
+    its node's tasks to end on the network thread the peers share: one at a time, a worker's 32
+    peers take 12-19 s to report after the last step; at once, the waits overlap."""
     if not peers:
         return
     with concurrent.futures.ThreadPoolExecutor(min(CLOSING_AT_ONCE, len(peers)), "sim-close") as pool:

@@ -2,10 +2,10 @@
 protocol periods, as SWIM's O(log n) dissemination says it should.
 
 The peers are the simulator's own (`SimPeer`, in one process over inproc, with the probe period
-the simulator sizes to the box's share the swarm gets). The swarm is formed by handing every member every other's
-signed record (a simulator's introductions, without a join each); then the joiner greets one
-member, and the others learn of it from that member's gossip and their own: no table pull from
-the seed, no introduction."""
+the simulator sizes to the share of the box the swarm gets). The swarm is formed by handing
+every member every other's signed record (a simulator's introductions, without a join each);
+then the joiner greets one member, and the others learn of it from that member's gossip and
+their own: no table pull from the seed, no introduction."""
 from __future__ import annotations
 
 import math
