@@ -153,8 +153,9 @@ class MemberSide:
         if ahead > t:  # the owners had gone on: nothing of this peer's counted in this round
             absent.add(me)
         diverged = any(r.diverged for r in results if r.packet is not None)
+        whole = averaged == len(results) and not missing and not lost and ahead == t
         return ReduceResult(t, synced, len(members) - len(lost), tuple(sorted(lost - skipped)), ahead,
-                            tuple(sorted(lost & skipped)), shares, tuple(sorted(absent)), diverged)
+                            tuple(sorted(lost & skipped)), shares, tuple(sorted(absent)), diverged, whole)
 
     def _within_bound(self, t: int, bounds: tuple[int, int], res: ShardResult, avg: torch.Tensor,
                       mine: torch.Tensor) -> bool:

@@ -37,6 +37,9 @@ class ReduceResult:
     # an owner saw the members begin this round with different states (their parts' digests
     # differed): every member that got such an average checks and repairs them after the round
     diverged: bool = False
+    # every chunk came back averaged, each average counting every member (this peer too): the
+    # members all applied the same averages to whatever state they began the round with
+    whole: bool = False
 
 
 def shares_in(reply: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:

@@ -133,7 +133,7 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
                 raise ProtocolError("allreduce: audit_rate needs the runtime's batches (audit_data, which the "
                                     "Trainer sets)")
             recipe = self.auditor.before(t, members, self.audit_data)
-        state = self._round_state() if len(members) > 1 else None
+        state = self._round_state(t) if len(members) > 1 else None
         result = self.reducer.start(t, members, grad, lend=True, recipe=recipe, weight=weight, state=state).wait()
         if len(members) > 1:
             self.flat.scatter_grads(grad)
@@ -147,9 +147,8 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
             self.optimizer.step()
         if self.buffer_sync is not None and len(members) > 1:
             self.buffer_sync.sync(t, members)
-        if self.guard is not None and (self.guard.due(t) or result.diverged) and len(members) > 1 \
-                and result.ahead <= t:
-            self.guard.run(t, members)  # (a peer that was late checks at the swarm's next check)
+        if self.guard is not None:  # (a peer that was late checks at the swarm's next check)
+            self.guard.after_round(t, members, result)
         self.step_count = max(self.step_count, t + 1)
         if result.lost:
             log.warning("%s: allreduce step %d went on without %s", self.node.peer_id, t, few(result.lost))

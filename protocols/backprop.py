@@ -77,12 +77,13 @@ class BackpropProtocol(Protocol):
             return None
         return digest_bytes(self._replica_tensors(), 8).hex()
 
-    def _round_state(self) -> bytes | None:
+    def _round_state(self, t: int | None = None) -> bytes | None:
         """The digest my parts of a round name of the state I begin it with (the guard's, with
-        the runtime's `round_context`); None without a guard."""
+        the runtime's `round_context`); None without a guard. `t`: the round, where nothing
+        changes the state between its start and the guard's check after it (`DriftGuard.round_digest`)."""
         if self.guard is None:
             return None
-        return self.guard.round_digest(self.round_context() if self.round_context is not None else b"")
+        return self.guard.round_digest(self.round_context() if self.round_context is not None else b"", t)
 
     def _replica_tensors(self) -> Sequence[torch.Tensor]:
         """What the guard compares: the parameters."""

@@ -315,7 +315,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
                 share = self.sigma * c.clip / math.sqrt(len(members)) / self._per_release
         # y becomes the mean of the peers' sketches
         # x_t, which every member should hold alike (local steps move the parameters off it)
-        state = self._round_state() if self.anchor is None and len(members) > 1 else None
+        state = self._round_state(t) if self.anchor is None and len(members) > 1 else None
         result = self.reducer.start(t, members, y, lend=True, noise_std=share, state=state).wait()
         if result.ahead > t:
             log.info("%s: sketch-dp round %d was late; catching up to round %d", self.node.peer_id, t, result.ahead)
@@ -327,9 +327,8 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
                 self.flat.read_params(self.anchor)
             self.accountant.step(self._released_sigma(members, result), c.rate)
             self._check_budget()
-        if self.guard is not None and (self.guard.due(t) or result.diverged) and len(members) > 1 \
-                and result.ahead <= t:
-            self.guard.run(t, members)  # on x_{t+1}, which every peer holds
+        if self.guard is not None:
+            self.guard.after_round(t, members, result)  # on x_{t+1}, which every peer holds
         self.step_count = max(self.step_count, s + 1)
         if result.lost:
             log.warning("%s: sketch-dp round %d went on without %s", self.node.peer_id, t, few(result.lost))

@@ -266,7 +266,7 @@ def test_a_large_swarm_asks_the_same_few_referees_drawn_from_the_round():
     assert len(firsts) > REFEREES // 2
 
 
-def test_a_check_that_agrees_costs_one_tiny_round_and_no_transfer(make_node):
+def test_a_check_that_agrees_costs_no_round_of_its_own_and_no_transfer(make_node):
     world, dim, checks = 4, 4000, 3
     nodes = swarm(make_node, world)
     torch.manual_seed(0)
@@ -277,10 +277,29 @@ def test_a_check_that_agrees_costs_one_tiny_round_and_no_transfer(make_node):
     in_parallel([lambda r=r: [protos[r].step(lambda: models[r](x).sum()) for _ in range(checks)]
                  for r in range(world)])
     for node, proto in zip(nodes, protos):
+        # each due round's parts named a digest of every parameter, every owner saw one, and
+        # every average counted every member: the round was the check
+        assert proto.guard.passed_in_round == checks
+        assert node.stats.total_sent("allreduce.agree") == 0
+        assert node.stats.total_sent("allreduce.sync") == 0 and proto.guard.repairs == 0
+        proto.close()
+
+
+def test_the_agreement_round_alone_costs_one_tiny_round_and_no_transfer(make_node):
+    """What a check costs where a round cannot settle it (a round that was not whole, DiLoCo's)."""
+    world, dim, checks = 4, 4000, 3
+    nodes = swarm(make_node, world)
+    torch.manual_seed(0)
+    first = nn.Linear(dim, 1, bias=False)
+    models = [first] + [copy.deepcopy(first) for _ in range(world - 1)]
+    protos = [get_protocol("allreduce").create(n, m, {"check_every": 1}) for n, m in zip(nodes, models)]
+    in_parallel([lambda r=r: [protos[r].guard.run(t, tuple(sorted(n.peer_id for n in nodes)))
+                              for t in range(checks)] for r in range(world)])
+    for node, proto in zip(nodes, protos):
         assert wait_until(lambda node=node: node.stats.total_sent("allreduce.agree") > 0)
         per_check = node.stats.total_sent("allreduce.agree") / checks
-        # 16 values in P - 1 parts and P - 1 averages; nearly all of it is their headers, which
-        # name the round's members (1.3 kB measured), against 24 kB of gradient every step
+        # 16 values to one owner and its average back; nearly all of it is the headers, which
+        # name the round's members, against 24 kB of gradient every step
         assert 0 < per_check < 2000, per_check
         assert node.stats.total_sent("allreduce.sync") == 0 and proto.guard.repairs == 0
         proto.close()
