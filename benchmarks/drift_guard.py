@@ -8,8 +8,10 @@ included: read it over several runs).
                                      [--sync-every H] [--fragments F] [--steps N]
                                      [--only diloco,streaming-diloco,allreduce,sketch-dp]
 
-A check is one tiny lossless round (16 float32 values, in P - 1 parts and P - 1 averages per
-peer; nearly all of it is headers). DiLoCo checks every K syncs of fragment 0, so a run of
+In allreduce and sketch-dp a due round that was whole is the check (its parts name a digest
+of every value): it costs no bytes beyond the digest every part names. Otherwise, and in
+DiLoCo, a check is one tiny lossless round (32 float32 values to one owner and its average
+back; nearly all of it is headers). DiLoCo checks every K syncs of fragment 0, so a run of
 K * H steps holds exactly one check (round 0 of fragment 0) and K syncs of every fragment: its
 ratio is the long-run one, whatever H (a fragment's bytes per sync do not depend on H, so the
 default H = 8 only keeps the run short). allreduce and sketch-dp check every K steps
