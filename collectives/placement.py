@@ -20,7 +20,7 @@ from starling.collectives.layout import chunk_layout
 from starling.common.hashing import derive_seed, peer_hash
 
 Shard = tuple[tuple[tuple[int, int], ...], tuple[str, ...]]  # (chunk bounds, owners)
-_KEEP_PLACEMENTS = 16  # replicated placements cached (a draw costs a hash per member)
+_KEEP_PLACEMENTS = 16  # placements cached: each costs a look at every member (and a hash each, replicated)
 
 
 class Placement:
@@ -59,22 +59,27 @@ class Placement:
         return owners or members
 
     def shards(self, members: tuple[str, ...], t: int) -> list[Shard]:
-        """(chunks, owners) of each shard of round t over `members`."""
-        owners = self.owners(members)
-        layout = self.layout(len(owners))
-        r = min(self.replication, len(owners))
-        if r <= 1:
-            return [(chunks, (owner,)) for chunks, owner in zip(layout, owners)]
+        """(chunks, owners) of each shard of round t over `members`: computed once per round and
+        list, then kept (an owner asks for every part it takes, a member several times a round:
+        at 1024 members that was a million reachability looks per owner per round), so a
+        record that changes in the middle of a round does not move its shards either."""
         key = (t, members)
         cached = self._cache.get(key)
         if cached is not None:
             return cached
-        seed = derive_seed("reduce.owners", t, int.from_bytes(view_digest(members)[:8], "little"))
-        order = tuple(sorted(owners, key=lambda m: derive_seed(seed, peer_hash(m))))
-        shards = [(chunks, tuple(order[(i + k) % len(order)] for k in range(r))) for i, chunks in enumerate(layout)]
+        owners = self.owners(members)
+        layout = self.layout(len(owners))
+        r = min(self.replication, len(owners))
+        if r <= 1:
+            shards = [(chunks, (owner,)) for chunks, owner in zip(layout, owners)]
+        else:
+            seed = derive_seed("reduce.owners", t, int.from_bytes(view_digest(members)[:8], "little"))
+            order = tuple(sorted(owners, key=lambda m: derive_seed(seed, peer_hash(m))))
+            shards = [(chunks, tuple(order[(i + k) % len(order)] for k in range(r)))
+                      for i, chunks in enumerate(layout)]
         self._cache[key] = shards
-        while len(self._cache) > _KEEP_PLACEMENTS:
-            self._cache.pop(next(iter(self._cache)))
+        for old in list(self._cache)[:-_KEEP_PLACEMENTS]:  # the training and network threads both ask
+            self._cache.pop(old, None)
         return shards
 
     def owner_set(self, members: tuple[str, ...], t: int) -> set[str]:
