@@ -106,7 +106,7 @@ class Bootstrap:
 
     def __init__(self, local: LocalPeer, table: PeerTable, outbox: Outbox, swarm: Swarm, stats: NodeStats,
                  spawn: Spawn, *, join_deadline_s: float, join_backoff_s: float, join_timeout_s: float,
-                 reach_timeout_s: float, rejoin_interval_s: float) -> None:
+                 reach_timeout_s: float, rejoin_interval_s: float, page_table: bool = True) -> None:
         self.local = local
         self.table = table
         self.outbox = outbox
@@ -117,6 +117,7 @@ class Bootstrap:
         self.join_timeout_s = join_timeout_s
         self.reach_timeout_s = reach_timeout_s
         self.rejoin_interval_s = rejoin_interval_s
+        self.page_table = page_table  # page the seed's table past its hello's answer (NodeConfig.page_table_on_join)
         self._spawn = spawn
         self._rng = random.Random()
         self.seeds: list[PeerAddress] = []  # the join addresses, tried again while their peers are gone
@@ -351,7 +352,7 @@ class Bootstrap:
             raise JoinError(exc.detail) from None
         responder = self._accept_hello_reply(reply.body, seed)
         following = reply.body.get("next")
-        if isinstance(following, str):  # the table goes on past what a hello's answer may carry
+        if isinstance(following, str) and self.page_table:  # the table goes on past what a hello's answer may carry
             try:
                 await self.swarm.tables.sync(responder.peer_id, after=following)
             except Exception as exc:  # the digests' WANTs find the rest, only slower

@@ -104,6 +104,7 @@ class Node:
                             closed=lambda: self.closed, listeners=self._listeners)
         self._bootstrap = Bootstrap(local, self._table, self._outbox, self._swarm, stats, spawn,
                                     join_deadline_s=config.join_deadline_s, join_backoff_s=config.join_backoff_s,
+                                    page_table=config.page_table_on_join,
                                     join_timeout_s=config.join_timeout_s, reach_timeout_s=config.reach_timeout_s,
                                     rejoin_interval_s=config.rejoin_interval_s)
         self._relay = Relay(local, self._table, self._outbox, spawn, config.relay, max_frames=config.limits.max_frames,

@@ -50,8 +50,13 @@ class SimPeer:
                                     monitor_connections=config.transport != "inproc",
                                     max_open_dealers=config.max_dealers or TransportConfig.max_open_dealers)
         liveness = config.liveness or sim_liveness(config.peers_per_process(), config.world)
+        # An initial peer takes the first page of its seed's table and no more: once its
+        # process's peers have joined, one of them pulls the seed's table and every other is
+        # handed it (`sync_with_seed`), so paging it per peer sent the seed's process n^2
+        # records. A joiner mid-run (its rank past the initial peers) pages it as a node does.
         node_config = NodeConfig(liveness=liveness, join_timeout_s=config.join_timeout_s,
-                                 join_deadline_s=config.join_deadline_s, transport=transport)
+                                 join_deadline_s=config.join_deadline_s, transport=transport,
+                                 page_table_on_join=rank >= config.peers)
         # With every rank syncing its own shard, each rank of a replica is a node of its own.
         self.replication: Replication = Single() if group is None else \
             ShardSync(group) if config.shard_sync else Replica(group)
