@@ -16,8 +16,9 @@ longer to form as long as its peers keep learning of each other):
 1. The parent starts every worker at once (forks of the simulator's fork server,
    `runtime/forking.py`). The worker that holds rank 0 starts it and reports its address.
 2. The parent hands that address to every worker; each starts its peers, which join through
-   rank 0 (as in the threaded simulator), waits until each sees all the others, builds their
-   protocols and reports them ready.
+   rank 0 (as in the threaded simulator), or, in a worker without rank 0, through one of its own
+   that joined through rank 0 first (rank 0 after it); then waits until each sees all the others,
+   builds their protocols and reports them ready.
 3. The parent sets `start` (with the shared `t0`) and the workers start their training threads.
 
 Workers talk to the parent through one queue (see `WorkerLink`); the parent talks to a worker
@@ -162,7 +163,15 @@ class _Worker:
             early.append(message)
         first, seed_id = message[1], message[2]
         others = [peer for peer in peers if peer.rank != 0]
-        start_together(others, [first], on_started=self._announce)  # news for the parent as each joins
+        if others and 0 not in self.peers:
+            # One of ours joins through rank 0 and the rest through it (rank 0 after it): every
+            # joiner through rank 0 left its process, whose network thread runs its other nodes
+            # too, a thousand hellos to answer, and the last joiners everywhere waited on it.
+            start_together(others[:1], [first], on_started=self._announce)
+            others, joins = others[1:], [others[0].node.address, first]
+        else:
+            joins = [first]
+        start_together(others, joins, on_started=self._announce)  # news for the parent as each joins
         for message in early:
             self._introduce(peers, seed_id, message)
         if not self._wait_until_peers_see_each_other(peers, seed_id):
