@@ -3,13 +3,15 @@ member list, and their owners.
 
     owners = the members others can dial, in member order (all members when none can be)
     shards = P contiguous slices of the vector, P = |owners| (fewer: min_shard_numel, max_owners)
-    shard i's owners = owners[i]; with replication r, r consecutive owners of an order drawn
-                       afresh each round from the round and the member list
+    shard i's owners = owners[i]; with fewer shards than owners, the first P of an order drawn
+                       afresh each round from the round and the member list; with replication
+                       r, r consecutive owners of that order
 
 Every peer computes the same placement from the same member list and round, so it is never
-sent. The draw for replicated owners is seeded by the round and the member list's digest: a
-member cannot grind a key that sits next to its accomplice's round after round, since the
-order changes with every round and every list.
+sent. The draw is seeded by the round and the member list's digest: a member cannot grind a
+key that makes it an owner round after round (in id order the lowest ids owned every round of
+a large swarm, and carried all of its averaging), or that sits next to its accomplice's, since
+the order changes with every round and every list.
 """
 from __future__ import annotations
 
@@ -37,11 +39,11 @@ class Placement:
         if max_owners < 0:
             raise ValueError(f"max_owners must be >= 0, got {max_owners}")
         self.numel, self.chunk_numel = numel, chunk_numel
-        # Above 1: shards of at least this many values, owned by the first members only. A
+        # Above 1: shards of at least this many values, owned by members drawn each round. A
         # small vector over many peers (a 4096-value sketch over 1024 peers) otherwise cuts
         # into P shards of a few values each: P^2 requests a round, a million at 1024 peers.
         self.min_shard_numel = min_shard_numel
-        # Above 0: at most this many shards (owned by the first members). A member's part to an
+        # Above 0: at most this many shards (owned by members drawn each round). A member's part to an
         # owner holds a socket until the owner's group closes, so a round with more owners than
         # a node keeps sockets open (TransportConfig.max_open_dealers) cannot send all its parts
         # at once, and the parts that found no socket are lost to the round.
@@ -70,7 +72,7 @@ class Placement:
         owners = self.owners(members)
         layout = self.layout(len(owners))
         r = min(self.replication, len(owners))
-        if r <= 1:
+        if r <= 1 and len(layout) == len(owners):  # every owner owns a shard, in member order
             shards = [(chunks, (owner,)) for chunks, owner in zip(layout, owners)]
         else:
             seed = derive_seed("reduce.owners", t, int.from_bytes(view_digest(members)[:8], "little"))

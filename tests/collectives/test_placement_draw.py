@@ -1,0 +1,39 @@
+"""Who owns a round's shards when there are fewer shards than members: drawn each round from
+the round and the member list, the same on every member, so no id owns every round."""
+from __future__ import annotations
+
+from collections import Counter
+
+from starling.collectives.placement import Placement
+
+
+def _members(n: int) -> tuple[str, ...]:
+    return tuple(sorted(f"m{i:04d}" for i in range(n)))
+
+
+def test_owners_are_drawn_each_round_not_the_lowest_ids():
+    members = _members(1000)
+    placement = Placement(1000, 1 << 16, max_owners=4)
+    owners = [placement.owner_set(members, t) for t in range(50)]
+    assert all(len(o) == 4 for o in owners)
+    assert owners.count(set(members[:4])) == 0  # the lowest ids own no round
+    counts = Counter(m for o in owners for m in o)
+    assert max(counts.values()) <= 3 and len(counts) >= 150  # 200 seats spread over many members
+    # every member computes the same: a fresh placement, the same list in another tuple
+    again = Placement(1000, 1 << 16, max_owners=4)
+    assert all(again.owner_set(tuple(list(members)), t) == owners[t] for t in range(50))
+    # another member list draws afresh
+    assert placement.owner_set(members[1:], 7) != owners[7]
+
+
+def test_a_swarm_with_a_shard_for_every_member_keeps_member_order():
+    members = _members(6)
+    placement = Placement(600, 1 << 16, max_owners=48)
+    assert [owners for _, owners in placement.shards(members, 3)] == [(m,) for m in members]
+
+
+def test_only_reachable_members_are_drawn():
+    members = _members(100)
+    reachable = set(members[::2])
+    placement = Placement(100, 1 << 16, max_owners=4, reachable=lambda m: m in reachable)
+    assert all(placement.owner_set(members, t) <= reachable for t in range(30))
