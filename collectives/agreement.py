@@ -9,8 +9,8 @@ member reaches the same verdict in the same round: there is no heartbeat to wait
 view to disagree on.
 
 "Exactly" holds while the owner's float32 sums are exact: integers up to 2^24. Half bytes keep
-c^2 at most 225, so up to MAX_MEMBERS members; whole bytes (c^2 up to 65,025) overflowed that
-at 259 members, and every check of a larger swarm found a difference where there was none.
+c^2 at most 225, so up to MAX_MEMBERS members; whole bytes (c^2 up to 65,025) would pass it at
+259 members, and every check of a larger swarm would find a difference where there is none.
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ member list, and their owners.
 
 Every peer computes the same placement from the same member list and round, so it is never
 sent. The draw is seeded by the round and the member list's digest: a member cannot grind a
-key that makes it an owner round after round (in id order the lowest ids owned every round of
-a large swarm, and carried all of its averaging), or that sits next to its accomplice's, since
+key that makes it an owner round after round (in id order the lowest ids would own every round
+of a large swarm, and carry all of its averaging), or that sits next to its accomplice's, since
 the order changes with every round and every list.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Placement:
     def shards(self, members: tuple[str, ...], t: int) -> list[Shard]:
         """(chunks, owners) of each shard of round t over `members`: computed once per round and
         list, then kept (an owner asks for every part it takes, a member several times a round:
-        at 1024 members that was a million reachability looks per owner per round), so a
+        computing it each time, at 1024 members, is a million reachability looks per owner per round), so a
         record that changes in the middle of a round does not move its shards either."""
         key = (t, members)
         cached = self._cache.get(key)

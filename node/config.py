@@ -32,8 +32,8 @@ class NodeConfig:
     join_backoff_s: float = 1.0  # the first wait between two rounds (doubled each round, up to 30 s)
     # After a hello, page the rest of the seed's table from where its answer stopped (`next`).
     # False where something else hands the node the table (a simulator pulls the seed's table once
-    # per process and gives every node it runs the records): at 1024 nodes joining through one
-    # seed, a million records went out of that seed's process, and the last joiners waited on it.
+    # per process and gives every node it runs the records): 1024 nodes joining through one seed
+    # and paging its table take a million records out of that seed's process.
     page_table_on_join: bool = True
     rejoin_interval_s: float = 10.0  # how often join addresses whose peers are gone are tried again
     leave_timeout_s: float = 1.0

@@ -52,7 +52,7 @@ class SimPeer:
         liveness = config.liveness or sim_liveness(config.peers_per_process(), config.world)
         # An initial peer takes the first page of its seed's table and no more: once its
         # process's peers have joined, one of them pulls the seed's table and every other is
-        # handed it (`sync_with_seed`), so paging it per peer sent the seed's process n^2
+        # handed it (`sync_with_seed`), so paging it per peer would cost the seed's process n^2
         # records. A joiner mid-run (its rank past the initial peers) pages it as a node does.
         node_config = NodeConfig(liveness=liveness, join_timeout_s=config.join_timeout_s,
                                  join_deadline_s=config.join_deadline_s, transport=transport,

@@ -164,9 +164,9 @@ class _Worker:
         first, seed_id = message[1], message[2]
         others = [peer for peer in peers if peer.rank != 0]
         if others and 0 not in self.peers:
-            # One of ours joins through rank 0 and the rest through it (rank 0 after it): every
-            # joiner through rank 0 left its process, whose network thread runs its other nodes
-            # too, a thousand hellos to answer, and the last joiners everywhere waited on it.
+            # One of ours joins through rank 0 and the rest through it (rank 0 after it): with
+            # every joiner going through rank 0, its process, whose network thread runs its other
+            # nodes too, would answer a thousand hellos while the last joiners everywhere wait.
             start_together(others[:1], [first], on_started=self._announce)
             others, joins = others[1:], [others[0].node.address, first]
         else:
