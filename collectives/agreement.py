@@ -55,7 +55,8 @@ class AgreementCheck:
     def __init__(self, node: Node, topic: str, timeouts: ReduceTimeouts, is_open: Callable[[], bool]) -> None:
         # One owner: 16 values cut into a shard per member made n^2 requests of a value or
         # none each (65,536 at 256 peers, which did not finish in the round timeout).
-        self.reducer = ShardedReducer(node, topic, 4 * WIDTH, "none", timeouts, is_open, min_shard_numel=4 * WIDTH)
+        self.reducer = ShardedReducer(node, topic, 4 * WIDTH, "none", timeouts, is_open, min_shard_numel=4 * WIDTH,
+                                      max_owners=1)
 
     def agree(self, t: int, members: tuple[str, ...], tensors: Sequence[torch.Tensor]) -> bool | None:
         """True if every member holds the same bits, False if some member differs, None when

@@ -83,17 +83,18 @@ class BufferAverager:
     ones, under `topic` and `topic`.max; `averaged` and `maxed` are what the last sync left."""
 
     def __init__(self, node: Node, model: nn.Module, topic: str, timeouts: ReduceTimeouts,
-                 is_open: Callable[[], bool], max_owners: int = 0) -> None:
+                 is_open: Callable[[], bool], max_owners: int = 0, min_shard_numel: int = 1) -> None:
         """`max_owners`: the most owners a round has (the protocol's, so that its rounds fit the
-        sockets a node holds as the protocol's own rounds do); 0: one per member."""
+        sockets a node holds as the protocol's own rounds do); 0: one per member.
+        `min_shard_numel`: the fewest values a shard holds (the protocol's too)."""
         self.node = node
         self.buffers = ModelBuffers(model)
         self.numel = self.buffers.float_numel
         self.reducer = ShardedReducer(node, topic, self.numel, "none", timeouts, is_open,
-                                      max_owners=max_owners) if self.numel else None
+                                      max_owners=max_owners, min_shard_numel=min_shard_numel) if self.numel else None
         n = self.buffers.int_numel
-        self.max_reducer = ShardedReducer(node, f"{topic}.max", SLOTS * n * PIECES, "none", timeouts,
-                                          is_open, max_owners=max_owners) if n else None
+        self.max_reducer = ShardedReducer(node, f"{topic}.max", SLOTS * n * PIECES, "none", timeouts, is_open,
+                                          max_owners=max_owners, min_shard_numel=min_shard_numel) if n else None
         self.reducers = [r for r in (self.reducer, self.max_reducer) if r is not None]  # for peer events
         self.averaged: torch.Tensor | None = None  # what every member of the last sync holds
         self.maxed: torch.Tensor | None = None

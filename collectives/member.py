@@ -257,6 +257,11 @@ class MemberSide:
         if refused is not None:
             return ShardResult(i, c, me, None, reason=refused.reason)
         average = Average.from_wire(reply, members)  # my own group's answer: well formed
+        ahead = max((self._peer_round.get(p, t) for p in members), default=t)
+        if ahead > t and set(average.contributors) == {me}:
+            # I own this chunk alone and every other member had moved past the round: I am the
+            # one behind, as an owner's refusal tells a member that sent it a stale part
+            return ShardResult(i, c, me, None, reason=f"the other members are in round {ahead}", owner_round=ahead)
         packet = Packet(self._avg_headers.incoming(average.header, part.numel()), buffers)
         content = vote_key(content_digest(packet.header, packet.buffers), average.scores) if self._replicated else None
         return ShardResult(i, c, me, packet, average.contributors, shares=average.shares, content=content,
@@ -285,6 +290,8 @@ class MemberSide:
         if refused is not None:
             if refused.owner_round > t:  # the owner has moved past this round: my groups stop waiting for it
                 self._saw_ahead(owner, refused.owner_round)
+                if refusal_of(msg.body) is Refusal.LATE:  # and it closed this round: so do mine
+                    self._round_over(t)
             return ShardResult(i, c, owner, None, reason=f"owner refused: {refused.reason}",
                                 owner_round=refused.owner_round)
         try:

@@ -311,6 +311,15 @@ class OwnerSide:
             if key[0] < t:
                 self._stop_waiting_for(key, group, peer)
 
+    def _round_over(self, t: int) -> None:
+        """Another owner refused my part of round t as late: it closed the round and went on,
+        so the members it counted have too, and my own groups of round t (or earlier) would wait
+        out their timeout for parts that go elsewhere. They close now, with the parts they hold."""
+        for key, group in list(self._groups.items()):
+            if key[0] <= t and group.contributors and not group.done.is_set():
+                group.expected.clear()
+                self._finish(key, group)
+
     def _stop_waiting_for(self, key: GroupKey, group: ShardGroup, peer: str) -> None:
         group.expected.discard(peer)
         if group.contributors and group.complete():

@@ -2,7 +2,8 @@
 member list, and their owners.
 
     owners = the members others can dial, in member order (all members when none can be)
-    shards = P contiguous slices of the vector, P = |owners| (fewer: min_shard_numel, max_owners)
+    shards = P contiguous slices of the vector, P = |owners| (fewer: min_shard_numel, max_owners;
+             at least 2 unless max_owners says 1)
     shard i's owners = owners[i]; with fewer shards than owners, the first P of an order drawn
                        afresh each round from the round and the member list; with replication
                        r, r consecutive owners of that order
@@ -23,6 +24,22 @@ from starling.common.hashing import derive_seed, peer_hash
 
 Shard = tuple[tuple[tuple[int, int], ...], tuple[str, ...]]  # (chunk bounds, owners)
 _KEEP_PLACEMENTS = 16  # placements cached: each costs a look at every member (and a hash each, replicated)
+_KEEP_ORDERS = 64  # drawn orders cached, for every placement of this process together
+_ORDERS: dict[tuple[int, tuple[str, ...]], tuple[str, ...]] = {}
+
+
+def drawn_order(seed: int, owners: tuple[str, ...]) -> tuple[str, ...]:
+    """`owners` in the order `seed` draws. Kept for the whole process: a draw over 1024 members
+    is a hash each, a few ms, and every member of a simulated box draws the same order for a
+    round (128 of them in a worker, for every reducer, took an eighth of its CPU)."""
+    key = (seed, owners)
+    order = _ORDERS.get(key)
+    if order is None:
+        order = tuple(sorted(owners, key=lambda m: derive_seed(seed, peer_hash(m))))
+        _ORDERS[key] = order
+        for old in list(_ORDERS)[:-_KEEP_ORDERS]:  # any thread may draw
+            _ORDERS.pop(old, None)
+    return order
 
 
 class Placement:
@@ -75,8 +92,8 @@ class Placement:
         if r <= 1 and len(layout) == len(owners):  # every owner owns a shard, in member order
             shards = [(chunks, (owner,)) for chunks, owner in zip(layout, owners)]
         else:
-            seed = derive_seed("reduce.owners", t, int.from_bytes(view_digest(members)[:8], "little"))
-            order = tuple(sorted(owners, key=lambda m: derive_seed(seed, peer_hash(m))))
+            order = drawn_order(derive_seed("reduce.owners", t, int.from_bytes(view_digest(members)[:8], "little")),
+                                owners)
             shards = [(chunks, tuple(order[(i + k) % len(order)] for k in range(r)))
                       for i, chunks in enumerate(layout)]
         self._cache[key] = shards
@@ -98,8 +115,12 @@ class Placement:
 
     def layout(self, owners: int) -> tuple[tuple[tuple[int, int], ...], ...]:
         """Shard by shard, the chunks of a round with `owners` owners (fewer shards than owners
-        where min_shard_numel or max_owners cap them: the first owners own them)."""
+        where min_shard_numel or max_owners cap them, but two where two can own)."""
         shards = owners if self.min_shard_numel <= 1 else max(1, min(owners, self.numel // self.min_shard_numel))
+        # At least two where two members can own (max_owners may still say one): a member that
+        # owned a round's only shard would send no part to anyone else, and, fallen behind,
+        # would never hear the refusal that tells it which round the others are in.
+        shards = max(shards, min(2, owners, self.numel))
         if self.max_owners:
             shards = min(shards, self.max_owners)
         return chunk_layout(self.numel, shards, self.chunk_numel)

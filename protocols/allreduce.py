@@ -32,7 +32,15 @@ from starling.compressors import from_spec
 from starling.node.node import Node
 from starling.protocols.audit import Auditor
 from starling.protocols.backprop import BackpropProtocol
-from starling.protocols.base import MAX_OWNERS, LossFn, ProtocolConfig, ProtocolError, StepReport, register
+from starling.protocols.base import (
+    MAX_OWNERS,
+    MIN_SHARD_NUMEL,
+    LossFn,
+    ProtocolConfig,
+    ProtocolError,
+    StepReport,
+    register,
+)
 from starling.protocols.optim import check_reduce_config, make_defences, make_secure, reduce_timeouts
 
 log = logging.getLogger(__name__)
@@ -47,7 +55,10 @@ class AllReduceConfig(ProtocolConfig):
     weight_decay: float = 0.0
     reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
     retry_interval_s: float = 0.05  # re-send a part to an owner whose protocol is not up yet
-    max_owners: int = MAX_OWNERS  # a round's shards are owned by its first this many members at most
+    max_owners: int = MAX_OWNERS  # the most owners a round's shards have (drawn from its members)
+    # The fewest values a shard holds (fewer owners for a small model); None: MIN_SHARD_NUMEL, or 1
+    # with audits on (a member audits the parts its own shards received, so every member owns one).
+    min_shard_numel: int | None = None
     # Floating buffers (BatchNorm statistics) are averaged, integer ones set to their maximum, every
     # step after the gradients, in small lossless rounds of their own; True: each peer's own (FedBN).
     local_buffers: bool = False
@@ -77,6 +88,8 @@ class AllReduceConfig(ProtocolConfig):
     audit_tolerance: float = 1e-3
 
     def __post_init__(self) -> None:
+        if self.min_shard_numel is None:
+            object.__setattr__(self, "min_shard_numel", 1 if self.audit_rate > 0.0 else MIN_SHARD_NUMEL)
         check_reduce_config(self)
         if self.check_every < 0:
             raise ValueError(f"check_every must be >= 0, got {self.check_every}")
@@ -101,10 +114,12 @@ class AllReduce(BackpropProtocol, name="allreduce", config_class=AllReduceConfig
         self.reducer = ShardedReducer(node, PART_TOPIC, self.flat.numel, config.compressor,
                                       reduce_timeouts(config), self.is_open, defences=make_defences(config, 1.0),
                                       secure=make_secure(config, 1.0), max_owners=config.max_owners,
+                                      min_shard_numel=config.min_shard_numel,
                                       unaveraged=0.0)
         self.reducers = [self.reducer]  # peer events reach it; its residuals are this peer's private state
         self.buffer_sync = None if config.local_buffers else BufferAverager(
-            node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open, config.max_owners)
+            node, model, "allreduce.buffers", reduce_timeouts(config), self.is_open, config.max_owners,
+            config.min_shard_numel)
         if self.buffer_sync is not None:
             self.side_reducers += self.buffer_sync.reducers
         self.guard = self._drift_guard("allreduce.")

@@ -65,7 +65,7 @@ from starling.protocols.outer_sync import (
     ledgers_state,
     load_ledgers_state,
 )
-from starling.protocols.sampling import SAMPLED_MIN_SHARD_NUMEL, ClientSampling
+from starling.protocols.sampling import ClientSampling
 from starling.protocols.verification import PseudoVerifier
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,8 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
                                config.overlap_window_share) if config.sync_every_s else None
         timeouts = reduce_timeouts(config)
         self.buffer_sync = None if config.local_buffers else BufferAverager(
-            node, model, f"{TOPIC_PREFIX}buffers", timeouts, self.is_open, config.max_owners)
+            node, model, f"{TOPIC_PREFIX}buffers", timeouts, self.is_open, config.max_owners,
+            config.min_shard_numel)
         if self.buffer_sync is not None:
             self.side_reducers += self.buffer_sync.reducers
         # the drift guard compares the outer state (see the _replica_* methods below)
@@ -111,7 +112,7 @@ class DiLoCo(BackpropProtocol, name="diloco", config_class=DiLoCoConfig, topic_p
             OuterFragment(FragmentView(self.flat.params, fragment),
                           ShardedReducer(node, f"{TOPIC_PREFIX}f{f}", fragment.numel, config.compressor, timeouts,
                                          self.is_open, part_feedback=config.error_feedback,
-                                         min_shard_numel=SAMPLED_MIN_SHARD_NUMEL if config.samples else 1,
+                                         min_shard_numel=config.min_shard_numel,
                                          max_owners=config.max_owners,
                                          average_compressor=config.average_compressor or None,
                                          part_feedback_decay=config.error_feedback_decay,

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from starling.collectives.codec import check_compressor_spec
-from starling.protocols.base import MAX_OWNERS, ProtocolConfig
+from starling.protocols.base import MAX_OWNERS, MIN_SHARD_NUMEL, ProtocolConfig
 from starling.protocols.fragments import check_assignment, check_overlap_window_share, check_schedule
 from starling.protocols.optim import check_reduce_config
 
@@ -33,7 +33,8 @@ class DiLoCoConfig(ProtocolConfig):
     fragment_assignment: str = "strided"  # strided | sequential (see fragments.py)
     reply_grace_s: float = 2.0  # a member waits round_timeout_s + this for an owner's average
     retry_interval_s: float = 0.05  # re-ask a peer that is not ready yet
-    max_owners: int = MAX_OWNERS  # a round's shards are owned by its first this many members at most
+    max_owners: int = MAX_OWNERS  # the most owners a round's shards have (drawn from its members)
+    min_shard_numel: int = MIN_SHARD_NUMEL  # the fewest values a shard holds (fewer owners for a small model)
     # Floating buffers (BatchNorm statistics) are averaged, integer ones set to their maximum, at
     # every sync of fragment 0, so that every peer's eval_model() agrees; True: each peer's own (FedBN).
     local_buffers: bool = False

@@ -25,6 +25,8 @@ def check_reduce_config(config: Any, optimizer: str = "optimizer", momentum: str
     check_round_timeouts(config)
     if config.max_owners < 0:
         raise ValueError(f"max_owners must be >= 0 (0: every member owns a shard), got {config.max_owners}")
+    if config.min_shard_numel < 1:
+        raise ValueError(f"min_shard_numel must be >= 1, got {config.min_shard_numel}")
     check_compressor_spec(config.compressor)
     make_defences(config)
     check_secure_config(config)

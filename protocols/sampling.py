@@ -25,11 +25,6 @@ log = logging.getLogger(__name__)
 
 WAIT_POLL_S = 1.0  # a peer not drawn for a round asks a member this often whether it merged,
 WAIT_POLL_MAX_S = 3.0  # or less often, down to this, where many wait on few members
-# With client sampling a round's members are a draw from a large swarm (100 of 1000): shards of
-# at least this many values, so that a small model's round is not members^2 requests over more
-# owners than a node keeps sockets open to (the simulator caps them near 13 per node at 1000
-# nodes on one box, and the connections churned until the rounds timed out).
-SAMPLED_MIN_SHARD_NUMEL = 512
 
 
 def spread(me: str, peers: Sequence[str]) -> list[str]:

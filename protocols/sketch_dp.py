@@ -59,6 +59,7 @@ from starling.node.node import Node
 from starling.protocols.backprop import BackpropProtocol
 from starling.protocols.base import (
     MAX_OWNERS,
+    MIN_SHARD_NUMEL,
     DivergedError,
     LossFn,
     ProtocolConfig,
@@ -83,12 +84,6 @@ from starling.protocols.privacy import (
 log = logging.getLogger(__name__)
 
 PART_TOPIC = "sketchdp.part"
-# A sketch is small (4096 values by default): shards of at least 512 values, so a round over
-# n peers is n x min(n, size / 512) requests instead of n^2 (8 owners at 1024 peers, fewer
-# than the socket cap of 13 that fits 1024 peers in one process; 16 owners churned sockets
-# until the process ran out of descriptors). Who owns a shard changes nothing for privacy:
-# every peer noises its own sketch before it leaves.
-MIN_SHARD_NUMEL = 512
 
 
 @dataclass(frozen=True)
@@ -110,7 +105,8 @@ class SketchDPConfig(ProtocolConfig):
     weight_decay: float = 0.0
     reply_grace_s: float = 2.0
     retry_interval_s: float = 0.05
-    max_owners: int = MAX_OWNERS  # a round's shards are owned by its first this many members at most
+    max_owners: int = MAX_OWNERS  # the most owners a round's shards have (drawn from its members)
+    min_shard_numel: int = MIN_SHARD_NUMEL  # the fewest values a shard holds (fewer owners for a small model)
     check_every: int = 100  # rounds between drift checks of x_t (guard.py), round 0 first; 0: never
     # Against members that cannot be trusted (collectives/defences.py, docs/security.md): how an
     # owner combines the parts (mean | centered_clip | trimmed_mean | median, with parameters:
@@ -251,7 +247,7 @@ class SketchDP(BackpropProtocol, name="sketch-dp", config_class=SketchDPConfig, 
         self._secret = secret_generator()
         self._warned_budget = False
         self.reducer = ShardedReducer(node, PART_TOPIC, self.sketches.size, config.compressor,
-                                      reduce_timeouts(config), self.is_open, min_shard_numel=MIN_SHARD_NUMEL,
+                                      reduce_timeouts(config), self.is_open, min_shard_numel=config.min_shard_numel,
                                       defences=make_defences(config, 1.0), secure=make_secure(config, 1.0),
                                       max_owners=config.max_owners, unaveraged=0.0)
         self.reducers = [self.reducer]

@@ -37,3 +37,19 @@ def test_only_reachable_members_are_drawn():
     reachable = set(members[::2])
     placement = Placement(100, 1 << 16, max_owners=4, reachable=lambda m: m in reachable)
     assert all(placement.owner_set(members, t) <= reachable for t in range(30))
+
+
+def test_a_small_vector_has_two_owners_so_none_sends_to_itself_alone():
+    """`min_shard_numel` leaves 1,000 values one shard, but a member that owned a round's only
+    shard would send no part to anyone, and, fallen behind, never hear the refusal that says
+    which round the others are in: two shards, two owners, wherever two members can own."""
+    members = _members(1024)
+    placement = Placement(1000, 1 << 16, min_shard_numel=512, max_owners=48)
+    assert all(len(placement.shards(members, t)) == 2 and len(placement.owner_set(members, t)) == 2
+               for t in range(20))
+    assert len(Placement(1000, 1 << 16, min_shard_numel=256).shards(members, 0)) == 3  # the floor, not more
+    assert len(Placement(1000, 1 << 16, min_shard_numel=512, max_owners=1).shards(members, 0)) == 1  # asked for
+    assert len(Placement(1000, 1 << 16, min_shard_numel=512).shards(members[:1], 0)) == 1  # one member
+    assert len(Placement(1, 1 << 16, min_shard_numel=512).shards(members, 0)) == 1  # one value
+    only = set(members[5:6])  # one member others can dial owns it all
+    assert Placement(1000, 1 << 16, min_shard_numel=512, reachable=lambda m: m in only).owner_set(members, 0) == only
