@@ -5,14 +5,14 @@ member list, and their owners.
     shards = P contiguous slices of the vector, P = |owners| (fewer: min_shard_numel, max_owners;
              at least 2 unless max_owners says 1)
     shard i's owners = owners[i]; with fewer shards than owners, the first P of an order drawn
-                       afresh each round from the round and the member list; with replication
-                       r, r consecutive owners of that order
+                       from the term (every OWNER_TERM_ROUNDS rounds) and the member list; with
+                       replication r, r consecutive owners of an order drawn every round
 
 Every peer computes the same placement from the same member list and round, so it is never
-sent. The draw is seeded by the round and the member list's digest: a member cannot grind a
-key that makes it an owner round after round (in id order the lowest ids would own every round
-of a large swarm, and carry all of its averaging), or that sits next to its accomplice's, since
-the order changes with every round and every list.
+sent. The draw is seeded by the term and the member list's digest: a member cannot grind a
+key that makes it an owner term after term (in id order the lowest ids would own every round of
+a large swarm, and carry all of its averaging), or that sits next to its accomplice's, since the
+order changes with every term and every list (a join or a death draws afresh).
 """
 from __future__ import annotations
 
@@ -24,6 +24,12 @@ from starling.common.hashing import derive_seed, peer_hash
 
 Shard = tuple[tuple[tuple[int, int], ...], tuple[str, ...]]  # (chunk bounds, owners)
 _KEEP_PLACEMENTS = 16  # placements cached: each costs a look at every member (and a hash each, replicated)
+# Drawn owners (one a shard) serve this many rounds of one member list before the next draw; replicated
+# owners, whose members compare their answers, are drawn every round (`voting.py`). A member's part
+# goes to its owner on a socket, and past the socket cap a socket to a new owner is opened (and
+# another closed) at both ends: owners drawn afresh every round were 2,048 such opens a round at
+# 1024 simulated peers, and a round took 25-30% longer than with owners kept for eight.
+OWNER_TERM_ROUNDS = 8
 _KEEP_ORDERS = 64  # drawn orders cached, for every placement of this process together
 _ORDERS: dict[tuple[int, tuple[str, ...]], tuple[str, ...]] = {}
 
@@ -92,7 +98,8 @@ class Placement:
         if r <= 1 and len(layout) == len(owners):  # every owner owns a shard, in member order
             shards = [(chunks, (owner,)) for chunks, owner in zip(layout, owners)]
         else:
-            order = drawn_order(derive_seed("reduce.owners", t, int.from_bytes(view_digest(members)[:8], "little")),
+            term = t if r > 1 else t // OWNER_TERM_ROUNDS  # replicated owners: every round (`voting.py`)
+            order = drawn_order(derive_seed("reduce.owners", term, int.from_bytes(view_digest(members)[:8], "little")),
                                 owners)
             shards = [(chunks, tuple(order[(i + k) % len(order)] for k in range(r)))
                       for i, chunks in enumerate(layout)]

@@ -1,29 +1,40 @@
-"""Who owns a round's shards when there are fewer shards than members: drawn each round from
-the round and the member list, the same on every member, so no id owns every round."""
+"""Who owns a round's shards when there are fewer shards than members: drawn each term of
+rounds from the term and the member list (replicated owners every round), the same on every
+member, so no id owns every round."""
 from __future__ import annotations
 
 from collections import Counter
 
-from starling.collectives.placement import Placement
+from starling.collectives.placement import OWNER_TERM_ROUNDS, Placement
 
 
 def _members(n: int) -> tuple[str, ...]:
     return tuple(sorted(f"m{i:04d}" for i in range(n)))
 
 
-def test_owners_are_drawn_each_round_not_the_lowest_ids():
+def test_owners_are_drawn_each_term_not_the_lowest_ids():
     members = _members(1000)
     placement = Placement(1000, 1 << 16, max_owners=4)
-    owners = [placement.owner_set(members, t) for t in range(50)]
+    starts = [k * OWNER_TERM_ROUNDS for k in range(50)]
+    owners = [placement.owner_set(members, t) for t in starts]
     assert all(len(o) == 4 for o in owners)
-    assert owners.count(set(members[:4])) == 0  # the lowest ids own no round
+    assert owners.count(set(members[:4])) == 0  # the lowest ids own no term
     counts = Counter(m for o in owners for m in o)
     assert max(counts.values()) <= 3 and len(counts) >= 150  # 200 seats spread over many members
+    # a term's owners own each of its rounds (their sockets stay open from round to round)
+    assert all(placement.owner_set(members, t + k) == owners[0] for t in starts[:1] for k in range(OWNER_TERM_ROUNDS))
     # every member computes the same: a fresh placement, the same list in another tuple
     again = Placement(1000, 1 << 16, max_owners=4)
-    assert all(again.owner_set(tuple(list(members)), t) == owners[t] for t in range(50))
-    # another member list draws afresh
-    assert placement.owner_set(members[1:], 7) != owners[7]
+    assert all(again.owner_set(tuple(list(members)), t) == o for t, o in zip(starts, owners))
+    # another member list (a join, a death) draws afresh
+    assert placement.owner_set(members[1:], starts[7]) != owners[7]
+
+
+def test_replicated_owners_are_drawn_every_round():
+    members = _members(100)
+    placement = Placement(100, 1 << 16, max_owners=4, replication=2)
+    rounds = [placement.owner_set(members, t) for t in range(OWNER_TERM_ROUNDS)]
+    assert len({frozenset(o) for o in rounds}) > 1
 
 
 def test_a_swarm_with_a_shard_for_every_member_keeps_member_order():
