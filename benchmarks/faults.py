@@ -60,6 +60,9 @@ from nodeprocs import NodeProcess, kill_all  # a sibling script module (benchmar
 
 FAST = ["--plaintext", "--probe-interval-s", "0.2", "--suspicion-s", "3", "--log-every", "1", "--log-digest",
         "--log-level", "info"]
+# Every member owns a shard, so that whichever member is the victim reaches an owner's fault
+# point (the default gives a small model's round two owners, drawn for a term of rounds).
+OWN = ["--opt", "min_shard_numel=1"]
 # protocol -> (its options, steps a run trains, the first round a fault may fire in, rounds per step)
 PROTOCOLS: dict[str, tuple[list[str], int]] = {
     "allreduce": (["--lr", "0.05"], 14),
@@ -144,7 +147,7 @@ def run_case(case: Case, peers: int, log_dir: str) -> dict[str, Any]:
     began = time.monotonic()
     first = start(0, ["--protocol", protocol, "--task", "quadratic", "--min-peers", str(peers),
                       "--round-timeout-s", "4",
-                      *options])
+                      *options, *OWN])
     procs = [first]
     try:
         address = first.wait_for_address()

@@ -191,7 +191,10 @@ class SimPeer:
                   "bytes_sent": sum(n for t, n in by_topic.items() if not t.startswith("$")),
                   "bytes_sent_total": sum(by_topic.values()), "bytes_by_topic": by_topic,
                   "synced": report.synced, "peers": report.peers, "step_wall_s": report.wall_s,
-                  "compute_s": report.compute_s}
+                  "compute_s": report.compute_s,
+                  # sockets this peer opened so far, by topic: past the socket cap each opens a
+                  # socket at both ends, a large share of a 1024-peer box's CPU (docs/benchmarks.md)
+                  "sockets_opened_by_topic": dict(self.node.stats.sockets_opened_by_topic)}
         if not report.sampled:  # client sampling: this step's round did not draw this peer
             record["sampled"] = False
         if self.config.peer_speed:  # emulated heterogeneity: the speed, and the compute it stood for

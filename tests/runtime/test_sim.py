@@ -136,7 +136,7 @@ def test_out_dir_holds_per_peer_json_lines_and_a_summary(tmp_path):
         records = [json.loads(line) for line in lines]
         assert [r["step"] for r in records] == [1, 2, 3, 4]
         for r in records:
-            assert {"step", "loss", "wall_s", "bytes_sent", "bytes_by_topic"} <= r.keys()
+            assert {"step", "loss", "wall_s", "bytes_sent", "bytes_by_topic", "sockets_opened_by_topic"} <= r.keys()
         assert records[-1]["bytes_by_topic"].get("test-echo.params", 0) > 0
         assert records[-1]["bytes_sent"] >= records[0]["bytes_sent"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
