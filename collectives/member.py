@@ -257,7 +257,9 @@ class MemberSide:
         if refused is not None:
             return ShardResult(i, c, me, None, reason=refused.reason)
         average = Average.from_wire(reply, members)  # my own group's answer: well formed
-        ahead = max((self._peer_round.get(p, t) for p in members), default=t)
+        # the round every other member is known to have reached: one member's word (a part of
+        # any round it likes) moves nobody
+        ahead = min((self._peer_round.get(p, t) for p in members if p != me), default=t)
         if ahead > t and set(average.contributors) == {me}:
             # I own this chunk alone and every other member had moved past the round: I am the
             # one behind, as an owner's refusal tells a member that sent it a stale part

@@ -115,3 +115,27 @@ def test_a_peer_that_catches_up_past_a_drift_check_does_not_stall_it(make_node):
     assert time.monotonic() - start < TIMEOUT_S / 2
     assert pa.versions == pb.versions == pc.versions == [4, 4]
     assert torch.equal(outer(pa), outer(pc)) and torch.equal(outer(pb), outer(pc))
+
+
+def test_the_only_owner_of_a_round_the_others_left_learns_it_is_behind(make_node):
+    """With one owner a round (`max_owners=1`), the member that owns round 0 but is still in it
+    sends no part to anyone, so no late refusal tells it the round is over. Once every other
+    member has sent it parts of a later round, its own group closes at once and its round
+    reports that round as the one to catch up to, without waiting out the timeout."""
+    nodes = swarm(make_node, 3)
+    reducers = {n.peer_id: ShardedReducer(n, "t", 12, timeouts=ReduceTimeouts(round_timeout_s=TIMEOUT_S),
+                                          max_owners=1) for n in nodes}
+    members = tuple(sorted(reducers))
+    (owner,) = next(iter(reducers.values())).placement.owner_set(members, 0)
+    assert reducers[owner].placement.owner_set(members, 3) == {owner}  # one term: the same owner
+    others = [reducers[m] for m in members if m != owner]
+    ahead = [o.start(3, members, torch.full((12,), 2.0)) for o in others]  # they went on to round 3
+    assert wait_until(lambda: all(reducers[owner]._peer_round.get(m, -1) == 3 for m in members if m != owner))
+    start = time.monotonic()
+    behind = reducers[owner].reduce(0, members, torch.zeros(12))
+    assert time.monotonic() - start < TIMEOUT_S / 4
+    assert behind.ahead == 3 and owner in behind.absent
+    vector = torch.full((12,), 5.0)  # it catches up: round 3 closes with all three
+    caught_up = reducers[owner].reduce(3, members, vector)
+    assert caught_up.peers == 3 and caught_up.lost == () and torch.equal(vector, torch.full((12,), 3.0))
+    assert all(p.wait().peers == 3 for p in ahead)
