@@ -188,7 +188,7 @@ def test_a_sync_ask_naming_the_peers_it_holds_gets_only_the_others(seeded):
     # ours leaves less of its pull budget than our page: ask again once the budget refilled.
     budget = seed._swarm.tables.pull_bucket(member.peer_id, time.monotonic())
     for _ in range(3):
-        assert wait_until(lambda: budget.spend(0.0, time.monotonic()) and budget.tokens >= budget.burst, timeout_s=10)
+        assert wait_until(lambda: budget.available(time.monotonic()) >= budget.burst, timeout_s=10)
         body = member.request(seed.peer_id, SYNC, {"have": have}).body
         if body["next"] is None:
             break
