@@ -153,7 +153,7 @@ def test_a_member_whose_part_reached_one_owner_only_is_left_out_alike_by_every_o
     world, numel = 5, 200
     nodes = swarm(make_node, world)
     members = tuple(sorted(n.peer_id for n in nodes))
-    rs = reducers(nodes, numel, timeouts=ReduceTimeouts(round_timeout_s=2.0, reply_grace_s=2.0), chunk_numel=32)
+    rs = reducers(nodes, numel, timeouts=ReduceTimeouts(round_timeout_s=4.0, reply_grace_s=6.0), chunk_numel=32)
     t = 1
     unmasker = rs[0]._secure.unmasker(members, t)
     half = next(r for r in range(world) if nodes[r].peer_id != unmasker)
