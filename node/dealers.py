@@ -7,9 +7,11 @@ send or a request in flight is never closed, so the cap can be passed, by at mos
 (`dealer_ceiling`). A process that runs out of descriptors lowers the cap to half of what fit
 and sheds idle DEALERs past it; one that has had nothing to shed for `exhausted_grace_s` stops.
 Each DEALER's connection is watched by a socket monitor, so a peer whose process dies is heard
-of at once, not after the heartbeats' dead timeout. The DEALERs a swarm past the cap opens for
-one probe each are watched too: without their monitors a SIGKILL in a 256-peer swarm was known
-dead in a median 21 s instead of 1.8 s, for 9% less CPU (`benchmarks/membership.py`).
+of at once, not after the heartbeats' dead timeout (without the monitors a SIGKILL in a
+256-peer swarm was known dead in a median 21 s instead of 1.8 s, for 9% less CPU,
+`benchmarks/membership.py`). Past the cap the failure detector probes its fingers
+(`node.ring`), whose DEALERs it pins open: a probe opens no socket, and their connections are
+watched all along.
 
 The settings of the node's sockets (`TransportConfig`) and the errors of a send live here, under
 the transport that builds on them, and are importable from `node.transport` as well.
@@ -123,6 +125,7 @@ class DealerCache:
         self._dealers: dict[str, zmq.asyncio.Socket] = {}  # the open ones, least recently used first
         self._sending: dict[str, int] = {}  # sends in flight per DEALER
         self._heard: set[str] = set()  # peers that sent us something down the DEALER we hold to them
+        self._pinned: frozenset[str] = frozenset()  # kept open past the cap: the failure detector's fingers
         self._tasks: dict[str | None, asyncio.Task[None]] = {}
         self.dealers_opened = 0  # over the node's life: how much the socket cap churns
         self.dealers_refused = 0  # sends failed because every DEALER up to the ceiling was busy
@@ -308,7 +311,8 @@ class DealerCache:
             raise SendError(f"peer {key} is a client with no connection to us")
         excess = len(self._dealers) + 1 - self.dealer_cap
         if excess > 0:
-            idle = [k for k in self._dealers if not self._sending.get(k) and not self._busy(k)]
+            idle = [k for k in self._dealers
+                    if k not in self._pinned and not self._sending.get(k) and not self._busy(k)]
             for victim in idle[:excess]:
                 self._close(victim, self.config.linger_ms)  # queued messages still go out
             if len(self._dealers) >= dealer_ceiling(self.dealer_cap):
@@ -316,6 +320,13 @@ class DealerCache:
                 raise NoSocket(f"no socket for {key}: all {len(self._dealers)} open DEALERs are busy "
                                 f"(cap {self.dealer_cap})")
         return self._open(key)
+
+    def pin(self, keys: frozenset[str]) -> None:
+        """Keep the DEALERs of `keys` open: a send to another peer past the cap closes an idle
+        DEALER that is not one of them (the failure detector's fingers, `node.ring`, which it
+        probes every few periods and whose connections it watches). The caller keeps them to
+        half the cap. Running out of descriptors may still close them."""
+        self._pinned = keys
 
     @property
     def open_dealers(self) -> int:

@@ -2,9 +2,9 @@
 with Lifeguard's local health (`node.swim` holds the arithmetic on an injected clock; this is
 the messages).
 
-Each period a member probes one other (`$probe`, a request), in round-robin order; without an
-answer it asks `indirect_probes` others to try (`$probe-via`), and without theirs it claims the
-member suspect. A suspicion times out into death unless the accused refutes it with a newer
+Each period a member probes one other (`$probe`, a request), in round-robin order (past its
+socket cap, over its fingers, `node.ring`); without an answer it asks `indirect_probes` others
+to try (`$probe-via`), and without theirs it claims the member suspect. A suspicion times out into death unless the accused refutes it with a newer
 beat. A peer whose connection drops is probed at once and, silent or refusing to reconnect,
 claimed dead. Part of the
 membership protocol, `node.swarm`, whose `Swarm` this is a part of.
@@ -182,8 +182,15 @@ class FailureDetector:
 
     def _next_target(self) -> str | None:
         """The next member in probe order that we can reach (a client only a relay reaches is
-        probed by its relays, and its death comes to us as their claim)."""
-        live = self.table.live_ids
+        probed by its relays, and its death comes to us as their claim). Past the socket cap,
+        the next of our fingers (`node.ring`), whose sockets stay open."""
+        live, transport = self.table.live_ids, self.outbox.transport
+        if transport is not None and len(live) > transport.dealer_cap:
+            return self._next_finger(transport.dealer_cap)
+        if self._pinned:
+            self._pinned = frozenset()
+            if transport is not None:
+                transport.pin(self._pinned)
         for _ in range(min(len(live), 8)):
             peer_id = self._order.next(live)
             if peer_id is None:
@@ -192,6 +199,20 @@ class FailureDetector:
             if info is not None and self._can_probe(info):
                 return peer_id
         return None
+
+    def _next_finger(self, cap: int) -> str | None:
+        """The next of our fingers on the ring, round-robin; their DEALERs are pinned open (at
+        most half the cap of them), so a probe opens no socket and no monitor, and their
+        connections are watched all along."""
+        live = self.table.live_ids
+        probeable = (p for p in live if (info := self.table.get(p)) is not None and self._can_probe(info))
+        limit = max(1, cap // 2)
+        target = self._ring.next(probeable, live.version, limit)
+        fingers = frozenset(self._ring.current[: cap // 2])
+        if fingers != self._pinned and self.outbox.transport is not None:
+            self._pinned = fingers
+            self.outbox.transport.pin(fingers)
+        return target
 
     async def _probe(self, target: str) -> None:
         """One SWIM probe: directly, then through `indirect_probes` others; suspect the target
@@ -208,7 +229,8 @@ class FailureDetector:
         info = self.table.get(target)
         if info is None or info.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
             return
-        helpers = [h for h in self._sample_members(lv.indirect_probes + 2, but=target)
+        # past the socket cap, through members we hold a socket to: asking one we do not would open one
+        helpers = [h for h in self._sample_members(lv.indirect_probes + 2, but=target, open_share=1.0)
                    if self._helper(h)][:lv.indirect_probes]
         answers = await asyncio.gather(*(self._ask(h, PROBE_VIA, {"t": target, "u": self._take()}, 2 * timeout)
                                          for h in helpers))
@@ -255,8 +277,8 @@ class FailureDetector:
         """Up to `k` random live members other than `but`. Past the socket cap, a send to one we
         hold no socket to opens one and closes another (or is refused while all are busy), so
         `open_share` of the draws (all of them once the process ran out of descriptors) pick
-        from the members we hold a socket to; which those are changes with every probe, so the
-        picks stay spread over the swarm."""
+        from the members we hold a socket to: our fingers (`node.ring`), spread over the swarm,
+        and whoever the protocols talked to lately."""
         transport, live = self.outbox.transport, self.table.live_ids
         if transport is not None and len(live) > transport.dealer_cap and (
                 transport.starved or self._rng.random() < open_share):

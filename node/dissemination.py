@@ -137,8 +137,9 @@ class Dissemination:
             return
         # Past the socket cap, to members we hold a socket to: a send to anyone else opens a
         # socket and its monitor and closes another (the costliest thing a simulated box's
-        # membership does), or is refused while all are busy. Which sockets are open changes
-        # with every probe, which goes round the whole swarm, so the targets stay spread.
+        # membership does), or is refused while all are busy. Those are our fingers on the
+        # ring (`node.ring`: log2(n) hops reach everyone, and every member is the finger of as
+        # many as it has) and whoever the protocols talked to lately.
         targets = self._sample_members(fanout + 2, open_share=1.0)
         sent = 0
         for peer_id in targets:

@@ -68,6 +68,7 @@ from starling.node.local import LocalPeer
 from starling.node.membership import PeerStatus, PeerTable, StatusChange, leave_statement
 from starling.node.outbox import Outbox, Spawn
 from starling.node.relay_keeping import RelayKeeper
+from starling.node.ring import EPOCH_PERIODS, ProbeRing
 from starling.node.stats import NodeStats
 from starling.node.swim import URGENT, Awareness, Broadcasts, ClaimLedger, Liveness, ProbeOrder, Suspicion
 from starling.node.table_sync import ANNOUNCE, MAX_WANTED, SYNC, WANT, TableSync
@@ -115,6 +116,9 @@ class Swarm(Joining, FailureDetector, Dissemination):
         self.awareness = Awareness(liveness.awareness_max)
         self.broadcasts = Broadcasts()
         self._order = ProbeOrder(self._rng)
+        # past the socket cap: our fingers, and the ones whose DEALERs are pinned open
+        self._ring = ProbeRing(local.peer_id, EPOCH_PERIODS * liveness.probe_interval_s, time.time)
+        self._pinned: frozenset[str] = frozenset()
         self._suspicions: dict[str, Suspicion] = {}
         self.claims = ClaimLedger()  # whose claims the accused refuted: those not believed again
         self._probes_via = 0
@@ -144,7 +148,8 @@ class Swarm(Joining, FailureDetector, Dissemination):
         # `$sync` pages and `$want`, under each member's pull budget (`node.table_sync`)
         self.tables = TableSync(local, table, outbox, stats, spawn, self._rng, liveness=liveness, admission=admission,
                                 learn=self.learn, record_from=self.record_from, reject=reject, helper=self._helper,
-                                introduce=self._introduce, first_hand=self.first_hand)
+                                introduce=self._introduce, first_hand=self.first_hand,
+                                sample=lambda k: self._sample_members(k, open_share=1.0))
 
     def register(self, dispatch: Dispatcher) -> None:
         """Serve the membership topics on the node's dispatcher."""

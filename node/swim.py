@@ -225,6 +225,7 @@ class IdSet:
     def __init__(self) -> None:
         self._ids: list[str] = []
         self._index: dict[str, int] = {}
+        self.version = 0  # raised by every add and remove: what a cache of the set keys on
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -240,12 +241,14 @@ class IdSet:
             return False
         self._index[peer_id] = len(self._ids)
         self._ids.append(peer_id)
+        self.version += 1
         return True
 
     def remove(self, peer_id: str) -> bool:
         at = self._index.pop(peer_id, None)
         if at is None:
             return False
+        self.version += 1
         last = self._ids.pop()
         if at < len(self._ids):
             self._ids[at] = last

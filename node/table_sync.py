@@ -68,7 +68,8 @@ class TableSync:
                  rng: random.Random, *, liveness: Liveness, admission: AdmissionConfig,
                  learn: Callable[..., bool], record_from: Callable[[Any], PeerRecord],
                  reject: Callable[[RejectReason, str], None], helper: Callable[[str], bool],
-                 introduce: Callable[[str], list[Any]], first_hand: Callable[[Inbound, Any, str], str]) -> None:
+                 introduce: Callable[[str], list[Any]], first_hand: Callable[[Inbound, Any, str], str],
+                 sample: Callable[[int], list[str]] | None = None) -> None:
         self._local = local
         self.table = table
         self.outbox = outbox
@@ -83,6 +84,8 @@ class TableSync:
         self._helper = helper
         self._introduce = introduce  # our record as an update, for a member that may not know us; or []
         self._first_hand = first_hand  # learns the record a stranger sent of itself; its id
+        # up to k random members to pull from: past the socket cap, ones we hold a socket to
+        self._sample = sample or (lambda k: self.table.live_ids.sample(self._rng, k))
         self._pulls: dict[str, TokenBucket] = {}  # member id -> the bytes its table pulls may still take
         self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
         # the first pull a period or two in (a joiner's table is the seed's, as of its join);
@@ -240,7 +243,7 @@ class TableSync:
         outcome = "no_helper"
         # A member that has spoken to us first-hand holds our record; one we only heard of may
         # not (in a mass join, most do not know a joiner yet) and drops our ask unanswered.
-        helpers = [h for h in self.table.live_ids.sample(self._rng, 8) if self._helper(h)]
+        helpers = [h for h in self._sample(8) if self._helper(h)]
         helpers.sort(key=lambda h: getattr(self.table.get(h), "told_by", None) is not None)
         timeout_s = 2 * max(self.liveness.probe_interval_s, self.liveness.ack_timeout_s)
         try:

@@ -1,0 +1,124 @@
+"""Whom a member probes once the swarm is larger than its socket cap: its fingers on a ring.
+
+Below the cap a member probes everyone in round-robin order (`node.swim.ProbeOrder`), as SWIM
+does. Past it, a probe to a member it holds no socket to opens a DEALER and its monitor and
+closes another: at 1024 simulated peers with a cap of 20, almost every probe did, and opening
+and closing sockets was the largest share of a formed swarm's CPU.
+
+So past the cap a member probes only its fingers, and keeps their sockets open (pinned, see
+`node.dealers.DealerCache.pin`). Every member has a place on a ring, a hash of its id and an
+epoch. Its fingers are the members n/2, n/4, n/8... places ahead of it on the ring, down to
+the next one: about log2(n) members, at most `limit`. Where members' views agree:
+
+- every member is the finger of exactly as many members as it has fingers (the member n/2^j
+  places behind it holds it as finger j), so every member is probed about once a period, as in
+  SWIM, and watched by log2(n) others: its death is heard of at once (the DEALERs' socket
+  monitors) by those members, and no member hears gossip from fewer;
+- the fingers form a graph of diameter log2(n), so gossip sent to open sockets (fingers among
+  them) spreads in O(log n) hops, not round the ring;
+- a formed swarm's fingers stay as they are, so its probes open no socket. A join or a death
+  moves, swarm-wide, about one finger per member (those whose finger spans its place).
+
+Each finger's ring is redrawn every `epoch_s` seconds of wall time, finger `j` at its own
+offset (`j / MAX_FINGERS` of an epoch), so a member opens one socket every `epoch_s /
+MAX_FINGERS` seconds, not all at once: nobody picks which members probe it for longer than an
+epoch by choosing its id, and the gossip graph keeps changing. Members whose clocks disagree by
+a little only disagree about the fingers whose epoch is turning.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Callable, Iterable
+
+MAX_FINGERS = 16  # fingers a member keeps at most: enough for 65,536 members
+EPOCH_PERIODS = 256  # probe periods a finger's ring lasts (`ProbeRing.epoch_s`)
+_POSITIONS_MAX = 1 << 16  # places kept by the process-wide cache (every node of a simulation shares it)
+_positions: dict[tuple[str, int], int] = {}
+
+
+def place(peer_id: str, epoch: int) -> int:
+    """`peer_id`'s place on the ring of `epoch`: the same for every member that computes it."""
+    key = (peer_id, epoch)
+    at = _positions.get(key)
+    if at is None:
+        if len(_positions) >= _POSITIONS_MAX:
+            _positions.clear()
+        digest = hashlib.blake2b(peer_id.encode(), digest_size=8, person=b"starling-ring",
+                                 salt=epoch.to_bytes(8, "little", signed=True)).digest()
+        at = _positions[key] = int.from_bytes(digest, "little")
+    return at
+
+
+class _Ring:
+    """The members of one epoch's ring, by place."""
+
+    def __init__(self, members: Iterable[str], epoch: int) -> None:
+        ranked = sorted((place(p, epoch), p) for p in members)
+        self.places = [at for at, _ in ranked]
+        self.ids = [p for _, p in ranked]
+
+    def ahead(self, peer_id: str, epoch: int, steps: int) -> str:
+        """The member `steps` places ahead of `peer_id` (one of the ring's), going round."""
+        rank = bisect.bisect_left(self.places, place(peer_id, epoch))
+        return self.ids[(rank + steps) % len(self.ids)]
+
+
+class ProbeRing:
+    """One member's fingers, and whom it probes next among them (round-robin)."""
+
+    def __init__(self, own_id: str, epoch_s: float, clock: Callable[[], float]) -> None:
+        if epoch_s <= 0:
+            raise ValueError(f"epoch_s must be positive, got {epoch_s}")
+        self.own_id = own_id
+        self.epoch_s = epoch_s
+        self._clock = clock  # wall time: every member's epochs turn together
+        self._key: tuple[object, ...] = ()
+        self._fingers: list[str] = []  # as last worked out
+        self._next = 0
+        self.rebuilt = 0  # over the member's life: how often its fingers were worked out afresh
+
+    @property
+    def current(self) -> list[str]:
+        """The fingers as the last call worked them out."""
+        return self._fingers
+
+    def epochs(self, count: int, now: float) -> list[int]:
+        """The epoch of each of the first `count` fingers at wall time `now`."""
+        return [math.floor(now / self.epoch_s + j / MAX_FINGERS) for j in range(count)]
+
+    def fingers(self, members: Iterable[str], version: int, limit: int) -> list[str]:
+        """Up to `limit` fingers among `members` (this member not among them), the successor
+        first, then from the farthest in: the same list while `version` (of the members) and
+        the epochs stay the same."""
+        limit = max(1, min(limit, MAX_FINGERS))
+        epochs = self.epochs(limit, self._clock())
+        key = (version, limit, *epochs)
+        if key == self._key:
+            return self._fingers
+        ids = [p for p in members if p != self.own_id]
+        fingers: list[str] = []
+        if ids:
+            n = len(ids) + 1
+            rings: dict[int, _Ring] = {}
+            for j in range(min(limit, n.bit_length())):
+                epoch = epochs[j]
+                ring = rings.get(epoch)
+                if ring is None:
+                    ring = rings[epoch] = _Ring([*ids, self.own_id], epoch)
+                # finger 0 is the next member; finger j >= 1 is n / 2^j members ahead
+                peer = ring.ahead(self.own_id, epoch, 1 if j == 0 else max(1, n >> j))
+                if peer != self.own_id and peer not in fingers:
+                    fingers.append(peer)
+        self._key, self._fingers = key, fingers
+        self.rebuilt += 1
+        return fingers
+
+    def next(self, members: Iterable[str], version: int, limit: int) -> str | None:
+        """The next finger to probe, round-robin, or None if there is no other member."""
+        fingers = self.fingers(members, version, limit)
+        if not fingers:
+            return None
+        self._next = (self._next + 1) % len(fingers)
+        return fingers[self._next]

@@ -1,0 +1,113 @@
+"""Past the socket cap a member probes its fingers on a ring, whose sockets stay open
+(`node.ring`): every member is still probed and watched, a probe opens no socket, and gossip
+over the fingers reaches everyone in a few hops."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+from conftest import DEATH_SEEN_WITHIN_S, TEST_LIVENESS, statuses, wait_until
+
+from starling.node.node import NodeConfig
+from starling.node.ring import MAX_FINGERS, ProbeRing
+from starling.node.transport import TransportConfig
+
+IDS = [f"peer-{i:04d}" for i in range(512)]
+EPOCH_S = 100.0
+
+
+def fingers_of(ids, now=1000.0, limit=10, version=1):
+    clock = [now]
+    rings = {p: ProbeRing(p, EPOCH_S, lambda: clock[0]) for p in ids}
+    return {p: r.fingers(ids, version, limit) for p, r in rings.items()}, rings, clock
+
+
+def hops(fingers, source):
+    """Hops from `source` to every member over the finger graph."""
+    seen, frontier = {source: 0}, [source]
+    for at in frontier:
+        for nxt in fingers[at]:
+            if nxt not in seen:
+                seen[nxt] = seen[at] + 1
+                frontier.append(nxt)
+    return seen
+
+
+def test_every_member_is_the_finger_of_as_many_members_as_it_has_fingers():
+    fingers, _, _ = fingers_of(IDS)
+    watched = Counter(f for fs in fingers.values() for f in fs)
+    assert set(watched) == set(IDS)  # nobody is left unprobed (and unwatched)
+    assert all(p not in fs for p, fs in fingers.items())
+    assert all(len(fs) == 9 for fs in fingers.values())  # 256, 128, ..., 2 places ahead, and the next
+    assert set(watched.values()) == {9}  # probed by, watched by and gossiped to from as many
+
+
+def test_the_fingers_reach_everyone_in_a_few_hops():
+    fingers, _, _ = fingers_of(IDS)
+    for source in IDS[:5]:
+        reached = hops(fingers, source)
+        assert len(reached) == len(IDS)
+        assert max(reached.values()) <= 2 * 9  # O(log n), not round the ring (n / fingers)
+
+
+def test_a_formed_swarm_keeps_its_fingers_and_a_join_moves_about_one_each():
+    fingers, rings, _ = fingers_of(IDS)
+    assert all(r.fingers(IDS, 1, 10) is fingers[p] for p, r in rings.items())  # nothing changed: no new socket
+    assert all(r.rebuilt == 1 for r in rings.values())
+    joined = {p: r.fingers([*IDS, "joiner"], 2, 10) for p, r in rings.items()}
+    moved = sum(len(set(fingers[p]) - set(joined[p])) for p in IDS)
+    assert moved <= 2 * len(IDS), moved
+    assert sum(fs.count("joiner") for fs in joined.values()) >= 9  # and it is probed at once
+    few = {p: r.fingers(IDS, 3, 3) for p, r in rings.items()}
+    assert all(few[p] == fingers[p][:3] for p in IDS)  # the next member and the farthest kept
+    assert set(Counter(f for fs in few.values() for f in fs).values()) == {3}
+
+
+def test_the_ring_turns_one_finger_at_a_time():
+    fingers, rings, clock = fingers_of(IDS)
+    start, steps = dict(fingers), []
+    for _ in range(MAX_FINGERS):  # an epoch, a sixteenth at a time: finger j's ring turns in step j
+        clock[0] += EPOCH_S / MAX_FINGERS
+        turned = {p: r.fingers(IDS, 1, 10) for p, r in rings.items()}
+        steps.append(sum(len(set(fingers[p]) - set(turned[p])) for p in IDS))
+        fingers = turned
+        assert set(Counter(f for fs in turned.values() for f in fs)) == set(IDS)  # everyone still probed
+    assert max(steps) <= 2 * len(IDS), steps  # about one new socket each at a time, not all of them at once
+    kept = sum(len(set(start[p]) & set(fingers[p])) for p in IDS)
+    assert kept <= len(IDS), kept  # after an epoch nearly all are new: nobody keeps its watchers for good
+
+
+def test_a_ring_refuses_a_nonpositive_epoch_and_is_empty_alone():
+    with pytest.raises(ValueError):
+        ProbeRing("a", 0.0, time.time)
+    ring = ProbeRing("a", 10.0, time.time)
+    assert ring.fingers(["a"], 1, 4) == [] and ring.next(["a"], 1, 4) is None
+
+
+def _opened(nodes, topic):
+    return sum(n.stats.snapshot()["sockets_opened_by_topic"].get(topic, 0) for n in nodes)
+
+
+@pytest.mark.slow
+def test_past_the_cap_probes_open_no_sockets_and_a_crash_is_still_seen_by_all(make_node):
+    """Sixteen members, each capped at four sockets: every probe round-robin over the others
+    would open a socket (and its monitor) three times in four. Probing the fingers opens none
+    once they are open, and a member that crashes is still known dead by everyone."""
+    config = NodeConfig(liveness=TEST_LIVENESS, transport=TransportConfig(max_open_dealers=4))
+    nodes = [make_node("tcp", config=config)]
+    nodes += [make_node("tcp", join=[nodes[0].address], config=config) for _ in range(15)]
+    assert wait_until(lambda: all(len(n.live_peers()) == 15 for n in nodes), timeout_s=60)
+    periods = 15
+    time.sleep(5 * TEST_LIVENESS.probe_interval_s)  # each has probed, so its fingers are open
+    before = _opened(nodes, "$probe")
+    time.sleep(periods * TEST_LIVENESS.probe_interval_s)
+    opened = _opened(nodes, "$probe") - before
+    assert opened <= len(nodes), opened  # round-robin over everyone: about 16 * 15 * 3/4 = 180
+    pinned = [n._swarm._pinned for n in nodes]
+    assert all(len(p) == 2 for p in pinned)  # half the cap
+    assert all(n._transport.is_open(p) for n, ps in zip(nodes, pinned) for p in ps)
+    victim = nodes.pop(7)
+    victim.close()  # no leave: its connections drop, as for a SIGKILL
+    assert wait_until(lambda: all(statuses(n).get(victim.peer_id) == "dead" for n in nodes),
+                      timeout_s=DEATH_SEEN_WITHIN_S)
