@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 HELLO = "$hello"
 MAX_ANNOUNCE = 256
+_LOCAL_SCHEMES = ("inproc://", "ipc://")  # endpoints only peers on this machine can reach
 MAX_REFUSED = 1024  # refused records remembered, so that beats naming them are not asked about
 
 
@@ -165,12 +166,13 @@ class Joining:
         transport (peers simulated in one process, or on one box). From anyone else it would
         make this node dial sockets of its own process, or any local unix socket."""
         transport = self.outbox.transport
-        for scheme in ("inproc://", "ipc://"):
-            if any(a.startswith(scheme) for a in record.addresses) and (
-                    transport is None or scheme not in transport.bound_schemes):
-                raise WireError(RejectReason.BAD_FIELD, f"record of {record.peer_id}: an {scheme[:-3]} address "
-                                f"reaches only local peers, and this node listens on no {scheme[:-3]} endpoint",
-                                field="record")
+        for address in record.addresses:  # every record of a formation passes here: no generators
+            if address.startswith(_LOCAL_SCHEMES):
+                scheme = address[: address.index("//") + 2]
+                if transport is None or scheme not in transport.bound_schemes:
+                    raise WireError(RejectReason.BAD_FIELD, f"record of {record.peer_id}: an {scheme[:-3]} address "
+                                    f"reaches only local peers, and this node listens on no {scheme[:-3]} endpoint",
+                                    field="record")
 
     def _check_allowed(self, record: PeerRecord) -> None:
         """Refuse (WireError NOT_ALLOWED) a record whose key is not on this node's allowlist.
