@@ -4,10 +4,10 @@ the messages).
 
 Each period a member probes one other (`$probe`, a request), in round-robin order (past its
 socket cap, over its fingers, `node.ring`); without an answer it asks `indirect_probes` others
-to try (`$probe-via`), and without theirs it claims the member suspect. A suspicion times out into death unless the accused refutes it with a newer
-beat. A peer whose connection drops is probed at once and, silent or refusing to reconnect,
-claimed dead. Part of the
-membership protocol, `node.swarm`, whose `Swarm` this is a part of.
+to try (`$probe-via`), and without theirs it claims the member suspect. A suspicion times out
+into death unless the accused refutes it with a newer beat. A peer whose connection drops is
+probed at once and, silent or refusing to reconnect, claimed dead. Part of the membership
+protocol, `node.swarm`, whose `Swarm` this is a part of.
 """
 from __future__ import annotations
 
