@@ -11,6 +11,7 @@ from conftest import DEATH_SEEN_WITHIN_S, TEST_LIVENESS, statuses, wait_until
 
 from starling.node.node import NodeConfig
 from starling.node.ring import MAX_FINGERS, ProbeRing
+from starling.node.rpc import Reply
 from starling.node.transport import TransportConfig
 
 IDS = [f"peer-{i:04d}" for i in range(512)]
@@ -107,6 +108,12 @@ def test_past_the_cap_probes_open_no_sockets_and_a_crash_is_still_seen_by_all(ma
     pinned = [n._swarm._pinned for n in nodes]
     assert all(len(p) == 2 for p in pinned)  # half the cap
     assert all(n._transport.is_open(p) for n, ps in zip(nodes, pinned) for p in ps)
+    for n in nodes:
+        n.on("echo", lambda m: Reply(m.body))
+    busy = nodes[0]
+    for other in nodes[1:]:  # a protocol's sends to everyone: each opens a socket and closes an idle one
+        assert busy.request(other.peer_id, "echo", 1).body == 1
+    assert all(busy._transport.is_open(p) for p in busy._swarm._pinned)  # but never a finger's
     victim = nodes.pop(7)
     victim.close()  # no leave: its connections drop, as for a SIGKILL
     assert wait_until(lambda: all(statuses(n).get(victim.peer_id) == "dead" for n in nodes),
