@@ -2,8 +2,9 @@
 
 Below the cap a member probes everyone in round-robin order (`node.swim.ProbeOrder`), as SWIM
 does. Past it, a probe to a member it holds no socket to opens a DEALER and its monitor and
-closes another: at 1024 simulated peers with a cap of 20, almost every probe did, and opening
-and closing sockets was the largest share of a formed swarm's CPU.
+closes another: at 1024 simulated peers with a cap of 20, almost every probe did, and a
+formed swarm of 256 bare nodes spent 0.70x the CPU once its probes stopped doing so
+(`benchmarks/membership.py`; 0.88x at 1024).
 
 So past the cap a member probes only its fingers, and keeps their sockets open (pinned, see
 `node.dealers.DealerCache.pin`). Every member has a place on a ring, a hash of its id and an
