@@ -69,7 +69,7 @@ class TableSync:
                  learn: Callable[..., bool], record_from: Callable[[Any], PeerRecord],
                  reject: Callable[[RejectReason, str], None], helper: Callable[[str], bool],
                  introduce: Callable[[str], list[Any]], first_hand: Callable[[Inbound, Any, str], str],
-                 sample: Callable[[int], list[str]] | None = None) -> None:
+                 sample: Callable[[int], list[str]]) -> None:
         self._local = local
         self.table = table
         self.outbox = outbox
@@ -85,7 +85,7 @@ class TableSync:
         self._introduce = introduce  # our record as an update, for a member that may not know us; or []
         self._first_hand = first_hand  # learns the record a stranger sent of itself; its id
         # up to k random members to pull from: past the socket cap, ones we hold a socket to
-        self._sample = sample or (lambda k: self.table.live_ids.sample(self._rng, k))
+        self._sample = sample
         self._pulls: dict[str, TokenBucket] = {}  # member id -> the bytes its table pulls may still take
         self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
         # the first pull a period or two in (a joiner's table is the seed's, as of its join);
