@@ -28,42 +28,56 @@ a little only disagree about the fingers whose epoch is turning.
 """
 from __future__ import annotations
 
-import bisect
 import hashlib
 import math
 from collections.abc import Callable, Iterable
 
+import numpy as np
+
 MAX_FINGERS = 16  # fingers a member keeps at most: enough for 65,536 members
 EPOCH_PERIODS = 256  # probe periods a finger's ring lasts (`ProbeRing.epoch_s`)
+# Calls (one a probe period) that keep fingers worked out on an older view while every one of
+# them is still a member: a forming swarm's views change at nearly every probe, and fingers
+# redrawn each time cost a rebuild and often a socket. A view that stops changing gets exact
+# fingers within this many periods.
+STALE_CALLS = 4
 _POSITIONS_MAX = 1 << 16  # places kept by the process-wide cache (every node of a simulation shares it)
-_positions: dict[tuple[str, int], int] = {}
+_positions: dict[int, dict[str, int]] = {}  # epoch -> peer id -> place
+_positions_held = 0
 
 
 def place(peer_id: str, epoch: int) -> int:
     """`peer_id`'s place on the ring of `epoch`: the same for every member that computes it."""
-    key = (peer_id, epoch)
-    at = _positions.get(key)
+    global _positions_held
+    of_epoch = _positions.get(epoch)
+    if of_epoch is None:
+        of_epoch = _positions[epoch] = {}
+    at = of_epoch.get(peer_id)
     if at is None:
-        if len(_positions) >= _POSITIONS_MAX:
+        if _positions_held >= _POSITIONS_MAX:
             _positions.clear()
+            _positions_held = 0
+            of_epoch = _positions[epoch] = {}
         digest = hashlib.blake2b(peer_id.encode(), digest_size=8, person=b"starling-ring",
                                  salt=epoch.to_bytes(8, "little", signed=True)).digest()
-        at = _positions[key] = int.from_bytes(digest, "little")
+        at = of_epoch[peer_id] = int.from_bytes(digest, "little")
+        _positions_held += 1
     return at
 
 
-class _Ring:
-    """The members of one epoch's ring, by place."""
-
-    def __init__(self, members: Iterable[str], epoch: int) -> None:
-        ranked = sorted((place(p, epoch), p) for p in members)
-        self.places = [at for at, _ in ranked]
-        self.ids = [p for _, p in ranked]
-
-    def ahead(self, peer_id: str, epoch: int, steps: int) -> str:
-        """The member `steps` places ahead of `peer_id` (one of the ring's), going round."""
-        rank = bisect.bisect_left(self.places, place(peer_id, epoch))
-        return self.ids[(rank + steps) % len(self.ids)]
+def ahead(members: list[str], own_id: str, epoch: int, steps: list[int]) -> list[str]:
+    """The members `steps[i]` places ahead of `own_id` on the ring of `epoch` (`members` holds
+    the others, each step in 1..len(members)). Ranks each member by its distance ahead, going
+    round, without sorting the ring: a member's view changes with every join while a swarm
+    forms, and sorting a thousand places at each probe was a visible share of formation."""
+    of_epoch = _positions.get(epoch)
+    known = of_epoch if of_epoch is not None else {}
+    places = np.fromiter((known[p] if p in known else place(p, epoch) for p in members), dtype=np.uint64,
+                         count=len(members))
+    distance = places - np.uint64(place(own_id, epoch))  # wraps round: how far ahead, on a ring of 2^64
+    kth = sorted({step - 1 for step in steps})
+    order = np.argpartition(distance, kth) if len(kth) < 64 else np.argsort(distance)
+    return [members[int(order[step - 1])] for step in steps]
 
 
 class ProbeRing:
@@ -78,6 +92,7 @@ class ProbeRing:
         self._key: tuple[object, ...] = ()
         self._fingers: list[str] = []  # as last worked out
         self._next = 0
+        self._stale = 0  # calls since the fingers were worked out that found a newer view
         self.rebuilt = 0  # over the member's life: how often its fingers were worked out afresh
 
     @property
@@ -85,40 +100,53 @@ class ProbeRing:
         """The fingers as the last call worked them out."""
         return self._fingers
 
+    @property
+    def view(self) -> object:
+        """The version of the members the fingers were worked out on (None before the first)."""
+        return self._key[0] if self._key else None
+
     def epochs(self, count: int, now: float) -> list[int]:
         """The epoch of each of the first `count` fingers at wall time `now`."""
         return [math.floor(now / self.epoch_s + j / MAX_FINGERS) for j in range(count)]
 
-    def fingers(self, members: Iterable[str], version: int, limit: int) -> list[str]:
+    def fingers(self, members: Iterable[str], version: int, limit: int,
+                holds: Callable[[str], bool] | None = None) -> list[str]:
         """Up to `limit` fingers among `members` (this member not among them), the successor
         first, then from the farthest in: the same list while `version` (of the members) and
-        the epochs stay the same."""
+        the epochs stay the same. With `holds` (is this peer still a member?), a newer version
+        keeps the fingers for up to STALE_CALLS calls while `holds` says yes to each of them."""
         limit = max(1, min(limit, MAX_FINGERS))
         epochs = self.epochs(limit, self._clock())
         key = (version, limit, *epochs)
         if key == self._key:
             return self._fingers
+        if (holds is not None and key[1:] == self._key[1:] and self._stale < STALE_CALLS - 1
+                and all(holds(p) for p in self._fingers)):
+            self._stale += 1
+            return self._fingers
+        self._stale = 0
         ids = [p for p in members if p != self.own_id]
         fingers: list[str] = []
         if ids:
             n = len(ids) + 1
-            rings: dict[int, _Ring] = {}
-            for j in range(min(limit, n.bit_length())):
-                epoch = epochs[j]
-                ring = rings.get(epoch)
-                if ring is None:
-                    ring = rings[epoch] = _Ring([*ids, self.own_id], epoch)
-                # finger 0 is the next member; finger j >= 1 is n / 2^j members ahead
-                peer = ring.ahead(self.own_id, epoch, 1 if j == 0 else max(1, n >> j))
-                if peer != self.own_id and peer not in fingers:
+            # finger 0 is the next member; finger j >= 1 is n / 2^j members ahead
+            wanted = [(epochs[j], 1 if j == 0 else max(1, n >> j)) for j in range(min(limit, n.bit_length()))]
+            found: dict[tuple[int, int], str] = {}
+            for epoch in dict.fromkeys(e for e, _ in wanted):
+                steps = [step for e, step in wanted if e == epoch]
+                found.update(zip(((epoch, step) for step in steps), ahead(ids, self.own_id, epoch, steps)))
+            for at in wanted:
+                peer = found[at]
+                if peer not in fingers:
                     fingers.append(peer)
         self._key, self._fingers = key, fingers
         self.rebuilt += 1
         return fingers
 
-    def next(self, members: Iterable[str], version: int, limit: int) -> str | None:
+    def next(self, members: Iterable[str], version: int, limit: int,
+             holds: Callable[[str], bool] | None = None) -> str | None:
         """The next finger to probe, round-robin, or None if there is no other member."""
-        fingers = self.fingers(members, version, limit)
+        fingers = self.fingers(members, version, limit, holds)
         if not fingers:
             return None
         self._next = (self._next + 1) % len(fingers)
