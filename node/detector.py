@@ -205,12 +205,9 @@ class FailureDetector:
         most half the cap of them), so a probe opens no socket and no monitor, and their
         connections are watched all along."""
         live = self.table.live_ids
-
-        def holds(peer_id: str) -> bool:
-            return peer_id in live and (info := self.table.get(peer_id)) is not None and self._can_probe(info)
-
         probeable = (p for p in live if (info := self.table.get(p)) is not None and self._can_probe(info))
-        target = self._ring.next(probeable, live.version, max(1, cap // 2), holds)
+        limit = max(1, cap // 2)
+        target = self._ring.next(probeable, live.version, limit)
         fingers = frozenset(self._ring.current[: cap // 2])
         if fingers != self._pinned and self.outbox.transport is not None:
             self._pinned = fingers

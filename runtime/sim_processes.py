@@ -149,6 +149,7 @@ class _Worker:
     def _form_swarm(self, ranks: list[int]) -> bool:
         """Start this worker's peers through rank 0 and report them ready; False if the run
         was given up first."""
+        began = time.monotonic()
         peers = [self._peer(rank) for rank in ranks]
         if 0 in self.peers:
             self.peers[0].start([])
@@ -172,10 +173,13 @@ class _Worker:
         else:
             joins = [first]
         start_together(others, joins, on_started=self._announce)  # news for the parent as each joins
+        started = time.monotonic()
+        log.info("worker %d: its %d peers joined in %.1f s", self.index, len(peers), started - began)
         for message in early:
             self._introduce(peers, seed_id, message)
         if not self._wait_until_peers_see_each_other(peers, seed_id):
             return False
+        log.info("worker %d: its peers saw the swarm %.1f s later", self.index, time.monotonic() - started)
         for peer in peers:
             peer.create_protocol()
         self.link.queue.put(("ready", self.index, ranks))
