@@ -12,7 +12,9 @@ from conftest import DEATH_SEEN_WITHIN_S, TEST_LIVENESS, statuses, wait_until
 from starling.node.node import NodeConfig
 from starling.node.ring import MAX_FINGERS, ProbeRing, place
 from starling.node.rpc import Reply
+from starling.node.swim import URGENT
 from starling.node.transport import TransportConfig
+from starling.node.updates import SUSPECT, Claim
 
 IDS = [f"peer-{i:04d}" for i in range(512)]
 EPOCH_S = 100.0
@@ -139,3 +141,41 @@ def test_past_the_cap_probes_open_no_sockets_and_a_crash_is_still_seen_by_all(ma
     victim.close()  # no leave: its connections drop, as for a SIGKILL
     assert wait_until(lambda: all(statuses(n).get(victim.peer_id) == "dead" for n in nodes),
                       timeout_s=DEATH_SEEN_WITHIN_S)
+
+
+@pytest.mark.slow
+def test_past_the_cap_news_goes_to_every_finger_at_once(make_node):
+    """Past the cap, a burst's random targets are among the few members a node holds a socket
+    to, so a member could miss a death whose senders all picked others (it then kept the dead
+    peer alive, and handed it back to the swarm once the others had forgotten it). A burst
+    now sends the news to each of the node's fingers as well as to its random targets."""
+    config = NodeConfig(liveness=TEST_LIVENESS, transport=TransportConfig(max_open_dealers=10))
+    nodes = [make_node("tcp", config=config)]
+    nodes += [make_node("tcp", join=[nodes[0].address], config=config) for _ in range(19)]
+    assert wait_until(lambda: all(len(n.live_peers()) == 19 for n in nodes), timeout_s=60)
+    node = nodes[0]
+    swarm = node._swarm
+    # fingers 1, 10, 5 and 2 places ahead (and 1 again on a ring of another epoch)
+    assert wait_until(lambda: swarm._ring.view == swarm.table.live_ids.version and len(swarm._pinned) >= 4,
+                      timeout_s=60)
+    fingers = set(swarm._pinned)
+    accused = next(n.peer_id for n in nodes[1:] if n.peer_id not in fingers)
+    sent_to: list[str] = []
+
+    async def burst() -> None:
+        claim = Claim.sign(swarm.local.identity, SUSPECT, accused, *swarm.table.live_at(accused))
+        swarm.broadcasts.add(claim.key, claim.to_wire(), URGENT)
+        real = swarm._send_quietly
+
+        def spy(peer_id, topic, body):
+            sent_to.append(peer_id)
+            return real(peer_id, topic, body)
+
+        swarm._send_quietly = spy
+        try:
+            await swarm._burst()
+        finally:
+            del swarm._send_quietly
+
+    node.run(burst())
+    assert fingers <= set(sent_to), (fingers, sent_to)  # 5 random picks of 10 open sockets hold 4 given ones 1 time in 42
