@@ -113,11 +113,15 @@ class Dissemination:
         SIGKILL's death, kept the dead peer alive, and handed it back to the others once they
         had forgotten it (known dead again 72 s on). Every member is the finger of as many
         members as it has fingers, and the fingers reach everyone in log2(n) hops, so news that
-        each member passes to its fingers once reaches every member whose view agrees."""
+        each member passes to its fingers once reaches every member whose view agrees and whose
+        fingers it has probed since they last moved (their sockets are open)."""
         await asyncio.sleep(0)  # the rest of the message that brought the news is applied first
         self._burst_pending = False
         self.bursts += 1
-        self._gossip_round(max(self.liveness.gossip_fanout, BURST_FANOUT), flood=self._pinned)
+        transport = self.outbox.transport  # fingers not yet opened are left to their probe: a forming
+        # swarm's fingers move at nearly every probe, and opening each for news cost 7.5 sockets a member
+        flood = frozenset(p for p in self._pinned if transport is not None and transport.is_open(p))
+        self._gossip_round(max(self.liveness.gossip_fanout, BURST_FANOUT), flood=flood)
 
     async def _gossip_loop(self) -> None:
         """Urgent changes (claims, refutations, joins, leaves) to a few random members every
