@@ -118,9 +118,11 @@ class Dissemination:
         await asyncio.sleep(0)  # the rest of the message that brought the news is applied first
         self._burst_pending = False
         self.bursts += 1
-        transport = self.outbox.transport  # fingers not yet opened are left to their probe: a forming
-        # swarm's fingers move at nearly every probe, and opening each for news cost 7.5 sockets a member
-        flood = frozenset(p for p in self._pinned if transport is not None and transport.is_open(p))
+        # Fingers not yet opened are left to their probe: a forming swarm's fingers move at nearly
+        # every probe, and opening each for news cost 7.5 sockets a member at 1024.
+        transport = self.outbox.transport
+        flood = frozenset(p for p in self._pinned
+                          if transport is not None and transport.is_open(p) and self._helper(p))
         self._gossip_round(max(self.liveness.gossip_fanout, BURST_FANOUT), flood=flood)
 
     async def _gossip_loop(self) -> None:
@@ -143,12 +145,12 @@ class Dissemination:
 
     def _gossip_round(self, fanout: int | None = None, flood: frozenset[str] = frozenset()) -> None:
         """Urgent updates and news, if any wait, to `fanout` (`gossip_fanout`) random members,
-        and the same updates to each member in `flood` (one send of them as the queue counts)."""
+        and the same updates to each member in `flood`, members we can reach (one send of them
+        as the queue counts)."""
         lv = self.liveness
         fanout = lv.gossip_fanout if fanout is None else fanout
         if not self.broadcasts.eager:
             return
-        flood = frozenset(p for p in flood if self._helper(p))
         if flood:
             updates = self._take(eager_only=True)
             for peer_id in flood:

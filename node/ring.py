@@ -66,8 +66,7 @@ def ahead(members: list[str], own_id: str, epoch: int, steps: list[int]) -> list
     sorting the ring: a member's view changes with every join while a swarm forms, so its
     fingers are worked out again at nearly every probe (at 1024 members, 0.26 ms each time
     where sorting took 1.26 ms)."""
-    of_epoch = _positions.get(epoch)
-    known = of_epoch if of_epoch is not None else {}
+    known = _positions.get(epoch) or {}  # `place`'s cache read here: half the time of a call per member
     places = np.fromiter((known[p] if p in known else place(p, epoch) for p in members), dtype=np.uint64,
                          count=len(members))
     distance = places - np.uint64(place(own_id, epoch))  # wraps round: how far ahead, on a ring of 2^64
