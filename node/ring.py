@@ -64,8 +64,8 @@ def ahead(members: list[str], own_id: str, epoch: int, steps: list[int]) -> list
     """The members `steps[i]` places ahead of `own_id` on the ring of `epoch` (`members` holds
     the others, each step in 1..len(members)). Selects by distance ahead, going round, without
     sorting the ring: a member's view changes with every join while a swarm forms, so its
-    fingers are worked out again at nearly every probe (at 1024 members, 0.26 ms each time
-    where sorting took 1.26 ms)."""
+    fingers are worked out again at nearly every probe (at 1024 members, 0.23 ms each time
+    where sorting took 1.56 ms: `benchmarks/membership_costs.py`)."""
     known = _positions.get(epoch) or {}  # `place`'s cache read here: half the time of a call per member
     places = np.fromiter((known[p] if p in known else place(p, epoch) for p in members), dtype=np.uint64,
                          count=len(members))

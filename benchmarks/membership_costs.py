@@ -1,0 +1,110 @@
+"""What a member's work while a swarm forms costs, one operation at a time.
+
+    python benchmarks/membership_costs.py [--members 1024] [--repeat 200]
+
+Prints one JSON row:
+- fingers_ms / sorted_ring_ms: working out a member's fingers (`node.ring.ProbeRing.fingers`)
+  on a view of `--members`, each call on a new view version as while a swarm forms, against
+  the same fingers found by sorting the ring (what the ring did before), in the same run;
+  fingers_speedup is their ratio, and `same_fingers` checks both give the same list;
+- learn_news_us / learn_known_us: a real node learning `--members` relayed records that are
+  news to it, then the same records again (`Node.add_records_here`, signatures already checked
+  in the process, as in a simulator's worker where every node hears each record).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import timeit
+from typing import Any
+
+
+def _fingers_by_sorting(ids: list[str], own: str, epochs: list[int], limit: int) -> list[str]:
+    """The fingers as a sorted ring gives them: the baseline."""
+    from starling.node.ring import place
+
+    everyone = [*ids, own]
+    n = len(everyone)
+    out: list[str] = []
+    rings: dict[int, list[str]] = {}
+    for j in range(min(limit, n.bit_length())):
+        ring = rings.get(epochs[j])
+        if ring is None:
+            ring = rings[epochs[j]] = [p for _, p in sorted((place(p, epochs[j]), p) for p in everyone)]
+        peer = ring[(ring.index(own) + (1 if j == 0 else max(1, n >> j))) % n]
+        if peer != own and peer not in out:
+            out.append(peer)
+    return out
+
+
+def fingers(members: int, repeat: int) -> dict[str, Any]:
+    from starling.node.ring import MAX_FINGERS, ProbeRing
+
+    ids = [f"member-{i:06d}" for i in range(members)]
+    own, others = ids[0], ids[1:]
+    now = 1000.5 * 2048.0  # two fingers' epochs differ here, as they do for 1/16 of each epoch
+    ring = ProbeRing(own, 2048.0, lambda: now)
+    limit = 10
+    epochs = ring.epochs(min(limit, MAX_FINGERS), now)
+    same = ring.fingers(ids, 0, limit) == _fingers_by_sorting(others, own, epochs, limit)
+    version = [0]
+
+    def fresh() -> None:
+        version[0] += 1  # a new view version: worked out afresh, as at every probe while a swarm forms
+        ring.fingers(ids, version[0], limit)
+
+    new_s = timeit.timeit(fresh, number=repeat) / repeat
+    old_s = timeit.timeit(lambda: _fingers_by_sorting(others, own, epochs, limit), number=repeat) / repeat
+    return {"members": members, "fingers_ms": round(new_s * 1e3, 3), "sorted_ring_ms": round(old_s * 1e3, 3),
+            "fingers_speedup": round(old_s / new_s, 2), "same_fingers": same}
+
+
+def learning(members: int) -> dict[str, Any]:
+    from starling.node import Node, NodeConfig
+    from starling.node.records import PeerRecord
+    from starling.runtime.simconfig import seeded_identity
+
+    identities = [seeded_identity(0, rank) for rank in range(members + 2)]
+    node = Node(identities[0], config=NodeConfig())
+    seed = Node(identities[1], config=NodeConfig())
+    try:
+        node.start("tcp://127.0.0.1:0", [], security="plaintext")
+        seed.start("tcp://127.0.0.1:0", [node.address], security="plaintext")
+        deadline = time.monotonic() + 30
+        while seed.peer_id not in node.live_peers():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the second node did not join")
+            time.sleep(0.05)
+        raws = [PeerRecord.create(identities[r], [f"tcp://127.0.0.1:{20000 + r}"], 1).to_wire()
+                for r in range(2, members + 2)]
+        held = [PeerRecord.from_wire(raw) for raw in raws]  # checked once in the process, and kept alive
+
+        async def learn() -> tuple[int, float, float]:
+            t0 = time.perf_counter()
+            news = node.add_records_here(raws, told_by=seed.peer_id)
+            t1 = time.perf_counter()
+            node.add_records_here(raws, told_by=seed.peer_id)
+            return news, t1 - t0, time.perf_counter() - t1
+
+        news, first_s, again_s = node.run(learn())
+        del held
+        return {"learned": news, "learn_news_us": round(first_s / len(raws) * 1e6, 1),
+                "learn_known_us": round(again_s / len(raws) * 1e6, 1)}
+    finally:
+        seed.close()
+        node.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--members", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=200)
+    args = parser.parse_args()
+    if args.members < 2 or args.repeat < 1:
+        parser.error("--members must be >= 2 and --repeat >= 1")
+    print(json.dumps({**fingers(args.members, args.repeat), **learning(args.members)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""benchmarks/membership_costs.py runs end to end: the fingers it times match the sorted ring's,
+and the node learns every record it is handed (timings are not checked: the machine is shared)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "membership_costs.py"
+
+
+def test_a_small_run_prints_one_row_whose_fingers_match_the_sorted_ring():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--members", "64", "--repeat", "5"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["same_fingers"] is True and row["learned"] == 64
+    assert row["fingers_ms"] > 0 and row["learn_news_us"] > 0
+
+
+def test_bad_arguments_are_refused_with_a_clear_error():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--members", "1"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "--members must be >= 2" in done.stderr
