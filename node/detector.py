@@ -28,7 +28,7 @@ from starling.node.outbox import UnknownPeerError
 from starling.node.swim import (
     URGENT,
 )
-from starling.node.table_sync import MAX_WANTED
+from starling.node.table_sync import MAX_WANTED, TOMBSTONE_PULLS
 from starling.node.transport import Inbound, NoSocket, SendError
 from starling.node.updates import DEAD, MAX_LIVE, SUSPECT, Beat, Claim, Record
 from starling.node.wire import RejectReason, WireError
@@ -116,8 +116,9 @@ class FailureDetector:
         finally:
             send.cancel()
         at = self.table.live_at(peer_id)
-        change = self.table.declare_dead(peer_id, dropped_at)
-        if change is not None and at is not None:
+        claim = Claim.sign(self.local.identity, DEAD, peer_id, *at) if at is not None else None
+        change = self.table.declare_dead(peer_id, dropped_at, proof=claim)
+        if change is not None and claim is not None:
             log.info("%s: %s %s", self.local.peer_id, peer_id,
                      f"refused two connections in {time.monotonic() - dropped_at:.2g} s after its "
                      "connection dropped" if refused else
@@ -125,7 +126,7 @@ class FailureDetector:
             if refused:
                 self.stats.count_refused_death()
             self.notify(change)
-            self._spread(Claim.sign(self.local.identity, DEAD, peer_id, *at), URGENT)
+            self._spread(claim, URGENT)
 
     async def run(self) -> None:
         """The node's liveness: probes, suspicions, gossip and anti-entropy, until the node
@@ -167,7 +168,10 @@ class FailureDetector:
             if periods % 16 == 0:  # walks the table: not every period
                 self.tables.expire(now, self.forget_after_s)
                 self._unverified.clear()  # records that never came: made up, or gone
-                for gone in self.table.forget(self.forget_after_s, now):
+                # a forgotten death's proof is kept for a few of a member's pulls at rest, so one
+                # that missed it and still pages the peer on hears of it (`TableSync.on_sync`)
+                tombstones_s = TOMBSTONE_PULLS * self.liveness.sync_interval(self.members())
+                for gone in self.table.forget(self.forget_after_s, now, tombstones_s):
                     self.tables.forget(gone)
                     if self.outbox.transport is not None:
                         self.outbox.transport.disconnect(gone)

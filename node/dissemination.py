@@ -33,7 +33,7 @@ from starling.node.swim import (
 )
 from starling.node.table_sync import MAX_WANTED
 from starling.node.transport import SendError
-from starling.node.updates import SUSPECT, Beat, Claim, Record, Update, parse_updates
+from starling.node.updates import DEAD, SUSPECT, Beat, Claim, Leave, Record, Update, parse_updates
 from starling.node.wire import Message, RejectReason, WireError
 
 log = logging.getLogger(__name__)
@@ -201,6 +201,19 @@ class Dissemination:
             self._beat_signed_at = time.monotonic()
         return signed
 
+    def _apply_ended(self, sender: str, raw: list[Any]) -> None:
+        """The deaths and leaves a member's table page carried (`TableSync.on_sync`): applied
+        as its gossip, each checked against its signer's key. Anything else there is refused."""
+        try:
+            updates = parse_updates(raw)
+            if not all(isinstance(u, Leave) or (isinstance(u, Claim) and u.kind == DEAD) for u in updates):
+                raise WireError(RejectReason.BAD_FIELD, "a page's ended updates must be deaths and leaves",
+                                field="body")
+        except WireError as exc:
+            self._reject(exc.reason, f"table page from {sender}: {exc}")
+            return
+        self._apply(sender, updates)
+
     def _apply(self, sender: str | None, updates: list[Update]) -> None:
         for update in updates:
             try:
@@ -245,7 +258,7 @@ class Dissemination:
                                     update.signature):
                 raise WireError(RejectReason.BAD_SIGNATURE, f"leave of {update.peer_id} is not signed by it",
                                 field="body")
-            change = table.left(update.peer_id, update.incarnation)
+            change = table.left(update.peer_id, update.incarnation, proof=update)
             if change is not None:
                 self.notify(change)
                 self._spread(update, URGENT)
@@ -299,7 +312,7 @@ class Dissemination:
             # not make it alive here
             self._await_record(peer_id, claim, sender)
             return
-        held, change = table.claim(status, peer_id, incarnation, live)
+        held, change = table.claim(status, peer_id, incarnation, live, proof=claim)
         if held:
             self.claims.held(peer_id, claimant)
             if status is PeerStatus.SUSPECT:

@@ -214,20 +214,24 @@ class Joining:
                 self.tables.forget(gone)
             self.table.evicted.clear()
         known = self.table.get(record.peer_id)
+        if self.table.restored(record.peer_id, before):
+            # a member pages on a peer we forgot was dead or left (it missed the news): the entry
+            # is back, dead, and we see for ourselves, as below
+            assert known is not None
+            if known.status is PeerStatus.DEAD:
+                self._connect_quietly(record)
+                self._recheck(record.peer_id)
+            return False
         if known is not None and held is record and told_by is not None and known.status is PeerStatus.DEAD:
             self._recheck(record.peer_id)  # a member holds it alive: see for ourselves
         if known is None or known.record is not record or held is record:
             return False  # refused, older, or the record we hold already (its socket stays)
         if transport.has(record.peer_id):
             transport.disconnect(record.peer_id)  # addresses may have changed
-        server_key = z85.encode(record.curve_key) if self.local.mode is SecurityMode.CURVE else None
-        try:
-            transport.connect(record.peer_id, record.addresses, server_key)
-        except SendError:
-            if told_by is None:
-                raise  # the peer itself is asking (its hello): it hears why
-            # out of descriptors: the route is kept, and its socket opens when it is next needed
-            log.debug("%s: no socket for %s yet (a relayed record)", self.local.peer_id, record.peer_id)
+        if told_by is None:
+            self._connect(record)  # the peer itself is asking (its hello): it hears why it fails
+        else:
+            self._connect_quietly(record)
         if self.local.record is not None and not self.local.record.reachable and record.reachable:
             # so it learns our connection at once (and our record, if it has not yet)
             self._spawn(self._ask(record.peer_id, PROBE, {"u": self._introduce(record.peer_id)},
@@ -235,6 +239,19 @@ class Joining:
         if change is not None:
             self.notify(change)
         return True
+
+    def _connect(self, record: PeerRecord) -> None:
+        transport = self.outbox.transport
+        assert transport is not None
+        server_key = z85.encode(record.curve_key) if self.local.mode is SecurityMode.CURVE else None
+        transport.connect(record.peer_id, record.addresses, server_key)
+
+    def _connect_quietly(self, record: PeerRecord) -> None:
+        try:
+            self._connect(record)
+        except SendError:
+            # out of descriptors: the route is kept, and its socket opens when it is next needed
+            log.debug("%s: no socket for %s yet (a relayed record)", self.local.peer_id, record.peer_id)
 
     def first_hand(self, inbound: Inbound, raw: Any, what: str) -> str:
         """Learn the record a peer we hold none of sent us of itself (with a probe or a table

@@ -3,6 +3,12 @@
 It holds each peer's signed record and the last of its signed beats (`node.records`). A
 suspicion or a death is a claim signed by the member that makes it, about one liveness
 incarnation; a beat of a higher one refutes it. A graceful leave removes the leaver at once.
+
+A dead or departed peer's entry keeps the signed update that ended it (its `proof`), and once
+the entry is forgotten, a tombstone keeps that proof for a while longer: a member that missed
+the death still holds the peer alive and pages it on, and a relayed record of a tombstoned
+incarnation brings the dead entry back, not a live one. Table pulls hand the proofs to members
+that still hold such a peer alive (`node.table_sync`).
 Everything here is plain data and arithmetic on an injected clock, so it is tested
 without sockets.
 """
@@ -70,6 +76,9 @@ class PeerInfo:
     # where a peer that greeted us itself came from ("ip:<address>", or "local" for ipc and
     # inproc): only which entries a full table gives up first (see TableLimits)
     origin: str | None = None
+    # the signed update that made it dead or left (a death claim, its leave), while it is; what
+    # table pulls hand to a member that holds it alive (`PeerTable.proofs`)
+    proof: Any = None
 
     @property
     def peer_id(self) -> str:
@@ -123,6 +132,19 @@ class TableLimits:
             raise ValueError(f"need 1 <= max_sponsored_per_member <= max_peers: {self}")
 
 
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """What a table keeps of a dead or departed peer it forgot: its incarnation, beat and the
+    claim's liveness incarnation, and the signed update that ended it."""
+
+    record: PeerRecord
+    status: PeerStatus
+    beat: int
+    claim_at: int
+    proof: Any
+    at: float  # when the entry was forgotten
+
+
 class TableFull(WireError):
     def __init__(self, message: str) -> None:
         super().__init__(RejectReason.TABLE_FULL, message, field="record")
@@ -148,6 +170,9 @@ class PeerTable:
         self._greeted: dict[str, dict[str, None]] = {}  # origin -> ids that greeted us from there, oldest first
         self.evicted: list[str] = []  # dropped to make room; the owner of the table closes their sockets
         self.live_ids = IdSet()  # peers alive or suspect, kept as statuses change (probing must not walk the table)
+        self._ended: dict[str, None] = {}  # peers held dead or left (forgetting must not walk the table)
+        # forgotten dead and departed peers, oldest first, at most `limits.max_peers`
+        self.tombstones: dict[str, Tombstone] = {}
 
     def __contains__(self, peer_id: str) -> bool:
         return peer_id in self._peers
@@ -176,6 +201,11 @@ class PeerTable:
             self.live_ids.remove(info.peer_id)
         if status is PeerStatus.ALIVE:
             info.claim_at = -1  # whatever claim there was no longer holds
+        if status in (PeerStatus.DEAD, PeerStatus.LEFT):
+            self._ended[info.peer_id] = None
+        else:
+            info.proof = None
+            self._ended.pop(info.peer_id, None)
         return None if old is status else StatusChange(info.peer_id, old, status)
 
     def upsert(self, record: PeerRecord, now: float, told_by: str | None = None,
@@ -184,11 +214,24 @@ class PeerTable:
         `told_by` is the member that relayed it (None: the peer itself gave it, from `origin`,
         see PeerInfo); a new record past `limits` raises TableFull, and nothing changes.
 
-        A peer that left comes back only with a newer incarnation.
+        A peer that left comes back only with a newer incarnation. A record of an incarnation
+        this table holds a tombstone of brings back the dead or departed entry (no change:
+        `restored` says so), proof and all, unless the dead peer itself gives it; an older one
+        is refused.
         """
         if record.peer_id == self.self_id:
             return None
         known = self._peers.get(record.peer_id)
+        if known is None and self.tombstones:
+            tomb = self.tombstones.get(record.peer_id)
+            if tomb is not None and tomb.record.verify_key == record.verify_key:
+                if record.incarnation < tomb.record.incarnation:
+                    return None
+                if record.incarnation == tomb.record.incarnation and (
+                        told_by is not None or tomb.status is PeerStatus.LEFT):
+                    self._restore(tomb, now)
+                    return None
+                del self.tombstones[record.peer_id]  # a newer life, or the peer itself greets us
         if known is not None:
             if record.verify_key != known.record.verify_key:
                 return None  # ids derive from keys, so this is a collision or forgery
@@ -216,6 +259,23 @@ class PeerTable:
             self._greeted.setdefault(origin, {})[record.peer_id] = None
         return StatusChange(record.peer_id, None, PeerStatus.ALIVE)
 
+    def _restore(self, tomb: Tombstone, now: float) -> None:
+        """Bring a tombstoned entry back as it was (it counts against nobody's share: no
+        member vouches for a dead peer), unless the table is full. It is forgotten again
+        `forget_after_s` from now."""
+        if len(self._peers) >= self.limits.max_peers:
+            return
+        info = PeerInfo(tomb.record, tomb.status, now, beat=tomb.beat, claim_at=tomb.claim_at, proof=tomb.proof)
+        del self.tombstones[tomb.record.peer_id]
+        self._peers[info.peer_id] = info
+        self._ended[info.peer_id] = None
+
+    def restored(self, peer_id: str, before: PeerInfo | None) -> bool:
+        """Whether `upsert` just brought `peer_id` back from its tombstone (it held no entry
+        `before`, and holds one now that is dead or left)."""
+        info = self._peers.get(peer_id)
+        return before is None and info is not None and info.status in (PeerStatus.DEAD, PeerStatus.LEFT)
+
     def _make_room(self, peer_id: str, sponsor: str | None, origin: str | None) -> None:
         limits = self.limits
         if sponsor is not None and len(self._sponsored.get(sponsor, ())) >= limits.max_sponsored_per_member:
@@ -236,9 +296,17 @@ class PeerTable:
         self._drop(gone.peer_id)
         self.evicted.append(gone.peer_id)
 
-    def _drop(self, peer_id: str) -> None:
+    def _drop(self, peer_id: str, now: float | None = None) -> None:
         info = self._peers.pop(peer_id)
         self.live_ids.remove(peer_id)
+        self._ended.pop(peer_id, None)
+        if info.proof is not None and info.status in (PeerStatus.DEAD, PeerStatus.LEFT):
+            tombs = self.tombstones
+            tombs.pop(peer_id, None)
+            while len(tombs) >= self.limits.max_peers:
+                del tombs[next(iter(tombs))]
+            tombs[peer_id] = Tombstone(info.record, info.status, info.beat, info.claim_at, info.proof,
+                                       info.last_seen if now is None else now)
         for groups, key in ((self._sponsored, info.sponsor), (self._greeted, info.origin)):
             if key is not None:
                 held = groups.get(key)
@@ -311,12 +379,13 @@ class PeerTable:
             return self._set(info, PeerStatus.ALIVE)
         return None
 
-    def claim(self, kind: PeerStatus, peer_id: str, incarnation: int, live: int) -> tuple[bool, StatusChange | None]:
-        """A member's signed claim (checked by the caller) that a peer is suspect or dead at
-        (record incarnation, liveness incarnation). It holds unless the peer left, is dead
-        already, or we know a newer incarnation than the one it names (the peer refuted it).
-        Returns whether it holds, and the status change (None when a peer that was suspect on
-        this node's own evidence becomes suspect by claim)."""
+    def claim(self, kind: PeerStatus, peer_id: str, incarnation: int, live: int,
+              proof: Any = None) -> tuple[bool, StatusChange | None]:
+        """A member's signed claim (checked by the caller, and given as `proof` for a death)
+        that a peer is suspect or dead at (record incarnation, liveness incarnation). It holds
+        unless the peer left, is dead already, or we know a newer incarnation than the one it
+        names (the peer refuted it). Returns whether it holds, and the status change (None when
+        a peer that was suspect on this node's own evidence becomes suspect by claim)."""
         info = self._peers.get(peer_id)
         if (info is None or info.status in (PeerStatus.LEFT, PeerStatus.DEAD)
                 or info.record.incarnation != incarnation or live < live_incarnation(info.beat)):
@@ -324,6 +393,8 @@ class PeerTable:
         if kind is PeerStatus.SUSPECT and info.status is PeerStatus.SUSPECT and info.claim_at >= 0:
             return False, None  # suspected already: the caller counts the confirmation
         info.claim_at = max(info.claim_at, live)
+        if kind is PeerStatus.DEAD:
+            info.proof = proof
         return True, self._set(info, kind)
 
     def live_at(self, peer_id: str) -> tuple[int, int] | None:
@@ -333,10 +404,12 @@ class PeerTable:
             return None
         return info.record.incarnation, max(live_incarnation(info.beat), info.claim_at)
 
-    def left(self, peer_id: str, incarnation: int) -> StatusChange | None:
+    def left(self, peer_id: str, incarnation: int, proof: Any = None) -> StatusChange | None:
+        """The peer's signed leave of `incarnation` (checked by the caller, given as `proof`)."""
         info = self._peers.get(peer_id)
         if info is None or info.status is PeerStatus.LEFT or incarnation < info.record.incarnation:
             return None
+        info.proof = proof
         return self._set(info, PeerStatus.LEFT)
 
     def suspect(self, peer_id: str) -> StatusChange | None:
@@ -347,21 +420,38 @@ class PeerTable:
             return None
         return self._set(info, PeerStatus.SUSPECT)
 
-    def declare_dead(self, peer_id: str, silent_since: float) -> StatusChange | None:
-        """A suspect peer that has not been heard from since `silent_since` is dead now."""
+    def declare_dead(self, peer_id: str, silent_since: float, proof: Any = None) -> StatusChange | None:
+        """A suspect peer that has not been heard from since `silent_since` is dead now, on
+        this node's own claim (`proof`, signed at `live_at`)."""
         info = self._peers.get(peer_id)
         if info is None or info.status is not PeerStatus.SUSPECT or info.last_seen > silent_since:
             return None
         info.claim_at = max(info.claim_at, live_incarnation(info.beat))
+        info.proof = proof
         return self._set(info, PeerStatus.DEAD)
 
-    def forget(self, older_than_s: float, now: float) -> list[str]:
-        """Drop dead/left entries silent for longer than `older_than_s`, to bound memory."""
-        gone = [p.peer_id for p in self._peers.values()
-                if p.status in (PeerStatus.DEAD, PeerStatus.LEFT) and now - p.last_seen > older_than_s]
+    def forget(self, older_than_s: float, now: float, tombstones_s: float = 0.0) -> list[str]:
+        """Drop dead/left entries silent for longer than `older_than_s`, to bound memory: those
+        with a proof leave a tombstone, kept `tombstones_s` (and at most `limits.max_peers`)."""
+        peers = self._peers
+        gone = [pid for pid in self._ended if now - peers[pid].last_seen > older_than_s]
         for pid in gone:
-            self._drop(pid)
+            self._drop(pid, now)
+        tombs = self.tombstones
+        while tombs:
+            oldest = next(iter(tombs.values()))
+            if now - oldest.at < tombstones_s:
+                break
+            del tombs[oldest.record.peer_id]
         return gone
+
+    def proofs(self, have: frozenset[str], chars: int) -> list[Any]:
+        """The proofs this table holds (entries and tombstones) of the deaths and leaves of
+        peers whose ids' first `chars` characters `have` names: what a member that holds them
+        alive missed."""
+        found = [self._peers[pid].proof for pid in self._ended if pid[:chars] in have]
+        found += [t.proof for pid, t in self.tombstones.items() if pid[:chars] in have]
+        return [p for p in found if p is not None]
 
 
 

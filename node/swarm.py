@@ -149,7 +149,8 @@ class Swarm(Joining, FailureDetector, Dissemination):
         self.tables = TableSync(local, table, outbox, stats, spawn, self._rng, liveness=liveness, admission=admission,
                                 learn=self.learn, record_from=self.record_from, reject=reject, helper=self._helper,
                                 introduce=self._introduce, first_hand=self.first_hand,
-                                sample=lambda k: self._sample_members(k, open_share=1.0))
+                                sample=lambda k: self._sample_members(k, open_share=1.0),
+                                apply_ended=self._apply_ended)
 
     def register(self, dispatch: Dispatcher) -> None:
         """Serve the membership topics on the node's dispatcher."""
@@ -242,10 +243,11 @@ class Swarm(Joining, FailureDetector, Dissemination):
         info = self.table.get(msg.sender)
         if info is None or not verify_signature(info.record.verify_key, leave_statement(msg.sender, body[0]), body[1]):
             raise WireError(RejectReason.BAD_SIGNATURE, f"leave for {msg.sender} is not signed by it", field="body")
-        change = self.table.left(msg.sender, body[0])
+        leave = Leave(msg.sender, body[0], body[1])
+        change = self.table.left(msg.sender, body[0], proof=leave)
         if change is not None:
             self.notify(change)
-            self._spread(Leave(msg.sender, body[0], body[1]), URGENT)  # for members it missed
+            self._spread(leave, URGENT)  # for members it missed
 
     def _introduce(self, peer_id: str) -> list[list[Any]]:
         """Our record, for a peer we have not heard from first-hand yet: it may not know us."""

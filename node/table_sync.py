@@ -9,6 +9,10 @@
   or its table grows (a swarm that is forming), backing off to `sync_interval` while they bring
   none, so a record whose announcement was lost comes back. A member the puller only heard of
   may not know it: the ask then carries the puller's record (`me`), learned as from a hello.
+  The first page also carries the signed deaths and leaves the member holds (entries and
+  tombstones, `node.membership`) of peers the ask names (`ended`): a member that missed one
+  learns it from its next pull, before the others forget the peer and take it back alive from
+  its pages.
 - `$want`: a beat names a peer we hold no record of; we ask the member that passed it on for
   the record (at most once a probe period per id), and it answers with `$announce`.
 - Each member's pulls (`$sync` pages and `$want` answers) share one token bucket of
@@ -59,6 +63,10 @@ PULL_PAGES = 4  # pages of news one anti-entropy pull reads at most (within a me
 # that record out of one page; gossip and `$want` still bring it.
 HAVE_CHARS = 6
 MAX_HAVE = 65536  # ids one ask may name (a table past that is not honest)
+MAX_ENDED = 64  # proofs of deaths and leaves one page carries at most (the updates a message may)
+# A forgotten death's tombstone lasts this many of a member's pulls at rest (`sync_interval`):
+# a member that missed the death pulls at least twice meanwhile, and hears of it.
+TOMBSTONE_PULLS = 3
 
 
 class TableSync:
@@ -69,7 +77,7 @@ class TableSync:
                  learn: Callable[..., bool], record_from: Callable[[Any], PeerRecord],
                  reject: Callable[[RejectReason, str], None], helper: Callable[[str], bool],
                  introduce: Callable[[str], list[Any]], first_hand: Callable[[Inbound, Any, str], str],
-                 sample: Callable[[int], list[str]]) -> None:
+                 sample: Callable[[int], list[str]], apply_ended: Callable[[str, list[Any]], None]) -> None:
         self._local = local
         self.table = table
         self.outbox = outbox
@@ -86,6 +94,7 @@ class TableSync:
         self._first_hand = first_hand  # learns the record a stranger sent of itself; its id
         # up to k random members to pull from: past the socket cap, ones we hold a socket to
         self._sample = sample
+        self._apply_ended = apply_ended  # applies the deaths and leaves a member's page carried, as its gossip
         self._pulls: dict[str, TokenBucket] = {}  # member id -> the bytes its table pulls may still take
         self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
         # the first pull a period or two in (a joiner's table is the seed's, as of its join);
@@ -106,7 +115,9 @@ class TableSync:
     def on_sync(self, inbound: Inbound, member: str | None, body: Any) -> dict[str, Any]:
         """A member asks for a page of our table: the records of peers alive to us, in id order
         from after `after`, leaving out those `have` names, at most `table_page_bytes` of them,
-        and `next` to go on from (None at the end). Each member's pulls share
+        and `next` to go on from (None at the end). A first page also carries, within the same
+        bytes, the proofs we hold of the deaths and leaves of peers `have` names (`ended`: what
+        the asker missed). Each member's pulls share
         `member_pull_bytes_per_s`; past it the pull is turned down (busy) and may be sent again
         later."""
         after, have, me = parse_sync(body)
@@ -132,8 +143,28 @@ class TableSync:
             # a member deep in that debt is not answered at all
             bucket.charge(ENVELOPE_BYTES, now)
             raise rpc.BusyError(f"table pulls over {admission.member_pull_bytes_per_s:.0f} bytes/s; try again later")
+        reply: dict[str, Any] = {"peers": peers, "next": following}
+        if have and after is None:
+            ended, size = self.ended(have, budget - nbytes)
+            if ended:
+                reply["ended"] = ended
+                nbytes += size
         bucket.charge(nbytes + ENVELOPE_BYTES, now)  # an empty page costs its envelope too
-        return {"peers": peers, "next": following}
+        return reply
+
+    def ended(self, have: frozenset[str], budget: float) -> tuple[list[Any], int]:
+        """The proofs of the deaths and leaves of peers `have` names, at most MAX_ENDED of them
+        and `budget` bytes, as updates on the wire; and their bytes."""
+        out: list[Any] = []
+        nbytes = 0
+        for proof in self.table.proofs(have, HAVE_CHARS)[:MAX_ENDED]:
+            wire = proof.to_wire()
+            size = len(msgpack.packb(wire, use_bin_type=True))
+            if nbytes + size > budget:
+                break
+            out.append(wire)
+            nbytes += size
+        return out, nbytes
 
     def pull_bucket(self, member: str, now: float) -> TokenBucket:
         bucket = self._pulls.get(member)
@@ -165,7 +196,8 @@ class TableSync:
                    timeout_s: float | None = None) -> int:
         """Learn the table of `peer_id` (a member), page by page from after `after`, at most
         `pages` of them: the number of records that were news. `have` (`have_digest`): leave
-        out the peers it names. A page turned down as over our pull budget is waited for.
+        out the peers it names, and hear of their deaths and leaves. A page turned down as over
+        our pull budget is waited for.
         `collect`: the records that checked out are appended to it as they came on the wire (to
         hand to other nodes, `Node.add_records`)."""
         learned, busy = 0, 0
@@ -197,6 +229,12 @@ class TableSync:
                     continue
                 if collect is not None:
                     collect.append(raw)
+            ended = body.get("ended")
+            if ended is not None:
+                if not isinstance(ended, list) or len(ended) > MAX_ENDED:
+                    raise WireError(RejectReason.BAD_FIELD, f"sync reply: ended must be a list of at most {MAX_ENDED}",
+                                    field="body")
+                self._apply_ended(peer_id, ended)
             following = body.get("next")
             if following is None:
                 return learned

@@ -312,3 +312,70 @@ def test_a_full_table_drops_the_dead_then_the_biggest_sponsors_newest_records(id
     table.upsert(newcomer, now=10.0)
     assert newcomer.peer_id in table and other.peer_id in table and len(table.all()) == 4
 
+
+
+def test_a_forgotten_death_leaves_a_tombstone_that_brings_the_dead_entry_back_for_a_relayed_record(ids):
+    table = PeerTable(ids[0].peer_id, Liveness(), TableLimits(max_peers=4, max_sponsored_per_member=4))
+    rec = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 3)
+    table.upsert(rec, 0.0)
+    table.heartbeat(parse_beat(sign_beat(ids[1], 3, 5 << LIVE_SHIFT, {})), 0.0)
+    proof = object()  # the signed death claim, as the caller checked it
+    held, change = table.claim(PeerStatus.DEAD, rec.peer_id, 3, 6, proof=proof)
+    assert held and change.new is PeerStatus.DEAD
+    assert table.get(rec.peer_id).proof is proof
+    assert table.proofs(frozenset({rec.peer_id[:6]}), 6) == [proof]
+    assert table.proofs(frozenset({"zzzzzz"}), 6) == []
+    assert table.forget(10.0, now=20.0, tombstones_s=100.0) == [rec.peer_id]
+    assert rec.peer_id not in table and table.proofs(frozenset({rec.peer_id[:6]}), 6) == [proof]
+
+    # a member that missed the death relays the record: the dead entry comes back, as it was
+    assert table.upsert(rec, 30.0, told_by=ids[2].peer_id) is None
+    assert table.restored(rec.peer_id, None)
+    info = table.get(rec.peer_id)
+    assert (info.status, info.proof, info.claim_at, info.beat) == (PeerStatus.DEAD, proof, 6, 5 << LIVE_SHIFT)
+    assert table.live() == [] and rec.peer_id not in table.tombstones
+    older = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 2)
+    assert table.forget(10.0, now=50.0, tombstones_s=100.0) == [rec.peer_id]
+    assert table.upsert(older, 51.0, told_by=ids[2].peer_id) is None and rec.peer_id not in table
+    # a beat of a later liveness incarnation (its refutation) revives the restored entry
+    assert table.upsert(rec, 52.0, told_by=ids[2].peer_id) is None
+    assert table.heartbeat(parse_beat(sign_beat(ids[1], 3, 7 << LIVE_SHIFT, {})), 53.0).new is PeerStatus.ALIVE
+    assert table.get(rec.peer_id).proof is None and table.proofs(frozenset({rec.peer_id[:6]}), 6) == []
+
+
+def test_a_tombstone_gives_way_to_the_peer_itself_or_a_new_life_and_expires(ids):
+    table = PeerTable(ids[0].peer_id, Liveness())
+    rec = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 3)
+    table.upsert(rec, 0.0)
+    table.claim(PeerStatus.DEAD, rec.peer_id, 3, 0, proof="claim")
+    table.forget(10.0, now=20.0, tombstones_s=100.0)
+    assert table.upsert(rec, 21.0).new is PeerStatus.ALIVE  # the dead peer greets us itself
+    assert rec.peer_id not in table.tombstones
+    table.claim(PeerStatus.DEAD, rec.peer_id, 3, 0, proof="claim")
+    table.forget(10.0, now=40.0, tombstones_s=100.0)
+    newer = PeerRecord.create(ids[1], ["tcp://127.0.0.1:2"], 4)
+    assert table.upsert(newer, 41.0, told_by=ids[2].peer_id).new is PeerStatus.ALIVE  # it restarted
+    table.claim(PeerStatus.DEAD, rec.peer_id, 4, 0, proof="claim")
+    table.forget(10.0, now=60.0, tombstones_s=100.0)
+    assert table.forget(10.0, now=159.0, tombstones_s=100.0) == [] and rec.peer_id in table.tombstones
+    table.forget(10.0, now=161.0, tombstones_s=100.0)
+    assert table.tombstones == {}
+    assert table.upsert(newer, 162.0, told_by=ids[2].peer_id).new is PeerStatus.ALIVE  # long forgotten
+
+
+def test_a_departed_peer_stays_gone_past_its_entry_and_tombstones_are_bounded(ids):
+    table = PeerTable(ids[0].peer_id, Liveness(), TableLimits(max_peers=2, max_sponsored_per_member=2))
+    rec = PeerRecord.create(ids[1], ["tcp://127.0.0.1:1"], 5)
+    table.upsert(rec, 0.0)
+    assert table.left(rec.peer_id, 5, proof="leave").new is PeerStatus.LEFT
+    table.forget(10.0, now=20.0, tombstones_s=100.0)
+    assert table.upsert(rec, 21.0) is None  # its own old record, even first-hand: a leave is final
+    assert table.get(rec.peer_id).status is PeerStatus.LEFT and table.live() == []
+    others = [Identity.generate() for _ in range(3)]
+    for i, other in enumerate(others):
+        r = PeerRecord.create(other, ["tcp://127.0.0.1:3"], 1)
+        table.upsert(r, 30.0 + i)
+        table.claim(PeerStatus.DEAD, r.peer_id, 1, 0, proof=i)
+        table.forget(0.0, now=31.0 + i, tombstones_s=100.0)
+    assert len(table.tombstones) == 2  # the oldest went
+    assert [t.proof for t in table.tombstones.values()] == [1, 2]

@@ -690,3 +690,66 @@ def test_an_unanswered_probe_to_an_address_that_refuses_is_a_death_not_a_suspici
     # no suspicion of a's ran out (b, which watches no connection, may have claimed it suspect first)
     assert changes in (["dead"], ["suspect", "dead"])
     assert a.stats.refused_deaths == 1
+
+
+def test_a_member_that_missed_a_death_hears_it_from_a_table_pull_and_nobody_takes_the_dead_back_from_it(
+        make_node):
+    """A member that never heard of a crash still pages the dead peer on as alive. Once the
+    others forget the peer, its pages would make it alive to them again. The first page of a
+    pull carries the deaths the member holds of peers the asker names, and a forgotten death
+    leaves a tombstone: a relayed record of the dead peer brings the dead entry back."""
+    seed = make_node("tcp", config=CONNECTIONS_ONLY)
+    a, b, victim = (make_node("tcp", join=[seed.address], config=CONNECTIONS_ONLY) for _ in range(3))
+    nodes = (seed, a, b)
+    for node in (*nodes, victim):
+        assert wait_until(lambda node=node: len(node.live_peers()) == 3), statuses(node)
+    victim.close()  # no leave: each member's connection to it drops
+    for node in nodes:
+        assert wait_until(lambda node=node: statuses(node)[victim.peer_id] == "dead", timeout_s=30), statuses(node)
+
+    def missed(node):  # as if it never heard: a message "from the victim" made it alive here again
+        async def revive():
+            return node._swarm.table.seen(victim.peer_id, time.monotonic())
+        assert node.run(revive()) is not None and statuses(node)[victim.peer_id] == "alive"
+
+    async def pull(node, helper):  # an anti-entropy pull, naming the peers it holds alive
+        tables = node._swarm.tables
+        return await tables.sync(helper.peer_id, pages=4, have=tables.have_digest())
+
+    missed(b)
+    b.run(pull(b, a))
+    assert statuses(b)[victim.peer_id] == "dead"  # a's proof of it came with the page
+
+    async def forget(node):  # past forget_after_s: the entry goes, its proof stays as a tombstone
+        table = node._swarm.table
+        gone = table.forget(0.0, time.monotonic() + 1.0, tombstones_s=3600.0)
+        return gone, victim.peer_id in table.tombstones
+
+    assert a.run(forget(a)) == ([victim.peer_id], True)
+    assert victim.peer_id not in statuses(a)
+    missed(b)
+    b.run(pull(b, a))  # from the tombstone now
+    assert statuses(b)[victim.peer_id] == "dead"
+
+    missed(b)
+    assert a.sync_peers(b.peer_id).result(30) == 0  # b pages the victim on as alive: a takes it back dead
+    assert statuses(a)[victim.peer_id] == "dead" and victim.peer_id not in a.live_peers()
+    assert seed.run(forget(seed)) == ([victim.peer_id], True)
+    assert seed.add_records([victim.record.to_wire()], told_by=b.peer_id) == 0
+    assert statuses(seed)[victim.peer_id] == "dead"
+
+
+def test_a_page_whose_ended_updates_are_not_deaths_or_leaves_is_refused_and_changes_nothing(make_node):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    assert wait_until(lambda: len(a.live_peers()) == 1 and len(b.live_peers()) == 1)
+
+    async def apply(ended):
+        b._swarm._apply_ended(a.peer_id, ended)
+
+    suspicion = sign_claim(a.identity, "s", b.peer_id, b.record.incarnation, 0)
+    for ended in ([suspicion], [["x", 1]], [["d", "id", -1]]):
+        rejected = sum(b.stats.snapshot()["rejected"].values())
+        b.run(apply(ended))
+        assert sum(b.stats.snapshot()["rejected"].values()) == rejected + 1, ended
+    assert statuses(b)[a.peer_id] == "alive" and statuses(a)[b.peer_id] == "alive"
