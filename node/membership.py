@@ -9,6 +9,7 @@ the entry is forgotten, a tombstone keeps that proof for a while longer: a membe
 the death still holds the peer alive and pages it on, and a relayed record of a tombstoned
 incarnation brings the dead entry back, not a live one. Table pulls hand the proofs to members
 that still hold such a peer alive (`node.table_sync`).
+
 Everything here is plain data and arithmetic on an injected clock, so it is tested
 without sockets.
 """
