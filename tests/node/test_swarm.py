@@ -593,6 +593,22 @@ def test_members_that_hear_a_claim_pass_it_to_the_accused_so_it_refutes_though_t
     assert statuses(c)[b.peer_id] == "alive"
 
 
+def test_members_handed_the_same_records_in_the_same_order_open_sockets_to_different_members(make_node):
+    """Past the socket cap a member's gossip and pulls go to the members it holds sockets to,
+    and it opens them to the first records it learns: in the order a page or a simulator lists
+    them, every member held sockets to the same few."""
+    config = NodeConfig(liveness=Liveness(probe_interval_s=60.0, suspicion_base_s=120.0, sync_interval_s=3600.0),
+                        transport=TransportConfig(max_open_dealers=4), request_timeout_s=5.0)
+    members = [make_node("inproc", config=config) for _ in range(24)]
+    records = [m.record.to_wire() for m in members]
+    for m in members:
+        m.add_records([r for r in records if r[0] != m.peer_id], told_by=members[0].peer_id)
+    ids = [m.peer_id for m in members]
+    held = {m.peer_id: {p for p in ids if m._transport.is_open(p)} for m in members}
+    assert all(1 <= len(h) <= 5 for h in held.values()), held  # the cap, and a quarter over it while busy
+    assert len(set().union(*held.values())) >= 12  # the same order would give the first 4 or 5
+
+
 @pytest.mark.slow
 def test_a_join_reaches_the_members_no_announce_reached_by_gossip_in_a_few_periods(make_node):
     """Past the socket cap, a seed's announce reaches only the members it holds a socket to; the
@@ -613,8 +629,10 @@ def test_a_join_reaches_the_members_no_announce_reached_by_gossip_in_a_few_perio
         return sum(joiner.peer_id in m.live_peers() for m in members)
 
     # nine in ten within 10 periods (the seed's announce alone reaches about 5; the joiner's own
-    # probes, one member a period, would reach 10). Then every member, the last ones from a
-    # member's gossip that happens to reach them, or a probe.
+    # probes, one member a period, would reach 10; each member learned the records in an order
+    # of its own, so their sockets, and their gossip, go to different members, and it takes
+    # well under one). Then every member, the last ones from a member's gossip that happens to
+    # reach them, or a probe.
     assert wait_until(lambda: knowing() >= 0.9 * len(members), timeout_s=10 * period), knowing()
     assert wait_until(lambda: knowing() == len(members), timeout_s=60 * period), knowing()
 
