@@ -57,7 +57,7 @@ from starling.node.security import SecurityMode
 from starling.node.stats import NodeStats
 from starling.node.swarm import HELLO, JoinError, Swarm, SwarmConfigError, config_conflict_text, config_conflicts
 from starling.node.transport import Inbound
-from starling.node.wire import Message, RejectReason, WireError
+from starling.node.wire import Message, RejectReason, WireError, fitting
 
 log = logging.getLogger(__name__)
 
@@ -206,14 +206,8 @@ class Bootstrap:
         if now - self._pool_at >= REDIRECT_POOL_S:
             self._pool = [p.record for p in self.table.live() if p.record.reachable]
             self._pool_at = now
-        members, used = [], len(msgpack.packb({"members": []}))
-        for record in self._rng.sample(self._pool, min(MAX_REDIRECTS, len(self._pool))):
-            raw = record.to_wire()
-            size = len(msgpack.packb(raw, use_bin_type=True))
-            if used + size > budget:
-                break
-            members.append(raw)
-            used += size
+        chosen = self._rng.sample(self._pool, min(MAX_REDIRECTS, len(self._pool)))
+        members, _ = fitting((record.to_wire() for record in chosen), budget - len(msgpack.packb({"members": []})))
         return {"members": members} if members else None
 
     async def _bootstrap_request(self, endpoint: str, curve_key: bytes | None, topic: str, body: Any,

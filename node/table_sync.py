@@ -43,7 +43,7 @@ from starling.node.outbox import Outbox, Spawn
 from starling.node.stats import NodeStats
 from starling.node.swim import Liveness
 from starling.node.transport import Inbound
-from starling.node.wire import ENVELOPE_BYTES, Message, RejectReason, WireError, frame_nbytes
+from starling.node.wire import ENVELOPE_BYTES, Message, RejectReason, WireError, fitting, frame_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -155,16 +155,7 @@ class TableSync:
     def ended(self, have: frozenset[str], budget: float) -> tuple[list[Any], int]:
         """The proofs of the deaths and leaves of peers `have` names, at most MAX_ENDED of them
         and `budget` bytes, as updates on the wire; and their bytes."""
-        out: list[Any] = []
-        nbytes = 0
-        for proof in self.table.proofs(have, HAVE_CHARS)[:MAX_ENDED]:
-            wire = proof.to_wire()
-            size = len(msgpack.packb(wire, use_bin_type=True))
-            if nbytes + size > budget:
-                break
-            out.append(wire)
-            nbytes += size
-        return out, nbytes
+        return fitting((proof.to_wire() for proof in self.table.proofs(have, HAVE_CHARS)[:MAX_ENDED]), budget)
 
     def pull_bucket(self, member: str, now: float) -> TokenBucket:
         bucket = self._pulls.get(member)

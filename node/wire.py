@@ -22,7 +22,7 @@ import math
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import cache
@@ -240,6 +240,20 @@ def _bytes_frame(item: bytes | bytearray | memoryview) -> bytes | memoryview:
 def frame_nbytes(frames: Sequence[bytes | memoryview | zmq.Frame]) -> int:
     """Total bytes of a multipart message."""
     return sum(_as_view(frame, index).nbytes for index, frame in enumerate(frames))
+
+
+def fitting(items: Iterable[Any], budget: float) -> tuple[list[Any], int]:
+    """The first of `items` whose msgpack bytes fit in `budget` together (an answer held to
+    what its asker may get), and those bytes."""
+    out: list[Any] = []
+    nbytes = 0
+    for item in items:
+        size = len(msgpack.packb(item, use_bin_type=True))
+        if nbytes + size > budget:
+            break
+        out.append(item)
+        nbytes += size
+    return out, nbytes
 
 
 def decode(frames: Sequence[bytes | memoryview | zmq.Frame], limits: Limits = Limits()) -> Message:
