@@ -222,10 +222,13 @@ class TableSync:
                     collect.append(raw)
             ended = body.get("ended")
             if ended is not None:
-                if not isinstance(ended, list) or len(ended) > MAX_ENDED:
-                    raise WireError(RejectReason.BAD_FIELD, f"sync reply: ended must be a list of at most {MAX_ENDED}",
-                                    field="body")
-                self._apply_ended(peer_id, ended)
+                # the first page of a pull that named its peers carries them, at most MAX_ENDED:
+                # a member cannot make us check more signatures than the records it pages
+                if "after" in ask or have is None or not isinstance(ended, list) or len(ended) > MAX_ENDED:
+                    self._reject(RejectReason.BAD_FIELD, f"sync reply from {peer_id}: ended comes only on the "
+                                 f"first page of a pull that names its peers, at most {MAX_ENDED}")
+                else:
+                    self._apply_ended(peer_id, ended)
             following = body.get("next")
             if following is None:
                 return learned

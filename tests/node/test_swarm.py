@@ -716,14 +716,22 @@ def test_a_member_that_missed_a_death_hears_it_from_a_table_pull_and_nobody_take
     others forget the peer, its pages would make it alive to them again. The first page of a
     pull carries the deaths the member holds of peers the asker names, and a forgotten death
     leaves a tombstone: a relayed record of the dead peer brings the dead entry back."""
-    seed = make_node("tcp", config=CONNECTIONS_ONLY)
-    a, b, victim = (make_node("tcp", join=[seed.address], config=CONNECTIONS_ONLY) for _ in range(3))
+    # deaths from dropped connections only: no probe or pull of a node's own in the test's time
+    config = NodeConfig(liveness=Liveness(probe_interval_s=600.0, suspicion_base_s=1200.0, probe_timeout_s=0.5))
+    seed = make_node("tcp", config=config)
+    a, b, victim = (make_node("tcp", join=[seed.address], config=config) for _ in range(3))
     nodes = (seed, a, b)
     for node in (*nodes, victim):
         assert wait_until(lambda node=node: len(node.live_peers()) == 3), statuses(node)
     victim.close()  # no leave: each member's connection to it drops
     for node in nodes:
         assert wait_until(lambda node=node: statuses(node)[victim.peer_id] == "dead", timeout_s=30), statuses(node)
+
+    async def sending_on(node):  # the death claims still queued for gossip (each sent a few times)
+        return node._swarm.broadcasts.eager
+
+    # until the claims are spent: one still on its way would put the death back where it was missed
+    assert wait_until(lambda: not any(node.run(sending_on(node)) for node in nodes), timeout_s=30)
 
     def missed(node):  # as if it never heard: a message "from the victim" made it alive here again
         async def revive():
@@ -771,3 +779,39 @@ def test_a_page_whose_ended_updates_are_not_deaths_or_leaves_is_refused_and_chan
         b.run(apply(ended))
         assert sum(b.stats.snapshot()["rejected"].values()) == rejected + 1, ended
     assert statuses(b)[a.peer_id] == "alive" and statuses(a)[b.peer_id] == "alive"
+
+
+def test_deaths_a_member_sends_where_the_pull_did_not_ask_for_them_are_refused_and_counted(make_node):
+    """A page carries deaths only first, and only for a pull that named its peers: a member
+    that sends them elsewhere (every page of a long pull) is refused, and nothing changes."""
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    c = make_node("inproc", join=[a.address])
+    for node in (a, b, c):
+        assert wait_until(lambda node=node: len(node.live_peers()) == 2)
+
+    async def death_of_c():
+        incarnation, live = a._swarm.table.live_at(c.peer_id)
+        return sign_claim(a.identity, "d", c.peer_id, incarnation, live)
+
+    death = a.run(death_of_c())
+    pages = iter([{"peers": [], "next": c.peer_id, "ended": []}, {"peers": [], "next": None, "ended": [death]}])
+    a._dispatch.internal_requests["$sync"] = lambda inbound, member, body: next(pages)
+    rejected = b.stats.snapshot()["rejected"].get("bad_field", 0)
+
+    async def pull():
+        tables = b._swarm.tables
+        return await tables.sync(a.peer_id, have=tables.have_digest())
+
+    assert b.run(pull()) == 0
+    assert b.stats.snapshot()["rejected"].get("bad_field", 0) == rejected + 1  # the second page's
+    assert statuses(b)[c.peer_id] == "alive"
+    a._dispatch.internal_requests["$sync"] = lambda inbound, member, body: {"peers": [], "next": None,
+                                                                            "ended": [death]}
+    assert b.sync_peers(a.peer_id).result(30) == 0  # a pull that named no peers
+    assert b.stats.snapshot()["rejected"].get("bad_field", 0) == rejected + 2
+    assert statuses(b)[c.peer_id] == "alive"
+    changes: list[str] = []
+    b.on_peer_change(lambda ch: changes.append(ch.new.value) if ch.peer_id == c.peer_id else None)
+    b.run(pull())  # the first page of a pull that names them: taken (c, alive, then refutes it)
+    assert changes[:1] == ["dead"], changes
