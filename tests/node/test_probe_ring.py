@@ -129,7 +129,8 @@ def test_past_the_cap_probes_open_no_sockets_and_a_crash_is_still_seen_by_all(ma
     opened = _opened(nodes, "$probe") - before
     assert opened <= len(nodes), opened  # round-robin over everyone: about 16 * 15 * 3/4 = 180
     pinned = [n._swarm._pinned for n in nodes]
-    assert all(len(p) == 2 for p in pinned)  # half the cap
+    # half the cap; one where a finger's ring turned in the sleep and its new finger is the other one
+    assert all(1 <= len(p) <= 2 for p in pinned), pinned
     assert all(n._transport.is_open(p) for n, ps in zip(nodes, pinned) for p in ps)
     for n in nodes:
         n.on("echo", lambda m: Reply(m.body))
