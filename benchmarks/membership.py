@@ -19,7 +19,8 @@ progress does. Per size it prints one JSON row:
 - cpu_ms_per_peer_period: the workers' CPU over the same window (every thread of each process)
   per peer and probe period, and cores_busy, the cores they kept busy: what bounds the probe
   period a box can carry;
-- a separate process joins (join_seen_p99_s: until 99% of the nodes know it), then is SIGKILLed;
+- a separate process joins (join_seen_p99_s: from when it began its join until 99% of the
+  nodes know it; victim_join_s: until its own join returned), then is SIGKILLed;
   dead_median_s and dead_max_s: until each node holds it dead (most nodes hold no connection
   to it: they learn it from the claims of those that do, or from their own probes);
 - never_knew_victim: nodes the join had not reached by the kill; dead_max_of_those_that_knew_s,
@@ -64,8 +65,9 @@ VICTIM = textwrap.dedent("""
     listen, join, liveness = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     node = Node(config=NodeConfig(liveness=Liveness(**liveness), join_deadline_s=120.0,
                                   transport=TransportConfig(max_open_dealers=16)))
+    began_at = time.monotonic()
     node.start(listen, [join], security="plaintext")
-    print(json.dumps({"id": node.peer_id, "joined_at": time.monotonic()}), flush=True)
+    print(json.dumps({"id": node.peer_id, "began_at": began_at, "joined_at": time.monotonic()}), flush=True)
     while True:
         time.sleep(0.5)
         node.set_meta(step=int(time.monotonic()))
@@ -273,7 +275,10 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
         victim = subprocess.Popen([sys.executable, "-c", VICTIM, f"ipc://{ipc_dir}/victim", rng.choice(addresses),
                                    json.dumps(liveness)], stdout=subprocess.PIPE, text=True)
         hello = json.loads(victim.stdout.readline())
-        vid, joined_at = hello["id"], hello["joined_at"]
+        # from when the joiner began: members the seed tells while its join is under way know it
+        # before its `start` returns
+        vid, joined_at = hello["id"], hello["began_at"]
+        row["victim_join_s"] = round(hello["joined_at"] - joined_at, 2)
 
         def seen() -> list[tuple[float | None, float | None]]:
             for conn in conns:
