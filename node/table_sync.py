@@ -255,10 +255,8 @@ class TableSync:
         """Records to learn, in a random order of this node's own. A node opens sockets to the
         first peers it learns, up to its cap, and past the cap its gossip and pulls go to the
         peers it holds sockets to: learned in the order a page or a simulator lists them, every
-        member of a swarm held sockets to the same few peers, news from elsewhere reached the
-        rest only through probes (a join into 40 members capped at 4 sockets was known to 36
-        after 10 periods; learned in random orders, to 39 at once), and those few served every
-        member's pulls."""
+        member of a swarm would hold sockets to the same few peers, which would serve every
+        member's pulls, and news would reach the rest only through probes."""
         records = list(records)
         self._rng.shuffle(records)
         return records
