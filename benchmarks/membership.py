@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -88,6 +89,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
         import logging
         logging.basicConfig(filename=f"{os.environ['STARLING_BENCH_LOG_DIR']}/worker-{index}.log", level=logging.INFO,
                             format="%(asctime)s %(name)s %(message)s")
+    from starling.common.heap import building_heap
     from starling.node import Node, NodeConfig
     from starling.node.loop import NetworkThread
     from starling.node.swim import Liveness
@@ -116,6 +118,8 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
                 node.set_meta(step=step)
 
     threading.Thread(target=meta_loop, daemon=True).start()
+    heap = contextlib.ExitStack()  # as the simulator's workers do: the tables built while the swarm
+    heap.enter_context(building_heap())  # forms stay out of the collector's scans (common/heap.py)
     while True:
         cmd, arg = conn.recv()
         if cmd == "start":  # arg: [(rank, join addresses)]: started at once, as a mass join is
@@ -141,6 +145,9 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
             snap = worst.stats.snapshot()
             conn.send((min(seen_by), {"syncs": snap["messages_sent_by_topic"].get("$sync", 0),
                                       "rejected": dict(snap["rejected"]), "pulls": dict(worst._swarm.tables.pulls)}))
+        elif cmd == "formed":
+            heap.close()
+            conn.send(True)
         elif cmd == "stats":
             out = []
             for n in nodes:
@@ -231,6 +238,10 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
             time.sleep(1.0)
         row["join_s"] = round(time.monotonic() - started, 1)
         print(f"membership: {n} joined in {row['join_s']} s", file=sys.stderr, flush=True)
+        for conn in conns:
+            conn.send(("formed", None))
+        for conn in conns:
+            conn.recv()
 
         def stats() -> tuple[list[tuple[int, int, dict[str, int], dict[str, int]]], float]:
             for conn in conns:

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from starling.common.heap import building_heap
 from starling.common.lifeline import die_with_parent
 from starling.runtime.forking import fork_context, forked_args, run_forked
 from starling.runtime.peer import (
@@ -123,7 +124,9 @@ class _Worker:
         self.parent = multiprocessing.parent_process()
 
     def run(self, ranks: list[int]) -> None:
-        if not self._form_swarm(ranks):
+        with building_heap():  # the swarm's tables: long-lived, kept out of the collector's scans
+            formed = self._form_swarm(ranks)
+        if not formed or not self._wait_for_start(ranks):
             return
         t0 = self.link.t0.value
         for rank in ranks:
@@ -147,8 +150,8 @@ class _Worker:
                              None if record is None else record.to_wire()))
 
     def _form_swarm(self, ranks: list[int]) -> bool:
-        """Start this worker's peers through rank 0 and report them ready; False if the run
-        was given up first."""
+        """Start this worker's peers through rank 0 and wait until they see the swarm; False
+        if the run was given up first."""
         began = time.monotonic()
         peers = [self._peer(rank) for rank in ranks]
         if 0 in self.peers:
@@ -182,6 +185,10 @@ class _Worker:
         log.info("worker %d: its peers saw the swarm %.1f s later", self.index, time.monotonic() - started)
         for peer in peers:
             peer.create_protocol()
+        return True
+
+    def _wait_for_start(self, ranks: list[int]) -> bool:
+        """Report `ranks` ready and wait for the parent's start; False if the run was given up."""
         self.link.queue.put(("ready", self.index, ranks))
         while not self.link.start.wait(_POLL_S):
             if self._given_up():
