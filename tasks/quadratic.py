@@ -12,6 +12,7 @@ stable for learning rates below 2 and converges at rate (1 - lr / condition_numb
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -67,6 +68,9 @@ class QuadraticTask(Task):
         g = make_generator("quadratic.optimum", cfg.seed)
         self._optimum = torch.randn(cfg.dim, generator=g, dtype=torch.float64)
         self._offsets: dict[int, torch.Tensor] = {}
+        # a simulator's peers start together, each on its thread: without it each of them drew
+        # the whole (world, dim) table (1024 peers: 8 MB and 10 ms apiece, all at once)
+        self._offsets_lock = threading.Lock()
 
     def curvature(self) -> torch.Tensor:
         """The diagonal a of A (float64)."""
@@ -79,12 +83,13 @@ class QuadraticTask(Task):
     def peer_offsets(self, world: int) -> torch.Tensor:
         """(world, dim) offsets d_r with zero mean over peers (float64), fixed by (seed, world)."""
         check_rank(0, world)
-        if world not in self._offsets:
-            g = make_generator("quadratic.offsets", self.config.seed, world)
-            d = torch.randn(world, self.config.dim, generator=g, dtype=torch.float64)
-            d = self.config.peer_spread * d
-            self._offsets[world] = d - d.mean(dim=0)
-        return self._offsets[world]
+        with self._offsets_lock:
+            if world not in self._offsets:
+                g = make_generator("quadratic.offsets", self.config.seed, world)
+                d = torch.randn(world, self.config.dim, generator=g, dtype=torch.float64)
+                d = self.config.peer_spread * d
+                self._offsets[world] = d - d.mean(dim=0)
+            return self._offsets[world]
 
     def peer_optimum(self, rank: int, world: int) -> torch.Tensor:
         """x*_r, the optimum of peer `rank`'s own objective (float64)."""

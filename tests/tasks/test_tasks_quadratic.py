@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from itertools import islice
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from starling.tasks import QuadraticTask, get_task
+from starling.tasks.quadratic import QuadraticConfig
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -115,3 +117,22 @@ def test_evaluate_is_the_optimality_gap() -> None:
 def test_bad_rank_is_rejected_at_once() -> None:
     with pytest.raises(ValueError, match="rank must be in"):
         quadratic().batches(2, 2, 0)
+
+
+def test_peers_that_start_together_on_threads_share_one_table_of_offsets():
+    # a simulator's peers each ask for their target on their own thread, all at once
+    task = QuadraticTask(QuadraticConfig(dim=2000))
+    start = threading.Barrier(16)
+    tables = []
+
+    def ask() -> None:
+        start.wait()
+        tables.append(task.peer_offsets(512))
+
+    threads = [threading.Thread(target=ask) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(tables) == 16
+    assert all(table is tables[0] for table in tables)
