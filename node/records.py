@@ -117,9 +117,12 @@ class PeerRecord:
     def verified(self) -> PeerRecord:
         """Check the signature (raises WireError) and return the process's one shared
         instance of this record."""
+        key = (self.peer_id, self.verify_key, self.curve_key, self.addresses, self.incarnation, self.signature,
+               self.relay)
+        if _RECORDS.get(key) is self:  # only verified records are shared: this one was, by some node here
+            return self
         self.verify()
-        return _RECORDS.setdefault((self.peer_id, self.verify_key, self.curve_key, self.addresses,
-                                    self.incarnation, self.signature, self.relay), self)
+        return _RECORDS.setdefault(key, self)
 
     def verify(self) -> None:
         if not self.is_valid():
