@@ -4,8 +4,8 @@ A simulator's worker holds hundreds of nodes, and while its swarm forms each of 
 every other peer: millions of objects (table entries, records, sockets' state) that will live
 as long as the run. CPython's collector scans its oldest generation whenever that generation
 has grown by a quarter, so a heap that grows from nothing to millions of objects is scanned
-in full again and again while it grows. Measured in a 1024-peer, 8-worker simulation on a
-2-core box, each worker spent 40-56 s of its formation's wall time in the collector.
+in full again and again while it grows (docs/benchmarks.md has what that cost a 1024-peer
+simulation).
 
 `building_heap()` turns the automatic collector off while such a heap is built and collects
 only the young generations, every `young_every_s` from a thread of its own: what was made
@@ -18,6 +18,9 @@ usual.
 
 The garbage this leaves for the final collection is what was still referenced at its young
 pass and became garbage later, inside a cycle; the memory it holds until then is the price.
+What is frozen stays until the process ends, even once it is garbage: use this only in a
+process whose built heap lives as long as the process does (a simulator's worker, not a
+library caller's).
 """
 from __future__ import annotations
 
