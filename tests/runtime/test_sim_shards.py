@@ -150,7 +150,8 @@ def test_introductions_that_overtake_rank_0s_address_are_taken_once_the_peers_st
     link = WorkerLink(queue.Queue(), threading.Event(), threading.Event(), SimpleNamespace(value=0.0))
     worker = _Worker(config, 0, inbox, link, "", "127.0.0.1")
     formed: list[bool] = []
-    thread = threading.Thread(target=lambda: formed.append(worker._form_swarm([0, 1])), daemon=True)
+    thread = threading.Thread(target=lambda: formed.append(worker._form_swarm([0, 1]) and worker._wait_for_start([0, 1])),
+                              daemon=True)
     thread.start()
     try:
         kind, rank, address, peer_id, record = link.queue.get(timeout=60)
