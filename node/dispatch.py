@@ -172,7 +172,11 @@ class Dispatcher:
         if self._banned(via):
             raise WireError(RejectReason.BANNED, f"a reply from {via}, which is banned", field="sender")
         rid, ok, body = rpc.parse_reply(msg)
-        if not self.outbox.pending.expects(rid, via):
+        pending = self.outbox.pending
+        if not pending.expects(rid, via):
+            if pending.late(rid, via):  # its request ended unanswered: the peer was slow, not wrong
+                self.stats.count_late_reply()
+                return
             raise WireError(RejectReason.BAD_FIELD, f"reply {rid} from {via} matches no request", field="body")
         if not via.startswith("bootstrap-") and msg.sender != via:
             raise WireError(RejectReason.SPOOFED_SENDER, f"reply claims {msg.sender}, came from {via}", field="sender")

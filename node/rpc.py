@@ -20,7 +20,7 @@ import asyncio
 import enum
 import itertools
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -33,6 +33,7 @@ REQUEST_TOPIC = "$req"
 REPLY_TOPIC = "$rep"
 MAX_ERROR_TEXT = 2000
 MAX_CODE_CHARS = 64
+MAX_UNANSWERED = 4096  # requests remembered after they ended without a reply (`PendingRequests.late`)
 
 log = logging.getLogger(__name__)
 
@@ -310,10 +311,15 @@ def _mark_retrieved(fut: asyncio.Future[Any]) -> None:
 
 @dataclass
 class PendingRequests:
-    """Futures of requests in flight, by correlation id. Lives on the network thread."""
+    """Futures of requests in flight, by correlation id. Lives on the network thread.
+
+    A request that ended without its reply (timed out, cancelled, its peer gone) is remembered,
+    the last MAX_UNANSWERED of them: a loaded peer's reply that comes after its request ended is
+    late, not bad input, and is counted apart (`late`)."""
 
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _pending: dict[int, tuple[asyncio.Future[Message], str]] = field(default_factory=dict)
+    _unanswered: OrderedDict[int, str] = field(default_factory=OrderedDict)  # id -> peer, oldest first
 
     def open(self, peer: str) -> tuple[int, asyncio.Future[Message]]:
         rid = next(self._ids)
@@ -377,13 +383,28 @@ class PendingRequests:
         return any(p == peer for _, p in self._pending.values())
 
     def drop(self, rid: int) -> None:
-        self._pending.pop(rid, None)
+        entry = self._pending.pop(rid, None)
+        if entry is not None:  # ended with no reply
+            self._ended_unanswered(rid, entry[1])
+
+    def late(self, rid: int, peer: str) -> bool:
+        """True, once, for the reply of a request to `peer` that ended without it."""
+        if self._unanswered.get(rid) != peer:
+            return False
+        del self._unanswered[rid]
+        return True
+
+    def _ended_unanswered(self, rid: int, peer: str) -> None:
+        self._unanswered[rid] = peer
+        if len(self._unanswered) > MAX_UNANSWERED:
+            self._unanswered.popitem(last=False)
 
     def fail_peer(self, peer: str, exc: BaseException) -> None:
         """Fail at once every request waiting on a peer that is gone."""
         for rid, (fut, p) in list(self._pending.items()):
             if p == peer:
                 del self._pending[rid]
+                self._ended_unanswered(rid, p)
                 if not fut.done():
                     fut.set_exception(exc)
 

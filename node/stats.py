@@ -35,6 +35,8 @@ class NodeStats:
     # peers this node declared dead because their address refused its connections (a process
     # gone): after their connection dropped, or in an unanswered probe (see FailureDetector)
     refused_deaths: int = 0
+    # replies that came after their request had ended (timed out, or its peer declared gone)
+    late_replies: int = 0
     max_peers: int = field(default=1024, repr=False)
     max_topics: int = field(default=64, repr=False)
 
@@ -62,6 +64,10 @@ class NodeStats:
         with self._lock:
             self._add(self.bytes_received, peer, topic, nbytes)
             self.messages_received += 1
+
+    def count_late_reply(self) -> None:
+        with self._lock:
+            self.late_replies += 1
 
     def count_rejected(self, reason: str) -> None:
         with self._lock:
@@ -103,4 +109,5 @@ class NodeStats:
                 "stalls": self.stalls,
                 "stalled_s": round(self.stalled_s, 3),
                 "refused_deaths": self.refused_deaths,
+                "late_replies": self.late_replies,
             }

@@ -134,6 +134,8 @@ class NodeCollector:
         yield CounterMetricFamily("starling_messages_received", "Messages this node read.",
                                   stats["messages_received"])
         yield CounterMetricFamily("starling_send_failures", "Sends that failed.", stats["send_failures"])
+        yield CounterMetricFamily("starling_late_replies", "Replies that came after their request had ended "
+                                  "(timed out, or its peer declared gone).", stats["late_replies"])
 
         rejected = CounterMetricFamily("starling_rejected_frames", "Inbound messages refused, by reason.",
                                        labels=["reason"])

@@ -1,6 +1,8 @@
 """A remote failure arrives as a typed exception with an error code, never as text to match."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from conftest import wait_until
 
@@ -21,7 +23,8 @@ from starling.node import (
     refusal_of,
 )
 from starling.node.hello import Hello
-from starling.node.rpc import ErrorBody
+from starling.node.rpc import MAX_UNANSWERED, REPLY_TOPIC, ErrorBody, PendingRequests, RequestTimeout
+from starling.node.wire import Message
 
 
 def test_a_request_nobody_serves_raises_no_handler_with_its_code(make_node):
@@ -163,3 +166,45 @@ def test_a_refusal_body_carries_its_code_its_text_and_its_extra_fields():
     assert refusal_of({"ok": True}) is None and refusal_of({"ok": False, "code": "??"}) is None
     with pytest.raises(ValueError):
         refusal(Refusal.BUSY, code="other")
+
+
+def test_a_reply_that_comes_after_its_request_timed_out_is_counted_late_not_rejected(make_node):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+
+    async def slow(msg):
+        await asyncio.sleep(0.5)
+        return {"answered": True}
+
+    a.on("slow", slow)
+    with pytest.raises(RequestTimeout):
+        b.request(a.peer_id, "slow", None, timeout_s=0.1)
+    assert wait_until(lambda: b.stats.snapshot()["late_replies"] == 1, timeout_s=10)
+    assert b.stats.snapshot()["rejected"].get("bad_field", 0) == 0
+
+
+def test_only_the_first_reply_to_a_request_that_ended_unanswered_from_its_own_peer_is_late():
+    async def scenario() -> tuple[bool, ...]:
+        pending = PendingRequests()
+        rid, _ = pending.open("peer-a")
+        answered, _ = pending.open("peer-a")
+        pending.resolve(answered, Message(REPLY_TOPIC, "peer-a", 0, 0.0, None, (), 0), True, None)
+        pending.drop(rid)  # timed out
+        pending.drop(answered)  # ended with its reply: nothing is late for it
+        return (pending.late(rid, "peer-b"), pending.late(rid + 100, "peer-a"), pending.late(answered, "peer-a"),
+                pending.late(rid, "peer-a"), pending.late(rid, "peer-a"))
+
+    assert asyncio.run(scenario()) == (False, False, False, True, False)
+
+
+def test_requests_remembered_as_unanswered_are_bounded():
+    async def scenario() -> tuple[bool, bool]:
+        pending = PendingRequests()
+        first, _ = pending.open("peer")
+        pending.drop(first)
+        for _ in range(MAX_UNANSWERED):
+            rid, _ = pending.open("peer")
+            pending.drop(rid)
+        return pending.late(first, "peer"), pending.late(rid, "peer")
+
+    assert asyncio.run(scenario()) == (False, True)
