@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from conftest import wait_until
@@ -172,13 +173,17 @@ def test_a_reply_that_comes_after_its_request_timed_out_is_counted_late_not_reje
     a = make_node("inproc")
     b = make_node("inproc", join=[a.address])
 
+    answer = threading.Event()
+
     async def slow(msg):
-        await asyncio.sleep(0.5)
+        while not answer.is_set():  # answered only once the request has timed out
+            await asyncio.sleep(0.01)
         return {"answered": True}
 
     a.on("slow", slow)
     with pytest.raises(RequestTimeout):
-        b.request(a.peer_id, "slow", None, timeout_s=0.1)
+        b.request(a.peer_id, "slow", None, timeout_s=0.2)
+    answer.set()
     assert wait_until(lambda: b.stats.snapshot()["late_replies"] == 1, timeout_s=10)
     assert b.stats.snapshot()["rejected"].get("bad_field", 0) == 0
 
