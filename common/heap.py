@@ -18,9 +18,9 @@ usual.
 
 The garbage this leaves for the final collection is what was still referenced at its young
 pass and became garbage later, inside a cycle; the memory it holds until then is the price.
-What is frozen stays until the process ends, even once it is garbage: use this only in a
+What is frozen stays until the process ends, even once it is garbage: freeze only in a
 process whose built heap lives as long as the process does (a simulator's worker, not a
-library caller's).
+library caller's, which builds with `freeze=False`).
 """
 from __future__ import annotations
 
@@ -33,9 +33,12 @@ YOUNG_EVERY_S = 1.0
 
 
 @contextmanager
-def building_heap(young_every_s: float = YOUNG_EVERY_S) -> Iterator[None]:
+def building_heap(young_every_s: float = YOUNG_EVERY_S, *, freeze: bool = True) -> Iterator[None]:
     """While the block runs, collect the young generations only, every `young_every_s`; then
-    collect everything once and freeze the heap built (see the module's docstring)."""
+    collect everything once and, with `freeze`, freeze the heap built (see the module's
+    docstring). Without it the heap stays in the oldest generation, scanned again only once
+    that has grown by a quarter more: for a process that must free what it built (a library
+    caller's)."""
     was_enabled = gc.isenabled()
     gc.disable()
     done = threading.Event()
@@ -52,6 +55,7 @@ def building_heap(young_every_s: float = YOUNG_EVERY_S) -> Iterator[None]:
         done.set()
         thread.join()
         gc.collect()
-        gc.freeze()
+        if freeze:
+            gc.freeze()
         if was_enabled:
             gc.enable()

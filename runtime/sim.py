@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import torch
 
+from starling.common.heap import building_heap
 from starling.node import JoinError
 from starling.runtime.capacity import CapacityError, plan_capacity
 from starling.runtime.peer import (
@@ -110,23 +111,10 @@ class Simulation:
         peers = [make_peer(rank) for rank in range(config.peers)]
         threads: list[threading.Thread] = []
         try:
-            try:
-                address = peers[0].start([])
-            except OSError as exc:  # it could not listen: out of descriptors, a port taken
-                raise SimError(f"the first peer could not start: {exc}") from None
-            try:
-                start_together(peers[1:], [address])
-            except (JoinError, OSError) as exc:
-                raise_if_faulted(peers)  # the failure behind it, if a node stopped on one
-                raise SimError(f"a peer could not join: {exc}") from None
-            sync_with_seed(peers, peers[0].node.peer_id, config.peers)
-            # polled every 0.02 s for a few peers, less often for many (each poll asks every
-            # node, on the network thread the swarm is forming on)
-            wait_for(lambda: raise_if_faulted(peers)
-                     and all(n == config.peers - 1
-                             for n in on_network_thread(peers, lambda p: len(p.node.live_peers_here()))),
-                     config.ready_timeout_s, f"{config.peers} peers to see each other",
-                     interval_s=max(0.02, config.peers / 1000))
+            # the swarm's tables, kept out of the collector's full scans while they grow; not
+            # frozen: this is the caller's process, which frees them after the run
+            with building_heap(freeze=False):
+                self._form(peers)
             for peer in peers:
                 peer.create_protocol()
             t0 = time.time()
@@ -153,6 +141,27 @@ class Simulation:
         finally:
             close_together(peers)
             torch.set_num_threads(threads_before)
+
+    def _form(self, peers: list[SimPeer]) -> None:
+        """Start `peers` (the first, then the rest through it) and wait until each sees all."""
+        config = self.config
+        try:
+            address = peers[0].start([])
+        except OSError as exc:  # it could not listen: out of descriptors, a port taken
+            raise SimError(f"the first peer could not start: {exc}") from None
+        try:
+            start_together(peers[1:], [address])
+        except (JoinError, OSError) as exc:
+            raise_if_faulted(peers)  # the failure behind it, if a node stopped on one
+            raise SimError(f"a peer could not join: {exc}") from None
+        sync_with_seed(peers, peers[0].node.peer_id, config.peers)
+        # polled every 0.02 s for a few peers, less often for many (each poll asks every
+        # node, on the network thread the swarm is forming on)
+        wait_for(lambda: raise_if_faulted(peers)
+                 and all(n == config.peers - 1
+                         for n in on_network_thread(peers, lambda p: len(p.node.live_peers_here()))),
+                 config.ready_timeout_s, f"{config.peers} peers to see each other",
+                 interval_s=max(0.02, config.peers / 1000))
 
     @staticmethod
     def _join(joiner: SimPeer, live: list[SimPeer], t0: float) -> None:

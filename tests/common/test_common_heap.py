@@ -64,3 +64,17 @@ def test_the_young_pass_ends_and_the_collector_resumes_when_the_block_raises():
         raise RuntimeError("boom")
     assert gc.isenabled()
     assert "heap-young-gc" not in {t.name for t in threading.enumerate()} - before
+
+
+def test_without_freezing_the_heap_built_stays_collectable_once_it_is_garbage():
+    gc.enable()
+    freed = threading.Event()
+    frozen_before = gc.get_freeze_count()
+    with building_heap(young_every_s=0.01, freeze=False):
+        built = Cycle()
+        weakref.finalize(built, freed.set)
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == frozen_before
+    del built
+    gc.collect()
+    assert freed.is_set(), "a heap built without freezing was not freed once it was garbage"
