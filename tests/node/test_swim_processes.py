@@ -96,3 +96,31 @@ def test_a_sigkilled_process_is_dead_once_its_address_refuses_to_reconnect(make_
     # 60 s the probe would wait, and before any suspicion could run out
     assert wait_until(lambda: statuses(a)[vid] == "dead", timeout_s=15), statuses(a)
     assert a.stats.refused_deaths == 1
+
+
+def test_a_process_stopped_until_declared_dead_is_taken_back_alive_by_every_member_when_it_runs_again(
+        make_node, procs):
+    seed, seed_addr = spawn()
+    procs.append(seed)
+    a = make_node("tcp", join=[seed_addr], config=PROBES_ONLY)
+    b = make_node("tcp", join=[seed_addr], config=PROBES_ONLY)
+    assert wait_until(lambda: len(a.live_peers()) == 2 and len(b.live_peers()) == 2, timeout_s=60)
+    sid = _peer_of(a, seed_addr)
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+    for name, n in (("a", a), ("b", b)):
+        n.on_peer_change(lambda ch, name=name: seen[name].append(ch.new.value) if ch.peer_id == sid else None)
+    seed.send_signal(signal.SIGSTOP)
+    try:  # starved past its suspicion: both members declare it dead
+        assert wait_until(lambda: statuses(a)[sid] == "dead" and statuses(b)[sid] == "dead",
+                          timeout_s=DEATH_SEEN_WITHIN_S), (statuses(a), statuses(b))
+    finally:
+        seed.send_signal(signal.SIGCONT)
+    # it runs again, hears of its death and refutes it: every member takes it back, and it still
+    # lets newcomers in
+    for n in (a, b):
+        assert wait_until(lambda n=n: statuses(n)[sid] == "alive", timeout_s=30), statuses(n)
+    assert seen["a"][-1] == seen["b"][-1] == "alive" and "dead" in seen["a"] and "dead" in seen["b"]
+    c = make_node("tcp", join=[seed_addr], config=PROBES_ONLY)
+    assert wait_until(lambda: all(len(n.live_peers()) == 3 for n in (a, b, c)), timeout_s=60), \
+        (statuses(a), statuses(b), statuses(c))
+    assert seed.poll() is None
