@@ -242,10 +242,15 @@ class Dissemination:
                     if change.old in (PeerStatus.SUSPECT, PeerStatus.DEAD):
                         self.claims.refuted(entry[0], now)
                     self.notify(change, refuted=True)
-                self._spread(Beat(entry), URGENT if change is not None else ROUTINE)
+                # passed on as the process's shared copy of the beat (`verified_beat`), which the
+                # table now holds: a queue of updates is n per member, n^2 in a simulated swarm
+                held = table.get(entry[0])
+                shared = held.signed_beat if held is not None and held.signed_beat is not None else entry
+                self._spread(Beat(shared), URGENT if change is not None else ROUTINE)
         elif isinstance(update, Record):
-            if self.learn(self.record_from(update.body), told_by=sender):
-                self._spread(update, NEWS)
+            record = self.record_from(update.body)
+            if self.learn(record, told_by=sender):
+                self._spread(Record(record.wire), NEWS)  # the shared record's wire form, not our copy
         elif isinstance(update, Claim):
             self._apply_claim(update, mine=False, sender=sender)
         else:

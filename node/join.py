@@ -266,4 +266,4 @@ class Joining:
     def spread_record(self, record: PeerRecord) -> None:
         """A peer joined through us: its record goes out with the next probes and gossip, as
         news, which every member that learns it from them passes on in turn."""
-        self._spread(Record(record.to_wire()), NEWS)
+        self._spread(Record(record.wire), NEWS)

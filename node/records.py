@@ -81,6 +81,19 @@ class PeerRecord:
         return [self.peer_id, self.verify_key, self.curve_key, list(self.addresses), self.incarnation, self.signature,
                 self.relay]
 
+    @functools.cached_property
+    def wire(self) -> tuple[Any, ...]:
+        """`to_wire()` made once per record, as a tuple that msgpack writes as the same list and
+        nobody can change in place. A process shares one instance of each record, so the tables
+        that page it and the queues that gossip it hold this one copy, not one each (a record
+        parsed off the wire is ~0.5 KB)."""
+        return tuple(self.to_wire())
+
+    @functools.cached_property
+    def wire_bytes(self) -> int:
+        """The size of `wire` packed (what a page or a pull budget counts), sized once."""
+        return len(msgpack.packb(self.wire, use_bin_type=True))
+
     @classmethod
     def from_wire(cls, obj: Any, *, verify: bool = True) -> PeerRecord:
         """Parse and (unless told not to) verify; raises WireError (BAD_FIELD or BAD_SIGNATURE)."""

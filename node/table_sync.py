@@ -25,15 +25,12 @@ membership protocol (`node.swarm`), which lends `learn` and `record_from`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import random
 import time
 from collections.abc import Callable
 from typing import Any
-
-import msgpack
 
 from starling.node import rpc
 from starling.node.admission import AdmissionConfig, TokenBucket
@@ -175,10 +172,10 @@ class TableSync:
         page: list[Any] = []
         nbytes = 0
         for p in live:
-            size = _record_bytes(p.record)
+            size = p.record.wire_bytes
             if nbytes + size > budget:
                 return page, (page[-1][0] if page else after or ""), nbytes
-            page.append(_record_wire(p.record))
+            page.append(p.record.wire)
             nbytes += size
         return page, None, nbytes
 
@@ -340,7 +337,7 @@ class TableSync:
         for peer_id in dict.fromkeys(body):
             info = self.table.get(peer_id)
             if info is not None and info.status in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
-                if not bucket.spend(_record_bytes(info.record), now):
+                if not bucket.spend(info.record.wire_bytes, now):
                     self._reject(RejectReason.RATE_LIMITED, f"want from {msg.sender}: over its budget")
                     break
                 records.append(info.record.to_wire())
@@ -371,16 +368,3 @@ def parse_sync(body: Any) -> tuple[str | None, frozenset[str], Any]:
     except UnicodeDecodeError:
         raise WireError(RejectReason.BAD_FIELD, "sync have must be id prefixes", field="body") from None
     return after, frozenset(text[i:i + HAVE_CHARS] for i in range(0, len(text), HAVE_CHARS)), me
-
-
-@functools.lru_cache(maxsize=16384)
-def _record_bytes(record: PeerRecord) -> int:
-    """Bytes of a record on the wire (records are immutable and shared: sized once each)."""
-    return len(msgpack.packb(_record_wire(record), use_bin_type=True))
-
-
-@functools.lru_cache(maxsize=16384)
-def _record_wire(record: PeerRecord) -> tuple[Any, ...]:
-    """A record's wire form, made once (a forming swarm pages its table every period): a tuple,
-    which msgpack writes as the list `to_wire` gives, and nobody can change in place."""
-    return tuple(record.to_wire())

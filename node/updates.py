@@ -55,9 +55,11 @@ def _is_signature(value: Any) -> bool:
 @dataclass(frozen=True)
 class _OwnWord:
     """An update that carries one signed list of its subject's own, relayed verbatim: its first
-    item is the subject's peer id (checked, with the rest, when it is applied)."""
+    item is the subject's peer id (checked, with the rest, when it is applied). A body read off
+    the wire is a list; one a node passes on may be the tuple its process shares (a record's
+    `wire`), which packs the same."""
 
-    body: list[Any]
+    body: list[Any] | tuple[Any, ...]
     kind: ClassVar[str]
 
     @property

@@ -379,3 +379,14 @@ def test_a_departed_peer_stays_gone_past_its_entry_and_tombstones_are_bounded(id
         table.forget(0.0, now=31.0 + i, tombstones_s=100.0)
     assert len(table.tombstones) == 2  # the oldest went
     assert [t.proof for t in table.tombstones.values()] == [1, 2]
+
+
+def test_a_records_wire_form_is_made_once_packs_as_to_wire_and_cannot_change():
+    import msgpack
+
+    record = PeerRecord.create(Identity.generate(), ["tcp://10.0.0.1:5555"], 3, relay=True)
+    packed = msgpack.packb(record.to_wire(), use_bin_type=True)
+    assert record.wire is record.wire and isinstance(record.wire, tuple)
+    assert msgpack.packb(record.wire, use_bin_type=True) == packed and record.wire_bytes == len(packed)
+    assert PeerRecord.from_wire(msgpack.unpackb(packed)) == record
+    assert replace(record, incarnation=4).wire[4] == 4  # a new record makes its own

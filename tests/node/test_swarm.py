@@ -815,3 +815,29 @@ def test_deaths_a_member_sends_where_the_pull_did_not_ask_for_them_are_refused_a
     b.on_peer_change(lambda ch: changes.append(ch.new.value) if ch.peer_id == c.peer_id else None)
     b.run(pull())  # the first page of a pull that names them: taken (c, alive, then refutes it)
     assert changes[:1] == ["dead"], changes
+
+
+def test_members_of_one_process_queue_a_gossiped_record_as_its_one_shared_wire_form(make_node):
+    """Two members that learn a newcomer's record from gossip pass it on as the record their
+    process shares, not each its own parsed copy: a simulated swarm queues n^2 of them."""
+    from starling.node.updates import Record
+
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    assert wait_until(lambda: a.peer_id in b.live_peers() and b.peer_id in a.live_peers())
+    queued: dict[str, list] = {"a": [], "b": []}
+    for name, node in (("a", a), ("b", b)):
+        broadcasts = node._swarm.broadcasts
+        add = broadcasts.add
+
+        def spy(key, update, *args, _add=add, _name=name, **kwargs):
+            queued[_name].append((key, update))
+            return _add(key, update, *args, **kwargs)
+
+        broadcasts.add = spy
+    record = PeerRecord.create(Identity.generate(), [], 1)
+    b.run(b._asend_raw(a.peer_id, "$gossip", {"u": [[Record.kind, record.to_wire()]]}))
+    a.run(a._asend_raw(b.peer_id, "$gossip", {"u": [[Record.kind, record.to_wire()]]}))
+    assert wait_until(lambda: record.peer_id in statuses(a) and record.peer_id in statuses(b))
+    bodies = [next(u[1] for k, u in queued[n] if k == (Record.kind, record.peer_id)) for n in ("a", "b")]
+    assert bodies[0] is bodies[1] == record.wire and PeerRecord.from_wire(list(bodies[0])) == record
