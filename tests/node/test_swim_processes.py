@@ -98,12 +98,17 @@ def test_a_sigkilled_process_is_dead_once_its_address_refuses_to_reconnect(make_
     assert a.stats.refused_deaths == 1
 
 
+# Members whose suspicions run out within seconds: the stopped process is dead to them soon.
+QUICK_DEATHS = NodeConfig(liveness=Liveness(probe_interval_s=0.2, suspicion_base_s=1.0), request_timeout_s=5.0,
+                          transport=TransportConfig(monitor_connections=False))
+
+
 def test_a_process_stopped_until_declared_dead_is_taken_back_alive_by_every_member_when_it_runs_again(
         make_node, procs):
     seed, seed_addr = spawn()
     procs.append(seed)
-    a = make_node("tcp", join=[seed_addr], config=PROBES_ONLY)
-    b = make_node("tcp", join=[seed_addr], config=PROBES_ONLY)
+    a = make_node("tcp", join=[seed_addr], config=QUICK_DEATHS)
+    b = make_node("tcp", join=[seed_addr], config=QUICK_DEATHS)
     assert wait_until(lambda: len(a.live_peers()) == 2 and len(b.live_peers()) == 2, timeout_s=60)
     sid = _peer_of(a, seed_addr)
     seen: dict[str, list[str]] = {"a": [], "b": []}
@@ -120,7 +125,7 @@ def test_a_process_stopped_until_declared_dead_is_taken_back_alive_by_every_memb
     for n in (a, b):
         assert wait_until(lambda n=n: statuses(n)[sid] == "alive", timeout_s=30), statuses(n)
     assert seen["a"][-1] == seen["b"][-1] == "alive" and "dead" in seen["a"] and "dead" in seen["b"]
-    c = make_node("tcp", join=[seed_addr], config=PROBES_ONLY)
+    c = make_node("tcp", join=[seed_addr], config=QUICK_DEATHS)
     assert wait_until(lambda: all(len(n.live_peers()) == 3 for n in (a, b, c)), timeout_s=60), \
         (statuses(a), statuses(b), statuses(c))
     assert seed.poll() is None
