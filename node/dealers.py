@@ -39,6 +39,21 @@ log = logging.getLogger(__name__)
 # sockets, memory); any other error opening a DEALER is about the address it was given.
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, zmq.EMTHREAD})
 
+# Routes (endpoints, server key) held once per process: every node of a simulated swarm routes to
+# every other, n^2 routes of n distinct ones. Emptied when full (a node keeps what it holds).
+_SHARED_ROUTES: dict[tuple[tuple[str, ...], bytes | None], tuple[tuple[str, ...], bytes | None]] = {}
+MAX_SHARED_ROUTES = 65536
+
+
+def _shared_route(endpoints: Sequence[str], server_key_z85: bytes | None) -> tuple[tuple[str, ...], bytes | None]:
+    route = (tuple(endpoints), server_key_z85)
+    held = _SHARED_ROUTES.get(route)
+    if held is None:
+        if len(_SHARED_ROUTES) >= MAX_SHARED_ROUTES:
+            _SHARED_ROUTES.clear()
+        held = _SHARED_ROUTES.setdefault(route, route)
+    return held
+
 
 class SendError(ConnectionError):
     """A message could not be handed to ZeroMQ (peer unreachable, queue full, timeout)."""
@@ -160,7 +175,7 @@ class DealerCache:
             return
         if self.mode is SecurityMode.CURVE and server_key_z85 is None:
             raise ValueError(f"peer {key} has no CURVE key but this node uses CURVE")
-        self._routes[key] = (tuple(endpoints), server_key_z85)
+        self._routes[key] = _shared_route(endpoints, server_key_z85)
         if endpoints and len(self._dealers) < self.dealer_cap:
             try:
                 self._open(key, eager=True)

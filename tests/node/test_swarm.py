@@ -841,3 +841,16 @@ def test_members_of_one_process_queue_a_gossiped_record_as_its_one_shared_wire_f
     assert wait_until(lambda: record.peer_id in statuses(a) and record.peer_id in statuses(b))
     bodies = [next(u[1] for k, u in queued[n] if k == (Record.kind, record.peer_id)) for n in ("a", "b")]
     assert bodies[0] is bodies[1] == record.wire and PeerRecord.from_wire(list(bodies[0])) == record
+
+
+def test_members_of_one_process_hold_one_shared_route_to_a_peer(make_node):
+    a = make_node("inproc")
+    b = make_node("inproc", join=[a.address])
+    c = make_node("inproc", join=[a.address])
+    assert wait_until(lambda: c.peer_id in a.live_peers() and c.peer_id in b.live_peers())
+    routes = [n.run(_route(n, c.peer_id)) for n in (a, b)]
+    assert routes[0] == (tuple(c.record.addresses), None) and routes[0] is routes[1]
+
+
+async def _route(node, peer_id):
+    return node._transport._routes[peer_id]
