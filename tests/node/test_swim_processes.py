@@ -55,13 +55,19 @@ def test_a_sigkilled_process_is_declared_dead_by_members_that_watch_no_connectio
     assert all(s == "alive" for p, s in statuses(a).items() if p != vid)
 
 
-def test_a_stopped_process_is_suspected_refutes_when_it_runs_again_and_is_never_dead(make_node, procs):
+def _seed_and_two_members(make_node, procs, config: NodeConfig):
+    """A node process (the seed) and two members in this process that see each other through it;
+    the seed's process, its address and id, and the members."""
     seed, seed_addr = spawn()
     procs.append(seed)
-    a = make_node("tcp", join=[seed_addr], config=PROBES_ONLY)
-    b = make_node("tcp", join=[seed_addr], config=PROBES_ONLY)
+    a = make_node("tcp", join=[seed_addr], config=config)
+    b = make_node("tcp", join=[seed_addr], config=config)
     assert wait_until(lambda: len(a.live_peers()) == 2 and len(b.live_peers()) == 2, timeout_s=60)
-    sid = _peer_of(a, seed_addr)
+    return seed, seed_addr, _peer_of(a, seed_addr), a, b
+
+
+def test_a_stopped_process_is_suspected_refutes_when_it_runs_again_and_is_never_dead(make_node, procs):
+    seed, _, sid, a, b = _seed_and_two_members(make_node, procs, PROBES_ONLY)
     seen: list[str] = []
     for n in (a, b):
         n.on_peer_change(lambda ch: seen.append(ch.new.value) if ch.peer_id == sid else None)
@@ -105,12 +111,7 @@ QUICK_DEATHS = NodeConfig(liveness=Liveness(probe_interval_s=0.2, suspicion_base
 
 def test_a_process_stopped_until_declared_dead_is_taken_back_alive_by_every_member_when_it_runs_again(
         make_node, procs):
-    seed, seed_addr = spawn()
-    procs.append(seed)
-    a = make_node("tcp", join=[seed_addr], config=QUICK_DEATHS)
-    b = make_node("tcp", join=[seed_addr], config=QUICK_DEATHS)
-    assert wait_until(lambda: len(a.live_peers()) == 2 and len(b.live_peers()) == 2, timeout_s=60)
-    sid = _peer_of(a, seed_addr)
+    seed, seed_addr, sid, a, b = _seed_and_two_members(make_node, procs, QUICK_DEATHS)
     seen: dict[str, list[str]] = {"a": [], "b": []}
     for name, n in (("a", a), ("b", b)):
         n.on_peer_change(lambda ch, name=name: seen[name].append(ch.new.value) if ch.peer_id == sid else None)
