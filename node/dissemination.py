@@ -242,11 +242,11 @@ class Dissemination:
                     if change.old in (PeerStatus.SUSPECT, PeerStatus.DEAD):
                         self.claims.refuted(entry[0], now)
                     self.notify(change, refuted=True)
-                # passed on as the process's shared copy of the beat (`verified_beat`), which the
-                # table now holds: a queue of updates is n per member, n^2 in a simulated swarm
+                # passed on as the copy the table now holds, the process's shared one (`verified_beat`):
+                # a queue of updates is n per member, n^2 in a simulated swarm
                 held = table.get(entry[0])
-                shared = held.signed_beat if held is not None and held.signed_beat is not None else entry
-                self._spread(Beat(shared), URGENT if change is not None else ROUTINE)
+                assert held is not None and held.signed_beat is not None  # `heartbeat` just took it
+                self._spread(Beat(held.signed_beat), URGENT if change is not None else ROUTINE)
         elif isinstance(update, Record):
             record = self.record_from(update.body)
             if self.learn(record, told_by=sender):
