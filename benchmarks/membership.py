@@ -2,7 +2,7 @@
 whether anyone is declared dead who is not.
 
     python benchmarks/membership.py [--sizes 128,1024,4096] [--processes 8] [--window-s 30]
-                                    [--soak-s 0] [--timeout-s 900]
+                                    [--soak-s 0] [--timeout-s 900] [--max-dealers N]
 
 Each size is one swarm of N bare nodes (no model: the membership layer alone) spread over P
 worker processes on this box, on ipc sockets, with the simulator's liveness for that size
@@ -180,15 +180,16 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
             return
 
 
-def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: float) -> dict[str, Any]:
+def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: float,
+             max_dealers: int | None = None) -> dict[str, Any]:
     from starling.runtime.simconfig import sim_liveness
 
     _raise_fd_limit()
     lv = sim_liveness(n, n)
     liveness = {k: getattr(lv, k) for k in lv.__dataclass_fields__}
-    # the simulator's own plan: the socket cap that fits a worker's descriptors
+    # the simulator's own plan: the socket cap for the swarm that fits a worker's descriptors
     from starling.runtime.capacity import plan_capacity
-    max_dealers = plan_capacity(-(-n // processes), n, "ipc", True, None).max_dealers
+    max_dealers = plan_capacity(-(-n // processes), n, "ipc", True, max_dealers).max_dealers
     ipc_dir = tempfile.mkdtemp(prefix="starling-membership-")
     ctx = mp.get_context("spawn")
     procs, conns = [], []
@@ -366,13 +367,15 @@ def main() -> None:
     parser.add_argument("--soak-s", type=float, default=0.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--log-dir", default=None, help="write each worker's INFO log there")
+    parser.add_argument("--max-dealers", type=int, default=None,
+                        help="every node's socket cap (default: the simulator's, for the size and the descriptors)")
     args = parser.parse_args()
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
         os.environ["STARLING_BENCH_LOG_DIR"] = args.log_dir
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
-        row = run_size(n, min(args.processes, n), args.window_s, args.soak_s, args.timeout_s)
+        row = run_size(n, min(args.processes, n), args.window_s, args.soak_s, args.timeout_s, args.max_dealers)
         print(json.dumps(row), flush=True)
         rows.append(row)
     ok = [r for r in rows if r.get("ok")]

@@ -2,11 +2,14 @@
 
     python benchmarks/scale.py [--sizes 128,256,512,1024] [--processes 0,4] [--steps 5]
                                [--protocol gossip] [--task quadratic] [--timeout-s 900]
+                               [--max-dealers N]
 
 Each row is one `Simulation` of `--peers N` gossip peers on `quadratic`, run in a fresh
 interpreter, threads only (`--processes 0`) or sharded over P worker processes, with the
-simulator's defaults for everything that depends on the swarm's size (the socket cap that fits
-the descriptors, the heartbeat sized to the swarm; both are in the row). Reported per row:
+simulator's defaults for everything that depends on the swarm's size (the socket cap: over tcp
+the largest that fits the descriptors and keeps the swarm's connections in budget,
+`runtime.capacity.default_cap`, or `--max-dealers`; the heartbeat sized to the swarm; both are
+in the row). Reported per row:
 - start_s: from `Simulation.run()` to the first training step (every peer joined and sees
   every other), after torch's one-time lazy imports (`prepare_to_train`), which every
   process pays once whatever its size;
@@ -42,6 +45,7 @@ CHILD = textwrap.dedent("""
     prepare_to_train()  # torch's one-time imports (seconds on a loaded box): not the swarm's start-up
     peers, processes, steps = (int(x) for x in sys.argv[1:4])
     protocol, task = sys.argv[4], sys.argv[5]
+    max_dealers = int(sys.argv[6]) if sys.argv[6] else None
     first, last = [], []
     started = time.monotonic()
     def progress(step):
@@ -49,7 +53,7 @@ CHILD = textwrap.dedent("""
             first.append(time.monotonic())
         last[:] = [time.monotonic()]
     config = SimConfig(peers=peers, protocol=protocol, task=task, steps=steps, processes=processes,
-                       transport="tcp" if processes else "inproc")
+                       transport="tcp" if processes else "inproc", max_dealers=max_dealers)
     result = Simulation(config, progress).run()
     s = result.summary
     ended = time.monotonic()
@@ -84,8 +88,8 @@ def tree_rss_mb(root: int) -> float:
 def run_one(peers: int, processes: int, args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(peers), str(processes), str(args.steps),
-                             args.protocol, args.task], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                             args.protocol, args.task, str(args.max_dealers or "")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak = [0.0]
     done = threading.Event()
 
@@ -126,6 +130,8 @@ def main() -> None:
     parser.add_argument("--protocol", default="gossip")
     parser.add_argument("--task", default="quadratic")
     parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--max-dealers", type=int, default=None,
+                        help="the socket cap of every node (default: the largest that fits the descriptors)")
     args = parser.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     for processes in [int(x) for x in args.processes.split(",")]:
