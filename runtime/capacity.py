@@ -22,12 +22,22 @@ DEALER's descriptors are freed by libzmq's reaper a moment later, and over tcp o
 connections into a process's nodes match the ones out of them only on average. A 256-peer
 run over 4 processes planned to the last descriptor reached 19,990 of 20,000 and failed.
 
+Over tcp or ipc each connection also costs memory: about 82 KB with both ends and the
+DEALER's monitor, against 18 KB over inproc (`benchmarks/socket_memory.py`: libzmq's stream
+engines each hold a receive buffer and a send batch). At a cap of 20, 1024 peers over 8
+processes held 2.84-2.87 MB a peer beyond an 8-peer run, and 1.89-1.90 MB at a cap of 10,
+which also started in 27 s where 20 took 42-49 s (`benchmarks/scale.py --max-dealers`). So
+over tcp or ipc the simulator's own cap keeps the box's connections within WIRED_CONNECTIONS
+(n peers times the cap), though never below log2(n), the fingers a member probes on its ring
+(`node.ring`): 64 up to 128 peers, 32 at 256, 16 at 512, 10 at 1024, 12 at 4096.
+
 `plan_capacity` raises the soft RLIMIT_NOFILE to the hard limit, picks the DEALER cap (the
-one asked for, or the largest up to 64 that fits), and refuses with one line, saying what
-to change, a swarm that cannot fit.
+one asked for, or the largest up to `default_cap` that fits), and refuses with one line,
+saying what to change, a swarm that cannot fit.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -45,6 +55,7 @@ MIN_MAX_DEALERS = 4  # below this a peer spends its steps opening and closing so
 # network thread's context and event loop, logs, a joiner's state transfer; measured ~60.
 RESERVED_FDS = 256
 SPARE = 0.1  # of the room left for descriptors freed late and connections that do not balance
+WIRED_CONNECTIONS = 8192  # the connections a wired simulation's default cap keeps its swarm to (peers x cap)
 
 
 class CapacityError(ValueError):
@@ -95,12 +106,22 @@ def open_fds() -> int:
         return 0
 
 
+def default_cap(swarm: int, transport: str) -> int:
+    """The cap a simulated node gets unless one is asked for (before the descriptors have their
+    say): DEFAULT_MAX_DEALERS over inproc; over tcp or ipc no more than keeps the swarm within
+    WIRED_CONNECTIONS connections, and no fewer than log2(swarm) (at least MIN_MAX_DEALERS)."""
+    if transport == "inproc":
+        return DEFAULT_MAX_DEALERS
+    fingers = max(MIN_MAX_DEALERS, math.ceil(math.log2(max(2, swarm))))
+    return max(fingers, min(DEFAULT_MAX_DEALERS, WIRED_CONNECTIONS // max(1, swarm)))
+
+
 def plan_capacity(peers_per_process: int, swarm: int, transport: str, monitors: bool,
                   max_dealers: int | None, *, processes_hint: int = 0) -> Capacity:
     """The DEALER cap for a swarm of `swarm` peers, `peers_per_process` in each process, that
     fits the descriptors and ZeroMQ sockets of a process; CapacityError (one line, naming the
     limit and what to change) if none does. `max_dealers` None: the largest cap up to
-    DEFAULT_MAX_DEALERS that fits, and no lower than MIN_MAX_DEALERS."""
+    `default_cap` that fits, and no lower than MIN_MAX_DEALERS."""
     limit = raise_fd_limit()
     room = limit - max(RESERVED_FDS, open_fds() + 64)
     room -= int(room * SPARE)
@@ -125,7 +146,8 @@ def plan_capacity(peers_per_process: int, swarm: int, transport: str, monitors: 
             raise CapacityError(f"max_dealers must be >= 1, got {max_dealers}")
         chosen = max_dealers
     else:
-        chosen = next((d for d in range(DEFAULT_MAX_DEALERS, MIN_MAX_DEALERS - 1, -1) if fits(d)), MIN_MAX_DEALERS)
+        chosen = next((d for d in range(default_cap(swarm, transport), MIN_MAX_DEALERS - 1, -1) if fits(d)),
+                      MIN_MAX_DEALERS)
     if not fits(chosen):
         d = held(chosen)
         need_fds = peers_per_process * fds_per_peer(d, transport, monitors)

@@ -7,6 +7,7 @@ sockets (the limit a process hits when something else holds its descriptors). Ea
 fresh interpreter, since both limits are per process."""
 from __future__ import annotations
 
+import math
 import resource
 import subprocess
 import sys
@@ -18,7 +19,14 @@ from conftest import wait_until
 
 from starling.node import Node, NodeConfig, PeerStatus
 from starling.node.swim import Liveness
-from starling.runtime.capacity import CapacityError, fds_per_peer, plan_capacity, sockets_per_peer
+from starling.runtime.capacity import (
+    WIRED_CONNECTIONS,
+    CapacityError,
+    default_cap,
+    fds_per_peer,
+    plan_capacity,
+    sockets_per_peer,
+)
 
 
 def run_python(code: str, *, nofile: int | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess:
@@ -48,6 +56,21 @@ def test_the_cap_is_the_largest_that_fits_and_a_swarm_that_cannot_fit_is_refused
         plan_capacity(40_000, 40_000, "tcp", monitors=True, max_dealers=64)
     with pytest.raises(CapacityError, match="max_dealers must be >= 1"):
         plan_capacity(4, 4, "inproc", monitors=False, max_dealers=0)
+
+
+def test_a_wired_swarms_cap_keeps_its_connections_in_budget_but_never_below_its_fingers():
+    """Over tcp or ipc a connection costs about 82 KB (`benchmarks/socket_memory.py`): past 128
+    peers the simulator's own cap keeps peers x cap within WIRED_CONNECTIONS, and a member
+    keeps at least a socket for each of its log2(n) fingers; inproc keeps the full cap."""
+    assert default_cap(8, "tcp") == default_cap(128, "ipc") == 64  # a small swarm is a full mesh, as before
+    assert default_cap(1024, "inproc") == default_cap(65536, "inproc") == 64
+    assert default_cap(256, "tcp") == 32 and default_cap(1024, "tcp") == 10 and default_cap(4096, "ipc") == 12
+    for n in (129, 300, 512, 1000, 1024, 2048, 4096, 65536):
+        cap, fingers = default_cap(n, "tcp"), math.ceil(math.log2(n))
+        assert cap >= fingers and (n * cap <= WIRED_CONNECTIONS or cap == fingers), (n, cap)
+    # what the plan picks when the descriptors allow it, and a cap asked for still wins
+    assert plan_capacity(16, 1024, "tcp", monitors=True, max_dealers=None).max_dealers == 10
+    assert plan_capacity(16, 1024, "tcp", monitors=True, max_dealers=20).max_dealers == 20
 
 
 @pytest.mark.slow
