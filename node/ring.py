@@ -9,7 +9,8 @@ formed swarm of 256 bare nodes spent 0.70x the CPU once its probes stopped doing
 So past the cap a member probes only its fingers, and keeps their sockets open (pinned, see
 `node.dealers.DealerCache.pin`). Every member has a place on a ring, a hash of its id and an
 epoch. Its fingers are the members n/2, n/4, n/8... places ahead of it on the ring, down to
-the next one: about log2(n) members, at most `limit`. Where members' views agree:
+the next one: about log2(n) members. A member allowed fewer (`limit`, half its socket cap)
+spreads them over those scales (`finger_steps`). Where members' views agree:
 
 - every member is the finger of exactly as many members as it has fingers (the member n/2^j
   places behind it holds it as finger j), so every member is probed about once a period, as in
@@ -75,6 +76,21 @@ def ahead(members: list[str], own_id: str, epoch: int, steps: list[int]) -> list
     return [members[int(order[step - 1])] for step in steps]
 
 
+def finger_steps(n: int, limit: int) -> list[int]:
+    """How many places ahead each finger is, on a ring of `n` members, for up to `limit` of them:
+    the next member, then n/2, n/4, ..., one a scale (log2(n) fingers). Fewer than that are
+    spread over the scales, the farthest first: n/4, n/16, n/64, n/256 and the next for
+    5 of 1024's 10 (a member at a cap of 10 keeps 5). Each hop then closes a constant share of
+    the distance left, so the graph's diameter stays O(log n) hops: 15 for 5 fingers of 1024,
+    where the first five scales (n/2 to n/16, then one place at a time) took 67."""
+    levels = n.bit_length()  # n >> (levels - 1) == 1: the scales from n/2 to the next member
+    count = max(0, min(limit, levels))
+    if count == levels:
+        return [1, *(max(1, n >> j) for j in range(1, count))]
+    shifts = [round(j * (levels - 1) / count) for j in range(1, count)]
+    return [1, *(max(1, n >> shift) for shift in shifts)][:count]
+
+
 class ProbeRing:
     """One member's fingers, and whom it probes next among them (round-robin)."""
 
@@ -116,8 +132,7 @@ class ProbeRing:
         fingers: list[str] = []
         if ids:
             n = len(ids) + 1
-            # finger 0 is the next member; finger j >= 1 is n / 2^j members ahead
-            wanted = [(epochs[j], 1 if j == 0 else max(1, n >> j)) for j in range(min(limit, n.bit_length()))]
+            wanted = [(epoch, step) for epoch, step in zip(epochs, finger_steps(n, limit))]
             found: dict[tuple[int, int], str] = {}
             for epoch in dict.fromkeys(e for e, _ in wanted):
                 steps = [step for e, step in wanted if e == epoch]

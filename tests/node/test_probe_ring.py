@@ -63,8 +63,24 @@ def test_a_formed_swarm_keeps_its_fingers_and_a_join_moves_about_one_each():
     assert moved <= 2 * len(IDS), moved
     assert sum(fs.count("joiner") for fs in joined.values()) >= 9  # and it is probed at once
     few = {p: r.fingers(IDS, 3, 3) for p, r in rings.items()}
-    assert all(few[p] == fingers[p][:3] for p in IDS)  # the next member and the farthest kept
+    # the next member, and two spread over the scales (64 and 8 places ahead), not the farthest two
+    assert all(few[p][0] == fingers[p][0] and set(few[p]) <= set(fingers[p]) for p in IDS)
     assert set(Counter(f for fs in few.values() for f in fs).values()) == {3}
+
+
+@pytest.mark.parametrize("limit", [3, 5, 7])
+def test_fewer_fingers_than_scales_still_reach_everyone_in_a_few_hops(limit):
+    """A member at a socket cap of 10 keeps 5 fingers: spread over the scales, each hop closes a
+    constant share of the distance left. The first scales alone (n/2 to n/16, then the next
+    member) left 1024 members 67 hops apart."""
+    ids = [f"peer-{i:04d}" for i in range(1024)]
+    fingers, _, _ = fingers_of(ids, limit=limit)
+    assert all(len(fs) == limit for fs in fingers.values())
+    assert set(Counter(f for fs in fingers.values() for f in fs).values()) == {limit}  # each probed alike
+    bound = {3: 32, 5: 16, 7: 14}[limit]  # 10 hops with all 10 fingers
+    for source in ids[:3]:
+        reached = hops(fingers, source)
+        assert len(reached) == len(ids) and max(reached.values()) <= bound, (limit, max(reached.values()))
 
 
 def test_the_ring_turns_one_finger_at_a_time():
