@@ -247,7 +247,9 @@ def simulate(
                                     "per rank), instead of rank 0 syncing the whole model."),
     max_dealers: Optional[int] = typer.Option(
         None, "--max-dealers", min=1, help="Sockets each simulated peer keeps open to others (default: the largest "
-                                           "up to a real node's 64 that fits this process's descriptors)."),
+                                           "up to a real node's 64 that fits this process's descriptors; over "
+                                           "tcp or ipc past 128 peers, also within 8,192 connections in all, "
+                                           "and at least log2 of the swarm)."),
     checkpoint_dir: Optional[Path] = typer.Option(
         None, "--checkpoint-dir", help="Every peer writes checkpoints to DIR/peer-RANK (the baseline's to "
                                        "DIR/baseline/peer-RANK)."),
