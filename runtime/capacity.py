@@ -28,8 +28,9 @@ engines each hold a receive buffer and a send batch). At a cap of 20, 1024 peers
 processes held 2.84-2.87 MB a peer beyond an 8-peer run, and 1.89-1.90 MB at a cap of 10,
 which also started in 27 s where 20 took 42-49 s (`benchmarks/scale.py --max-dealers`). So
 over tcp or ipc the simulator's own cap keeps the box's connections within WIRED_CONNECTIONS
-(n peers times the cap), though never below log2(n), the fingers a member probes on its ring
-(`node.ring`): 64 up to 128 peers, 32 at 256, 16 at 512, 10 at 1024, 12 at 4096.
+(n peers times the cap), though never below log2(n): 64 up to 128 peers, 32 at 256, 16 at
+512, 10 at 1024, 12 at 4096. A member keeps half its cap open to its fingers on the probe ring
+(`node.ring`), which spreads fewer fingers than log2(n) over the ring's scales.
 
 `plan_capacity` raises the soft RLIMIT_NOFILE to the hard limit, picks the DEALER cap (the
 one asked for, or the largest up to `default_cap` that fits), and refuses with one line,
