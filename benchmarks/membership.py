@@ -370,6 +370,8 @@ def main() -> None:
     parser.add_argument("--max-dealers", type=int, default=None,
                         help="every node's socket cap (default: the simulator's, for the size and the descriptors)")
     args = parser.parse_args()
+    if args.max_dealers is not None and args.max_dealers < 1:
+        parser.error("--max-dealers must be at least 1")
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
         os.environ["STARLING_BENCH_LOG_DIR"] = args.log_dir

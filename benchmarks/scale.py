@@ -133,6 +133,8 @@ def main() -> None:
     parser.add_argument("--max-dealers", type=int, default=None,
                         help="the socket cap of every node (default: the largest that fits the descriptors)")
     args = parser.parse_args()
+    if args.max_dealers is not None and args.max_dealers < 1:
+        parser.error("--max-dealers must be at least 1")
     sizes = [int(x) for x in args.sizes.split(",")]
     for processes in [int(x) for x in args.processes.split(",")]:
         base = run_one(8, min(processes, 8), args)
