@@ -9,7 +9,10 @@ Prints one JSON row:
   fingers_speedup is their ratio, and `same_fingers` checks both give the same list;
 - learn_news_us / learn_known_us: a real node learning `--members` relayed records that are
   news to it, then the same records again (`Node.add_records_here`, signatures already checked
-  in the process, as in a simulator's worker where every node hears each record).
+  in the process, as in a simulator's worker where every node hears each record);
+- page_walk_ms / page_news_ms: that node's table served as `$sync` pages of a member's page
+  size (`table_page_bytes`), the whole of it page by page as to a joiner (paged: the records it
+  handed out), and one page for a puller that names half of them as held (anti-entropy).
 """
 from __future__ import annotations
 
@@ -62,7 +65,9 @@ def fingers(members: int, repeat: int) -> dict[str, Any]:
 
 def learning(members: int) -> dict[str, Any]:
     from starling.node import Node, NodeConfig
+    from starling.node.admission import AdmissionConfig
     from starling.node.records import PeerRecord
+    from starling.node.table_sync import HAVE_CHARS
     from starling.runtime.simconfig import seeded_identity
 
     identities = [seeded_identity(0, rank) for rank in range(members + 2)]
@@ -87,10 +92,28 @@ def learning(members: int) -> dict[str, Any]:
             node.add_records_here(raws, told_by=seed.peer_id)
             return news, t1 - t0, time.perf_counter() - t1
 
+        page_bytes = AdmissionConfig().table_page_bytes
+        have = frozenset(r.peer_id[:HAVE_CHARS] for r in held[::2])  # a puller that holds half of them
+
+        async def pages() -> tuple[int, float, float]:
+            tables = node._swarm.tables
+            t0 = time.perf_counter()
+            after, walked = None, 0
+            while True:  # a joiner's walk of the whole table, page by page
+                page, after, _ = tables.page(after, page_bytes)
+                walked += len(page)
+                if after is None:
+                    break
+            t1 = time.perf_counter()
+            tables.page(None, page_bytes, have=have)
+            return walked, t1 - t0, time.perf_counter() - t1
+
         news, first_s, again_s = node.run(learn())
+        walked, walk_s, have_s = node.run(pages())
         del held
         return {"learned": news, "learn_news_us": round(first_s / len(raws) * 1e6, 1),
-                "learn_known_us": round(again_s / len(raws) * 1e6, 1)}
+                "learn_known_us": round(again_s / len(raws) * 1e6, 1), "paged": walked,
+                "page_walk_ms": round(walk_s * 1e3, 2), "page_news_ms": round(have_s * 1e3, 2)}
     finally:
         seed.close()
         node.close()

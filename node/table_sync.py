@@ -167,15 +167,20 @@ class TableSync:
         """Records of live peers with ids above `after` (all, for None) and none of the prefixes
         in `have`, in id order, that fit in `budget` bytes; the id to go on from (None if none
         are left); and their bytes."""
-        live = sorted((p for p in self.table.live() if p.peer_id != but and (after is None or p.peer_id > after)
-                       and p.peer_id[:HAVE_CHARS] not in have), key=lambda p: p.peer_id)
+        table = self.table
+        # by id, not entry: every member's pulls page every table while a swarm forms
+        ids = sorted(i for i in table.live_ids if i != but and (after is None or i > after)
+                     and (not have or i[:HAVE_CHARS] not in have))
         page: list[Any] = []
         nbytes = 0
-        for p in live:
-            size = p.record.wire_bytes
+        for peer_id in ids:
+            info = table.get(peer_id)
+            assert info is not None  # live_ids follows the table's entries
+            record = info.record
+            size = record.wire_bytes
             if nbytes + size > budget:
                 return page, (page[-1][0] if page else after or ""), nbytes
-            page.append(p.record.wire)
+            page.append(record.wire)
             nbytes += size
         return page, None, nbytes
 
