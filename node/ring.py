@@ -84,11 +84,11 @@ def finger_steps(n: int, limit: int) -> list[int]:
     the distance left, so the graph's diameter stays O(log n) hops: 15 for 5 fingers of 1024,
     where the first five scales (n/2 to n/16, then one place at a time) took 67."""
     levels = n.bit_length()  # n >> (levels - 1) == 1: the scales from n/2 to the next member
-    count = max(0, min(limit, levels))
+    count = min(limit, levels)  # ProbeRing asks for at least one
     if count == levels:
         return [1, *(max(1, n >> j) for j in range(1, count))]
     shifts = [round(j * (levels - 1) / count) for j in range(1, count)]
-    return [1, *(max(1, n >> shift) for shift in shifts)][:count]
+    return [1, *(max(1, n >> shift) for shift in shifts)]
 
 
 class ProbeRing:
