@@ -131,7 +131,8 @@ def main() -> None:
     parser.add_argument("--task", default="quadratic")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--max-dealers", type=int, default=None,
-                        help="the socket cap of every node (default: the largest that fits the descriptors)")
+                        help="the socket cap of every node (default: the simulator's, runtime.capacity.default_cap "
+                             "where the descriptors allow it)")
     args = parser.parse_args()
     if args.max_dealers is not None and args.max_dealers < 1:
         parser.error("--max-dealers must be at least 1")

@@ -38,23 +38,24 @@ def measure(transport: str, connections: int, ipc_dir: str) -> dict[str, Any]:
 
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 8 * connections + 64)
-    held: list[Any] = []
+    routers: list[Any] = []
+    dealers: list[Any] = []
+    monitors: list[Any] = []
     try:
         before = rss_mb()
         for i in range(connections):
             router = ctx.socket(zmq.ROUTER)
+            routers.append(router)
             if transport == "tcp":
                 endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
             else:
                 endpoint = f"inproc://socket-memory-{i}" if transport == "inproc" else f"ipc://{ipc_dir}/{i}"
                 router.bind(endpoint)
             dealer = ctx.socket(zmq.DEALER)
+            dealers.append(dealer)
             if transport != "inproc":
-                held.append(dealer.get_monitor_socket())
+                monitors.append(dealer.get_monitor_socket())
             dealer.connect(endpoint)
-            held += [router, dealer]
-        routers = [s for s in held if s.socket_type == zmq.ROUTER]
-        dealers = [s for s in held if s.socket_type == zmq.DEALER]
         for dealer in dealers:
             dealer.send(b"x" * 100)
         deadline = time.monotonic() + 60
@@ -64,7 +65,7 @@ def measure(transport: str, connections: int, ipc_dir: str) -> dict[str, Any]:
             router.recv_multipart()
         after = rss_mb()
     finally:
-        for sock in held:
+        for sock in (*monitors, *dealers, *routers):
             sock.close(linger=0)
         ctx.term()
     return {"transport": transport, "connections": connections,
