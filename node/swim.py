@@ -60,6 +60,10 @@ class Liveness:
     # A peer whose connection drops (its process died: the kernel closes its sockets) is
     # suspect at once and probed; silent this long after the drop, it is dead.
     probe_timeout_s: float = 1.0
+    # While a member's table pulls bring news or its table grows (a swarm forming), the next
+    # pull comes this soon (None: one probe period). A simulator stretches the probe period to
+    # what its box can probe, but not its pulls: their news is what a member learns anyway.
+    forming_pull_s: float | None = None
 
     def __post_init__(self) -> None:
         positive = ("probe_interval_s", "ack_timeout_s", "suspicion_base_s", "gossip_interval_s",
@@ -68,6 +72,10 @@ class Liveness:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.forming_pull_s is not None and not (isinstance(self.forming_pull_s, (int, float))
+                                                    and math.isfinite(self.forming_pull_s) and self.forming_pull_s > 0):
+            raise ValueError(f"forming_pull_s must be None or a positive number of seconds, "
+                             f"got {self.forming_pull_s!r}")
         if self.suspicion_per_decade_s < 0 or self.suspicion_max_mult < 1:
             raise ValueError("need suspicion_per_decade_s >= 0 and suspicion_max_mult >= 1")
         for name in ("indirect_probes", "confirmations", "gossip_fanout", "gossip_burst"):

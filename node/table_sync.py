@@ -2,11 +2,14 @@
 
 - `$sync`: a member pages through another member's table (the records of the peers alive to
   it, in id order, at most `table_page_bytes` a page, and where to go on from). A joiner takes
-  the whole table so, once a member (`node.bootstrap`); every member takes up to PULL_PAGES
+  the whole table so, once a member (`node.bootstrap`): its first page, then the rest in
+  ranges of the id space at once, so a join takes two round trips whatever the table's size;
+  every member takes up to PULL_PAGES
   pages of what a random member holds and it lacks, now and then (anti-entropy, as memberlist's
   push-pull): its ask names the peers it holds alive (`have`: each id's first HAVE_CHARS
-  characters), so the pages are news only. It pulls every probe period while pulls bring news
-  or its table grows (a swarm that is forming), backing off to `sync_interval` while they bring
+  characters), so the pages are news only. It pulls every probe period (or
+  `Liveness.forming_pull_s`) while pulls bring news or its table grows (a swarm that is
+  forming), backing off to `sync_interval` while they bring
   none, so a record whose announcement was lost comes back. A member the puller only heard of
   may not know it: the ask then carries the puller's record (`me`), learned as from a hello.
   The first page also carries the signed deaths and leaves the member holds (entries and
@@ -54,6 +57,7 @@ MAX_WANT = 256
 MAX_WANTED = 4096  # ids asked for and not yet forgotten (see `want_from`)
 MAX_SYNC_PAGES = 4096  # pages one `sync` reads before it stops (a table past that is not honest)
 SYNC_BUSY_RETRIES = 5  # pulls a peer turned down over its budget, waited out and sent again
+MAX_PARALLEL_PAGES = 8  # ranges of a table a whole walk (a joiner's) pages at once, after its first page
 PULL_PAGES = 4  # pages of news one anti-entropy pull reads at most (within a member's 1 MB burst)
 # A `$sync` ask's `have` names each peer the asker holds by its id's first characters (30 bits of
 # its key's hash): a page leaves those out. A made-up id that shares a peer's prefix only keeps
@@ -191,10 +195,37 @@ class TableSync:
         `pages` of them: the number of records that were news. `have` (`have_digest`): leave
         out the peers it names, and hear of their deaths and leaves. A page turned down as over
         our pull budget is waited for.
+
+        A walk of the whole table (no `have`, as a joiner's) reads its first page, then the rest
+        in up to MAX_PARALLEL_PAGES ranges of the id space at once: ids are hashes, so the first
+        page's span says how many pages are left, and a join takes about two round trips to the
+        member whatever the table's size, not one a page.
         `collect`: the records that checked out are appended to it as they came on the wire (to
         hand to other nodes, `Node.add_records`)."""
+        pages = min(pages, MAX_SYNC_PAGES)
+        walk = _Walk(pages)
+        learned = await self._walk(peer_id, after, None, walk, collect, have, timeout_s, first_only=True)
+        if walk.next is None:
+            return learned
+        if have is None and walk.left > 1:
+            ranges = split_ids(after, walk.next, min(MAX_PARALLEL_PAGES, walk.left))
+            results = await asyncio.gather(*(
+                self._walk(peer_id, start, until, walk, collect, None, timeout_s)
+                for start, until in zip(ranges, [*ranges[1:], None], strict=True)), return_exceptions=True)
+            for result in results:  # every range has ended: none goes on learning after we return
+                if isinstance(result, BaseException):
+                    raise result
+            return learned + sum(r for r in results if isinstance(r, int))
+        return learned + await self._walk(peer_id, walk.next, None, walk, collect, have, timeout_s)
+
+    async def _walk(self, peer_id: str, after: str | None, until: str | None, walk: _Walk,
+                    collect: list[Any] | None, have: bytes | None, timeout_s: float | None,
+                    first_only: bool = False) -> int:
+        """Pages of `peer_id`'s table from after `after` up to `until` (the next range's start;
+        records from it on are that range's), while `walk` has pages left: the news learned.
+        `walk.next` is where the last page said to go on from."""
         learned, busy = 0, 0
-        for _ in range(min(pages, MAX_SYNC_PAGES)):
+        while walk.left > 0:
             ask: dict[str, Any] = {} if after is None else {"after": after}
             if have is not None:
                 ask["have"] = have
@@ -209,10 +240,14 @@ class TableSync:
                     raise
                 await asyncio.sleep(1.0)
                 continue
+            walk.left -= 1
             body = reply.body
             if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
                 raise WireError(RejectReason.BAD_FIELD, "malformed sync reply", field="body")
             for raw in self._shuffled(body["peers"]):
+                if until is not None and isinstance(raw, list) and raw and isinstance(raw[0], str) \
+                        and raw[0] >= until:
+                    continue  # the next range's, which pages it too
                 try:
                     learned += self._learn(self._record_from(raw), told_by=peer_id)
                 except RefusedAgain:
@@ -232,11 +267,13 @@ class TableSync:
                 else:
                     self._apply_ended(peer_id, ended)
             following = body.get("next")
-            if following is None:
-                return learned
-            if not isinstance(following, str) or (after is not None and following <= after):
+            if following is not None and (not isinstance(following, str) or len(following) > 64
+                                          or (after is not None and following <= after)):
                 raise WireError(RejectReason.BAD_FIELD, "sync reply: next must come after the page asked for",
                                 field="body")
+            walk.next = following
+            if following is None or first_only or (until is not None and following >= until):
+                return learned
             after = following
         return learned
 
@@ -267,9 +304,10 @@ class TableSync:
         """Anti-entropy pulls (`anti_entropy`) for as long as the node runs: the first a period
         or two in (a joiner's table is the seed's, as of its join), each next one the wait the
         last chose, less or more by half at random."""
-        await asyncio.sleep(self.liveness.probe_interval_s * (1 + self._rng.random()))
+        soon_s = self.liveness.forming_pull_s or self.liveness.probe_interval_s
+        await asyncio.sleep(soon_s * (1 + self._rng.random()))
         while True:
-            await self.anti_entropy(self.liveness.probe_interval_s, ceiling_s())
+            await self.anti_entropy(soon_s, ceiling_s())
             await asyncio.sleep(self._quiet_s * (0.5 + self._rng.random()))
 
     async def anti_entropy(self, soon_s: float, ceiling_s: float) -> int:
@@ -373,3 +411,61 @@ def parse_sync(body: Any) -> tuple[str | None, frozenset[str], Any]:
     except UnicodeDecodeError:
         raise WireError(RejectReason.BAD_FIELD, "sync have must be id prefixes", field="body") from None
     return after, frozenset(text[i:i + HAVE_CHARS] for i in range(0, len(text), HAVE_CHARS)), me
+
+
+class _Walk:
+    """One `TableSync.sync`: the pages it may still read (shared by its ranges), and where the
+    last page said to go on from."""
+
+    __slots__ = ("left", "next")
+
+    def __init__(self, pages: int) -> None:
+        self.left = pages
+        self.next: str | None = None
+
+
+# A peer id's characters (lowercase base32 of a hash, `node.identity`) in sort order: where an id
+# falls among all ids, as a fraction, from its first characters.
+_ID_ALPHABET = "234567abcdefghijklmnopqrstuvwxyz"
+_ID_RANK = {c: i for i, c in enumerate(_ID_ALPHABET)}
+_SPLIT_CHARS = 4  # the starts of ranges `split_ids` names: 32**4 places in the id space
+
+
+def id_fraction(peer_id: str) -> float:
+    """Where `peer_id` falls in the id space, from 0 to 1 (a character that is not base32
+    counts as the lowest: ids from the wire are only ever used to place a split)."""
+    x, scale = 0.0, 1.0
+    for ch in peer_id[:8]:
+        scale /= len(_ID_ALPHABET)
+        x += _ID_RANK.get(ch, 0) * scale
+    return x
+
+
+def split_ids(after: str | None, next_id: str, most: int) -> list[str]:
+    """Starts of up to `most` ranges that cover the id space from `next_id` (where a walk's
+    first page, from after `after`, said to go on) to its end, each about as many pages as the
+    first page took: `next_id` first, then ids in increasing order. Ids are uniform (hashes),
+    so the first page's span stands for each page's."""
+    low, high = id_fraction(after) if after else 0.0, id_fraction(next_id)
+    span = high - low
+    remaining = 1.0 - high
+    if span <= 0 or remaining <= 0 or most <= 1:
+        return [next_id]
+    count = max(1, min(most, math.ceil(remaining / span)))
+    starts = [next_id]
+    for k in range(1, count):
+        start = _id_at(high + remaining * k / count)
+        if start > starts[-1]:
+            starts.append(start)
+    return starts
+
+
+def _id_at(fraction: float) -> str:
+    """The `_SPLIT_CHARS`-character id prefix at `fraction` of the id space."""
+    size = len(_ID_ALPHABET)
+    n = min(int(fraction * size ** _SPLIT_CHARS), size ** _SPLIT_CHARS - 1)
+    chars = []
+    for _ in range(_SPLIT_CHARS):
+        n, r = divmod(n, size)
+        chars.append(_ID_ALPHABET[r])
+    return "".join(reversed(chars))

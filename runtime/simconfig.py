@@ -62,6 +62,11 @@ SIM_LIVENESS = Liveness(probe_interval_s=0.5, ack_timeout_s=1.0, suspicion_base_
 # busy (1.96), and its nodes took 139 s to start; at 128, 1.38 cores and 33 s, with joins and
 # deaths spread by bursts of gossip (node/dissemination.py), not by the period.)
 SIM_PROBES_PER_S = 128
+# Table pulls while a swarm forms: a member's next pull comes soon after one that brought news,
+# at most this many a second on the box (`Liveness.forming_pull_s`, never past the probe period).
+# Unlike a probe, a pull carries what the member has to learn anyway: 1024 nodes pulling once a
+# period (8 s) took 64-88 s to form, each pull a round of an epidemic that needs about ten.
+SIM_PULLS_PER_S = 1024
 # A round of a sharded reducer (allreduce, DiLoCo's outer sync, sketch-dp) sends each member's
 # parts to every owner of a shard: members x owners requests and as many answers, a few ms of
 # CPU each on a simulated box. A simulator sized to the swarm keeps a round near this many parts
@@ -87,6 +92,7 @@ def sim_liveness(peers_in_process: int, swarm: int) -> Liveness:
     # at most once every so many periods, as SIM_LIVENESS's does: at 2 s whatever the period, 512
     # peers' progress keeps every peer gossiping every period and saturates the box's loops.
     return replace(base, probe_interval_s=interval, ack_timeout_s=max(base.ack_timeout_s, interval / 2),
+                   forming_pull_s=min(interval, max(1.0, swarm / SIM_PULLS_PER_S)),
                    suspicion_base_s=max(base.suspicion_base_s, 3 * interval), probe_timeout_s=max(1.0, interval),
                    gossip_interval_s=gossip,
                    meta_interval_s=base.meta_interval_s * interval / base.probe_interval_s)

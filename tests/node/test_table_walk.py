@@ -1,0 +1,117 @@
+"""How a member comes to hold a table: a joiner pages the whole of it in ranges at once, and a
+forming swarm pulls again soon after each pull that brought news, at its own pace rather than
+its probe period's (real nodes on loopback TCP)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import wait_until
+
+from starling.node.admission import AdmissionConfig
+from starling.node.identity import Identity
+from starling.node.membership import PeerRecord
+from starling.node.node import Node, NodeConfig
+from starling.node.swarm import ANNOUNCE, SYNC
+from starling.node.swim import Liveness
+from starling.node.table_sync import MAX_PARALLEL_PAGES, PULL_PAGES, id_fraction, split_ids
+from starling.runtime.simconfig import sim_liveness
+
+# probes, gossip and suspicions far slower than the tests: what moves, moves by table pulls
+QUIET = Liveness(probe_interval_s=30.0, gossip_interval_s=30.0, suspicion_base_s=120.0)
+
+
+def fat_records(n: int) -> list[PeerRecord]:
+    """Signed records of made-up peers, eight addresses each (nothing listens there)."""
+    return [PeerRecord.create(Identity.generate(), [f"tcp://127.0.{i % 250}.{j + 1}:{40000 + i}" for j in range(8)], 1)
+            for i in range(n)]
+
+
+def test_the_ranges_of_a_walk_start_where_its_first_page_ended_and_rise():
+    # a first page that spanned an eighth of the ids (up to "6") leaves seven pages: seven ranges
+    starts = split_ids(None, "6", 16)
+    assert starts[0] == "6" and starts == sorted(starts) and len(set(starts)) == len(starts)
+    assert len(starts) == math.ceil((1 - id_fraction("6")) / id_fraction("6"))
+    assert len(split_ids(None, "6", 4)) == 4  # never more ranges than asked
+    assert split_ids("abc", "abd", MAX_PARALLEL_PAGES)[0] == "abd"
+    # nothing left to split, or ids that are not base32 (a seed's made-up `next`): one range
+    assert split_ids(None, "zzzz", 8) == ["zzzz"]
+    assert split_ids("q", "p", 8) == ["p"]
+    assert split_ids(None, "!!!!", 8)[0] == "!!!!"
+
+
+def test_a_joiner_pages_a_big_table_in_ranges_at_once_and_learns_each_record_once():
+    """A seed's table of 600 fat records is several pages: the joiner reads the first page,
+    then the rest of them at once, and learns every record, none of them twice."""
+    seed = Node(config=NodeConfig(liveness=QUIET)).start("tcp://127.0.0.1:0")
+    helper = Node(config=NodeConfig(liveness=QUIET)).start("tcp://127.0.0.1:0", join=[seed.address])
+    joiner = Node(config=NodeConfig(liveness=QUIET))
+    try:
+        records = fat_records(600)
+        for start in range(0, len(records), 200):
+            helper.run(helper._asend_raw(seed.peer_id, ANNOUNCE, [r.to_wire() for r in records[start:start + 200]]))
+        assert wait_until(lambda: len(seed.live_peers()) == 601, timeout_s=30)
+        outbox = joiner._swarm.tables.outbox
+        request, in_flight, most = outbox.request, [0], [0]
+
+        async def counted(peer_id, topic, *args, **kwargs):  # the joiner's own requests, as they go
+            if topic != SYNC:
+                return await request(peer_id, topic, *args, **kwargs)
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            try:
+                return await request(peer_id, topic, *args, **kwargs)
+            finally:
+                in_flight[0] -= 1
+        outbox.request = counted
+        learned: list[str] = []
+        joiner.on_peer_change(lambda change: learned.append(change.peer_id) if change.old is None else None)
+        joiner.start("tcp://127.0.0.1:0", join=[seed.address])
+        assert {r.peer_id for r in records} <= set(joiner.live_peers())
+        assert most[0] > 1  # pages in flight at once, not one round trip a page
+        assert len(learned) == len(set(learned))
+        pages = joiner.stats.snapshot()["messages_sent_by_topic"].get(SYNC, 0)
+        assert pages <= math.ceil(600 * records[0].wire_bytes / seed.config.admission.table_page_bytes) \
+            + MAX_PARALLEL_PAGES + 1  # at most a page a range more than the table's bytes
+    finally:
+        joiner.close()
+        helper.close()
+        seed.close()
+
+
+def test_a_forming_member_pulls_at_its_own_pace_not_its_probe_periods():
+    """Probes and gossip every 30 s: records its seed learns after the join reach the member
+    only by its table pulls. They are more pages than one pull reads, and the pull that
+    brought the first of them brings the next one `forming_pull_s` later, not a period later.
+    (The records are of clients, which the member cannot dial: it pulls from the seed.)"""
+    small_pages = AdmissionConfig(table_page_bytes=16 * 1024)
+    seed = Node(config=NodeConfig(liveness=QUIET, admission=small_pages)).start("tcp://127.0.0.1:0")
+    fast = Liveness(probe_interval_s=30.0, gossip_interval_s=30.0, suspicion_base_s=120.0, forming_pull_s=0.5)
+    member = Node(config=NodeConfig(liveness=fast)).start("tcp://127.0.0.1:0", join=[seed.address])
+    try:
+        records = [PeerRecord.create(Identity.generate(), [], 1) for _ in range(600)]
+        assert len(records) * records[0].wire_bytes > PULL_PAGES * small_pages.table_page_bytes
+        seed.add_records([r.to_wire() for r in records])
+        assert wait_until(lambda: {r.peer_id for r in records} <= set(member.live_peers()), timeout_s=15)
+        assert member._swarm.tables.pulls.get("news", 0) >= 2
+    finally:
+        member.close()
+        seed.close()
+
+
+def test_forming_pull_s_is_a_positive_time_or_none():
+    for bad in (0, -1.0, math.inf, math.nan, "1"):
+        with pytest.raises(ValueError, match="forming_pull_s"):
+            Liveness(forming_pull_s=bad)
+    assert Liveness().forming_pull_s is None
+
+
+@pytest.mark.parametrize("swarm", [64, 128, 1024, 4096])
+def test_a_simulated_swarm_pulls_faster_than_it_probes_once_its_period_is_stretched(swarm):
+    liveness = sim_liveness(swarm, swarm)
+    soon = liveness.forming_pull_s or liveness.probe_interval_s
+    assert soon <= liveness.probe_interval_s
+    assert soon >= 1.0 or liveness.forming_pull_s is None  # the box's pulls stay bounded
+    if swarm >= 1024:
+        assert soon < liveness.probe_interval_s
+
