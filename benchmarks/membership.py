@@ -215,8 +215,11 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
             for i, conn in enumerate(conns):
                 share = [(r, [rng.choice(addresses)]) for r in range(rank, min(n, rank + batch)) if r % processes == i]
                 conn.send(("start", share))
+            wave_started = time.monotonic()
             for conn in conns:
                 addresses += conn.recv()
+            print(f"membership: a wave of {min(batch, n - rank)} started in {time.monotonic() - wave_started:.1f} s",
+                  file=sys.stderr, flush=True)
             rank += batch
             batch = min(batch * 2, 256)
             if time.monotonic() - started > timeout_s:
