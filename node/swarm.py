@@ -150,7 +150,7 @@ class Swarm(Joining, FailureDetector, Dissemination):
                                 learn=self.learn, record_from=self.record_from, reject=reject, helper=self._helper,
                                 introduce=self._introduce, first_hand=self.first_hand,
                                 sample=lambda k: self._sample_members(k, open_share=1.0),
-                                apply_ended=self._apply_ended)
+                                apply_ended=self._apply_ended, loop_lag=lambda since: self.loop_lag(since))
 
     def register(self, dispatch: Dispatcher) -> None:
         """Serve the membership topics on the node's dispatcher."""

@@ -78,7 +78,8 @@ class TableSync:
                  learn: Callable[..., bool], record_from: Callable[[Any], PeerRecord],
                  reject: Callable[[RejectReason, str], None], helper: Callable[[str], bool],
                  introduce: Callable[[str], list[Any]], first_hand: Callable[[Inbound, Any, str], str],
-                 sample: Callable[[int], list[str]], apply_ended: Callable[[str, list[Any]], None]) -> None:
+                 sample: Callable[[int], list[str]], apply_ended: Callable[[str, list[Any]], None],
+                 loop_lag: Callable[[float], float] = lambda since: 0.0) -> None:
         self._local = local
         self.table = table
         self.outbox = outbox
@@ -96,11 +97,12 @@ class TableSync:
         # up to k random members to pull from: past the socket cap, ones we hold a socket to
         self._sample = sample
         self._apply_ended = apply_ended  # applies the deaths and leaves a member's page carried, as its gossip
+        self._loop_lag = loop_lag  # how far behind this process's loop ran since a time (`LoopLag.worst_since`)
         self._pulls: dict[str, TokenBucket] = {}  # member id -> the bytes its table pulls may still take
         self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
         # the first pull a period or two in (a joiner's table is the seed's, as of its join);
         # then sooner while pulls bring news, later while they bring none (`anti_entropy`)
-        self._quiet_s = liveness.probe_interval_s
+        self._quiet_s = liveness.forming_pull_s or liveness.probe_interval_s
         self._held_at_pull = 0  # live peers held when the last pull ended
         self.pulls: dict[str, int] = {}  # anti-entropy pulls by outcome: news, none, no_helper, or the error's name
         self.pulled_s = 0.0  # their total time
@@ -315,7 +317,9 @@ class TableSync:
         missed (a record whose announcement was lost, the joiners of a mass join) comes back
         over time, at a bounded cost. Returns the records that were news.
 
-        The next pull comes `soon_s` after one that brought news or while the table grows, and
+        The next pull comes `soon_s` after one that brought news or while the table grows (or,
+        while this process's loop runs behind by half of that, after twice the last wait, up to
+        a probe period), and
         after twice the last wait (up to `ceiling_s`) after one that brought none: a swarm
         that is forming pulls every period until its tables agree, one at rest every
         `ceiling_s` (memberlist's push-pull interval). A record is news to a member once, so
@@ -348,7 +352,15 @@ class TableSync:
             # joined a moment ago), or a few empty pulls back a forming swarm off for minutes
             held = len(self.table.live_ids)
             grew, self._held_at_pull = held > self._held_at_pull, held
-            self._quiet_s = soon_s if learned or grew else min(ceiling_s, max(soon_s, 2 * self._quiet_s))
+            if not (learned or grew):
+                self._quiet_s = min(ceiling_s, max(soon_s, 2 * self._quiet_s))
+            elif self._loop_lag(started) > soon_s / 2:
+                # this process's loop ran behind: a pull sooner than the probe period would queue
+                # behind the work already waiting (two swarms forming on one box), so the wait
+                # doubles toward the period instead
+                self._quiet_s = min(self.liveness.probe_interval_s, max(soon_s, 2 * self._quiet_s))
+            else:
+                self._quiet_s = soon_s
         return learned
 
     def have_digest(self) -> bytes:

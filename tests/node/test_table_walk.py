@@ -99,6 +99,34 @@ def test_a_forming_member_pulls_at_its_own_pace_not_its_probe_periods():
         seed.close()
 
 
+def test_a_member_whose_loop_runs_behind_pulls_less_often_not_at_its_forming_pace():
+    """Two swarms forming on one box: a loop that ran behind while a pull was out doubles the
+    wait for the next one toward the probe period, rather than queue a pull a second behind
+    the work already waiting."""
+    seed = Node(config=NodeConfig(liveness=QUIET)).start("tcp://127.0.0.1:0")
+    fast = Liveness(probe_interval_s=30.0, gossip_interval_s=30.0, suspicion_base_s=120.0, forming_pull_s=0.5)
+    member = Node(config=NodeConfig(liveness=fast))
+    member._swarm.loop_lag = lambda since: 2.0  # as `LoopLag.worst_since` says of a loop 2 s behind
+    member.start("tcp://127.0.0.1:0", join=[seed.address])
+    try:
+        tables = member._swarm.tables
+        waits = []
+        for _ in range(2):  # each batch of news is pulled, and each such pull doubles the wait
+            seed.add_records([PeerRecord.create(Identity.generate(), [], 1).to_wire() for _ in range(5)])
+            news = tables.pulls.get("news", 0)
+            assert wait_until(lambda news=news: tables.pulls.get("news", 0) > news, timeout_s=20)
+            waits.append(member.run(_quiet(tables), timeout_s=5))
+        assert waits == sorted(waits) and waits[-1] > fast.forming_pull_s
+        assert waits[-1] <= fast.probe_interval_s
+    finally:
+        member.close()
+        seed.close()
+
+
+async def _quiet(tables) -> float:
+    return tables._quiet_s
+
+
 def test_forming_pull_s_is_a_positive_time_or_none():
     for bad in (0, -1.0, math.inf, math.nan, "1"):
         with pytest.raises(ValueError, match="forming_pull_s"):
