@@ -94,6 +94,10 @@ class Liveness:
         low = self.suspicion_base_s + self.suspicion_per_decade_s * math.log10(max(members, 1))
         return low, low * self.suspicion_max_mult
 
+    def forming_pull(self) -> float:
+        """The wait after a table pull that brought news: `forming_pull_s`, or a probe period."""
+        return self.forming_pull_s or self.probe_interval_s
+
     def retransmit_limit(self, members: int) -> int:
         """How many times each member sends one update on: enough that it reaches every member
         with high probability (memberlist's rule), O(log n) per member."""

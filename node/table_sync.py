@@ -102,7 +102,7 @@ class TableSync:
         self._wanted: dict[str, float] = {}  # peer id -> when we last asked for its record
         # the first pull a period or two in (a joiner's table is the seed's, as of its join);
         # then sooner while pulls bring news, later while they bring none (`anti_entropy`)
-        self._quiet_s = liveness.forming_pull_s or liveness.probe_interval_s
+        self._quiet_s = liveness.forming_pull()
         self._held_at_pull = 0  # live peers held when the last pull ended
         self.pulls: dict[str, int] = {}  # anti-entropy pulls by outcome: news, none, no_helper, or the error's name
         self.pulled_s = 0.0  # their total time
@@ -306,7 +306,7 @@ class TableSync:
         """Anti-entropy pulls (`anti_entropy`) for as long as the node runs: the first a period
         or two in (a joiner's table is the seed's, as of its join), each next one the wait the
         last chose, less or more by half at random."""
-        soon_s = self.liveness.forming_pull_s or self.liveness.probe_interval_s
+        soon_s = self.liveness.forming_pull()
         await asyncio.sleep(soon_s * (1 + self._rng.random()))
         while True:
             await self.anti_entropy(soon_s, ceiling_s())
