@@ -28,8 +28,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from zmq.utils import z85
-
 from starling.node import rpc
 from starling.node.admission import BUSY_DETAIL, Admission, AdmissionConfig
 from starling.node.local import LocalPeer
@@ -192,7 +190,7 @@ class Dispatcher:
         info = self.table.get(msg.sender)
         if info is None or info.status is PeerStatus.LEFT:
             return None
-        if self.local.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(info.record.curve_key).decode():
+        if self.local.mode is SecurityMode.CURVE and inbound.user_id != info.record.curve_z85:
             raise WireError(RejectReason.SPOOFED_SENDER, f"{msg.sender} does not own this connection", field="sender")
         return info
 

@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import msgpack
-from zmq.utils import z85
 
 from starling.node import rpc
 from starling.node.dissemination import PROBE
@@ -90,7 +89,7 @@ class Joining:
                 self._reject(RejectReason.BUSY, f"hello: the loop is {behind:.1f} s behind")
                 raise rpc.BusyError(f"this node's loop is {behind:.1f} s behind; try the members named")
         record = self.record_from(hello.record)
-        if self.local.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
+        if self.local.mode is SecurityMode.CURVE and inbound.user_id != record.curve_z85:
             raise WireError(RejectReason.SPOOFED_SENDER, "hello record's key does not own this connection",
                             field="record")
         # A hello's config is only checked against ours, never taken: a node takes its config
@@ -188,7 +187,7 @@ class Joining:
             raise RefusedAgain(RejectReason.NOT_ALLOWED, f"peer record for {record.peer_id}: its key is not on this "
                                "node's allowlist (refused before)", field="record")
         log.warning("%s: refused the record of %s: its key %s is not on the allowlist", self.local.peer_id,
-                    record.peer_id, z85.encode(record.curve_key).decode())
+                    record.peer_id, record.curve_z85)
         self._refused.pop(record.peer_id, None)
         if len(self._refused) >= MAX_REFUSED:
             del self._refused[next(iter(self._refused))]  # the oldest refusal
@@ -243,7 +242,7 @@ class Joining:
     def _connect(self, record: PeerRecord) -> None:
         transport = self.outbox.transport
         assert transport is not None
-        server_key = z85.encode(record.curve_key) if self.local.mode is SecurityMode.CURVE else None
+        server_key = record.curve_z85.encode() if self.local.mode is SecurityMode.CURVE else None
         transport.connect(record.peer_id, record.addresses, server_key)
 
     def _connect_quietly(self, record: PeerRecord) -> None:
@@ -257,7 +256,7 @@ class Joining:
         """Learn the record a peer we hold none of sent us of itself (with a probe or a table
         pull), as from a hello: checked, and its key must own the connection. Its id."""
         record = self.record_from(raw)
-        if self.local.mode is SecurityMode.CURVE and inbound.user_id != z85.encode(record.curve_key).decode():
+        if self.local.mode is SecurityMode.CURVE and inbound.user_id != record.curve_z85:
             raise WireError(RejectReason.SPOOFED_SENDER, f"{what} record's key does not own this connection",
                             field="record")
         self.learn(record, origin=inbound.origin())

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
+from zmq.utils import z85
 
 from starling.node.address import AddressError, parse_record_endpoint
 from starling.node.identity import Identity, peer_id_from_key, verify_signature
@@ -88,6 +89,12 @@ class PeerRecord:
         that page it and the queues that gossip it hold this one copy, not one each (a record
         parsed off the wire is ~0.5 KB)."""
         return tuple(self.to_wire())
+
+    @functools.cached_property
+    def curve_z85(self) -> str:
+        """`curve_key` in Z85, as CURVE names the key that owns a connection and a DEALER dials
+        a server with: encoded once per record, not once per message checked against it."""
+        return z85.encode(self.curve_key).decode()
 
     @functools.cached_property
     def wire_bytes(self) -> int:

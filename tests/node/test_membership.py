@@ -390,3 +390,12 @@ def test_a_records_wire_form_is_made_once_packs_as_to_wire_and_cannot_change():
     assert msgpack.packb(record.wire, use_bin_type=True) == packed and record.wire_bytes == len(packed)
     assert PeerRecord.from_wire(msgpack.unpackb(packed)) == record
     assert replace(record, incarnation=4).wire[4] == 4  # a new record makes its own
+
+
+def test_a_records_curve_key_is_encoded_once_as_curve_names_a_connections_key():
+    from zmq.utils import z85
+
+    identity = Identity.generate()
+    record = PeerRecord.create(identity, ["tcp://10.0.0.1:5555"], 1)
+    assert record.curve_z85 == z85.encode(identity.curve_public).decode()
+    assert record.curve_z85 is record.curve_z85
