@@ -98,14 +98,17 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
     config = NodeConfig(liveness=Liveness(**liveness), join_deadline_s=600.0, join_timeout_s=30.0,
                         transport=TransportConfig(max_open_dealers=max_dealers))
     nodes: list[Any] = []
-    seen: dict[str, dict[str, dict[str, float]]] = {}  # node id -> peer id -> status -> first time
+    # node id -> peer id -> status -> first time, from when the swarm formed on (the victim's
+    # times): kept for every peer while it forms, it would be n^2 dicts, more than the tables
+    seen: dict[str, dict[str, dict[str, float]]] = {}
     deaths: list[tuple[str, str, float]] = []
-    stop = threading.Event()
+    stop, formed = threading.Event(), threading.Event()
 
     def listener(node_id: str):
         def on_change(change: Any) -> None:
-            first = seen.setdefault(node_id, {}).setdefault(change.peer_id, {})
-            first.setdefault(change.new.value, time.monotonic())
+            if formed.is_set():
+                first = seen.setdefault(node_id, {}).setdefault(change.peer_id, {})
+                first.setdefault(change.new.value, time.monotonic())
             if change.new.value == "dead":
                 deaths.append((node_id, change.peer_id, time.monotonic()))
         return on_change
@@ -138,7 +141,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
                 continue
 
             async def counts() -> list[int]:  # one call on the nodes' shared network thread
-                return [len(n.live_peers_here()) for n in nodes]
+                return [len(n._table.live_ids) for n in nodes]  # no bans here: every live peer counts
 
             seen_by = NetworkThread.get().run(counts())
             worst = nodes[seen_by.index(min(seen_by))]
@@ -146,6 +149,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
             conn.send((min(seen_by), {"syncs": snap["messages_sent_by_topic"].get("$sync", 0),
                                       "rejected": dict(snap["rejected"]), "pulls": dict(worst._swarm.tables.pulls)}))
         elif cmd == "formed":
+            formed.set()
             heap.close()
             conn.send(True)
         elif cmd == "stats":
