@@ -95,7 +95,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
     from starling.node.swim import Liveness
     from starling.node.transport import TransportConfig
 
-    config = NodeConfig(liveness=Liveness(**liveness), join_deadline_s=600.0, join_timeout_s=30.0,
+    config = NodeConfig(liveness=Liveness(**liveness), join_deadline_s=600.0, join_timeout_s=30.0, stats_peers=0,
                         transport=TransportConfig(max_open_dealers=max_dealers))
     nodes: list[Any] = []
     # node id -> peer id -> status -> first time, from when the swarm formed on (the victim's

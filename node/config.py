@@ -42,3 +42,7 @@ class NodeConfig:
     # members whose word it takes to ban a peer without evidence any peer can check (node.trust):
     # more than the colluding liars a swarm should survive
     ban_witnesses: int = 2
+    # peers whose bytes the node's counters keep apart (`NodeStats`, by peer and topic); past
+    # them, bytes are summed under `OTHERS`, totals and per-topic counts staying exact. Two small
+    # dicts a peer, about 0.4 KB: a simulator running thousands of nodes counts only totals.
+    stats_peers: int = 1024

@@ -66,7 +66,7 @@ class Node:
 
     def __init__(self, identity: Identity | None = None, config: NodeConfig | None = None) -> None:
         self.config = config or NodeConfig()
-        self.stats = NodeStats()
+        self.stats = NodeStats(max_peers=self.config.stats_peers)
         self.address = ""  # the join address others use: endpoint#KEY
         self._net = NetworkThread.get()
         # Kept by the node, not by its parts, so that rebuilding the parts keeps them.

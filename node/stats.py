@@ -40,6 +40,10 @@ class NodeStats:
     max_peers: int = field(default=1024, repr=False)
     max_topics: int = field(default=64, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.max_peers < 0 or self.max_topics < 1:
+            raise ValueError(f"need max_peers >= 0 and max_topics >= 1: {self.max_peers}, {self.max_topics}")
+
     def _add(self, table: dict[str, dict[str, int]], peer: str, topic: str, nbytes: int) -> None:
         per = table.get(peer)
         if per is None:

@@ -18,7 +18,7 @@ from starling.runtime.links import LinkEmulator
 from starling.runtime.replica import Replica
 from starling.runtime.replication import ReplicaGroup, Replication, Single
 from starling.runtime.shard_sync import ShardSync
-from starling.runtime.simconfig import SimConfig, SimError, seeded_identity, sim_liveness, wait_for
+from starling.runtime.simconfig import SIM_STATS_PEERS, SimConfig, SimError, seeded_identity, sim_liveness, wait_for
 from starling.runtime.spec import LOCAL_DATA_OPTIONS, tokenizer_fingerprint
 from starling.runtime.summary import PeerResult, json_data, sent_by_topic
 from starling.runtime.trainer import CheckpointConfig, Trainer, TrainSpec
@@ -56,7 +56,7 @@ class SimPeer:
         # records. A joiner mid-run (its rank past the initial peers) pages it as a node does.
         node_config = NodeConfig(liveness=liveness, join_timeout_s=config.join_timeout_s,
                                  join_deadline_s=config.join_deadline_s, transport=transport,
-                                 page_table_on_join=rank >= config.peers)
+                                 page_table_on_join=rank >= config.peers, stats_peers=SIM_STATS_PEERS)
         # With every rank syncing its own shard, each rank of a replica is a node of its own.
         self.replication: Replication = Single() if group is None else \
             ShardSync(group) if config.shard_sync else Replica(group)

@@ -67,6 +67,10 @@ SIM_PROBES_PER_S = 128
 # Unlike a probe, a pull carries what the member has to learn anyway: 1024 nodes pulling once a
 # period (8 s) took 64-88 s to form, each pull a round of an epidemic that needs about ten.
 SIM_PULLS_PER_S = 1024
+# Peers a simulated node counts bytes for apart (`NodeConfig.stats_peers`): a simulation
+# reports totals by topic, and a node's per-peer counters cost about 0.4 MB once it has sent to
+# and heard from 1024 peers: 0.9 GB for a box of 2048.
+SIM_STATS_PEERS = 0
 # A round of a sharded reducer (allreduce, DiLoCo's outer sync, sketch-dp) sends each member's
 # parts to every owner of a shard: members x owners requests and as many answers, a few ms of
 # CPU each on a simulated box. A simulator sized to the swarm keeps a round near this many parts

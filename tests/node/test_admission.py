@@ -95,6 +95,20 @@ def test_stats_keep_entries_for_so_many_peers_and_topics_then_one_more():
     assert snap["bytes_sent"] == {"p1": {"a": 1, "b": 1, OTHERS: 2}}
 
 
+
+def test_stats_for_no_peer_apart_keep_exact_totals_and_refuse_a_negative_cap():
+    """What a simulator runs its nodes with: every peer's bytes under one entry, by topic."""
+    stats = NodeStats(max_peers=0)
+    for peer in ("p1", "p2", "p3"):
+        stats.count_sent(peer, "t", 2)
+        stats.count_received(peer, "u", 3)
+    snap = stats.snapshot()
+    assert snap["bytes_sent"] == {OTHERS: {"t": 6}} and snap["bytes_received"] == {OTHERS: {"u": 9}}
+    assert stats.total_sent() == 6 and stats.total_received("u") == 9 and snap["messages_sent"] == 3
+    with pytest.raises(ValueError, match="max_peers"):
+        NodeStats(max_peers=-1)
+
+
 # ------------------------------------------------------------------ on a live node
 def test_a_stranger_past_its_cap_is_answered_busy_and_a_member_is_not(make_node):
     a = make_node("tcp")
@@ -156,6 +170,15 @@ def _paths(value: object, prefix: str = "") -> set[str]:
     if isinstance(value, list):
         return {p for i, v in enumerate(value) for p in _paths(v, f"{prefix}[{i}]")}
     return {prefix}
+
+
+def test_a_node_that_counts_no_peer_apart_sums_its_members_bytes_under_one_entry(make_node):
+    a = make_node("tcp", config=NodeConfig(liveness=TEST_LIVENESS, request_timeout_s=5.0, stats_peers=0))
+    b = make_node("tcp", join=[a.address])
+    query(a.address, identity=b.identity, timeout_s=5)
+    snap = a.stats.snapshot()
+    assert set(snap["bytes_received"]) == {OTHERS} and set(snap["bytes_sent"]) == {OTHERS}, snap
+    assert a.stats.total_received() > 0 and a.stats.total_sent() > 0
 
 
 def test_stats_keep_no_entry_per_stranger(make_node):
