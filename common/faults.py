@@ -37,6 +37,8 @@ POINTS = {
                                 "before it passes them on to the other owners",
     "quorum.leader.closing": "a quorum leader that has decided a round's closing set, before it tells anyone",
     "train.step": "a peer at the start of a training step (ROUND is the step)",
+    "join.seed.paging": "a member whose whole table a joiner walks, asked for a page past its hello's answer, "
+                        "before it answers",
     "join.fetched": "a joiner that has fetched the swarm's state (the others count it a member), before it "
                     "loads it",
 }

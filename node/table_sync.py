@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from starling.common.faults import fault_point
 from starling.node import rpc
 from starling.node.admission import AdmissionConfig, TokenBucket
 from starling.node.local import LocalPeer
@@ -136,6 +137,8 @@ class TableSync:
                                 field="sender")
             # a member from this message on, but its first page is held to what a stranger may get
             page_bytes = min(page_bytes, admission.stranger_reply_factor * frame_nbytes(inbound.frames))
+        if after is not None and not have:  # a walk of the whole table, past the hello's answer: a joiner's
+            fault_point("join.seed.paging")
         bucket = self.pull_bucket(member, now)
         if bucket.available(now) < -admission.table_page_bytes:
             raise rpc.Unanswered(f"{member} pulls on past its budget's refusals")
