@@ -12,12 +12,19 @@ Prints one JSON row:
   in the process, as in a simulator's worker where every node hears each record);
 - page_walk_ms / page_news_ms: that node's table served as `$sync` pages of a member's page
   size (`table_page_bytes`), the whole of it page by page as to a joiner (paged: the records it
-  handed out), and one page for a puller that names half of them as held (anti-entropy).
+  handed out), and one page for a puller that names half of them as held (anti-entropy);
+- probe_target_ms / probe_target_before_ms: that node's next probe target past its socket cap
+  (`FailureDetector._next_finger`), its fingers worked out afresh each time (the median of
+  `--repeat` calls, alternating with the baseline's), against the same
+  with the walk of its probeable members calling `_can_probe` for each (as before it was
+  inlined), in the same run; probe_target_speedup is their ratio, and `same_probe_fingers`
+  checks both pick the same fingers.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 import timeit
 from typing import Any
@@ -63,7 +70,7 @@ def fingers(members: int, repeat: int) -> dict[str, Any]:
             "fingers_speedup": round(old_s / new_s, 2), "same_fingers": same}
 
 
-def learning(members: int) -> dict[str, Any]:
+def learning(members: int, repeat: int) -> dict[str, Any]:
     from starling.node import Node, NodeConfig
     from starling.node.admission import AdmissionConfig
     from starling.node.records import PeerRecord
@@ -108,12 +115,42 @@ def learning(members: int) -> dict[str, Any]:
             tables.page(None, page_bytes, have=have)
             return walked, t1 - t0, time.perf_counter() - t1
 
+        swarm, cap = node._swarm, 20
+
+        async def probe_targets() -> tuple[float, float, bool]:
+            ring, table = swarm._ring, node._table
+
+            def now() -> None:  # a probe's target on a new view, as while a swarm forms
+                ring._key = ()
+                swarm._next_finger(cap)
+
+            def before() -> None:  # the same, with the members' walk calling `_can_probe` for each
+                ring._key = ()
+                live = table.live_ids
+                ring.next((p for p in live if (info := table.get(p)) is not None and swarm._can_probe(info)),
+                          live.version, max(1, cap // 2))
+
+            now()
+            fingers = list(ring.current)
+            before()
+            same = ring.current == fingers
+            took: tuple[list[float], list[float]] = ([], [])
+            for _ in range(repeat):  # alternating, each call timed: the machine is shared and noisy
+                for way, times in ((now, took[0]), (before, took[1])):
+                    t0 = time.perf_counter()
+                    way()
+                    times.append(time.perf_counter() - t0)
+            return statistics.median(took[0]), statistics.median(took[1]), same
+
         news, first_s, again_s = node.run(learn())
         walked, walk_s, have_s = node.run(pages())
+        target_s, target_before_s, same_targets = node.run(probe_targets())
         del held
         return {"learned": news, "learn_news_us": round(first_s / len(raws) * 1e6, 1),
                 "learn_known_us": round(again_s / len(raws) * 1e6, 1), "paged": walked,
-                "page_walk_ms": round(walk_s * 1e3, 2), "page_news_ms": round(have_s * 1e3, 2)}
+                "page_walk_ms": round(walk_s * 1e3, 2), "page_news_ms": round(have_s * 1e3, 2),
+                "probe_target_ms": round(target_s * 1e3, 3), "probe_target_before_ms": round(target_before_s * 1e3, 3),
+                "probe_target_speedup": round(target_before_s / target_s, 2), "same_probe_fingers": same_targets}
     finally:
         seed.close()
         node.close()
@@ -126,7 +163,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.members < 2 or args.repeat < 1:
         parser.error("--members must be >= 2 and --repeat >= 1")
-    print(json.dumps({**fingers(args.members, args.repeat), **learning(args.members)}))
+    print(json.dumps({**fingers(args.members, args.repeat), **learning(args.members, args.repeat)}))
 
 
 if __name__ == "__main__":

@@ -209,8 +209,8 @@ class FailureDetector:
         most half the cap of them), so a probe opens no socket and no monitor, and their
         connections are watched all along."""
         live, transport = self.table.live_ids, self.outbox.transport
-        # `_can_probe` for each id, inlined: worked out on every probe while a swarm forms, this
-        # walk of the members took 0.29 ms at 1024 of them, 0.11 ms inlined
+        # `_can_probe` for each id, inlined: while a swarm forms every probe walks the members
+        # afresh (`benchmarks/membership_costs.py`: probe_target_speedup)
         entry, can_send = self.table.get, (transport.can_send if transport is not None else None)
         probeable = (p for p in live if (info := entry(p)) is not None
                      and (info.record.addresses or (can_send is not None and can_send(p))))

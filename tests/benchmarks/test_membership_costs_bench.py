@@ -19,6 +19,7 @@ def test_a_small_run_prints_one_row_whose_fingers_match_the_sorted_ring():
     assert row["same_fingers"] is True and row["learned"] == 64
     assert row["paged"] == 65  # a joiner's walk of the table hands out each live record once: 64 and the seed's
     assert row["fingers_ms"] > 0 and row["learn_news_us"] > 0 and row["page_walk_ms"] > 0
+    assert row["same_probe_fingers"] is True and row["probe_target_ms"] > 0
 
 
 def test_bad_arguments_are_refused_with_a_clear_error():
