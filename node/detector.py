@@ -181,6 +181,7 @@ class FailureDetector:
             await asyncio.sleep(wait)
 
     def _can_probe(self, info: PeerInfo) -> bool:
+        # `_next_finger` inlines this test in its walk of the members: change both together
         transport = self.outbox.transport
         return info.record.reachable or (transport is not None and transport.can_send(info.peer_id))
 

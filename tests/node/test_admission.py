@@ -95,7 +95,6 @@ def test_stats_keep_entries_for_so_many_peers_and_topics_then_one_more():
     assert snap["bytes_sent"] == {"p1": {"a": 1, "b": 1, OTHERS: 2}}
 
 
-
 def test_stats_for_no_peer_apart_keep_exact_totals_and_refuse_a_negative_cap():
     """What a simulator runs its nodes with: every peer's bytes under one entry, by topic."""
     stats = NodeStats(max_peers=0)
