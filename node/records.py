@@ -110,6 +110,17 @@ class PeerRecord:
         if not isinstance(obj, (list, tuple)) or len(obj) != 7:
             raise bad("expected a 7-item list")
         peer_id, vkey, ckey, addrs, inc, sig, relay = obj
+        # A record the process verified already is equal, field for field, to one of the shared
+        # instances, and is taken as that instance before the checks below: every record of a
+        # forming swarm reaches each node once or twice. Equal is not the same type (1.0 == 1,
+        # 1 == True), so the two fields where that could pass are checked for type first.
+        if type(inc) is int and type(relay) is bool and type(addrs) in (list, tuple):
+            try:
+                record = _RECORDS.get((peer_id, vkey, ckey, tuple(addrs), inc, sig, relay))
+            except TypeError:  # an unhashable field: the checks below name it
+                record = None
+            if record is not None:
+                return record
         if not isinstance(peer_id, str) or not 0 < len(peer_id) <= 64:
             raise bad("peer_id must be a short string")
         for name, val, size in (("verify_key", vkey, 32), ("curve_key", ckey, 32), ("signature", sig, 64)):
@@ -123,9 +134,6 @@ class PeerRecord:
         if not isinstance(relay, bool):
             raise bad("relay must be a bool")
         key = (peer_id, vkey, ckey, tuple(addrs), inc, sig, relay)
-        record = _RECORDS.get(key)
-        if record is not None:
-            return record  # this exact record, verified before
         try:  # parsed now (once per record): an address nobody can dial must never reach a socket
             for address in addrs:
                 parse_record_endpoint(address)

@@ -171,8 +171,9 @@ class Swarm(Joining, FailureDetector, Dissemination):
         A peer the swarm holds dead that talks to us again (a partition healed, a process
         that was stopped goes on) is alive to us, but not to the others until it refutes: it
         is told of the claim against it, unless the change came from its refutation."""
-        log.info("%s: peer %s %s -> %s", self.local.peer_id, change.peer_id,
-                 change.old.value if change.old else "new", change.new.value)
+        if log.isEnabledFor(logging.INFO):  # every record a forming swarm learns passes here
+            log.info("%s: peer %s %s -> %s", self.local.peer_id, change.peer_id,
+                     change.old.value if change.old else "new", change.new.value)
         if change.old is PeerStatus.DEAD and change.new is PeerStatus.ALIVE and not refuted:
             at = self.table.live_at(change.peer_id)
             if at is not None:

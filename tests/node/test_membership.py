@@ -64,6 +64,24 @@ def test_a_record_decoded_twice_is_one_shared_object(ids):
         unchecked.verified()
 
 
+def test_a_field_equal_to_a_shared_records_but_of_another_type_is_still_refused(ids):
+    """A record the process verified is taken as its shared instance before any check; a wire
+    record that only compares equal to it (1.0 == 1, 1 == True, a tuple of addresses) must not
+    slip through that way."""
+    rec = PeerRecord.create(ids[0], ["tcp://127.0.0.1:5000"], incarnation=1)
+    shared = PeerRecord.from_wire(rec.to_wire())
+    wire = rec.to_wire()
+    assert PeerRecord.from_wire([*wire[:3], tuple(wire[3]), *wire[4:]]) is shared  # msgpack packs both as arrays
+    for at, value in ((4, 1.0), (4, True), (6, 0)):
+        odd = list(wire)
+        odd[at] = value
+        with pytest.raises(WireError) as err:
+            PeerRecord.from_wire(odd)
+        assert err.value.reason is RejectReason.BAD_FIELD, (at, value)
+    with pytest.raises(WireError):  # an unhashable field is named by the checks, not a TypeError
+        PeerRecord.from_wire([*wire[:3], [["tcp://127.0.0.1:5000"]], *wire[4:]])
+
+
 def test_record_signed_by_another_key_is_rejected(ids):
     rec = PeerRecord.create(ids[0], ["tcp://127.0.0.1:5000"], incarnation=1)
     # an attacker re-signs the victim's id with its own key
