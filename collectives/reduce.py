@@ -249,7 +249,10 @@ class ShardedReducer(MemberSide, OwnerSide):
                                  "replicated owners or checkers must see")
             self._secure = SecureStage(node, topic, secure, self._refuse, self.placement.owner_set, self._resolve_view,
                                        reveal_timeout_s=self.timeouts.reply_grace_s / 2, groups=self.placement.groups,
-                                       held_wait_s=self.timeouts.round_timeout_s)
+                                       # another owner's group closes a round timeout after its
+                                       # first part, which may come after mine closed: the grace
+                                       # is that owner's lag, as a member's wait for an average
+                                       held_wait_s=self.timeouts.round_timeout_s + self.timeouts.reply_grace_s)
         # With one owner per shard, members drawn after each round check its averages
         # (collectives/checking.py): the owner keeps its groups' parts for them (on_close).
         self.checks: Checks | None = None
@@ -362,8 +365,8 @@ class ShardedReducer(MemberSide, OwnerSide):
     def _reply_within_s(self) -> float:
         """How long a member waits for an owner's average: the group's timeout and the grace,
         and with secure aggregation the owner's unmasking too (the round's unmasker waits up to
-        a round timeout for every group's held set, then each owner may wait for it and ask the
-        survivors itself: a reveal timeout each)."""
+        a round timeout and the grace for every group's held set, then each owner may wait for
+        it and ask the survivors itself: a reveal timeout each)."""
         # the unmasker's own time, then an owner's wait for it and its own two rounds of asks
         unmasking = 0.0 if self._secure is None else (self._secure.unmask_within_s + self._secure.reveal_timeout_s
                                                       + 2 * (self._secure.reveal_timeout_s + 1.0))
