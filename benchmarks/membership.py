@@ -11,7 +11,8 @@ SIM_PROBES_PER_S times a second). Every node sets its meta every 0.5 s, as a tra
 progress does. Per size it prints one JSON row:
 - join_s: until every node sees at least 99% of the others;
 - per peer, over a window of `--window-s` once joined: membership messages and bytes sent per
-  second, and per probe period (the scaling claim: constant per period, whatever N); and the
+  second, and per probe period (the scaling claim: constant per period, whatever N), the bytes
+  per probe period by topic too; and the
   sends that had to open a socket to their peer, per probe period, by topic (past the socket
   cap, a send to a member not used lately opens one and closes another);
 - sockets_opened_per_peer_joining: the same opens per peer, by topic, from the start until
@@ -163,7 +164,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
                             sent[topic] += nbytes
                 msgs = sum(snap["messages_sent_by_topic"].get(t, 0) for t in MEMBERSHIP_TOPICS)
                 by_topic = {t: c for t, c in snap["messages_sent_by_topic"].items() if t in MEMBERSHIP_TOPICS}
-                out.append((msgs, sum(sent.values()), snap["sockets_opened_by_topic"], by_topic))
+                out.append((msgs, sum(sent.values()), snap["sockets_opened_by_topic"], by_topic, sent))
             conn.send((out, time.process_time()))
         elif cmd == "seen":  # arg: a peer id; per node here: the first time it was alive, dead
             conn.send([(seen.get(n.peer_id, {}).get(arg, {}).get("alive"),
@@ -251,7 +252,7 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
         for conn in conns:
             conn.recv()
 
-        def stats() -> tuple[list[tuple[int, int, dict[str, int], dict[str, int]]], float]:
+        def stats() -> tuple[list[tuple[int, int, dict[str, int], dict[str, int], dict[str, int]]], float]:
             for conn in conns:
                 conn.send(("stats", None))
             answers = [conn.recv() for conn in conns]
@@ -270,6 +271,10 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
         row["bytes_per_peer_s"] = round(statistics.mean(nbytes), 1)
         row["msgs_per_peer_period"] = round(statistics.mean(msgs) * lv.probe_interval_s, 2)
         row["bytes_per_peer_period"] = round(statistics.mean(nbytes) * lv.probe_interval_s, 1)
+        by_topic_bytes = {t: sum(a[4][t] - b[4][t] for a, b in zip(after, before)) / span / n * lv.probe_interval_s
+                          for t in MEMBERSHIP_TOPICS}
+        row["bytes_per_peer_period_by_topic"] = {t: round(v, 1) for t, v in
+                                                 sorted(by_topic_bytes.items(), key=lambda kv: -kv[1]) if v > 0}
         # sends that opened a socket (past the socket cap, most sends to a member not used lately)
         opened: dict[str, float] = {}
         for a, b in zip(after, before):

@@ -10,7 +10,10 @@
   characters), so the pages are news only. It pulls every probe period (or
   `Liveness.forming_pull_s`) while pulls bring news or its table grows (a swarm that is
   forming), backing off to `sync_interval` while they bring
-  none, so a record whose announcement was lost comes back. A member the puller only heard of
+  none, so a record whose announcement was lost comes back. A pull after one that brought
+  nothing first asks only whether the member holds the same live peers (`sum`, a digest of
+  their ids: 16 bytes where the `have` list is 6 bytes a peer), and pages only if it does
+  not: a swarm at rest pulls in O(1) bytes, whatever its size. A member the puller only heard of
   may not know it: the ask then carries the puller's record (`me`), learned as from a hello.
   The first page also carries the signed deaths and leaves the member holds (entries and
   tombstones, `node.membership`) of peers the ask names (`ended`): a member that missed one
@@ -28,6 +31,7 @@ membership protocol (`node.swarm`), which lends `learn` and `record_from`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import random
@@ -66,6 +70,7 @@ PULL_PAGES = 4  # pages of news one anti-entropy pull reads at most (within a me
 HAVE_CHARS = 6
 MAX_HAVE = 65536  # ids one ask may name (a table past that is not honest)
 MAX_ENDED = 64  # proofs of deaths and leaves one page carries at most (the updates a message may)
+SUM_BYTES = 16  # a `$sync` ask's `sum`: a digest of the peers the asker holds alive (`live_sum`)
 # A forgotten death's tombstone lasts this many of a member's pulls at rest (`sync_interval`):
 # a member that missed the death pulls at least twice meanwhile, and hears of it.
 TOMBSTONE_PULLS = 3
@@ -105,7 +110,11 @@ class TableSync:
         # then sooner while pulls bring news, later while they bring none (`anti_entropy`)
         self._quiet_s = liveness.forming_pull()
         self._held_at_pull = 0  # live peers held when the last pull ended
-        self.pulls: dict[str, int] = {}  # anti-entropy pulls by outcome: news, none, no_helper, or the error's name
+        self._settled = False  # the last pull brought nothing and the table did not grow: ask `sum` first
+        self._sum: tuple[int, bytes] = (-1, b"")  # (live_ids.version, live_sum) of this node's table
+        # anti-entropy pulls by outcome: news, none, same (the helper held the same peers alive),
+        # no_helper, or the error's name
+        self.pulls: dict[str, int] = {}
         self.pulled_s = 0.0  # their total time
 
     def forget(self, peer_id: str) -> None:
@@ -124,7 +133,7 @@ class TableSync:
         the asker missed). Each member's pulls share
         `member_pull_bytes_per_s`; past it the pull is turned down (busy) and may be sent again
         later."""
-        after, have, me = parse_sync(body)
+        after, have, me, asked_sum = parse_sync(body)
         admission, now = self.admission, time.monotonic()
         page_bytes = admission.table_page_bytes
         if member is None:  # a peer that heard of us before we of it (a mass join), with its record
@@ -142,6 +151,9 @@ class TableSync:
         bucket = self.pull_bucket(member, now)
         if bucket.available(now) < -admission.table_page_bytes:
             raise rpc.Unanswered(f"{member} pulls on past its budget's refusals")
+        if asked_sum is not None:  # does it hold the peers alive that we do? (worked out once per change)
+            bucket.charge(ENVELOPE_BYTES, now)
+            return {"same": asked_sum == self.live_sum()}
         budget = min(page_bytes, bucket.available(now)) - ENVELOPE_BYTES
         peers, following, nbytes = self.page(after, budget, have=have)
         if not peers and (following is not None or budget < 0):
@@ -336,7 +348,9 @@ class TableSync:
         helpers.sort(key=lambda h: getattr(self.table.get(h), "told_by", None) is not None)
         timeout_s = 2 * max(self.liveness.probe_interval_s, self.liveness.ack_timeout_s)
         try:
-            if helpers:
+            if helpers and self._settled and await self._same_as_or_unknown(helpers[0], timeout_s):
+                outcome = "same"
+            elif helpers:
                 try:
                     learned = await self.sync(helpers[0], pages=PULL_PAGES, have=self.have_digest(),
                                               timeout_s=timeout_s)
@@ -355,6 +369,7 @@ class TableSync:
             # joined a moment ago), or a few empty pulls back a forming swarm off for minutes
             held = len(self.table.live_ids)
             grew, self._held_at_pull = held > self._held_at_pull, held
+            self._settled = outcome in ("none", "same") and not grew
             if not (learned or grew):
                 self._quiet_s = min(ceiling_s, max(soon_s, 2 * self._quiet_s))
             elif self._loop_lag(started) > soon_s / 2:
@@ -366,11 +381,45 @@ class TableSync:
                 self._quiet_s = soon_s
         return learned
 
+    async def _same_as_or_unknown(self, peer_id: str, timeout_s: float) -> bool:
+        """`_same_as`, False for a member that knows no `sum` (it pages as before)."""
+        try:
+            return await self._same_as(peer_id, timeout_s)
+        except rpc.BadRequestError:
+            return False
+
     def have_digest(self) -> bytes:
         """The peers this node holds alive or suspect, as a `$sync` ask's `have`: one it holds
         dead that the helper holds alive comes back, and is probed again (`Swarm.learn`), so a
         false death that no refutation reached still ends."""
         return "".join(peer_id[:HAVE_CHARS] for peer_id in self.table.live_ids).encode("ascii", "replace")
+
+    def live_sum(self) -> bytes:
+        """A digest of the ids of this node and the peers it holds alive or suspect (the swarm
+        as it sees it: a member that sees the same one has the same sum), worked out again
+        only once they changed."""
+        live = self.table.live_ids
+        version, digest = self._sum
+        if version != live.version:
+            ids = sorted([*live, self._local.peer_id])
+            digest = hashlib.blake2b("\n".join(ids).encode(), digest_size=SUM_BYTES).digest()
+            self._sum = (live.version, digest)
+        return digest
+
+    async def _same_as(self, peer_id: str, timeout_s: float) -> bool:
+        """Whether `peer_id` holds alive the same peers as we do (a `$sync` ask with `sum`
+        only): a pull whose pages would be empty, in 16 bytes. A reply that says neither counts
+        as rejected, and as not the same."""
+        ask: dict[str, Any] = {"sum": self.live_sum()}
+        introduction = self._introduce(peer_id)
+        if introduction:
+            ask["me"] = introduction[0][1]
+        reply = await self.outbox.request(peer_id, SYNC, ask, timeout_s=timeout_s)
+        same = reply.body.get("same") if isinstance(reply.body, dict) else None
+        if not isinstance(same, bool):
+            self._reject(RejectReason.BAD_FIELD, f"sync reply from {peer_id}: a sum is answered with same: bool")
+            return False
+        return same
 
     def want_from(self, peer_id: str, unknown: str) -> None:
         """Ask `peer_id` for the record of `unknown`, at most once an interval per id, and with a
@@ -404,15 +453,20 @@ class TableSync:
             self._spawn(self.outbox.send(msg.sender, ANNOUNCE, records))
 
 
-def parse_sync(body: Any) -> tuple[str | None, frozenset[str], Any]:
+def parse_sync(body: Any) -> tuple[str | None, frozenset[str], Any, bytes | None]:
     """A `$sync` ask: empty, or a map of `after` (a peer id to go on from), `have` (peers the
     asker holds, `TableSync.have_digest`) and `me` (the asker's own record, for a member that
-    may not know it, checked where it is learned); WireError BAD_FIELD otherwise."""
+    may not know it, checked where it is learned); or of `sum` (`TableSync.live_sum`: are the
+    peers alive the same?) and `me`. WireError BAD_FIELD otherwise."""
     if body is None:
-        return None, frozenset(), None
-    if not isinstance(body, dict) or not body or not set(body) <= {"after", "have", "me"}:
-        raise WireError(RejectReason.BAD_FIELD, "sync body must be empty or {after: peer id, have: bytes, me: record}",
-                        field="body")
+        return None, frozenset(), None, None
+    if not isinstance(body, dict) or not body or not (set(body) <= {"after", "have", "me"}
+                                                      or ("sum" in body and set(body) <= {"sum", "me"})):
+        raise WireError(RejectReason.BAD_FIELD, "sync body must be empty, {after: peer id, have: bytes, me: record} "
+                        "or {sum: bytes, me: record}", field="body")
+    asked_sum = body.get("sum")
+    if "sum" in body and not (isinstance(asked_sum, bytes) and len(asked_sum) == SUM_BYTES):
+        raise WireError(RejectReason.BAD_FIELD, f"sync sum must be {SUM_BYTES} bytes", field="body")
     after, have, me = body.get("after"), body.get("have", b""), body.get("me")
     if after is not None and not (isinstance(after, str) and len(after) <= 64):
         raise WireError(RejectReason.BAD_FIELD, "sync after must be a peer id", field="body")
@@ -425,7 +479,7 @@ def parse_sync(body: Any) -> tuple[str | None, frozenset[str], Any]:
         text = have.decode("ascii")
     except UnicodeDecodeError:
         raise WireError(RejectReason.BAD_FIELD, "sync have must be id prefixes", field="body") from None
-    return after, frozenset(text[i:i + HAVE_CHARS] for i in range(0, len(text), HAVE_CHARS)), me
+    return after, frozenset(text[i:i + HAVE_CHARS] for i in range(0, len(text), HAVE_CHARS)), me, asked_sum
 
 
 class _Walk:

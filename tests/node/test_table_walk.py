@@ -14,7 +14,8 @@ from starling.node.membership import PeerRecord
 from starling.node.node import Node, NodeConfig
 from starling.node.swarm import ANNOUNCE, SYNC
 from starling.node.swim import Liveness
-from starling.node.table_sync import MAX_PARALLEL_PAGES, PULL_PAGES, id_fraction, split_ids
+from starling.node.table_sync import MAX_PARALLEL_PAGES, PULL_PAGES, SUM_BYTES, id_fraction, parse_sync, split_ids
+from starling.node.wire import WireError
 from starling.runtime.simconfig import sim_liveness
 
 # probes, gossip and suspicions far slower than the tests: what moves, moves by table pulls
@@ -121,6 +122,53 @@ def test_a_member_whose_loop_runs_behind_pulls_less_often_not_at_its_forming_pac
     finally:
         member.close()
         seed.close()
+
+
+def _sync_bytes(node: Node) -> int:
+    return sum(per.get(SYNC, 0) for per in node.stats.snapshot()["bytes_sent"].values())
+
+
+def test_a_settled_member_asks_whether_it_holds_the_same_peers_before_it_pages():
+    """A pull after one that brought nothing first asks whether the member holds the same
+    peers alive (a 16-byte sum, where the list of held peers is 6 bytes a peer), and pages only
+    when it does not: news still comes on the pull after the seed's table changed."""
+    seed = Node(config=NodeConfig(liveness=QUIET)).start("tcp://127.0.0.1:0")
+    member = Node(config=NodeConfig(liveness=QUIET)).start("tcp://127.0.0.1:0", join=[seed.address])
+    try:
+        tables = member._swarm.tables
+        seed.add_records([PeerRecord.create(Identity.generate(), [], 1).to_wire() for _ in range(300)])
+
+        def pull() -> tuple[int, int]:
+            before = _sync_bytes(member)
+            learned = member.run(tables.anti_entropy(0.5, 60.0), timeout_s=10)
+            return learned, _sync_bytes(member) - before
+
+        assert pull()[0] == 300 and tables.pulls == {"news": 1}
+        learned, listed = pull()  # nothing new, found by naming all 301 peers held
+        assert learned == 0 and tables.pulls.get("none") == 1 and listed > 301 * 6
+        learned, summed = pull()
+        assert learned == 0 and tables.pulls.get("same") == 1
+        assert summed < 100 < listed  # the sum and its envelope, not a list of the table
+        assert pull()[0] == 0 and tables.pulls["same"] == 2
+        late = [PeerRecord.create(Identity.generate(), [], 1) for _ in range(5)]
+        seed.add_records([r.to_wire() for r in late])
+        learned, _ = pull()  # the sums differ: the pull pages as before
+        assert learned == 5 and tables.pulls["news"] == 2 and {r.peer_id for r in late} <= set(member.live_peers())
+        for node in (member, seed):  # each ask and answer was well formed
+            assert "bad_field" not in node.stats.snapshot()["rejected"]
+    finally:
+        member.close()
+        seed.close()
+
+
+def test_a_sync_ask_with_a_sum_names_nothing_else_and_its_sum_is_its_size():
+    assert parse_sync({"sum": b"s" * SUM_BYTES})[3] == b"s" * SUM_BYTES
+    assert parse_sync({"sum": b"s" * SUM_BYTES, "me": ["record"]})[2] == ["record"]
+    assert parse_sync({"have": b"abcdef"})[3] is None
+    for bad in ({"sum": b"s" * (SUM_BYTES - 1)}, {"sum": "s" * SUM_BYTES}, {"sum": b"s" * SUM_BYTES, "have": b""},
+                {"sum": b"s" * SUM_BYTES, "after": "x"}, {"sum": None}):
+        with pytest.raises(WireError, match="sync"):
+            parse_sync(bad)
 
 
 async def _quiet(tables) -> float:
