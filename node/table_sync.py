@@ -70,7 +70,7 @@ PULL_PAGES = 4  # pages of news one anti-entropy pull reads at most (within a me
 HAVE_CHARS = 6
 MAX_HAVE = 65536  # ids one ask may name (a table past that is not honest)
 MAX_ENDED = 64  # proofs of deaths and leaves one page carries at most (the updates a message may)
-SUM_BYTES = 16  # a `$sync` ask's `sum`: a digest of the peers the asker holds alive (`live_sum`)
+SUM_BYTES = 16  # a `$sync` ask's `sum`: a digest of the asker and the peers it holds alive (`live_sum`)
 # A forgotten death's tombstone lasts this many of a member's pulls at rest (`sync_interval`):
 # a member that missed the death pulls at least twice meanwhile, and hears of it.
 TOMBSTONE_PULLS = 3
@@ -348,7 +348,7 @@ class TableSync:
         helpers.sort(key=lambda h: getattr(self.table.get(h), "told_by", None) is not None)
         timeout_s = 2 * max(self.liveness.probe_interval_s, self.liveness.ack_timeout_s)
         try:
-            if helpers and self._settled and await self._same_as_or_unknown(helpers[0], timeout_s):
+            if helpers and self._settled and await self._same_as(helpers[0], timeout_s):
                 outcome = "same"
             elif helpers:
                 try:
@@ -381,13 +381,6 @@ class TableSync:
                 self._quiet_s = soon_s
         return learned
 
-    async def _same_as_or_unknown(self, peer_id: str, timeout_s: float) -> bool:
-        """`_same_as`, False for a member that knows no `sum` (it pages as before)."""
-        try:
-            return await self._same_as(peer_id, timeout_s)
-        except rpc.BadRequestError:
-            return False
-
     def have_digest(self) -> bytes:
         """The peers this node holds alive or suspect, as a `$sync` ask's `have`: one it holds
         dead that the helper holds alive comes back, and is probed again (`Swarm.learn`), so a
@@ -408,13 +401,16 @@ class TableSync:
 
     async def _same_as(self, peer_id: str, timeout_s: float) -> bool:
         """Whether `peer_id` holds alive the same peers as we do (a `$sync` ask with `sum`
-        only): a pull whose pages would be empty, in 16 bytes. A reply that says neither counts
-        as rejected, and as not the same."""
+        only): a pull whose pages would be empty, in 16 bytes. Not the same for a member that
+        knows no `sum` (it pages as before), and for a reply that says neither (counted)."""
         ask: dict[str, Any] = {"sum": self.live_sum()}
         introduction = self._introduce(peer_id)
         if introduction:
             ask["me"] = introduction[0][1]
-        reply = await self.outbox.request(peer_id, SYNC, ask, timeout_s=timeout_s)
+        try:
+            reply = await self.outbox.request(peer_id, SYNC, ask, timeout_s=timeout_s)
+        except rpc.BadRequestError:
+            return False
         same = reply.body.get("same") if isinstance(reply.body, dict) else None
         if not isinstance(same, bool):
             self._reject(RejectReason.BAD_FIELD, f"sync reply from {peer_id}: a sum is answered with same: bool")
