@@ -3,6 +3,7 @@ whether anyone is declared dead who is not.
 
     python benchmarks/membership.py [--sizes 128,1024,4096] [--processes 8] [--window-s 30]
                                     [--soak-s 0] [--timeout-s 900] [--max-dealers N]
+                                    [--settle-s S] [--dead-wait-s S]
 
 Each size is one swarm of N bare nodes (no model: the membership layer alone) spread over P
 worker processes on this box, on ipc sockets, with the simulator's liveness for that size
@@ -12,7 +13,10 @@ progress does. Per size it prints one JSON row:
 - join_s: until every node sees at least 99% of the others;
 - per peer, over a window of `--window-s` once joined: membership messages and bytes sent per
   second, and per probe period (the scaling claim: constant per period, whatever N), the bytes
-  per probe period by topic too; and the
+  per probe period by topic too (also printed to stderr as soon as measured), from
+  `--settle-s` after the swarm formed (by default the window's length, at most 5 s: a large
+  swarm's last joiners are still being pulled then; give it a few periods for the swarm at
+  rest); and the
   sends that had to open a socket to their peer, per probe period, by topic (past the socket
   cap, a send to a member not used lately opens one and closes another);
 - sockets_opened_per_peer_joining: the same opens per peer, by topic, from the start until
@@ -23,7 +27,8 @@ progress does. Per size it prints one JSON row:
 - a separate process joins (join_seen_p99_s: from when it began its join until 99% of the
   nodes know it; victim_join_s: until its own join returned), then is SIGKILLed;
   dead_median_s and dead_max_s: until each node holds it dead (most nodes hold no connection
-  to it: they learn it from the claims of those that do, or from their own probes);
+  to it: they learn it from the claims of those that do, or from their own probes), waited for
+  up to `--dead-wait-s` (by default 60 probe periods, at least 120 s);
 - never_knew_victim: nodes the join had not reached by the kill; dead_max_of_those_that_knew_s,
   dead_max_s over the others;
 - false_deaths: deaths declared of any node but the killed one, over the whole run (with
@@ -186,7 +191,8 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
 
 
 def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: float,
-             max_dealers: int | None = None) -> dict[str, Any]:
+             max_dealers: int | None = None, settle_s: float | None = None,
+             dead_wait_s: float | None = None) -> dict[str, Any]:
     from starling.runtime.simconfig import sim_liveness
 
     _raise_fd_limit()
@@ -258,7 +264,7 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
             answers = [conn.recv() for conn in conns]
             return [s for per_node, _ in answers for s in per_node], sum(cpu for _, cpu in answers)
 
-        time.sleep(min(window_s, 5.0))  # past the join's own burst of gossip
+        time.sleep(min(window_s, 5.0) if settle_s is None else settle_s)  # past the join's own burst of gossip
         (before, cpu0), t0 = stats(), time.monotonic()
         time.sleep(window_s)
         (after, cpu1), t1 = stats(), time.monotonic()
@@ -289,6 +295,9 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
                 formation[topic] = formation.get(topic, 0) + count
         row["sockets_opened_per_peer_joining"] = {t: round(c / n, 1) for t, c in
                                                   sorted(formation.items(), key=lambda kv: -kv[1])}
+        print("membership: window: " + json.dumps({k: row[k] for k in ("msgs_per_peer_period", "bytes_per_peer_period",
+                                                                      "bytes_per_peer_period_by_topic")}),
+              file=sys.stderr, flush=True)
         sent_joining: dict[str, int] = {}
         for a in before:
             for topic, count in a[3].items():
@@ -323,7 +332,7 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
         os.kill(victim.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         victim.wait()
-        deadline = killed_at + max(120.0, 60 * lv.probe_interval_s)
+        deadline = killed_at + (max(120.0, 60 * lv.probe_interval_s) if dead_wait_s is None else dead_wait_s)
         while time.monotonic() < deadline:
             dead = [d for _, d in seen() if d is not None]
             if len(dead) >= n:
@@ -377,6 +386,11 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=8)
     parser.add_argument("--window-s", type=float, default=30.0)
     parser.add_argument("--soak-s", type=float, default=0.0)
+    parser.add_argument("--settle-s", type=float, default=None,
+                        help="seconds from formed to the window (default: the window's, at most 5)")
+    parser.add_argument("--dead-wait-s", type=float, default=None,
+                        help="longest wait for every node to hold the killed one dead (default: 60 periods, "
+                             "at least 120 s)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--log-dir", default=None, help="write each worker's INFO log there")
     parser.add_argument("--max-dealers", type=int, default=None,
@@ -384,12 +398,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.max_dealers is not None and args.max_dealers < 1:
         parser.error("--max-dealers must be at least 1")
+    for name in ("settle_s", "dead_wait_s"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value < float("inf"):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number of seconds, at least 0")
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
         os.environ["STARLING_BENCH_LOG_DIR"] = args.log_dir
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
-        row = run_size(n, min(args.processes, n), args.window_s, args.soak_s, args.timeout_s, args.max_dealers)
+        row = run_size(n, min(args.processes, n), args.window_s, args.soak_s, args.timeout_s, args.max_dealers,
+                       args.settle_s, args.dead_wait_s)
         print(json.dumps(row), flush=True)
         rows.append(row)
     ok = [r for r in rows if r.get("ok")]
