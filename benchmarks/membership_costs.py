@@ -3,10 +3,12 @@
     python benchmarks/membership_costs.py [--members 1024] [--repeat 200]
 
 Prints one JSON row:
-- fingers_ms / sorted_ring_ms: working out a member's fingers (`node.ring.ProbeRing.fingers`)
-  on a view of `--members`, each call on a new view version as while a swarm forms, against
-  the same fingers found by sorting the ring (what the ring did before), in the same run;
-  fingers_speedup is their ratio, and `same_fingers` checks both give the same list;
+- fingers_ms / fingers_walked_ms / sorted_ring_ms: working out a member's fingers
+  (`node.ring.ProbeRing.fingers`) on a view of `--members`, each call on a new view version as
+  while a swarm forms, over the ring keys its table keeps beside its live ids, against the
+  same with the keys gathered by a walk of the ids in Python, and the same fingers found by
+  sorting the ring, in the same run; fingers_speedup is the walk's time over the keys', and
+  `same_fingers` checks the keys' fingers against the sort's;
 - learn_news_us / learn_known_us: a real node learning `--members` relayed records that are
   news to it, then the same records again (`Node.add_records_here`, signatures already checked
   in the process, as in a simulator's worker where every node hears each record);
@@ -15,10 +17,10 @@ Prints one JSON row:
   handed out), and one page for a puller that names half of them as held (anti-entropy);
 - probe_target_ms / probe_target_before_ms: that node's next probe target past its socket cap
   (`FailureDetector._next_finger`), its fingers worked out afresh each time (the median of
-  `--repeat` calls, alternating with the baseline's), against the same
-  with the walk of its probeable members calling `_can_probe` for each (as before it was
-  inlined), in the same run; probe_target_speedup is their ratio, and `same_probe_fingers`
-  checks both pick the same fingers.
+  `--repeat` calls, alternating with the baseline's), against the same with a walk of its
+  live members in Python calling `_can_probe` for each, in the same run;
+  probe_target_speedup is their ratio, and `same_probe_fingers` checks both pick the same
+  fingers.
 """
 from __future__ import annotations
 
@@ -32,42 +34,52 @@ from typing import Any
 
 def _fingers_by_sorting(ids: list[str], own: str, epochs: list[int], limit: int) -> list[str]:
     """The fingers as a sorted ring gives them: the baseline."""
-    from starling.node.ring import place
+    from starling.node.ring import finger_steps, place
 
     everyone = [*ids, own]
     n = len(everyone)
     out: list[str] = []
     rings: dict[int, list[str]] = {}
-    for j in range(min(limit, n.bit_length())):
-        ring = rings.get(epochs[j])
+    for epoch, step in zip(epochs, finger_steps(n, limit)):
+        ring = rings.get(epoch)
         if ring is None:
-            ring = rings[epochs[j]] = [p for _, p in sorted((place(p, epochs[j]), p) for p in everyone)]
-        peer = ring[(ring.index(own) + (1 if j == 0 else max(1, n >> j))) % n]
+            ring = rings[epoch] = [p for _, p in sorted((place(p, epoch), p) for p in everyone)]
+        peer = ring[(ring.index(own) + step) % n]
         if peer != own and peer not in out:
             out.append(peer)
     return out
 
 
 def fingers(members: int, repeat: int) -> dict[str, Any]:
-    from starling.node.ring import MAX_FINGERS, ProbeRing
+    from starling.node.ring import MAX_FINGERS, ProbeRing, id_key
+    from starling.node.swim import IdSet
 
     ids = [f"member-{i:06d}" for i in range(members)]
     own, others = ids[0], ids[1:]
     now = 1000.5 * 2048.0  # two fingers' epochs differ here, as they do for 1/16 of each epoch
     ring = ProbeRing(own, 2048.0, lambda: now)
+    live = IdSet(id_key)  # as a member's table keeps its live ids, each with its ring key
+    for p in others:
+        live.add(p)
     limit = 10
     epochs = ring.epochs(min(limit, MAX_FINGERS), now)
-    same = ring.fingers(ids, 0, limit) == _fingers_by_sorting(others, own, epochs, limit)
+    same = ring.fingers(live.ids, 0, limit, live.keys()) == _fingers_by_sorting(others, own, epochs, limit)
     version = [0]
 
     def fresh() -> None:
         version[0] += 1  # a new view version: worked out afresh, as at every probe while a swarm forms
-        ring.fingers(ids, version[0], limit)
+        ring.fingers(live.ids, version[0], limit, live.keys())
+
+    def walked() -> None:  # the same, the members' keys gathered by a walk of their ids in Python
+        version[0] += 1
+        ring.fingers(live.ids, version[0], limit)
 
     new_s = timeit.timeit(fresh, number=repeat) / repeat
+    walk_s = timeit.timeit(walked, number=repeat) / repeat
     old_s = timeit.timeit(lambda: _fingers_by_sorting(others, own, epochs, limit), number=repeat) / repeat
-    return {"members": members, "fingers_ms": round(new_s * 1e3, 3), "sorted_ring_ms": round(old_s * 1e3, 3),
-            "fingers_speedup": round(old_s / new_s, 2), "same_fingers": same}
+    return {"members": members, "fingers_ms": round(new_s * 1e3, 3), "fingers_walked_ms": round(walk_s * 1e3, 3),
+            "sorted_ring_ms": round(old_s * 1e3, 3), "fingers_speedup": round(walk_s / new_s, 2),
+            "fingers_speedup_over_sorting": round(old_s / new_s, 2), "same_fingers": same}
 
 
 def learning(members: int, repeat: int) -> dict[str, Any]:
@@ -124,7 +136,7 @@ def learning(members: int, repeat: int) -> dict[str, Any]:
                 ring._key = ()
                 swarm._next_finger(cap)
 
-            def before() -> None:  # the same, with the members' walk calling `_can_probe` for each
+            def before() -> None:  # the same, walking the members in Python with `_can_probe` for each
                 ring._key = ()
                 live = table.live_ids
                 ring.next((p for p in live if (info := table.get(p)) is not None and swarm._can_probe(info)),

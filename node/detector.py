@@ -181,7 +181,7 @@ class FailureDetector:
             await asyncio.sleep(wait)
 
     def _can_probe(self, info: PeerInfo) -> bool:
-        # `_next_finger` inlines this test in its walk of the members: change both together
+        # `_next_finger` inlines this test for the members with no address: change both together
         transport = self.outbox.transport
         return info.record.reachable or (transport is not None and transport.can_send(info.peer_id))
 
@@ -209,14 +209,16 @@ class FailureDetector:
         """The next of our fingers on the ring, round-robin; their DEALERs are pinned open (at
         most half the cap of them), so a probe opens no socket and no monitor, and their
         connections are watched all along."""
-        live, transport = self.table.live_ids, self.outbox.transport
-        # `_can_probe` for each id, inlined: while a swarm forms every probe walks the members
-        # afresh (`benchmarks/membership_costs.py`: probe_target_speedup)
-        entry, can_send = self.table.get, (transport.can_send if transport is not None else None)
-        probeable = (p for p in live if (info := entry(p)) is not None
-                     and (info.record.addresses or (can_send is not None and can_send(p))))
+        table, transport = self.table, self.outbox.transport
+        live = table.live_ids
+        # `_can_probe` for the few members whose records give no address; the rest can be.
+        # While a swarm forms, every probe works the fingers out afresh: over the live ids'
+        # ring keys as an array, not a walk of thousands of members in Python
+        # (`benchmarks/membership_costs.py`: probe_target_speedup)
+        skip = [at for p in table.unaddressed
+                if (at := live.index(p)) is not None and not (transport is not None and transport.can_send(p))]
         limit = max(1, cap // 2)
-        target = self._ring.next(probeable, live.version, limit)
+        target = self._ring.next(live.ids, live.version, limit, live.keys(), skip)
         fingers = frozenset(self._ring.current[: cap // 2])
         if fingers != self._pinned and transport is not None:
             self._pinned = fingers

@@ -33,6 +33,7 @@ from starling.node.records import (
     sign_beat,
     verified_beat,
 )
+from starling.node.ring import id_key
 from starling.node.swim import IdSet, Liveness
 from starling.node.wire import RejectReason, WireError
 
@@ -170,7 +171,10 @@ class PeerTable:
         self._sponsored: dict[str, dict[str, None]] = {}  # member -> ids held on its word (TableLimits), oldest first
         self._greeted: dict[str, dict[str, None]] = {}  # origin -> ids that greeted us from there, oldest first
         self.evicted: list[str] = []  # dropped to make room; the owner of the table closes their sockets
-        self.live_ids = IdSet()  # peers alive or suspect, kept as statuses change (probing must not walk the table)
+        # peers alive or suspect, kept as statuses change (probing must not walk the table),
+        # with their keys on the probe ring, and in id order (for table pages)
+        self.live_ids = IdSet(id_key, ordered=True)
+        self.unaddressed: dict[str, None] = {}  # peers whose record gives no address (clients)
         self._ended: dict[str, None] = {}  # peers held dead or left (forgetting must not walk the table)
         # forgotten dead and departed peers, oldest first, at most `limits.max_peers`
         self.tombstones: dict[str, Tombstone] = {}
@@ -253,6 +257,8 @@ class PeerTable:
         self._make_room(record.peer_id, sponsor, origin)
         self._peers[record.peer_id] = PeerInfo(record, PeerStatus.ALIVE, now, told_by=told_by, sponsor=sponsor,
                                                origin=origin)
+        if not record.addresses:
+            self.unaddressed[record.peer_id] = None
         self.live_ids.add(record.peer_id)
         if sponsor is not None:
             self._sponsored.setdefault(sponsor, {})[record.peer_id] = None
@@ -270,6 +276,8 @@ class PeerTable:
         del self.tombstones[tomb.record.peer_id]
         self._peers[info.peer_id] = info
         self._ended[info.peer_id] = None
+        if not info.record.addresses:
+            self.unaddressed[info.peer_id] = None
 
     def restored(self, peer_id: str, before: PeerInfo | None) -> bool:
         """Whether `upsert` just brought `peer_id` back from its tombstone (it held no entry
@@ -300,6 +308,7 @@ class PeerTable:
     def _drop(self, peer_id: str, now: float | None = None) -> None:
         info = self._peers.pop(peer_id)
         self.live_ids.remove(peer_id)
+        self.unaddressed.pop(peer_id, None)
         self._ended.pop(peer_id, None)
         if info.proof is not None and info.status in (PeerStatus.DEAD, PeerStatus.LEFT):
             tombs = self.tombstones
@@ -325,6 +334,10 @@ class PeerTable:
             # a restarted peer counts its beats from zero again, and no claim about its last life holds
             known.beat, known.signed_beat, known.claim_at = -1, None, -1
         known.record, known.last_seen = record, now
+        if record.addresses:
+            self.unaddressed.pop(record.peer_id, None)
+        else:
+            self.unaddressed[record.peer_id] = None
         return self._set(known, PeerStatus.ALIVE)
 
     def seen(self, peer_id: str, now: float, *, first_hand: bool = True) -> StatusChange | None:

@@ -401,7 +401,7 @@ class Node:
         """`live_peers` for code already on the network thread (a handler): a plain read.
         Banned peers are not in it: they own no shard and lead no round."""
         banned = self.trust.banned
-        return sorted(i for i in self._table.live_ids if i not in banned)
+        return [i for i in self._table.live_ids.in_order() if i not in banned]
 
     def share_bans(self) -> None:
         """Any thread: send the accusations behind every ban to the live members again, at most

@@ -31,49 +31,80 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import numpy as np
 
 MAX_FINGERS = 16  # fingers a member keeps at most: enough for 65,536 members
 EPOCH_PERIODS = 256  # probe periods a finger's ring lasts (`ProbeRing.epoch_s`)
-_POSITIONS_MAX = 1 << 16  # places kept by the process-wide cache (every node of a simulation shares it)
-_positions: dict[int, dict[str, int]] = {}  # epoch -> peer id -> place
-_positions_held = 0
+_CACHE_MAX = 1 << 16  # ids whose keys the process keeps (every node of a simulation shares them)
+_id_keys: dict[str, int] = {}  # peer id -> its key
+_epoch_keys: dict[int, tuple[np.uint64, np.uint64]] = {}
+_MULTIPLIERS = (np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53))  # MurmurHash3's finalizer
+_SHIFT = np.uint64(33)
+
+
+def id_key(peer_id: str) -> int:
+    """`peer_id`'s 64-bit key, a hash of the id: where its places on every ring come from."""
+    key = _id_keys.get(peer_id)
+    if key is None:
+        if len(_id_keys) >= _CACHE_MAX:
+            _id_keys.clear()
+        digest = hashlib.blake2b(peer_id.encode(), digest_size=8, person=b"starling-ring").digest()
+        key = _id_keys[peer_id] = int.from_bytes(digest, "little")
+    return key
+
+
+def _keys_of(epoch: int) -> tuple[np.uint64, np.uint64]:
+    keys = _epoch_keys.get(epoch)
+    if keys is None:
+        if len(_epoch_keys) >= 4 * MAX_FINGERS:
+            _epoch_keys.clear()
+        digest = hashlib.blake2b(epoch.to_bytes(8, "little", signed=True), digest_size=16,
+                                 person=b"starling-epoch").digest()
+        keys = _epoch_keys[epoch] = (np.uint64(int.from_bytes(digest[:8], "little")),
+                                     np.uint64(int.from_bytes(digest[8:], "little")))
+    return keys
+
+
+def _mix(x: np.ndarray) -> None:
+    """A bijection of 64-bit words in which every bit of the input moves every bit of the
+    output (`x` in place; uint64 arithmetic wraps)."""
+    for multiplier in _MULTIPLIERS:
+        x ^= x >> _SHIFT
+        x *= multiplier
+    x ^= x >> _SHIFT
+
+
+def places(keys: np.ndarray, epoch: int) -> np.ndarray:
+    """The places on the ring of `epoch` of the members whose `id_key`s are `keys`: the same
+    for every member that computes them. The id's key, the epoch's two keys and two rounds of
+    mixing: each epoch's ring is a fresh shuffle of the same keys, so a member that ground
+    keys until its id landed where it wanted on one ring has no better odds on the next. Done
+    on a whole array at once: a member's view changes with every join while a swarm forms, and
+    its fingers are worked out again at nearly every probe, over thousands of members."""
+    first, second = _keys_of(epoch)
+    x = keys ^ first
+    _mix(x)
+    x ^= second
+    _mix(x)
+    return x
 
 
 def place(peer_id: str, epoch: int) -> int:
-    """`peer_id`'s place on the ring of `epoch`: the same for every member that computes it."""
-    global _positions_held
-    of_epoch = _positions.get(epoch)
-    if of_epoch is None:
-        of_epoch = _positions[epoch] = {}
-    at = of_epoch.get(peer_id)
-    if at is None:
-        if _positions_held >= _POSITIONS_MAX:
-            _positions.clear()
-            _positions_held = 0
-            of_epoch = _positions[epoch] = {}
-        digest = hashlib.blake2b(peer_id.encode(), digest_size=8, person=b"starling-ring",
-                                 salt=epoch.to_bytes(8, "little", signed=True)).digest()
-        at = of_epoch[peer_id] = int.from_bytes(digest, "little")
-        _positions_held += 1
-    return at
+    """`peer_id`'s place on the ring of `epoch` (`places` for one member)."""
+    return int(places(np.array([id_key(peer_id)], dtype=np.uint64), epoch)[0])
 
 
-def ahead(members: list[str], own_id: str, epoch: int, steps: list[int]) -> list[str]:
-    """The members `steps[i]` places ahead of `own_id` on the ring of `epoch` (`members` holds
-    the others, each step in 1..len(members)). Selects by distance ahead, going round, without
-    sorting the ring: a member's view changes with every join while a swarm forms, so its
-    fingers are worked out again at nearly every probe (at 1024 members, 0.23 ms each time
-    where sorting took 1.56 ms: `benchmarks/membership_costs.py`)."""
-    known = _positions.get(epoch) or {}  # `place`'s cache read here: half the time of a call per member
-    places = np.fromiter((known[p] if p in known else place(p, epoch) for p in members), dtype=np.uint64,
-                         count=len(members))
-    distance = places - np.uint64(place(own_id, epoch))  # wraps round: how far ahead, on a ring of 2^64
+def ahead(keys: np.ndarray, own_key: int, epoch: int, steps: list[int]) -> list[int]:
+    """Where in `keys` (the `id_key`s of the other members) are the members `steps[i]` places
+    ahead of the member whose key is `own_key`, on the ring of `epoch` (each step in
+    1..len(keys)). Selects by distance ahead, going round, without sorting the ring."""
+    own = places(np.array([own_key], dtype=np.uint64), epoch)[0]
+    distance = places(keys, epoch) - own  # wraps round: how far ahead, on a ring of 2^64
     kth = sorted({step - 1 for step in steps})
     order = np.argpartition(distance, kth)
-    return [members[int(order[step - 1])] for step in steps]
+    return [int(order[step - 1]) for step in steps]
 
 
 def finger_steps(n: int, limit: int) -> list[int]:
@@ -119,35 +150,50 @@ class ProbeRing:
         """The epoch of each of the first `count` fingers at wall time `now`."""
         return [math.floor(now / self.epoch_s + j / MAX_FINGERS) for j in range(count)]
 
-    def fingers(self, members: Iterable[str], version: int, limit: int) -> list[str]:
-        """Up to `limit` fingers among `members` (this member not among them), the successor
-        first, then from the farthest in: the same list while `version` (of the members) and
-        the epochs stay the same."""
+    def fingers(self, members: Iterable[str], version: int, limit: int, keys: np.ndarray | None = None,
+                skip: Collection[int] = ()) -> list[str]:
+        """Up to `limit` fingers among `members`, the successor first, then from the farthest
+        in: the same list while `version` (of the members) and the epochs stay the same. With
+        `keys` (`id_key` of each of `members`, a list then, in its order; `node.swim.IdSet`
+        keeps them) nothing walks the members in Python, and `skip` holds the places in
+        `members` of those that cannot be probed; without, this member may be among them."""
         limit = max(1, min(limit, MAX_FINGERS))
         epochs = self.epochs(limit, self._clock())
         key = (version, limit, *epochs)
         if key == self._key:
             return self._fingers
-        ids = [p for p in members if p != self.own_id]
+        if keys is None:
+            ids = [p for p in members if p != self.own_id]
+            keys = np.fromiter((id_key(p) for p in ids), dtype=np.uint64, count=len(ids))
+        else:
+            ids = members if isinstance(members, list) else list(members)
+            if skip:
+                kept = np.ones(len(ids), dtype=bool)
+                kept[list(skip)] = False
+                at = np.flatnonzero(kept)
+                ids, keys = [ids[int(i)] for i in at], keys[at]
         fingers: list[str] = []
         if ids:
             n = len(ids) + 1
+            own_key = id_key(self.own_id)
             wanted = [(epoch, step) for epoch, step in zip(epochs, finger_steps(n, limit))]
             found: dict[tuple[int, int], str] = {}
             for epoch in dict.fromkeys(e for e, _ in wanted):
                 steps = [step for e, step in wanted if e == epoch]
-                found.update(zip(((epoch, step) for step in steps), ahead(ids, self.own_id, epoch, steps)))
-            for at in wanted:
-                peer = found[at]
+                found.update(zip(((epoch, step) for step in steps),
+                                 (ids[i] for i in ahead(keys, own_key, epoch, steps))))
+            for at_step in wanted:
+                peer = found[at_step]
                 if peer not in fingers:
                     fingers.append(peer)
         self._key, self._fingers = key, fingers
         self.rebuilt += 1
         return fingers
 
-    def next(self, members: Iterable[str], version: int, limit: int) -> str | None:
+    def next(self, members: Iterable[str], version: int, limit: int, keys: np.ndarray | None = None,
+             skip: Collection[int] = ()) -> str | None:
         """The next finger to probe, round-robin, or None if there is no other member."""
-        fingers = self.fingers(members, version, limit)
+        fingers = self.fingers(members, version, limit, keys, skip)
         if not fingers:
             return None
         self._next = (self._next + 1) % len(fingers)

@@ -21,15 +21,17 @@ Everything here is state and arithmetic; `node.swarm` sends and receives the mes
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from starling.node.updates import MAX_UPDATES
 
@@ -232,12 +234,19 @@ class ClaimLedger:
 class IdSet:
     """Ids with O(1) add, remove and random choice: the members a node may probe or gossip to.
     A node of a simulated swarm does this every period for each of thousands of peers, so
-    nothing here walks the whole set."""
+    nothing here walks the whole set. With `key`, each id's 64-bit key (`key(id)`) is kept in
+    an array beside it, in the same order (`keys`): what the probe ring computes on without a
+    walk of the ids in Python (`node.ring`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: Callable[[str], int] | None = None, ordered: bool = False) -> None:
         self._ids: list[str] = []
         self._index: dict[str, int] = {}
         self.version = 0  # raised by every add and remove: what a cache of the set keys on
+        self._key = key
+        self._keys = np.empty(0 if key is None else 16, dtype=np.uint64)
+        # with `ordered`, the ids also in sorted order, kept as they come and go (an insert into
+        # a list of thousands of pointers is a short memmove): what table pages walk by id
+        self._sorted: list[str] | None = [] if ordered else None
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -248,11 +257,38 @@ class IdSet:
     def __iter__(self) -> Iterator[str]:
         return iter(self._ids)
 
+    @property
+    def ids(self) -> list[str]:
+        """The ids in the set's (arbitrary) order; the caller must not change the list."""
+        return self._ids
+
+    def keys(self) -> np.ndarray:
+        """With `key`: each id's key, in the order of `ids` (a view, valid until the next change)."""
+        return self._keys[:len(self._ids)]
+
+    def in_order(self) -> list[str]:
+        """With `ordered`: the ids sorted; the caller must not change the list."""
+        if self._sorted is None:
+            raise ValueError("this IdSet keeps no order")
+        return self._sorted
+
+    def index(self, peer_id: str) -> int | None:
+        """Where `peer_id` is in `ids` (None if not held)."""
+        return self._index.get(peer_id)
+
     def add(self, peer_id: str) -> bool:
         if peer_id in self._index:
             return False
-        self._index[peer_id] = len(self._ids)
+        at = self._index[peer_id] = len(self._ids)
         self._ids.append(peer_id)
+        if self._key is not None:
+            if at == len(self._keys):  # grows by half: a member of thousands holds a few spare keys
+                grown = np.empty(max(16, at + at // 2), dtype=np.uint64)
+                grown[:at] = self._keys
+                self._keys = grown
+            self._keys[at] = self._key(peer_id)
+        if self._sorted is not None:
+            bisect.insort(self._sorted, peer_id)
         self.version += 1
         return True
 
@@ -265,6 +301,10 @@ class IdSet:
         if at < len(self._ids):
             self._ids[at] = last
             self._index[last] = at
+            if self._key is not None:
+                self._keys[at] = self._keys[len(self._ids)]
+        if self._sorted is not None:
+            del self._sorted[bisect.bisect_left(self._sorted, peer_id)]
         return True
 
     def sample(self, rng: random.Random, k: int, but: tuple[str, ...] = ()) -> list[str]:

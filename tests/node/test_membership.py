@@ -417,3 +417,22 @@ def test_a_records_curve_key_is_encoded_once_as_curve_names_a_connections_key():
     record = PeerRecord.create(identity, ["tcp://10.0.0.1:5555"], 1)
     assert record.curve_z85 == z85.encode(identity.curve_public).decode()
     assert record.curve_z85 is record.curve_z85
+
+
+def test_the_table_knows_which_of_its_peers_give_no_address_as_records_come_and_go(ids):
+    """Past the socket cap a member probes its fingers, worked out over every live peer but the
+    ones with no address it cannot reach: the table names those, so nothing walks it to find them."""
+    table = PeerTable(ids[0].peer_id, Liveness())
+    client = PeerRecord.create(ids[1], [], 1)
+    server = PeerRecord.create(ids[2], ["tcp://127.0.0.1:1"], 1)
+    table.upsert(client, now=0.0)
+    table.upsert(server, now=0.0)
+    assert set(table.unaddressed) == {ids[1].peer_id}
+    table.upsert(PeerRecord.create(ids[1], ["tcp://127.0.0.1:2"], 2), now=1.0)  # it listens now
+    assert table.unaddressed == {}
+    table.upsert(PeerRecord.create(ids[2], [], 2), now=1.0)  # and this one stopped listening
+    assert set(table.unaddressed) == {ids[2].peer_id}
+    table.suspect(ids[2].peer_id)
+    table.declare_dead(ids[2].peer_id, silent_since=5.0)
+    assert table.forget(older_than_s=1.0, now=10.0) == [ids[2].peer_id]
+    assert table.unaddressed == {}

@@ -6,13 +6,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 from conftest import DEATH_SEEN_WITHIN_S, TEST_LIVENESS, statuses, wait_until
 
 from starling.node.node import NodeConfig
-from starling.node.ring import MAX_FINGERS, ProbeRing, place
+from starling.node.ring import MAX_FINGERS, ProbeRing, finger_steps, id_key, place, places
 from starling.node.rpc import Reply
-from starling.node.swim import URGENT
+from starling.node.swim import URGENT, IdSet
 from starling.node.transport import TransportConfig
 from starling.node.updates import SUSPECT, Claim
 
@@ -198,3 +199,44 @@ def test_past_the_cap_news_goes_to_every_finger_at_once(make_node):
 
     node.run(burst())
     assert fingers <= set(sent_to), (fingers, sent_to)  # 5 random picks of 10 open sockets hold 4 given ones 1 time in 42
+
+
+def test_the_ring_keys_kept_beside_the_live_ids_give_the_fingers_a_walk_and_a_sort_give():
+    """A member's table keeps its live ids' ring keys in an array (`node.swim.IdSet`): the
+    fingers worked out on it are those of a walk of the ids and of a sorted ring, at sizes where
+    fewer fingers than scales are spread over them, and members that cannot be probed are left out."""
+    for n, now, limit in ((600, 1000.0, 4), (1100, 1037.5, 5), (40, 5.0, 16)):
+        ids = [f"m-{i}" for i in range(n)]
+        own, others = ids[0], ids[1:]
+        live = IdSet(id_key)
+        for p in reversed(others):  # in an order of its own, as a table's
+            live.add(p)
+        ring = ProbeRing(own, EPOCH_S, lambda now=now: now)
+        keyed = ring.fingers(live.ids, 1, limit, live.keys())
+        assert ProbeRing(own, EPOCH_S, lambda now=now: now).fingers(ids, 1, limit) == keyed
+        epochs = ring.epochs(min(limit, MAX_FINGERS), now)
+        want: list[str] = []
+        for epoch, step in zip(epochs, finger_steps(n, limit)):
+            order = sorted(ids, key=lambda p, e=epoch: place(p, e))
+            peer = order[(order.index(own) + step) % n]
+            if peer not in want:
+                want.append(peer)
+        assert keyed == want, (n, now, limit)
+        skip = [live.index(p) for p in keyed[:2]]
+        without = ProbeRing(own, EPOCH_S, lambda now=now: now).fingers(live.ids, 1, limit, live.keys(), skip)
+        assert not set(keyed[:2]) & set(without)
+        rest = [p for p in ids if p not in keyed[:2]]
+        assert without == ProbeRing(own, EPOCH_S, lambda now=now: now).fingers(rest, 1, limit)
+
+
+def test_a_place_on_the_ring_is_the_same_one_at_a_time_and_in_an_array_and_spread_evenly():
+    ids = [f"peer-{i}" for i in range(4000)]
+    keys = np.array([id_key(p) for p in ids], dtype=np.uint64)
+    for epoch in (0, 1, -3, 2**40):
+        at = places(keys, epoch)
+        assert [int(x) for x in at[:50]] == [place(p, epoch) for p in ids[:50]]
+        counts = np.bincount((at >> np.uint64(60)).astype(np.int64), minlength=16)  # 16 arcs of the ring
+        assert counts.min() > 4000 / 16 * 0.75 and counts.max() < 4000 / 16 * 1.25
+    # each epoch's ring is a new shuffle: where a member is on one says nothing of the next
+    first, second = places(keys, 7).astype(np.float64), places(keys, 8).astype(np.float64)
+    assert abs(np.corrcoef(first, second)[0, 1]) < 0.1

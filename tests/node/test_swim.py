@@ -251,3 +251,24 @@ def test_a_sample_of_a_small_set_comes_in_random_order():
     firsts = {tuple(ids.sample(rng, 5, but=("p5",))[:3]) for _ in range(50)}
     assert len(firsts) > 10
     assert all(set(ids.sample(rng, 5, but=("p5",))) == {"p0", "p1", "p2", "p3", "p4"} for _ in range(10))
+
+
+def test_an_idset_keeps_each_ids_key_beside_it_and_the_ids_in_order_as_they_come_and_go():
+    """The probe ring computes on the keys as an array (`IdSet.keys`) and table pages walk the
+    ids in order (`IdSet.in_order`): both must follow every add and remove, swaps included."""
+    rng = random.Random(3)
+    ids = IdSet(lambda p: int(p[1:]) * 7 + 1, ordered=True)
+    held: set[str] = set()
+    for _ in range(600):
+        peer = f"p{rng.randrange(200)}"
+        if rng.random() < 0.6:
+            assert ids.add(peer) == (peer not in held)
+            held.add(peer)
+        else:
+            assert ids.remove(peer) == (peer in held)
+            held.discard(peer)
+        assert ids.in_order() == sorted(held)
+        assert list(ids.keys()) == [int(p[1:]) * 7 + 1 for p in ids.ids]
+        assert all(ids.index(p) == at for at, p in enumerate(ids.ids)) and ids.index("nobody") is None
+    with pytest.raises(ValueError):
+        IdSet().in_order()
