@@ -282,8 +282,8 @@ class IdSet:
         at = self._index[peer_id] = len(self._ids)
         self._ids.append(peer_id)
         if self._key is not None:
-            if at == len(self._keys):  # grows by half: a member of thousands holds a few spare keys
-                grown = np.empty(max(16, at + at // 2), dtype=np.uint64)
+            if at == len(self._keys):  # grows by an eighth, as a list does: few spare keys
+                grown = np.empty(max(16, at + at // 8), dtype=np.uint64)
                 grown[:at] = self._keys
                 self._keys = grown
             self._keys[at] = self._key(peer_id)
