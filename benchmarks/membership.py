@@ -3,7 +3,7 @@ whether anyone is declared dead who is not.
 
     python benchmarks/membership.py [--sizes 128,1024,4096] [--processes 8] [--window-s 30]
                                     [--soak-s 0] [--timeout-s 900] [--max-dealers N]
-                                    [--settle-s S] [--dead-wait-s S]
+                                    [--settle-s S | --settle-periods K] [--dead-wait-s S]
 
 Each size is one swarm of N bare nodes (no model: the membership layer alone) spread over P
 worker processes on this box, on ipc sockets, with the simulator's liveness for that size
@@ -15,8 +15,10 @@ progress does. Per size it prints one JSON row:
   second, and per probe period (the scaling claim: constant per period, whatever N), the bytes
   per probe period by topic too (also printed to stderr as soon as measured), from
   `--settle-s` after the swarm formed (by default the window's length, at most 5 s: a large
-  swarm's last joiners are still being pulled then; give it a few periods for the swarm at
-  rest); and the
+  swarm's last joiners are still being pulled then), or `--settle-periods` of that size's
+  probe periods (each size settles as many periods: the news of the last joins rides on a
+  member's messages for up to its retransmit limit, about a dozen periods, before the swarm
+  is at rest); and the
   sends that had to open a socket to their peer, per probe period, by topic (past the socket
   cap, a send to a member not used lately opens one and closes another);
 - sockets_opened_per_peer_joining: the same opens per peer, by topic, from the start until
@@ -192,7 +194,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
 
 def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: float,
              max_dealers: int | None = None, settle_s: float | None = None,
-             dead_wait_s: float | None = None) -> dict[str, Any]:
+             dead_wait_s: float | None = None, settle_periods: float | None = None) -> dict[str, Any]:
     from starling.runtime.simconfig import sim_liveness
 
     _raise_fd_limit()
@@ -264,7 +266,10 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
             answers = [conn.recv() for conn in conns]
             return [s for per_node, _ in answers for s in per_node], sum(cpu for _, cpu in answers)
 
-        time.sleep(min(window_s, 5.0) if settle_s is None else settle_s)  # past the join's own burst of gossip
+        if settle_periods is not None:
+            settle_s = settle_periods * lv.probe_interval_s
+        row["settle_s"] = round(min(window_s, 5.0) if settle_s is None else settle_s, 1)
+        time.sleep(row["settle_s"])  # past the join's own burst of gossip
         (before, cpu0), t0 = stats(), time.monotonic()
         time.sleep(window_s)
         (after, cpu1), t1 = stats(), time.monotonic()
@@ -388,6 +393,8 @@ def main() -> None:
     parser.add_argument("--soak-s", type=float, default=0.0)
     parser.add_argument("--settle-s", type=float, default=None,
                         help="seconds from formed to the window (default: the window's, at most 5)")
+    parser.add_argument("--settle-periods", type=float, default=None,
+                        help="probe periods of each size from formed to the window (instead of --settle-s)")
     parser.add_argument("--dead-wait-s", type=float, default=None,
                         help="longest wait for every node to hold the killed one dead (default: 60 periods, "
                              "at least 120 s)")
@@ -398,17 +405,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.max_dealers is not None and args.max_dealers < 1:
         parser.error("--max-dealers must be at least 1")
-    for name in ("settle_s", "dead_wait_s"):
+    if args.settle_s is not None and args.settle_periods is not None:
+        parser.error("give --settle-s or --settle-periods, not both")
+    for name in ("settle_s", "settle_periods", "dead_wait_s"):
         value = getattr(args, name)
         if value is not None and not 0 <= value < float("inf"):
-            parser.error(f"--{name.replace('_', '-')} must be a finite number of seconds, at least 0")
+            parser.error(f"--{name.replace('_', '-')} must be a finite number, at least 0")
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
         os.environ["STARLING_BENCH_LOG_DIR"] = args.log_dir
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
         row = run_size(n, min(args.processes, n), args.window_s, args.soak_s, args.timeout_s, args.max_dealers,
-                       args.settle_s, args.dead_wait_s)
+                       args.settle_s, args.dead_wait_s, args.settle_periods)
         print(json.dumps(row), flush=True)
         rows.append(row)
     ok = [r for r in rows if r.get("ok")]
