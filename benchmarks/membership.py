@@ -13,7 +13,9 @@ progress does. Per size it prints one JSON row:
 - join_s: until every node sees at least 99% of the others;
 - per peer, over a window of `--window-s` once joined: membership messages and bytes sent per
   second, and per probe period (the scaling claim: constant per period, whatever N), the bytes
-  per probe period by topic too (also printed to stderr as soon as measured), from
+  per probe period by topic too, and the bytes of the membership updates they carried by
+  priority (urgent: claims, refutations, leaves; news: joins and members' own new meta;
+  routine: beats passed on) (also printed to stderr as soon as measured), from
   `--settle-s` after the swarm formed (by default the window's length, at most 5 s: a large
   swarm's last joiners are still being pulled then), or `--settle-periods` of that size's
   probe periods (each size settles as many periods: the news of the last joins rides on a
@@ -171,7 +173,8 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
                             sent[topic] += nbytes
                 msgs = sum(snap["messages_sent_by_topic"].get(t, 0) for t in MEMBERSHIP_TOPICS)
                 by_topic = {t: c for t, c in snap["messages_sent_by_topic"].items() if t in MEMBERSHIP_TOPICS}
-                out.append((msgs, sum(sent.values()), snap["sockets_opened_by_topic"], by_topic, sent))
+                out.append((msgs, sum(sent.values()), snap["sockets_opened_by_topic"], by_topic, sent,
+                            list(n._swarm.broadcasts.taken)))
             conn.send((out, time.process_time()))
         elif cmd == "seen":  # arg: a peer id; per node here: the first time it was alive, dead
             conn.send([(seen.get(n.peer_id, {}).get(arg, {}).get("alive"),
@@ -260,7 +263,7 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
         for conn in conns:
             conn.recv()
 
-        def stats() -> tuple[list[tuple[int, int, dict[str, int], dict[str, int], dict[str, int]]], float]:
+        def stats() -> tuple[list[tuple[int, int, dict[str, int], dict[str, int], dict[str, int], list[int]]], float]:
             for conn in conns:
                 conn.send(("stats", None))
             answers = [conn.recv() for conn in conns]
@@ -286,6 +289,11 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
                           for t in MEMBERSHIP_TOPICS}
         row["bytes_per_peer_period_by_topic"] = {t: round(v, 1) for t, v in
                                                  sorted(by_topic_bytes.items(), key=lambda kv: -kv[1]) if v > 0}
+        # the updates those messages carried, by priority: urgent (claims, refutations, leaves),
+        # news (joins, a member's own new meta), routine (beats passed on)
+        row["update_bytes_per_peer_period"] = {
+            name: round(sum(a[5][i] - b[5][i] for a, b in zip(after, before)) / span / n * lv.probe_interval_s, 1)
+            for i, name in enumerate(("urgent", "news", "routine"))}
         # sends that opened a socket (past the socket cap, most sends to a member not used lately)
         opened: dict[str, float] = {}
         for a, b in zip(after, before):
@@ -301,7 +309,8 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
         row["sockets_opened_per_peer_joining"] = {t: round(c / n, 1) for t, c in
                                                   sorted(formation.items(), key=lambda kv: -kv[1])}
         print("membership: window: " + json.dumps({k: row[k] for k in ("msgs_per_peer_period", "bytes_per_peer_period",
-                                                                      "bytes_per_peer_period_by_topic")}),
+                                                                      "bytes_per_peer_period_by_topic",
+                                                                      "update_bytes_per_peer_period")}),
               file=sys.stderr, flush=True)
         sent_joining: dict[str, int] = {}
         for a in before:

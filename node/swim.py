@@ -373,6 +373,7 @@ class Broadcasts:
         self._heaps: tuple[list[tuple[int, int, Any]], ...] = ([], [], [])  # per priority: (sends, seq, key)
         self._counts = [0, 0, 0]
         self._seq = itertools.count()
+        self.taken = [0, 0, 0]  # bytes of updates taken to be sent, by priority, each send counted
 
     def __len__(self) -> int:
         return len(self._items)
@@ -438,6 +439,7 @@ class Broadcasts:
             heapq.heappop(heap)
             out.append(item[4])
             spent += item[5]
+            self.taken[priority] += item[5]
             item[1] += 1
             if item[1] >= limit:
                 self._drop(key)

@@ -6,6 +6,7 @@ import math
 import random
 import time
 
+import msgpack
 import pytest
 from conftest import TEST_LIVENESS, statuses, wait_until
 
@@ -272,3 +273,14 @@ def test_an_idset_keeps_each_ids_key_beside_it_and_the_ids_in_order_as_they_come
         assert all(ids.index(p) == at for at, p in enumerate(ids.ids)) and ids.index("nobody") is None
     with pytest.raises(ValueError):
         IdSet().in_order()
+
+
+def test_broadcasts_count_the_bytes_taken_by_priority_each_send_counted():
+    q = Broadcasts()
+    news, urgent = ["a", ["x", 1, 1, {}, b"s" * 64]], ["d", "y", 1, 0, "z", b"s" * 64]
+    q.add(("a", "x"), news, NEWS)
+    q.add(("d", "y"), urgent, URGENT)
+    q.add(("b", "x"), news)  # routine
+    assert q.take(10_000, limit=2, eager_only=True) and q.take(10_000, limit=2)
+    size = {kind: len(msgpack.packb(u, use_bin_type=True)) for kind, u in (("news", news), ("urgent", urgent))}
+    assert q.taken == [2 * size["urgent"], 2 * size["news"], size["news"]]
