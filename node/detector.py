@@ -240,9 +240,7 @@ class FailureDetector:
         info = self.table.get(target)
         if info is None or info.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
             return
-        # past the socket cap, through members we hold a socket to: asking one we do not would open one
-        helpers = [h for h in self._sample_members(lv.indirect_probes + 2, but=target, open_share=1.0)
-                   if self._helper(h)][:lv.indirect_probes]
+        helpers = self._helpers(lv.indirect_probes, but=target)
         answers = await asyncio.gather(*(self._ask(h, PROBE_VIA, {"t": target, "u": self._take()}, 2 * timeout)
                                          for h in helpers))
         if answers and all(a is NO_SOCKET for a in answers):
@@ -297,6 +295,19 @@ class FailureDetector:
             if picked:
                 return picked
         return list(live.sample(self._rng, k, but=(but,) if but is not None else ()))
+
+    def _helpers(self, k: int, *, but: str | None = None) -> list[str]:
+        """Up to `k` random members that can be asked to help (`_helper`: alive, and we can
+        reach them), other than `but`. Past the socket cap, of those we hold a socket to (asking
+        any other opens one and closes another); but when none of those can help (on a box too
+        loaded to answer probes in time they are the members we probed, and now suspect), of
+        every live member: with nobody asked, an indirect probe would suspect its target on our
+        word alone, and a table pull would learn nothing and back off."""
+        for open_share in (1.0, 0.0):
+            helpers = [h for h in self._sample_members(k + 2, but=but, open_share=open_share) if self._helper(h)]
+            if helpers:
+                return helpers[:k]
+        return []
 
     async def _ask(self, peer_id: str, topic: str, body: Any, timeout_s: float) -> Any:
         """A request's answer body, with its updates applied; None if none came in time."""

@@ -147,9 +147,9 @@ class Swarm(Joining, FailureDetector, Dissemination):
         self._signed_beat: list[Any] | None = None  # our current beat, signed (see `_own_beat`)
         # `$sync` pages and `$want`, under each member's pull budget (`node.table_sync`)
         self.tables = TableSync(local, table, outbox, stats, spawn, self._rng, liveness=liveness, admission=admission,
-                                learn=self.learn, record_from=self.record_from, reject=reject, helper=self._helper,
+                                learn=self.learn, record_from=self.record_from, reject=reject,
                                 introduce=self._introduce, first_hand=self.first_hand,
-                                sample=lambda k: self._sample_members(k, open_share=1.0),
+                                helpers=self._helpers,
                                 apply_ended=self._apply_ended, loop_lag=lambda since: self.loop_lag(since))
 
     def register(self, dispatch: Dispatcher) -> None:

@@ -83,9 +83,9 @@ class TableSync:
     def __init__(self, local: LocalPeer, table: PeerTable, outbox: Outbox, stats: NodeStats, spawn: Spawn,
                  rng: random.Random, *, liveness: Liveness, admission: AdmissionConfig,
                  learn: Callable[..., bool], record_from: Callable[[Any], PeerRecord],
-                 reject: Callable[[RejectReason, str], None], helper: Callable[[str], bool],
+                 reject: Callable[[RejectReason, str], None],
                  introduce: Callable[[str], list[Any]], first_hand: Callable[[Inbound, Any, str], str],
-                 sample: Callable[[int], list[str]], apply_ended: Callable[[str, list[Any]], None],
+                 helpers: Callable[[int], list[str]], apply_ended: Callable[[str, list[Any]], None],
                  loop_lag: Callable[[float], float] = lambda since: 0.0) -> None:
         self._local = local
         self.table = table
@@ -98,11 +98,11 @@ class TableSync:
         self._learn = learn
         self._record_from = record_from
         self._reject = reject
-        self._helper = helper
         self._introduce = introduce  # our record as an update, for a member that may not know us; or []
         self._first_hand = first_hand  # learns the record a stranger sent of itself; its id
-        # up to k random members to pull from: past the socket cap, ones we hold a socket to
-        self._sample = sample
+        # up to k random members to pull from, alive and reachable: past the socket cap, ones we
+        # hold a socket to while any of those can help
+        self._helpers = helpers
         self._apply_ended = apply_ended  # applies the deaths and leaves a member's page carried, as its gossip
         self._loop_lag = loop_lag  # how far behind this process's loop ran since a time (`LoopLag.worst_since`)
         self._pulls: dict[str, TokenBucket] = {}  # member id -> the bytes its table pulls may still take
@@ -348,7 +348,7 @@ class TableSync:
         outcome = "no_helper"
         # A member that has spoken to us first-hand holds our record; one we only heard of may
         # not (in a mass join, most do not know a joiner yet) and drops our ask unanswered.
-        helpers = [h for h in self._sample(8) if self._helper(h)]
+        helpers = self._helpers(8)
         helpers.sort(key=lambda h: getattr(self.table.get(h), "told_by", None) is not None)
         timeout_s = 2 * max(self.liveness.probe_interval_s, self.liveness.ack_timeout_s)
         try:

@@ -10,8 +10,9 @@ from conftest import wait_until
 
 from starling.node.admission import AdmissionConfig
 from starling.node.identity import Identity
-from starling.node.membership import PeerRecord
+from starling.node.membership import PeerRecord, PeerStatus
 from starling.node.node import Node, NodeConfig
+from starling.node.transport import TransportConfig
 from starling.node.swarm import ANNOUNCE, SYNC
 from starling.node.swim import Liveness
 from starling.node.table_sync import MAX_PARALLEL_PAGES, PULL_PAGES, SUM_BYTES, id_fraction, parse_sync, split_ids
@@ -191,3 +192,42 @@ def test_a_simulated_swarm_pulls_faster_than_it_probes_once_its_period_is_stretc
     if swarm >= 1024:
         assert soon < liveness.probe_interval_s
 
+
+
+def test_a_member_past_its_socket_cap_whose_open_members_are_all_suspect_still_finds_one_to_ask():
+    """On a box too loaded to answer probes in time, the members a node holds a socket to are
+    the ones it probed, and it may suspect them all. Its table pulls and indirect probes then
+    ask live members it holds no socket to, rather than nobody: a pull with nobody to ask
+    learns nothing and backs off, and an indirect probe with nobody to ask suspects its target
+    on one node's word."""
+    seed = Node(config=NodeConfig(liveness=QUIET)).start("tcp://127.0.0.1:0")
+    others = [Node(config=NodeConfig(liveness=QUIET)).start("tcp://127.0.0.1:0", join=[seed.address])
+              for _ in range(4)]
+    capped = NodeConfig(liveness=QUIET, transport=TransportConfig(max_open_dealers=2))
+    member = Node(config=capped).start("tcp://127.0.0.1:0", join=[seed.address])
+    try:
+        everyone = {seed.peer_id, *(o.peer_id for o in others)}
+        assert wait_until(lambda: everyone <= set(member.live_peers()), timeout_s=15)
+        swarm = member._swarm
+        transport = swarm.outbox.transport
+
+        def suspect_the_open_ones() -> list[str]:
+            opened = transport.sample_open(swarm._rng, 100)
+            for peer_id in opened:
+                swarm.table.suspect(peer_id)
+            return opened
+
+        async def on_loop(fn):
+            return fn()
+
+        opened = member.run(on_loop(suspect_the_open_ones))
+        assert opened and len(opened) < len(everyone)  # past the cap: some are open, not all
+        assert len(member.live_peers()) > transport.dealer_cap
+        asked = member.run(on_loop(lambda: swarm._helpers(8)))
+        assert asked and not set(asked) & set(opened)
+        assert all(swarm.table.get(p).status is PeerStatus.ALIVE for p in asked)
+        member.run(swarm.tables.anti_entropy(0.5, 60.0), timeout_s=10)
+        assert "no_helper" not in swarm.tables.pulls, swarm.tables.pulls
+    finally:
+        for node in (member, *others, seed):
+            node.close()
