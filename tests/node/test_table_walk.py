@@ -193,7 +193,6 @@ def test_a_simulated_swarm_pulls_faster_than_it_probes_once_its_period_is_stretc
         assert soon < liveness.probe_interval_s
 
 
-
 def test_a_member_past_its_socket_cap_whose_open_members_are_all_suspect_still_finds_one_to_ask():
     """On a box too loaded to answer probes in time, the members a node holds a socket to are
     the ones it probed, and it may suspect them all. Its table pulls and indirect probes then
