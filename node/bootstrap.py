@@ -124,6 +124,11 @@ class Bootstrap:
         self._bootstraps = itertools.count()
         self._dialing = 0
         self._last_rejoin = time.monotonic()
+        # a hello of ours is out: the join's own, or a rejoin's. Its seed is not in the table
+        # until it answers, so the rejoin check waits: a join slower than `rejoin_interval_s`
+        # (a busy seed, a loaded box) must not send the seed a second hello, and a second join's
+        # worth of table, while the first is still queued there
+        self._greeting = False
         self._pool: list[PeerRecord] = []  # members a busy seed names, sampled from (see `redirect`)
         self._pool_at = -math.inf
 
@@ -134,10 +139,11 @@ class Bootstrap:
 
     def tick(self, now: float) -> None:
         """From the probe loop, each period: hello again to join addresses whose peers are gone."""
-        if self.seeds and now - self._last_rejoin >= self.rejoin_interval_s:
+        if self.seeds and not self._greeting and now - self._last_rejoin >= self.rejoin_interval_s:
             self._last_rejoin = now
             lost = [a for a in self.seeds if not self.seed_alive(a)]
             if lost:
+                self._greeting = True
                 self._spawn(self._rejoin(lost))
 
     async def join(self, joins: list[PeerAddress]) -> None:
@@ -149,6 +155,13 @@ class Bootstrap:
         behind. A seed that refuses for good (a bad request, a wrong key) is dropped; a swarm
         whose config or wire versions this node cannot run fails the join at once."""
         self.seeds = list(joins)
+        self._greeting = True
+        try:
+            await self._join(joins)
+        finally:
+            self._greeting, self._last_rejoin = False, time.monotonic()
+
+    async def _join(self, joins: list[PeerAddress]) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.join_deadline_s
         seeds = [_Seed(a.endpoint, a.curve_key, label=str(a)) for a in joins]
@@ -412,13 +425,16 @@ class Bootstrap:
     async def _rejoin(self, lost: list[PeerAddress]) -> None:
         """Hello again to join addresses whose peers we lost (a partition, a seed that
         restarted): each side learns the other's table, and a swarm that split is one again."""
-        for address in lost:
-            try:
-                await self._join_via(_Seed(address.endpoint, address.curve_key, label=str(address)),
-                                     self.join_timeout_s)
-                log.info("%s: rejoined through %s", self.local.peer_id, address)
-            except Exception as exc:
-                log.debug("%s: rejoin through %s failed: %s", self.local.peer_id, address, exc)
+        try:
+            for address in lost:
+                try:
+                    await self._join_via(_Seed(address.endpoint, address.curve_key, label=str(address)),
+                                         self.join_timeout_s)
+                    log.info("%s: rejoined through %s", self.local.peer_id, address)
+                except Exception as exc:
+                    log.debug("%s: rejoin through %s failed: %s", self.local.peer_id, address, exc)
+        finally:
+            self._greeting, self._last_rejoin = False, time.monotonic()
 
 
 def _ip(text: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from starling.node import rpc
 from starling.node.membership import PeerStatus, PeerTable
-from starling.node.stats import NodeStats
+from starling.node.stats import BOOTSTRAP, NodeStats
 from starling.node.transport import SendError, Transport
 from starling.node.wire import Message, encode, frame_nbytes
 
@@ -145,6 +145,7 @@ class Outbox:
         try:
             frames = self.frames(rpc.REQUEST_TOPIC, rpc.request_body(topic, rid, body))
             await self.transport.send(handle, frames, timeout_s=timeout_s)
+            self.stats.count_sent(BOOTSTRAP, topic, frame_nbytes(frames))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self.pending.drop(rid)

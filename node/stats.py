@@ -16,6 +16,7 @@ from typing import Any
 
 STRANGERS = "<strangers>"  # every sender outside the swarm (public requests), one entry
 OTHERS = "<others>"  # peers, or one peer's topics, past the caps
+BOOTSTRAP = "<bootstrap>"  # requests to an address rather than to a member: hellos, dial-backs
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """SWIM between real processes: a SIGKILLed one is declared dead by members that watch no
-connection; a starved one (SIGSTOP, then SIGCONT) is suspected, refutes, and is never dead."""
+connection; a starved one (SIGSTOP, then SIGCONT) is suspected, refutes, and is never dead; a
+join through a starved seed greets it once."""
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import pytest
 from cli_zygote import cli_popen
 from conftest import DEATH_SEEN_WITHIN_S, statuses, wait_until
 
-from starling.node.node import NodeConfig
+from starling.node.node import Node, NodeConfig
 from starling.node.swim import Liveness
 from starling.node.transport import TransportConfig
 
@@ -130,3 +132,28 @@ def test_a_process_stopped_until_declared_dead_is_taken_back_alive_by_every_memb
     assert wait_until(lambda: all(len(n.live_peers()) == 3 for n in (a, b, c)), timeout_s=60), \
         (statuses(a), statuses(b), statuses(c))
     assert seed.poll() is None
+
+
+def test_a_join_through_a_seed_that_answers_late_greets_it_once(procs):
+    """A seed that cannot answer yet (a loaded box; here SIGSTOP) keeps a hello waiting for many
+    of the joiner's rejoin intervals. The rejoin check leaves a seed alone while a hello to it
+    is out: a second hello would cost the seed another table to page, queued behind the first."""
+    seed, seed_addr = spawn()
+    procs.append(seed)
+    joiner = Node(config=NodeConfig(liveness=LIVENESS, request_timeout_s=5.0, join_timeout_s=30.0,
+                                    rejoin_interval_s=0.1))
+    ticks: list[float] = []
+    joiner._swarm.ticks.append(ticks.append)  # the probe loop's, each period, as the rejoin check's
+    seed.send_signal(signal.SIGSTOP)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            joined = pool.submit(joiner.start, "tcp://127.0.0.1:0", [seed_addr])
+            assert wait_until(lambda: len(ticks) >= 10, timeout_s=30)  # ten probe periods behind the hello
+            assert not joined.done()
+        finally:
+            seed.send_signal(signal.SIGCONT)
+        try:
+            joined.result(timeout=60)
+            assert joiner.stats.snapshot()["messages_sent_by_topic"].get("$hello") == 1
+        finally:
+            joiner.close()
