@@ -140,7 +140,7 @@ def test_a_join_through_a_seed_that_answers_late_greets_it_once(procs):
     is out: a second hello would cost the seed another table to page, queued behind the first."""
     seed, seed_addr = spawn()
     procs.append(seed)
-    joiner = Node(config=NodeConfig(liveness=LIVENESS, request_timeout_s=5.0, join_timeout_s=30.0,
+    joiner = Node(config=NodeConfig(liveness=LIVENESS, request_timeout_s=5.0, join_timeout_s=60.0,
                                     rejoin_interval_s=0.1))
     ticks: list[float] = []
     joiner._swarm.ticks.append(ticks.append)  # the probe loop's, each period, as the rejoin check's
