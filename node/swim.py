@@ -128,7 +128,8 @@ class Suspicion:
         self.start = start
         self.min_s, self.max_s, self.expected = min_s, max_s, expected
         self.confirmed_by = {first}
-        self.last_probe = False  # whether the holder probed the suspect itself once the timeout ran out
+        # when the holder probed the suspect itself once the timeout ran out (None: not yet)
+        self.last_probe: float | None = None
 
     def confirm(self, member: str) -> bool:
         """A distinct member suspects the same incarnation: True if it shortened the timeout."""

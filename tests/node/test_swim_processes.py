@@ -134,6 +134,40 @@ def test_a_process_stopped_until_declared_dead_is_taken_back_alive_by_every_memb
     assert seed.poll() is None
 
 
+def test_a_member_that_ran_behind_while_a_suspect_had_its_last_chance_gives_no_verdict(make_node, procs):
+    """Before a verdict a member probes the suspect itself once more. If its own process ran
+    behind while it waited for that answer (`Swarm.loop_lag`, as the event loop's watchdog
+    measures it), the answer may be sitting unread: no verdict, and another probe. The stopped
+    process is taken back alive once it runs again, never dead."""
+    seed, seed_addr = spawn()
+    procs.append(seed)
+    a = make_node("tcp", join=[seed_addr], config=QUICK_DEATHS)
+    assert wait_until(lambda: len(a.live_peers()) == 1, timeout_s=60), statuses(a)
+    sid = _peer_of(a, seed_addr)
+    seen: list[str] = []
+    a.on_peer_change(lambda ch: seen.append(ch.new.value) if ch.peer_id == sid else None)
+    swarm, measured = a._swarm, a._swarm.loop_lag
+    last_probes: set[float] = set()
+
+    def probed_again() -> bool:
+        suspicion = swarm._suspicions.get(sid)
+        if suspicion is not None and isinstance(suspicion.last_probe, float):
+            last_probes.add(suspicion.last_probe)
+        return len(last_probes) >= 2 or "dead" in seen
+
+    seed.send_signal(signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: statuses(a)[sid] == "suspect", timeout_s=30), statuses(a)
+        swarm.loop_lag = lambda since: 2.0  # from here on, this process is 2 s behind
+        assert wait_until(probed_again, timeout_s=DEATH_SEEN_WITHIN_S)
+        assert "dead" not in seen and statuses(a)[sid] == "suspect"
+    finally:
+        seed.send_signal(signal.SIGCONT)
+    assert wait_until(lambda: statuses(a)[sid] == "alive", timeout_s=30), statuses(a)
+    swarm.loop_lag = measured
+    assert "dead" not in seen
+
+
 def test_a_join_through_a_seed_that_answers_late_greets_it_once(procs):
     """A seed that cannot answer yet (a loaded box; here SIGSTOP) keeps a hello waiting for many
     of the joiner's rejoin intervals. The rejoin check leaves a seed alone while a hello to it
