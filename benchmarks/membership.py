@@ -15,7 +15,9 @@ progress does. Per size it prints one JSON row:
   second, and per probe period (the scaling claim: constant per period, whatever N), the bytes
   per probe period by topic too, and the bytes of the membership updates they carried by
   priority (urgent: claims, refutations, leaves; news: joins and members' own new meta;
-  routine: beats passed on) (also printed to stderr as soon as measured), from
+  routine: beats passed on), the updates a member queued to pass on, by priority, the news
+  still waiting at the window's end, and the news dropped unsent for its age before the
+  window and in it (also printed to stderr as soon as measured), from
   `--settle-s` after the swarm formed (by default the window's length, at most 5 s: a large
   swarm's last joiners are still being pulled then), or `--settle-periods` of that size's
   probe periods (each size settles as many periods: the news of the last joins rides on a
@@ -70,7 +72,7 @@ STARTING_AT_ONCE = 16  # nodes a worker starts (binds and joins) at once
 VICTIM = textwrap.dedent("""
     import sys, time
     from starling.node import Node, NodeConfig
-    from starling.node.swim import Liveness
+    from starling.node.swim import NEWS, Liveness
     from starling.node.transport import TransportConfig
     import json
     listen, join, liveness = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -102,7 +104,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
     from starling.common.heap import building_heap
     from starling.node import Node, NodeConfig
     from starling.node.loop import NetworkThread
-    from starling.node.swim import Liveness
+    from starling.node.swim import NEWS, Liveness
     from starling.node.transport import TransportConfig
 
     config = NodeConfig(liveness=Liveness(**liveness), join_deadline_s=600.0, join_timeout_s=30.0, stats_peers=0,
@@ -174,7 +176,8 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
                 msgs = sum(snap["messages_sent_by_topic"].get(t, 0) for t in MEMBERSHIP_TOPICS)
                 by_topic = {t: c for t, c in snap["messages_sent_by_topic"].items() if t in MEMBERSHIP_TOPICS}
                 out.append((msgs, sum(sent.values()), snap["sockets_opened_by_topic"], by_topic, sent,
-                            list(n._swarm.broadcasts.taken)))
+                            list(n._swarm.broadcasts.taken), list(n._swarm.broadcasts.queued),
+                            n._swarm.broadcasts.count(NEWS), n._swarm.broadcasts.expired))
             conn.send((out, time.process_time()))
         elif cmd == "seen":  # arg: a peer id; per node here: the first time it was alive, dead
             conn.send([(seen.get(n.peer_id, {}).get(arg, {}).get("alive"),
@@ -294,6 +297,15 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
         row["update_bytes_per_peer_period"] = {
             name: round(sum(a[5][i] - b[5][i] for a, b in zip(after, before)) / span / n * lv.probe_interval_s, 1)
             for i, name in enumerate(("urgent", "news", "routine"))}
+        # how many updates a member queued to pass on, by priority, and how much news waits at the
+        # window's end: news that waits long after a swarm formed is its joins still queued
+        row["updates_queued_per_peer_period"] = {
+            name: round(sum(a[6][i] - b[6][i] for a, b in zip(after, before)) / span / n * lv.probe_interval_s, 2)
+            for i, name in enumerate(("urgent", "news", "routine"))}
+        row["news_waiting_per_peer"] = round(statistics.mean(a[7] for a in after), 1)
+        # news a member dropped unsent for its age (`Liveness.news_for_s`), until the window and in it
+        row["news_expired_per_peer"] = {"before": round(statistics.mean(b[8] for b in before), 1),
+                                        "window": round(statistics.mean(a[8] - b[8] for a, b in zip(after, before)), 1)}
         # sends that opened a socket (past the socket cap, most sends to a member not used lately)
         opened: dict[str, float] = {}
         for a, b in zip(after, before):
@@ -310,7 +322,10 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
                                                   sorted(formation.items(), key=lambda kv: -kv[1])}
         print("membership: window: " + json.dumps({k: row[k] for k in ("msgs_per_peer_period", "bytes_per_peer_period",
                                                                       "bytes_per_peer_period_by_topic",
-                                                                      "update_bytes_per_peer_period")}),
+                                                                      "update_bytes_per_peer_period",
+                                                                      "updates_queued_per_peer_period",
+                                                                      "news_waiting_per_peer",
+                                                                      "news_expired_per_peer")}),
               file=sys.stderr, flush=True)
         sent_joining: dict[str, int] = {}
         for a in before:

@@ -70,15 +70,19 @@ class Dissemination:
         return parse_updates(body.get("u", []))
 
     def _take(self, eager_only: bool = False) -> list[list[Any]]:
-        lv = self.liveness
-        return self.broadcasts.take(lv.piggyback_bytes, lv.retransmit_limit(self.members()), eager_only=eager_only)
+        lv, members = self.liveness, self.members()
+        self.broadcasts.expire_news(time.monotonic() - lv.news_for_s(members))
+        return self.broadcasts.take(lv.piggyback_bytes, lv.retransmit_limit(members), eager_only=eager_only)
 
     def _spread(self, update: Update, priority: int, *, at_once: bool = True) -> None:
         """Queue an update to be sent on (each key holds the newest update about one thing):
         `URGENT` claims, refutations and leaves, `NEWS` joins and our own new meta, `ROUTINE`
         beats passed on (`node.swim.Broadcasts`). Urgent updates, and news while little is
         queued, go out in a gossip round at once (`_gossip_now`) unless `at_once` is False."""
-        self.broadcasts.add(update.key, update.to_wire(), priority)
+        now = time.monotonic()
+        self.broadcasts.add(update.key, update.to_wire(), priority, now)
+        if priority == NEWS:  # what is counted next is news still live
+            self.broadcasts.expire_news(now - self.liveness.news_for_s(self.members()))
         # a join goes at once only when it is the one join waiting: a mass join (a swarm forming)
         # keeps every member's queue full of them, and bursts would only add to the load
         if at_once and (priority == URGENT or (priority == NEWS and self.broadcasts.count(NEWS) <= 2)):

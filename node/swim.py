@@ -22,10 +22,12 @@ Everything here is state and arithmetic; `node.swarm` sends and receives the mes
 from __future__ import annotations
 
 import bisect
+import collections
 import heapq
 import itertools
 import math
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +106,15 @@ class Liveness:
         """How many times each member sends one update on: enough that it reaches every member
         with high probability (memberlist's rule), O(log n) per member."""
         return self.retransmit_mult * max(1, math.ceil(math.log10(members + 1)))
+
+    def news_for_s(self, members: int) -> float:
+        """How long a member passes one piece of news on: as long as its retransmit limit's sends
+        would take at one message a period. Each member sends several messages a period, so
+        news goes its limit's times well within this unless the queue is congested (a mass join:
+        thousands of records queued at every member). News still waiting then is dropped unsent,
+        for anti-entropy's table pulls to bring to whoever missed it, rather than ride on every
+        message for hundreds of periods after the swarm formed, to receivers who hold it."""
+        return self.retransmit_limit(members) * self.probe_interval_s
 
     def sync_interval(self, members: int) -> float:
         """Anti-entropy's period, longer in a larger swarm (memberlist's push-pull scale)."""
@@ -366,7 +377,9 @@ class Broadcasts:
     each is dropped after `limit` sends. Claims go first, but while news (a join) waits they
     leave it a third of each message: a storm of suspicions does not stall a join, nor a mass
     join a refutation. Bounded: past `max_items`, the most-sent half of the least pressing is
-    dropped."""
+    dropped; and news is dropped once it has waited its time (`expire_news`,
+    `Liveness.news_for_s`), sent or not, so a mass join's records stop riding on every message
+    soon after it ends."""
 
     def __init__(self, max_items: int = 1024) -> None:
         self.max_items = max_items
@@ -374,7 +387,10 @@ class Broadcasts:
         self._heaps: tuple[list[tuple[int, int, Any]], ...] = ([], [], [])  # per priority: (sends, seq, key)
         self._counts = [0, 0, 0]
         self._seq = itertools.count()
+        self._news_ages: collections.deque[tuple[float, int, Any]] = collections.deque()  # (queued at, seq, key)
         self.taken = [0, 0, 0]  # bytes of updates taken to be sent, by priority, each send counted
+        self.queued = [0, 0, 0]  # updates queued, by priority (one replacing another counts)
+        self.expired = 0  # news dropped for its age before its `limit` sends
 
     def __len__(self) -> int:
         return len(self._items)
@@ -387,7 +403,9 @@ class Broadcasts:
     def count(self, priority: int) -> int:
         return self._counts[priority]
 
-    def add(self, key: Any, update: list[Any], priority: int = ROUTINE) -> None:
+    def add(self, key: Any, update: list[Any], priority: int = ROUTINE, now: float | None = None) -> None:
+        """Queue `update` under `key`; news is dated `now` (by default `time.monotonic()`) for
+        `expire_news`."""
         if priority not in (URGENT, NEWS, ROUTINE):
             raise ValueError(f"priority must be URGENT, NEWS or ROUTINE, got {priority!r}")
         nbytes = len(msgpack.packb(update, use_bin_type=True))
@@ -395,6 +413,12 @@ class Broadcasts:
         self._drop(key)
         self._items[key] = [priority, 0, seq, key, update, nbytes]
         self._counts[priority] += 1
+        self.queued[priority] += 1
+        if priority == NEWS:
+            ages = self._news_ages
+            ages.append((time.monotonic() if now is None else now, seq, key))
+            if len(ages) > 4 * self.max_items + 64:  # mostly news replaced or sent since: keep what is queued
+                self._news_ages = collections.deque(entry for entry in ages if self._holds(entry[1], entry[2]))
         heap = self._heaps[priority]
         heapq.heappush(heap, (0, seq, key))
         if len(self._items) > self.max_items:  # shed the most-sent half, least pressing first (amortized O(1))
@@ -404,6 +428,20 @@ class Broadcasts:
         if len(heap) > 4 * self.max_items + 64:
             self._heaps[priority][:] = [(i[1], i[2], i[3]) for i in self._items.values() if i[0] == priority]
             heapq.heapify(self._heaps[priority])
+
+    def _holds(self, seq: int, key: Any) -> bool:
+        item = self._items.get(key)
+        return item is not None and item[2] == seq and item[0] == NEWS
+
+    def expire_news(self, before: float) -> None:
+        """Drop the news queued before `before`, sent its `limit` times or not (oldest first,
+        amortized O(1)), so a count of news waiting (`count`) counts only live news."""
+        ages = self._news_ages
+        while ages and ages[0][0] < before:
+            _, seq, key = ages.popleft()
+            if self._holds(seq, key):
+                self._drop(key)
+                self.expired += 1
 
     def _drop(self, key: Any) -> None:
         item = self._items.pop(key, None)

@@ -15,6 +15,7 @@ from starling.node.node import NodeConfig
 from starling.node.swim import (
     NEWS,
     NEWS_SHARE,
+    ROUTINE,
     URGENT,
     Awareness,
     Broadcasts,
@@ -113,6 +114,42 @@ def test_broadcasts_send_each_update_a_bounded_number_of_times_least_sent_and_ur
     for i in range(20):
         small.add(("a", str(i)), ["a", [str(i), 1, 1, {}, b"s" * 64]])
     assert len(small) <= 8
+
+
+def test_news_is_passed_on_for_its_time_then_dropped_sent_or_not():
+    """A mass join queues thousands of records at every member; what waits past
+    `Liveness.news_for_s` is dropped unsent (anti-entropy brings it to whoever missed it), so
+    the records stop riding on messages soon after the swarm forms. Only news ages: claims and
+    beats do not."""
+    lv = Liveness(probe_interval_s=2.0, retransmit_mult=3)
+    assert lv.news_for_s(128) == 9 * 2.0 and lv.news_for_s(4096) == 12 * 2.0
+    q = Broadcasts()
+    q.add(("r", "old"), ["r", {"id": "old"}], NEWS, now=100.0)
+    q.add(("d", "y"), ["d", "y", 1, 0, "z", b"s" * 64], URGENT, now=100.0)
+    q.add(("a", "x"), ["a", ["x", 1, 1, {}, b"s" * 64]], ROUTINE, now=100.0)
+    q.add(("r", "new"), ["r", {"id": "new"}], NEWS, now=110.0)
+    assert [u[1]["id"] for u in q.take(10_000, limit=5) if u[0] == "r"] == ["new", "old"]  # sent once each
+    q.expire_news(before=105.0)
+    assert q.count(NEWS) == 1 and q.expired == 1 and q.eager == 2
+    assert {u[0] for u in q.take(10_000, limit=5)} == {"r", "d", "a"}
+    # news replaced by a newer update about the same peer is dated anew
+    q.add(("r", "new"), ["r", {"id": "new", "v": 2}], NEWS, now=120.0)
+    q.expire_news(before=115.0)
+    assert q.count(NEWS) == 1 and q.expired == 1
+    q.expire_news(before=121.0)
+    assert q.count(NEWS) == 0 and q.expired == 2 and len(q) == 2  # the claim and the beat stay
+    # news sent its limit's times is gone already, and its date no longer counts
+    q.add(("r", "quick"), ["r", {"id": "quick"}], NEWS, now=130.0)
+    q.take(10_000, limit=1)
+    q.expire_news(before=200.0)
+    assert q.expired == 2
+    # the dates kept stay bounded however much news replaces news
+    small = Broadcasts(max_items=8)
+    for i in range(1000):
+        small.add(("r", "same"), ["r", {"id": "same", "v": i}], NEWS, now=float(i))
+    assert len(small._news_ages) <= 4 * 8 + 64 + 1 and small.count(NEWS) == 1
+    small.expire_news(before=998.5)
+    assert small.count(NEWS) == 1 and small.expired == 0
 
 
 def test_news_keeps_its_share_of_every_message_whatever_the_claims_waiting():
