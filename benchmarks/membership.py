@@ -72,7 +72,7 @@ STARTING_AT_ONCE = 16  # nodes a worker starts (binds and joins) at once
 VICTIM = textwrap.dedent("""
     import sys, time
     from starling.node import Node, NodeConfig
-    from starling.node.swim import NEWS, Liveness
+    from starling.node.swim import Liveness
     from starling.node.transport import TransportConfig
     import json
     listen, join, liveness = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

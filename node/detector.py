@@ -393,8 +393,9 @@ class FailureDetector:
                 self._spawn(self._send_quietly(peer_id, GOSSIP, {"u": [
                     Claim.sign(self.local.identity, SUSPECT, peer_id, *at).to_wire()]}))
                 continue
-            timeout = self.awareness.scale(self.liveness.ack_timeout_s)
-            if suspicion.last_probe is not None and self.loop_lag(suspicion.last_probe) > timeout / 2:
+            ack_timeout_s = self.liveness.ack_timeout_s
+            if (suspicion.last_probe is not None
+                    and self.loop_lag(suspicion.last_probe) > self.awareness.scale(ack_timeout_s) / 2):
                 # as for any probe: this process ran behind while it waited, so the answer may
                 # be sitting unread; no verdict, and one more probe of our own
                 self.awareness.apply(1)
@@ -406,7 +407,7 @@ class FailureDetector:
                 # reached us (dissemination saturated by a burst of joins) answers it, and the
                 # answer leads to its refutation (see `_remind`); a dead one costs one timeout more
                 suspicion.last_probe = now
-                timeout = self.awareness.scale(self.liveness.ack_timeout_s)  # (the lag may have raised it)
+                timeout = self.awareness.scale(ack_timeout_s)
                 suspicion.start = now - suspicion.timeout_s + 2 * timeout  # it now expires in 2 timeouts
                 self._spawn(self._ask(peer_id, PROBE, {"u": self._introduce(peer_id)}, timeout))
                 continue
