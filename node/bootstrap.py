@@ -23,6 +23,7 @@ its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import itertools
 import logging
@@ -31,6 +32,7 @@ import os
 import random
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,9 +157,16 @@ class Bootstrap:
         behind. A seed that refuses for good (a bad request, a wrong key) is dropped; a swarm
         whose config or wire versions this node cannot run fails the join at once."""
         self.seeds = list(joins)
+        with self._hello_out():
+            await self._join(joins)
+
+    @contextlib.contextmanager
+    def _hello_out(self) -> Iterator[None]:
+        """While a hello of ours is out (the join's, or a rejoin's), the rejoin check waits; it
+        counts its interval from when the hello ended."""
         self._greeting = True
         try:
-            await self._join(joins)
+            yield
         finally:
             self._greeting, self._last_rejoin = False, time.monotonic()
 
@@ -425,7 +434,7 @@ class Bootstrap:
     async def _rejoin(self, lost: list[PeerAddress]) -> None:
         """Hello again to join addresses whose peers we lost (a partition, a seed that
         restarted): each side learns the other's table, and a swarm that split is one again."""
-        try:
+        with self._hello_out():
             for address in lost:
                 try:
                     await self._join_via(_Seed(address.endpoint, address.curve_key, label=str(address)),
@@ -433,8 +442,6 @@ class Bootstrap:
                     log.info("%s: rejoined through %s", self.local.peer_id, address)
                 except Exception as exc:
                     log.debug("%s: rejoin through %s failed: %s", self.local.peer_id, address, exc)
-        finally:
-            self._greeting, self._last_rejoin = False, time.monotonic()
 
 
 def _ip(text: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
