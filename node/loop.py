@@ -216,6 +216,13 @@ class AwakeDeadline:
                 fut.cancel()
             fut.add_done_callback(read_outcome)
 
+    async def run_out(self) -> None:
+        """Wait until the budget is spent, in awake time (`sleep` wakes by its wall clock)."""
+        try:
+            await self.wait(asyncio.Event().wait())
+        except asyncio.TimeoutError:
+            pass
+
     async def sleep(self, seconds: float) -> None:
         """Sleep up to `seconds`, spending them from the budget (never past it)."""
         try:

@@ -65,6 +65,7 @@ from starling.node.join import (
     config_conflicts,
 )
 from starling.node.local import LocalPeer
+from starling.node.loop import AwakeDeadline
 from starling.node.membership import PeerStatus, PeerTable, StatusChange, leave_statement
 from starling.node.outbox import Outbox, Spawn
 from starling.node.relay_keeping import RelayKeeper
@@ -83,6 +84,7 @@ log = logging.getLogger(__name__)
 
 LEAVE = "$leave"
 LEFT_REPLIES_GRACE_S = 0.5  # how long replies a peer sent before its goodbye may still come after it
+LEFT_REPLIES_STRETCH = 8.0  # that grace is awake time, and ends by this many times it in wall time
 
 
 class Swarm(Joining, FailureDetector, Dissemination):
@@ -200,8 +202,11 @@ class Swarm(Joining, FailureDetector, Dissemination):
     async def _after_leave(self, peer_id: str) -> None:
         """Fail what still waits on a peer that left, and drop its connection, a moment after its
         goodbye: the replies it sent just before it travel on another socket than the goodbye,
-        and may come after it."""
-        await asyncio.sleep(LEFT_REPLIES_GRACE_S)
+        and may come after it. The grace is counted in this loop's awake time: a reply that came
+        while the loop stalled (a training thread holding the GIL, a loaded host) is read
+        before the request it answers is failed."""
+        grace = AwakeDeadline(LEFT_REPLIES_GRACE_S, tick_s=LEFT_REPLIES_GRACE_S / 10, stretch=LEFT_REPLIES_STRETCH)
+        await grace.run_out()
         info = self.table.get(peer_id)
         if info is not None and info.status is not PeerStatus.LEFT:
             return  # back meanwhile, under a new incarnation

@@ -50,6 +50,23 @@ def test_a_plain_timer_would_have_expired_in_the_same_stall():
     asyncio.run(main())
 
 
+def test_running_out_a_budget_goes_on_after_a_stall_longer_than_it():
+    """`run_out` spends the budget in awake time: a stall longer than the whole budget costs
+    it at most two ticks, and the rest is waited once the loop runs again."""
+    async def main():
+        deadline = AwakeDeadline(0.5, tick_s=0.05)
+        waiting = asyncio.ensure_future(deadline.run_out())
+        await asyncio.sleep(0.02)
+        time.sleep(1.0)
+        after_stall = time.monotonic()
+        turned = asyncio.ensure_future(_ready_after(20))
+        await waiting
+        return turned.done(), time.monotonic() - after_stall
+
+    turned, waited_after = asyncio.run(main())
+    assert turned and waited_after >= 0.3
+
+
 def test_an_idle_wait_expires_after_its_budget_not_before():
     async def main():
         start = time.monotonic()

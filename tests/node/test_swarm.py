@@ -15,6 +15,7 @@ from starling.node.identity import Identity
 from starling.node.membership import PeerRecord, PeerStatus
 from starling.node.node import NodeConfig, SwarmConfigError, UnknownPeerError
 from starling.node.rpc import RemoteError, Reply, RequestTimeout, RpcError
+from starling.node.swarm import LEFT_REPLIES_GRACE_S
 from starling.node.swim import Liveness
 from starling.node.transport import TransportConfig
 from starling.node.updates import sign_claim
@@ -131,6 +132,35 @@ def test_a_reply_sent_before_a_goodbye_that_overtook_it_is_still_taken(make_node
 
     b.on("last", answer_after_goodbye)
     reply = a.request(b.peer_id, "last", {}, timeout_s=5)
+    assert reply.body == {"ok": True, "last": True}
+    assert statuses(a)[b.peer_id] == "left"
+
+
+def test_a_reply_read_late_because_the_askers_loop_stalled_after_the_goodbye_is_still_taken(make_node):
+    """The asker reads a leaving peer's goodbye, then its own loop stalls (a training thread
+    holds the GIL, a loaded host) past the grace for replies that the goodbye overtook. The
+    reply came meanwhile: the grace is counted in the asker's awake time, so the reply is read
+    before the request is failed."""
+    a = make_node("tcp")
+    b = make_node("tcp", join=[a.address])
+    assert wait_until(lambda: a.live_peers() == [b.peer_id] and b.live_peers() == [a.peer_id])
+    stalled = threading.Event()
+
+    def stall_once_b_left(change):
+        if change.peer_id == b.peer_id and change.new is PeerStatus.LEFT:
+            # a moment later, once the grace has begun: the loop stalls twice the grace
+            a._net.loop.call_later(0.05, lambda: (time.sleep(2 * LEFT_REPLIES_GRACE_S), stalled.set()))
+
+    a.on_peer_change(stall_once_b_left)
+
+    async def answer_while_the_asker_stalls(msg):
+        await b._swarm.leave()
+        await asyncio.sleep(0.1 + LEFT_REPLIES_GRACE_S / 2)  # in the asker's stall
+        return {"ok": True, "last": True}
+
+    b.on("last", answer_while_the_asker_stalls)
+    reply = a.request(b.peer_id, "last", {}, timeout_s=5)
+    assert stalled.is_set()
     assert reply.body == {"ok": True, "last": True}
     assert statuses(a)[b.peer_id] == "left"
 
