@@ -15,6 +15,11 @@ Prints one JSON row:
 - page_walk_ms / page_news_ms: that node's table served as `$sync` pages of a member's page
   size (`table_page_bytes`), the whole of it page by page as to a joiner (paged: the records it
   handed out), and one page for a puller that names half of them as held (anti-entropy);
+- pull_forming_us / pull_forming_before_us: one pull while a swarm forms, both ends: the
+  asker's list of the peers it holds (its whole table), and the helper reading a list that
+  names all but one in fifty of its peers and serving the page of those it lacks; against the
+  same done one id at a time in Python (cut and joined, a set of prefixes, each id tested), in
+  the same run; pull_forming_speedup is their ratio, and `same_pull_page` checks both pages;
 - probe_target_ms / probe_target_before_ms: that node's next probe target past its socket cap
   (`FailureDetector._next_finger`), its fingers worked out afresh each time (the median of
   `--repeat` calls, alternating with the baseline's), against the same with a walk of its
@@ -85,8 +90,9 @@ def fingers(members: int, repeat: int) -> dict[str, Any]:
 def learning(members: int, repeat: int) -> dict[str, Any]:
     from starling.node import Node, NodeConfig
     from starling.node.admission import AdmissionConfig
+    from starling.node.have import HAVE_CHARS, Have
     from starling.node.records import PeerRecord
-    from starling.node.table_sync import HAVE_CHARS
+    from starling.node.table_sync import parse_sync
     from starling.runtime.simconfig import seeded_identity
 
     identities = [seeded_identity(0, rank) for rank in range(members + 2)]
@@ -112,7 +118,7 @@ def learning(members: int, repeat: int) -> dict[str, Any]:
             return news, t1 - t0, time.perf_counter() - t1
 
         page_bytes = AdmissionConfig().table_page_bytes
-        have = frozenset(r.peer_id[:HAVE_CHARS] for r in held[::2])  # a puller that holds half of them
+        have = Have.of([r.peer_id for r in held[::2]])  # a puller that holds half of them
 
         async def pages() -> tuple[int, float, float]:
             tables = node._swarm.tables
@@ -154,18 +160,72 @@ def learning(members: int, repeat: int) -> dict[str, Any]:
                     times.append(time.perf_counter() - t0)
             return statistics.median(took[0]), statistics.median(took[1]), same
 
+        # a forming member's pull: it names all the peers it holds, the helper lacks a few of them
+        forming = b"".join(r.peer_id[:HAVE_CHARS].encode() for i, r in enumerate(held) if i % 50)
+
+        async def pulls() -> tuple[float, float, bool]:
+            tables = node._swarm.tables
+
+            def now() -> list[Any]:
+                tables.have_digest()  # the asker's list of its whole table
+                _, held_now, _, _ = parse_sync({"have": forming})
+                return tables.page(None, page_bytes, have=held_now)[0]
+
+            def before() -> list[Any]:
+                _have_one_by_one(tables)
+                text = forming.decode("ascii")
+                held_set = frozenset(text[i:i + HAVE_CHARS] for i in range(0, len(text), HAVE_CHARS))
+                return _page_one_by_one(tables, page_bytes, held_set)
+
+            same = now() == before()
+            took: tuple[list[float], list[float]] = ([], [])
+            for _ in range(repeat):  # alternating, each call timed: the machine is shared and noisy
+                for way, times in ((now, took[0]), (before, took[1])):
+                    t0 = time.perf_counter()
+                    way()
+                    times.append(time.perf_counter() - t0)
+            return statistics.median(took[0]), statistics.median(took[1]), same
+
         news, first_s, again_s = node.run(learn())
         walked, walk_s, have_s = node.run(pages())
+        pull_s, pull_before_s, same_pull = node.run(pulls())
         target_s, target_before_s, same_targets = node.run(probe_targets())
         del held
         return {"learned": news, "learn_news_us": round(first_s / len(raws) * 1e6, 1),
                 "learn_known_us": round(again_s / len(raws) * 1e6, 1), "paged": walked,
                 "page_walk_ms": round(walk_s * 1e3, 2), "page_news_ms": round(have_s * 1e3, 2),
+                "pull_forming_us": round(pull_s * 1e6, 1), "pull_forming_before_us": round(pull_before_s * 1e6, 1),
+                "pull_forming_speedup": round(pull_before_s / pull_s, 2), "same_pull_page": same_pull,
                 "probe_target_ms": round(target_s * 1e3, 3), "probe_target_before_ms": round(target_before_s * 1e3, 3),
                 "probe_target_speedup": round(target_before_s / target_s, 2), "same_probe_fingers": same_targets}
     finally:
         seed.close()
         node.close()
+
+
+def _have_one_by_one(tables: Any) -> bytes:
+    """The baseline of a pull's list of held peers: each id's prefix cut and joined in Python."""
+    from starling.node.have import HAVE_CHARS
+
+    return "".join(peer_id[:HAVE_CHARS] for peer_id in tables.table.live_ids).encode("ascii", "replace")
+
+
+def _page_one_by_one(tables: Any, budget: float, held: frozenset[str]) -> list[Any]:
+    """The baseline of a page for a pull that names `held`: each of the helper's ids in order
+    tested against the set of prefixes, in Python."""
+    from starling.node.have import HAVE_CHARS
+
+    page: list[Any] = []
+    nbytes = 0
+    for peer_id in tables.table.live_ids.in_order():
+        if peer_id[:HAVE_CHARS] in held:
+            continue
+        record = tables.table.get(peer_id).record
+        if nbytes + record.wire_bytes > budget:
+            break
+        page.append(record.wire)
+        nbytes += record.wire_bytes
+    return page
 
 
 def main() -> None:

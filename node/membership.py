@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from starling.node.have import Have, prefix_code
 from starling.node.records import (
     LIVE_SHIFT,
     MAX_ADDRESS_LEN,
@@ -172,8 +173,9 @@ class PeerTable:
         self._greeted: dict[str, dict[str, None]] = {}  # origin -> ids that greeted us from there, oldest first
         self.evicted: list[str] = []  # dropped to make room; the owner of the table closes their sockets
         # peers alive or suspect, kept as statuses change (probing must not walk the table),
-        # with their keys on the probe ring, and in id order (for table pages)
-        self.live_ids = IdSet(id_key, ordered=True)
+        # with their keys on the probe ring, and in id order with their prefixes' codes (for
+        # table pages and pulls)
+        self.live_ids = IdSet(id_key, ordered=True, code=prefix_code)
         self.unaddressed: dict[str, None] = {}  # peers whose record gives no address (clients)
         self._ended: dict[str, None] = {}  # peers held dead or left (forgetting must not walk the table)
         # forgotten dead and departed peers, oldest first, at most `limits.max_peers`
@@ -459,12 +461,13 @@ class PeerTable:
             del tombs[oldest.record.peer_id]
         return gone
 
-    def proofs(self, have: frozenset[str], chars: int) -> list[Any]:
+    def proofs(self, have: Have) -> list[Any]:
         """The proofs this table holds (entries and tombstones) of the deaths and leaves of
-        peers whose ids' first `chars` characters `have` names: what a member that holds them
-        alive missed."""
-        found = [self._peers[pid].proof for pid in self._ended if pid[:chars] in have]
-        found += [t.proof for pid, t in self.tombstones.items() if pid[:chars] in have]
+        peers that `have` names: what a member that holds them alive missed."""
+        ended, buried = list(self._ended), list(self.tombstones)
+        named = have.names([*ended, *buried])
+        found = [self._peers[pid].proof for pid, yes in zip(ended, named) if yes]
+        found += [self.tombstones[pid].proof for pid, yes in zip(buried, named[len(ended):]) if yes]
         return [p for p in found if p is not None]
 
 

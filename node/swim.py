@@ -250,7 +250,8 @@ class IdSet:
     an array beside it, in the same order (`keys`): what the probe ring computes on without a
     walk of the ids in Python (`node.ring`)."""
 
-    def __init__(self, key: Callable[[str], int] | None = None, ordered: bool = False) -> None:
+    def __init__(self, key: Callable[[str], int] | None = None, ordered: bool = False,
+                 code: Callable[[str], int] | None = None) -> None:
         self._ids: list[str] = []
         self._index: dict[str, int] = {}
         self.version = 0  # raised by every add and remove: what a cache of the set keys on
@@ -259,6 +260,12 @@ class IdSet:
         # with `ordered`, the ids also in sorted order, kept as they come and go (an insert into
         # a list of thousands of pointers is a short memmove): what table pages walk by id
         self._sorted: list[str] | None = [] if ordered else None
+        # with `ordered` and `code`, each id's code (`node.have.prefix_code`) in that order too:
+        # what a table pull's list of held peers is built from and matched against
+        if code is not None and not ordered:
+            raise ValueError("codes are kept in the ids' sorted order: code needs ordered")
+        self._code = code
+        self._codes = np.empty(16 if code is not None else 0, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -284,6 +291,13 @@ class IdSet:
             raise ValueError("this IdSet keeps no order")
         return self._sorted
 
+    def codes_in_order(self) -> np.ndarray:
+        """With `code`: each id's code, in the order of `in_order` (a view, valid until the
+        next change)."""
+        if self._code is None:
+            raise ValueError("this IdSet keeps no codes")
+        return self._codes[:len(self._ids)]
+
     def index(self, peer_id: str) -> int | None:
         """Where `peer_id` is in `ids` (None if not held)."""
         return self._index.get(peer_id)
@@ -300,7 +314,16 @@ class IdSet:
                 self._keys = grown
             self._keys[at] = self._key(peer_id)
         if self._sorted is not None:
-            bisect.insort(self._sorted, peer_id)
+            place = bisect.bisect_left(self._sorted, peer_id)
+            self._sorted.insert(place, peer_id)
+            if self._code is not None:
+                n = len(self._sorted) - 1  # codes held before this one
+                if n == len(self._codes):
+                    grown = np.empty(max(16, n + n // 8), dtype=np.int64)
+                    grown[:n] = self._codes
+                    self._codes = grown
+                self._codes[place + 1:n + 1] = self._codes[place:n]  # numpy copies overlapping slices whole
+                self._codes[place] = self._code(peer_id)
         self.version += 1
         return True
 
@@ -316,7 +339,11 @@ class IdSet:
             if self._key is not None:
                 self._keys[at] = self._keys[len(self._ids)]
         if self._sorted is not None:
-            del self._sorted[bisect.bisect_left(self._sorted, peer_id)]
+            place = bisect.bisect_left(self._sorted, peer_id)
+            del self._sorted[place]
+            if self._code is not None:
+                n = len(self._sorted)  # codes held after this one goes
+                self._codes[place:n] = self._codes[place + 1:n + 1]
         return True
 
     def sample(self, rng: random.Random, k: int, but: tuple[str, ...] = ()) -> list[str]:

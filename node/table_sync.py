@@ -37,12 +37,15 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import numpy as np
 
 from starling.common.faults import fault_point
 from starling.node import rpc
 from starling.node.admission import AdmissionConfig, TokenBucket
+from starling.node.have import HAVE_CHARS, Have, HaveError, encode_codes
 from starling.node.local import LocalPeer
 from starling.node.membership import PeerRecord, PeerStatus, PeerTable, RefusedAgain
 from starling.node.outbox import Outbox, Spawn
@@ -65,10 +68,9 @@ MAX_SYNC_PAGES = 4096  # pages one `sync` reads before it stops (a table past th
 SYNC_BUSY_RETRIES = 5  # pulls a peer turned down over its budget, waited out and sent again
 MAX_PARALLEL_PAGES = 8  # ranges of a table a whole walk (a joiner's) pages at once, after its first page
 PULL_PAGES = 4  # pages of news one anti-entropy pull reads at most (within a member's 1 MB burst)
-# A `$sync` ask's `have` names each peer the asker holds by its id's first characters (30 bits of
-# its key's hash): a page leaves those out. A made-up id that shares a peer's prefix only keeps
-# that record out of one page; gossip and `$want` still bring it.
-HAVE_CHARS = 6
+# A `$sync` ask's `have` names each peer the asker holds by its id's first HAVE_CHARS characters
+# (30 bits of its key's hash, `node.have`): a page leaves those out. A made-up id that shares a
+# peer's prefix only keeps that record out of one page; gossip and `$want` still bring it.
 MAX_HAVE = 65536  # ids one ask may name (a table past that is not honest)
 MAX_ENDED = 64  # proofs of deaths and leaves one page carries at most (the updates a message may)
 SUM_BYTES = 16  # a `$sync` ask's `sum`: a digest of the asker and the peers it holds alive (`live_sum`)
@@ -171,10 +173,10 @@ class TableSync:
         bucket.charge(nbytes + ENVELOPE_BYTES, now)  # an empty page costs its envelope too
         return reply
 
-    def ended(self, have: frozenset[str], budget: float) -> tuple[list[Any], int]:
+    def ended(self, have: Have, budget: float) -> tuple[list[Any], int]:
         """The proofs of the deaths and leaves of peers `have` names, at most MAX_ENDED of them
         and `budget` bytes, as updates on the wire; and their bytes."""
-        return fitting((proof.to_wire() for proof in self.table.proofs(have, HAVE_CHARS)[:MAX_ENDED]), budget)
+        return fitting((proof.to_wire() for proof in self.table.proofs(have)[:MAX_ENDED]), budget)
 
     def pull_bucket(self, member: str, now: float) -> TokenBucket:
         bucket = self._pulls.get(member)
@@ -185,19 +187,26 @@ class TableSync:
         return bucket
 
     def page(self, after: str | None, budget: float, but: str | None = None,
-             have: frozenset[str] = frozenset()) -> tuple[list[Any], str | None, int]:
-        """Records of live peers with ids above `after` (all, for None) and none of the prefixes
-        in `have`, in id order, that fit in `budget` bytes; the id to go on from (None if none
-        are left); and their bytes."""
+             have: Have | None = None) -> tuple[list[Any], str | None, int]:
+        """Records of live peers with ids above `after` (all, for None) and none of those
+        `have` names, in id order, that fit in `budget` bytes; the id to go on from (None if
+        none are left); and their bytes."""
         table = self.table
         # from the live ids kept in order, not a sort: every member's pulls page every table
         # while a swarm forms, and a joiner's walk is dozens of pages
-        ids = table.live_ids.in_order()
+        live = table.live_ids
+        ids = live.in_order()
+        start = 0 if after is None else bisect.bisect_right(ids, after)
+        if have:  # only the ids it lacks, found at once: a forming member's pull names nearly all
+            lacking = have.lacking(live.codes_in_order())
+            positions: Iterable[int] = lacking[np.searchsorted(lacking, start):].tolist()
+        else:
+            positions = range(start, len(ids))
         page: list[Any] = []
         nbytes = 0
-        for at in range(0 if after is None else bisect.bisect_right(ids, after), len(ids)):
+        for at in positions:
             peer_id = ids[at]
-            if peer_id == but or (have and peer_id[:HAVE_CHARS] in have):
+            if peer_id == but:
                 continue
             info = table.get(peer_id)
             assert info is not None  # live_ids follows the table's entries
@@ -389,7 +398,7 @@ class TableSync:
         """The peers this node holds alive or suspect, as a `$sync` ask's `have`: one it holds
         dead that the helper holds alive comes back, and is probed again (`Swarm.learn`), so a
         false death that no refutation reached still ends."""
-        return "".join(peer_id[:HAVE_CHARS] for peer_id in self.table.live_ids).encode("ascii", "replace")
+        return encode_codes(self.table.live_ids.codes_in_order())
 
     def live_sum(self) -> bytes:
         """A digest of the ids of this node and the peers it holds alive or suspect (the swarm
@@ -454,13 +463,13 @@ class TableSync:
             self._spawn(self.outbox.send(msg.sender, ANNOUNCE, records))
 
 
-def parse_sync(body: Any) -> tuple[str | None, frozenset[str], Any, bytes | None]:
+def parse_sync(body: Any) -> tuple[str | None, Have | None, Any, bytes | None]:
     """A `$sync` ask: empty, or a map of `after` (a peer id to go on from), `have` (peers the
     asker holds, `TableSync.have_digest`) and `me` (the asker's own record, for a member that
     may not know it, checked where it is learned); or of `sum` (`TableSync.live_sum`: are the
     peers alive the same?) and `me`. WireError BAD_FIELD otherwise."""
     if body is None:
-        return None, frozenset(), None, None
+        return None, None, None, None
     if not isinstance(body, dict) or not body or not (set(body) <= {"after", "have", "me"}
                                                       or ("sum" in body and set(body) <= {"sum", "me"})):
         raise WireError(RejectReason.BAD_FIELD, "sync body must be empty, {after: peer id, have: bytes, me: record} "
@@ -471,16 +480,16 @@ def parse_sync(body: Any) -> tuple[str | None, frozenset[str], Any, bytes | None
     after, have, me = body.get("after"), body.get("have", b""), body.get("me")
     if after is not None and not (isinstance(after, str) and len(after) <= 64):
         raise WireError(RejectReason.BAD_FIELD, "sync after must be a peer id", field="body")
-    if not isinstance(have, bytes) or len(have) % HAVE_CHARS or len(have) > HAVE_CHARS * MAX_HAVE:
+    if not isinstance(have, bytes):
         raise WireError(RejectReason.BAD_FIELD, f"sync have must be at most {MAX_HAVE} {HAVE_CHARS}-byte id prefixes",
                         field="body")
     if me is not None and not isinstance(me, list):
         raise WireError(RejectReason.BAD_FIELD, "sync me must be a peer record", field="body")
     try:
-        text = have.decode("ascii")
-    except UnicodeDecodeError:
-        raise WireError(RejectReason.BAD_FIELD, "sync have must be id prefixes", field="body") from None
-    return after, frozenset(text[i:i + HAVE_CHARS] for i in range(0, len(text), HAVE_CHARS)), me, asked_sum
+        held = Have.parse(have, MAX_HAVE)
+    except HaveError as exc:
+        raise WireError(RejectReason.BAD_FIELD, f"sync have must be {exc}", field="body") from None
+    return after, held if held else None, me, asked_sum
 
 
 class _Walk:

@@ -20,6 +20,7 @@ def test_a_small_run_prints_one_row_whose_fingers_match_the_sorted_ring():
     assert row["paged"] == 65  # a joiner's walk of the table hands out each live record once: 64 and the seed's
     assert row["fingers_ms"] > 0 and row["learn_news_us"] > 0 and row["page_walk_ms"] > 0
     assert row["same_probe_fingers"] is True and row["probe_target_ms"] > 0
+    assert row["same_pull_page"] is True and row["pull_forming_us"] > 0  # both ways give one page
 
 
 def test_bad_arguments_are_refused_with_a_clear_error():

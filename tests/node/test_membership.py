@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 
+from starling.node.have import Have
 from starling.node.identity import Identity
 from starling.node.membership import (
     LIVE_SHIFT,
@@ -341,10 +342,10 @@ def test_a_forgotten_death_leaves_a_tombstone_that_brings_the_dead_entry_back_fo
     held, change = table.claim(PeerStatus.DEAD, rec.peer_id, 3, 6, proof=proof)
     assert held and change.new is PeerStatus.DEAD
     assert table.get(rec.peer_id).proof is proof
-    assert table.proofs(frozenset({rec.peer_id[:6]}), 6) == [proof]
-    assert table.proofs(frozenset({"zzzzzz"}), 6) == []
+    assert table.proofs(Have.of([rec.peer_id])) == [proof]
+    assert table.proofs(Have.of(["zzzzzz"])) == []
     assert table.forget(10.0, now=20.0, tombstones_s=100.0) == [rec.peer_id]
-    assert rec.peer_id not in table and table.proofs(frozenset({rec.peer_id[:6]}), 6) == [proof]
+    assert rec.peer_id not in table and table.proofs(Have.of([rec.peer_id])) == [proof]
 
     # a member that missed the death relays the record: the dead entry comes back, as it was
     assert table.upsert(rec, 30.0, told_by=ids[2].peer_id) is None
@@ -358,7 +359,7 @@ def test_a_forgotten_death_leaves_a_tombstone_that_brings_the_dead_entry_back_fo
     # a beat of a later liveness incarnation (its refutation) revives the restored entry
     assert table.upsert(rec, 52.0, told_by=ids[2].peer_id) is None
     assert table.heartbeat(parse_beat(sign_beat(ids[1], 3, 7 << LIVE_SHIFT, {})), 53.0).new is PeerStatus.ALIVE
-    assert table.get(rec.peer_id).proof is None and table.proofs(frozenset({rec.peer_id[:6]}), 6) == []
+    assert table.get(rec.peer_id).proof is None and table.proofs(Have.of([rec.peer_id])) == []
 
 
 def test_a_tombstone_gives_way_to_the_peer_itself_or_a_new_life_and_expires(ids):
