@@ -34,6 +34,7 @@ import json
 import statistics
 import time
 import timeit
+from collections.abc import Callable
 from typing import Any
 
 
@@ -152,13 +153,7 @@ def learning(members: int, repeat: int) -> dict[str, Any]:
             fingers = list(ring.current)
             before()
             same = ring.current == fingers
-            took: tuple[list[float], list[float]] = ([], [])
-            for _ in range(repeat):  # alternating, each call timed: the machine is shared and noisy
-                for way, times in ((now, took[0]), (before, took[1])):
-                    t0 = time.perf_counter()
-                    way()
-                    times.append(time.perf_counter() - t0)
-            return statistics.median(took[0]), statistics.median(took[1]), same
+            return (*_alternating(now, before, repeat), same)
 
         # a forming member's pull: it names all the peers it holds, the helper lacks a few of them
         forming = b"".join(r.peer_id[:HAVE_CHARS].encode() for i, r in enumerate(held) if i % 50)
@@ -178,13 +173,7 @@ def learning(members: int, repeat: int) -> dict[str, Any]:
                 return _page_one_by_one(tables, page_bytes, held_set)
 
             same = now() == before()
-            took: tuple[list[float], list[float]] = ([], [])
-            for _ in range(repeat):  # alternating, each call timed: the machine is shared and noisy
-                for way, times in ((now, took[0]), (before, took[1])):
-                    t0 = time.perf_counter()
-                    way()
-                    times.append(time.perf_counter() - t0)
-            return statistics.median(took[0]), statistics.median(took[1]), same
+            return (*_alternating(now, before, repeat), same)
 
         news, first_s, again_s = node.run(learn())
         walked, walk_s, have_s = node.run(pages())
@@ -201,6 +190,18 @@ def learning(members: int, repeat: int) -> dict[str, Any]:
     finally:
         seed.close()
         node.close()
+
+
+def _alternating(now: Callable[[], Any], before: Callable[[], Any], repeat: int) -> tuple[float, float]:
+    """The median seconds of `now` and of `before`, called `repeat` times each, alternating and
+    each call timed: the machine is shared and noisy."""
+    took: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeat):
+        for way, times in ((now, took[0]), (before, took[1])):
+            t0 = time.perf_counter()
+            way()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(took[0]), statistics.median(took[1])
 
 
 def _have_one_by_one(tables: Any) -> bytes:

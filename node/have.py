@@ -8,7 +8,7 @@ names nearly every peer. Building that list from the ids, reading it back into a
 testing each of the helper's ids against it took about a tenth of a simulated worker's CPU at
 1024 peers, one id at a time in Python.
 
-Here each prefix is one integer: its HAVE_CHARS ASCII characters at 7 bits each (42 bits).
+Here each prefix is one integer: its HAVE_CHARS ASCII characters as big-endian bytes (48 bits).
 A table keeps its live ids' codes beside their sorted order (`IdSet(code=prefix_code)`), so the
 asker's list is one array encoded at once (`encode_codes`), and the helper reads a list into an
 array (`Have.parse`) and finds the ids it lacks with one `numpy.isin`.
@@ -20,24 +20,21 @@ from collections.abc import Sequence
 import numpy as np
 
 HAVE_CHARS = 6  # characters of an id that name it: 30 bits of its key's hash (base32)
-_BITS = 7  # an ASCII character
+_BITS = 8  # a character, as a byte
 _SHIFTS = np.arange(HAVE_CHARS - 1, -1, -1, dtype=np.int64) * _BITS
 NO_CODE = -1  # the code of an id that no list can name (too short, or not ASCII)
 
 
 def prefix_code(peer_id: str) -> int:
-    """The integer a list names `peer_id` by: its first HAVE_CHARS characters, 7 bits each;
-    NO_CODE for an id too short or not ASCII there (which no list's entry matches, as no
-    HAVE_CHARS-character prefix equals it)."""
+    """The integer a list names `peer_id` by: its first HAVE_CHARS characters as big-endian
+    bytes; NO_CODE for an id too short or not ASCII there (which no list's entry matches, as
+    no HAVE_CHARS-character prefix equals it)."""
     if len(peer_id) < HAVE_CHARS:
         return NO_CODE
-    code = 0
-    for ch in peer_id[:HAVE_CHARS]:
-        o = ord(ch)
-        if o >= 128:
-            return NO_CODE
-        code = (code << _BITS) | o
-    return code
+    try:
+        return int.from_bytes(peer_id[:HAVE_CHARS].encode("ascii"), "big")
+    except UnicodeEncodeError:
+        return NO_CODE
 
 
 def encode_codes(codes: np.ndarray) -> bytes:

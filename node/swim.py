@@ -21,6 +21,7 @@ Everything here is state and arithmetic; `node.swarm` sends and receives the mes
 """
 from __future__ import annotations
 
+import array
 import bisect
 import collections
 import heapq
@@ -265,7 +266,7 @@ class IdSet:
         if code is not None and not ordered:
             raise ValueError("codes are kept in the ids' sorted order: code needs ordered")
         self._code = code
-        self._codes = np.empty(16 if code is not None else 0, dtype=np.int64)
+        self._codes = array.array("q")  # an insert is a memmove, as the ids' own list
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -292,11 +293,11 @@ class IdSet:
         return self._sorted
 
     def codes_in_order(self) -> np.ndarray:
-        """With `code`: each id's code, in the order of `in_order` (a view, valid until the
-        next change)."""
+        """With `code`: each id's code, in the order of `in_order` (a copy: an array that
+        lends its buffer cannot grow)."""
         if self._code is None:
             raise ValueError("this IdSet keeps no codes")
-        return self._codes[:len(self._ids)]
+        return np.frombuffer(self._codes, dtype=np.int64).copy()
 
     def index(self, peer_id: str) -> int | None:
         """Where `peer_id` is in `ids` (None if not held)."""
@@ -317,13 +318,7 @@ class IdSet:
             place = bisect.bisect_left(self._sorted, peer_id)
             self._sorted.insert(place, peer_id)
             if self._code is not None:
-                n = len(self._sorted) - 1  # codes held before this one
-                if n == len(self._codes):
-                    grown = np.empty(max(16, n + n // 8), dtype=np.int64)
-                    grown[:n] = self._codes
-                    self._codes = grown
-                self._codes[place + 1:n + 1] = self._codes[place:n]  # numpy copies overlapping slices whole
-                self._codes[place] = self._code(peer_id)
+                self._codes.insert(place, self._code(peer_id))
         self.version += 1
         return True
 
@@ -342,8 +337,7 @@ class IdSet:
             place = bisect.bisect_left(self._sorted, peer_id)
             del self._sorted[place]
             if self._code is not None:
-                n = len(self._sorted)  # codes held after this one goes
-                self._codes[place:n] = self._codes[place + 1:n + 1]
+                del self._codes[place]
         return True
 
     def sample(self, rng: random.Random, k: int, but: tuple[str, ...] = ()) -> list[str]:
