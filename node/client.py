@@ -38,9 +38,20 @@ async def _aquery(address: str, topic: str, body: Any, identity: Identity, timeo
     """One request; a `$status` answered with `{"pad_to": n}` (the node answers someone outside
     its swarm with at most ten times the bytes it was sent) is asked again, padded to n, and
     one answered in pages (asked by a member: `next` names where the table goes on) is read to
-    its end, waiting out the pages turned down as over the member's pull budget."""
+    its end, waiting out the pages turned down as over the member's pull budget (the first
+    one too: the member's own table pulls may have spent it just before)."""
     status = topic == "$status" and body is None
-    result = await _aquery_once(address, topic, {"pad": bytes(STATUS_PAD)} if status else body, identity, timeout_s)
+    busy = 0
+    while True:
+        try:
+            result = await _aquery_once(address, topic, {"pad": bytes(STATUS_PAD)} if status else body, identity,
+                                        timeout_s)
+            break
+        except NodeBusy:
+            busy += 1
+            if not status or busy > STATUS_BUSY_RETRIES:
+                raise
+            await asyncio.sleep(STATUS_BUSY_WAIT_S)
     if status and isinstance(result, dict) and set(result) == {"pad_to"} \
             and isinstance(result["pad_to"], int) and STATUS_PAD < result["pad_to"] <= MAX_PAD:
         result = await _aquery_once(address, topic, {"pad": bytes(result["pad_to"])}, identity, timeout_s)

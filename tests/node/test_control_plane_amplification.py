@@ -144,6 +144,21 @@ def test_a_member_reads_a_paged_status_to_its_end(seeded):
         member.request(seed.peer_id, "$status", {"after": 7})
 
 
+def test_a_member_whose_pull_budget_is_spent_still_reads_its_status_once_it_refills(seeded):
+    """The member's own table pulls can spend its budget just before it asks for the status
+    (a forming member pulls every second): the first page turned down as busy is waited out,
+    as the later ones are."""
+    seed, member, _ = seeded
+    busy = 0
+    while busy == 0:  # the budget spent: the seed turns a page down
+        try:
+            member.request(seed.peer_id, SYNC, None, timeout_s=2)
+        except rpc.BusyError:
+            busy += 1
+    status = query(seed.address, identity=member.identity, timeout_s=10)
+    assert len(status["peers"]) == 301 and "next" not in status
+
+
 def test_wants_share_the_pull_budget(seeded):
     seed, member, records = seeded
     admission = seed.config.admission
