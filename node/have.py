@@ -10,8 +10,8 @@ testing each of the helper's ids against it took about a tenth of a simulated wo
 
 Here each prefix is one integer: its HAVE_CHARS ASCII characters as big-endian bytes (48 bits).
 A table keeps its live ids' codes beside their sorted order (`IdSet(code=prefix_code)`), so the
-asker's list is one array encoded at once (`encode_codes`), and the helper reads a list into an
-array (`Have.parse`) and finds the ids it lacks with one `numpy.isin`.
+asker's list is one array encoded at once (`encode_codes`), and the helper reads a list into a
+sorted array (`Have.parse`) and finds the ids it lacks with one vectorized binary search.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class Have:
             raise HaveError(f"at most {max_entries} {HAVE_CHARS}-byte id prefixes")
         chars = np.frombuffer(raw, dtype=np.uint8)
         if chars.size and int(chars.max()) >= 128:
-            raise HaveError("id prefixes are ASCII")
+            raise HaveError("ASCII id prefixes")
         return cls((chars.reshape(-1, HAVE_CHARS).astype(np.int64) << _SHIFTS).sum(axis=1))
 
     @classmethod
