@@ -11,6 +11,9 @@ Prints one JSON row per measurement. Targets checked:
 - ``join64``: ``--nodes`` nodes in one process over inproc, all joining through the first,
   until every node sees every other one alive: <= 10 s.
 
+And, with no target: ``small_requests``, microseconds per small request and its reply between
+two nodes (5,000 of them, 256 in flight at a time; 500 with ``--quick``).
+
 A stream is timed from the first send until the receiver has every message (Starling:
 A's handler sets an event; bare pyzmq: a receiver thread does). Starling and baseline runs
 alternate, so both see the same machine load; each side reports the median of
@@ -19,6 +22,7 @@ alternate, so both see the same machine load; each side reports the median of
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import threading
@@ -209,6 +213,34 @@ def throughput(bench: str, curve: bool, stream: Stream, repeats: int, target: fl
     }
 
 
+def small_requests(count: int, repeats: int, in_flight: int = 256) -> dict[str, Any]:
+    """Microseconds per small request and its reply between two nodes (CurveZMQ over tcp
+    loopback), `count` of them at most `in_flight` at a time, the median of `repeats` runs: what
+    a message costs a node where the bytes are few (membership's probes, pulls and gossip)."""
+    pair = StarlingPair(security="curve")
+    pair.receiver.on("echo", lambda msg: {"n": msg.body["n"]})
+    peer = pair.receiver.peer_id
+
+    async def burst() -> None:
+        for start in range(0, count, in_flight):
+            replies = await asyncio.gather(*(pair.sender.arequest(peer, "echo", {"n": n}, timeout_s=60)
+                                             for n in range(start, min(start + in_flight, count))))
+            if [r.body["n"] for r in replies] != list(range(start, min(start + in_flight, count))):
+                raise RuntimeError("a reply did not answer its request")
+
+    try:
+        pair.sender.run(burst())  # warm up: the connection, the handshake
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            pair.sender.run(burst())
+            times.append(time.perf_counter() - t0)
+    finally:
+        pair.close()
+    return {"bench": "small_requests", "requests": count, "in_flight": in_flight, "repeats": repeats,
+            "us_per_request": round(statistics.median(times) / count * 1e6, 1)}
+
+
 def alive_counts(nodes: list[Node]) -> list[int]:
     return [sum(p.status is PeerStatus.ALIVE for p in n.peers) for n in nodes]
 
@@ -274,6 +306,7 @@ def main() -> None:
     emit(throughput("tcp_plaintext", False, stream, args.repeats, PLAINTEXT_TARGET))
     emit(throughput("tcp_curve", True, stream, args.repeats, CURVE_TARGET))
     emit(join_swarm(args.nodes, JOIN_TARGET_S))
+    emit(small_requests(500 if args.quick else 5000, args.repeats))
 
 
 if __name__ == "__main__":

@@ -230,6 +230,9 @@ class Transport(DealerCache):
                         sock._schedule_remaining_events()
                 return
             sent = sock.send_multipart(frames, copy=False)
+            if sent.done():  # queued at once, as most are: no timer, and no loop turn to wait on
+                sent.result()
+                return
             # Its outcome is read also when the wait below gives up or is cancelled just as it
             # ends (a socket closed under it, at a node's close): else asyncio logs it unread.
             sent.add_done_callback(read_outcome)
