@@ -1,0 +1,10 @@
+"""benchmarks/transport.py's small-request row runs end to end: every reply answers its own
+request (the timing itself is not checked: the machine is shared)."""
+from __future__ import annotations
+
+from conftest import load_benchmark
+
+
+def test_small_requests_time_replies_that_each_answer_their_request():
+    row = load_benchmark("transport").small_requests(600, 1, in_flight=256)
+    assert row["bench"] == "small_requests" and row["requests"] == 600 and row["us_per_request"] > 0
