@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from starling.collectives.accumulator import ShardGroup, Verdict
+from starling.collectives.accumulator import ShardGroup, Verdict, all_finite
 from starling.collectives.bodies import Average, BodyError, Part, Skip
 from starling.collectives.codec import decode_flat, encode, packet_from_wire, shares_memory
 from starling.collectives.compact import view_digest
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from starling.collectives.screening import Screening
     from starling.collectives.secure import SecureStage
     from starling.collectives.suspicion import Suspicion
-    from starling.compressors import Compressor, ErrorFeedback
+    from starling.compressors import Compressor, ErrorFeedback, Packet
     from starling.node import Node
     from starling.node.rpc import Refuser
     from starling.node.trust import Trust
@@ -140,7 +140,10 @@ class OwnerSide:
             return self._refuse(Refusal.BAD_SIGNATURE, f"round {t} shard {i} chunk {c}: not signed by its sender")
         if answer is not None:  # late: the average the group's contributors got, without this part
             self._saw_view(t, msg.sender, members)
-            return Reply(*answer)
+            try:
+                return Reply(*self._late(answer, self._decode(packet, hi - lo)))
+            except ValueError as exc:
+                return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
         signed = SignedPart(view, body.weight, packet, body.sig, content, body.recipe,  # type: ignore[arg-type]
                             body.state)
         for seam in self._seams:  # a defence may turn the part away (and take its signature as evidence)
@@ -148,15 +151,37 @@ class OwnerSide:
             if turned_away is not None:
                 return turned_away
         try:
-            part = decode_flat(packet)
-            if part.numel() != hi - lo:
-                raise ValueError(f"{part.numel()} values for a chunk of {hi - lo}")
-        except Exception as exc:
+            part = self._decode(packet, hi - lo)
+        except ValueError as exc:
             return self._refuse(Refusal.BAD_PART, f"bad part: {exc}")
         reply, buffers = await self._reduce(key, msg.sender, part, owned=not shares_memory(part, packet),
                                             weight=1.0 if body.weight is None else body.weight, signed=signed,
                                             state=body.state)
         return Reply(reply, buffers)
+
+    @staticmethod
+    def _decode(packet: Packet, numel: int) -> torch.Tensor:
+        """A part's values; ValueError for a packet that does not decode to `numel` of them."""
+        try:
+            part = decode_flat(packet)
+        except Exception as exc:
+            raise ValueError(str(exc)) from None
+        if part.numel() != numel:
+            raise ValueError(f"{part.numel()} values for a chunk of {numel}")
+        return part
+
+    def _late(self, answer: tuple[dict[str, Any], tuple[torch.Tensor, ...]], part: torch.Tensor
+              ) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
+        """A part that came after its group closed gets the average the group's contributors
+        got, as they got it, unless its values are not finite: a member whose part would have
+        been left out of the sum takes no average, on time or late. (A masked part's values
+        say nothing of the member's: the secure stage checks those.)
+
+        A late part is common where a member's own part went bad: its other owners stop
+        waiting for it the moment an average of its own chunk comes back without it."""
+        if self._secure is None and not all_finite(part):
+            return self._refuse(Refusal.NOT_FINITE, "bad part: values that are not finite (NaN or Inf)"), ()
+        return answer
 
     def _current_view(self) -> tuple[str, ...]:
         return tuple(sorted({*self.node.live_peers_here(), self.node.peer_id}))
@@ -167,12 +192,14 @@ class OwnerSide:
         """Add a part to its group and wait for the group to close (all in, or timeout)."""
         t, members = key[0], key[1]
         group = self._groups.get(key)
-        if group is not None and group.closing and sender not in group.contributors:
+        late = group is not None and group.closing and sender not in group.contributors
+        if late:
             await group.replied.wait()  # late for a group being averaged: it gets what the others get
-            return group.reply if group.reply is not None else (refusal(Refusal.LATE, "the round already closed"), ())
-        if key in self._closed:
-            answer = self._answers.get(key)
-            return answer if answer is not None else (refusal(Refusal.LATE, "the round already closed"), ())
+        if late or key in self._closed:
+            answer = group.reply if late else self._answers.get(key)
+            if answer is None:
+                return refusal(Refusal.LATE, "the round already closed"), ()
+            return self._late(answer, part)
         if group is None:
             others = {p for p in members if self._views.get((t, p), members) != members
                       or self._peer_round.get(p, t) > t}

@@ -123,6 +123,31 @@ def test_a_peer_with_non_finite_values_is_left_out_and_counted(make_node):
     rejected = sum(n.stats.rejected.get("test.nan.not_finite", 0) for n in nodes)
     assert rejected >= 3  # each owner refused the NaN peer's chunks, and counted them
 
+@pytest.mark.parametrize("values", ["nan", "finite"])
+def test_a_late_part_gets_its_groups_average_only_when_it_is_finite(make_node, values):
+    """Parts that come after their groups closed get the average the group's contributors
+    got, as its signed answer, unless they are not finite: a member whose values went bad
+    takes no average, on time or late. (Late is common for such a member: once an average of
+    its own chunk comes back without it, its other owners stop waiting for it.)"""
+    nodes = swarm(make_node, 3)
+    members = tuple(sorted(n.peer_id for n in nodes))
+    timeouts = ReduceTimeouts(round_timeout_s=1.0, reply_grace_s=1.0)
+    reducers = [ShardedReducer(n, "test.late", 9, chunk_numel=2, timeouts=timeouts) for n in nodes]
+    vectors = [torch.full((9,), 1.0), torch.full((9,), 3.0), torch.full((9,), 5.0)]
+    if values == "nan":
+        vectors[2][1:] = float("nan")
+    on_time = in_parallel([lambda r=r: reducers[r].reduce(1, members, vectors[r]) for r in range(2)])
+    assert all(r.lost == (nodes[2].peer_id,) for r in on_time)  # every group closed without the third
+    assert torch.equal(vectors[0], torch.full((9,), 2.0)) and torch.equal(vectors[1], vectors[0])
+    late = reducers[2].reduce(1, members, vectors[2])
+    not_finite = sum(n.stats.rejected.get("test.late.not_finite", 0) for n in nodes)
+    if values == "nan":
+        assert not late.synced and torch.isnan(vectors[2][1:]).all() and vectors[2][0] == 5.0
+        assert not_finite >= 3  # each owner refused it, the third one itself too
+    else:
+        assert late.synced and torch.equal(vectors[2], vectors[0]) and not_finite == 0
+
+
 def test_an_owner_that_fails_to_average_answers_at_once(make_node, monkeypatch):
     """A failure while averaging a chunk refuses that chunk to every contributor; nothing
     waits for the round timeout (30 s here)."""
