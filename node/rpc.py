@@ -334,26 +334,15 @@ class PendingRequests:
 
         Raises the peer's RemoteError, RequestTimeout, or RpcError (not sent; peer gone)."""
         rid, fut = self.open(peer)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        # One future ends the request: the reply, the peer declared gone (`fail_peer`), the
+        # send's own failure, or the timer. A send can wait on a peer that crashed (no
+        # connection to hand the message to); if the peer is declared dead meanwhile, `fut`
+        # fails and the request ends now.
+        timer = asyncio.get_running_loop().call_later(timeout_s, _time_out, fut)
         sending = asyncio.ensure_future(send(rid))
-        # A send still waiting when this request ends (cancelled, timed out, answered) may
-        # fail later, to nobody: its failure is read here, not logged as never retrieved.
-        sending.add_done_callback(_read_outcome)
+        sending.add_done_callback(lambda task: _send_ended(task, fut))
         try:
-            # A send can wait on a peer that crashed (no connection to hand the message to);
-            # if the peer is declared dead meanwhile, `fut` fails and the request ends now.
-            await asyncio.wait({sending, fut}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            if not sending.done():
-                if fut.done() and not fut.cancelled() and fut.exception() is None:
-                    await sending  # the reply beat the send's own bookkeeping
-                    return fut.result()
-                sending.cancel()
-                if fut.done():
-                    return fut.result()  # raises the peer's failure
-                raise asyncio.TimeoutError
-            sending.result()
-            return await asyncio.wait_for(fut, max(deadline - loop.time(), 0.0))
+            return await fut
         except NoSocket as exc:
             raise NoSocketError(f"request {topic!r} to {peer}: {exc}") from None
         except SendError as exc:
@@ -361,8 +350,9 @@ class PendingRequests:
         except asyncio.TimeoutError:
             raise RequestTimeout(f"no reply from {peer} to {topic!r} within {timeout_s} s") from None
         finally:
-            if not sending.done():
-                sending.cancel()
+            timer.cancel()
+            if not sending.done() and not (fut.done() and not fut.cancelled() and fut.exception() is None):
+                sending.cancel()  # a send still waiting when its request failed goes no further
             self.drop(rid)
 
     def expects(self, rid: int, peer: str) -> bool:
@@ -415,6 +405,17 @@ class PendingRequests:
         self._pending.clear()
 
 
-def _read_outcome(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
+def _time_out(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
+
+
+def _send_ended(task: asyncio.Future[Any], fut: asyncio.Future[Any]) -> None:
+    """A send that failed ends its request with its failure, unless the request had ended.
+    A send still waiting when its request ended (answered, cancelled, timed out) may fail
+    later, to nobody: its failure is read here, not logged as never retrieved."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not fut.done():
+        fut.set_exception(exc)
