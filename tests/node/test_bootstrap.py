@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import TEST_LIVENESS, wait_until
 
-from starling.node.address import PeerAddress
+from starling.node.address import PeerAddress, parse_address
 from starling.node.identity import Identity
 from starling.node.node import JoinError, Node, NodeConfig
 
@@ -116,3 +116,26 @@ def test_a_split_swarm_heals_when_its_halves_meet_again(nodes):
     # a and b hello their join address again: each half learns the other's table
     for node in (a, b, seed2, d):
         assert wait_until(lambda node=node: set(node.live_peers()) == everyone - {node.peer_id}, timeout_s=20)
+
+
+def test_a_join_address_is_alive_while_a_live_peer_answers_to_it(nodes):
+    """The rejoin check: a join address is alive while a live peer has its key (or, for an
+    address without a key, its endpoint); the peer last found there is looked up first, and
+    once it is gone the address is lost, until another live peer answers to it."""
+    seed = nodes()
+    member = nodes(join=[seed.address])
+    assert wait_until(lambda: seed.peer_id in member.live_peers())
+    keyed = member._bootstrap.seeds[0]
+    assert keyed.curve_key is not None
+    bare = PeerAddress(keyed.endpoint)
+
+    async def alive(address: PeerAddress) -> bool:
+        return member._bootstrap.seed_alive(address)
+
+    assert member.run(alive(keyed), 5) and member.run(alive(bare), 5)
+    assert member.run(alive(keyed), 5)  # the second time through the peer it remembered
+    assert member.run(alive(PeerAddress(parse_address(member.address).endpoint)), 5)  # its own address
+    assert not member.run(alive(PeerAddress("tcp://127.0.0.1:9", keyed.curve_key[::-1])), 5)
+    seed.close()
+    assert wait_until(lambda: seed.peer_id not in member.live_peers(), 15)
+    assert not member.run(alive(keyed), 5) and not member.run(alive(bare), 5)
