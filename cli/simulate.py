@@ -6,9 +6,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 import typer
+
+if TYPE_CHECKING:
+    from starling.runtime import SimConfig, SimResult
 
 from starling.cli.shared import (
     EXPECTED_ERRORS,
@@ -102,6 +105,18 @@ def bytes_ratio(run: float, base: float) -> str:
     ratio = base / run if run < base else run / base
     figure = f"{ratio:.0f}" if ratio >= 10 else f"{ratio:.3g}"
     return f"{figure}x {'fewer' if run < base else 'more'}"
+
+
+def _simulate(runs: list[tuple[str, SimConfig]], progress: dict[str, Any]) -> dict[str, SimResult]:
+    """Each run's result, by label: the run, then its baseline, which trains on the nodes the
+    run formed where it can (`Simulation.run_compared`)."""
+    from starling.runtime import Simulation
+
+    if len(runs) == 2:
+        (label, config), (base_label, base) = runs
+        run, compared = Simulation(config, progress.get(label)).run_compared(base, progress.get(base_label))
+        return {label: run, base_label: compared}
+    return {label: Simulation(config, progress.get(label)).run() for label, config in runs}
 
 
 def _label(s: dict[str, Any]) -> str:
@@ -262,7 +277,7 @@ def simulate(
     from starling.node.node import JoinError
     from starling.node.transfer import TransferError
     from starling.protocols.base import ProtocolError
-    from starling.runtime import SimError, Simulation
+    from starling.runtime import SimError
     from starling.runtime.simconfig import DEFAULT_SIM_TASK, UNCAPPED_STEPS
 
     setup_logging(log_level)
@@ -296,13 +311,14 @@ def simulate(
             from rich.progress import Progress
 
             with Progress(console=Console(stderr=True), transient=True) as bar:
+                shown = {}
                 for label, cfg in runs:
                     total = cfg.steps if cfg.steps < UNCAPPED_STEPS else None  # a --duration run: no end in steps
                     job = bar.add_task(f"{label}: {cfg.protocol}", total=total)
-                    results[label] = Simulation(cfg, lambda step, job=job: bar.update(job, completed=step)).run()
+                    shown[label] = lambda step, job=job: bar.update(job, completed=step)
+                results = _simulate(runs, shown)
         else:
-            for label, cfg in runs:
-                results[label] = Simulation(cfg).run()
+            results = _simulate(runs, {})
     except errors as exc:
         fail(str(exc))
     summary = dict(results["run"].summary)

@@ -36,10 +36,12 @@ class SimPeer:
 
     def __init__(self, config: SimConfig, task: Task, rank: int, listen: str,
                  on_step: Callable[[int, int], None] | None = None, crashed: set[str] | None = None,
-                 identity: Identity | None = None, group: ReplicaGroup | None = None) -> None:
+                 identity: Identity | None = None, group: ReplicaGroup | None = None, node: Node | None = None
+                 ) -> None:
         """`identity`: the node's keys; by default `seeded_identity(config.seed, rank)`, the
         same in every run, so that a run without churn or emulated links repeats bit for bit
-        (peer ids decide shard ownership and the order in which owners sum)."""
+        (peer ids decide shard ownership and the order in which owners sum). `node`: a node
+        that is up already, in the swarm (see `then`)."""
         self.config, self.task, self.rank = config, task, rank
         self.listen = listen
         self.on_step = on_step or (lambda rank, step: None)
@@ -63,18 +65,34 @@ class SimPeer:
         shard_rank = group.rank if isinstance(self.replication, ShardSync) else 0
         if identity is None:
             identity = seeded_identity(config.seed, rank + shard_rank * SHARD_IDENTITY_STRIDE)
-        self.node = Node(identity, config=node_config)
+        self.node = node if node is not None else Node(identity, config=node_config)
         self.emulator: LinkEmulator | None = None
         self.crashed = crashed if crashed is not None else set()
         if not config.link.is_ideal or any(e.kind == "kill" for e in config.churn):
             self.emulator = LinkEmulator(config.link, seed=config.link.seed * 1_000_003 + rank,
                                          unreachable=self.crashed)
-            self.node.shaper = self.emulator
+        self.node.shaper = self.emulator  # a node taken over (`then`) gets this run's links
         self.trainer: Trainer | None = None
         self.proto: Protocol | None = None
         self.result = PeerResult(rank, self.node.peer_id)
         self.step = 0
         self._serve_state = any(e.kind == "join" for e in config.churn)
+        self._sent_before: dict[str, int] = {}  # what the node had sent before this peer's run (`then`)
+        self._received_before = 0
+        self._sockets_before: dict[str, int] = {}
+
+    def then(self, config: SimConfig) -> SimPeer:
+        """A peer of the next run (`config`: the baseline of this one, on the same swarm) on this
+        peer's node, once this peer's protocol has ended (`end_protocol`): the swarm that formed
+        for this run trains the next one, with a fresh model, links and counters. The node's
+        bytes so far are this run's: the next run counts from here."""
+        nxt = SimPeer(config, self.task, self.rank, self.listen, self.on_step, self.crashed, node=self.node)
+        nxt._sent_before, nxt._received_before = sent_by_topic(self.node), self.node.stats.total_received()
+        nxt._sockets_before = dict(self.node.stats.sockets_opened_by_topic)
+        # the swarm config the node shows is its peer's run's, whose model fixes the architecture anew
+        self.node.swarm_config = {**nxt.spec().to_swarm_config(), "simulation": True,
+                                  **nxt.replication.swarm_config()}
+        return nxt
 
     # ---------------------------------------------------------------- setup
     def start(self, join: list[str]) -> str:
@@ -186,7 +204,7 @@ class SimPeer:
         self.node.leave()
 
     def _record(self, report: Any, t0: float, slept: float = 0.0) -> None:
-        by_topic = sent_by_topic(self.node)
+        by_topic = self._sent()
         record = {"peer": self.rank, "step": report.step, "loss": report.loss, "wall_s": time.time() - t0,
                   "bytes_sent": sum(n for t, n in by_topic.items() if not t.startswith("$")),
                   "bytes_sent_total": sum(by_topic.values()), "bytes_by_topic": by_topic,
@@ -194,7 +212,9 @@ class SimPeer:
                   "compute_s": report.compute_s,
                   # sockets this peer opened so far, by topic: past the socket cap each opens a
                   # socket at both ends, a large share of a 1024-peer box's CPU (docs/benchmarks.md)
-                  "sockets_opened_by_topic": dict(self.node.stats.sockets_opened_by_topic)}
+                  "sockets_opened_by_topic": {t: n - self._sockets_before.get(t, 0) for t, n in
+                                              self.node.stats.sockets_opened_by_topic.items()
+                                              if n > self._sockets_before.get(t, 0)}}
         if not report.sampled:  # client sampling: this step's round did not draw this peer
             record["sampled"] = False
         if self.config.peer_speed:  # emulated heterogeneity: the speed, and the compute it stood for
@@ -224,22 +244,31 @@ class SimPeer:
             self.crashed.add(self.node.peer_id)
             self.node.close()
 
+    def _sent(self) -> dict[str, int]:
+        """Bytes this peer's node sent in this peer's run, by topic."""
+        return sent_by_topic(self.node, since=self._sent_before)
+
     def collect(self) -> None:
         """Copy the node's byte counters and the link counters into the result."""
-        by_topic = sent_by_topic(self.node)
+        by_topic = self._sent()
         self.result.bytes_sent = sum(n for t, n in by_topic.items() if not t.startswith("$"))
         self.result.bytes_sent_total = sum(by_topic.values())
-        self.result.bytes_received = self.node.stats.total_received()
+        self.result.bytes_received = self.node.stats.total_received() - self._received_before
         if self.emulator is not None:
             self.result.links = dataclasses.asdict(self.emulator.counters)
 
-    def close(self) -> None:
+    def end_protocol(self) -> None:
+        """The run is over: its checkpoints on disk, its counters in the result, its protocol
+        closed. The node stays up."""
         if self.trainer is not None:
             self.trainer.finish_checkpoints()  # what a peer wrote is on disk when its run returns
         if self.result.status in ("running", "finished"):
             self.collect()
         if self.proto is not None and self.result.status in ("running", "finished"):
             self.proto.close()
+
+    def close(self) -> None:
+        self.end_protocol()
         self.node.close()
 
 

@@ -64,11 +64,32 @@ class Simulation:
             self.config = sim_ray.with_workers(self.config)
             return self._run()
 
-    def _run(self) -> SimResult:
+    def run_compared(self, baseline: SimConfig, baseline_progress: ProgressFn | None = None
+                     ) -> tuple[SimResult, SimResult]:
+        """This run, then `baseline` (this run's `SimConfig.baseline`): results of both. Where
+        the baseline's swarm is this run's (`shares_swarm`: worker processes on this machine,
+        no churn, no time limit), the baseline trains on the nodes this run formed, each with
+        a fresh model, links and counters, so the swarm starts and forms once, not twice.
+        Else the baseline is a simulation of its own, after this one."""
+        if not shares_swarm(self.config, baseline):
+            return self.run(), Simulation(baseline, baseline_progress).run()
+        check_config(self.config)
+        check_config(baseline)
+        prepare_to_train()
+        self._plan()
+        # the nodes are this run's: their liveness and socket cap, which the baseline's own
+        # plan would have given them too (it has the same swarm)
+        base = replace(baseline, liveness=self.config.liveness, ready_timeout_s=self.config.ready_timeout_s,
+                       max_dealers=self.config.max_dealers)
+        runs = run_processes(self.config, self.progress, base, baseline_progress)
+        run = SimResult(self.config, runs[0][0], summarize(self.config, *runs[0]))  # SimError if a peer failed
+        base_peers, base_t0 = runs[1]
+        return run, SimResult(base, base_peers, summarize(base, base_peers, base_t0))
+
+    def _plan(self) -> None:
+        """Size the run for its swarm, and fit its peers in their processes (SimError if they
+        cannot fit)."""
         self.config = self.config.sized_for_swarm()
-        if self.config.nproc_per_replica > 1:  # a process per rank, one peer per replica: nothing to plan
-            peers, t0 = run_replicas(self.config, self.progress)
-            return SimResult(self.config, peers, summarize(self.config, peers, t0))
         # Every process holds its share of the peers that will ever run (all of them, without
         # workers): fit them, or refuse before any node starts. A worker's descriptor limit
         # is this process's (it inherits the raised soft limit; a Ray actor raises its own
@@ -80,13 +101,20 @@ class Simulation:
         except CapacityError as exc:
             raise SimError(str(exc)) from None
         self.config = replace(self.config, max_dealers=capacity.max_dealers)
+
+    def _run(self) -> SimResult:
+        self.config = self.config.sized_for_swarm()
+        if self.config.nproc_per_replica > 1:  # a process per rank, one peer per replica: nothing to plan
+            peers, t0 = run_replicas(self.config, self.progress)
+            return SimResult(self.config, peers, summarize(self.config, peers, t0))
+        self._plan()
         if self.config.ray is not None:
             from starling.runtime.sim_ray import run_ray
 
             peers, t0, workers = run_ray(self.config, self.progress)
             return SimResult(self.config, peers, {**summarize(self.config, peers, t0), "workers": workers})
         if self.config.processes:
-            peers, t0 = run_processes(self.config, self.progress)
+            [(peers, t0)] = run_processes(self.config, self.progress)
         else:
             peers, t0 = self._run_threads()
         return SimResult(self.config, peers, summarize(self.config, peers, t0))
@@ -168,3 +196,15 @@ class Simulation:
         expected = {p.node.peer_id for p in live if p.result.status == "running"}
         if joiner.join_swarm([p.node.address for p in live], expected):
             joiner.train(t0)
+
+
+def shares_swarm(run: SimConfig, baseline: SimConfig) -> bool:
+    """Whether `baseline` can train on the swarm `run` formed (`Simulation.run_compared`): `run`
+    has worker processes on this machine, one rank a peer, no churn and no time limit (every
+    node is up and in the swarm when it ends), and `baseline` differs from it only in what a
+    baseline changes (`SimConfig.baseline`): protocol, compressor, options, checkpoints."""
+    if (not run.processes or run.ray is not None or run.churn or run.duration_s or run.nproc_per_replica != 1
+            or baseline.nproc_per_replica != 1 or baseline.protocol == run.protocol):
+        return False
+    return replace(baseline, protocol=run.protocol, compressor=run.compressor, options=run.options,
+                   checkpoint_dir=run.checkpoint_dir, shard_sync=run.shard_sync) == run

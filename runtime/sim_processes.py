@@ -91,13 +91,14 @@ def placement(peers: int, processes: int) -> list[list[int]]:
 
 # ---------------------------------------------------------------------------- the worker side
 def worker_main(config: SimConfig, index: int, ranks: list[int], inbox: Any, link: WorkerLink, ipc_dir: str,
-                log_level: int, host: str = "127.0.0.1") -> None:
-    """One worker, from start to its peers' results: run `ranks`, listening on `host` over tcp."""
+                log_level: int, host: str = "127.0.0.1", then: SimConfig | None = None) -> None:
+    """One worker, from start to its peers' results: run `ranks`, listening on `host` over tcp;
+    with `then`, that run next on the same nodes (see `Parent`)."""
     die_with_parent()  # a parent killed outright must not leave its workers training (common/lifeline.py)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     prepare_to_train()
-    worker = _Worker(config, index, inbox, link, ipc_dir, host)
+    worker = _Worker(config, index, inbox, link, ipc_dir, host, then)
     try:
         worker.run(ranks)
     except Exception as exc:
@@ -112,9 +113,9 @@ class _Worker:
     own thread."""
 
     def __init__(self, config: SimConfig, index: int, inbox: Any, link: WorkerLink, ipc_dir: str,
-                 host: str) -> None:
+                 host: str, then: SimConfig | None = None) -> None:
         self.config, self.index, self.inbox, self.link, self.ipc_dir = config, index, inbox, link, ipc_dir
-        self.host = host
+        self.host, self.then = host, then
         self.task = get_task(config.task, **config.task_options)
         self.crashed: set[str] = set()  # shared by this worker's peers, as in the threaded simulator
         self.peers: dict[int, SimPeer] = {}
@@ -126,14 +127,49 @@ class _Worker:
     def run(self, ranks: list[int]) -> None:
         with building_heap():  # the swarm's tables: long-lived, kept out of the collector's scans
             formed = self._form_swarm(ranks)
-        if not formed or not self._wait_for_start(ranks):
+        if not formed:
             return
-        t0 = self.link.t0.value
+        runs = [self.config] + ([self.then] if self.then is not None else [])
+        for i, config in enumerate(runs):
+            if i and not self._take_up(ranks, config):
+                return
+            if not self._wait_for_start(ranks):
+                return
+            t0 = self.link.t0.value
+            self.threads, self.furthest = {}, 0
+            for rank in ranks:
+                self._train_in_thread(rank, self.peers[rank].train, t0)
+            self._serve(t0)
+            if any(thread.is_alive() for thread in self.threads.values()):
+                return  # the run was given up: the parent wants no results
+            self._report(close=i == len(runs) - 1)
+
+    def _take_up(self, ranks: list[int], config: SimConfig) -> bool:
+        """Once the parent says so, this worker's nodes take up the next run (`config`): each
+        peer's protocol ended when it reported, and a peer of the next run, with a fresh model,
+        takes over its node. False if the parent is gone first; SimError if it says nothing for
+        ready_timeout_s. (The parent's stop, set for the run before, is cleared only after
+        every result came: it is no reason to stop here.)"""
+        deadline = time.monotonic() + config.ready_timeout_s
+        while True:
+            try:
+                message = tuple(self.inbox.get(timeout=_POLL_S))
+            except queue.Empty:
+                message = ()
+            if message[:1] == ("next",):
+                break
+            if message[:1] == ("end",):  # the parent goes no further (the run failed)
+                return False
+            if self.parent is not None and not self.parent.is_alive():
+                return False
+            if time.monotonic() > deadline:
+                raise SimError(f"worker {self.index} timed out after {config.ready_timeout_s:g} s waiting for "
+                               "the next run")
         for rank in ranks:
-            self._train_in_thread(rank, self.peers[rank].train, t0)
-        self._serve(t0)
-        if all(not thread.is_alive() for thread in self.threads.values()):
-            self._report()  # else the run was given up: the parent wants no results
+            self.peers[rank] = self.peers[rank].then(config)
+            self.peers[rank].create_protocol()
+        self.config = config
+        return True
 
     def _peer(self, rank: int) -> SimPeer:
         self.peers[rank] = SimPeer(self.config, self.task, rank,
@@ -253,7 +289,7 @@ class _Worker:
         while not self._given_up():
             message = self._next_message(_POLL_S)
             while message is not None:  # join:COUNT@STEP sends COUNT at once
-                if message[0] == "records":  # introductions sent while the swarm formed: too late now
+                if message[0] != "join":  # introductions sent while the swarm formed: too late now
                     message = self._next_message(0.0)
                     continue
                 _, rank, addresses, expected = message
@@ -276,9 +312,14 @@ class _Worker:
         self.threads[rank] = threading.Thread(target=target, args=args, name=f"sim-peer-{rank}", daemon=True)
         self.threads[rank].start()
 
-    def _report(self) -> None:
-        """Every peer is done: collect and close ours, then send their results."""
-        self.close()
+    def _report(self, close: bool = True) -> None:
+        """Every peer is done: collect and close ours (with `close` False, end their protocols
+        and keep their nodes for the next run), then send their results."""
+        if close:
+            self.close()
+        else:
+            for peer in self.peers.values():
+                peer.end_protocol()
         for rank in sorted(self.peers):
             self.link.queue.put(("result", rank, self.peers[rank].result))
 
@@ -316,8 +357,10 @@ class Workers(abc.ABC):
     know which have ended. Every call returns within its timeout (or at once)."""
 
     @abc.abstractmethod
-    def launch(self, config: SimConfig, holds: list[list[int]], log_level: int) -> None:
-        """Start worker i on the ranks `holds[i]`."""
+    def launch(self, config: SimConfig, holds: list[list[int]], log_level: int, then: SimConfig | None = None
+               ) -> None:
+        """Start worker i on the ranks `holds[i]`; with `then`, the run its nodes take up next
+        (`next_run`)."""
 
     @abc.abstractmethod
     def send(self, index: int, message: tuple[Any, ...]) -> None:
@@ -341,6 +384,12 @@ class Workers(abc.ABC):
     def close(self, finished: bool) -> None:
         """Wait briefly for the workers to end (longer for a `finished` run), then end them."""
 
+    def next_run(self) -> None:
+        """Every worker, its results of one run sent, takes up the next on the same nodes
+        (`Parent`'s `then`): training not started, not stopped. Workers that cannot (a Ray
+        actor's) raise NotImplementedError, and the parent never asks them."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def name(self, index: int) -> str:
         """Worker `index` for an error message: "worker process 1"."""
@@ -361,13 +410,14 @@ class ProcessWorkers(Workers):
         self.inboxes: list[Any] = []
         self.processes: list[Any] = []
 
-    def launch(self, config: SimConfig, holds: list[list[int]], log_level: int) -> None:
+    def launch(self, config: SimConfig, holds: list[list[int]], log_level: int, then: SimConfig | None = None
+               ) -> None:
         self.inboxes = [self.ctx.Queue() for _ in holds]
         for index, ranks in enumerate(holds):
             worker = self.ctx.Process(
                 target=run_forked, name=f"sim-worker-{index}", daemon=True,
                 args=forked_args(worker_main, config, index, list(ranks), self.inboxes[index], self.link,
-                                 self.ipc_dir, log_level))
+                                 self.ipc_dir, log_level, "127.0.0.1", then))
             worker.start()
             self.processes.append(worker)  # only started ones: `close` joins them
 
@@ -393,7 +443,15 @@ class ProcessWorkers(Workers):
     def stop(self) -> None:
         self.link.stop.set()
 
+    def next_run(self) -> None:
+        self.link.start.clear()
+        self.link.stop.clear()
+        for inbox in self.inboxes:
+            inbox.put(("next",))
+
     def close(self, finished: bool) -> None:
+        for inbox in self.inboxes:  # a worker waiting for a next run that will not come ends now
+            inbox.put(("end",))
         # A worker given up on may hold training threads and unread messages: do not wait long.
         if not finished:
             for inbox in self.inboxes:
@@ -410,10 +468,16 @@ class ProcessWorkers(Workers):
 
 
 class Parent:
-    """Starts the workers, relays rank 0's address, launches joiners, collects results."""
+    """Starts the workers, relays rank 0's address, launches joiners, collects results.
 
-    def __init__(self, config: SimConfig, workers: Workers, progress: ProgressFn | None) -> None:
+    With `then` (a run on the same swarm, the baseline: see `Simulation.run_compared`), once
+    every result of the first run came, each worker's nodes take up `then`, with fresh models,
+    and train it from a start of its own: the swarm forms once for both runs."""
+
+    def __init__(self, config: SimConfig, workers: Workers, progress: ProgressFn | None,
+                 then: SimConfig | None = None, then_progress: ProgressFn | None = None) -> None:
         self.config, self.workers, self.progress = config, workers, progress
+        self.then, self.then_progress = then, then_progress
         self.holds = placement(config.peers, config.processes)  # worker -> the ranks it ever ran
         self.addresses: dict[int, tuple[str, str]] = {}  # rank -> (address, peer id)
         self.ready = 0
@@ -425,10 +489,18 @@ class Parent:
         self._introduced_at = 0.0
 
     def run(self) -> tuple[list[PeerResult], float]:
+        """The run's peers' results, and its start (time.time())."""
+        return self.run_all()[0]
+
+    def run_all(self) -> list[tuple[list[PeerResult], float]]:
+        """Each run's peers' results and start: the run's, then `then`'s if there is one."""
         config, workers = self.config, self.workers
         finished = False
         try:
-            workers.launch(config, self.holds, logging.getLogger().getEffectiveLevel())
+            if self.then is None:
+                workers.launch(config, self.holds, logging.getLogger().getEffectiveLevel())
+            else:
+                workers.launch(config, self.holds, logging.getLogger().getEffectiveLevel(), self.then)
             began = time.monotonic()
             self._until(lambda: 0 in self.addresses, "the workers to start rank 0")
             log.info("rank 0 listens after %.1f s; %d workers now start their peers", time.monotonic() - began,
@@ -440,13 +512,27 @@ class Parent:
             self.forming = False
             log.info("%d peers in %d workers formed a swarm in %.1f s", config.peers, len(self.holds),
                      time.monotonic() - began)
-            t0 = time.time()
-            workers.begin(t0)
-            self._train()
-            workers.stop()
-            self._until(lambda: len(self.results) == len(self.done), "the workers to report their peers")
+            runs = []
+            for progress in [self.progress] + ([self.then_progress] if self.then is not None else []):
+                if runs:  # the next run, on the nodes that trained the last
+                    self.ready, self.furthest, self.done, self.results = 0, 0, {}, {}
+                    workers.next_run()
+                    began = time.monotonic()
+                    self._until(lambda: self.ready == config.peers, "the workers' peers to take up the next run")
+                    log.info("the nodes took up the next run in %.1f s", time.monotonic() - began)
+                self.progress = progress
+                t0 = time.time()
+                workers.begin(t0)
+                self._train()
+                trained = time.monotonic()
+                workers.stop()
+                self._until(lambda: len(self.results) == len(self.done), "the workers to report their peers")
+                log.info("the workers reported their peers %.1f s after the last step", time.monotonic() - trained)
+                runs.append(([self.results[rank] for rank in sorted(self.results)], t0))
+                if any(result.status == "failed" for result in runs[-1][0]):
+                    break  # the failure is the outcome (`summarize` names it): no next run
             finished = True
-            return [self.results[rank] for rank in sorted(self.results)], t0
+            return runs
         finally:
             workers.stop()
             workers.close(finished)
@@ -526,6 +612,8 @@ class Parent:
                            f"failed: {message[2]}")
 
 
-def run_processes(config: SimConfig, progress: ProgressFn | None) -> tuple[list[PeerResult], float]:
-    """Run `config.peers` peers in `config.processes` worker processes and collect their results."""
-    return Parent(config, ProcessWorkers(config), progress).run()
+def run_processes(config: SimConfig, progress: ProgressFn | None, then: SimConfig | None = None,
+                  then_progress: ProgressFn | None = None) -> list[tuple[list[PeerResult], float]]:
+    """Run `config.peers` peers in `config.processes` worker processes and collect their
+    results and start; with `then`, that run next on the same nodes, and its results too."""
+    return Parent(config, ProcessWorkers(config), progress, then, then_progress).run_all()

@@ -165,7 +165,10 @@ class RayWorkers(Workers):
         self.ended: dict[int, str] = {}
         self.stopped = False
 
-    def launch(self, config: SimConfig, holds: list[list[int]], log_level: int) -> None:
+    def launch(self, config: SimConfig, holds: list[list[int]], log_level: int, then: SimConfig | None = None
+               ) -> None:
+        if then is not None:
+            raise NotImplementedError("a Ray run's baseline starts nodes of its own")
         actor = _actor_class().options(num_cpus=1, scheduling_strategy="SPREAD")
         self.actors = [actor.remote() for _ in holds]
         try:

@@ -37,11 +37,14 @@ class PeerResult:
         return dataclasses.asdict(self)
 
 
-def sent_by_topic(node: Node) -> dict[str, int]:
+def sent_by_topic(node: Node, since: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Bytes `node` sent, by topic; less what it had sent at `since` (an earlier result of this)."""
     out: dict[str, int] = {}
     for per_topic in node.stats.snapshot()["bytes_sent"].values():
         for topic, n in per_topic.items():
             out[topic] = out.get(topic, 0) + n
+    if since:
+        out = {topic: n - since.get(topic, 0) for topic, n in out.items() if n > since.get(topic, 0)}
     return out
 
 
