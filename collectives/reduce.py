@@ -183,7 +183,7 @@ class ShardedReducer(MemberSide, OwnerSide):
         # who owns which chunks of a round (collectives/placement.py): every peer of a swarm must
         # use the same chunk_numel, min_shard_numel, max_owners and owner replication
         self.placement = Placement(numel, chunk_numel, min_shard_numel, max_owners,
-                                   self.defences.owner_replication, node.is_reachable)
+                                   self.defences.owner_replication, node.is_reachable, node.unreachable_peers)
         self.timeouts = timeouts or ReduceTimeouts()
         self._is_open = is_open
         # A chunk that no owner averaged (its owner died before it answered, its owners disagree,

@@ -273,6 +273,14 @@ class Node:
         info = self._table.get(peer_id)
         return info is None or info.record.reachable
 
+    def unreachable_peers(self) -> tuple[str, ...]:
+        """The peers `is_reachable` says no to: those in the table whose signed record gives no
+        address, and this node if it is a client. Kept by the table as records come and go, so
+        asking costs nothing where every peer listens (callable from any thread: the copy is
+        made without a switch of threads)."""
+        unaddressed = tuple(self._table.unaddressed)
+        return unaddressed if self.reachable else (*unaddressed, self.peer_id)
+
     def key_agreement(self, peer_id: str) -> bytes | None:
         """The X25519 secret this node shares with `peer_id`: its own curve key agreed with the
         curve key of the peer's signed record (32 bytes, the same at both ends). Derive a key

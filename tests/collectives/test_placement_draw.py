@@ -64,3 +64,15 @@ def test_a_small_vector_has_two_owners_so_none_sends_to_itself_alone():
     assert len(Placement(1, 1 << 16, min_shard_numel=512).shards(members, 0)) == 1  # one value
     only = set(members[5:6])  # one member others can dial owns it all
     assert Placement(1000, 1 << 16, min_shard_numel=512, reachable=lambda m: m in only).owner_set(members, 0) == only
+
+
+def test_the_members_said_unreachable_all_at_once_own_nothing_as_when_asked_one_by_one():
+    members = _members(40)
+    clients = set(members[::7])
+    one_by_one = Placement(1000, 1 << 16, max_owners=4, reachable=lambda m: m not in clients)
+    at_once = Placement(1000, 1 << 16, max_owners=4, unreachable=lambda: tuple(clients))
+    assert at_once.owners(members) == one_by_one.owners(members) == tuple(m for m in members if m not in clients)
+    for t in range(0, 3 * OWNER_TERM_ROUNDS, OWNER_TERM_ROUNDS):
+        assert at_once.shards(members, t) == one_by_one.shards(members, t)
+    assert Placement(1000, 1 << 16, unreachable=tuple).owners(members) == members  # every member listens
+    assert Placement(1000, 1 << 16, unreachable=lambda: members).owners(members) == members  # none does: all own

@@ -59,6 +59,18 @@ def test_a_client_has_no_address_and_says_so(nodes):
     assert (seen["reachable"], seen["addresses"]) == (False, [])
 
 
+def test_the_unreachable_peers_are_the_clients_each_node_holds_and_itself_if_it_is_one(nodes):
+    """`unreachable_peers`, what a reducer's placement leaves out of shard ownership all at
+    once, says what `is_reachable` says of every peer, on a public node and on a client."""
+    s = nodes()
+    c = nodes(listen=None, join=[s.address])
+    assert wait_until(lambda: s.live_peers() == [c.peer_id] and c.live_peers() == [s.peer_id])
+    assert s.unreachable_peers() == (c.peer_id,) and c.unreachable_peers() == (c.peer_id,)
+    for node in (s, c):
+        assert {p for p in (s.peer_id, c.peer_id, "stranger") if not node.is_reachable(p)} == \
+            set(node.unreachable_peers())
+
+
 def test_a_node_that_listens_nowhere_must_join():
     with pytest.raises(ValueError, match="must join"):
         Node(config=ECHO_CONFIG).start(None, [])
