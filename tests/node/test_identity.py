@@ -85,6 +85,35 @@ def test_tampered_data_or_signature_fails():
     assert not verify_signature(other.verify_key, b"hello", signature)
 
 
+def test_a_signature_verified_once_is_taken_again_and_nothing_near_it_is(monkeypatch):
+    """What verified is kept (the nodes of a simulated box verify the same statements), by the
+    key, the signature and the digest of what was signed: none of the three can change."""
+    import starling.node.identity as identity_module
+
+    calls = []  # the keys verified in full (other threads of this process may verify too)
+    real = identity_module.Ed25519PublicKey.from_public_bytes
+    monkeypatch.setattr(identity_module.Ed25519PublicKey, "from_public_bytes",
+                        lambda key: calls.append(key) or real(key))
+    identity, other = Identity.generate(), Identity.generate()
+    data = b"an average of round 7" * 50
+    signature = identity.sign(data)
+
+    def checked() -> int:
+        return calls.count(identity.verify_key)
+
+    assert verify_signature(identity.verify_key, data, signature) and checked() == 1
+    assert verify_signature(identity.verify_key, bytearray(data), signature) and checked() == 1  # from what it kept
+    assert not verify_signature(identity.verify_key, data[:-1] + b"!", signature)
+    assert not verify_signature(other.verify_key, data, signature)
+    assert not verify_signature(identity.verify_key, data, bytes([signature[0] ^ 1]) + signature[1:])
+    monkeypatch.setattr(identity_module, "_KEEP_VERIFIED", 4)  # bounded: the oldest go first
+    for n in range(6):
+        assert verify_signature(other.verify_key, b"%d" % n, other.sign(b"%d" % n))
+    assert len(identity_module._VERIFIED) <= 5  # 4, and one another thread may be between its add and its drop
+    before = checked()
+    assert verify_signature(identity.verify_key, data, signature) and checked() == before + 1  # checked anew
+
+
 @pytest.mark.parametrize(
     "key, data, signature",
     [
