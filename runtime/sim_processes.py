@@ -31,6 +31,12 @@ peer's thread ends its worker reports it `done`; when every peer is done the par
 them (as the threaded simulator does once every thread has ended, so both count the same bytes).
 A worker that exits while it still holds ranks whose results never came fails the run with a
 `SimError` naming them; a worker whose parent is gone stops. No wait on either side is unbounded.
+
+A second run on the same swarm (`then`, a baseline: `Simulation.run_compared`): at `stop` each
+worker ends its peers' protocols and sends their results, keeping the nodes; once every result
+came, the parent clears `start` and `stop` and sends each worker `next`; the worker builds the
+second run's peers on its nodes and reports them ready, and the run goes on from stage 3. A
+parent that goes no further (the first run failed) sends `end` as it closes.
 """
 from __future__ import annotations
 
