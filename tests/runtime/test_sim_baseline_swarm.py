@@ -45,3 +45,25 @@ def test_only_a_baseline_of_the_same_swarm_in_worker_processes_shares_its_nodes(
     assert not shares_swarm(RUN, replace(base, peers=7))  # another swarm
     assert not shares_swarm(RUN, replace(base, seed=1))
     assert not shares_swarm(RUN, RUN)  # a run that is its own baseline is run once
+
+
+def test_a_worker_waiting_for_the_next_run_ends_when_the_parent_goes_no_further():
+    """After a run's results, a worker waits for `next` (the parent's stop is still set then,
+    and says nothing); `end`, which a parent sends as it closes, ends the wait at once."""
+    import queue
+    import threading
+    import time
+    import types
+
+    from starling.runtime.sim_processes import WorkerLink, _Worker
+
+    link = WorkerLink(queue.Queue(), threading.Event(), threading.Event(), types.SimpleNamespace(value=0.0))
+    link.stop.set()
+    inbox: queue.Queue = queue.Queue()
+    worker = _Worker(RUN, 0, inbox, link, "", "127.0.0.1", RUN.baseline())
+    inbox.put(("records", []))  # a stray introduction is no reason to go on
+    inbox.put(("end",))
+    began = time.monotonic()
+    assert worker._take_up([], RUN.baseline()) is False and time.monotonic() - began < 5
+    inbox.put(("next",))
+    assert worker._take_up([], RUN.baseline()) is True and worker.config == RUN.baseline()
