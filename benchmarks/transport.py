@@ -12,7 +12,10 @@ Prints one JSON row per measurement. Targets checked:
   until every node sees every other one alive: <= 10 s.
 
 And, with no target: ``small_requests``, microseconds per small request and its reply between
-two nodes (5,000 of them, 256 in flight at a time; 500 with ``--quick``).
+two nodes (5,000 of them, 256 in flight at a time; 500 with ``--quick``); ``idle_waits``, the
+share of a core that 8,000 idle waits in awake time (`node.loop.AwakeDeadline`, what a round's
+parts wait for their owners with) cost a loop for 3 s (800 and 1 s with ``--quick``), against
+the same waits each ticking through an `asyncio.wait` of its own, in the same run.
 
 A stream is timed from the first send until the receiver has every message (Starling:
 A's handler sets an event; bare pyzmq: a receiver thread does). Starling and baseline runs
@@ -35,6 +38,7 @@ import torch
 import zmq
 
 from starling.node import Message, Node, PeerStatus
+from starling.node.loop import AwakeDeadline
 
 TOPIC = "bench"
 PLAINTEXT_TARGET = 0.5
@@ -241,6 +245,46 @@ def small_requests(count: int, repeats: int, in_flight: int = 256) -> dict[str, 
             "us_per_request": round(statistics.median(times) / count * 1e6, 1)}
 
 
+async def _tick_by_tick(deadline: AwakeDeadline, fut: asyncio.Future[Any]) -> Any:
+    """The baseline of `idle_waits`: an awake-time wait that ticks through an `asyncio.wait` of
+    its own each tick (a future, its callbacks and a timer, every tick), as the loop's waits
+    did before they shared one timer callback a tick."""
+    loop = asyncio.get_running_loop()
+    while not fut.done():
+        if deadline.expired():
+            raise asyncio.TimeoutError
+        step = min(deadline.tick_s, deadline.left, deadline.wall_left())
+        t0 = loop.time()
+        await asyncio.wait({fut}, timeout=step)
+        deadline.left -= min(loop.time() - t0, step + deadline.tick_s)
+    return fut.result()
+
+
+def idle_waits(count: int, seconds: float) -> dict[str, Any]:
+    """The share of a core that `count` idle awake-time waits cost this process's loop over
+    `seconds`: `AwakeDeadline.wait`, then the same waits ticking one `asyncio.wait` each
+    (`_tick_by_tick`), in the same run. Each wait is then given its result, and must return it."""
+    async def share(wait: Callable[[AwakeDeadline, asyncio.Future[Any]], Any]) -> float:
+        loop = asyncio.get_running_loop()
+        futs = [loop.create_future() for _ in range(count)]
+        tasks = [asyncio.ensure_future(wait(AwakeDeadline(10 * seconds + 30), f)) for f in futs]
+        await asyncio.sleep(0.2)  # every wait armed
+        cpu, wall = time.process_time(), time.monotonic()
+        await asyncio.sleep(seconds)
+        used = (time.process_time() - cpu) / (time.monotonic() - wall)
+        for n, fut in enumerate(futs):
+            fut.set_result(n)
+        if await asyncio.gather(*tasks) != list(range(count)):
+            raise RuntimeError("a wait did not return its own result")
+        return used
+
+    now = asyncio.run(share(lambda deadline, fut: deadline.wait(fut)))
+    before = asyncio.run(share(_tick_by_tick))
+    return {"bench": "idle_waits", "waits": count, "seconds": seconds,
+            "core_share": round(now, 3), "core_share_before": round(before, 3),
+            "ratio": round(now / before, 3) if before > 0 else None}
+
+
 def alive_counts(nodes: list[Node]) -> list[int]:
     return [sum(p.status is PeerStatus.ALIVE for p in n.peers) for n in nodes]
 
@@ -307,6 +351,7 @@ def main() -> None:
     emit(throughput("tcp_curve", True, stream, args.repeats, CURVE_TARGET))
     emit(join_swarm(args.nodes, JOIN_TARGET_S))
     emit(small_requests(500 if args.quick else 5000, args.repeats))
+    emit(idle_waits(800, 1.0) if args.quick else idle_waits(8000, 3.0))
 
 
 if __name__ == "__main__":

@@ -195,22 +195,35 @@ class AwakeDeadline:
         return max(self.hard - asyncio.get_running_loop().time(), 0.0)
 
     async def wait(self, aw: Any) -> Any:
-        """`await aw` within the budget left; on expiry cancel it and raise TimeoutError."""
+        """`await aw` within the budget left; on expiry cancel it and raise TimeoutError.
+
+        One timer a tick, which spends the tick from the budget and arms the next: a thousand
+        idle waits (a round's parts waiting for their owners) cost a timer callback a tick each,
+        not a wait of their own (a future, callbacks and a timer each, every tick)."""
         loop = asyncio.get_running_loop()
         fut = asyncio.ensure_future(aw)
         try:
-            while True:
-                if fut.done():
-                    return fut.result()
-                if self.expired():
-                    raise asyncio.TimeoutError
-                step = min(self.tick_s, self.left, self.wall_left())
-                t0 = loop.time()
-                await asyncio.wait({fut}, timeout=step)
-                elapsed = loop.time() - t0
-                counted = min(elapsed, step + self.tick_s)
-                self.stalled_s += elapsed - counted
-                self.left -= counted
+            if fut.done():
+                return fut.result()
+            if self.expired():
+                raise asyncio.TimeoutError
+            woken = loop.create_future()  # `fut` ended, or the budget ran out
+
+            def wake(_: Any = None) -> None:
+                if not woken.done():
+                    woken.set_result(None)
+
+            tick = _Tick(self, loop, wake)
+            fut.add_done_callback(wake)
+            try:
+                tick.arm()
+                await woken
+            finally:
+                fut.remove_done_callback(wake)
+                tick.stop()  # spends the part of a tick that passed before `fut` ended
+            if fut.done():
+                return fut.result()
+            raise asyncio.TimeoutError
         finally:
             if not fut.done():
                 fut.cancel()
@@ -229,6 +242,46 @@ class AwakeDeadline:
             await self.wait(asyncio.sleep(min(seconds, self.left)))
         except asyncio.TimeoutError:
             pass
+
+
+class _Tick:
+    """The timer of one `AwakeDeadline.wait`: each tick spends what it took, as awake time,
+    from the deadline's budget (a tick that woke late counts as at most two), then arms the
+    next, or wakes the wait once the budget is spent."""
+
+    __slots__ = ("deadline", "loop", "started", "step", "timer", "wake")
+
+    def __init__(self, deadline: AwakeDeadline, loop: asyncio.AbstractEventLoop, wake: Callable[[], None]) -> None:
+        self.deadline, self.loop, self.wake = deadline, loop, wake
+        self.started, self.step = 0.0, 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        d = self.deadline
+        self.step = min(d.tick_s, d.left, d.wall_left())
+        self.started = self.loop.time()
+        self.timer = self.loop.call_later(self.step, self._rang)
+
+    def _spend(self) -> None:
+        d = self.deadline
+        elapsed = self.loop.time() - self.started
+        counted = min(elapsed, self.step + d.tick_s)
+        d.stalled_s += elapsed - counted
+        d.left -= counted
+
+    def _rang(self) -> None:
+        self.timer = None
+        self._spend()
+        if self.deadline.expired():
+            self.wake()
+        else:
+            self.arm()
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+            self._spend()
 
 
 async def close_in_time(seconds: float, done: asyncio.Event, close: Callable[[], None]) -> None:

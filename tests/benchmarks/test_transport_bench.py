@@ -8,3 +8,9 @@ from conftest import load_benchmark
 def test_small_requests_time_replies_that_each_answer_their_request():
     row = load_benchmark("transport").small_requests(600, 1, in_flight=256)
     assert row["bench"] == "small_requests" and row["requests"] == 600 and row["us_per_request"] > 0
+
+
+def test_idle_waits_measure_both_ways_and_every_wait_returns_its_own_result():
+    row = load_benchmark("transport").idle_waits(200, 0.2)
+    assert row["bench"] == "idle_waits" and row["waits"] == 200
+    assert row["core_share"] >= 0 and row["core_share_before"] > 0 and row["ratio"] is not None
