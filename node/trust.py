@@ -64,10 +64,15 @@ def statement(*fields: Any) -> bytes:
     return msgpack.packb([_DOMAIN, *(_canonical(f) for f in fields)], use_bin_type=True)
 
 
+_FLAT = frozenset({str, bytes, int, float, bool, type(None)})  # packed as they are
+
+
 def _canonical(obj: Any) -> Any:
     if isinstance(obj, dict):
         return [[k, _canonical(v)] for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))]
     if isinstance(obj, (list, tuple)):
+        if _FLAT.issuperset(map(type, obj)):  # a list of ids: one pass in C, not a call per item
+            return obj
         return [_canonical(v) for v in obj]
     return obj
 

@@ -141,3 +141,18 @@ def test_known_views_stay_bounded_in_lists_and_in_member_ids() -> None:
     assert views._ids <= compact._VIEW_IDS_KEPT
     assert views.resolve(view_digest(long), lambda: ()) is None
     assert views.resolve(view_digest(tuple(reversed(long))), lambda: ()) == tuple(reversed(long))
+
+
+def test_a_statement_packs_its_fields_in_canonical_form_flat_lists_as_they_are() -> None:
+    """What members sign and check: maps with sorted keys, at any depth, and lists of ids
+    (taken as they are, in one pass) packed as the same arrays as lists built item by item."""
+    import msgpack
+
+    from starling.node.trust import _DOMAIN, statement
+
+    ids = tuple(f"peer{k:04d}" for k in range(1024))
+    nested = [1, {"b": [1, 2.5], "a": (3, "x", None, True, b"\x00")}]
+    expected = msgpack.packb([_DOMAIN, "avg", list(ids), [1, [["a", [3, "x", None, True, b"\x00"]], ["b", [1, 2.5]]]],
+                              [[["k", "v"]]]], use_bin_type=True)
+    assert statement("avg", ids, nested, [{"k": "v"}]) == expected
+    assert statement("avg", list(ids), nested, [{"k": "v"}]) == expected
