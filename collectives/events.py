@@ -2,6 +2,7 @@
 built on."""
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -31,5 +32,10 @@ def watch_peers(node: Node, joined: Callable[[str], None], left: Callable[[str],
 
 
 def membership(node: Node) -> tuple[str, ...]:
-    """Sorted live peers plus this node: the view a round is built on."""
-    return tuple(sorted({*node.live_peers(), node.peer_id}))
+    """Sorted live peers plus this node: the view a round is built on. `live_peers` comes
+    sorted, without this node: it goes in at its place (every member builds this every step)."""
+    live, me = node.live_peers(), node.peer_id
+    at = bisect.bisect_left(live, me)
+    if at < len(live) and live[at] == me:
+        return tuple(live)
+    return (*live[:at], me, *live[at:])

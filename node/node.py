@@ -409,6 +409,8 @@ class Node:
         """`live_peers` for code already on the network thread (a handler): a plain read.
         Banned peers are not in it: they own no shard and lead no round."""
         banned = self.trust.banned
+        if not banned:
+            return list(self._table.live_ids.in_order())
         return [i for i in self._table.live_ids.in_order() if i not in banned]
 
     def share_bans(self) -> None:

@@ -110,9 +110,9 @@ class GossipConfig(ProtocolConfig):
 def neighbours(topology: str, members: tuple[str, ...], me: str) -> list[str]:
     """`me`'s neighbours in `topology` over the sorted member list (never `me` itself)."""
     n, i = len(members), members.index(me)
-    if topology == "complete":
-        idx = set(range(n))
-    elif topology == "ring":
+    if topology == "complete":  # everyone else, in member order: two slices, not a set sorted each step
+        return [*members[:i], *members[i + 1:]]
+    if topology == "ring":
         idx = {(i - 1) % n, (i + 1) % n}
     elif topology == "torus":
         rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)

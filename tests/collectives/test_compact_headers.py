@@ -156,3 +156,15 @@ def test_a_statement_packs_its_fields_in_canonical_form_flat_lists_as_they_are()
                               [[["k", "v"]]]], use_bin_type=True)
     assert statement("avg", ids, nested, [{"k": "v"}]) == expected
     assert statement("avg", list(ids), nested, [{"k": "v"}]) == expected
+
+
+def test_a_rounds_view_is_the_sorted_live_peers_with_this_node_in_its_place() -> None:
+    from types import SimpleNamespace
+
+    from starling.collectives.events import membership
+
+    live = ["b", "d", "f"]
+    for me, view in (("a", "abdf"), ("c", "bcdf"), ("g", "bdfg"), ("d", "bdf")):
+        node = SimpleNamespace(peer_id=me, live_peers=lambda: list(live))
+        assert membership(node) == tuple(view), me
+    assert membership(SimpleNamespace(peer_id="a", live_peers=list)) == ("a",)
