@@ -76,7 +76,8 @@ class Simulation:
         check_config(self.config)
         check_config(baseline)
         prepare_to_train()
-        self._plan()
+        self.config = self.config.sized_for_swarm()
+        self._fit()
         # the nodes are this run's: their liveness and socket cap, which the baseline's own
         # plan would have given them too (it has the same swarm)
         base = replace(baseline, liveness=self.config.liveness, ready_timeout_s=self.config.ready_timeout_s,
@@ -86,10 +87,9 @@ class Simulation:
         base_peers, base_t0 = runs[1]
         return run, SimResult(base, base_peers, summarize(base, base_peers, base_t0))
 
-    def _plan(self) -> None:
-        """Size the run for its swarm, and fit its peers in their processes (SimError if they
-        cannot fit)."""
-        self.config = self.config.sized_for_swarm()
+    def _fit(self) -> None:
+        """Fit the run's peers in their processes: the socket cap they run with (SimError if
+        they cannot fit)."""
         # Every process holds its share of the peers that will ever run (all of them, without
         # workers): fit them, or refuse before any node starts. A worker's descriptor limit
         # is this process's (it inherits the raised soft limit; a Ray actor raises its own
@@ -107,7 +107,7 @@ class Simulation:
         if self.config.nproc_per_replica > 1:  # a process per rank, one peer per replica: nothing to plan
             peers, t0 = run_replicas(self.config, self.progress)
             return SimResult(self.config, peers, summarize(self.config, peers, t0))
-        self._plan()
+        self._fit()
         if self.config.ray is not None:
             from starling.runtime.sim_ray import run_ray
 
