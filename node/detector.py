@@ -157,7 +157,7 @@ class FailureDetector:
                 log.log(logging.INFO if late >= 3 * lv.probe_interval_s else logging.DEBUG,
                         "%s: liveness loop stalled %.2f s; not counted against peers", self.local.peer_id, late)
             self._sign_meta(now)
-            target = self._next_target()
+            target = None if self._closed() else self._next_target()
             if target is not None:
                 await self._probe(target)
             self.relays.keep()

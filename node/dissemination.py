@@ -143,7 +143,8 @@ class Dissemination:
                 # pardoned before any of them may expire (this loop wakes first and most often).
                 for suspicion in self._suspicions.values():
                     suspicion.pardon(late)
-            self._expire_suspicions(now)
+            if not self._closed():  # a node that no longer judges its peers lets suspicions be
+                self._expire_suspicions(now)
             self._sign_meta(now)  # here too: a probe can take several timeouts under load
             self._gossip_round()
 

@@ -98,10 +98,11 @@ class Node:
         self._dispatch = Dispatcher(local, self._table, self._outbox, stats, spawn, limits=config.limits,
                                     admission=config.admission, load=self._net.load, closed=lambda: self.closed,
                                     handlers=self._handlers, banned=self.trust.is_banned)
+        self._watching = True  # judging peers (probes, suspicions, dropped connections): `stop_watching`
         self._swarm = Swarm(local, self._table, self._outbox, stats, spawn, liveness=config.liveness,
                             admission=config.admission, forget_after_s=config.forget_after_s,
                             leave_timeout_s=config.leave_timeout_s, reject=self._dispatch.reject,
-                            closed=lambda: self.closed, listeners=self._listeners)
+                            closed=lambda: self.closed or not self._watching, listeners=self._listeners)
         self._bootstrap = Bootstrap(local, self._table, self._outbox, self._swarm, stats, spawn,
                                     join_deadline_s=config.join_deadline_s, join_backoff_s=config.join_backoff_s,
                                     page_table=config.page_table_on_join,
@@ -306,6 +307,13 @@ class Node:
             except Exception as exc:
                 log.warning("leave announcement incomplete: %r", exc)
         self.close()
+
+    def stop_watching(self) -> None:
+        """Stop judging peers: no more probes or suspicions, and a dropped connection is no
+        longer a lead; the node still answers, sends and passes on what it hears. For the end of
+        a simulation, before its nodes close one after another: nodes that still watch spend
+        their last seconds probing each closed peer and declaring it dead. Not undone."""
+        self._watching = False
 
     def close(self) -> None:
         if self._state == "closed":

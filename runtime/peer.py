@@ -281,6 +281,8 @@ def close_together(peers: list[SimPeer]) -> None:
     peers take 12-19 s to report after the last step; at once, the waits overlap."""
     if not peers:
         return
+    for peer in peers:  # none of them probes or suspects the others as they go (`Node.stop_watching`)
+        peer.node.stop_watching()
     with concurrent.futures.ThreadPoolExecutor(min(CLOSING_AT_ONCE, len(peers)), "sim-close") as pool:
         for future in [pool.submit(peer.close) for peer in peers]:
             future.result()

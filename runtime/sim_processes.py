@@ -35,8 +35,13 @@ A worker that exits while it still holds ranks whose results never came fails th
 A second run on the same swarm (`then`, a baseline: `Simulation.run_compared`): at `stop` each
 worker ends its peers' protocols and sends their results, keeping the nodes; once every result
 came, the parent clears `start` and `stop` and sends each worker `next`; the worker builds the
-second run's peers on its nodes and reports them ready, and the run goes on from stage 3. A
-parent that goes no further (the first run failed) sends `end` as it closes.
+second run's peers on its nodes and reports them ready, and the run goes on from stage 3.
+
+At the last run's `stop` each worker's nodes first stop judging their peers
+(`Node.stop_watching`), then the worker sends their results and keeps them up until the
+parent, with every result in, sends `end` as it closes: no node is closed while another still
+probes it, suspects it and declares it dead (which took a quarter of the workers' last seconds
+at 1024 peers). A parent that goes no further (the first run failed) sends `end` too.
 """
 from __future__ import annotations
 
@@ -148,29 +153,43 @@ class _Worker:
             self._serve(t0)
             if any(thread.is_alive() for thread in self.threads.values()):
                 return  # the run was given up: the parent wants no results
-            self._report(close=i == len(runs) - 1)
+            last = i == len(runs) - 1
+            if last:  # every node of every worker stops judging its peers before any closes
+                for peer in self.peers.values():
+                    peer.node.stop_watching()
+            self._report(close=False)
+            if last:
+                self._parents_word(self.config.ready_timeout_s)  # `end`, once every worker reported
+                self.close()
 
-    def _take_up(self, ranks: list[int], config: SimConfig) -> bool:
-        """Once the parent says so, this worker's nodes take up the next run (`config`): each
-        peer's protocol ended when it reported, and a peer of the next run, with a fresh model,
-        takes over its node. False if the parent is gone first; SimError if it says nothing for
-        ready_timeout_s. (The parent's stop, set for the run before, is cleared only after
-        every result came: it is no reason to stop here.)"""
-        deadline = time.monotonic() + config.ready_timeout_s
-        while True:
+    def _parents_word(self, timeout_s: float) -> str | None:
+        """What the parent says once this worker has reported a run: `next` (take up the next
+        run) or `end` (it has every result; it is closing); None if the parent is gone or
+        said neither within `timeout_s`. (The parent's stop, set for the run before, is
+        cleared only after every result came: it is no reason to stop here.)"""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
             try:
                 message = tuple(self.inbox.get(timeout=_POLL_S))
             except queue.Empty:
                 message = ()
-            if message[:1] == ("next",):
-                break
-            if message[:1] == ("end",):  # the parent goes no further (the run failed)
-                return False
+            if message[:1] in (("next",), ("end",)):
+                return str(message[0])
             if self.parent is not None and not self.parent.is_alive():
-                return False
-            if time.monotonic() > deadline:
-                raise SimError(f"worker {self.index} timed out after {config.ready_timeout_s:g} s waiting for "
-                               "the next run")
+                return None
+        return None
+
+    def _take_up(self, ranks: list[int], config: SimConfig) -> bool:
+        """Once the parent says so, this worker's nodes take up the next run (`config`): each
+        peer's protocol ended when it reported, and a peer of the next run, with a fresh model,
+        takes over its node. False if the parent goes no further (the run failed) or is gone;
+        SimError if it says nothing for ready_timeout_s."""
+        word = self._parents_word(config.ready_timeout_s)
+        if word is None and (self.parent is None or self.parent.is_alive()):
+            raise SimError(f"worker {self.index} timed out after {config.ready_timeout_s:g} s waiting for "
+                           "the next run")
+        if word != "next":
+            return False
         for rank in ranks:
             self.peers[rank] = self.peers[rank].then(config)
             self.peers[rank].create_protocol()
@@ -320,7 +339,8 @@ class _Worker:
 
     def _report(self, close: bool = True) -> None:
         """Every peer is done: collect and close ours (with `close` False, end their protocols
-        and keep their nodes for the next run), then send their results."""
+        and keep their nodes, for the next run or until every worker has reported), then send
+        their results."""
         if close:
             self.close()
         else:
@@ -462,7 +482,7 @@ class ProcessWorkers(Workers):
         if not finished:
             for inbox in self.inboxes:
                 inbox.cancel_join_thread()  # what a dead worker never read must not hold our exit
-        deadline = time.monotonic() + (15.0 if finished else 3.0)
+        deadline = time.monotonic() + (30.0 if finished else 3.0)  # finished: its workers close their nodes now
         for worker in self.processes:
             worker.join(timeout=max(0.0, deadline - time.monotonic()))
             if worker.is_alive():

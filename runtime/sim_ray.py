@@ -226,7 +226,10 @@ class RayWorkers(Workers):
 
     def close(self, finished: bool) -> None:
         """Let the workers close their peers (their nodes leave), then end the actors."""
-        deadline = time.monotonic() + (15.0 if finished else 3.0)
+        for actor in self.actors:  # a worker that reported its last run closes its nodes on `end`
+            with contextlib.suppress(Exception):
+                actor.deliver.remote(("end",))
+        deadline = time.monotonic() + (30.0 if finished else 3.0)
         while self.polls and time.monotonic() < deadline:
             self.receive(_POLL_S)
         for actor in self.actors:

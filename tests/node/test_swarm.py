@@ -884,3 +884,22 @@ def test_members_of_one_process_hold_one_shared_route_to_a_peer(make_node):
 
 async def _route(node, peer_id):
     return node._transport._routes[peer_id]
+
+
+def test_a_node_that_stopped_watching_leaves_a_peer_that_closed_as_it_was(make_node):
+    """`stop_watching` (a simulation's end): the node still answers, but a dropped connection
+    and a missed probe are no longer leads to it. Two swarms of two lose a peer at the same
+    moment: the node that still watches declares its peer dead, and by then the one that
+    stopped has neither suspected nor buried its own (it would have as fast: the same kernel
+    refuses both reconnects)."""
+    quiet, watcher = make_node("tcp"), make_node("tcp")
+    quiet_gone, watched_gone = make_node("tcp", join=[quiet.address]), make_node("tcp", join=[watcher.address])
+    for a, b in ((quiet, quiet_gone), (watcher, watched_gone)):
+        assert wait_until(lambda a=a, b=b: a.live_peers() == [b.peer_id] and b.live_peers() == [a.peer_id])
+        assert a.request(b.peer_id, "$status", None, timeout_s=10) is not None  # a connection to drop
+    quiet.stop_watching()
+    quiet_gone.close()
+    watched_gone.close()
+    assert wait_until(lambda: watcher.status_of(watched_gone.peer_id) is PeerStatus.DEAD, DEATH_SEEN_WITHIN_S)
+    assert quiet.status_of(quiet_gone.peer_id) is PeerStatus.ALIVE
+    assert quiet_gone.peer_id in quiet.live_peers()
