@@ -41,17 +41,10 @@ async def _aquery(address: str, topic: str, body: Any, identity: Identity, timeo
     its end, waiting out the pages turned down as over the member's pull budget (the first
     one too: the member's own table pulls may have spent it just before)."""
     status = topic == "$status" and body is None
-    busy = 0
-    while True:
-        try:
-            result = await _aquery_once(address, topic, {"pad": bytes(STATUS_PAD)} if status else body, identity,
-                                        timeout_s)
-            break
-        except NodeBusy:
-            busy += 1
-            if not status or busy > STATUS_BUSY_RETRIES:
-                raise
-            await asyncio.sleep(STATUS_BUSY_WAIT_S)
+    if status:
+        result = await _status_page(address, {"pad": bytes(STATUS_PAD)}, identity, timeout_s)
+    else:
+        result = await _aquery_once(address, topic, body, identity, timeout_s)
     if status and isinstance(result, dict) and set(result) == {"pad_to"} \
             and isinstance(result["pad_to"], int) and STATUS_PAD < result["pad_to"] <= MAX_PAD:
         result = await _aquery_once(address, topic, {"pad": bytes(result["pad_to"])}, identity, timeout_s)
@@ -62,18 +55,11 @@ async def _aquery(address: str, topic: str, body: Any, identity: Identity, timeo
 
 async def _read_pages(address: str, status: dict[str, Any], identity: Identity, timeout_s: float) -> None:
     """Append the later pages of a paged status to its `peers`, at most MAX_STATUS_PAGES."""
-    following, busy = status.pop("next"), 0
+    following = status.pop("next")
     for _ in range(MAX_STATUS_PAGES):
         if not isinstance(following, str):
             return
-        try:
-            page = await _aquery_once(address, "$status", {"after": following}, identity, timeout_s)
-        except NodeBusy:
-            busy += 1
-            if busy > STATUS_BUSY_RETRIES:
-                raise
-            await asyncio.sleep(STATUS_BUSY_WAIT_S)
-            continue
+        page = await _status_page(address, {"after": following}, identity, timeout_s)
         if not isinstance(page, dict) or not isinstance(page.get("peers"), list):
             raise ClientError(f"malformed status page from {address}")
         status["peers"].extend(page["peers"])
@@ -82,6 +68,17 @@ async def _read_pages(address: str, status: dict[str, Any], identity: Identity, 
             raise ClientError(f"status page from {address}: next must come after the page asked for")
         following = nxt
     raise ClientError(f"the status of {address} runs past {MAX_STATUS_PAGES} pages")
+
+
+async def _status_page(address: str, body: Any, identity: Identity, timeout_s: float) -> Any:
+    """One `$status` page, asked again while the node turns it down as over the member's pull
+    budget (its own table pulls may have spent it), at most STATUS_BUSY_RETRIES times."""
+    for _ in range(STATUS_BUSY_RETRIES):
+        try:
+            return await _aquery_once(address, "$status", body, identity, timeout_s)
+        except NodeBusy:
+            await asyncio.sleep(STATUS_BUSY_WAIT_S)
+    return await _aquery_once(address, "$status", body, identity, timeout_s)
 
 
 async def _aquery_once(address: str, topic: str, body: Any, identity: Identity, timeout_s: float) -> Any:
