@@ -236,11 +236,19 @@ class Transport(DealerCache):
             # Its outcome is read also when the wait below gives up or is cancelled just as it
             # ends (a socket closed under it, at a node's close): else asyncio logs it unread.
             sent.add_done_callback(read_outcome)
-            await asyncio.wait_for(sent, timeout_s)
+            # Not `wait_for`: closing a socket (the cap, a newer record of its peer, a death)
+            # cancels its waiting sends, and `wait_for` would raise that in the caller's task
+            # as if the caller had been cancelled. A send its socket dropped is a failed send.
+            try:
+                await asyncio.wait((sent,), timeout=timeout_s)
+            finally:
+                sent.cancel()  # given up on (timed out, or the caller was cancelled); no-op once done
+            if sent.cancelled():
+                raise SendError(f"send to {what} timed out after {timeout_s} s" if not sock.closed
+                                else f"send to {what} failed: its connection was closed") from None
+            sent.result()
         except zmq.Again:
             raise SendError(f"peer {what} is not connected or its queue is full") from None
-        except asyncio.TimeoutError:
-            raise SendError(f"send to {what} timed out after {timeout_s} s") from None
         except zmq.ZMQError as exc:
             raise SendError(f"send to {what} failed: {exc}") from None
 

@@ -75,3 +75,43 @@ async def _arrives_after_a_raw_send(fail_raw_send: bool) -> bool:
 @pytest.mark.slow
 def test_a_message_that_arrived_before_a_raw_send_is_read(fail_raw_send: bool) -> None:
     assert asyncio.run(_arrives_after_a_raw_send(fail_raw_send))
+
+
+async def _send_while_its_socket_closes() -> tuple[type[BaseException] | None, str, float]:
+    context = zmq.asyncio.Context()
+
+    async def receiver(inbound: Inbound) -> None:
+        pass
+
+    transport = Transport(context, mode=SecurityMode.PLAINTEXT, curve_public_z85=b"", curve_secret_z85=b"",
+                          zap_domain="test", config=TransportConfig(send_timeout_s=30.0), receiver=receiver)
+    with zmq.Context() as free:  # a port that was free a moment ago; nothing accepts there now
+        listener = free.socket(zmq.ROUTER)
+        port = listener.bind_to_random_port("tcp://127.0.0.1")
+        listener.close(0)
+    try:
+        transport.connect("peer", [f"tcp://127.0.0.1:{port}"], None)
+        # No connection, and DEALERs queue nothing for a peer they are not connected to: the send waits.
+        sending = asyncio.ensure_future(transport.send("peer", [b"hello"]))
+        await asyncio.sleep(0.2)
+        assert not sending.done()
+        started = time.monotonic()
+        transport.disconnect("peer")  # as a newer record of the peer, its death or its leave does
+        try:
+            await asyncio.wait_for(asyncio.shield(sending), 10.0)
+            return None, "", time.monotonic() - started
+        except (SendError, asyncio.CancelledError) as exc:
+            return type(exc), str(exc), time.monotonic() - started
+    finally:
+        await transport.close(0)
+        context.term()
+
+
+def test_a_send_whose_socket_is_closed_under_it_fails_at_once_as_a_send() -> None:
+    """pyzmq cancels the sends waiting on a socket it closes. The sender must see a failed
+    send (which every caller handles), not a cancellation of its own task, and at once rather
+    than after its timeout."""
+    kind, message, took_s = asyncio.run(_send_while_its_socket_closes())
+    assert kind is SendError, (kind, message)
+    assert "closed" in message
+    assert took_s < 5.0
