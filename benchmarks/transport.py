@@ -36,9 +36,12 @@ from typing import Any
 
 import torch
 import zmq
+import zmq.asyncio
 
 from starling.node import Message, Node, PeerStatus
 from starling.node.loop import AwakeDeadline
+from starling.node.security import SecurityMode
+from starling.node.transport import Transport, TransportConfig
 
 TOPIC = "bench"
 PLAINTEXT_TARGET = 0.5
@@ -285,6 +288,73 @@ def idle_waits(count: int, seconds: float) -> dict[str, Any]:
             "ratio": round(now / before, 3) if before > 0 else None}
 
 
+class _WatchEveryDealer(Transport):
+    """The baseline of `socket_churn`: a socket monitor on every DEALER a node opens, as
+    before only the DEALERs it keeps open past its cap were watched."""
+
+    def watches(self, key: str) -> bool:
+        return True
+
+
+def socket_churn(sends: int, peers: int = 64, cap: int = 8) -> dict[str, Any]:
+    """Microseconds per send past a node's DEALER cap, wall and CPU (this process's, libzmq's
+    I/O threads included), where each send opens a socket and closes an idle one: a transport
+    capped at `cap` that knows `peers` real ROUTERs over tcp (half its cap pinned, as a
+    failure detector's fingers are) sends `sends` small messages to the others in turn;
+    against the same with every DEALER watched by a monitor (`_WatchEveryDealer`),
+    alternating, in the same run. Also the monitors each held at the end."""
+    context = zmq.asyncio.Context()
+    routers = [context.socket(zmq.ROUTER) for _ in range(peers)]
+    ports = []
+    for router in routers:
+        router.setsockopt(zmq.LINGER, 0)
+        ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
+    pinned = frozenset(f"p{i}" for i in range(cap // 2))
+    others = [f"p{i}" for i in range(cap // 2, peers)]
+
+    async def run(kind: type[Transport]) -> tuple[float, float, int]:
+        async def receiver(inbound: Any) -> None:
+            pass
+
+        transport = kind(context, mode=SecurityMode.PLAINTEXT, curve_public_z85=b"", curve_secret_z85=b"",
+                         zap_domain="bench", config=TransportConfig(max_open_dealers=cap, linger_ms=0),
+                         receiver=receiver)
+        try:
+            for i, port in enumerate(ports):
+                transport.connect(f"p{i}", [f"tcp://127.0.0.1:{port}"], None)
+            transport.pin(pinned)
+            for key in pinned:  # the fingers' DEALERs open first and stay
+                await transport.send(key, [b"x"], timeout_s=5.0)
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            for n in range(sends):
+                await transport.send(others[n % len(others)], [b"x"], timeout_s=5.0)
+            return ((time.perf_counter() - t0) / sends, (time.process_time() - cpu0) / sends,
+                    len(transport._monitors))
+        finally:
+            await transport.close(0)
+
+    now, before, cpu, cpu_before, watched, watched_before = [], [], [], [], 0, 0
+    try:
+        for _ in range(3):
+            t, c, watched = asyncio.run(run(Transport))
+            now.append(t)
+            cpu.append(c)
+            t, c, watched_before = asyncio.run(run(_WatchEveryDealer))
+            before.append(t)
+            cpu_before.append(c)
+    finally:
+        for router in routers:
+            router.close(0)
+        context.term()
+    us, us_before = statistics.median(now) * 1e6, statistics.median(before) * 1e6
+    cpu_us, cpu_us_before = statistics.median(cpu) * 1e6, statistics.median(cpu_before) * 1e6
+    return {"bench": "socket_churn", "sends": sends, "peers": peers, "cap": cap,
+            "us_per_send": round(us, 1), "us_per_send_before": round(us_before, 1),
+            "cpu_us_per_send": round(cpu_us, 1), "cpu_us_per_send_before": round(cpu_us_before, 1),
+            "cpu_ratio": round(cpu_us / cpu_us_before, 2),
+            "monitors_open": watched, "monitors_open_before": watched_before}
+
+
 def alive_counts(nodes: list[Node]) -> list[int]:
     return [sum(p.status is PeerStatus.ALIVE for p in n.peers) for n in nodes]
 
@@ -352,6 +422,7 @@ def main() -> None:
     emit(join_swarm(args.nodes, JOIN_TARGET_S))
     emit(small_requests(500 if args.quick else 5000, args.repeats))
     emit(idle_waits(800, 1.0) if args.quick else idle_waits(8000, 3.0))
+    emit(socket_churn(200 if args.quick else 2000))
 
 
 if __name__ == "__main__":

@@ -82,9 +82,11 @@ class TransportConfig:
     # no open DEALER fails (SendError) until one goes idle. Peers that are slow to read or to
     # answer must not make a node open sockets without bound.
     max_open_dealers: int = 64
-    # Watch each DEALER's connection (a ZeroMQ socket monitor, one more socket pair per DEALER):
+    # Watch DEALERs' connections (a ZeroMQ socket monitor, one more socket pair per DEALER):
     # when a peer's process dies its kernel closes the connection at once, and the node hears
-    # of it in milliseconds instead of after the heartbeats' dead timeout.
+    # of it in milliseconds instead of after the heartbeats' dead timeout. Every DEALER is
+    # watched while the peers a node knows fit under its cap; past the cap, only those it
+    # keeps open (`DealerCache.watches`).
     monitor_connections: bool = True
     # Out of descriptors with no idle DEALER to close, a node gives up (stops, with the reason)
     # once that has lasted this long: libzmq frees a closed socket's descriptor a moment late.
@@ -256,7 +258,7 @@ class DealerCache:
         try:
             for ep in endpoints:
                 dealer.connect(ep)
-            if self.config.monitor_connections:
+            if self.config.monitor_connections and self.watches(key):
                 monitor = self._monitor(dealer)
         except zmq.ZMQError:
             dealer.close(0)
@@ -265,9 +267,22 @@ class DealerCache:
         self.dealers_opened += 1
         self._tasks[key] = asyncio.ensure_future(self._read(dealer, key))
         if monitor is not None:
-            self._monitors[key] = monitor
-            self._tasks[f"monitor:{key}"] = asyncio.ensure_future(self._watch(monitor, key))
+            self._start_watch(key, monitor)
         return dealer
+
+    def watches(self, key: str) -> bool:
+        """Whether `key`'s DEALER gets a socket monitor when it opens: every one while the peers
+        this node knows fit under its cap (each DEALER then stays open), and past the cap only
+        those it keeps open: the failure detector's fingers (`pin`), whose deaths it must hear
+        of first, and bootstrap handles. Past the cap the other DEALERs open for a send or two
+        and close again, and a monitor doubled the sockets each of those opened and closed;
+        a peer's death comes from its fingers' monitors and probes, and spreads as a claim."""
+        return (len(self._routes) <= self.dealer_cap or key in self._pinned
+                or key.startswith("bootstrap-"))
+
+    def _start_watch(self, key: str, monitor: zmq.asyncio.Socket) -> None:
+        self._monitors[key] = monitor
+        self._tasks[f"monitor:{key}"] = asyncio.ensure_future(self._watch(monitor, key))
 
     def _monitor(self, dealer: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
         """A PAIR socket that receives `dealer`'s disconnections. libzmq's IO thread writes each
@@ -340,8 +355,22 @@ class DealerCache:
         """Keep the DEALERs of `keys` open: a send to another peer past the cap closes an idle
         DEALER that is not one of them (the failure detector's fingers, `node.ring`, which it
         probes every few periods and whose connections it watches). The caller keeps them to
-        half the cap. Running out of descriptors may still close them."""
+        half the cap. Running out of descriptors may still close them. A newly pinned DEALER
+        that is open unwatched is watched from now on (`watches`)."""
+        added = keys - self._pinned
         self._pinned = keys
+        if not self.config.monitor_connections:
+            return
+        for key in added:
+            dealer = self._dealers.get(key)
+            if dealer is None or key in self._monitors:
+                continue
+            try:
+                monitor = self._monitor(dealer)
+            except zmq.ZMQError as exc:  # out of descriptors: its probes still judge it
+                log.debug("no monitor for the DEALER to finger %s: %s", key, exc)
+                continue
+            self._start_watch(key, monitor)
 
     @property
     def open_dealers(self) -> int:
