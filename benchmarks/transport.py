@@ -15,7 +15,9 @@ And, with no target: ``small_requests``, microseconds per small request and its 
 two nodes (5,000 of them, 256 in flight at a time; 500 with ``--quick``); ``idle_waits``, the
 share of a core that 8,000 idle waits in awake time (`node.loop.AwakeDeadline`, what a round's
 parts wait for their owners with) cost a loop for 3 s (800 and 1 s with ``--quick``), against
-the same waits each ticking through an `asyncio.wait` of its own, in the same run.
+the same waits each ticking through an `asyncio.wait` of its own, in the same run;
+``socket_churn``, microseconds (wall and CPU) per send past a node's DEALER cap, each opening a
+socket and closing another, against the same with every DEALER watched by a monitor.
 
 A stream is timed from the first send until the receiver has every message (Starling:
 A's handler sets an event; bare pyzmq: a receiver thread does). Starling and baseline runs

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -67,8 +68,8 @@ class Simulation:
     def run_compared(self, baseline: SimConfig, baseline_progress: ProgressFn | None = None
                      ) -> tuple[SimResult, SimResult]:
         """This run, then `baseline` (this run's `SimConfig.baseline`): results of both. Where
-        the baseline's swarm is this run's (`shares_swarm`: worker processes on this machine,
-        no churn, no time limit), the baseline trains on the nodes this run formed, each with
+        the baseline's swarm is this run's (`shares_swarm`: worker processes on this machine or
+        Ray actors, no churn, no time limit), the baseline trains on the nodes this run formed, each with
         a fresh model, links and counters, so the swarm starts and forms once, not twice.
         Else the baseline is a simulation of its own, after this one."""
         if not shares_swarm(self.config, baseline):
@@ -76,16 +77,34 @@ class Simulation:
         check_config(self.config)
         check_config(baseline)
         prepare_to_train()
+        if self.config.ray is None:
+            return self._run_compared(baseline, baseline_progress)
+        from starling.runtime import sim_ray  # Ray is an optional extra: imported for a Ray run only
+
+        with sim_ray.connected(self.config.ray):
+            self.config = sim_ray.with_workers(self.config)
+            return self._run_compared(replace(baseline, processes=self.config.processes), baseline_progress)
+
+    def _run_compared(self, baseline: SimConfig, baseline_progress: ProgressFn | None
+                      ) -> tuple[SimResult, SimResult]:
         self.config = self.config.sized_for_swarm()
         self._fit()
         # the nodes are this run's: their liveness and socket cap, which the baseline's own
         # plan would have given them too (it has the same swarm)
         base = replace(baseline, liveness=self.config.liveness, ready_timeout_s=self.config.ready_timeout_s,
                        max_dealers=self.config.max_dealers)
-        runs = run_processes(self.config, self.progress, base, baseline_progress)
-        run = SimResult(self.config, runs[0][0], summarize(self.config, *runs[0]))  # SimError if a peer failed
+        workers: dict[str, list[dict[str, Any]]] = {}
+        if self.config.ray is not None:
+            from starling.runtime.sim_ray import run_ray
+
+            runs, placed = run_ray(self.config, self.progress, base, baseline_progress)
+            workers = {"workers": placed}
+        else:
+            runs = run_processes(self.config, self.progress, base, baseline_progress)
+        # SimError if a peer failed
+        run = SimResult(self.config, runs[0][0], {**summarize(self.config, *runs[0]), **workers})
         base_peers, base_t0 = runs[1]
-        return run, SimResult(base, base_peers, summarize(base, base_peers, base_t0))
+        return run, SimResult(base, base_peers, {**summarize(base, base_peers, base_t0), **workers})
 
     def _fit(self) -> None:
         """Fit the run's peers in their processes: the socket cap they run with (SimError if
@@ -111,7 +130,7 @@ class Simulation:
         if self.config.ray is not None:
             from starling.runtime.sim_ray import run_ray
 
-            peers, t0, workers = run_ray(self.config, self.progress)
+            [(peers, t0)], workers = run_ray(self.config, self.progress)
             return SimResult(self.config, peers, {**summarize(self.config, peers, t0), "workers": workers})
         if self.config.processes:
             [(peers, t0)] = run_processes(self.config, self.progress)
@@ -200,10 +219,11 @@ class Simulation:
 
 def shares_swarm(run: SimConfig, baseline: SimConfig) -> bool:
     """Whether `baseline` can train on the swarm `run` formed (`Simulation.run_compared`): `run`
-    has worker processes on this machine, one rank a peer, no churn and no time limit (every
-    node is up and in the swarm when it ends), and `baseline` differs from it only in what a
-    baseline changes (`SimConfig.baseline`): protocol, compressor, options, checkpoints."""
-    if (not run.processes or run.ray is not None or run.churn or run.duration_s or run.nproc_per_replica != 1
+    has workers (processes on this machine, or Ray actors), one rank a peer, no churn and no
+    time limit (every node is up and in the swarm when it ends), and `baseline` differs from it
+    only in what a baseline changes (`SimConfig.baseline`): protocol, compressor, options,
+    checkpoints."""
+    if ((not run.processes and run.ray is None) or run.churn or run.duration_s or run.nproc_per_replica != 1
             or baseline.nproc_per_replica != 1 or baseline.protocol == run.protocol):
         return False
     return replace(baseline, protocol=run.protocol, compressor=run.compressor, options=run.options,

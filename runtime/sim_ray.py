@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_WAIT_S = 0.5  # how long an actor's drain waits for a first message before it answers empty
 CONNECT_TIMEOUT_S = 5.0  # to find something listening at a HOST:PORT address before Ray dials it
+NEXT_RUN_TIMEOUT_S = 30.0  # for every actor to take the word to take up the next run
 _POLL_S = 0.05
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 
@@ -96,12 +97,15 @@ def with_workers(config: SimConfig) -> SimConfig:
     return replace(config, processes=max(1, min(nodes, config.peers)))
 
 
-def run_ray(config: SimConfig, progress: ProgressFn | None) -> tuple[list[PeerResult], float, list[dict[str, Any]]]:
+def run_ray(config: SimConfig, progress: ProgressFn | None, then: SimConfig | None = None,
+            then_progress: ProgressFn | None = None
+            ) -> tuple[list[tuple[list[PeerResult], float]], list[dict[str, Any]]]:
     """Run the swarm in `config.processes` Ray actors of the cluster this process is connected
-    to; the peers' results, the start time and each worker's ranks and node."""
-    parent = Parent(config, RayWorkers(), progress)
-    results, t0 = parent.run()
-    return results, t0, parent.placed()
+    to; with `then`, that run next on the same nodes (`Parent`). Each run's peers' results and
+    start time, and each worker's ranks and node."""
+    parent = Parent(config, RayWorkers(), progress, then, then_progress)
+    runs = parent.run_all()
+    return runs, parent.placed()
 
 
 class WorkerActor:
@@ -118,10 +122,11 @@ class WorkerActor:
     def where(self) -> dict[str, str]:
         return {"node_id": ray.get_runtime_context().get_node_id(), "host": ray.util.get_node_ip_address()}
 
-    def run(self, config: SimConfig, index: int, ranks: list[int], log_level: int) -> None:
+    def run(self, config: SimConfig, index: int, ranks: list[int], log_level: int,
+            then: SimConfig | None = None) -> None:
         self.thread = threading.Thread(
             target=worker_main, name=f"sim-worker-{index}", daemon=True,
-            args=(config, index, ranks, self.inbox, self.link, "", log_level, ray.util.get_node_ip_address()))
+            args=(config, index, ranks, self.inbox, self.link, "", log_level, ray.util.get_node_ip_address(), then))
         self.thread.start()
 
     def drain(self, wait_s: float) -> tuple[list[tuple[Any, ...]], bool]:
@@ -148,6 +153,13 @@ class WorkerActor:
     def stop(self) -> None:
         self.link.stop.set()
 
+    def next_run(self) -> None:
+        """The worker, its results sent, takes up the next run: not started, not stopped. One
+        call, so that the worker never sees `next` with the last run's stop still set."""
+        self.link.start.clear()
+        self.link.stop.clear()
+        self.inbox.put(("next",))
+
 
 @functools.cache
 def _actor_class() -> Any:
@@ -167,14 +179,12 @@ class RayWorkers(Workers):
 
     def launch(self, config: SimConfig, holds: list[list[int]], log_level: int, then: SimConfig | None = None
                ) -> None:
-        if then is not None:
-            raise NotImplementedError("a Ray run's baseline starts nodes of its own")
         actor = _actor_class().options(num_cpus=1, scheduling_strategy="SPREAD")
         self.actors = [actor.remote() for _ in holds]
         try:
             self.placed = ray.get([a.where.remote() for a in self.actors], timeout=config.ready_timeout_s)
             # started before the first drain, which would otherwise find no worker running
-            started = [actor.run.remote(config, index, list(ranks), log_level)
+            started = [actor.run.remote(config, index, list(ranks), log_level, then)
                        for index, (actor, ranks) in enumerate(zip(self.actors, holds))]
             ray.get(started, timeout=config.ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -223,6 +233,15 @@ class RayWorkers(Workers):
             self.stopped = True
             for actor in self.actors:
                 actor.stop.remote()
+
+    def next_run(self) -> None:
+        # Waited for: an actor runs its calls on several threads, in no set order, and the
+        # parent's begin must find the last run's start and stop cleared.
+        try:
+            ray.get([actor.next_run.remote() for actor in self.actors], timeout=NEXT_RUN_TIMEOUT_S)
+        except ray.exceptions.RayError as exc:  # a dead actor: its polls end the run naming it
+            log.warning("a Ray worker did not take up the next run: %s", _first_line(exc))
+        self.stopped = False
 
     def close(self, finished: bool) -> None:
         """Let the workers close their peers (their nodes leave), then end the actors."""

@@ -36,6 +36,8 @@ def test_a_baseline_on_the_runs_nodes_trains_as_it_does_on_nodes_of_its_own():
 def test_only_a_baseline_of_the_same_swarm_in_worker_processes_shares_its_nodes():
     base = RUN.baseline()
     assert shares_swarm(RUN, base)
+    on_ray = replace(RUN, processes=0, transport="tcp", ray="auto")  # one worker per Ray node
+    assert shares_swarm(on_ray, on_ray.baseline())
     assert not shares_swarm(replace(RUN, processes=0, transport="inproc"), replace(base, processes=0,
                                                                                    transport="inproc"))
     churned = replace(RUN, churn=parse_churn("kill:1@2"))

@@ -56,6 +56,19 @@ def test_peers_train_in_ray_actors_on_both_nodes_and_a_lost_node_fails_the_run(t
     threads = Simulation(replace(config, ray=None)).run()
     assert summary["eval_loss"] == threads.summary["eval_loss"]
 
+    # A baseline trains on the nodes its run formed there: no second swarm across the cluster,
+    # and it comes out as the allreduce run above did.
+    gossip = replace(config, protocol="gossip")
+    run, baseline = Simulation(gossip).run_compared(gossip.baseline())
+    assert not ray.is_initialized()
+    assert run.summary["protocol"] == "gossip" and baseline.summary["protocol"] == "allreduce"
+    assert all(p.status == "finished" for p in run.peers + baseline.peers)
+    assert baseline.summary["eval_loss"] == summary["eval_loss"]
+    assert {w["node_id"] for w in baseline.summary["workers"]} == node_ids
+    topics = {t for peer in baseline.peers for record in peer.records for t in record["bytes_by_topic"]}
+    assert "$hello" not in topics and "$hello" in {t for peer in result.peers for record in peer.records
+                                                   for t in record["bytes_by_topic"]}
+
     with pytest.raises(SimError, match=r"no Ray cluster answers at 127\.0\.0\.1:1 \(.*\): start one with `ray start"):
         Simulation(replace(config, ray="127.0.0.1:1")).run()
 
