@@ -19,6 +19,10 @@ RUN = dict(peers=8, protocol="allreduce", task="quadratic", task_options={"dim":
            ready_timeout_s=120)
 
 
+def _topics(result: Any) -> set[str]:
+    return {topic for peer in result.peers for record in peer.records for topic in record["bytes_by_topic"]}
+
+
 @pytest.fixture
 def two_node_cluster(ray_on_loopback) -> Iterator[Any]:
     import ray  # here, not at the top: the other test workers collect this file without importing Ray
@@ -42,32 +46,27 @@ def test_peers_train_in_ray_actors_on_both_nodes_and_a_lost_node_fails_the_run(t
     cluster = two_node_cluster
     node_ids = {cluster.head_node.node_id, *(node.node_id for node in cluster.worker_nodes)}
     config = SimConfig(**RUN, ray=cluster.address)  # processes 0: one worker per node
-    result = Simulation(config).run()
+    # A gossip run, then its allreduce baseline on the nodes the run formed: one swarm across
+    # the cluster for both.
+    gossip = replace(config, protocol="gossip")
+    run, result = Simulation(gossip).run_compared(gossip.baseline())
     summary = result.summary
-    assert not ray.is_initialized()  # the run connected for itself and let go after
-    assert result.config.processes == 2 and summary["ray"] == cluster.address
-    assert summary["peer_status"] == {str(rank): "finished" for rank in range(8)}
-    assert all(len(peer.records) == 5 for peer in result.peers)
-    workers = summary["workers"]
-    assert [w["ranks"] for w in workers] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert {w["node_id"] for w in workers} == node_ids  # SPREAD: one worker on each node
-    assert all(w["host"] == "127.0.0.1" for w in workers)  # the node's address, as Ray gave it
-    # allreduce without churn repeats bit for bit: the actors ran the same swarm as threads do
+    assert not ray.is_initialized()  # the runs connected for themselves and let go after
+    assert run.summary["protocol"] == "gossip" and summary["protocol"] == "allreduce"
+    for each in (run, result):
+        assert each.config.processes == 2 and each.summary["ray"] == cluster.address
+        assert each.summary["peer_status"] == {str(rank): "finished" for rank in range(8)}
+        assert all(len(peer.records) == 5 for peer in each.peers)
+        workers = each.summary["workers"]
+        assert [w["ranks"] for w in workers] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+        assert {w["node_id"] for w in workers} == node_ids  # SPREAD: one worker on each node
+        assert all(w["host"] == "127.0.0.1" for w in workers)  # the node's address, as Ray gave it
+    # the run's nodes greeted the swarm; the baseline's were in it already
+    assert "$hello" in _topics(run) and "$hello" not in _topics(result)
+    # allreduce without churn repeats bit for bit: the actors ran the same swarm as threads do,
+    # the baseline on the run's nodes as on nodes of its own
     threads = Simulation(replace(config, ray=None)).run()
     assert summary["eval_loss"] == threads.summary["eval_loss"]
-
-    # A baseline trains on the nodes its run formed there: no second swarm across the cluster,
-    # and it comes out as the allreduce run above did.
-    gossip = replace(config, protocol="gossip")
-    run, baseline = Simulation(gossip).run_compared(gossip.baseline())
-    assert not ray.is_initialized()
-    assert run.summary["protocol"] == "gossip" and baseline.summary["protocol"] == "allreduce"
-    assert all(p.status == "finished" for p in run.peers + baseline.peers)
-    assert baseline.summary["eval_loss"] == summary["eval_loss"]
-    assert {w["node_id"] for w in baseline.summary["workers"]} == node_ids
-    topics = {t for peer in baseline.peers for record in peer.records for t in record["bytes_by_topic"]}
-    assert "$hello" not in topics and "$hello" in {t for peer in result.peers for record in peer.records
-                                                   for t in record["bytes_by_topic"]}
 
     with pytest.raises(SimError, match=r"no Ray cluster answers at 127\.0\.0\.1:1 \(.*\): start one with `ray start"):
         Simulation(replace(config, ray="127.0.0.1:1")).run()
