@@ -26,7 +26,9 @@ progress does. Per size it prints one JSON row:
   sends that had to open a socket to their peer, per probe period, by topic (past the socket
   cap, a send to a member not used lately opens one and closes another);
 - sockets_opened_per_peer_joining: the same opens per peer, by topic, from the start until
-  that window;
+  that window; messages_per_peer_joining, the messages each peer sent by then, by topic; and
+  rejected_per_peer_joining, what each peer turned down by then, by reason (busy: among
+  them, hellos turned away to other members while a loop ran behind);
 - cpu_ms_per_peer_period: the workers' CPU over the same window (every thread of each process)
   per peer and probe period, and cores_busy, the cores they kept busy: what bounds the probe
   period a box can carry;
@@ -177,7 +179,7 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
                 by_topic = {t: c for t, c in snap["messages_sent_by_topic"].items() if t in MEMBERSHIP_TOPICS}
                 out.append((msgs, sum(sent.values()), snap["sockets_opened_by_topic"], by_topic, sent,
                             list(n._swarm.broadcasts.taken), list(n._swarm.broadcasts.queued),
-                            n._swarm.broadcasts.count(NEWS), n._swarm.broadcasts.expired))
+                            n._swarm.broadcasts.count(NEWS), n._swarm.broadcasts.expired, dict(snap["rejected"])))
             conn.send((out, time.process_time()))
         elif cmd == "seen":  # arg: a peer id; per node here: the first time it was alive, dead
             conn.send([(seen.get(n.peer_id, {}).get(arg, {}).get("alive"),
@@ -333,6 +335,12 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
                 sent_joining[topic] = sent_joining.get(topic, 0) + count
         row["messages_per_peer_joining"] = {t: round(c / n, 1) for t, c in
                                             sorted(sent_joining.items(), key=lambda kv: -kv[1])}
+        rejected: dict[str, int] = {}
+        for a in before:
+            for reason, count in a[9].items():
+                rejected[reason] = rejected.get(reason, 0) + count
+        row["rejected_per_peer_joining"] = {r: round(c / n, 2) for r, c in
+                                            sorted(rejected.items(), key=lambda kv: -kv[1])}
 
         victim = subprocess.Popen([sys.executable, "-c", VICTIM, f"ipc://{ipc_dir}/victim", rng.choice(addresses),
                                    json.dumps(liveness)], stdout=subprocess.PIPE, text=True)
