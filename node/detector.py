@@ -240,12 +240,6 @@ class FailureDetector:
         info = self.table.get(target)
         if info is None or info.status not in (PeerStatus.ALIVE, PeerStatus.SUSPECT):
             return
-        if self._ran_behind(started, timeout, target, "in time"):
-            # The verdict would be none whatever the helpers said (the same check below, over
-            # a longer wait, can only find more lag): asking them would only load members
-            # that may be as starved as we are. Two simulated swarms sharing a 2-core box sent
-            # 6-8 indirect probes a peer while they formed, and none alone.
-            return
         helpers = self._helpers(lv.indirect_probes, but=target)
         answers = await asyncio.gather(*(self._ask(h, PROBE_VIA, {"t": target, "u": self._take()}, 2 * timeout)
                                          for h in helpers))
@@ -258,7 +252,13 @@ class FailureDetector:
         info = self.table.get(target)
         if acked or info is None or info.last_seen > started:
             return
-        if self._ran_behind(started, timeout, target, "nor through the members asked"):
+        lag = self.loop_lag(started)
+        if lag > timeout / 2:
+            # our own loop fell behind by half an ack timeout or more while we waited: an answer
+            # may be sitting unread, so the silence says nothing of the target (and we are slow)
+            awareness.apply(1)
+            log.info("%s: no answer from %s while this process ran %.2g s behind; no verdict",
+                     self.local.peer_id, target, lag)
             return
         if helpers and not nacks:
             # nobody answered at all, helpers included: this node cannot tell its own slowness
@@ -281,18 +281,6 @@ class FailureDetector:
             log.info("%s: no answer from %s in %.2g s, nor through %d of %d members asked; suspect",
                      self.local.peer_id, target, time.monotonic() - started, nacks, len(helpers))
             self._suspect(target)
-
-    def _ran_behind(self, started: float, timeout: float, target: str, how: str) -> bool:
-        """Whether our own loop fell behind by half an ack timeout or more since `started`: an
-        answer may then be sitting unread, so the silence says nothing of the target, and we
-        are the slow one (awareness). No verdict."""
-        lag = self.loop_lag(started)
-        if lag <= timeout / 2:
-            return False
-        self.awareness.apply(1)
-        log.info("%s: no answer from %s %s while this process ran %.2g s behind; no verdict",
-                 self.local.peer_id, target, how, lag)
-        return True
 
     def _sample_members(self, k: int, *, but: str | None = None, open_share: float = 0.0) -> list[str]:
         """Up to `k` random live members other than `but`. Past the socket cap, a send to one we
