@@ -200,6 +200,16 @@ def _worker(index: int, count: int, ipc_dir: str, liveness: dict[str, Any], max_
             return
 
 
+def _per_peer(nodes: list[tuple[Any, ...]], at: int, n: int, digits: int) -> dict[str, float]:
+    """The counts by key in field `at` of each node's stats, summed over the nodes, per peer,
+    the largest first."""
+    total: dict[str, int] = {}
+    for stats in nodes:
+        for key, count in stats[at].items():
+            total[key] = total.get(key, 0) + count
+    return {key: round(count / n, digits) for key, count in sorted(total.items(), key=lambda kv: -kv[1])}
+
+
 def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: float,
              max_dealers: int | None = None, settle_s: float | None = None,
              dead_wait_s: float | None = None, settle_periods: float | None = None) -> dict[str, Any]:
@@ -316,12 +326,7 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
         row["sockets_opened_per_peer_period"] = round(sum(opened.values()) * lv.probe_interval_s, 2)
         row["sockets_opened_by_topic"] = {t: round(v * lv.probe_interval_s, 3) for t, v in
                                           sorted(opened.items(), key=lambda kv: -kv[1]) if v > 0}
-        formation = {}
-        for a in before:
-            for topic, count in a[2].items():
-                formation[topic] = formation.get(topic, 0) + count
-        row["sockets_opened_per_peer_joining"] = {t: round(c / n, 1) for t, c in
-                                                  sorted(formation.items(), key=lambda kv: -kv[1])}
+        row["sockets_opened_per_peer_joining"] = _per_peer(before, 2, n, 1)
         print("membership: window: " + json.dumps({k: row[k] for k in ("msgs_per_peer_period", "bytes_per_peer_period",
                                                                       "bytes_per_peer_period_by_topic",
                                                                       "update_bytes_per_peer_period",
@@ -329,18 +334,8 @@ def run_size(n: int, processes: int, window_s: float, soak_s: float, timeout_s: 
                                                                       "news_waiting_per_peer",
                                                                       "news_expired_per_peer")}),
               file=sys.stderr, flush=True)
-        sent_joining: dict[str, int] = {}
-        for a in before:
-            for topic, count in a[3].items():
-                sent_joining[topic] = sent_joining.get(topic, 0) + count
-        row["messages_per_peer_joining"] = {t: round(c / n, 1) for t, c in
-                                            sorted(sent_joining.items(), key=lambda kv: -kv[1])}
-        rejected: dict[str, int] = {}
-        for a in before:
-            for reason, count in a[9].items():
-                rejected[reason] = rejected.get(reason, 0) + count
-        row["rejected_per_peer_joining"] = {r: round(c / n, 2) for r, c in
-                                            sorted(rejected.items(), key=lambda kv: -kv[1])}
+        row["messages_per_peer_joining"] = _per_peer(before, 3, n, 1)
+        row["rejected_per_peer_joining"] = _per_peer(before, 9, n, 2)
 
         victim = subprocess.Popen([sys.executable, "-c", VICTIM, f"ipc://{ipc_dir}/victim", rng.choice(addresses),
                                    json.dumps(liveness)], stdout=subprocess.PIPE, text=True)
