@@ -68,10 +68,10 @@ class Simulation:
     def run_compared(self, baseline: SimConfig, baseline_progress: ProgressFn | None = None
                      ) -> tuple[SimResult, SimResult]:
         """This run, then `baseline` (this run's `SimConfig.baseline`): results of both. Where
-        the baseline's swarm is this run's (`shares_swarm`: worker processes on this machine or
-        Ray actors, no churn, no time limit), the baseline trains on the nodes this run formed, each with
-        a fresh model, links and counters, so the swarm starts and forms once, not twice.
-        Else the baseline is a simulation of its own, after this one."""
+        the baseline's swarm is this run's (`shares_swarm`: worker processes on this machine
+        or Ray actors, no churn, no time limit), the baseline trains on the nodes this run
+        formed, each with a fresh model, links and counters, so the swarm starts and forms
+        once, not twice. Else the baseline is a simulation of its own, after this one."""
         if not shares_swarm(self.config, baseline):
             return self.run(), Simulation(baseline, baseline_progress).run()
         check_config(self.config)

@@ -412,8 +412,8 @@ class Workers(abc.ABC):
 
     def next_run(self) -> None:
         """Every worker, its results of one run sent, takes up the next on the same nodes
-        (`Parent`'s `then`): training not started, not stopped. Workers that cannot (a Ray
-        actor's) raise NotImplementedError, and the parent never asks them."""
+        (`Parent`'s `then`): training not started, not stopped. Workers that cannot raise
+        NotImplementedError, and the parent never asks them."""
         raise NotImplementedError
 
     @abc.abstractmethod

@@ -6,7 +6,8 @@ by rank, joiners to the least loaded), each inside a Ray actor instead of a spaw
 and the same `Parent` drives them. An actor runs `worker_main` on a thread, with the queue and
 events of its `WorkerLink` local to the actor: the parent keeps one `drain` call outstanding
 per actor, which returns what the worker sent (waiting briefly for the first message), and
-sends rank 0's address, joins, the start and the stop as calls of their own. Every peer
+sends rank 0's address, joins, the start and the stop as calls of their own (and, for a
+baseline on the same swarm, the word to take up the next run). Every peer
 listens over tcp on a free port of its node's address as Ray knows it (not loopback), so peers
 on different machines reach each other directly; Ray carries only this control traffic.
 
