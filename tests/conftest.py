@@ -56,6 +56,15 @@ def load_benchmark(name: str) -> ModuleType:
     return module
 
 
+def benchmark_row(name: str, *args: str, timeout_s: float = 120) -> dict:
+    """Run benchmarks/<name>.py with `args` in a process of its own; the JSON row it printed
+    last (the script must succeed)."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *args], capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def opacus_accountants() -> ModuleType:
     """Opacus's accountants, the reference the privacy tests compare with: imported by the tests
     that call them (about 1 s of CPU), not by every test worker that collects their files."""

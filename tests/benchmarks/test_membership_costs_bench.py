@@ -3,19 +3,17 @@ the node learns every record it is handed, and its table's pages hand each out o
 are not checked: the machine is shared)."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import benchmark_row
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "membership_costs.py"
 
 
 def test_a_small_run_prints_one_row_whose_fingers_match_the_sorted_ring():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--members", "64", "--repeat", "5"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-4000:]
-    row = json.loads(done.stdout.strip().splitlines()[-1])
+    row = benchmark_row("membership_costs", "--members", "64", "--repeat", "5")
     assert row["same_fingers"] is True and row["learned"] == 64
     assert row["paged"] == 65  # a joiner's walk of the table hands out each live record once: 64 and the seed's
     assert row["fingers_ms"] > 0 and row["learn_news_us"] > 0 and row["page_walk_ms"] > 0

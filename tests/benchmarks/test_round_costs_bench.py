@@ -2,19 +2,11 @@
 statement give the same bytes (timings are not checked: the machine is shared)."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "round_costs.py"
+from conftest import benchmark_row
 
 
 def test_a_small_run_prints_one_row_of_every_cost_both_ways():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--members", "64", "--repeat", "5"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-4000:]
-    row = json.loads(done.stdout.strip().splitlines()[-1])
+    row = benchmark_row("round_costs", "--members", "64", "--repeat", "5")
     assert row["bench"] == "round_costs" and row["members"] == 64 and row["same_statement"] is True
     for key in ("owners", "contributors", "statement"):
         assert row[f"{key}_us"] > 0 and row[f"{key}_before_us"] > 0, key
